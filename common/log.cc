@@ -27,7 +27,7 @@ std::shared_ptr<spdlog::logger>& LoggerSlot() {
 
 spdlog::logger& Logger() { return *LoggerSlot(); }
 
-absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(std::string_view name) {
+absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view name) {
   const std::string lower = absl::AsciiStrToLower(name);
   if (lower == "trace") return spdlog::level::trace;
   if (lower == "debug") return spdlog::level::debug;
@@ -40,7 +40,7 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(std::string_view name) {
       "unknown log level '", name, "' (expected trace, debug, info, warn, error, critical, off)"));
 }
 
-void InitLogging(std::string_view process_name, spdlog::level::level_enum level) {
+void InitLogging(absl::string_view process_name, spdlog::level::level_enum level) {
   auto& logger = Logger();
   logger.set_pattern(absl::StrCat("%Y-%m-%dT%H:%M:%S.%e %^%L%$ [", process_name, "] %v"));
   logger.set_level(level);

@@ -1,0 +1,90 @@
+// The data-plane frame (DESIGN.md, "Wire"): a fixed 64-byte little-endian header, then
+// payload_length raw bytes. DecodeHeader validates every field before anyone allocates or reads
+// the payload. Thread-safety: pure functions and value types, safe from any thread.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace poseidon::transport {
+
+inline constexpr uint32_t kFrameMagic = 0x4E445350u;  // bytes "PSDN" on the wire
+inline constexpr uint16_t kFrameVersion = 1;
+inline constexpr size_t kFrameHeaderSize = 64;
+
+// Frame types. Values are wire format: never renumber, only add.
+enum class FrameType : uint8_t {
+  // Handshake (transport/handshake.h), before any data frame.
+  kHello = 1,
+  kChallenge = 2,
+  kAuth = 3,
+  kAuthOk = 4,
+  // The peer is told why it is being disconnected; payload is a UTF-8 message.
+  kError = 5,
+  // Parameter-server data plane (push gradients, pull results).
+  kPush = 16,
+  kPushAck = 17,
+  kPull = 18,
+  kPullResponse = 19,
+  // Sufficient-factor broadcasting between agents.
+  kFactors = 20,
+  // Liveness and latency probes.
+  kPing = 32,
+  kPong = 33,
+  // Generic data (tests, benchmarks).
+  kData = 48,
+};
+
+bool IsKnownFrameType(uint8_t value);
+absl::string_view FrameTypeName(FrameType type);
+
+// Flag bits. Unknown bits are rejected so that a future meaning is never silently ignored.
+enum FrameFlag : uint8_t {
+  kFlagPayloadChecksum = 1u << 0,  // payload_checksum holds the CRC-32C of the payload
+  kFlagLast = 1u << 1,             // last chunk of a tensor (application-defined use)
+};
+inline constexpr uint8_t kKnownFrameFlags = kFlagPayloadChecksum | kFlagLast;
+
+struct FrameHeader {
+  FrameType type = FrameType::kData;
+  uint8_t flags = 0;
+  uint64_t job_id = 0;
+  uint32_t epoch = 0;
+  uint32_t sender_rank = 0;
+  uint64_t sequence = 0;
+  uint64_t key = 0;
+  uint64_t clock = 0;
+  uint64_t payload_length = 0;
+  uint32_t payload_checksum = 0;
+
+  bool operator==(const FrameHeader&) const = default;
+};
+
+// What a receiver accepts. A header declaring more than max_payload_bytes is refused before any
+// buffer is chosen for it.
+struct FrameLimits {
+  uint64_t max_payload_bytes = uint64_t{1} << 30;  // 1 GiB
+};
+
+using EncodedHeader = std::array<std::byte, kFrameHeaderSize>;
+
+// Serializes `header` and fills in the header checksum.
+EncodedHeader EncodeHeader(const FrameHeader& header);
+
+// Parses and validates a received header: magic, version, type, flags, header checksum and the
+// payload length against `limits`. Errors are InvalidArgument (malformed) or
+// ResourceExhausted (too large), with a message that names the field.
+absl::StatusOr<FrameHeader> DecodeHeader(std::span<const std::byte, kFrameHeaderSize> bytes,
+                                         const FrameLimits& limits);
+
+// A short human-readable description for logs: "push job=3 rank=1 key=7 clock=2 len=4096".
+std::string DescribeHeader(const FrameHeader& header);
+
+}  // namespace poseidon::transport

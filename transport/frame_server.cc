@@ -1,0 +1,192 @@
+#include "transport/frame_server.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace poseidon::transport {
+
+FrameServer::FrameServer(std::shared_ptr<Listener> listener,
+                         std::shared_ptr<const SecretStore> secrets,
+                         std::shared_ptr<FrameHandler> handler, FrameServerOptions options)
+    : listener_(std::move(listener)),
+      secrets_(std::move(secrets)),
+      handler_(std::move(handler)),
+      options_(options) {}
+
+FrameServer::~FrameServer() { Stop(); }
+
+void FrameServer::Start() { AcceptNext(); }
+
+void FrameServer::Stop() {
+  std::set<std::shared_ptr<Connection>> connections;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    connections.swap(connections_);
+  }
+  listener_->Close();
+  for (const auto& c : connections) c->Close();
+}
+
+FrameServerStats FrameServer::Stats() const {
+  FrameServerStats s;
+  s.accepted = accepted_.load();
+  s.authenticated = authenticated_.load();
+  s.handshake_failures = handshake_failures_.load();
+  s.protocol_errors = protocol_errors_.load();
+  s.frames = frames_.load();
+  {
+    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+    s.active = connections_.size();
+  }
+  return s;
+}
+
+void FrameServer::AcceptNext() {
+  std::weak_ptr<FrameServer> weak = weak_from_this();
+  listener_->Accept([weak](absl::StatusOr<std::shared_ptr<Connection>> conn) {
+    auto self = weak.lock();
+    if (!self) {
+      if (conn.ok()) (*conn)->Close();
+      return;
+    }
+    if (!conn.ok()) {
+      if (absl::IsCancelled(conn.status())) return;  // listener closed
+      PSD_LOG_WARN("accept on {} failed: {}", self->Address(), conn.status().message());
+      self->AcceptNext();
+      return;
+    }
+    self->OnAccepted(std::move(*conn));
+    self->AcceptNext();
+  });
+}
+
+void FrameServer::OnAccepted(std::shared_ptr<Connection> conn) {
+  accepted_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) {
+      conn->Close();
+      return;
+    }
+    if (connections_.size() >= options_.max_connections) {
+      conn->Abort(absl::ResourceExhaustedError(
+          absl::StrCat("server has reached its limit of ", options_.max_connections,
+                       " connections")));
+      return;
+    }
+    connections_.insert(conn);
+  }
+  std::weak_ptr<FrameServer> weak = weak_from_this();
+  AcceptHandshake(conn, secrets_, options_.handshake_timeout,
+                  [weak, conn](absl::StatusOr<PeerIdentity> identity) {
+                    auto self = weak.lock();
+                    if (!self) return;
+                    if (!identity.ok()) {
+                      self->handshake_failures_.fetch_add(1);
+                      PSD_LOG_WARN("rejected connection from {}: {}", conn->PeerAddress(),
+                                   identity.status().message());
+                      std::lock_guard<std::mutex> lock(self->mu_);
+                      self->connections_.erase(conn);
+                      return;
+                    }
+                    self->authenticated_.fetch_add(1);
+                    auto peer = std::make_shared<PeerSession>(conn, *identity);
+                    self->ReadNext(peer);
+                  });
+}
+
+void FrameServer::Drop(const std::shared_ptr<PeerSession>& peer,
+                       const std::shared_ptr<Connection>& conn, const absl::Status& reason,
+                       bool protocol_error) {
+  if (protocol_error) {
+    protocol_errors_.fetch_add(1);
+    conn->Abort(reason);  // logs the reason, tells the peer, closes
+  } else {
+    conn->Close();
+  }
+  handler_->OnClose(peer, reason);
+  std::lock_guard<std::mutex> lock(mu_);
+  connections_.erase(conn);
+}
+
+void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
+  std::weak_ptr<FrameServer> weak = weak_from_this();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+  }
+  peer->connection().ReadHeader([weak, peer](absl::StatusOr<FrameHeader> header) {
+    auto self = weak.lock();
+    if (!self) return;
+    const std::shared_ptr<Connection>& conn = peer->shared_connection();
+    if (!header.ok()) {
+      // The connection has already logged and closed for a malformed frame; a clean close by
+      // the peer is not a protocol error.
+      const bool malformed = !absl::IsUnavailable(header.status()) &&
+                             !absl::IsCancelled(header.status());
+      if (malformed) self->protocol_errors_.fetch_add(1);
+      self->Drop(peer, conn, header.status(), /*protocol_error=*/false);
+      return;
+    }
+    if (header->job_id != peer->identity().job_id) {
+      self->Drop(peer, conn,
+                 absl::PermissionDeniedError(absl::StrCat(
+                     "frame for job ", header->job_id, " on a connection authenticated for job ",
+                     peer->identity().job_id)),
+                 true);
+      return;
+    }
+    switch (header->type) {
+      case FrameType::kHello:
+      case FrameType::kChallenge:
+      case FrameType::kAuth:
+      case FrameType::kAuthOk:
+        self->Drop(peer, conn,
+                   absl::InvalidArgumentError(absl::StrCat(
+                       "handshake frame ", FrameTypeName(header->type), " after authentication")),
+                   true);
+        return;
+      default:
+        break;
+    }
+    auto target = self->handler_->OnHeader(peer, *header);
+    if (!target.ok()) {
+      self->Drop(peer, conn, target.status(), true);
+      return;
+    }
+    if (header->payload_length == 0) {
+      self->frames_.fetch_add(1);
+      self->handler_->OnFrame(peer, *header, {});
+      self->ReadNext(peer);
+      return;
+    }
+    auto on_payload = [weak, peer, conn, h = *header,
+                       buffer = target->discard ? MutableBuffer{} : target->buffer](
+                          absl::Status s) {
+      auto self = weak.lock();
+      if (!self) return;
+      if (!s.ok()) {
+        self->Drop(peer, conn, s, false);
+        return;
+      }
+      self->frames_.fetch_add(1);
+      self->handler_->OnFrame(peer, h, buffer);
+      self->ReadNext(peer);
+    };
+    if (target->discard) {
+      conn->DiscardPayload(std::move(on_payload));
+    } else if (target->buffer.size() != header->payload_length) {
+      self->Drop(peer, conn,
+                 absl::InternalError(absl::StrCat("handler gave a ", target->buffer.size(),
+                                                  "-byte buffer for a ",
+                                                  header->payload_length, "-byte payload")),
+                 true);
+    } else {
+      conn->ReadPayload(target->buffer, std::move(on_payload));
+    }
+  });
+}
+
+}  // namespace poseidon::transport

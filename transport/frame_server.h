@@ -1,0 +1,108 @@
+// FrameServer: the accept loop every data-plane daemon runs. It accepts connections on a
+// Listener, authenticates each peer (handshake.h), then reads frames forever and lets a
+// FrameHandler decide where each payload lands. A peer that breaks the protocol is told why
+// (ERROR frame), logged and disconnected; everyone else keeps being served.
+// Thread-safety: Start/Stop from any thread; handler methods run on transport I/O threads
+// (one connection's frames are delivered in order, never concurrently).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "transport/handshake.h"
+#include "transport/transport.h"
+
+namespace poseidon::transport {
+
+// One authenticated peer.
+class PeerSession {
+ public:
+  PeerSession(std::shared_ptr<Connection> connection, PeerIdentity identity)
+      : connection_(std::move(connection)), identity_(identity) {}
+  const PeerIdentity& identity() const { return identity_; }
+  Connection& connection() const { return *connection_; }
+  const std::shared_ptr<Connection>& shared_connection() const { return connection_; }
+  std::string address() const { return connection_->PeerAddress(); }
+
+ private:
+  std::shared_ptr<Connection> connection_;
+  PeerIdentity identity_;
+};
+
+// Where a frame's payload goes.
+struct PayloadTarget {
+  MutableBuffer buffer;
+  bool discard = false;
+  static PayloadTarget Into(MutableBuffer b) { return PayloadTarget{b, false}; }
+  static PayloadTarget Discard() { return PayloadTarget{{}, true}; }
+};
+
+class FrameHandler {
+ public:
+  virtual ~FrameHandler() = default;
+  // A validated header from an authenticated peer of the same job. Return a buffer of exactly
+  // payload_length bytes, valid until OnFrame returns, or Discard; an error disconnects the
+  // peer with that error.
+  virtual absl::StatusOr<PayloadTarget> OnHeader(const std::shared_ptr<PeerSession>& peer,
+                                                 const FrameHeader& header) = 0;
+  // The whole frame has arrived (payload is empty when discarded or zero-length).
+  virtual void OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
+                       MutableBuffer payload) = 0;
+  // The peer is gone (closed, failed, or disconnected for a protocol error).
+  virtual void OnClose(const std::shared_ptr<PeerSession>& /*peer*/,
+                       const absl::Status& /*reason*/) {}
+};
+
+struct FrameServerOptions {
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  size_t max_connections = 4096;
+};
+
+struct FrameServerStats {
+  uint64_t accepted = 0;
+  uint64_t authenticated = 0;
+  uint64_t handshake_failures = 0;
+  uint64_t protocol_errors = 0;  // disconnected for a bad frame or a handler error
+  uint64_t frames = 0;
+  uint64_t active = 0;
+};
+
+class FrameServer : public std::enable_shared_from_this<FrameServer> {
+ public:
+  FrameServer(std::shared_ptr<Listener> listener, std::shared_ptr<const SecretStore> secrets,
+              std::shared_ptr<FrameHandler> handler, FrameServerOptions options = {});
+  ~FrameServer();
+
+  void Start();
+  // Stops accepting and closes every connection. Idempotent.
+  void Stop();
+  std::string Address() const { return listener_->Address(); }
+  FrameServerStats Stats() const;
+
+ private:
+  void AcceptNext();
+  void OnAccepted(std::shared_ptr<Connection> conn);
+  void ReadNext(const std::shared_ptr<PeerSession>& peer);
+  void Drop(const std::shared_ptr<PeerSession>& peer, const std::shared_ptr<Connection>& conn,
+            const absl::Status& reason, bool protocol_error);
+
+  std::shared_ptr<Listener> listener_;
+  std::shared_ptr<const SecretStore> secrets_;
+  std::shared_ptr<FrameHandler> handler_;
+  FrameServerOptions options_;
+
+  std::mutex mu_;
+  bool stopped_ = false;
+  std::set<std::shared_ptr<Connection>> connections_;
+
+  std::atomic<uint64_t> accepted_{0}, authenticated_{0}, handshake_failures_{0},
+      protocol_errors_{0}, frames_{0};
+};
+
+}  // namespace poseidon::transport

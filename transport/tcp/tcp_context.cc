@@ -1,0 +1,792 @@
+#include "transport/tcp/tcp_context.h"
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <charconv>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "transport/checksum.h"
+#include "transport/error_frame.h"
+
+namespace poseidon::transport {
+namespace {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using ErrorCode = boost::system::error_code;
+
+std::chrono::nanoseconds ToChrono(absl::Duration d) { return absl::ToChronoNanoseconds(d); }
+
+// Parses "host:port" or "[v6]:port".
+absl::Status SplitHostPort(absl::string_view address, std::string* host, std::string* port) {
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos || colon + 1 == address.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("address '", address, "' is not host:port"));
+  }
+  absl::string_view h = address.substr(0, colon);
+  absl::string_view p = address.substr(colon + 1);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  unsigned value = 0;
+  auto [ptr, ec] = std::from_chars(p.data(), p.data() + p.size(), value);
+  if (ec != std::errc() || ptr != p.data() + p.size() || value > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("address '", address, "' has a bad port '", p, "'"));
+  }
+  *host = h.empty() ? "0.0.0.0" : std::string(h);
+  *port = std::string(p);
+  return absl::OkStatus();
+}
+
+std::string EndpointString(const tcp::endpoint& ep) {
+  const auto addr = ep.address();
+  if (addr.is_v6()) return absl::StrCat("[", addr.to_string(), "]:", ep.port());
+  return absl::StrCat(addr.to_string(), ":", ep.port());
+}
+
+class Closeable {
+ public:
+  virtual ~Closeable() = default;
+  // Closes the object during IoService::Shutdown (posts even though closed() is already true).
+  virtual void CloseForShutdown() = 0;
+};
+
+// The io_context and its threads, shared by the context and everything it created, so that a
+// connection kept by a user after the context is closed still has a valid executor.
+class IoService {
+ public:
+  IoService(const TcpOptions& options) : options_(options), work_(asio::make_work_guard(io_)) {}
+
+  void Start() {
+    for (int i = 0; i < options_.io_threads; ++i) {
+      threads_.emplace_back([this] { io_.run(); });
+    }
+  }
+
+  asio::io_context& io() { return io_; }
+  const TcpOptions& options() const { return options_; }
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
+
+  void Register(const std::shared_ptr<Closeable>& object) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (objects_.size() >= prune_at_) {
+      std::erase_if(objects_, [](const auto& w) { return w.expired(); });
+      prune_at_ = std::max<size_t>(64, objects_.size() * 2);
+    }
+    objects_.push_back(object);
+  }
+
+  void Shutdown() {
+    if (closed_.exchange(true)) return;
+    std::vector<std::weak_ptr<Closeable>> objects;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      objects.swap(objects_);
+    }
+    for (auto& weak : objects) {
+      if (auto object = weak.lock()) object->CloseForShutdown();
+    }
+    work_.reset();
+    const auto self = std::this_thread::get_id();
+    for (auto& t : threads_) {
+      if (t.get_id() == self) {
+        t.detach();  // closed from a callback: this thread finishes when run() returns
+      } else if (t.joinable()) {
+        t.join();
+      }
+    }
+  }
+
+ private:
+  TcpOptions options_;
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> work_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> closed_{false};
+  std::mutex mu_;
+  std::vector<std::weak_ptr<Closeable>> objects_;
+  size_t prune_at_ = 64;
+};
+
+void ConfigureSocket(tcp::socket& socket, const TcpOptions& options) {
+  ErrorCode ignored;
+  socket.set_option(tcp::no_delay(options.no_delay), ignored);
+  socket.set_option(asio::socket_base::keep_alive(true), ignored);
+  if (options.socket_buffer_bytes > 0) {
+    socket.set_option(asio::socket_base::send_buffer_size(options.socket_buffer_bytes), ignored);
+    socket.set_option(asio::socket_base::receive_buffer_size(options.socket_buffer_bytes),
+                      ignored);
+  }
+}
+
+class TcpConnection final : public Connection,
+                            public Closeable,
+                            public std::enable_shared_from_this<TcpConnection> {
+ public:
+  TcpConnection(std::shared_ptr<IoService> service, tcp::socket socket)
+      : service_(std::move(service)),
+        strand_(asio::make_strand(service_->io())),
+        socket_(std::move(socket)),
+        timer_(strand_) {
+    ErrorCode ec;
+    const auto remote = socket_.remote_endpoint(ec);
+    peer_ = ec ? std::string("unknown-peer") : EndpointString(remote);
+  }
+
+  void Send(const FrameHeader& header_in, std::vector<ConstBuffer> payload,
+            DoneCallback done) override {
+    if (RejectIfShutDown(done)) return;
+    FrameHeader header = header_in;
+    const size_t total = TotalSize(payload);
+    absl::Status invalid;
+    if (total != header.payload_length) {
+      invalid = absl::InvalidArgumentError(absl::StrCat(
+          "payload buffers hold ", total, " bytes but the header declares ", header.payload_length));
+    } else if (header.payload_length > service_->options().limits.max_payload_bytes) {
+      invalid = absl::ResourceExhaustedError(
+          absl::StrCat("payload of ", header.payload_length, " bytes exceeds the maximum of ",
+                       service_->options().limits.max_payload_bytes));
+    }
+    if (invalid.ok() && service_->options().payload_checksums) {
+      uint32_t crc = 0;
+      for (const auto& b : payload) crc = Crc32c(crc, b);
+      header.flags |= kFlagPayloadChecksum;
+      header.payload_checksum = crc;
+    }
+    PendingSend op;
+    op.header = EncodeHeader(header);
+    op.payload = std::move(payload);
+    op.done = std::move(done);
+    op.bytes = kFrameHeaderSize + total;
+    asio::post(strand_, [self = shared_from_this(), op = std::move(op),
+                         invalid = std::move(invalid)]() mutable {
+      if (!invalid.ok()) {
+        op.done(std::move(invalid));
+        return;
+      }
+      self->Enqueue(std::move(op));
+    });
+  }
+
+  void ReadHeader(HeaderCallback done, absl::Duration timeout) override {
+    if (service_->closed()) {
+      done(absl::UnavailableError("transport context is closed"));
+      return;
+    }
+    asio::post(strand_, [self = shared_from_this(), done = std::move(done), timeout]() mutable {
+      self->StartReadHeader(std::move(done), timeout);
+    });
+  }
+
+  void ReadPayload(MutableBuffer into, DoneCallback done) override {
+    if (RejectIfShutDown(done)) return;
+    asio::post(strand_, [self = shared_from_this(), into, done = std::move(done)]() mutable {
+      self->StartReadPayload(into, /*discard=*/false, std::move(done));
+    });
+  }
+
+  void DiscardPayload(DoneCallback done) override {
+    if (RejectIfShutDown(done)) return;
+    asio::post(strand_, [self = shared_from_this(), done = std::move(done)]() mutable {
+      self->StartReadPayload({}, /*discard=*/true, std::move(done));
+    });
+  }
+
+  void Close() override {
+    if (service_->closed()) return;  // the shutdown closed it already
+    CloseForShutdown();
+  }
+
+  void CloseForShutdown() override {
+    asio::post(strand_, [self = shared_from_this()] {
+      self->DoClose(absl::CancelledError("connection closed locally"));
+    });
+  }
+
+  void Abort(const absl::Status& reason) override {
+    if (service_->closed()) return;
+    asio::post(strand_, [self = shared_from_this(), reason] {
+      self->FailConnection(reason, /*notify_peer=*/true);
+    });
+  }
+
+  std::string PeerAddress() const override { return peer_; }
+
+  ConnectionStats Stats() const override {
+    ConnectionStats s;
+    s.frames_sent = frames_sent_.load(std::memory_order_relaxed);
+    s.frames_received = frames_received_.load(std::memory_order_relaxed);
+    s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
+    s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
+    return s;
+  }
+
+ private:
+  struct PendingSend {
+    EncodedHeader header;
+    std::vector<ConstBuffer> payload;
+    std::string owned;  // payload owned by the connection (error frames)
+    DoneCallback done;
+    size_t bytes = 0;
+  };
+
+  enum class ReadState { kIdle, kHeader, kAwaitPayload, kPayload };
+
+  // ---- writing (strand only) ----
+  void Enqueue(PendingSend op) {
+    if (closed_) {
+      op.done(absl::UnavailableError(absl::StrCat("connection to ", peer_, " is closed: ",
+                                                  close_reason_.message())));
+      return;
+    }
+    send_queue_.push_back(std::move(op));
+    if (!writing_) StartWrite();
+  }
+
+  void StartWrite() {
+    constexpr size_t kMaxIov = 64;
+    constexpr size_t kMaxBatchBytes = size_t{1} << 20;
+    write_buffers_.clear();
+    batch_frames_ = 0;
+    size_t batch_bytes = 0;
+    for (auto& op : send_queue_) {
+      const size_t iov = 1 + op.payload.size() + (op.owned.empty() ? 0 : 1);
+      if (batch_frames_ > 0 &&
+          (write_buffers_.size() + iov > kMaxIov || batch_bytes + op.bytes > kMaxBatchBytes)) {
+        break;
+      }
+      write_buffers_.emplace_back(op.header.data(), op.header.size());
+      for (const auto& b : op.payload) {
+        if (!b.empty()) write_buffers_.emplace_back(b.data(), b.size());
+      }
+      if (!op.owned.empty()) write_buffers_.emplace_back(op.owned.data(), op.owned.size());
+      batch_bytes += op.bytes;
+      ++batch_frames_;
+    }
+    writing_ = true;
+    asio::async_write(socket_, write_buffers_,
+                      asio::bind_executor(strand_, [self = shared_from_this()](
+                                                       const ErrorCode& ec, size_t n) {
+                        self->OnWrite(ec, n);
+                      }));
+  }
+
+  void OnWrite(const ErrorCode& ec, size_t n) {
+    writing_ = false;
+    if (ec) {
+      if (!closed_) {
+        const absl::Status status =
+            absl::UnavailableError(absl::StrCat("write to ", peer_, " failed: ", ec.message()));
+        PSD_LOG_WARN("closing connection to {}: {}", peer_, status.message());
+        DoClose(status);
+      }
+      FailQueuedSends();
+      return;
+    }
+    bytes_sent_.fetch_add(n, std::memory_order_relaxed);
+    frames_sent_.fetch_add(batch_frames_, std::memory_order_relaxed);
+    for (size_t i = 0; i < batch_frames_; ++i) {
+      auto op = std::move(send_queue_.front());
+      send_queue_.pop_front();
+      op.done(absl::OkStatus());
+    }
+    if (closed_) {
+      FailQueuedSends();
+    } else if (!send_queue_.empty()) {
+      StartWrite();
+    } else if (close_after_flush_) {
+      DoClose(close_reason_);
+    }
+  }
+
+  // ---- reading (strand only) ----
+  void StartReadHeader(HeaderCallback done, absl::Duration timeout) {
+    if (closed_) {
+      done(ClosedError());
+      return;
+    }
+    if (read_state_ != ReadState::kIdle) {
+      done(absl::FailedPreconditionError(
+          read_state_ == ReadState::kAwaitPayload
+              ? "ReadHeader called before the previous frame's payload was read or discarded"
+              : "ReadHeader called while another read is outstanding"));
+      return;
+    }
+    read_state_ = ReadState::kHeader;
+    header_done_ = std::move(done);
+    header_got_ = 0;
+    if (timeout != absl::InfiniteDuration()) {
+      ArmTimer(timeout, absl::StrCat("no frame from ", peer_, " within ",
+                                     absl::FormatDuration(timeout)));
+    }
+    ReadSomeHeader();
+  }
+
+  void ReadSomeHeader() {
+    socket_.async_read_some(
+        asio::buffer(header_buf_.data() + header_got_, kFrameHeaderSize - header_got_),
+        asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec, size_t n) {
+          self->OnHeaderBytes(ec, n);
+        }));
+  }
+
+  void OnHeaderBytes(const ErrorCode& ec, size_t n) {
+    if (ec) {
+      ReadFailed(ec);
+      return;
+    }
+    bytes_received_.fetch_add(n, std::memory_order_relaxed);
+    const bool first_bytes = header_got_ == 0;
+    header_got_ += n;
+    if (header_got_ < kFrameHeaderSize) {
+      if (first_bytes) {
+        ArmTimer(service_->options().header_timeout,
+                 absl::StrCat("partial frame header from ", peer_, " stalled for ",
+                              absl::FormatDuration(service_->options().header_timeout),
+                              " (", header_got_, " of ", kFrameHeaderSize, " bytes)"));
+      }
+      ReadSomeHeader();
+      return;
+    }
+    DisarmTimer();
+    auto header = DecodeHeader(header_buf_, service_->options().limits);
+    auto done = std::move(header_done_);
+    if (!header.ok()) {
+      read_state_ = ReadState::kIdle;
+      const absl::Status status(header.status().code(),
+                                absl::StrCat("bad frame from ", peer_, ": ",
+                                             header.status().message()));
+      FailConnection(status, /*notify_peer=*/true);
+      done(status);
+      return;
+    }
+    frames_received_.fetch_add(1, std::memory_order_relaxed);
+    if (header->payload_length > 0) {
+      read_state_ = ReadState::kAwaitPayload;
+      pending_header_ = *header;
+    } else {
+      read_state_ = ReadState::kIdle;
+    }
+    done(std::move(header));
+  }
+
+  void StartReadPayload(MutableBuffer into, bool discard, DoneCallback done) {
+    if (closed_) {
+      done(ClosedError());
+      return;
+    }
+    if (read_state_ != ReadState::kAwaitPayload) {
+      done(absl::FailedPreconditionError("no frame payload is waiting to be read"));
+      return;
+    }
+    if (!discard && into.size() != pending_header_.payload_length) {
+      done(absl::InvalidArgumentError(absl::StrCat("payload buffer holds ", into.size(),
+                                                   " bytes but the frame carries ",
+                                                   pending_header_.payload_length)));
+      return;
+    }
+    read_state_ = ReadState::kPayload;
+    payload_done_ = std::move(done);
+    payload_into_ = into;
+    payload_discard_ = discard;
+    payload_got_ = 0;
+    payload_crc_ = 0;
+    if (discard && scratch_.empty()) scratch_.resize(64 * 1024);
+    ArmPayloadTimer();
+    ReadSomePayload();
+  }
+
+  void ArmPayloadTimer() {
+    ArmTimer(service_->options().payload_idle_timeout,
+             absl::StrCat("frame payload from ", peer_, " made no progress for ",
+                          absl::FormatDuration(service_->options().payload_idle_timeout), " (",
+                          payload_got_, " of ", pending_header_.payload_length, " bytes)"));
+  }
+
+  void ReadSomePayload() {
+    const uint64_t remaining = pending_header_.payload_length - payload_got_;
+    asio::mutable_buffer target =
+        payload_discard_
+            ? asio::buffer(scratch_.data(), std::min<uint64_t>(remaining, scratch_.size()))
+            : asio::buffer(payload_into_.data() + payload_got_, remaining);
+    socket_.async_read_some(
+        target,
+        asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec, size_t n) {
+          self->OnPayloadBytes(ec, n);
+        }));
+  }
+
+  void OnPayloadBytes(const ErrorCode& ec, size_t n) {
+    if (ec) {
+      ReadFailed(ec);
+      return;
+    }
+    bytes_received_.fetch_add(n, std::memory_order_relaxed);
+    const bool verify = (pending_header_.flags & kFlagPayloadChecksum) != 0;
+    if (verify) {
+      const std::byte* base =
+          payload_discard_ ? scratch_.data() : payload_into_.data() + payload_got_;
+      payload_crc_ = Crc32c(payload_crc_, std::span<const std::byte>(base, n));
+    }
+    payload_got_ += n;
+    if (payload_got_ < pending_header_.payload_length) {
+      ArmPayloadTimer();
+      ReadSomePayload();
+      return;
+    }
+    DisarmTimer();
+    read_state_ = ReadState::kIdle;
+    auto done = std::move(payload_done_);
+    if (verify && payload_crc_ != pending_header_.payload_checksum) {
+      const absl::Status status = absl::DataLossError(absl::StrCat(
+          "payload checksum mismatch in ", DescribeHeader(pending_header_), " from ", peer_));
+      FailConnection(status, /*notify_peer=*/true);
+      done(status);
+      return;
+    }
+    done(absl::OkStatus());
+  }
+
+  void ReadFailed(const ErrorCode& ec) {
+    absl::Status status;
+    if (timer_fired_) {
+      status = absl::DeadlineExceededError(timeout_reason_);
+    } else if (closed_) {
+      status = ClosedError();
+    } else if (ec == asio::error::eof) {
+      if (read_state_ == ReadState::kHeader && header_got_ > 0) {
+        status = absl::UnavailableError(absl::StrCat("connection closed by peer ", peer_,
+                                                     " in the middle of a frame header (",
+                                                     header_got_, " of ", kFrameHeaderSize,
+                                                     " bytes)"));
+      } else if (read_state_ == ReadState::kPayload) {
+        status = absl::UnavailableError(absl::StrCat(
+            "connection closed by peer ", peer_, " in the middle of a frame payload (",
+            payload_got_, " of ", pending_header_.payload_length, " bytes)"));
+      } else {
+        status = absl::UnavailableError(absl::StrCat("connection closed by peer ", peer_));
+      }
+    } else {
+      status = absl::UnavailableError(absl::StrCat("read from ", peer_, " failed: ", ec.message()));
+    }
+    const ReadState state = read_state_;
+    read_state_ = ReadState::kIdle;
+    const bool mid_frame = (state == ReadState::kHeader && header_got_ > 0) ||
+                           state == ReadState::kPayload;
+    if (timer_fired_ || (mid_frame && !closed_)) {
+      PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
+    }
+    DoClose(status);
+    if (state == ReadState::kHeader && header_done_) {
+      auto done = std::move(header_done_);
+      done(status);
+    } else if (state == ReadState::kPayload && payload_done_) {
+      auto done = std::move(payload_done_);
+      done(status);
+    }
+  }
+
+  // ---- timer (strand only); generation numbers make a stale expiry harmless ----
+  void ArmTimer(absl::Duration d, std::string reason) {
+    const uint64_t generation = ++timer_generation_;
+    timeout_reason_ = std::move(reason);
+    timer_.expires_after(ToChrono(d));
+    timer_.async_wait([self = shared_from_this(), generation](const ErrorCode& ec) {
+      if (ec || generation != self->timer_generation_ || self->closed_) return;
+      self->timer_fired_ = true;
+      ErrorCode ignored;
+      self->socket_.cancel(ignored);
+      if (self->read_state_ == ReadState::kIdle) {
+        PSD_LOG_WARN("closing connection from {}: {}", self->peer_, self->timeout_reason_);
+        self->DoClose(absl::DeadlineExceededError(self->timeout_reason_));
+      }
+    });
+  }
+
+  void DisarmTimer() {
+    ++timer_generation_;
+    timer_.cancel();
+  }
+
+  // ---- closing (strand only) ----
+  absl::Status ClosedError() const {
+    return absl::UnavailableError(
+        absl::StrCat("connection to ", peer_, " is closed: ", close_reason_.message()));
+  }
+
+  // A protocol violation or I/O failure: log it, tell the peer why (best effort), close.
+  void FailConnection(const absl::Status& status, bool notify_peer) {
+    if (closed_ || close_after_flush_) return;
+    PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
+    if (!notify_peer) {
+      DoClose(status);
+      return;
+    }
+    ErrorFrame frame = MakeErrorFrame(0, status);
+    PendingSend op;
+    op.header = EncodeHeader(frame.header);
+    op.owned = std::move(frame.message);
+    op.bytes = kFrameHeaderSize + op.owned.size();
+    op.done = [](absl::Status) {};
+    close_reason_ = status;
+    close_after_flush_ = true;
+    send_queue_.push_back(std::move(op));
+    if (!writing_) StartWrite();
+    // A peer that does not read must not keep the connection open.
+    const uint64_t generation = ++timer_generation_;
+    timer_.expires_after(std::chrono::seconds(1));
+    timer_.async_wait([self = shared_from_this(), generation](const ErrorCode& ec) {
+      if (ec || generation != self->timer_generation_) return;
+      self->DoClose(self->close_reason_);
+    });
+  }
+
+  void DoClose(const absl::Status& reason) {
+    if (closed_) return;
+    closed_ = true;
+    close_reason_ = reason;
+    ErrorCode ignored;
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);
+    socket_.close(ignored);
+    ++timer_generation_;
+    timer_.cancel();
+    // With a write in flight, OnWrite sees the error and fails the queue.
+    if (!writing_) FailQueuedSends();
+  }
+
+  void FailQueuedSends() {
+    while (!send_queue_.empty()) {
+      auto op = std::move(send_queue_.front());
+      send_queue_.pop_front();
+      op.done(ClosedError());
+    }
+  }
+
+  // After the context shut down no I/O thread runs: complete at once instead of posting.
+  bool RejectIfShutDown(absl::AnyInvocable<void(absl::Status)>& done) {
+    if (!service_->closed()) return false;
+    done(absl::UnavailableError("transport context is closed"));
+    return true;
+  }
+
+  std::shared_ptr<IoService> service_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  tcp::socket socket_;
+  asio::steady_timer timer_;
+  std::string peer_;
+
+  // Strand-owned state.
+  std::deque<PendingSend> send_queue_;
+  std::vector<asio::const_buffer> write_buffers_;
+  size_t batch_frames_ = 0;
+  bool writing_ = false;
+  bool closed_ = false;
+  bool close_after_flush_ = false;
+  absl::Status close_reason_;
+
+  ReadState read_state_ = ReadState::kIdle;
+  EncodedHeader header_buf_{};
+  size_t header_got_ = 0;
+  HeaderCallback header_done_;
+  FrameHeader pending_header_;
+  DoneCallback payload_done_;
+  MutableBuffer payload_into_;
+  bool payload_discard_ = false;
+  uint64_t payload_got_ = 0;
+  uint32_t payload_crc_ = 0;
+  std::vector<std::byte> scratch_;
+
+  uint64_t timer_generation_ = 0;
+  bool timer_fired_ = false;
+  std::string timeout_reason_;
+
+  std::atomic<uint64_t> frames_sent_{0}, frames_received_{0}, bytes_sent_{0}, bytes_received_{0};
+};
+
+class TcpListener final : public Listener,
+                          public Closeable,
+                          public std::enable_shared_from_this<TcpListener> {
+ public:
+  TcpListener(std::shared_ptr<IoService> service, tcp::acceptor acceptor)
+      : service_(std::move(service)),
+        strand_(asio::make_strand(service_->io())),
+        acceptor_(std::move(acceptor)) {
+    ErrorCode ec;
+    address_ = EndpointString(acceptor_.local_endpoint(ec));
+  }
+
+  std::string Address() const override { return address_; }
+
+  void Accept(AcceptCallback done) override {
+    if (service_->closed()) {
+      done(absl::CancelledError("transport context is closed"));
+      return;
+    }
+    asio::post(strand_, [self = shared_from_this(), done = std::move(done)]() mutable {
+      if (self->closed_) {
+        done(absl::CancelledError("listener closed"));
+        return;
+      }
+      self->acceptor_.async_accept(
+          asio::make_strand(self->service_->io()),
+          asio::bind_executor(self->strand_, [self, done = std::move(done)](
+                                                 const ErrorCode& ec, tcp::socket socket) mutable {
+            if (ec) {
+              done(self->closed_ || ec == asio::error::operation_aborted
+                       ? absl::CancelledError("listener closed")
+                       : absl::UnavailableError(absl::StrCat("accept on ", self->address_,
+                                                             " failed: ", ec.message())));
+              return;
+            }
+            ConfigureSocket(socket, self->service_->options());
+            auto conn = std::make_shared<TcpConnection>(self->service_, std::move(socket));
+            self->service_->Register(conn);
+            done(std::shared_ptr<Connection>(conn));
+          }));
+    });
+  }
+
+  void Close() override {
+    if (service_->closed()) return;
+    CloseForShutdown();
+  }
+
+  void CloseForShutdown() override {
+    asio::post(strand_, [self = shared_from_this()] {
+      self->closed_ = true;
+      ErrorCode ignored;
+      self->acceptor_.close(ignored);
+    });
+  }
+
+ private:
+  std::shared_ptr<IoService> service_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  tcp::acceptor acceptor_;
+  std::string address_;
+  bool closed_ = false;
+};
+
+class TcpContext final : public Context {
+ public:
+  explicit TcpContext(std::shared_ptr<IoService> service) : service_(std::move(service)) {}
+  ~TcpContext() override { TcpContext::Close(); }
+
+  absl::string_view Name() const override { return "tcp"; }
+  bool IsViable() const override { return true; }
+  const ContextOptions& Options() const override { return service_->options(); }
+
+  absl::StatusOr<std::shared_ptr<Listener>> Listen(absl::string_view address) override {
+    if (service_->closed()) return absl::FailedPreconditionError("transport context is closed");
+    std::string host, port;
+    if (auto s = SplitHostPort(address, &host, &port); !s.ok()) return s;
+    ErrorCode ec;
+    tcp::resolver resolver(service_->io());
+    auto results = resolver.resolve(host, port, tcp::resolver::passive, ec);
+    if (ec || results.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot resolve listen address '", address, "': ", ec.message()));
+    }
+    const tcp::endpoint endpoint = results.begin()->endpoint();
+    tcp::acceptor acceptor(service_->io());
+    acceptor.open(endpoint.protocol(), ec);
+    if (!ec) acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor.bind(endpoint, ec);
+    if (!ec) acceptor.listen(1024, ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on '", address, "': ", ec.message()));
+    }
+    auto listener = std::make_shared<TcpListener>(service_, std::move(acceptor));
+    service_->Register(listener);
+    return std::shared_ptr<Listener>(listener);
+  }
+
+  absl::StatusOr<std::shared_ptr<Connection>> Connect(absl::string_view address,
+                                                      absl::Duration timeout) override {
+    if (service_->closed()) return absl::FailedPreconditionError("transport context is closed");
+    std::string host, port;
+    if (auto s = SplitHostPort(address, &host, &port); !s.ok()) return s;
+    ErrorCode ec;
+    tcp::resolver resolver(service_->io());
+    auto endpoints = resolver.resolve(host, port, ec);
+    if (ec || endpoints.empty()) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot resolve '", address, "': ", ec.message()));
+    }
+    struct State {
+      explicit State(asio::io_context& io)
+          : strand(asio::make_strand(io)), socket(strand), timer(strand) {}
+      asio::strand<asio::io_context::executor_type> strand;
+      tcp::socket socket;
+      asio::steady_timer timer;
+      bool finished = false;
+      std::promise<absl::Status> result;
+    };
+    auto state = std::make_shared<State>(service_->io());
+    auto future = state->result.get_future();
+    const std::string addr(address);
+    asio::post(state->strand, [state, endpoints, timeout, addr] {
+      asio::async_connect(state->socket, endpoints,
+                          [state, addr](const ErrorCode& e, const tcp::endpoint&) {
+                            if (state->finished) return;
+                            state->finished = true;
+                            state->timer.cancel();
+                            state->result.set_value(
+                                e ? absl::UnavailableError(
+                                        absl::StrCat("connect to ", addr, " failed: ", e.message()))
+                                  : absl::OkStatus());
+                          });
+      state->timer.expires_after(ToChrono(timeout));
+      state->timer.async_wait([state, addr, timeout](const ErrorCode& e) {
+        if (e || state->finished) return;
+        state->finished = true;
+        ErrorCode ignored;
+        state->socket.close(ignored);
+        state->result.set_value(absl::DeadlineExceededError(absl::StrCat(
+            "connect to ", addr, " did not complete within ", absl::FormatDuration(timeout))));
+      });
+    });
+    absl::Status status = future.get();
+    if (!status.ok()) return status;
+    ConfigureSocket(state->socket, service_->options());
+    // Move the socket onto a fresh strand owned by the connection.
+    auto conn = std::make_shared<TcpConnection>(service_, std::move(state->socket));
+    service_->Register(conn);
+    return std::shared_ptr<Connection>(conn);
+  }
+
+  void Close() override { service_->Shutdown(); }
+
+ private:
+  std::shared_ptr<IoService> service_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Context>> CreateTcpContext(const TcpOptions& options) {
+  if (options.io_threads < 1 || options.io_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("io_threads must be in [1, 64], got ", options.io_threads));
+  }
+  if (options.socket_buffer_bytes < 0) {
+    return absl::InvalidArgumentError("socket_buffer_bytes must not be negative");
+  }
+  if (options.header_timeout <= absl::ZeroDuration() ||
+      options.payload_idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("header_timeout and payload_idle_timeout must be positive");
+  }
+  auto service = std::make_shared<IoService>(options);
+  service->Start();
+  return std::shared_ptr<Context>(std::make_shared<TcpContext>(std::move(service)));
+}
+
+}  // namespace poseidon::transport

@@ -1,0 +1,402 @@
+// One conformance suite, instantiated for every transport backend (STYLE.md; in the manner of
+// tensorpipe's transport_test.h). A backend that is not viable here (RDMA without a device)
+// skips with the reason.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <functional>
+#include <future>
+#include <thread>
+
+#include "transport/error_frame.h"
+#include "transport/frame_server.h"
+#include "transport/handshake.h"
+#include "transport/inproc/inproc_context.h"
+#include "transport/tcp/tcp_context.h"
+#include "transport/transport_test_util.h"
+
+namespace poseidon::transport {
+namespace {
+
+using testing::Pattern;
+using testing::SyncAccept;
+using testing::SyncDiscardPayload;
+using testing::SyncReadFrame;
+using testing::SyncReadHeader;
+using testing::SyncReadPayload;
+using testing::SyncSend;
+
+struct Backend {
+  std::string name;
+  std::function<absl::StatusOr<std::shared_ptr<Context>>(const ContextOptions&)> create;
+  std::string listen_address;
+};
+
+std::vector<Backend> Backends() {
+  return {
+      {"tcp",
+       [](const ContextOptions& o) {
+         TcpOptions t;
+         static_cast<ContextOptions&>(t) = o;
+         return CreateTcpContext(t);
+       },
+       "127.0.0.1:0"},
+      {"tcp_two_threads_checksummed",
+       [](const ContextOptions& o) {
+         TcpOptions t;
+         static_cast<ContextOptions&>(t) = o;
+         t.io_threads = 2;
+         t.payload_checksums = true;
+         t.socket_buffer_bytes = 4 << 20;
+         return CreateTcpContext(t);
+       },
+       "127.0.0.1:0"},
+      {"inproc", [](const ContextOptions& o) { return CreateInprocContext(o); }, ""},
+  };
+}
+
+class TransportConformance : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override { Reset(ContextOptions{}); }
+
+  void Reset(const ContextOptions& options) {
+    if (ctx_) ctx_->Close();
+    auto ctx = GetParam().create(options);
+    ASSERT_TRUE(ctx.ok()) << ctx.status();
+    ctx_ = *ctx;
+    if (!ctx_->IsViable()) GTEST_SKIP() << ctx_->Name() << " is not viable on this machine";
+    auto listener = ctx_->Listen(GetParam().listen_address);
+    ASSERT_TRUE(listener.ok()) << listener.status();
+    listener_ = *listener;
+  }
+
+  void TearDown() override {
+    if (ctx_) ctx_->Close();
+  }
+
+  // A connected pair: (client end, server end).
+  std::pair<std::shared_ptr<Connection>, std::shared_ptr<Connection>> Pair() {
+    auto accepted = std::async(std::launch::async, [&] { return SyncAccept(*listener_); });
+    auto client = ctx_->Connect(listener_->Address(), absl::Seconds(10));
+    EXPECT_TRUE(client.ok()) << client.status();
+    auto server = accepted.get();
+    EXPECT_TRUE(server.ok()) << server.status();
+    if (!client.ok() || !server.ok()) return {};
+    return {*client, *server};
+  }
+
+  std::shared_ptr<Context> ctx_;
+  std::shared_ptr<Listener> listener_;
+};
+
+FrameHeader DataHeader(uint64_t key, uint64_t length) {
+  FrameHeader h;
+  h.type = FrameType::kData;
+  h.job_id = 1;
+  h.key = key;
+  h.clock = key * 10;
+  h.sequence = key;
+  h.payload_length = length;
+  return h;
+}
+
+TEST_P(TransportConformance, FramesArriveInOrderWithHeadersAndPayloadsIntact) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  std::vector<std::vector<std::byte>> payloads;
+  for (uint64_t k = 0; k < 50; ++k) payloads.push_back(Pattern(k * 37 + (k % 3 == 0 ? 0 : 1), k));
+  for (uint64_t k = 0; k < payloads.size(); ++k) {
+    client->Send(DataHeader(k, payloads[k].size()), {payloads[k]}, [](absl::Status s) {
+      EXPECT_TRUE(s.ok()) << s;
+    });
+  }
+  for (uint64_t k = 0; k < payloads.size(); ++k) {
+    auto frame = SyncReadFrame(*server);
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    EXPECT_EQ(frame->header.key, k);
+    EXPECT_EQ(frame->header.clock, k * 10);
+    EXPECT_EQ(frame->payload, payloads[k]);
+  }
+  // Both directions work.
+  auto reply = Pattern(1000, 99);
+  auto sent = testing::SendAsync(*server, DataHeader(7, reply.size()), {reply});
+  auto frame = SyncReadFrame(*client);
+  ASSERT_TRUE(frame.ok());
+  EXPECT_EQ(frame->payload, reply);
+  EXPECT_TRUE(sent.get().ok());
+  EXPECT_GE(client->Stats().frames_sent, 50u);
+}
+
+TEST_P(TransportConformance, GatherSendDeliversTheConcatenation) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  auto a = Pattern(3, 1), b = Pattern(0, 2), c = Pattern(70000, 3), d = Pattern(1, 4);
+  auto sent = testing::SendAsync(
+      *client, DataHeader(1, a.size() + b.size() + c.size() + d.size()), {a, b, c, d});
+  auto frame = SyncReadFrame(*server);
+  EXPECT_TRUE(sent.get().ok());
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  std::vector<std::byte> expected;
+  for (auto* v : {&a, &b, &c, &d}) expected.insert(expected.end(), v->begin(), v->end());
+  EXPECT_EQ(frame->payload, expected);
+}
+
+TEST_P(TransportConformance, LargePayloadIsReceivedIntoTheCallersBuffer) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  const auto big = Pattern(64u << 20, 5);
+  std::promise<absl::Status> sent;
+  client->Send(DataHeader(3, big.size()), {big}, [&](absl::Status s) { sent.set_value(s); });
+  auto header = SyncReadHeader(*server);
+  ASSERT_TRUE(header.ok()) << header.status();
+  ASSERT_EQ(header->payload_length, big.size());
+  std::vector<std::byte> into(big.size());
+  ASSERT_TRUE(SyncReadPayload(*server, into).ok());
+  EXPECT_TRUE(sent.get_future().get().ok());
+  EXPECT_TRUE(into == big);
+}
+
+TEST_P(TransportConformance, ConcurrentSendersNeverInterleaveFrames) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  constexpr int kThreads = 4, kFrames = 100;
+  std::vector<std::thread> threads;
+  std::vector<std::vector<std::vector<std::byte>>> data(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kFrames; ++i) data[t].push_back(Pattern(100 + 13 * i, t * 1000 + i));
+  }
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kFrames; ++i) {
+        FrameHeader h = DataHeader(t * 1000 + i, data[t][i].size());
+        h.sender_rank = t;
+        if (!SyncSend(*client, h, {data[t][i]}).ok()) ++failures;
+      }
+    });
+  }
+  std::vector<int> next(kThreads, 0);
+  for (int n = 0; n < kThreads * kFrames; ++n) {
+    auto frame = SyncReadFrame(*server);
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    const int t = static_cast<int>(frame->header.sender_rank);
+    ASSERT_LT(t, kThreads);
+    const int i = next[t]++;
+    EXPECT_EQ(frame->header.key, static_cast<uint64_t>(t * 1000 + i)) << "order of thread " << t;
+    EXPECT_EQ(frame->payload, data[t][i]);
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_P(TransportConformance, SendRejectsALengthThatDoesNotMatchTheBuffers) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  auto p = Pattern(10, 1);
+  EXPECT_EQ(SyncSend(*client, DataHeader(1, 11), {p}).code(), absl::StatusCode::kInvalidArgument);
+  // The connection is still usable.
+  auto sent = testing::SendAsync(*client, DataHeader(2, p.size()), {p});
+  auto frame = SyncReadFrame(*server);
+  ASSERT_TRUE(frame.ok());
+  EXPECT_EQ(frame->header.key, 2u);
+  EXPECT_TRUE(sent.get().ok());
+}
+
+TEST_P(TransportConformance, PayloadAboveTheLimitIsRefusedBeforeSending) {
+  ContextOptions options;
+  options.limits.max_payload_bytes = 1024;
+  Reset(options);
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  auto p = Pattern(1025, 1);
+  EXPECT_EQ(SyncSend(*client, DataHeader(1, p.size()), {p}).code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST_P(TransportConformance, WrongSizedPayloadReadFailsAndTheRightOneStillWorks) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  auto p = Pattern(100, 1);
+  auto sent = testing::SendAsync(*client, DataHeader(1, p.size()), {p});
+  ASSERT_TRUE(SyncReadHeader(*server).ok());
+  std::vector<std::byte> small(99);
+  EXPECT_EQ(SyncReadPayload(*server, small).code(), absl::StatusCode::kInvalidArgument);
+  // A second header read before the payload is consumed is a caller error too.
+  EXPECT_EQ(SyncReadHeader(*server).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::vector<std::byte> right(100);
+  ASSERT_TRUE(SyncReadPayload(*server, right).ok());
+  EXPECT_EQ(right, p);
+  EXPECT_TRUE(sent.get().ok());
+}
+
+TEST_P(TransportConformance, DiscardSkipsToTheNextFrame) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  auto big = Pattern(300000, 1), small = Pattern(5, 2);
+  client->Send(DataHeader(1, big.size()), {big}, [](absl::Status) {});
+  client->Send(DataHeader(2, small.size()), {small}, [](absl::Status) {});
+  auto h = SyncReadHeader(*server);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(SyncDiscardPayload(*server).ok());
+  auto frame = SyncReadFrame(*server);
+  ASSERT_TRUE(frame.ok());
+  EXPECT_EQ(frame->header.key, 2u);
+  EXPECT_EQ(frame->payload, small);
+}
+
+TEST_P(TransportConformance, PeerCloseFailsThePendingReadWithUnavailable) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  std::promise<absl::StatusOr<FrameHeader>> result;
+  server->ReadHeader([&](absl::StatusOr<FrameHeader> h) { result.set_value(std::move(h)); });
+  client->Close();
+  auto h = result.get_future().get();
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kUnavailable) << h.status();
+  // And sending on the closed side fails instead of vanishing.
+  auto p = Pattern(8, 1);
+  EXPECT_FALSE(SyncSend(*client, DataHeader(1, p.size()), {p}).ok());
+}
+
+TEST_P(TransportConformance, HeaderWaitTimesOutNamingThePeer) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  auto h = SyncReadHeader(*server, absl::Milliseconds(200));
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kDeadlineExceeded) << h.status();
+  EXPECT_NE(h.status().message().find("no frame from"), std::string::npos);
+}
+
+TEST_P(TransportConformance, AbortTellsThePeerWhy) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  server->Abort(absl::PermissionDeniedError("go away"));
+  auto frame = SyncReadFrame(*client, absl::Seconds(10));
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  ASSERT_EQ(frame->header.type, FrameType::kError);
+  const absl::Status why = ParseErrorFrame(frame->header, frame->payload);
+  EXPECT_EQ(why.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(why.message().find("go away"), std::string::npos);
+  EXPECT_FALSE(SyncReadHeader(*client, absl::Seconds(10)).ok());
+}
+
+TEST_P(TransportConformance, ConnectingToNothingFails) {
+  const std::string nowhere = GetParam().listen_address.empty() ? "no-such-listener"
+                                                                : "127.0.0.1:1";
+  auto conn = ctx_->Connect(nowhere, absl::Seconds(5));
+  EXPECT_FALSE(conn.ok());
+}
+
+TEST_P(TransportConformance, ClosingTheListenerCancelsAccept) {
+  std::promise<absl::Status> result;
+  listener_->Accept([&](absl::StatusOr<std::shared_ptr<Connection>> c) {
+    result.set_value(c.status());
+  });
+  listener_->Close();
+  EXPECT_EQ(result.get_future().get().code(), absl::StatusCode::kCancelled);
+}
+
+// ---- the handshake and the frame server over each backend ----
+
+class EchoHandler : public FrameHandler {
+ public:
+  absl::StatusOr<PayloadTarget> OnHeader(const std::shared_ptr<PeerSession>&,
+                                         const FrameHeader& header) override {
+    if (header.type != FrameType::kData) {
+      return absl::InvalidArgumentError("echo handler only takes data frames");
+    }
+    buffer_.resize(header.payload_length);
+    return PayloadTarget::Into(buffer_);
+  }
+  void OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
+               MutableBuffer payload) override {
+    auto copy = std::make_shared<std::vector<std::byte>>(payload.begin(), payload.end());
+    FrameHeader reply = header;
+    reply.sender_rank = 0;
+    peer->connection().Send(reply, {*copy}, [copy](absl::Status) {});
+  }
+
+ private:
+  std::vector<std::byte> buffer_;  // frames of one connection arrive one at a time
+};
+
+TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
+  auto secrets = std::make_shared<SecretStore>();
+  secrets->Set(1, "right");
+  auto server = std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>());
+  server->Start();
+
+  auto good = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
+  ASSERT_TRUE(good.ok()) << good.status();
+  auto p = Pattern(5000, 9);
+  ASSERT_TRUE(SyncSend(**good, DataHeader(4, p.size()), {p}).ok());
+  auto echoed = SyncReadFrame(**good, absl::Seconds(10));
+  ASSERT_TRUE(echoed.ok()) << echoed.status();
+  EXPECT_EQ(echoed->payload, p);
+
+  auto wrong_secret =
+      ConnectAuthenticated(*ctx_, server->Address(), 1, 3, "wrong", absl::Seconds(10));
+  EXPECT_EQ(wrong_secret.status().code(), absl::StatusCode::kUnauthenticated)
+      << wrong_secret.status();
+  auto wrong_job = ConnectAuthenticated(*ctx_, server->Address(), 2, 3, "right", absl::Seconds(10));
+  EXPECT_EQ(wrong_job.status().code(), absl::StatusCode::kPermissionDenied) << wrong_job.status();
+  EXPECT_NE(wrong_job.status().message().find("unknown job"), std::string::npos);
+
+  // A data frame for another job on an authenticated connection disconnects that peer only.
+  FrameHeader other = DataHeader(5, 0);
+  other.job_id = 99;
+  ASSERT_TRUE(SyncSend(**good, other, {}).ok());
+  auto error = SyncReadFrame(**good, absl::Seconds(10));
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->header.type, FrameType::kError);
+
+  auto again = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(SyncSend(**again, DataHeader(6, p.size()), {p}).ok());
+  EXPECT_TRUE(SyncReadFrame(**again, absl::Seconds(10)).ok());
+  EXPECT_EQ(server->Stats().handshake_failures, 2u);
+  server->Stop();
+}
+
+TEST_P(TransportConformance, SilentClientIsDroppedAfterTheHandshakeTimeout) {
+  auto secrets = std::make_shared<SecretStore>();
+  secrets->Set(1, "right");
+  FrameServerOptions options;
+  options.handshake_timeout = absl::Milliseconds(200);
+  auto server = std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(),
+                                              options);
+  server->Start();
+  auto conn = ctx_->Connect(server->Address(), absl::Seconds(10));
+  ASSERT_TRUE(conn.ok());
+  // Say nothing: the server must hang up (a read on our side ends in an error, not a hang).
+  auto h = SyncReadHeader(**conn, absl::Seconds(30));
+  EXPECT_FALSE(h.ok());
+  EXPECT_NE(h.status().code(), absl::StatusCode::kDeadlineExceeded) << h.status();
+  server->Stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, TransportConformance, ::testing::ValuesIn(Backends()),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace poseidon::transport
