@@ -25,7 +25,9 @@ namespace {
 
 constexpr uint64_t kMaxConfigFileBytes = 1 << 20;
 
-bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+bool IsDigit(char c) {
+  return c >= '0' && c <= '9';
+}
 
 // The text in an error message: printable, one line.
 std::string Quoted(absl::string_view text) {

@@ -11,8 +11,8 @@ namespace poseidon {
 namespace {
 
 std::shared_ptr<spdlog::logger> MakeLogger() {
-  auto logger = std::make_shared<spdlog::logger>(
-      "poseidon", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  auto logger = std::make_shared<spdlog::logger>("poseidon",
+                                                 std::make_shared<spdlog::sinks::stderr_sink_mt>());
   logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%L%$ [poseidon] %v");
   logger->set_level(spdlog::level::info);
   return logger;
@@ -25,7 +25,9 @@ std::shared_ptr<spdlog::logger>& LoggerSlot() {
 
 }  // namespace
 
-spdlog::logger& Logger() { return *LoggerSlot(); }
+spdlog::logger& Logger() {
+  return *LoggerSlot();
+}
 
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view name) {
   const std::string lower = absl::AsciiStrToLower(name);

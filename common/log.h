@@ -4,10 +4,10 @@
 #pragma once
 
 #include <memory>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "spdlog/spdlog.h"
 
 namespace poseidon {

@@ -11,7 +11,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-absl::Status Fail(bool fail) { return fail ? absl::NotFoundError("gone") : absl::OkStatus(); }
+absl::Status Fail(bool fail) {
+  return fail ? absl::NotFoundError("gone") : absl::OkStatus();
+}
 
 absl::StatusOr<int> Half(int x) {
   if (x % 2 != 0) return absl::InvalidArgumentError("odd");
@@ -48,7 +50,9 @@ TEST(StatusMacros, AssignOrReturnDeclaresAndPropagates) {
   EXPECT_EQ(Quarter(7).status().message(), "odd");
 }
 
-absl::StatusOr<std::unique_ptr<int>> MakeBox(int v) { return std::make_unique<int>(v); }
+absl::StatusOr<std::unique_ptr<int>> MakeBox(int v) {
+  return std::make_unique<int>(v);
+}
 
 absl::Status MoveOnly(int* out) {
   std::unique_ptr<int> box;

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  build-essential cmake ninja-build pkg-config make
+  build-essential cmake ninja-build pkg-config make git
   clang-14 libclang-rt-14-dev
   libboost-dev
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc

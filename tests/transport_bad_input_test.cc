@@ -233,7 +233,8 @@ class BadInputTest : public ::testing::Test {
     server_options.handshake_timeout = absl::Seconds(2);
     server_ = std::make_shared<FrameServer>(*listener, secrets, handler_, server_options);
     server_->Start();
-    port_ = static_cast<uint16_t>(std::stoi(server_->Address().substr(server_->Address().rfind(':') + 1)));
+    port_ = static_cast<uint16_t>(
+        std::stoi(server_->Address().substr(server_->Address().rfind(':') + 1)));
   }
 
   void TearDown() override {
@@ -330,14 +331,16 @@ TEST_F(BadInputTest, ListenerSurvivesGarbageAndKeepsServingTheGoodClient) {
           for (auto& b : bytes) b = std::byte{static_cast<unsigned char>(rng())};
         } else {
           // A valid frame with 1 to 3 header bytes changed.
-          FrameHeader h = variant == 1 ? FrameHeader{.type = FrameType::kHello, .job_id = kJob,
+          FrameHeader h = variant == 1 ? FrameHeader{.type = FrameType::kHello,
+                                                     .job_id = kJob,
                                                      .payload_length = kNonceBytes}
                                        : DataHeader(64);
           const EncodedHeader e = EncodeHeader(h);
           bytes.assign(e.begin(), e.end());
           const int flips = 1 + static_cast<int>(rng() % 3);
           for (int f = 0; f < flips; ++f) {
-            bytes[rng() % kFrameHeaderSize] ^= std::byte{static_cast<unsigned char>(1 + rng() % 255)};
+            bytes[rng() % kFrameHeaderSize] ^=
+                std::byte{static_cast<unsigned char>(1 + rng() % 255)};
           }
           bytes.resize(bytes.size() + h.payload_length);
         }
@@ -411,8 +414,8 @@ TEST_F(BadInputTest, ListenerSurvivesGarbageAndKeepsServingTheGoodClient) {
       << "live heap grew from " << heap_before << " to " << heap_after << " bytes";
 
   // Every bad connection was closed with a logged reason.
-  const size_t logged = CountLogLines("closing connection from") +
-                        CountLogLines("rejected connection from");
+  const size_t logged =
+      CountLogLines("closing connection from") + CountLogLines("rejected connection from");
   EXPECT_GE(logged, static_cast<size_t>(bad_connections.load()));
   EXPECT_GT(CountLogLines("stalled"), 0u);
   EXPECT_GT(CountLogLines("exceeds the maximum"), 0u);
@@ -420,11 +423,12 @@ TEST_F(BadInputTest, ListenerSurvivesGarbageAndKeepsServingTheGoodClient) {
   EXPECT_GT(CountLogLines("in the middle of a frame payload"), 0u);
   const auto stats = server_->Stats();
   EXPECT_EQ(stats.active, 0u);
-  std::printf("bad connections: %d, log lines: %zu, good requests: %d, "
-              "handshake failures: %llu, protocol errors: %llu\n",
-              bad_connections.load(), logged, before_stop,
-              static_cast<unsigned long long>(stats.handshake_failures),
-              static_cast<unsigned long long>(stats.protocol_errors));
+  std::printf(
+      "bad connections: %d, log lines: %zu, good requests: %d, "
+      "handshake failures: %llu, protocol errors: %llu\n",
+      bad_connections.load(), logged, before_stop,
+      static_cast<unsigned long long>(stats.handshake_failures),
+      static_cast<unsigned long long>(stats.protocol_errors));
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 
 #include <gtest/gtest.h>
 
-#include "absl/strings/string_view.h"
 #include <vector>
+
+#include "absl/strings/string_view.h"
 
 namespace poseidon::transport {
 namespace {

@@ -19,9 +19,8 @@ absl::Status ParseErrorFrame(const FrameHeader& header, std::span<const std::byt
     return absl::InternalError("not an error frame");
   }
   if (payload.size() > kMaxErrorMessageBytes) {
-    return absl::InternalError(
-        absl::StrCat("peer sent an error message of ", payload.size(), " bytes (max ",
-                     kMaxErrorMessageBytes, ")"));
+    return absl::InternalError(absl::StrCat("peer sent an error message of ", payload.size(),
+                                            " bytes (max ", kMaxErrorMessageBytes, ")"));
   }
   if (header.key == 0 || header.key > static_cast<uint64_t>(absl::StatusCode::kUnauthenticated)) {
     return absl::InternalError(absl::StrCat("peer sent an error with unknown code ", header.key));

@@ -64,19 +64,32 @@ bool IsKnownFrameType(uint8_t value) {
 
 absl::string_view FrameTypeName(FrameType type) {
   switch (type) {
-    case FrameType::kHello: return "hello";
-    case FrameType::kChallenge: return "challenge";
-    case FrameType::kAuth: return "auth";
-    case FrameType::kAuthOk: return "auth-ok";
-    case FrameType::kError: return "error";
-    case FrameType::kPush: return "push";
-    case FrameType::kPushAck: return "push-ack";
-    case FrameType::kPull: return "pull";
-    case FrameType::kPullResponse: return "pull-response";
-    case FrameType::kFactors: return "factors";
-    case FrameType::kPing: return "ping";
-    case FrameType::kPong: return "pong";
-    case FrameType::kData: return "data";
+    case FrameType::kHello:
+      return "hello";
+    case FrameType::kChallenge:
+      return "challenge";
+    case FrameType::kAuth:
+      return "auth";
+    case FrameType::kAuthOk:
+      return "auth-ok";
+    case FrameType::kError:
+      return "error";
+    case FrameType::kPush:
+      return "push";
+    case FrameType::kPushAck:
+      return "push-ack";
+    case FrameType::kPull:
+      return "pull";
+    case FrameType::kPullResponse:
+      return "pull-response";
+    case FrameType::kFactors:
+      return "factors";
+    case FrameType::kPing:
+      return "ping";
+    case FrameType::kPong:
+      return "pong";
+    case FrameType::kData:
+      return "data";
   }
   return "unknown";
 }
@@ -110,16 +123,14 @@ absl::StatusOr<FrameHeader> DecodeHeader(std::span<const std::byte, kFrameHeader
   }
   const auto version = Get<uint16_t>(p, kOffVersion);
   if (version != kFrameVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unsupported frame version ", version, " (this build speaks ", kFrameVersion,
-                     ")"));
+    return absl::InvalidArgumentError(absl::StrCat("unsupported frame version ", version,
+                                                   " (this build speaks ", kFrameVersion, ")"));
   }
   const auto stored_crc = Get<uint32_t>(p, kOffHeaderCrc);
   const uint32_t crc = Crc32c(0, bytes.first(kOffHeaderCrc));
   if (stored_crc != crc) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("frame header checksum mismatch (got 0x%08x, computed 0x%08x)",
-                        stored_crc, crc));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "frame header checksum mismatch (got 0x%08x, computed 0x%08x)", stored_crc, crc));
   }
   const auto type = Get<uint8_t>(p, kOffType);
   if (!IsKnownFrameType(type)) {
@@ -141,9 +152,9 @@ absl::StatusOr<FrameHeader> DecodeHeader(std::span<const std::byte, kFrameHeader
   h.payload_length = Get<uint64_t>(p, kOffLength);
   h.payload_checksum = Get<uint32_t>(p, kOffPayloadCrc);
   if (h.payload_length > limits.max_payload_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("frame payload length ", h.payload_length, " exceeds the maximum of ",
-                     limits.max_payload_bytes, " bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat("frame payload length ", h.payload_length,
+                                                     " exceeds the maximum of ",
+                                                     limits.max_payload_bytes, " bytes"));
   }
   if ((h.flags & kFlagPayloadChecksum) == 0 && h.payload_checksum != 0) {
     return absl::InvalidArgumentError("payload checksum set without the checksum flag");

@@ -13,9 +13,13 @@ FrameServer::FrameServer(std::shared_ptr<Listener> listener,
       handler_(std::move(handler)),
       options_(options) {}
 
-FrameServer::~FrameServer() { Stop(); }
+FrameServer::~FrameServer() {
+  Stop();
+}
 
-void FrameServer::Start() { AcceptNext(); }
+void FrameServer::Start() {
+  AcceptNext();
+}
 
 void FrameServer::Stop() {
   std::set<std::shared_ptr<Connection>> connections;
@@ -71,9 +75,8 @@ void FrameServer::OnAccepted(std::shared_ptr<Connection> conn) {
       return;
     }
     if (connections_.size() >= options_.max_connections) {
-      conn->Abort(absl::ResourceExhaustedError(
-          absl::StrCat("server has reached its limit of ", options_.max_connections,
-                       " connections")));
+      conn->Abort(absl::ResourceExhaustedError(absl::StrCat(
+          "server has reached its limit of ", options_.max_connections, " connections")));
       return;
     }
     connections_.insert(conn);
@@ -124,17 +127,17 @@ void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
     if (!header.ok()) {
       // The connection has already logged and closed for a malformed frame; a clean close by
       // the peer is not a protocol error.
-      const bool malformed = !absl::IsUnavailable(header.status()) &&
-                             !absl::IsCancelled(header.status());
+      const bool malformed =
+          !absl::IsUnavailable(header.status()) && !absl::IsCancelled(header.status());
       if (malformed) self->protocol_errors_.fetch_add(1);
       self->Drop(peer, conn, header.status(), /*protocol_error=*/false);
       return;
     }
     if (header->job_id != peer->identity().job_id) {
       self->Drop(peer, conn,
-                 absl::PermissionDeniedError(absl::StrCat(
-                     "frame for job ", header->job_id, " on a connection authenticated for job ",
-                     peer->identity().job_id)),
+                 absl::PermissionDeniedError(absl::StrCat("frame for job ", header->job_id,
+                                                          " on a connection authenticated for job ",
+                                                          peer->identity().job_id)),
                  true);
       return;
     }
@@ -163,8 +166,8 @@ void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
       return;
     }
     auto on_payload = [weak, peer, conn, h = *header,
-                       buffer = target->discard ? MutableBuffer{} : target->buffer](
-                          absl::Status s) {
+                       buffer =
+                           target->discard ? MutableBuffer{} : target->buffer](absl::Status s) {
       auto self = weak.lock();
       if (!self) return;
       if (!s.ok()) {
@@ -180,8 +183,8 @@ void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
     } else if (target->buffer.size() != header->payload_length) {
       self->Drop(peer, conn,
                  absl::InternalError(absl::StrCat("handler gave a ", target->buffer.size(),
-                                                  "-byte buffer for a ",
-                                                  header->payload_length, "-byte payload")),
+                                                  "-byte buffer for a ", header->payload_length,
+                                                  "-byte payload")),
                  true);
     } else {
       conn->ReadPayload(target->buffer, std::move(on_payload));

@@ -6,9 +6,9 @@
 #include <openssl/rand.h>
 
 #include <future>
-#include "absl/strings/string_view.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/log.h"
 #include "transport/error_frame.h"
 
@@ -19,8 +19,7 @@ constexpr absl::string_view kClientLabel = "poseidon/v1/client";
 constexpr absl::string_view kServerLabel = "poseidon/v1/server";
 
 void FillRandom(std::span<std::byte> out) {
-  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(out.size())) !=
-      1) {
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(out.size())) != 1) {
     // OpenSSL's CSPRNG failing means the process cannot do crypto at all.
     PSD_LOG_ERROR("RAND_bytes failed; aborting");
     std::abort();
@@ -42,8 +41,8 @@ std::array<std::byte, kProofBytes> Proof(absl::string_view secret, absl::string_
   for (auto b : second_nonce) message.push_back(std::to_integer<unsigned char>(b));
   std::array<std::byte, kProofBytes> out{};
   unsigned int len = 0;
-  HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), message.data(),
-       message.size(), reinterpret_cast<unsigned char*>(out.data()), &len);
+  HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), message.data(), message.size(),
+       reinterpret_cast<unsigned char*>(out.data()), &len);
   return out;
 }
 
@@ -62,8 +61,8 @@ OutFrame MakeFrame(FrameType type, uint64_t job_id, uint32_t rank,
   return f;
 }
 
-absl::Status Expect(const FrameHeader& header, std::span<const std::byte> payload,
-                    FrameType type, size_t length) {
+absl::Status Expect(const FrameHeader& header, std::span<const std::byte> payload, FrameType type,
+                    size_t length) {
   if (header.type != type) {
     return absl::PermissionDeniedError(absl::StrCat("handshake expected a ", FrameTypeName(type),
                                                     " frame, got ", FrameTypeName(header.type)));
@@ -175,9 +174,9 @@ absl::StatusOr<OutFrame> ServerHandshake::OnFrame(const FrameHeader& header,
       const auto expected =
           Proof(secret_, kClientLabel, peer_.job_id, peer_.rank, client_nonce_, server_nonce_);
       if (!ConstantTimeEqual(expected, payload)) {
-        return absl::UnauthenticatedError(absl::StrCat(
-            "authentication failed for job ", peer_.job_id, " rank ", peer_.rank,
-            " (wrong secret)"));
+        return absl::UnauthenticatedError(absl::StrCat("authentication failed for job ",
+                                                       peer_.job_id, " rank ", peer_.rank,
+                                                       " (wrong secret)"));
       }
       state_ = State::kDone;
       const auto proof =
@@ -202,8 +201,8 @@ struct FrameReader {
     const absl::Duration remaining = std::max(deadline - absl::Now(), absl::Milliseconds(1));
     auto* raw = conn.get();
     raw->ReadHeader(
-        [conn = std::move(conn), on_frame = std::move(on_frame)](
-            absl::StatusOr<FrameHeader> header) mutable {
+        [conn = std::move(conn),
+         on_frame = std::move(on_frame)](absl::StatusOr<FrameHeader> header) mutable {
           if (!header.ok()) {
             on_frame(header.status(), {});
             return;
@@ -211,9 +210,9 @@ struct FrameReader {
           const bool is_error = header->type == FrameType::kError;
           const size_t limit = is_error ? kMaxErrorMessageBytes : kMaxHandshakePayload;
           if (header->payload_length > limit) {
-            on_frame(absl::PermissionDeniedError(absl::StrCat(
-                         "handshake ", FrameTypeName(header->type), " frame declares ",
-                         header->payload_length, " payload bytes (max ", limit, ")")),
+            on_frame(absl::PermissionDeniedError(
+                         absl::StrCat("handshake ", FrameTypeName(header->type), " frame declares ",
+                                      header->payload_length, " payload bytes (max ", limit, ")")),
                      {});
             return;
           }
@@ -223,8 +222,8 @@ struct FrameReader {
           }
           auto buffer = std::make_shared<std::vector<std::byte>>(header->payload_length);
           auto* c = conn.get();
-          c->ReadPayload(*buffer, [buffer, h = *header, on_frame = std::move(on_frame)](
-                                      absl::Status s) mutable {
+          c->ReadPayload(*buffer, [buffer, h = *header,
+                                   on_frame = std::move(on_frame)](absl::Status s) mutable {
             if (!s.ok()) {
               on_frame(s, {});
               return;
@@ -247,20 +246,24 @@ void SendOut(Connection& conn, OutFrame frame, DoneCallback done) {
 struct ServerRun : std::enable_shared_from_this<ServerRun> {
   ServerRun(std::shared_ptr<Connection> c, std::shared_ptr<const SecretStore> s, absl::Time d,
             HandshakeCallback cb)
-      : conn(std::move(c)), secrets(std::move(s)), machine(*secrets), deadline(d),
+      : conn(std::move(c)),
+        secrets(std::move(s)),
+        machine(*secrets),
+        deadline(d),
         done(std::move(cb)) {}
 
   void Step() {
-    FrameReader::Read(conn, deadline, [self = shared_from_this()](
-                                          absl::StatusOr<FrameHeader> header,
-                                          std::span<const std::byte> payload) {
-      self->OnFrame(std::move(header), payload);
-    });
+    FrameReader::Read(conn, deadline,
+                      [self = shared_from_this()](absl::StatusOr<FrameHeader> header,
+                                                  std::span<const std::byte> payload) {
+                        self->OnFrame(std::move(header), payload);
+                      });
   }
 
   void OnFrame(absl::StatusOr<FrameHeader> header, std::span<const std::byte> payload) {
     if (!header.ok()) {
-      Fail(header.status(), /*tell_peer=*/header.status().code() == absl::StatusCode::kPermissionDenied);
+      Fail(header.status(),
+           /*tell_peer=*/header.status().code() == absl::StatusCode::kPermissionDenied);
       return;
     }
     auto answer = machine.OnFrame(*header, payload);
@@ -282,9 +285,8 @@ struct ServerRun : std::enable_shared_from_this<ServerRun> {
   }
 
   void Fail(const absl::Status& status, bool tell_peer) {
-    const absl::Status annotated(status.code(), absl::StrCat("handshake with ",
-                                                             conn->PeerAddress(), " failed: ",
-                                                             status.message()));
+    const absl::Status annotated(status.code(), absl::StrCat("handshake with ", conn->PeerAddress(),
+                                                             " failed: ", status.message()));
     if (tell_peer) {
       conn->Abort(annotated);
     } else {
@@ -304,8 +306,11 @@ struct ServerRun : std::enable_shared_from_this<ServerRun> {
 struct ClientRun : std::enable_shared_from_this<ClientRun> {
   ClientRun(std::shared_ptr<Connection> c, uint64_t job, uint32_t rank, std::string secret,
             absl::Time d, HandshakeCallback cb)
-      : conn(std::move(c)), machine(job, rank, std::move(secret)), deadline(d),
-        done(std::move(cb)), identity{job, rank} {}
+      : conn(std::move(c)),
+        machine(job, rank, std::move(secret)),
+        deadline(d),
+        done(std::move(cb)),
+        identity{job, rank} {}
 
   void Begin() {
     SendOut(*conn, machine.Start(), [self = shared_from_this()](absl::Status s) {
@@ -315,22 +320,22 @@ struct ClientRun : std::enable_shared_from_this<ClientRun> {
   }
 
   void Step() {
-    FrameReader::Read(conn, deadline, [self = shared_from_this()](
-                                          absl::StatusOr<FrameHeader> header,
-                                          std::span<const std::byte> payload) {
-      if (!header.ok()) return self->Fail(header.status());
-      auto next = self->machine.OnFrame(*header, payload);
-      if (!next.ok()) return self->Fail(next.status());
-      if (!next->has_value()) {
-        auto cb = std::move(self->done);
-        cb(self->identity);
-        return;
-      }
-      SendOut(*self->conn, std::move(**next), [self](absl::Status s) {
-        if (!s.ok()) return self->Fail(s);
-        self->Step();
-      });
-    });
+    FrameReader::Read(conn, deadline,
+                      [self = shared_from_this()](absl::StatusOr<FrameHeader> header,
+                                                  std::span<const std::byte> payload) {
+                        if (!header.ok()) return self->Fail(header.status());
+                        auto next = self->machine.OnFrame(*header, payload);
+                        if (!next.ok()) return self->Fail(next.status());
+                        if (!next->has_value()) {
+                          auto cb = std::move(self->done);
+                          cb(self->identity);
+                          return;
+                        }
+                        SendOut(*self->conn, std::move(**next), [self](absl::Status s) {
+                          if (!s.ok()) return self->Fail(s);
+                          self->Step();
+                        });
+                      });
   }
 
   void Fail(const absl::Status& status) {
@@ -351,8 +356,8 @@ struct ClientRun : std::enable_shared_from_this<ClientRun> {
 
 void AcceptHandshake(std::shared_ptr<Connection> conn, std::shared_ptr<const SecretStore> secrets,
                      absl::Duration timeout, HandshakeCallback done) {
-  auto run = std::make_shared<ServerRun>(std::move(conn), std::move(secrets),
-                                         absl::Now() + timeout, std::move(done));
+  auto run = std::make_shared<ServerRun>(std::move(conn), std::move(secrets), absl::Now() + timeout,
+                                         std::move(done));
   run->Step();
 }
 
@@ -367,16 +372,17 @@ absl::Status AuthenticateClient(const std::shared_ptr<Connection>& conn, uint64_
                                 uint32_t rank, std::string secret, absl::Duration timeout) {
   std::promise<absl::Status> result;
   auto future = result.get_future();
-  StartClientHandshake(conn, job_id, rank, std::move(secret), timeout,
-                       [&result](absl::StatusOr<PeerIdentity> peer) {
-                         result.set_value(peer.status());
-                       });
+  StartClientHandshake(
+      conn, job_id, rank, std::move(secret), timeout,
+      [&result](absl::StatusOr<PeerIdentity> peer) { result.set_value(peer.status()); });
   return future.get();
 }
 
-absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(
-    Context& context, absl::string_view address, uint64_t job_id, uint32_t rank,
-    std::string secret, absl::Duration timeout) {
+absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& context,
+                                                                 absl::string_view address,
+                                                                 uint64_t job_id, uint32_t rank,
+                                                                 std::string secret,
+                                                                 absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   auto conn = context.Connect(address, timeout);
   if (!conn.ok()) return conn.status();

@@ -111,8 +111,10 @@ absl::Status AuthenticateClient(const std::shared_ptr<Connection>& conn, uint64_
                                 uint32_t rank, std::string secret, absl::Duration timeout);
 
 // Connect + AuthenticateClient; the connection is closed when authentication fails.
-absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(
-    Context& context, absl::string_view address, uint64_t job_id, uint32_t rank,
-    std::string secret, absl::Duration timeout);
+absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& context,
+                                                                 absl::string_view address,
+                                                                 uint64_t job_id, uint32_t rank,
+                                                                 std::string secret,
+                                                                 absl::Duration timeout);
 
 }  // namespace poseidon::transport

@@ -108,9 +108,8 @@ TEST_P(TransportConformance, FramesArriveInOrderWithHeadersAndPayloadsIntact) {
   std::vector<std::vector<std::byte>> payloads;
   for (uint64_t k = 0; k < 50; ++k) payloads.push_back(Pattern(k * 37 + (k % 3 == 0 ? 0 : 1), k));
   for (uint64_t k = 0; k < payloads.size(); ++k) {
-    client->Send(DataHeader(k, payloads[k].size()), {payloads[k]}, [](absl::Status s) {
-      EXPECT_TRUE(s.ok()) << s;
-    });
+    client->Send(DataHeader(k, payloads[k].size()), {payloads[k]},
+                 [](absl::Status s) { EXPECT_TRUE(s.ok()) << s; });
   }
   for (uint64_t k = 0; k < payloads.size(); ++k) {
     auto frame = SyncReadFrame(*server);
@@ -135,8 +134,8 @@ TEST_P(TransportConformance, GatherSendDeliversTheConcatenation) {
   auto server = conns.second;
   ASSERT_TRUE(client && server);
   auto a = Pattern(3, 1), b = Pattern(0, 2), c = Pattern(70000, 3), d = Pattern(1, 4);
-  auto sent = testing::SendAsync(
-      *client, DataHeader(1, a.size() + b.size() + c.size() + d.size()), {a, b, c, d});
+  auto sent = testing::SendAsync(*client, DataHeader(1, a.size() + b.size() + c.size() + d.size()),
+                                 {a, b, c, d});
   auto frame = SyncReadFrame(*server);
   EXPECT_TRUE(sent.get().ok());
   ASSERT_TRUE(frame.ok()) << frame.status();
@@ -301,17 +300,16 @@ TEST_P(TransportConformance, AbortTellsThePeerWhy) {
 }
 
 TEST_P(TransportConformance, ConnectingToNothingFails) {
-  const std::string nowhere = GetParam().listen_address.empty() ? "no-such-listener"
-                                                                : "127.0.0.1:1";
+  const std::string nowhere =
+      GetParam().listen_address.empty() ? "no-such-listener" : "127.0.0.1:1";
   auto conn = ctx_->Connect(nowhere, absl::Seconds(5));
   EXPECT_FALSE(conn.ok());
 }
 
 TEST_P(TransportConformance, ClosingTheListenerCancelsAccept) {
   std::promise<absl::Status> result;
-  listener_->Accept([&](absl::StatusOr<std::shared_ptr<Connection>> c) {
-    result.set_value(c.status());
-  });
+  listener_->Accept(
+      [&](absl::StatusOr<std::shared_ptr<Connection>> c) { result.set_value(c.status()); });
   listener_->Close();
   EXPECT_EQ(result.get_future().get().code(), absl::StatusCode::kCancelled);
 }
@@ -383,8 +381,8 @@ TEST_P(TransportConformance, SilentClientIsDroppedAfterTheHandshakeTimeout) {
   secrets->Set(1, "right");
   FrameServerOptions options;
   options.handshake_timeout = absl::Milliseconds(200);
-  auto server = std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(),
-                                              options);
+  auto server =
+      std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(), options);
   server->Start();
   auto conn = ctx_->Connect(server->Address(), absl::Seconds(10));
   ASSERT_TRUE(conn.ok());

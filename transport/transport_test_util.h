@@ -70,9 +70,8 @@ inline absl::StatusOr<ReceivedFrame> SyncReadFrame(
 inline absl::StatusOr<std::shared_ptr<Connection>> SyncAccept(Listener& listener) {
   std::promise<absl::StatusOr<std::shared_ptr<Connection>>> p;
   auto f = p.get_future();
-  listener.Accept([&p](absl::StatusOr<std::shared_ptr<Connection>> c) {
-    p.set_value(std::move(c));
-  });
+  listener.Accept(
+      [&p](absl::StatusOr<std::shared_ptr<Connection>> c) { p.set_value(std::move(c)); });
   return f.get();
 }
 

@@ -38,6 +38,7 @@ ABSL_FLAG(int, repeats, 3, "repetitions per cell; the median is reported");
 ABSL_FLAG(int, socket_buffer, 0, "SO_SNDBUF/SO_RCVBUF bytes for both sides (0: kernel autotuning)");
 ABSL_FLAG(std::string, json, "", "also write the results as JSON to this file");
 ABSL_FLAG(bool, quick, false, "fewer sizes and repeats (smoke test)");
+ABSL_FLAG(std::string, only, "", "run only 'poseidon' or 'raw' (for profiling); ratios print as 0");
 
 namespace poseidon::bench {
 namespace {
@@ -48,7 +49,9 @@ using Clock = std::chrono::steady_clock;
 constexpr uint64_t kJob = 1;
 constexpr char kSecret[] = "bench";
 
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
 
 std::string HumanSize(size_t n) {
   if (n >= (1u << 20)) return absl::StrCat(n >> 20, " MiB");
@@ -248,8 +251,8 @@ struct PoseidonPair {
                         accepted.set_value(conn);
                       });
     });
-    auto c = ConnectAuthenticated(*client_ctx, listener->Address(), kJob, 1, kSecret,
-                                  absl::Seconds(10));
+    auto c =
+        ConnectAuthenticated(*client_ctx, listener->Address(), kJob, 1, kSecret, absl::Seconds(10));
     if (!c.ok()) {
       std::fprintf(stderr, "connect: %s\n", c.status().ToString().c_str());
       std::exit(1);
@@ -284,17 +287,17 @@ struct SinkServer : std::enable_shared_from_this<SinkServer> {
   void Next() {
     conn->ReadHeader([self = shared_from_this()](absl::StatusOr<FrameHeader> h) {
       if (!h.ok()) return;
-      self->conn->ReadPayload(std::span(self->buffer).first(h->payload_length),
-                              [self, h = *h](absl::Status s) {
-                                if (!s.ok()) return;
-                                if (self->echo) {
-                                  self->conn->Send(h, {std::span(self->buffer).first(h.payload_length)},
-                                                   [](absl::Status) {});
-                                } else if (--self->remaining == 0) {
-                                  self->conn->Send(DataHeader(0, 0), {}, [](absl::Status) {});
-                                }
-                                if (self->echo || self->remaining > 0) self->Next();
-                              });
+      self->conn->ReadPayload(
+          std::span(self->buffer).first(h->payload_length), [self, h = *h](absl::Status s) {
+            if (!s.ok()) return;
+            if (self->echo) {
+              self->conn->Send(h, {std::span(self->buffer).first(h.payload_length)},
+                               [](absl::Status) {});
+            } else if (--self->remaining == 0) {
+              self->conn->Send(DataHeader(0, 0), {}, [](absl::Status) {});
+            }
+            if (self->echo || self->remaining > 0) self->Next();
+          });
     });
   }
 };
@@ -401,8 +404,9 @@ int Run() {
   gethostname(host, sizeof(host) - 1);
   std::printf("Poseidon transport benchmark: loopback TCP on %s, %u hardware threads\n", host,
               std::thread::hardware_concurrency());
-  std::printf("poseidon: Boost.Asio transport, 1 I/O thread per side, authenticated connection, "
-              "gather send, receive into caller buffer\n");
+  std::printf(
+      "poseidon: Boost.Asio transport, 1 I/O thread per side, authenticated connection, "
+      "gather send, receive into caller buffer\n");
   std::printf("raw: blocking sockets, writev(64-byte header, payload) / recv; same bytes\n");
   std::printf("socket buffers: %s; median of %d runs; ~%.1f s per cell\n\n",
               absl::GetFlag(FLAGS_socket_buffer) > 0
@@ -417,28 +421,30 @@ int Run() {
     const int messages = MessagesFor(size, seconds);
     const int round_trips = std::max(4, std::min(20000, MessagesFor(size, seconds) / 2));
     std::vector<double> pb, rb, pr, rr;
+    const std::string only = absl::GetFlag(FLAGS_only);
     for (int r = 0; r < repeats; ++r) {
-      rb.push_back(RawThroughput(size, messages));
-      pb.push_back(PoseidonThroughput(size, messages));
-      rr.push_back(RawRoundTrip(size, round_trips));
-      pr.push_back(PoseidonRoundTrip(size, round_trips));
+      rb.push_back(only == "poseidon" ? 1 : RawThroughput(size, messages));
+      pb.push_back(only == "raw" ? 1 : PoseidonThroughput(size, messages));
+      rr.push_back(only == "poseidon" ? 1 : RawRoundTrip(size, round_trips));
+      pr.push_back(only == "raw" ? 1 : PoseidonRoundTrip(size, round_trips));
     }
     Row row{size, Median(pb), Median(rb), Median(pr), Median(rr)};
     rows.push_back(row);
     std::printf("%-8s | %12.2f %12.2f %6.2f | %14.1f %14.1f %6.2f\n", HumanSize(size).c_str(),
-                row.psd_bps / 1e9, row.raw_bps / 1e9, row.psd_bps / row.raw_bps,
-                row.psd_rtt * 1e6, row.raw_rtt * 1e6, row.psd_rtt / row.raw_rtt);
+                row.psd_bps / 1e9, row.raw_bps / 1e9, row.psd_bps / row.raw_bps, row.psd_rtt * 1e6,
+                row.raw_rtt * 1e6, row.psd_rtt / row.raw_rtt);
     std::fflush(stdout);
   }
-  std::printf("\nthroughput ratio = poseidon / raw (higher is better; target >= 0.95 at >= 1 MiB)\n");
+  std::printf(
+      "\nthroughput ratio = poseidon / raw (higher is better; target >= 0.95 at >= 1 MiB)\n");
   std::printf("RTT ratio = poseidon / raw (lower is better; target <= 1.5 for small messages)\n");
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream out(path);
     out << "{\"host\": \"" << host << "\", \"rows\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      out << (i ? ", " : "") << "{\"size\": " << r.size << ", \"poseidon_bytes_per_s\": "
-          << r.psd_bps << ", \"raw_bytes_per_s\": " << r.raw_bps
+      out << (i ? ", " : "") << "{\"size\": " << r.size
+          << ", \"poseidon_bytes_per_s\": " << r.psd_bps << ", \"raw_bytes_per_s\": " << r.raw_bps
           << ", \"poseidon_rtt_s\": " << r.psd_rtt << ", \"raw_rtt_s\": " << r.raw_rtt << "}";
     }
     out << "]}\n";

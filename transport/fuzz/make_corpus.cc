@@ -16,7 +16,8 @@ using namespace poseidon::transport;
 
 void Write(const std::string& path, const std::vector<std::byte>& bytes) {
   std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
 }
 
 void AppendFrame(std::vector<std::byte>& out, const OutFrame& f) {

@@ -130,7 +130,7 @@ struct Direction {
     DoneCallback done;
     bool header_delivered = false;
   };
-  enum class ReadState { kIdle, kWaitHeader, kAwaitPayload, kWaitPayload };
+  enum class ReadState { kIdle, kWaitHeader, kAwaitPayload, kWaitPayload, kCopying };
 
   std::deque<InFrame> frames;
   ReadState read_state = ReadState::kIdle;
@@ -173,10 +173,10 @@ class InprocConnection final : public Connection,
       return;
     }
     if (header.payload_length > ctx_->options.limits.max_payload_bytes) {
-      Post(std::move(done), absl::ResourceExhaustedError(absl::StrCat(
-                                "payload of ", header.payload_length,
-                                " bytes exceeds the maximum of ",
-                                ctx_->options.limits.max_payload_bytes)));
+      Post(std::move(done),
+           absl::ResourceExhaustedError(absl::StrCat("payload of ", header.payload_length,
+                                                     " bytes exceeds the maximum of ",
+                                                     ctx_->options.limits.max_payload_bytes)));
       return;
     }
     if (ctx_->options.payload_checksums) {
@@ -265,8 +265,8 @@ class InprocConnection final : public Connection,
     for (int d = 0; d < 2; ++d) {
       Direction& dir = pipe_->dirs[d];
       // Messages name the side that reads them.
-      const absl::Status error = absl::UnavailableError(
-          absl::StrCat("connection closed (", reason.message(), ")"));
+      const absl::Status error =
+          absl::UnavailableError(absl::StrCat("connection closed (", reason.message(), ")"));
       for (auto& frame : dir.frames) {
         tasks.push_back([done = std::move(frame.done), error]() mutable { done(error); });
       }
@@ -284,9 +284,8 @@ class InprocConnection final : public Connection,
 
  private:
   absl::Status ClosedError() const {
-    return absl::UnavailableError(
-        absl::StrCat("connection to ", PeerAddress(), " is closed: ",
-                     pipe_->close_reason.message()));
+    return absl::UnavailableError(absl::StrCat("connection to ", PeerAddress(),
+                                               " is closed: ", pipe_->close_reason.message()));
   }
 
   void Post(DoneCallback done, absl::Status status) {
@@ -315,7 +314,9 @@ class InprocConnection final : public Connection,
     TryDeliverTo(lock, pipe_->dirs[side_]);
   }
 
-  void TryDeliver(std::unique_lock<std::mutex>& lock) { TryDeliverTo(lock, pipe_->dirs[1 - side_]); }
+  void TryDeliver(std::unique_lock<std::mutex>& lock) {
+    TryDeliverTo(lock, pipe_->dirs[1 - side_]);
+  }
 
   // Matches the reader of `dir` with the frame at its head. Unlocks `lock`.
   void TryDeliverTo(std::unique_lock<std::mutex>& lock, Direction& dir) {
@@ -340,12 +341,12 @@ class InprocConnection final : public Connection,
       } else {
         dir.read_state = Direction::ReadState::kAwaitPayload;
       }
-      tasks.push_back([done = std::move(done), h = std::move(header)]() mutable {
-        done(std::move(h));
-      });
+      tasks.push_back(
+          [done = std::move(done), h = std::move(header)]() mutable { done(std::move(h)); });
     } else if (!dir.frames.empty() && dir.read_state == Direction::ReadState::kWaitPayload) {
       Direction::InFrame frame = std::move(dir.frames.front());
       dir.frames.pop_front();
+      dir.read_state = Direction::ReadState::kCopying;  // until the copy task has run
       MutableBuffer into = dir.into;
       const bool discard = dir.discard;
       auto done = std::move(dir.payload_done);
@@ -358,7 +359,8 @@ class InprocConnection final : public Connection,
             if (!b.empty()) std::memcpy(into.data() + offset, b.data(), b.size());
             offset += b.size();
           }
-          if (!frame.owned.empty()) std::memcpy(into.data(), frame.owned.data(), frame.owned.size());
+          if (!frame.owned.empty())
+            std::memcpy(into.data(), frame.owned.data(), frame.owned.size());
         }
         {
           std::lock_guard<std::mutex> l(self->pipe_->mu);
@@ -382,7 +384,8 @@ class InprocConnection final : public Connection,
     }
     if (in.read_state != Direction::ReadState::kAwaitPayload || in.frames.empty()) {
       lock.unlock();
-      Post(std::move(done), absl::FailedPreconditionError("no frame payload is waiting to be read"));
+      Post(std::move(done),
+           absl::FailedPreconditionError("no frame payload is waiting to be read"));
       return;
     }
     const auto header = DecodeHeader(in.frames.front().header, ctx_->options.limits);
@@ -394,8 +397,7 @@ class InprocConnection final : public Connection,
       return;
     }
     frames_received_.fetch_add(1, std::memory_order_relaxed);
-    bytes_received_.fetch_add(kFrameHeaderSize + header->payload_length,
-                              std::memory_order_relaxed);
+    bytes_received_.fetch_add(kFrameHeaderSize + header->payload_length, std::memory_order_relaxed);
     in.read_state = Direction::ReadState::kWaitPayload;
     in.into = into;
     in.discard = discard;
@@ -412,8 +414,8 @@ class InprocConnection final : public Connection,
         return;
       }
     }
-    const absl::Status status = absl::DeadlineExceededError(absl::StrCat(
-        "no frame from ", PeerAddress(), " within ", absl::FormatDuration(timeout)));
+    const absl::Status status = absl::DeadlineExceededError(
+        absl::StrCat("no frame from ", PeerAddress(), " within ", absl::FormatDuration(timeout)));
     PSD_LOG_WARN("closing connection from {}: {}", PeerAddress(), status.message());
     CloseWithReaderStatus(status);
   }
@@ -450,9 +452,8 @@ class InprocListener final : public Listener, public std::enable_shared_from_thi
     std::unique_lock<std::mutex> lock(mu_);
     if (closed_) {
       lock.unlock();
-      ctx_->executor.Post([done = std::move(done)]() mutable {
-        done(absl::CancelledError("listener closed"));
-      });
+      ctx_->executor.Post(
+          [done = std::move(done)]() mutable { done(absl::CancelledError("listener closed")); });
       return;
     }
     if (!backlog_.empty()) {
@@ -479,9 +480,8 @@ class InprocListener final : public Listener, public std::enable_shared_from_thi
     }
     for (auto& conn : backlog) conn->Close();
     for (auto& done : waiting) {
-      ctx_->executor.Post([done = std::move(done)]() mutable {
-        done(absl::CancelledError("listener closed"));
-      });
+      ctx_->executor.Post(
+          [done = std::move(done)]() mutable { done(absl::CancelledError("listener closed")); });
     }
   }
 

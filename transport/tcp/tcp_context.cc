@@ -23,14 +23,20 @@ namespace asio = boost::asio;
 using asio::ip::tcp;
 using ErrorCode = boost::system::error_code;
 
-std::chrono::nanoseconds ToChrono(absl::Duration d) { return absl::ToChronoNanoseconds(d); }
+using SteadyClock = std::chrono::steady_clock;
+constexpr SteadyClock::time_point kNever = SteadyClock::time_point::max();
+
+// Saturating conversion: a huge duration means "a year", never an overflow.
+std::chrono::nanoseconds ToChrono(absl::Duration d) {
+  if (d >= absl::Hours(24 * 365)) return std::chrono::hours(24 * 365);
+  return absl::ToChronoNanoseconds(d);
+}
 
 // Parses "host:port" or "[v6]:port".
 absl::Status SplitHostPort(absl::string_view address, std::string* host, std::string* port) {
   const size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos || colon + 1 == address.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("address '", address, "' is not host:port"));
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is not host:port"));
   }
   absl::string_view h = address.substr(0, colon);
   absl::string_view p = address.substr(colon + 1);
@@ -63,7 +69,8 @@ class Closeable {
 // connection kept by a user after the context is closed still has a valid executor.
 class IoService {
  public:
-  IoService(const TcpOptions& options) : options_(options), work_(asio::make_work_guard(io_)) {}
+  explicit IoService(const TcpOptions& options)
+      : options_(options), io_(options.io_threads), work_(asio::make_work_guard(io_)) {}
 
   void Start() {
     for (int i = 0; i < options_.io_threads; ++i) {
@@ -122,8 +129,7 @@ void ConfigureSocket(tcp::socket& socket, const TcpOptions& options) {
   socket.set_option(asio::socket_base::keep_alive(true), ignored);
   if (options.socket_buffer_bytes > 0) {
     socket.set_option(asio::socket_base::send_buffer_size(options.socket_buffer_bytes), ignored);
-    socket.set_option(asio::socket_base::receive_buffer_size(options.socket_buffer_bytes),
-                      ignored);
+    socket.set_option(asio::socket_base::receive_buffer_size(options.socket_buffer_bytes), ignored);
   }
 }
 
@@ -148,8 +154,9 @@ class TcpConnection final : public Connection,
     const size_t total = TotalSize(payload);
     absl::Status invalid;
     if (total != header.payload_length) {
-      invalid = absl::InvalidArgumentError(absl::StrCat(
-          "payload buffers hold ", total, " bytes but the header declares ", header.payload_length));
+      invalid = absl::InvalidArgumentError(absl::StrCat("payload buffers hold ", total,
+                                                        " bytes but the header declares ",
+                                                        header.payload_length));
     } else if (header.payload_length > service_->options().limits.max_payload_bytes) {
       invalid = absl::ResourceExhaustedError(
           absl::StrCat("payload of ", header.payload_length, " bytes exceeds the maximum of ",
@@ -243,8 +250,8 @@ class TcpConnection final : public Connection,
   // ---- writing (strand only) ----
   void Enqueue(PendingSend op) {
     if (closed_) {
-      op.done(absl::UnavailableError(absl::StrCat("connection to ", peer_, " is closed: ",
-                                                  close_reason_.message())));
+      op.done(absl::UnavailableError(
+          absl::StrCat("connection to ", peer_, " is closed: ", close_reason_.message())));
       return;
     }
     send_queue_.push_back(std::move(op));
@@ -272,11 +279,11 @@ class TcpConnection final : public Connection,
       ++batch_frames_;
     }
     writing_ = true;
-    asio::async_write(socket_, write_buffers_,
-                      asio::bind_executor(strand_, [self = shared_from_this()](
-                                                       const ErrorCode& ec, size_t n) {
-                        self->OnWrite(ec, n);
-                      }));
+    asio::async_write(
+        socket_, write_buffers_,
+        asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec, size_t n) {
+          self->OnWrite(ec, n);
+        }));
   }
 
   void OnWrite(const ErrorCode& ec, size_t n) {
@@ -324,8 +331,9 @@ class TcpConnection final : public Connection,
     header_done_ = std::move(done);
     header_got_ = 0;
     if (timeout != absl::InfiniteDuration()) {
-      ArmTimer(timeout, absl::StrCat("no frame from ", peer_, " within ",
-                                     absl::FormatDuration(timeout)));
+      user_timeout_ = timeout;
+      user_deadline_ = SteadyClock::now() + ToChrono(timeout);
+      UpdateWatchdog();
     }
     ReadSomeHeader();
   }
@@ -348,22 +356,20 @@ class TcpConnection final : public Connection,
     header_got_ += n;
     if (header_got_ < kFrameHeaderSize) {
       if (first_bytes) {
-        ArmTimer(service_->options().header_timeout,
-                 absl::StrCat("partial frame header from ", peer_, " stalled for ",
-                              absl::FormatDuration(service_->options().header_timeout),
-                              " (", header_got_, " of ", kFrameHeaderSize, " bytes)"));
+        header_deadline_ = SteadyClock::now() + ToChrono(service_->options().header_timeout);
+        UpdateWatchdog();
       }
       ReadSomeHeader();
       return;
     }
-    DisarmTimer();
+    header_deadline_ = kNever;
+    user_deadline_ = kNever;
     auto header = DecodeHeader(header_buf_, service_->options().limits);
     auto done = std::move(header_done_);
     if (!header.ok()) {
       read_state_ = ReadState::kIdle;
-      const absl::Status status(header.status().code(),
-                                absl::StrCat("bad frame from ", peer_, ": ",
-                                             header.status().message()));
+      const absl::Status status(header.status().code(), absl::StrCat("bad frame from ", peer_, ": ",
+                                                                     header.status().message()));
       FailConnection(status, /*notify_peer=*/true);
       done(status);
       return;
@@ -400,15 +406,20 @@ class TcpConnection final : public Connection,
     payload_got_ = 0;
     payload_crc_ = 0;
     if (discard && scratch_.empty()) scratch_.resize(64 * 1024);
-    ArmPayloadTimer();
+    last_progress_ = SteadyClock::now();
+    UpdateWatchdog();
+    // For a large payload, wake up only once a good slice has arrived (SO_RCVLOWAT): far fewer
+    // wake-ups and larger copies per read, as a blocking reader gets from the kernel.
+    if (pending_header_.payload_length >= 2 * kReceiveLowWatermark) {
+      SetReceiveLowWatermark(kReceiveLowWatermark);
+    }
     ReadSomePayload();
   }
 
-  void ArmPayloadTimer() {
-    ArmTimer(service_->options().payload_idle_timeout,
-             absl::StrCat("frame payload from ", peer_, " made no progress for ",
-                          absl::FormatDuration(service_->options().payload_idle_timeout), " (",
-                          payload_got_, " of ", pending_header_.payload_length, " bytes)"));
+  void SetReceiveLowWatermark(int bytes) {
+    ErrorCode ignored;
+    socket_.set_option(asio::socket_base::receive_low_watermark(bytes), ignored);
+    rcv_lowat_ = static_cast<uint64_t>(bytes);
   }
 
   void ReadSomePayload() {
@@ -438,11 +449,13 @@ class TcpConnection final : public Connection,
     }
     payload_got_ += n;
     if (payload_got_ < pending_header_.payload_length) {
-      ArmPayloadTimer();
+      last_progress_ = SteadyClock::now();
+      const uint64_t remaining = pending_header_.payload_length - payload_got_;
+      if (remaining < rcv_lowat_) SetReceiveLowWatermark(static_cast<int>(remaining));
       ReadSomePayload();
       return;
     }
-    DisarmTimer();
+    if (rcv_lowat_ != 1) SetReceiveLowWatermark(1);
     read_state_ = ReadState::kIdle;
     auto done = std::move(payload_done_);
     if (verify && payload_crc_ != pending_header_.payload_checksum) {
@@ -463,14 +476,13 @@ class TcpConnection final : public Connection,
       status = ClosedError();
     } else if (ec == asio::error::eof) {
       if (read_state_ == ReadState::kHeader && header_got_ > 0) {
-        status = absl::UnavailableError(absl::StrCat("connection closed by peer ", peer_,
-                                                     " in the middle of a frame header (",
-                                                     header_got_, " of ", kFrameHeaderSize,
-                                                     " bytes)"));
+        status = absl::UnavailableError(
+            absl::StrCat("connection closed by peer ", peer_, " in the middle of a frame header (",
+                         header_got_, " of ", kFrameHeaderSize, " bytes)"));
       } else if (read_state_ == ReadState::kPayload) {
-        status = absl::UnavailableError(absl::StrCat(
-            "connection closed by peer ", peer_, " in the middle of a frame payload (",
-            payload_got_, " of ", pending_header_.payload_length, " bytes)"));
+        status = absl::UnavailableError(
+            absl::StrCat("connection closed by peer ", peer_, " in the middle of a frame payload (",
+                         payload_got_, " of ", pending_header_.payload_length, " bytes)"));
       } else {
         status = absl::UnavailableError(absl::StrCat("connection closed by peer ", peer_));
       }
@@ -479,8 +491,8 @@ class TcpConnection final : public Connection,
     }
     const ReadState state = read_state_;
     read_state_ = ReadState::kIdle;
-    const bool mid_frame = (state == ReadState::kHeader && header_got_ > 0) ||
-                           state == ReadState::kPayload;
+    const bool mid_frame =
+        (state == ReadState::kHeader && header_got_ > 0) || state == ReadState::kPayload;
     if (timer_fired_ || (mid_frame && !closed_)) {
       PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
     }
@@ -494,26 +506,66 @@ class TcpConnection final : public Connection,
     }
   }
 
-  // ---- timer (strand only); generation numbers make a stale expiry harmless ----
-  void ArmTimer(absl::Duration d, std::string reason) {
-    const uint64_t generation = ++timer_generation_;
-    timeout_reason_ = std::move(reason);
-    timer_.expires_after(ToChrono(d));
-    timer_.async_wait([self = shared_from_this(), generation](const ErrorCode& ec) {
-      if (ec || generation != self->timer_generation_ || self->closed_) return;
-      self->timer_fired_ = true;
-      ErrorCode ignored;
-      self->socket_.cancel(ignored);
-      if (self->read_state_ == ReadState::kIdle) {
-        PSD_LOG_WARN("closing connection from {}: {}", self->peer_, self->timeout_reason_);
-        self->DoClose(absl::DeadlineExceededError(self->timeout_reason_));
-      }
+  // ---- watchdog (strand only) ----
+  // One timer serves every deadline of the connection: a header wait with a caller's timeout,
+  // a partial header that must complete, a payload that must keep progressing, an error frame
+  // that must flush. It is armed for the earliest active deadline and re-armed only when that
+  // moves earlier, so steady-state traffic costs no timer operations at all.
+  SteadyClock::time_point NextDeadline() const {
+    SteadyClock::time_point next = kNever;
+    if (read_state_ == ReadState::kHeader) next = std::min({next, user_deadline_, header_deadline_});
+    if (read_state_ == ReadState::kPayload) {
+      next = std::min(next, last_progress_ + ToChrono(service_->options().payload_idle_timeout));
+    }
+    if (close_after_flush_) next = std::min(next, flush_deadline_);
+    return next;
+  }
+
+  void UpdateWatchdog() {
+    const SteadyClock::time_point next = NextDeadline();
+    if (next == kNever || (watchdog_armed_ && watchdog_at_ <= next)) return;
+    watchdog_armed_ = true;
+    watchdog_at_ = next;
+    const uint64_t generation = ++watchdog_generation_;
+    timer_.expires_at(next);
+    // A weak reference: a pending deadline must not keep an abandoned connection alive.
+    timer_.async_wait([weak = weak_from_this(), generation](const ErrorCode& ec) {
+      auto self = weak.lock();
+      if (ec || !self || generation != self->watchdog_generation_) return;
+      self->watchdog_armed_ = false;
+      self->OnWatchdog();
     });
   }
 
-  void DisarmTimer() {
-    ++timer_generation_;
-    timer_.cancel();
+  void OnWatchdog() {
+    if (closed_) return;
+    const auto now = SteadyClock::now();
+    std::string reason;
+    if (close_after_flush_ && now >= flush_deadline_) {
+      DoClose(close_reason_);
+      return;
+    }
+    if (read_state_ == ReadState::kHeader && now >= user_deadline_) {
+      reason = absl::StrCat("no frame from ", peer_, " within ",
+                            absl::FormatDuration(user_timeout_));
+    } else if (read_state_ == ReadState::kHeader && now >= header_deadline_) {
+      reason = absl::StrCat("partial frame header from ", peer_, " stalled for ",
+                            absl::FormatDuration(service_->options().header_timeout), " (",
+                            header_got_, " of ", kFrameHeaderSize, " bytes)");
+    } else if (read_state_ == ReadState::kPayload &&
+               now >= last_progress_ + ToChrono(service_->options().payload_idle_timeout)) {
+      reason = absl::StrCat("frame payload from ", peer_, " made no progress for ",
+                            absl::FormatDuration(service_->options().payload_idle_timeout), " (",
+                            payload_got_, " of ", pending_header_.payload_length, " bytes)");
+    }
+    if (reason.empty()) {
+      UpdateWatchdog();  // a deadline moved later (progress was made): wait for it
+      return;
+    }
+    timer_fired_ = true;
+    timeout_reason_ = std::move(reason);
+    ErrorCode ignored;
+    socket_.cancel(ignored);  // the outstanding read fails and reports timeout_reason_
   }
 
   // ---- closing (strand only) ----
@@ -541,12 +593,8 @@ class TcpConnection final : public Connection,
     send_queue_.push_back(std::move(op));
     if (!writing_) StartWrite();
     // A peer that does not read must not keep the connection open.
-    const uint64_t generation = ++timer_generation_;
-    timer_.expires_after(std::chrono::seconds(1));
-    timer_.async_wait([self = shared_from_this(), generation](const ErrorCode& ec) {
-      if (ec || generation != self->timer_generation_) return;
-      self->DoClose(self->close_reason_);
-    });
+    flush_deadline_ = SteadyClock::now() + std::chrono::seconds(1);
+    UpdateWatchdog();
   }
 
   void DoClose(const absl::Status& reason) {
@@ -556,7 +604,7 @@ class TcpConnection final : public Connection,
     ErrorCode ignored;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
-    ++timer_generation_;
+    ++watchdog_generation_;
     timer_.cancel();
     // With a write in flight, OnWrite sees the error and fails the queue.
     if (!writing_) FailQueuedSends();
@@ -601,10 +649,19 @@ class TcpConnection final : public Connection,
   MutableBuffer payload_into_;
   bool payload_discard_ = false;
   uint64_t payload_got_ = 0;
+  uint64_t rcv_lowat_ = 1;
+  static constexpr int kReceiveLowWatermark = 256 * 1024;
   uint32_t payload_crc_ = 0;
   std::vector<std::byte> scratch_;
 
-  uint64_t timer_generation_ = 0;
+  bool watchdog_armed_ = false;
+  SteadyClock::time_point watchdog_at_ = kNever;
+  uint64_t watchdog_generation_ = 0;
+  SteadyClock::time_point user_deadline_ = kNever;
+  absl::Duration user_timeout_;
+  SteadyClock::time_point header_deadline_ = kNever;
+  SteadyClock::time_point last_progress_{};
+  SteadyClock::time_point flush_deadline_ = kNever;
   bool timer_fired_ = false;
   std::string timeout_reason_;
 
@@ -719,8 +776,7 @@ class TcpContext final : public Context {
     tcp::resolver resolver(service_->io());
     auto endpoints = resolver.resolve(host, port, ec);
     if (ec || endpoints.empty()) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot resolve '", address, "': ", ec.message()));
+      return absl::UnavailableError(absl::StrCat("cannot resolve '", address, "': ", ec.message()));
     }
     struct State {
       explicit State(asio::io_context& io)
@@ -735,16 +791,15 @@ class TcpContext final : public Context {
     auto future = state->result.get_future();
     const std::string addr(address);
     asio::post(state->strand, [state, endpoints, timeout, addr] {
-      asio::async_connect(state->socket, endpoints,
-                          [state, addr](const ErrorCode& e, const tcp::endpoint&) {
-                            if (state->finished) return;
-                            state->finished = true;
-                            state->timer.cancel();
-                            state->result.set_value(
-                                e ? absl::UnavailableError(
-                                        absl::StrCat("connect to ", addr, " failed: ", e.message()))
-                                  : absl::OkStatus());
-                          });
+      asio::async_connect(
+          state->socket, endpoints, [state, addr](const ErrorCode& e, const tcp::endpoint&) {
+            if (state->finished) return;
+            state->finished = true;
+            state->timer.cancel();
+            state->result.set_value(e ? absl::UnavailableError(absl::StrCat(
+                                            "connect to ", addr, " failed: ", e.message()))
+                                      : absl::OkStatus());
+          });
       state->timer.expires_after(ToChrono(timeout));
       state->timer.async_wait([state, addr, timeout](const ErrorCode& e) {
         if (e || state->finished) return;
