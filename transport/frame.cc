@@ -49,6 +49,10 @@ bool IsKnownFrameType(uint8_t value) {
     case FrameType::kAuth:
     case FrameType::kAuthOk:
     case FrameType::kError:
+    case FrameType::kRegisterTables:
+    case FrameType::kRegisterTablesAck:
+    case FrameType::kCheckpoint:
+    case FrameType::kCheckpointAck:
     case FrameType::kPush:
     case FrameType::kPushAck:
     case FrameType::kPull:
@@ -74,6 +78,14 @@ absl::string_view FrameTypeName(FrameType type) {
       return "auth-ok";
     case FrameType::kError:
       return "error";
+    case FrameType::kRegisterTables:
+      return "register-tables";
+    case FrameType::kRegisterTablesAck:
+      return "register-tables-ack";
+    case FrameType::kCheckpoint:
+      return "checkpoint";
+    case FrameType::kCheckpointAck:
+      return "checkpoint-ack";
     case FrameType::kPush:
       return "push";
     case FrameType::kPushAck:

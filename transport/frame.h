@@ -26,8 +26,15 @@ enum class FrameType : uint8_t {
   kChallenge = 2,
   kAuth = 3,
   kAuthOk = 4,
-  // The peer is told why it is being disconnected; payload is a UTF-8 message.
+  // The peer is told why its request failed or why it is being disconnected; payload is a
+  // UTF-8 message, key the absl::StatusCode, sequence the failed request's.
   kError = 5,
+  // KV server control: table registration (payload: poseidon.v1.RegisterTablesRequest) and
+  // checkpoint requests, each answered by its ack or an ERROR.
+  kRegisterTables = 6,
+  kRegisterTablesAck = 7,
+  kCheckpoint = 8,
+  kCheckpointAck = 9,
   // Parameter-server data plane (push gradients, pull results).
   kPush = 16,
   kPushAck = 17,
@@ -49,8 +56,9 @@ absl::string_view FrameTypeName(FrameType type);
 enum FrameFlag : uint8_t {
   kFlagPayloadChecksum = 1u << 0,  // payload_checksum holds the CRC-32C of the payload
   kFlagLast = 1u << 1,             // last chunk of a tensor (application-defined use)
+  kFlagInit = 1u << 2,             // a push that sets a key's initial value (rank 0, once)
 };
-inline constexpr uint8_t kKnownFrameFlags = kFlagPayloadChecksum | kFlagLast;
+inline constexpr uint8_t kKnownFrameFlags = kFlagPayloadChecksum | kFlagLast | kFlagInit;
 
 struct FrameHeader {
   FrameType type = FrameType::kData;

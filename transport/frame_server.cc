@@ -5,6 +5,28 @@
 
 namespace poseidon::transport {
 
+void PeerSession::PauseReading() {
+  std::lock_guard<std::mutex> lock(pause_mu_);
+  pause_requested_ = true;
+}
+
+void PeerSession::ResumeReading() {
+  {
+    std::lock_guard<std::mutex> lock(pause_mu_);
+    pause_requested_ = false;
+    if (!parked_) return;
+    parked_ = false;
+  }
+  if (auto server = server_.lock()) server->ReadNext(shared_from_this());
+}
+
+bool PeerSession::ParkIfPaused() {
+  std::lock_guard<std::mutex> lock(pause_mu_);
+  if (!pause_requested_) return false;
+  parked_ = true;
+  return true;
+}
+
 FrameServer::FrameServer(std::shared_ptr<Listener> listener,
                          std::shared_ptr<const SecretStore> secrets,
                          std::shared_ptr<FrameHandler> handler, FrameServerOptions options)
@@ -95,7 +117,7 @@ void FrameServer::OnAccepted(std::shared_ptr<Connection> conn) {
                       return;
                     }
                     self->authenticated_.fetch_add(1);
-                    auto peer = std::make_shared<PeerSession>(conn, *identity);
+                    auto peer = std::make_shared<PeerSession>(conn, *identity, weak);
                     self->ReadNext(peer);
                   });
 }
@@ -162,7 +184,7 @@ void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
     if (header->payload_length == 0) {
       self->frames_.fetch_add(1);
       self->handler_->OnFrame(peer, *header, {});
-      self->ReadNext(peer);
+      if (!peer->ParkIfPaused()) self->ReadNext(peer);
       return;
     }
     auto on_payload = [weak, peer, conn, h = *header,
@@ -176,7 +198,7 @@ void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
       }
       self->frames_.fetch_add(1);
       self->handler_->OnFrame(peer, h, buffer);
-      self->ReadNext(peer);
+      if (!peer->ParkIfPaused()) self->ReadNext(peer);
     };
     if (target->discard) {
       conn->DiscardPayload(std::move(on_payload));

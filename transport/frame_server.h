@@ -20,19 +20,44 @@
 
 namespace poseidon::transport {
 
+class FrameServer;
+
 // One authenticated peer.
-class PeerSession {
+class PeerSession : public std::enable_shared_from_this<PeerSession> {
  public:
-  PeerSession(std::shared_ptr<Connection> connection, PeerIdentity identity)
-      : connection_(std::move(connection)), identity_(identity) {}
+  PeerSession(std::shared_ptr<Connection> connection, PeerIdentity identity,
+              std::weak_ptr<FrameServer> server = {})
+      : connection_(std::move(connection)), identity_(identity), server_(std::move(server)) {}
   const PeerIdentity& identity() const { return identity_; }
   Connection& connection() const { return *connection_; }
   const std::shared_ptr<Connection>& shared_connection() const { return connection_; }
   std::string address() const { return connection_->PeerAddress(); }
 
+  // Back-pressure. PauseReading (from any thread, typically inside OnFrame) stops the server from
+  // reading this peer's next frame once the current OnFrame returns; ResumeReading (any thread)
+  // starts it again. The peer's frames then wait in its socket, throttling the peer.
+  void PauseReading();
+  void ResumeReading();
+
+  // One slot of handler-owned state per peer (set and read by the handler; its own locking).
+  void set_handler_state(std::shared_ptr<void> state) { handler_state_ = std::move(state); }
+  template <typename T>
+  std::shared_ptr<T> handler_state() const {
+    return std::static_pointer_cast<T>(handler_state_);
+  }
+
  private:
+  friend class FrameServer;
+  // Called by the server after OnFrame: true when reading must wait for ResumeReading.
+  bool ParkIfPaused();
+
   std::shared_ptr<Connection> connection_;
   PeerIdentity identity_;
+  std::weak_ptr<FrameServer> server_;
+  std::shared_ptr<void> handler_state_;
+  std::mutex pause_mu_;
+  bool pause_requested_ = false;
+  bool parked_ = false;
 };
 
 // Where a frame's payload goes.
@@ -86,6 +111,7 @@ class FrameServer : public std::enable_shared_from_this<FrameServer> {
   FrameServerStats Stats() const;
 
  private:
+  friend class PeerSession;
   void AcceptNext();
   void OnAccepted(std::shared_ptr<Connection> conn);
   void ReadNext(const std::shared_ptr<PeerSession>& peer);

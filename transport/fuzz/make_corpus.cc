@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   }
   const std::string dir = argv[1];
   int n = 0;
-  for (uint8_t type : {1, 2, 3, 4, 5, 16, 17, 18, 19, 20, 32, 33, 48}) {
+  for (uint8_t type : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 18, 19, 20, 32, 33, 48}) {
     for (uint64_t len : {uint64_t{0}, uint64_t{32}, uint64_t{4096}, uint64_t{1} << 31}) {
       FrameHeader h;
       h.type = static_cast<FrameType>(type);

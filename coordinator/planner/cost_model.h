@@ -1,0 +1,82 @@
+// HybComm's cost model (DESIGN.md, "HybComm: the cost model"): how many bytes one layer moves per
+// iteration under parameter-server (PS) and sufficient-factor broadcasting (SFB), and the rule that
+// picks between them. Thread-safety: pure functions of their arguments, safe from any thread.
+#pragma once
+
+// The table, for P1 workers, P2 servers, per-worker batch K and a layer of S parameters (an FC
+// layer has S = M·N), in elements per iteration (bytes = elements × element size):
+//
+//   scheme | per server   | per worker        | per machine, servers colocated with workers
+//   PS     | 2·P1·S/P2    | 2·S               | 2·S·(P1+P2−2)/P2
+//   SFB    | 0            | 2·K·(P1−1)·(M+N)  | 2·K·(P1−1)·(M+N)
+//
+// PS: each worker pushes its S-element gradient and pulls S elements back (2·S); the servers share
+// the layer evenly, so each receives S/P2 from every worker and sends S/P2 back to each (2·P1·S/P2).
+// On a machine that hosts one worker and one server, the worker's 1/P2 share to its own server and
+// that server's traffic with its own worker stay local: 2·S·(P2−1)/P2 + 2·S·(P1−1)/P2.
+// SFB: each worker sends its K pairs of factors (u ∈ R^M, v ∈ R^N) to each of the P1−1 other
+// workers and receives theirs; no server is involved, so a machine moves what its worker moves.
+//
+// The selection rule (Poseidon's): an FC layer uses SFB when its SFB cost is at most its PS cost,
+// where the two numbers compared are those of the busiest link that differs between the schemes,
+// the network interface of one worker machine:
+//   - colocated:     SFB per worker  2·K·(P1−1)·(M+N)  <=  PS per machine  2·M·N·(P1+P2−2)/P2
+//   - not colocated: SFB per worker  2·K·(P1−1)·(M+N)  <=  PS per worker   2·M·N
+// (not colocated, the servers' interfaces carry PS traffic too, but SFB never touches them, so a
+// worker's own interface is the only place where the two schemes compete). The comparison is made
+// exactly in integers, colocated multiplied through by P2, so boundary cases (equality) are
+// decided exactly. With P1 = P2 = P colocated it is K·(P−1)·(M+N) <= M·N·2·(P−1)/P, i.e. (for
+// P > 1) P <= 2·M·N / (K·(M+N)); for fc7 of VGG (4096×4096) at K = 32 that is P <= 128. With a
+// single worker SFB moves nothing and is chosen. Every other kind (conv, bias, other) uses PS.
+
+#include <cstdint>
+#include <optional>
+
+#include "poseidon/v1/model.pb.h"
+#include "poseidon/v1/plan.pb.h"
+
+namespace poseidon::planner {
+
+// The cluster as the cost model sees it.
+struct ClusterShape {
+  uint32_t workers = 1;           // P1
+  uint32_t servers = 1;           // P2
+  uint32_t batch_per_worker = 1;  // K
+  bool colocated = false;         // every worker machine also runs a server
+};
+
+// Numbers moved per iteration by one scheme for one layer (elements or bytes, as stated).
+struct SchemeVolume {
+  double per_worker = 0;
+  double per_server = 0;
+  // Through the interface of one machine hosting a worker and a server (colocated clusters).
+  double per_machine = 0;
+};
+
+// PS volume of a layer with `parameters` elements, in elements.
+SchemeVolume PsElements(uint64_t parameters, const ClusterShape& cluster);
+
+// SFB volume of an M×N FC layer, in elements.
+SchemeVolume SfbElements(uint64_t m, uint64_t n, const ClusterShape& cluster);
+
+// The rule above for an M×N FC layer: true when SFB costs at most as much as PS.
+bool SfbNoCostlierThanPs(uint64_t m, uint64_t n, const ClusterShape& cluster);
+
+// The volume the selection rule compares: per machine when colocated, per worker otherwise.
+double ComparedVolume(const SchemeVolume& volume, bool colocated);
+
+// One layer's costs under both schemes, in bytes, and the scheme the rule picks.
+struct LayerCost {
+  uint64_t parameters = 0;
+  uint64_t element_bytes = 0;
+  SchemeVolume ps_bytes;
+  std::optional<SchemeVolume> sfb_bytes;  // FC layers only
+  poseidon::v1::SyncScheme scheme = poseidon::v1::SYNC_SCHEME_PS;
+};
+
+// The cost of a layer that ValidateModelSpec accepted (shape non-empty, FC exactly [M, N]) with a
+// known element size.
+LayerCost CostOfLayer(const poseidon::v1::LayerSpec& layer, uint64_t element_bytes,
+                      const ClusterShape& cluster);
+
+}  // namespace poseidon::planner

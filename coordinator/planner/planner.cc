@@ -1,0 +1,192 @@
+#include "coordinator/planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "coordinator/planner/model_spec.h"
+#include "coordinator/planner/partition.h"
+
+namespace poseidon::planner {
+
+using poseidon::v1::LayerSpec;
+using poseidon::v1::ModelSpec;
+
+absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
+  if (config.workers < 1 || config.workers > kMaxWorkers) {
+    return absl::InvalidArgumentError(absl::StrCat("workers (P1) must be in [1, ", kMaxWorkers,
+                                                   "], got ", config.workers));
+  }
+  if (config.servers < 1 || config.servers > kMaxServers) {
+    return absl::InvalidArgumentError(absl::StrCat("servers (P2) must be in [1, ", kMaxServers,
+                                                   "], got ", config.servers));
+  }
+  if (config.batch_per_worker > kMaxBatchPerWorker) {
+    return absl::InvalidArgumentError(absl::StrCat("batch_per_worker (K) must be in [1, ",
+                                                   kMaxBatchPerWorker, "], got ",
+                                                   config.batch_per_worker));
+  }
+  if (!(config.bandwidth_bytes_per_second > 0) || !std::isfinite(config.bandwidth_bytes_per_second)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bandwidth must be a finite number of bytes/s > 0, got ", config.bandwidth_bytes_per_second));
+  }
+  if (!(config.latency_seconds >= 0) || !std::isfinite(config.latency_seconds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("latency must be a finite number of seconds >= 0, got ", config.latency_seconds));
+  }
+  if (config.block_bytes < 1) {
+    return absl::InvalidArgumentError("block_size must be at least 1 byte, got 0");
+  }
+  if (config.gpu.has_value() &&
+      (!(config.gpu->flops_per_second > 0) || !std::isfinite(config.gpu->flops_per_second))) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu '", config.gpu->name,
+                                                   "': rate must be a finite FLOP/s > 0, got ",
+                                                   config.gpu->flops_per_second));
+  }
+  if (!config.server_node_ids.empty() && config.server_node_ids.size() != config.servers) {
+    return absl::InvalidArgumentError(absl::StrCat("server_node_ids has ",
+                                                   config.server_node_ids.size(),
+                                                   " entries for ", config.servers, " servers"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// A byte count from the cost model's double, clamped to uint64.
+uint64_t ToBytes(double bytes) {
+  if (!(bytes > 0)) return 0;
+  if (bytes >= 18446744073709551616.0) return std::numeric_limits<uint64_t>::max();  // 2^64
+  return static_cast<uint64_t>(bytes + 0.5);
+}
+
+// Adds one layer's bytes under `scheme` to `totals`.
+void Accumulate(const LayerCost& cost, poseidon::v1::SyncScheme scheme, double seconds,
+                bool colocated, SchemeTotals& totals) {
+  const SchemeVolume& volume =
+      scheme == poseidon::v1::SYNC_SCHEME_SFB ? *cost.sfb_bytes : cost.ps_bytes;
+  totals.bytes_per_worker += volume.per_worker;
+  totals.bytes_per_server += volume.per_server;
+  totals.bytes_per_machine += volume.per_machine;
+  totals.compared_bytes += ComparedVolume(volume, colocated);
+  totals.sync_seconds += seconds;
+}
+
+// Fills totals.iteration and totals.speedup from per-layer compute and sync times.
+void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t workers,
+             SchemeTotals& totals) {
+  std::vector<LayerTiming> timings;
+  timings.reserve(layers.size());
+  for (const LayerReport& layer : layers) {
+    timings.push_back(LayerTiming{layer.compute->forward, layer.compute->backward,
+                                  use_plan ? layer.seconds : layer.ps_seconds});
+  }
+  totals.iteration = PredictIteration(timings);
+  if (totals.iteration->iteration_seconds > 0) {
+    totals.speedup = workers * totals.iteration->compute_seconds / totals.iteration->iteration_seconds;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig& config) {
+  RETURN_IF_ERROR(ValidatePlannerConfig(config));
+  RETURN_IF_ERROR(ValidateModelSpec(model));
+
+  const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
+  const GpuRate* gpu = config.gpu.has_value() ? &*config.gpu : nullptr;
+  PlanResult result;
+  PlanReport& report = result.report;
+  std::vector<PartitionInput> ps_layers;
+
+  for (int i = 0; i < model.layers_size(); ++i) {
+    const LayerSpec& spec = model.layers(i);
+    LayerReport layer;
+    layer.index = static_cast<uint32_t>(i);
+    layer.name = spec.name();
+    layer.kind = spec.kind();
+    layer.shape.assign(spec.shape().begin(), spec.shape().end());
+    layer.batch_per_worker =
+        config.batch_per_worker != 0 ? config.batch_per_worker : spec.batch_per_worker();
+    if (layer.batch_per_worker < 1 || layer.batch_per_worker > kMaxBatchPerWorker) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", i, " '", spec.name(), "': batch_per_worker (K) must be in [1, ",
+          kMaxBatchPerWorker, "], got ", layer.batch_per_worker,
+          " (set the planner's batch or the layer's batch_per_worker)"));
+    }
+    ASSIGN_OR_RETURN(const uint64_t element_bytes, ElementBytes(spec.element_type()));
+    const ClusterShape cluster{config.workers, config.servers, layer.batch_per_worker,
+                               config.colocated};
+    layer.cost = CostOfLayer(spec, element_bytes, cluster);
+    layer.ps_seconds = PsSeconds(layer.cost.ps_bytes, config.colocated, network);
+    if (layer.cost.sfb_bytes.has_value()) {
+      layer.sfb_seconds = SfbSeconds(*layer.cost.sfb_bytes, network);
+    }
+    layer.seconds = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds
+                                                                        : layer.ps_seconds;
+    layer.compute = LayerComputeSeconds(spec, layer.batch_per_worker, gpu);
+    if (!layer.compute.has_value() && report.compute_unknown_reason.empty()) {
+      report.compute_unknown_reason =
+          absl::StrCat("layer ", i, " '", spec.name(), "' has no measured times",
+                       gpu == nullptr ? " and no GPU rate was given" : " and no FLOPs");
+    }
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) {
+      ps_layers.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
+    } else {
+      ++report.sfb_layers;
+    }
+    Accumulate(layer.cost, layer.cost.scheme, layer.seconds, config.colocated, report.plan);
+    Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, layer.ps_seconds, config.colocated,
+               report.ps_only);
+    report.layers.push_back(std::move(layer));
+  }
+
+  ASSIGN_OR_RETURN(const std::vector<ChunkAssignment> chunks,
+                   PartitionLayers(ps_layers, config.servers, config.block_bytes));
+  report.server_bytes = ServerLoads(chunks, config.servers);
+
+  poseidon::v1::Plan& plan = result.plan;
+  plan.set_job_id(config.job_id);
+  plan.set_plan_epoch(config.plan_epoch);
+  plan.set_effective_iteration(config.effective_iteration);
+  plan.set_membership_epoch(config.membership_epoch);
+  plan.set_max_chunk_bytes(config.block_bytes);
+  for (uint32_t s = 0; s < config.servers; ++s) {
+    plan.add_servers()->set_node_id(config.server_node_ids.empty()
+                                        ? absl::StrCat("server-", s)
+                                        : config.server_node_ids[s]);
+  }
+  for (const LayerReport& layer : report.layers) {
+    poseidon::v1::LayerPlan* out = plan.add_layers();
+    out->set_layer_index(layer.index);
+    out->set_layer_name(layer.name);
+    out->set_scheme(layer.cost.scheme);
+    out->set_priority(layer.index);
+    const SchemeVolume& volume = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
+                                     ? *layer.cost.sfb_bytes
+                                     : layer.cost.ps_bytes;
+    out->set_predicted_bytes_per_worker(ToBytes(volume.per_worker));
+    out->set_predicted_seconds(layer.seconds);
+  }
+  // Chunks come grouped by layer in layer order, in offset order within a layer.
+  for (const ChunkAssignment& chunk : chunks) {
+    poseidon::v1::Chunk* out = plan.mutable_layers(static_cast<int>(chunk.layer_index))->add_chunks();
+    out->set_key(chunk.key);
+    out->set_offset(chunk.offset);
+    out->set_length(chunk.length);
+    out->set_server_index(chunk.server_index);
+    report.layers[chunk.layer_index].chunks++;
+    report.largest_chunk_bytes = std::max(report.largest_chunk_bytes, chunk.length);
+  }
+
+  if (report.compute_unknown_reason.empty()) {
+    Predict(report.layers, /*use_plan=*/true, config.workers, report.plan);
+    Predict(report.layers, /*use_plan=*/false, config.workers, report.ps_only);
+  }
+  return result;
+}
+
+}  // namespace poseidon::planner

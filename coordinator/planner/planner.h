@@ -1,0 +1,116 @@
+// The HybComm planner: from a model spec and the cluster's parameters to a poseidon.v1.Plan (the
+// scheme, chunks, servers and priority of every layer) and a report of predicted bytes and time.
+// Thread-safety: BuildPlan is a pure function of its arguments, safe from any thread.
+#pragma once
+
+// What BuildPlan does (docs/planner.md):
+//   1. Validates the cluster (ValidatePlannerConfig) and the model (ValidateModelSpec).
+//   2. Per layer: the cost model's bytes under PS and SFB and the scheme (cost_model.h), the
+//      communication time of each (time_model.h), the compute time when known.
+//   3. Cuts the PS layers into chunks and spreads them over the servers (partition.h).
+//   4. Priority = layer index: the proto's convention is "lower is sooner; layers the next
+//      forward pass needs first get 0", and layers are listed in forward order, so layer 0 (the
+//      first the next forward pass needs) gets 0 and the top layer, whose gradient is ready first,
+//      gets the largest number.
+//   5. Predicts the iteration time and the speed-up, for the plan and for PS everywhere.
+// LayerPlan.predicted_bytes_per_worker is the per-worker column of the chosen scheme (PS: 2·S,
+// SFB: 2·K·(P1−1)·(M+N), times the element size); predicted_seconds its synchronisation time.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "coordinator/planner/cost_model.h"
+#include "coordinator/planner/time_model.h"
+#include "poseidon/v1/model.pb.h"
+#include "poseidon/v1/plan.pb.h"
+
+namespace poseidon::planner {
+
+// Largest cluster dimensions the planner accepts (they bound the cost model's integer arithmetic
+// and the size of per-server tables).
+inline constexpr uint32_t kMaxWorkers = 65536;
+inline constexpr uint32_t kMaxServers = 65536;
+inline constexpr uint32_t kMaxBatchPerWorker = 1u << 20;
+
+inline constexpr uint64_t kDefaultBlockBytes = uint64_t{4} << 20;
+
+// The cluster and the plan's bookkeeping.
+struct PlannerConfig {
+  uint32_t workers = 1;  // P1
+  uint32_t servers = 1;  // P2
+  // K for every layer; 0 takes each layer's LayerSpec.batch_per_worker.
+  uint32_t batch_per_worker = 0;
+  bool colocated = false;
+  double bandwidth_bytes_per_second = 0;  // per direction of each machine's interface; > 0
+  double latency_seconds = 50e-6;         // per message leg; >= 0
+  uint64_t block_bytes = kDefaultBlockBytes;
+  // The rate that turns a spec's FLOPs into compute time; without it only measured times count.
+  std::optional<GpuRate> gpu;
+
+  // Copied into the Plan.
+  std::string job_id;
+  uint64_t plan_epoch = 1;
+  uint64_t effective_iteration = 0;
+  uint64_t membership_epoch = 0;
+  // Plan.servers' node ids: empty for "server-0" .. "server-<P2-1>", else exactly P2 entries.
+  std::vector<std::string> server_node_ids;
+};
+
+// Checks P1, P2 in [1, 65536], K <= 2^20, bandwidth > 0, latency >= 0, block_bytes >= 1, the GPU
+// rate > 0 and server_node_ids; errors name the field.
+absl::Status ValidatePlannerConfig(const PlannerConfig& config);
+
+// One layer as planned.
+struct LayerReport {
+  uint32_t index = 0;
+  std::string name;
+  poseidon::v1::LayerKind kind = poseidon::v1::LAYER_KIND_UNSPECIFIED;
+  std::vector<uint64_t> shape;
+  uint32_t batch_per_worker = 0;  // K used for this layer
+  LayerCost cost;                 // bytes under PS and (FC) SFB, and the chosen scheme
+  double ps_seconds = 0;
+  std::optional<double> sfb_seconds;
+  double seconds = 0;  // of the chosen scheme
+  std::optional<ComputeSeconds> compute;
+  uint32_t chunks = 0;  // PS chunks (0 for SFB)
+};
+
+// Totals over all layers when every layer uses the given schemes (bytes per iteration).
+struct SchemeTotals {
+  double bytes_per_worker = 0;
+  double bytes_per_server = 0;
+  double bytes_per_machine = 0;  // colocated machine: worker + server
+  double compared_bytes = 0;     // per machine when colocated, per worker otherwise
+  double sync_seconds = 0;       // Σ per-layer synchronisation time
+  std::optional<IterationPrediction> iteration;  // when every layer's compute time is known
+  std::optional<double> speedup;                 // P1 · compute / iteration
+};
+
+// Everything `poseidon plan` prints besides the Plan itself.
+struct PlanReport {
+  std::vector<LayerReport> layers;
+  SchemeTotals plan;     // the chosen schemes
+  SchemeTotals ps_only;  // PS for every layer, for comparison
+  uint32_t sfb_layers = 0;
+  // Empty when every layer's compute time is known; else why not (names the first such layer).
+  std::string compute_unknown_reason;
+  // Bytes stored on each server under the plan (the partition's balance).
+  std::vector<uint64_t> server_bytes;
+  uint64_t largest_chunk_bytes = 0;
+};
+
+// The plan and its report.
+struct PlanResult {
+  poseidon::v1::Plan plan;
+  PlanReport report;
+};
+
+// Plans `model` on the cluster of `config`. Deterministic: the same inputs give the same plan.
+absl::StatusOr<PlanResult> BuildPlan(const poseidon::v1::ModelSpec& model,
+                                     const PlannerConfig& config);
+
+}  // namespace poseidon::planner

@@ -1,0 +1,99 @@
+#include "server/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace poseidon::server {
+namespace {
+
+JobSnapshot Sample() {
+  JobSnapshot s;
+  s.job_id = 7;
+  s.clock = 12;
+  s.spec.set_num_workers(2);
+  auto* t = s.spec.add_tables();
+  t->set_name("fc.weight");
+  t->mutable_update_rule()->set_rule(v1::UPDATE_RULE_ADAM);
+  for (uint64_t key : {1, 2}) {
+    auto* k = t->add_keys();
+    k->set_key(key);
+    k->set_elements(3);
+    KeySnapshot ks;
+    ks.key = key;
+    ks.completed_clock = 12;
+    ks.initialized = true;
+    ks.optimizer_steps = 12;
+    ks.params = {1.5f, -2.0f, static_cast<float>(key)};
+    ks.optimizer_state = {{0.1f, 0.2f, 0.3f}, {1.0f, 2.0f, 3.0f}};
+    s.keys.push_back(ks);
+  }
+  return s;
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("psd-ckpt-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::filesystem::path dir_;
+};
+
+TEST_F(CheckpointTest, RoundTripsEveryField) {
+  const JobSnapshot s = Sample();
+  ASSERT_TRUE(WriteCheckpoint(dir_, s).ok());
+  auto loaded = LoadCheckpoints(dir_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->size(), 1u);
+  const JobSnapshot& r = (*loaded)[0];
+  EXPECT_EQ(r.job_id, 7u);
+  EXPECT_EQ(r.clock, 12u);
+  EXPECT_EQ(r.spec.SerializeAsString(), s.spec.SerializeAsString());
+  ASSERT_EQ(r.keys.size(), 2u);
+  EXPECT_EQ(r.keys[1].params, s.keys[1].params);
+  EXPECT_EQ(r.keys[1].optimizer_state, s.keys[1].optimizer_state);
+  EXPECT_EQ(r.keys[0].optimizer_steps, 12u);
+}
+
+TEST_F(CheckpointTest, EveryTruncationAndEveryByteFlipIsRefused) {
+  ASSERT_TRUE(WriteCheckpoint(dir_, Sample()).ok());
+  const std::string path = CheckpointPath(dir_, 7);
+  std::ifstream in(path, std::ios::binary);
+  const std::string good((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_GT(good.size(), 100u);
+  for (size_t cut = 0; cut < good.size(); cut += 7) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << good.substr(0, cut);
+    auto r = ReadCheckpoint(path);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << "cut at " << cut;
+  }
+  for (size_t i = 0; i < good.size(); ++i) {
+    std::string bad = good;
+    bad[i] = static_cast<char>(bad[i] ^ 0x5A);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bad;
+    EXPECT_FALSE(ReadCheckpoint(path).ok()) << "byte " << i;
+  }
+}
+
+TEST_F(CheckpointTest, LeftoverTemporaryFilesAreIgnoredAndACorruptFileFailsTheLoad) {
+  std::ofstream(dir_ / "job-9.ckpt.tmp.123") << "half written";
+  auto loaded = LoadCheckpoints(dir_);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_TRUE(loaded->empty());
+  std::ofstream(dir_ / "job-9.ckpt") << "garbage";
+  auto bad = LoadCheckpoints(dir_);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(bad.status().message().find("job-9.ckpt"), std::string::npos);
+}
+
+TEST_F(CheckpointTest, MissingDirectoryIsEmpty) {
+  auto loaded = LoadCheckpoints((dir_ / "nope").string());
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_TRUE(loaded->empty());
+}
+
+}  // namespace
+}  // namespace poseidon::server

@@ -1,0 +1,241 @@
+#include "server/kv_client.h"
+
+#include "absl/strings/str_cat.h"
+#include "transport/error_frame.h"
+#include "transport/handshake.h"
+
+namespace poseidon::server {
+
+using transport::FrameHeader;
+using transport::FrameType;
+
+absl::StatusOr<std::shared_ptr<KvClient>> KvClient::Connect(transport::Context& context,
+                                                            const std::string& address,
+                                                            uint64_t job_id, uint32_t rank,
+                                                            const std::string& secret,
+                                                            absl::Duration timeout) {
+  auto conn = transport::ConnectAuthenticated(context, address, job_id, rank, secret, timeout);
+  if (!conn.ok()) return conn.status();
+  std::shared_ptr<KvClient> client(new KvClient(*conn, address, job_id, rank));
+  client->ReadLoop();
+  return client;
+}
+
+KvClient::KvClient(std::shared_ptr<transport::Connection> conn, std::string address,
+                   uint64_t job_id, uint32_t rank)
+    : conn_(std::move(conn)), address_(std::move(address)), job_id_(job_id), rank_(rank) {}
+
+KvClient::~KvClient() {
+  conn_->Close();
+}
+
+void KvClient::Close() {
+  conn_->Close();
+  FailAll(absl::UnavailableError(absl::StrCat("client of ", address_, " closed")));
+}
+
+Ticket KvClient::Start(FrameHeader header, std::vector<transport::ConstBuffer> payload,
+                       Pending pending, std::shared_ptr<std::vector<std::byte>> owned) {
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seq = next_sequence_++;
+    if (!broken_.ok()) {
+      pending.answered = pending.send_done = true;
+      pending.status = broken_;
+    }
+    pending_.emplace(seq, std::move(pending));
+    if (!broken_.ok()) return seq;
+  }
+  header.job_id = job_id_;
+  header.sender_rank = rank_;
+  header.sequence = seq;
+  header.payload_length = transport::TotalSize(payload);
+  std::weak_ptr<KvClient> weak = weak_from_this();
+  conn_->Send(header, std::move(payload), [weak, seq, owned](absl::Status s) {
+    if (auto self = weak.lock()) self->Finish(seq, s, /*answer=*/false);
+  });
+  return seq;
+}
+
+Ticket KvClient::Push(uint64_t key, uint64_t clock, std::span<const float> data, bool init) {
+  FrameHeader h;
+  h.type = FrameType::kPush;
+  h.key = key;
+  h.clock = clock;
+  if (init) h.flags |= transport::kFlagInit;
+  Pending p;
+  p.what = absl::StrCat(init ? "initial push" : "push", " of key ", key, " clock ", clock, " to ",
+                        address_);
+  return Start(h, {std::as_bytes(data)}, std::move(p));
+}
+
+Ticket KvClient::Pull(uint64_t key, uint64_t clock, std::span<float> into,
+                      absl::Duration server_timeout) {
+  FrameHeader h;
+  h.type = FrameType::kPull;
+  h.key = key;
+  h.clock = clock;
+  auto timeout = std::make_shared<std::vector<std::byte>>(8);
+  const auto ms = static_cast<uint64_t>(absl::ToInt64Milliseconds(server_timeout));
+  for (int i = 0; i < 8; ++i) (*timeout)[i] = std::byte{static_cast<unsigned char>(ms >> (8 * i))};
+  Pending p;
+  p.what = absl::StrCat("pull of key ", key, " clock ", clock, " from ", address_);
+  p.into = into;
+  return Start(h, {*timeout}, std::move(p), timeout);
+}
+
+absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
+                                      absl::Duration timeout) {
+  auto bytes = std::make_shared<std::vector<std::byte>>(request.ByteSizeLong());
+  request.SerializeToArray(bytes->data(), static_cast<int>(bytes->size()));
+  FrameHeader h;
+  h.type = FrameType::kRegisterTables;
+  Pending p;
+  p.what = absl::StrCat("table registration on ", address_);
+  return Wait(Start(h, {*bytes}, std::move(p), bytes), timeout);
+}
+
+absl::Status KvClient::Checkpoint(absl::Duration timeout) {
+  FrameHeader h;
+  h.type = FrameType::kCheckpoint;
+  Pending p;
+  p.what = absl::StrCat("checkpoint on ", address_);
+  return Wait(Start(h, {}, std::move(p)), timeout);
+}
+
+absl::Status KvClient::Wait(Ticket ticket, absl::Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = pending_.find(ticket);
+  if (it == pending_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown or already waited ticket ", ticket));
+  }
+  const bool done = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                                 [&] { return it->second.answered && it->second.send_done; });
+  if (!done) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(it->second.what, " got no answer within ", absl::FormatDuration(timeout)));
+  }
+  absl::Status status = std::move(it->second.status);
+  pending_.erase(it);
+  return status;
+}
+
+void KvClient::Finish(uint64_t sequence, absl::Status status, bool answer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(sequence);
+    if (it == pending_.end()) return;
+    Pending& p = it->second;
+    if (answer) {
+      p.answered = true;
+    } else {
+      p.send_done = true;
+      if (!status.ok()) p.answered = true;  // it never reached the server
+    }
+    if (!status.ok() && p.status.ok()) {
+      p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
+    }
+  }
+  cv_.notify_all();
+}
+
+void KvClient::FailAll(const absl::Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.ok()) broken_ = status;
+    for (auto& [seq, p] : pending_) {
+      if (!p.answered || !p.send_done) {
+        p.answered = p.send_done = true;
+        if (p.status.ok()) {
+          p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
+        }
+      }
+    }
+  }
+  cv_.notify_all();
+}
+
+void KvClient::ReadLoop() {
+  std::weak_ptr<KvClient> weak = weak_from_this();
+  conn_->ReadHeader([weak](absl::StatusOr<FrameHeader> header) {
+    auto self = weak.lock();
+    if (!self) return;
+    if (!header.ok()) {
+      self->FailAll(header.status());
+      return;
+    }
+    self->OnResponse(*header);
+  });
+}
+
+void KvClient::OnResponse(const FrameHeader& h) {
+  std::weak_ptr<KvClient> weak = weak_from_this();
+  switch (h.type) {
+    case FrameType::kPushAck:
+    case FrameType::kRegisterTablesAck:
+    case FrameType::kCheckpointAck:
+    case FrameType::kPong:
+      Finish(h.sequence, absl::OkStatus(), true);
+      ReadLoop();
+      return;
+    case FrameType::kError: {
+      error_buffer_.resize(h.payload_length);
+      auto after = [weak, h](absl::Status s) {
+        auto self = weak.lock();
+        if (!self) return;
+        if (!s.ok()) return self->FailAll(s);
+        self->Finish(h.sequence, transport::ParseErrorFrame(h, self->error_buffer_), true);
+        self->ReadLoop();
+      };
+      if (h.payload_length > transport::kMaxErrorMessageBytes) {
+        return conn_->DiscardPayload([weak, h](absl::Status s) {
+          auto self = weak.lock();
+          if (!self) return;
+          if (!s.ok()) return self->FailAll(s);
+          self->Finish(h.sequence, absl::InternalError("server sent an oversized error"), true);
+          self->ReadLoop();
+        });
+      }
+      if (h.payload_length == 0) return after(absl::OkStatus());
+      return conn_->ReadPayload(error_buffer_, std::move(after));
+    }
+    case FrameType::kPullResponse: {
+      std::span<float> into;
+      bool known = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = pending_.find(h.sequence);
+        if (it != pending_.end()) {
+          into = it->second.into;
+          known = true;
+        }
+      }
+      const bool fits = known && into.size_bytes() == h.payload_length;
+      auto after = [weak, h, fits, known, size = into.size_bytes()](absl::Status s) {
+        auto self = weak.lock();
+        if (!self) return;
+        if (!s.ok()) return self->FailAll(s);
+        if (known) {
+          self->Finish(h.sequence,
+                       fits ? absl::OkStatus()
+                            : absl::InvalidArgumentError(
+                                  absl::StrCat("server sent ", h.payload_length, " bytes for a ",
+                                               size, "-byte destination")),
+                       true);
+        }
+        self->ReadLoop();
+      };
+      if (h.payload_length == 0) return after(absl::OkStatus());
+      if (fits) return conn_->ReadPayload(std::as_writable_bytes(into), std::move(after));
+      return conn_->DiscardPayload(std::move(after));
+    }
+    default:
+      FailAll(absl::InternalError(
+          absl::StrCat("server sent an unexpected ", transport::FrameTypeName(h.type), " frame")));
+      conn_->Close();
+      return;
+  }
+}
+
+}  // namespace poseidon::server

@@ -1,0 +1,90 @@
+// KvClient: the C++ client of poseidon-server that agents use, in the manner of ps-lite's
+// kv_app.h: Push and Pull start a request and return a Ticket at once; Wait(ticket) blocks until
+// it completes (with a timeout, always). Buffers are used in place: a pushed span is sent
+// without a copy and must stay unchanged, and a pull's destination written directly, until the
+// request's Wait returns.
+// Thread-safety: all methods may be called from any thread; tickets are per client.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "poseidon/v1/kv.pb.h"
+#include "transport/transport.h"
+
+namespace poseidon::server {
+
+using Ticket = uint64_t;
+
+class KvClient : public std::enable_shared_from_this<KvClient> {
+ public:
+  // Connects and authenticates as `rank` of `job_id`.
+  static absl::StatusOr<std::shared_ptr<KvClient>> Connect(transport::Context& context,
+                                                           const std::string& address,
+                                                           uint64_t job_id, uint32_t rank,
+                                                           const std::string& secret,
+                                                           absl::Duration timeout);
+  ~KvClient();
+
+  absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout);
+
+  // Pushes `data` as this rank's gradient of `key` for `clock` (init: the key's initial value,
+  // rank 0 only, clock 0).
+  Ticket Push(uint64_t key, uint64_t clock, std::span<const float> data, bool init = false);
+
+  // Pulls the value of `key` at `clock` into `into` (its size must equal the key's); the server
+  // waits up to `server_timeout` for the clock to complete.
+  Ticket Pull(uint64_t key, uint64_t clock, std::span<float> into,
+              absl::Duration server_timeout = absl::Seconds(30));
+
+  // Waits for a ticket. DeadlineExceeded names the request if `timeout` passes first (the
+  // request stays pending and may still be waited for).
+  absl::Status Wait(Ticket ticket, absl::Duration timeout);
+
+  // Asks the server to checkpoint this job now and waits for it.
+  absl::Status Checkpoint(absl::Duration timeout);
+
+  // Closes the connection; pending requests fail with Unavailable.
+  void Close();
+
+  const std::string& server() const { return address_; }
+
+ private:
+  struct Pending {
+    std::string what;        // for errors: "push key 3 clock 7"
+    std::span<float> into;   // pulls
+    bool send_done = false;  // the push payload has left our buffer
+    bool answered = false;
+    absl::Status status;
+  };
+
+  KvClient(std::shared_ptr<transport::Connection> conn, std::string address, uint64_t job_id,
+           uint32_t rank);
+  Ticket Start(transport::FrameHeader header, std::vector<transport::ConstBuffer> payload,
+               Pending pending, std::shared_ptr<std::vector<std::byte>> owned = nullptr);
+  void ReadLoop();
+  void OnResponse(const transport::FrameHeader& header);
+  void Finish(uint64_t sequence, absl::Status status, bool answer);
+  void FailAll(const absl::Status& status);
+
+  std::shared_ptr<transport::Connection> conn_;
+  std::string address_;
+  uint64_t job_id_;
+  uint32_t rank_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t next_sequence_ = 1;
+  std::map<uint64_t, Pending> pending_;
+  absl::Status broken_;  // set once the connection failed
+  std::vector<std::byte> error_buffer_;
+};
+
+}  // namespace poseidon::server

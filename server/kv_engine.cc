@@ -1,0 +1,681 @@
+#include "server/kv_engine.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <latch>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/hash/hash.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "server/update_rules.h"
+#include "transport/error_frame.h"
+
+namespace poseidon::server {
+
+using transport::FrameHeader;
+using transport::FrameType;
+
+namespace {
+
+void SendError(const RequestContext& ctx, const absl::Status& status) {
+  auto frame =
+      std::make_shared<transport::ErrorFrame>(transport::MakeErrorFrame(ctx.header.job_id, status));
+  frame->header.sequence = ctx.header.sequence;
+  frame->header.clock = ctx.header.clock;
+  std::vector<transport::ConstBuffer> payload;
+  if (!frame->message.empty()) payload.emplace_back(std::as_bytes(std::span(frame->message)));
+  ctx.peer->connection().Send(frame->header, std::move(payload), [frame](absl::Status) {});
+}
+
+void SendReply(const RequestContext& ctx, FrameType type, std::span<const float> payload) {
+  FrameHeader h;
+  h.type = type;
+  h.job_id = ctx.header.job_id;
+  h.epoch = ctx.header.epoch;
+  h.key = ctx.header.key;
+  h.clock = ctx.header.clock;
+  h.sequence = ctx.header.sequence;
+  h.payload_length = payload.size_bytes();
+  std::vector<transport::ConstBuffer> buffers;
+  if (!payload.empty()) buffers.emplace_back(std::as_bytes(payload));
+  // The payload is the key's own result/parameter buffer, sent without a copy. Under BSP it
+  // cannot change before this send completes: the next clock completes only after every rank,
+  // this one included, has received this response and pushed again.
+  ctx.peer->connection().Send(h, std::move(buffers), [peer = ctx.peer](absl::Status) {});
+}
+
+std::string RankList(const std::vector<uint8_t>& pushed) {
+  std::vector<size_t> missing;
+  for (size_t r = 0; r < pushed.size(); ++r) {
+    if (!pushed[r]) missing.push_back(r);
+  }
+  return absl::StrJoin(missing, ", ");
+}
+
+// A checkpoint at a clock boundary being collected from the keys of one job.
+struct PendingSnapshot {
+  JobSnapshot snapshot;
+  size_t expected_keys = 0;
+  std::vector<std::function<void(absl::StatusOr<JobSnapshot>)>> waiters;
+};
+
+}  // namespace
+
+// Shared by the keys of one job (across workers); touched only when a snapshot is pending.
+struct JobState {
+  uint64_t job_id = 0;
+  v1::RegisterTablesRequest spec;
+  size_t total_keys = 0;
+  std::mutex mu;
+  std::map<uint64_t, PendingSnapshot> snapshots;  // by target clock
+  std::atomic<bool> any_pending{false};
+};
+
+struct KvEngine::Key {
+  std::shared_ptr<JobState> job;
+  uint64_t key = 0;
+  std::string table;
+  size_t elements = 0;
+  uint32_t workers = 1;
+  float grad_scale = 1.0f;
+  v1::UpdateRule rule = v1::UPDATE_RULE_SUM;
+  std::unique_ptr<Optimizer> optimizer;
+  bool init_pushed = false;  // initial value comes from rank 0
+  bool initialized = true;
+  std::vector<float> params, agg, result;
+  uint64_t completed = 0;
+  std::vector<uint8_t> pushed;
+  uint32_t count = 0;
+  struct PendingPull {
+    RequestContext ctx;
+    absl::Time deadline;
+  };
+  std::vector<PendingPull> pulls;
+
+  bool sum() const { return rule == v1::UPDATE_RULE_SUM; }
+  std::string Name() const {
+    return absl::StrCat("key ", key, " (", table, ") of job ", job->job_id);
+  }
+  KeySnapshot Snap() const {
+    KeySnapshot s;
+    s.key = key;
+    s.completed_clock = completed;
+    s.initialized = initialized;
+    s.params = params;
+    s.result = result;
+    if (optimizer) {
+      s.optimizer_steps = optimizer->steps();
+      for (int i = 0; i < optimizer->StateCount(); ++i) {
+        auto st = optimizer->State(i);
+        s.optimizer_state.emplace_back(st.begin(), st.end());
+      }
+    }
+    return s;
+  }
+};
+
+struct KvEngine::Worker {
+  explicit Worker(KvEngine* e) : engine(e), thread([this] { Run(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_one();
+    thread.join();
+  }
+
+  void Post(absl::AnyInvocable<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      tasks.push_back(std::move(task));
+    }
+    cv.notify_one();
+  }
+
+  void Run() {
+    std::deque<absl::AnyInvocable<void()>> batch;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        const absl::Time next = NextDeadline();
+        if (tasks.empty() && !stop) {
+          if (next == absl::InfiniteFuture()) {
+            cv.wait(lock);
+          } else {
+            cv.wait_for(lock, absl::ToChronoNanoseconds(
+                                  std::max(next - absl::Now(), absl::ZeroDuration())));
+          }
+        }
+        if (stop && tasks.empty()) break;
+        batch.swap(tasks);
+      }
+      for (auto& task : batch) task();
+      batch.clear();
+      ExpirePulls();
+    }
+    // Shutting down: nobody will complete the pending pulls.
+    for (auto& [id, k] : keys) {
+      for (auto& p : k->pulls) {
+        SendError(p.ctx, absl::UnavailableError("server is shutting down"));
+      }
+      k->pulls.clear();
+    }
+  }
+
+  absl::Time NextDeadline() const {
+    absl::Time next = absl::InfiniteFuture();
+    for (const Key* k : keys_with_pulls) {
+      for (const auto& p : k->pulls) next = std::min(next, p.deadline);
+    }
+    return next;
+  }
+
+  void ExpirePulls() {
+    if (keys_with_pulls.empty()) return;
+    const absl::Time now = absl::Now();
+    for (Key* k : keys_with_pulls) {
+      auto it = std::remove_if(k->pulls.begin(), k->pulls.end(), [&](const Key::PendingPull& p) {
+        if (p.deadline > now) return false;
+        engine->stats_.pull_timeouts.fetch_add(1, std::memory_order_relaxed);
+        const uint64_t clock = p.ctx.header.clock;
+        const std::string waiting =
+            clock == 0 ? "rank 0 has not pushed the initial value"
+                       : absl::StrCat("ranks [", RankList(k->pushed), "] have not pushed");
+        SendError(p.ctx, absl::DeadlineExceededError(absl::StrCat(
+                             "pull of ", k->Name(), " clock ", clock, " timed out: ", waiting,
+                             " (server at clock ", k->completed, ")")));
+        return true;
+      });
+      k->pulls.erase(it, k->pulls.end());
+    }
+    std::erase_if(keys_with_pulls, [](const Key* k) { return k->pulls.empty(); });
+  }
+
+  KvEngine* engine;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<absl::AnyInvocable<void()>> tasks;
+  bool stop = false;
+  // Worker-thread state.
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, std::unique_ptr<Key>> keys;
+  std::vector<Key*> keys_with_pulls;
+  std::thread thread;  // last: starts after everything above is constructed
+};
+
+namespace {
+
+absl::Status ValidateSpec(const v1::RegisterTablesRequest& spec) {
+  if (spec.num_workers() == 0 || spec.num_workers() > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_workers must be in [1, 65536], got ", spec.num_workers()));
+  }
+  if (spec.consistency().model() == v1::CONSISTENCY_MODEL_SSP) {
+    return absl::UnimplementedError(
+        "SSP consistency is not supported by this server yet (BSP only)");
+  }
+  if (spec.tables_size() == 0) return absl::InvalidArgumentError("no tables to register");
+  absl::flat_hash_map<uint64_t, std::string> seen;
+  for (const auto& t : spec.tables()) {
+    if (t.name().empty()) return absl::InvalidArgumentError("a table has no name");
+    if (t.element_type() != v1::ELEMENT_TYPE_F32 &&
+        t.element_type() != v1::ELEMENT_TYPE_UNSPECIFIED) {
+      return absl::UnimplementedError(
+          absl::StrCat("table ", t.name(), ": only float32 tables are supported"));
+    }
+    if (auto hp = HyperParamsFromSpec(t.update_rule()); !hp.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("table ", t.name(), ": ", hp.status().message()));
+    }
+    if (t.keys_size() == 0)
+      return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " has no keys"));
+    for (const auto& k : t.keys()) {
+      if (k.elements() == 0 || k.elements() > (uint64_t{1} << 32)) {
+        return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " key ", k.key(),
+                                                       ": bad element count ", k.elements()));
+      }
+      auto [it, inserted] = seen.emplace(k.key(), t.name());
+      if (!inserted) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("key ", k.key(), " appears in tables ", it->second, " and ", t.name()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+KvEngine::KvEngine(EngineOptions options) : options_(options) {
+  const int n = std::max(1, options_.workers);
+  for (int i = 0; i < n; ++i) workers_.push_back(std::make_unique<Worker>(this));
+}
+
+KvEngine::~KvEngine() {
+  workers_.clear();
+}
+
+KvEngine::Worker& KvEngine::WorkerFor(uint64_t job, uint64_t key) {
+  const size_t h = absl::HashOf(job, key);
+  return *workers_[h % workers_.size()];
+}
+
+void KvEngine::RunOnAllWorkers(const std::function<void(Worker&)>& fn) {
+  std::latch done(static_cast<std::ptrdiff_t>(workers_.size()));
+  for (auto& w : workers_) {
+    Worker* worker = w.get();
+    worker->Post([&fn, &done, worker] {
+      fn(*worker);
+      done.count_down();
+    });
+  }
+  done.wait();
+}
+
+absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequest& spec) {
+  if (auto s = ValidateSpec(spec); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(jobs_mu_);
+  if (auto it = jobs_.find(job_id); it != jobs_.end()) {
+    if (it->second.spec.SerializeAsString() == spec.SerializeAsString()) return absl::OkStatus();
+    // Name the first difference.
+    const auto& old = it->second.spec;
+    if (old.num_workers() != spec.num_workers()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is registered with ",
+                                                        old.num_workers(), " workers, not ",
+                                                        spec.num_workers()));
+    }
+    for (int i = 0; i < std::min(old.tables_size(), spec.tables_size()); ++i) {
+      if (old.tables(i).SerializeAsString() != spec.tables(i).SerializeAsString()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "job ", job_id, " table ", old.tables(i).name(), " is registered differently"));
+      }
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is registered with a different table set"));
+  }
+  auto job = std::make_shared<JobState>();
+  job->job_id = job_id;
+  job->spec = spec;
+  for (const auto& t : spec.tables()) job->total_keys += t.keys_size();
+  jobs_[job_id].spec = spec;
+  jobs_[job_id].state = job;
+  // Create each key on its worker.
+  std::latch created(static_cast<std::ptrdiff_t>(job->total_keys));
+  for (const auto& t : spec.tables()) {
+    const auto hp = *HyperParamsFromSpec(t.update_rule());
+    for (const auto& kspec : t.keys()) {
+      Worker& w = WorkerFor(job_id, kspec.key());
+      w.Post([&w, &created, job, &t, hp, kspec, &spec, job_id] {
+        auto k = std::make_unique<Key>();
+        k->job = job;
+        k->key = kspec.key();
+        k->table = t.name();
+        k->elements = kspec.elements();
+        k->workers = spec.num_workers();
+        k->rule = t.update_rule().rule();
+        k->grad_scale =
+            spec.average_gradients() ? 1.0f / static_cast<float>(spec.num_workers()) : 1.0f;
+        k->optimizer = MakeOptimizer(k->rule, hp, k->elements);
+        k->init_pushed = t.initial_value() == v1::INITIAL_VALUE_PUSHED_BY_RANK0;
+        k->initialized = !k->init_pushed;
+        if (!k->sum()) k->params.assign(k->elements, 0.0f);
+        k->agg.assign(k->elements, 0.0f);
+        if (k->sum()) k->result.assign(k->elements, 0.0f);
+        k->pushed.assign(k->workers, 0);
+        w.keys[{job_id, kspec.key()}] = std::move(k);
+        created.count_down();
+      });
+    }
+  }
+  created.wait();
+  PSD_LOG_INFO("job {} registered: {} tables, {} keys, {} workers", job_id, spec.tables_size(),
+               job->total_keys, spec.num_workers());
+  return absl::OkStatus();
+}
+
+void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()> done) {
+  Worker& w = WorkerFor(ctx.header.job_id, ctx.header.key);
+  w.Post([this, &w, ctx = std::move(ctx), data = std::move(data),
+          done = std::move(done)]() mutable {
+    const FrameHeader& h = ctx.header;
+    auto fail = [&](absl::Status s) {
+      stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
+      SendError(ctx, s);
+      done();
+    };
+    auto it = w.keys.find({h.job_id, h.key});
+    if (it == w.keys.end()) {
+      return fail(absl::NotFoundError(
+          absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
+    }
+    Key& k = *it->second;
+    if (data.size() != k.elements * sizeof(float)) {
+      return fail(absl::InvalidArgumentError(absl::StrCat("push for ", k.Name(), " carries ",
+                                                          data.size(), " bytes, expected ",
+                                                          k.elements * sizeof(float))));
+    }
+    if (h.sender_rank >= k.workers) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "rank ", h.sender_rank, " is out of range for a job of ", k.workers, " workers")));
+    }
+    auto ack = [&] {
+      SendReply(ctx, FrameType::kPushAck, {});
+      done();
+    };
+    if ((h.flags & transport::kFlagInit) != 0) {
+      if (h.sender_rank != 0) {
+        return fail(absl::InvalidArgumentError("only rank 0 pushes initial values"));
+      }
+      if (k.sum()) {
+        return fail(absl::FailedPreconditionError(
+            absl::StrCat(k.Name(), " uses the sum rule: it holds no parameters to initialise")));
+      }
+      if (k.completed > 0) {
+        return fail(absl::FailedPreconditionError(absl::StrCat(
+            "initial value for ", k.Name(), " after training started (clock ", k.completed, ")")));
+      }
+      if (k.initialized && k.init_pushed) {
+        stats_.duplicate_pushes.fetch_add(1, std::memory_order_relaxed);
+        return ack();
+      }
+      std::memcpy(k.params.data(), data.bytes().data(), data.size());
+      k.initialized = true;
+      ack();
+      AnswerPulls(w, k);
+      return;
+    }
+    if (h.clock == 0) return fail(absl::InvalidArgumentError("push clocks start at 1"));
+    if (h.clock <= k.completed) {
+      if (h.clock == k.completed) {  // every rank pushed it: this is a retransmission
+        stats_.duplicate_pushes.fetch_add(1, std::memory_order_relaxed);
+        return ack();
+      }
+      return fail(absl::FailedPreconditionError(absl::StrCat("push for finished clock ", h.clock,
+                                                             " of ", k.Name(), " (server at clock ",
+                                                             k.completed, ")")));
+    }
+    if (h.clock > k.completed + 1) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "push for clock ", h.clock, " of ", k.Name(), " while clock ", k.completed + 1,
+          " is incomplete (BSP): ranks [", RankList(k.pushed), "] have not pushed it")));
+    }
+    if (k.pushed[h.sender_rank]) {
+      stats_.duplicate_pushes.fetch_add(1, std::memory_order_relaxed);
+      return ack();
+    }
+    const std::span<const float> grad = data.floats();
+    if (k.count == 0) {
+      std::memcpy(k.agg.data(), grad.data(), data.size());
+    } else {
+      AddInto(k.agg, grad);
+    }
+    k.pushed[h.sender_rank] = 1;
+    ++k.count;
+    stats_.pushes.fetch_add(1, std::memory_order_relaxed);
+    stats_.push_bytes.fetch_add(data.size(), std::memory_order_relaxed);
+    data = PooledBuffer();  // back to the pool before the reply
+    ack();
+    if (k.count == k.workers) Complete(w, k);
+  });
+}
+
+void KvEngine::Complete(Worker& w, Key& k) {
+  if (k.grad_scale != 1.0f) Scale(k.agg, k.grad_scale);
+  if (k.sum()) {
+    std::swap(k.result, k.agg);
+  } else {
+    k.optimizer->Step(k.params, k.agg);
+  }
+  ++k.completed;
+  k.count = 0;
+  MaybeSchedulePeriodicSnapshot(k);
+  std::fill(k.pushed.begin(), k.pushed.end(), 0);
+  stats_.clocks_completed.fetch_add(1, std::memory_order_relaxed);
+  AnswerPulls(w, k);
+  if (k.job->any_pending.load(std::memory_order_acquire)) ContributeSnapshot(k);
+}
+
+void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
+  if (k.pulls.empty()) return;
+  auto it = std::remove_if(k.pulls.begin(), k.pulls.end(), [&](const Key::PendingPull& p) {
+    const uint64_t clock = p.ctx.header.clock;
+    const bool ready = clock == 0 ? k.initialized : clock == k.completed;
+    if (!ready) return false;
+    RespondPull(p.ctx, k);
+    return true;
+  });
+  k.pulls.erase(it, k.pulls.end());
+}
+
+void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
+  const std::span<const float> value =
+      k.sum() ? std::span<const float>(k.result) : std::span<const float>(k.params);
+  stats_.pulls.fetch_add(1, std::memory_order_relaxed);
+  stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
+  SendReply(ctx, FrameType::kPullResponse, value);
+}
+
+void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {
+  timeout = std::min(timeout, options_.max_pull_timeout);
+  Worker& w = WorkerFor(ctx.header.job_id, ctx.header.key);
+  w.Post([this, &w, ctx = std::move(ctx), timeout]() mutable {
+    const FrameHeader& h = ctx.header;
+    auto fail = [&](absl::Status s) {
+      stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
+      SendError(ctx, s);
+    };
+    auto it = w.keys.find({h.job_id, h.key});
+    if (it == w.keys.end()) {
+      return fail(absl::NotFoundError(
+          absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
+    }
+    Key& k = *it->second;
+    bool ready = false;
+    if (h.clock == 0) {
+      if (k.sum()) {
+        return fail(absl::FailedPreconditionError(
+            absl::StrCat(k.Name(), " uses the sum rule: there is no value at clock 0")));
+      }
+      ready = k.initialized;
+    } else if (h.clock == k.completed) {
+      ready = true;
+    } else if (h.clock < k.completed) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "clock ", h.clock, " of ", k.Name(), " is gone (server at clock ", k.completed, ")")));
+    } else if (h.clock > k.completed + 1) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "pull for clock ", h.clock, " of ", k.Name(), ": the server is at clock ", k.completed,
+          " and under BSP only clock ", k.completed + 1, " may be waited for")));
+    }
+    if (ready) {
+      RespondPull(ctx, k);
+      return;
+    }
+    if (k.pulls.empty()) w.keys_with_pulls.push_back(&k);
+    k.pulls.push_back({std::move(ctx), absl::Now() + timeout});
+  });
+}
+
+void KvEngine::ContributeSnapshot(Key& k) {
+  JobState& j = *k.job;
+  std::vector<std::function<void(absl::StatusOr<JobSnapshot>)>> waiters;
+  std::optional<JobSnapshot> finished;
+  {
+    std::lock_guard<std::mutex> lock(j.mu);
+    auto it = j.snapshots.find(k.completed);
+    if (it == j.snapshots.end()) return;
+    it->second.snapshot.keys.push_back(k.Snap());
+    if (it->second.snapshot.keys.size() == it->second.expected_keys) {
+      finished = std::move(it->second.snapshot);
+      waiters = std::move(it->second.waiters);
+      j.snapshots.erase(it);
+      j.any_pending.store(!j.snapshots.empty(), std::memory_order_release);
+    }
+  }
+  if (finished) {
+    std::sort(finished->keys.begin(), finished->keys.end(),
+              [](const KeySnapshot& a, const KeySnapshot& b) { return a.key < b.key; });
+    for (auto& waiter : waiters) waiter(*finished);
+  }
+}
+
+void KvEngine::MaybeSchedulePeriodicSnapshot(Key& k) {
+  if (options_.snapshot_every == 0 || !options_.on_periodic_snapshot) return;
+  const uint64_t next = k.completed + 1;
+  if (next % options_.snapshot_every != 0) return;
+  JobState& j = *k.job;
+  std::lock_guard<std::mutex> lock(j.mu);
+  auto [it, inserted] = j.snapshots.try_emplace(next);
+  if (inserted) {
+    it->second.expected_keys = j.total_keys;
+    it->second.snapshot.job_id = j.job_id;
+    it->second.snapshot.spec = j.spec;
+    it->second.snapshot.clock = next;
+    it->second.waiters.push_back(
+        [cb = options_.on_periodic_snapshot](absl::StatusOr<JobSnapshot> s) {
+          if (s.ok()) cb(std::move(*s));
+        });
+    j.any_pending.store(true, std::memory_order_release);
+  }
+}
+
+absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration timeout) {
+  std::shared_ptr<JobState> job;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+    job = it->second.state;
+  }
+  // Quiet job (no clock half-aggregated, every key at the same clock): copy it now.
+  std::mutex mu;
+  std::vector<KeySnapshot> keys;
+  bool quiet = true;
+  uint64_t max_clock = 0, min_clock = ~uint64_t{0};
+  RunOnAllWorkers([&](Worker& w) {
+    for (auto& [id, k] : w.keys) {
+      if (id.first != job_id) continue;
+      std::lock_guard<std::mutex> lock(mu);
+      if (k->count != 0) quiet = false;
+      max_clock = std::max(max_clock, k->completed);
+      min_clock = std::min(min_clock, k->completed);
+      keys.push_back(k->Snap());
+    }
+  });
+  if (quiet && max_clock == min_clock) {
+    JobSnapshot s;
+    s.job_id = job_id;
+    s.spec = job->spec;
+    s.clock = max_clock;
+    s.keys = std::move(keys);
+    std::sort(s.keys.begin(), s.keys.end(),
+              [](const KeySnapshot& a, const KeySnapshot& b) { return a.key < b.key; });
+    return s;
+  }
+  // Training is running: take it at a clock boundary no key has reached yet.
+  const uint64_t target = max_clock + 2;
+  auto promise = std::make_shared<std::promise<absl::StatusOr<JobSnapshot>>>();
+  auto future = promise->get_future();
+  {
+    std::lock_guard<std::mutex> lock(job->mu);
+    auto [it, inserted] = job->snapshots.try_emplace(target);
+    if (inserted) {
+      it->second.expected_keys = job->total_keys;
+      it->second.snapshot.job_id = job_id;
+      it->second.snapshot.spec = job->spec;
+      it->second.snapshot.clock = target;
+    }
+    it->second.waiters.push_back(
+        [promise](absl::StatusOr<JobSnapshot> s) { promise->set_value(std::move(s)); });
+    job->any_pending.store(true, std::memory_order_release);
+  }
+  if (future.wait_for(absl::ToChronoNanoseconds(timeout)) != std::future_status::ready) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("job ", job_id, " did not complete clock ", target, " within ",
+                     absl::FormatDuration(timeout), " for the snapshot (is training running?)"));
+  }
+  return future.get();
+}
+
+absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
+  if (auto s = ValidateSpec(snapshot.spec); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    if (jobs_.contains(snapshot.job_id)) {
+      return absl::AlreadyExistsError(absl::StrCat("job ", snapshot.job_id, " already exists"));
+    }
+  }
+  if (auto s = RegisterJob(snapshot.job_id, snapshot.spec); !s.ok()) return s;
+  absl::flat_hash_map<uint64_t, const KeySnapshot*> by_key;
+  for (const auto& k : snapshot.keys) by_key[k.key] = &k;
+  std::mutex mu;
+  absl::Status status;
+  RunOnAllWorkers([&](Worker& w) {
+    for (auto& [id, k] : w.keys) {
+      if (id.first != snapshot.job_id) continue;
+      auto it = by_key.find(id.second);
+      std::lock_guard<std::mutex> lock(mu);
+      if (it == by_key.end()) {
+        status = absl::DataLossError(
+            absl::StrCat("snapshot of job ", snapshot.job_id, " lacks key ", id.second));
+        continue;
+      }
+      const KeySnapshot& s = *it->second;
+      const bool sizes_ok = (k->sum() ? s.result.size() == k->elements && s.params.empty()
+                                      : s.params.size() == k->elements && s.result.empty()) &&
+                            s.optimizer_state.size() ==
+                                static_cast<size_t>(k->optimizer ? k->optimizer->StateCount() : 0);
+      if (!sizes_ok) {
+        status = absl::DataLossError(
+            absl::StrCat("snapshot of job ", snapshot.job_id, " key ", s.key, " has wrong sizes"));
+        continue;
+      }
+      k->completed = s.completed_clock;
+      k->initialized = s.initialized;
+      k->params = s.params;
+      if (k->sum()) k->result = s.result;
+      if (k->optimizer) {
+        k->optimizer->set_steps(s.optimizer_steps);
+        for (int i = 0; i < k->optimizer->StateCount(); ++i) {
+          auto dst = k->optimizer->State(i);
+          if (s.optimizer_state[i].size() != dst.size()) {
+            status = absl::DataLossError("optimizer state size mismatch");
+            continue;
+          }
+          std::copy(s.optimizer_state[i].begin(), s.optimizer_state[i].end(), dst.begin());
+        }
+      }
+    }
+  });
+  return status;
+}
+
+std::vector<uint64_t> KvEngine::Jobs() const {
+  std::lock_guard<std::mutex> lock(jobs_mu_);
+  std::vector<uint64_t> ids;
+  for (const auto& [id, job] : jobs_) ids.push_back(id);
+  return ids;
+}
+
+bool KvEngine::WaitForQuiescence(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    std::atomic<bool> busy{false};
+    RunOnAllWorkers([&](Worker& w) {
+      for (auto& [id, k] : w.keys) {
+        if (k->count != 0) busy = true;
+      }
+    });
+    if (!busy) return true;
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+}  // namespace poseidon::server

@@ -1,0 +1,134 @@
+// The KV engine of poseidon-server: per-job tables of keys (chunks), BSP aggregation of the
+// pushes of all workers for each clock, the update rule, and pulls answered once their clock is
+// complete. Each key is pinned to one worker thread, which alone touches its state: no global
+// lock on the data path, and a key's pushes are summed in arrival order.
+// Thread-safety: every public method may be called from any thread (transport I/O threads).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "poseidon/v1/kv.pb.h"
+#include "server/buffer_pool.h"
+#include "transport/frame.h"
+#include "transport/frame_server.h"
+
+namespace poseidon::server {
+
+// The state of one key, as saved in a checkpoint.
+struct KeySnapshot {
+  uint64_t key = 0;
+  uint64_t completed_clock = 0;
+  bool initialized = false;
+  uint64_t optimizer_steps = 0;
+  std::vector<float> params;  // optimizer rules
+  std::vector<float> result;  // sum rule: result of completed_clock
+  std::vector<std::vector<float>> optimizer_state;
+};
+
+struct JobSnapshot {
+  uint64_t job_id = 0;
+  v1::RegisterTablesRequest spec;
+  uint64_t clock = 0;  // every key's completed clock
+  std::vector<KeySnapshot> keys;
+};
+
+struct EngineOptions {
+  int workers = 2;
+  // A pull waits at most this long when the request names no timeout.
+  absl::Duration default_pull_timeout = absl::Seconds(30);
+  // Upper bound on one pull's own timeout.
+  absl::Duration max_pull_timeout = absl::Minutes(10);
+  // Every this many clocks (0: never) each job is snapshotted at the clock boundary and the
+  // snapshot handed to on_periodic_snapshot (on an engine worker thread: hand it off quickly).
+  uint64_t snapshot_every = 0;
+  std::function<void(JobSnapshot)> on_periodic_snapshot;
+};
+
+// Counters the daemon exports (read with relaxed loads).
+struct EngineStats {
+  std::atomic<uint64_t> pushes{0};
+  std::atomic<uint64_t> push_bytes{0};
+  std::atomic<uint64_t> duplicate_pushes{0};
+  std::atomic<uint64_t> pulls{0};
+  std::atomic<uint64_t> pull_bytes{0};
+  std::atomic<uint64_t> clocks_completed{0};
+  std::atomic<uint64_t> request_errors{0};
+  std::atomic<uint64_t> pull_timeouts{0};
+};
+
+// Where a request came from and how to answer it.
+struct RequestContext {
+  std::shared_ptr<transport::PeerSession> peer;
+  transport::FrameHeader header;
+};
+
+struct JobState;  // kv_engine.cc
+
+class KvEngine {
+ public:
+  explicit KvEngine(EngineOptions options);
+  ~KvEngine();  // stops the workers (pending pulls get Unavailable)
+
+  const EngineStats& stats() const { return stats_; }
+
+  // Creates job `job_id`'s tables, or checks that `spec` equals the registered one (every rank
+  // may register). Errors: InvalidArgument (bad spec), FailedPrecondition (differs; names the
+  // first difference).
+  absl::Status RegisterJob(uint64_t job_id, const v1::RegisterTablesRequest& spec);
+
+  // A push of `data` (the payload, already received) for the key/clock/rank in ctx.header. The
+  // engine answers the peer (PUSH_ACK or ERROR) and then runs `done` (on the worker thread).
+  void Push(RequestContext ctx, PooledBuffer data, std::function<void()> done);
+
+  // A pull for the key/clock in ctx.header, answered with PULL_RESPONSE once the clock is
+  // complete, or ERROR after `timeout` naming the ranks that have not pushed.
+  void Pull(RequestContext ctx, absl::Duration timeout);
+
+  // Snapshot of a job at a clock boundary: waits until every key of the job has completed the
+  // same clock (at most `timeout`), then copies their state. Used for checkpoints.
+  absl::StatusOr<JobSnapshot> Snapshot(uint64_t job_id, absl::Duration timeout);
+
+  // Installs a restored job (at start, before serving). Errors if the job exists.
+  absl::Status Restore(const JobSnapshot& snapshot);
+
+  // Job ids registered, for checkpoints.
+  std::vector<uint64_t> Jobs() const;
+
+  // Blocks until no clock is partially aggregated on any key (for graceful shutdown), at most
+  // `timeout`. Returns false on timeout.
+  bool WaitForQuiescence(absl::Duration timeout);
+
+ private:
+  struct Key;
+  struct Worker;
+  struct Job {
+    v1::RegisterTablesRequest spec;
+    std::shared_ptr<JobState> state;
+  };
+  void Complete(Worker& w, Key& k);
+  void AnswerPulls(Worker& w, Key& k);
+  void RespondPull(const RequestContext& ctx, Key& k);
+  void ContributeSnapshot(Key& k);
+  void MaybeSchedulePeriodicSnapshot(Key& k);
+
+  Worker& WorkerFor(uint64_t job, uint64_t key);
+  void RunOnAllWorkers(const std::function<void(Worker&)>& fn);
+
+  EngineOptions options_;
+  EngineStats stats_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  mutable std::mutex jobs_mu_;  // registration only, never on the data path
+  std::map<uint64_t, Job> jobs_;
+};
+
+}  // namespace poseidon::server

@@ -1,0 +1,267 @@
+// The engine and service behind a real TCP FrameServer, driven by KvClients (one per rank, on
+// threads). The multi-process version (separate server and client processes, signals, kill -9)
+// is tests/server_multiprocess_test.cc.
+#include "server/kv_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "server/kv_client.h"
+#include "server/kv_service.h"
+#include "server/update_rules.h"
+#include "transport/tcp/tcp_context.h"
+
+namespace poseidon::server {
+namespace {
+
+constexpr char kSecret[] = "engine-test";
+
+v1::RegisterTablesRequest Spec(uint32_t workers, v1::UpdateRule rule, std::vector<uint64_t> sizes,
+                               bool average = false) {
+  v1::RegisterTablesRequest r;
+  r.set_num_workers(workers);
+  r.set_average_gradients(average);
+  auto* t = r.add_tables();
+  t->set_name("layer");
+  t->mutable_update_rule()->set_rule(rule);
+  t->mutable_update_rule()->set_learning_rate(0.5);
+  t->mutable_update_rule()->set_momentum(0.9);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    auto* k = t->add_keys();
+    k->set_key(100 + i);
+    k->set_elements(sizes[i]);
+  }
+  return r;
+}
+
+// Integer-valued gradients: sums are exact in float whatever the arrival order.
+std::vector<float> Grad(uint32_t rank, uint64_t clock, uint64_t key, size_t n) {
+  std::vector<float> g(n);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] = static_cast<float>(static_cast<int64_t>((rank + 1) * 3 + clock * 5 + key + i % 11) - 40);
+  }
+  return g;
+}
+
+class KvServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Start(EngineOptions{}); }
+  void Start(EngineOptions options) {
+    auto ctx = transport::CreateTcpContext(transport::TcpOptions{});
+    ASSERT_TRUE(ctx.ok());
+    ctx_ = *ctx;
+    engine_ = std::make_shared<KvEngine>(options);
+    secrets_ = std::make_shared<transport::SecretStore>();
+    secrets_->Set(1, kSecret);
+    secrets_->Set(2, "other-job");
+    auto listener = ctx_->Listen("127.0.0.1:0");
+    ASSERT_TRUE(listener.ok());
+    server_ = std::make_shared<transport::FrameServer>(
+        *listener, secrets_,
+        std::make_shared<KvService>(engine_, BufferPool::Create(64 << 20), KvServiceOptions{}));
+    server_->Start();
+  }
+  void TearDown() override {
+    server_->Stop();
+    ctx_->Close();
+  }
+  std::shared_ptr<KvClient> Client(uint32_t rank, uint64_t job = 1,
+                                   const std::string& secret = kSecret) {
+    auto c = KvClient::Connect(*ctx_, server_->Address(), job, rank, secret, absl::Seconds(10));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *c : nullptr;
+  }
+
+  std::shared_ptr<transport::Context> ctx_;
+  std::shared_ptr<KvEngine> engine_;
+  std::shared_ptr<transport::SecretStore> secrets_;
+  std::shared_ptr<transport::FrameServer> server_;
+};
+
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+TEST_F(KvServerTest, SumRuleUnderBspReturnsTheExactSumOfAllRanks) {
+  constexpr uint32_t kRanks = 4;
+  const std::vector<uint64_t> sizes = {1000, 37, 70000};
+  std::vector<std::thread> ranks;
+  std::atomic<int> failures{0};
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      auto c = Client(r);
+      if (!c || !c->RegisterTables(Spec(kRanks, v1::UPDATE_RULE_SUM, sizes), kWait).ok()) {
+        ++failures;
+        return;
+      }
+      for (uint64_t clock = 1; clock <= 5; ++clock) {
+        std::vector<std::vector<float>> grads, results;
+        std::vector<Ticket> pushes, pulls;
+        for (size_t k = 0; k < sizes.size(); ++k) {
+          grads.push_back(Grad(r, clock, 100 + k, sizes[k]));
+          results.emplace_back(sizes[k]);
+        }
+        for (size_t k = 0; k < sizes.size(); ++k)
+          pushes.push_back(c->Push(100 + k, clock, grads[k]));
+        for (size_t k = 0; k < sizes.size(); ++k)
+          pulls.push_back(c->Pull(100 + k, clock, results[k]));
+        for (auto t : pushes) {
+          if (auto s = c->Wait(t, kWait); !s.ok()) {
+            ADD_FAILURE() << s;
+            ++failures;
+          }
+        }
+        for (size_t k = 0; k < sizes.size(); ++k) {
+          if (auto s = c->Wait(pulls[k], kWait); !s.ok()) {
+            ADD_FAILURE() << s;
+            ++failures;
+            continue;
+          }
+          std::vector<float> expected(sizes[k], 0.0f);
+          for (uint32_t q = 0; q < kRanks; ++q) {
+            auto g = Grad(q, clock, 100 + k, sizes[k]);
+            for (size_t i = 0; i < sizes[k]; ++i) expected[i] += g[i];
+          }
+          if (results[k] != expected) {
+            ADD_FAILURE() << "rank " << r << " key " << 100 + k << " clock " << clock;
+            ++failures;
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(engine_->stats().clocks_completed.load(), 5u * sizes.size());
+}
+
+TEST_F(KvServerTest, ServerSideMomentumEqualsOneWorkerOnTheDoubledBatch) {
+  constexpr size_t kN = 513;
+  auto spec = Spec(2, v1::UPDATE_RULE_MOMENTUM, {kN}, /*average=*/true);
+  spec.mutable_tables(0)->set_initial_value(v1::INITIAL_VALUE_PUSHED_BY_RANK0);
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = 0.01f * static_cast<float>(i);
+  // Reference: one worker, mean of the two ranks' gradients (the doubled batch), same optimizer.
+  auto hp = *HyperParamsFromSpec(spec.tables(0).update_rule());
+  auto reference = MakeOptimizer(v1::UPDATE_RULE_MOMENTUM, hp, kN);
+  std::vector<float> ref_params = init;
+  std::vector<std::vector<float>> seen(2, std::vector<float>(kN));
+  std::thread ranks[2];
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks[r] = std::thread([&, r] {
+      auto c = Client(r);
+      ASSERT_TRUE(c->RegisterTables(spec, kWait).ok());
+      if (r == 0) ASSERT_TRUE(c->Wait(c->Push(100, 0, init, /*init=*/true), kWait).ok());
+      std::vector<float> params(kN);
+      ASSERT_TRUE(c->Wait(c->Pull(100, 0, params), kWait).ok());
+      EXPECT_EQ(params, init);
+      for (uint64_t clock = 1; clock <= 4; ++clock) {
+        auto g = Grad(r, clock, 100, kN);
+        ASSERT_TRUE(c->Wait(c->Push(100, clock, g), kWait).ok());
+        ASSERT_TRUE(c->Wait(c->Pull(100, clock, params), kWait).ok());
+      }
+      seen[r] = params;
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (uint64_t clock = 1; clock <= 4; ++clock) {
+    auto g0 = Grad(0, clock, 100, kN), g1 = Grad(1, clock, 100, kN);
+    std::vector<float> mean(kN);
+    for (size_t i = 0; i < kN; ++i) mean[i] = (g0[i] + g1[i]) * 0.5f;
+    reference->Step(ref_params, mean);
+  }
+  EXPECT_EQ(seen[0], seen[1]);
+  for (size_t i = 0; i < kN; ++i) ASSERT_NEAR(seen[0][i], ref_params[i], 1e-5f) << i;
+}
+
+TEST_F(KvServerTest, DuplicatePushIsAcknowledgedAndCountedOnce) {
+  auto c0 = Client(0), c1 = Client(1);
+  ASSERT_TRUE(c0->RegisterTables(Spec(2, v1::UPDATE_RULE_SUM, {8}), kWait).ok());
+  auto g0 = Grad(0, 1, 100, 8), g1 = Grad(1, 1, 100, 8);
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g0), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g0), kWait).ok()) << "a retransmission is acknowledged";
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 1, g1), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 1, g1), kWait).ok()) << "even after the clock finished";
+  std::vector<float> out(8);
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(out[i], g0[i] + g1[i]);
+  EXPECT_EQ(engine_->stats().duplicate_pushes.load(), 2u);
+}
+
+TEST_F(KvServerTest, LateUnknownAheadAndMisSizedPushesGetErrorsAndTheConnectionLives) {
+  auto c0 = Client(0);
+  ASSERT_TRUE(c0->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {8}), kWait).ok());
+  std::vector<float> g(8, 1.0f), small(7, 1.0f), out(8);
+  for (uint64_t clock = 1; clock <= 3; ++clock) {
+    ASSERT_TRUE(c0->Wait(c0->Push(100, clock, g), kWait).ok());
+  }
+  auto late = c0->Wait(c0->Push(100, 1, g), kWait);
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition) << late;
+  EXPECT_NE(late.message().find("finished clock 1"), std::string::npos) << late;
+  auto ahead = c0->Wait(c0->Push(100, 9, g), kWait);
+  EXPECT_EQ(ahead.code(), absl::StatusCode::kFailedPrecondition) << ahead;
+  auto unknown = c0->Wait(c0->Push(555, 4, g), kWait);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+  auto sized = c0->Wait(c0->Push(100, 4, small), kWait);
+  EXPECT_EQ(sized.code(), absl::StatusCode::kInvalidArgument) << sized;
+  EXPECT_NE(sized.message().find("expected 32"), std::string::npos) << sized;
+  auto gone = c0->Wait(c0->Pull(100, 1, out), kWait);
+  EXPECT_EQ(gone.code(), absl::StatusCode::kFailedPrecondition) << gone;
+  // Still served.
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 4, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 4, out), kWait).ok());
+  EXPECT_EQ(out, g);
+}
+
+TEST_F(KvServerTest, APullThatCannotCompleteNamesTheRanksThatHaveNotPushed) {
+  auto c0 = Client(0);
+  ASSERT_TRUE(c0->RegisterTables(Spec(3, v1::UPDATE_RULE_SUM, {4}), kWait).ok());
+  std::vector<float> g(4, 1.0f), out(4);
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g), kWait).ok());
+  auto s = c0->Wait(c0->Pull(100, 1, out, absl::Milliseconds(300)), kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("ranks [1, 2] have not pushed"), std::string::npos) << s;
+}
+
+TEST_F(KvServerTest, JobsAreIsolatedNamespaces) {
+  auto a = Client(0, 1), b = Client(0, 2, "other-job");
+  ASSERT_TRUE(a->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {4}), kWait).ok());
+  ASSERT_TRUE(b->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {4}), kWait).ok());
+  std::vector<float> ga(4, 1.0f), gb(4, 2.0f), oa(4), ob(4);
+  ASSERT_TRUE(a->Wait(a->Push(100, 1, ga), kWait).ok());
+  ASSERT_TRUE(b->Wait(b->Push(100, 1, gb), kWait).ok());
+  ASSERT_TRUE(a->Wait(a->Pull(100, 1, oa), kWait).ok());
+  ASSERT_TRUE(b->Wait(b->Pull(100, 1, ob), kWait).ok());
+  EXPECT_EQ(oa, ga);
+  EXPECT_EQ(ob, gb);
+  // A registration that differs from the job's is refused, naming what differs.
+  auto diff = a->RegisterTables(Spec(2, v1::UPDATE_RULE_SUM, {4}), kWait);
+  EXPECT_EQ(diff.code(), absl::StatusCode::kFailedPrecondition) << diff;
+  EXPECT_NE(diff.message().find("workers"), std::string::npos) << diff;
+}
+
+TEST_F(KvServerTest, SnapshotRestoresIntoAFreshEngineThatContinuesIdentically) {
+  auto spec = Spec(1, v1::UPDATE_RULE_ADAM, {64, 3});
+  auto c = Client(0);
+  ASSERT_TRUE(c->RegisterTables(spec, kWait).ok());
+  std::vector<float> out(64);
+  for (uint64_t clock = 1; clock <= 3; ++clock) {
+    ASSERT_TRUE(c->Wait(c->Push(100, clock, Grad(0, clock, 100, 64)), kWait).ok());
+    ASSERT_TRUE(c->Wait(c->Push(101, clock, Grad(0, clock, 101, 3)), kWait).ok());
+  }
+  auto snap = engine_->Snapshot(1, absl::Seconds(10));
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->clock, 3u);
+  KvEngine fresh(EngineOptions{});
+  ASSERT_TRUE(fresh.Restore(*snap).ok());
+  auto again = fresh.Snapshot(1, absl::Seconds(10));
+  ASSERT_TRUE(again.ok());
+  ASSERT_EQ(again->keys.size(), snap->keys.size());
+  for (size_t i = 0; i < snap->keys.size(); ++i) {
+    EXPECT_EQ(again->keys[i].params, snap->keys[i].params);
+    EXPECT_EQ(again->keys[i].optimizer_state, snap->keys[i].optimizer_state);
+    EXPECT_EQ(again->keys[i].optimizer_steps, 3u);
+  }
+}
+
+}  // namespace
+}  // namespace poseidon::server

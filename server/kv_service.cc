@@ -1,0 +1,188 @@
+#include "server/kv_service.h"
+
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "transport/error_frame.h"
+
+namespace poseidon::server {
+
+using transport::FrameHeader;
+using transport::FrameType;
+using transport::PayloadTarget;
+using transport::PeerSession;
+
+struct KvService::PeerState {
+  std::mutex mu;
+  int in_flight = 0;
+  bool paused = false;
+  PooledBuffer push_buffer;      // the push being received
+  std::vector<std::byte> small;  // pull / register payloads
+};
+
+namespace {
+
+void Reply(const std::shared_ptr<PeerSession>& peer, const FrameHeader& request, FrameType type) {
+  FrameHeader h;
+  h.type = type;
+  h.job_id = request.job_id;
+  h.key = request.key;
+  h.clock = request.clock;
+  h.sequence = request.sequence;
+  peer->connection().Send(h, {}, [](absl::Status) {});
+}
+
+void ReplyError(const std::shared_ptr<PeerSession>& peer, const FrameHeader& request,
+                const absl::Status& status) {
+  auto frame =
+      std::make_shared<transport::ErrorFrame>(transport::MakeErrorFrame(request.job_id, status));
+  frame->header.sequence = request.sequence;
+  frame->header.clock = request.clock;
+  std::vector<transport::ConstBuffer> payload;
+  if (!frame->message.empty()) payload.emplace_back(std::as_bytes(std::span(frame->message)));
+  peer->connection().Send(frame->header, std::move(payload), [frame](absl::Status) {});
+}
+
+}  // namespace
+
+KvService::KvService(std::shared_ptr<KvEngine> engine, std::shared_ptr<BufferPool> pool,
+                     KvServiceOptions options, std::function<absl::Status(uint64_t)> checkpoint)
+    : engine_(std::move(engine)),
+      pool_(std::move(pool)),
+      options_(options),
+      checkpoint_(std::move(checkpoint)) {}
+
+std::shared_ptr<KvService::PeerState> KvService::StateOf(const std::shared_ptr<PeerSession>& peer) {
+  auto state = peer->handler_state<PeerState>();
+  if (!state) {
+    state = std::make_shared<PeerState>();
+    peer->set_handler_state(state);
+  }
+  return state;
+}
+
+absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSession>& peer,
+                                                  const FrameHeader& header) {
+  auto state = StateOf(peer);
+  switch (header.type) {
+    case FrameType::kPush: {
+      if (header.payload_length == 0 || header.payload_length % sizeof(float) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("push payload of ", header.payload_length,
+                                                       " bytes is not a whole number of floats"));
+      }
+      state->push_buffer = pool_->Get(header.payload_length);
+      if (state->push_buffer.size() != header.payload_length) {
+        return absl::ResourceExhaustedError("server is out of memory for push buffers");
+      }
+      return PayloadTarget::Into(state->push_buffer.bytes());
+    }
+    case FrameType::kPull:
+      if (header.payload_length != 0 && header.payload_length != 8) {
+        return absl::InvalidArgumentError("pull payload must be empty or an 8-byte timeout");
+      }
+      state->small.resize(header.payload_length);
+      return PayloadTarget::Into(state->small);
+    case FrameType::kRegisterTables:
+      if (header.payload_length > options_.max_register_bytes) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("table registration of ", header.payload_length,
+                         " bytes exceeds the maximum of ", options_.max_register_bytes));
+      }
+      state->small.resize(header.payload_length);
+      return PayloadTarget::Into(state->small);
+    case FrameType::kCheckpoint:
+    case FrameType::kPing:
+      if (header.payload_length != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(transport::FrameTypeName(header.type), " frames carry no payload"));
+      }
+      return PayloadTarget::Discard();
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a KV server does not take ", transport::FrameTypeName(header.type), " frames"));
+  }
+}
+
+void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
+                        transport::MutableBuffer payload) {
+  auto state = StateOf(peer);
+  switch (header.type) {
+    case FrameType::kPush: {
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (++state->in_flight >= options_.max_pushes_in_flight && !state->paused) {
+          state->paused = true;
+          peer->PauseReading();
+        }
+      }
+      const int max = options_.max_pushes_in_flight;
+      engine_->Push(RequestContext{peer, header}, std::move(state->push_buffer),
+                    [state, peer, max] {
+                      bool resume = false;
+                      {
+                        std::lock_guard<std::mutex> lock(state->mu);
+                        --state->in_flight;
+                        if (state->paused && state->in_flight < max) {
+                          state->paused = false;
+                          resume = true;
+                        }
+                      }
+                      if (resume) peer->ResumeReading();
+                    });
+      return;
+    }
+    case FrameType::kPull: {
+      absl::Duration timeout = absl::InfiniteDuration();
+      if (payload.size() == 8) {
+        uint64_t ms = 0;
+        for (int i = 0; i < 8; ++i) ms |= uint64_t{std::to_integer<uint8_t>(payload[i])} << (8 * i);
+        timeout = absl::Milliseconds(static_cast<int64_t>(std::min<uint64_t>(ms, 1ull << 40)));
+      }
+      if (timeout == absl::InfiniteDuration()) timeout = absl::Seconds(30);
+      engine_->Pull(RequestContext{peer, header}, timeout);
+      return;
+    }
+    case FrameType::kRegisterTables: {
+      v1::RegisterTablesRequest request;
+      if (!request.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+        ReplyError(peer, header, absl::InvalidArgumentError("malformed table registration"));
+        return;
+      }
+      const absl::Status s = engine_->RegisterJob(header.job_id, request);
+      if (s.ok()) {
+        Reply(peer, header, FrameType::kRegisterTablesAck);
+      } else {
+        ReplyError(peer, header, s);
+      }
+      return;
+    }
+    case FrameType::kCheckpoint: {
+      if (!checkpoint_) {
+        ReplyError(
+            peer, header,
+            absl::FailedPreconditionError("this server has no checkpoint directory configured"));
+        return;
+      }
+      // Writing may wait for a clock boundary: never block the I/O thread on it.
+      std::thread([checkpoint = checkpoint_, peer, header] {
+        const absl::Status s = checkpoint(header.job_id);
+        if (s.ok()) {
+          Reply(peer, header, FrameType::kCheckpointAck);
+        } else {
+          ReplyError(peer, header, s);
+        }
+      }).detach();
+      return;
+    }
+    case FrameType::kPing:
+      Reply(peer, header, FrameType::kPong);
+      return;
+    default:
+      return;
+  }
+}
+
+}  // namespace poseidon::server

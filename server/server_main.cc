@@ -1,0 +1,290 @@
+// poseidon-server: the long-running KV shard daemon (DESIGN.md "Processes"). Configuration from
+// flags > POSEIDON_* environment > config file; logs to stderr; Prometheus metrics over HTTP;
+// SIGTERM/SIGINT finish the clock in flight, write checkpoints if configured, and exit 0.
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "server/checkpoint.h"
+#include "server/kv_engine.h"
+#include "server/kv_service.h"
+#include "transport/frame_server.h"
+#include "transport/tcp/tcp_context.h"
+
+namespace poseidon::server {
+namespace {
+
+struct ServerConfig {
+  std::string listen = "0.0.0.0:7100";
+  std::string metrics_listen;
+  std::string secrets_file;
+  uint64_t job_id = 0;
+  std::string job_secret;
+  int64_t workers = 2;
+  int64_t io_threads = 1;
+  uint64_t max_payload = 256u << 20;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  absl::Duration shutdown_timeout = absl::Seconds(30);
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  std::string log_level = "info";
+};
+
+ConfigSchema<ServerConfig> Schema() {
+  ConfigSchema<ServerConfig> s("poseidon-server");
+  s.Field("listen", &ServerConfig::listen, "data-plane address to listen on (host:port)",
+          NonEmpty())
+      .Field("metrics_listen", &ServerConfig::metrics_listen,
+             "Prometheus /metrics address (host:port); empty: off")
+      .Field("secrets_file", &ServerConfig::secrets_file,
+             "file of '<job id> <secret>' lines: the jobs this server serves")
+      .Field("job_id", &ServerConfig::job_id, "a single job to serve (with job_secret)")
+      .SecretField("job_secret", &ServerConfig::job_secret, "the secret of job_id")
+      .Field("workers", &ServerConfig::workers, "engine threads (keys are spread over them)",
+             InRange<int64_t>(1, 256))
+      .Field("io_threads", &ServerConfig::io_threads, "network I/O threads",
+             InRange<int64_t>(1, 64))
+      .ByteSizeField("max_payload", &ServerConfig::max_payload, "largest frame payload accepted",
+                     InRange<uint64_t>(4096, uint64_t{1} << 34))
+      .Field("checkpoint_dir", &ServerConfig::checkpoint_dir,
+             "directory for checkpoints; restored from at start")
+      .Field("checkpoint_every", &ServerConfig::checkpoint_every,
+             "checkpoint every N clocks (0: only on request and at shutdown)", AtLeast<int64_t>(0))
+      .Field("shutdown_timeout", &ServerConfig::shutdown_timeout,
+             "on SIGTERM, wait at most this long for the clock in flight")
+      .Field("handshake_timeout", &ServerConfig::handshake_timeout,
+             "a new connection must authenticate within this time")
+      .Field("log_level", &ServerConfig::log_level, "trace, debug, info, warn, error",
+             OneOf({"trace", "debug", "info", "warn", "error"}));
+  return s;
+}
+
+absl::Status LoadSecrets(const ServerConfig& config, transport::SecretStore& store) {
+  int jobs = 0;
+  if (!config.job_secret.empty()) {
+    store.Set(config.job_id, config.job_secret);
+    ++jobs;
+  }
+  if (!config.secrets_file.empty()) {
+    std::ifstream in(config.secrets_file);
+    if (!in)
+      return absl::NotFoundError(absl::StrCat("cannot read secrets_file ", config.secrets_file));
+    std::string line;
+    int n = 0;
+    while (std::getline(in, line)) {
+      ++n;
+      absl::string_view l = absl::StripAsciiWhitespace(line);
+      if (l.empty() || l[0] == '#') continue;
+      std::vector<absl::string_view> parts =
+          absl::StrSplit(l, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+      uint64_t id = 0;
+      if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &id)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(config.secrets_file, ":", n, ": expected '<job id> <secret>'"));
+      }
+      store.Set(id, std::string(parts[1]));
+      ++jobs;
+    }
+  }
+  if (jobs == 0) {
+    return absl::InvalidArgumentError(
+        "no job to serve: set job_id and job_secret, or secrets_file");
+  }
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  const ServerConfig config = LoadOrExit(Schema(), argc, argv);
+  InitLogging("poseidon-server", *ParseLogLevel(config.log_level));
+
+  // Signals are taken synchronously by the main thread; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto secrets = std::make_shared<transport::SecretStore>();
+  if (auto s = LoadSecrets(config, *secrets); !s.ok()) {
+    PSD_LOG_ERROR("refusing to start: {}", s.message());
+    return 2;
+  }
+  if (!config.checkpoint_dir.empty()) {
+    ::mkdir(config.checkpoint_dir.c_str(), 0700);
+    struct stat st {};
+    if (::stat(config.checkpoint_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      PSD_LOG_ERROR("refusing to start: checkpoint_dir {} is not a directory",
+                    config.checkpoint_dir);
+      return 2;
+    }
+  }
+
+  // Checkpoints are written by one thread, in order.
+  std::mutex ckpt_mu;
+  auto write_checkpoint = [&](const JobSnapshot& snap) {
+    std::lock_guard<std::mutex> lock(ckpt_mu);
+    const absl::Status s = WriteCheckpoint(config.checkpoint_dir, snap);
+    if (s.ok()) {
+      PSD_LOG_INFO("checkpoint of job {} at clock {} written", snap.job_id, snap.clock);
+    } else {
+      PSD_LOG_ERROR("checkpoint of job {} at clock {} failed: {}", snap.job_id, snap.clock,
+                    s.message());
+    }
+    return s;
+  };
+
+  EngineOptions engine_options;
+  engine_options.workers = static_cast<int>(config.workers);
+  if (!config.checkpoint_dir.empty() && config.checkpoint_every > 0) {
+    engine_options.snapshot_every = static_cast<uint64_t>(config.checkpoint_every);
+    engine_options.on_periodic_snapshot = [&](JobSnapshot snap) {
+      std::thread([&write_checkpoint, snap = std::move(snap)] {
+        (void)write_checkpoint(snap);
+      }).detach();
+    };
+  }
+  auto engine = std::make_shared<KvEngine>(engine_options);
+
+  if (!config.checkpoint_dir.empty()) {
+    auto restored = LoadCheckpoints(config.checkpoint_dir);
+    if (!restored.ok()) {
+      PSD_LOG_ERROR("refusing to start: {}", restored.status().message());
+      return 2;
+    }
+    for (const auto& snap : *restored) {
+      if (auto s = engine->Restore(snap); !s.ok()) {
+        PSD_LOG_ERROR("refusing to start: restoring job {}: {}", snap.job_id, s.message());
+        return 2;
+      }
+      PSD_LOG_INFO("restored job {} at clock {} ({} keys)", snap.job_id, snap.clock,
+                   snap.keys.size());
+    }
+  }
+
+  std::function<absl::Status(uint64_t)> checkpoint_now;
+  if (!config.checkpoint_dir.empty()) {
+    checkpoint_now = [&, engine](uint64_t job) -> absl::Status {
+      auto snap = engine->Snapshot(job, absl::Seconds(60));
+      if (!snap.ok()) return snap.status();
+      return write_checkpoint(*snap);
+    };
+  }
+
+  transport::TcpOptions tcp;
+  tcp.io_threads = static_cast<int>(config.io_threads);
+  tcp.limits.max_payload_bytes = config.max_payload;
+  auto ctx = transport::CreateTcpContext(tcp);
+  if (!ctx.ok()) {
+    PSD_LOG_ERROR("refusing to start: {}", ctx.status().message());
+    return 2;
+  }
+  auto listener = (*ctx)->Listen(config.listen);
+  if (!listener.ok()) {
+    PSD_LOG_ERROR("refusing to start: {}", listener.status().message());
+    return 2;
+  }
+  auto pool = BufferPool::Create(size_t{1} << 30);
+  auto service = std::make_shared<KvService>(engine, pool, KvServiceOptions{}, checkpoint_now);
+  transport::FrameServerOptions fs_options;
+  fs_options.handshake_timeout = config.handshake_timeout;
+  auto server = std::make_shared<transport::FrameServer>(*listener, secrets, service, fs_options);
+  server->Start();
+
+  MetricsRegistry registry;
+  std::unique_ptr<MetricsExposer> exposer;
+  if (!config.metrics_listen.empty()) {
+    auto e = MetricsExposer::Start(config.metrics_listen, registry);
+    if (!e.ok()) {
+      PSD_LOG_ERROR("refusing to start: {}", e.status().message());
+      return 2;
+    }
+    exposer = std::move(*e);
+  }
+  std::atomic<bool> stop_metrics{false};
+  std::thread metrics_thread([&] {
+    struct Exported {
+      const std::atomic<uint64_t>* source;
+      prometheus::Counter* counter;
+      uint64_t last = 0;
+    };
+    const EngineStats& st = engine->stats();
+    std::vector<Exported> exported;
+    auto add = [&](const char* name, const char* help, const std::atomic<uint64_t>& source) {
+      if (auto c = registry.GetCounter(name, help); c.ok()) exported.push_back({&source, *c});
+    };
+    add("poseidon_server_pushes_total", "Pushes aggregated", st.pushes);
+    add("poseidon_server_push_bytes_total", "Bytes of pushes aggregated", st.push_bytes);
+    add("poseidon_server_duplicate_pushes_total", "Duplicate pushes acknowledged and dropped",
+        st.duplicate_pushes);
+    add("poseidon_server_pulls_total", "Pulls answered", st.pulls);
+    add("poseidon_server_pull_bytes_total", "Bytes of pull responses", st.pull_bytes);
+    add("poseidon_server_clocks_completed_total", "Key clocks completed", st.clocks_completed);
+    add("poseidon_server_request_errors_total", "Requests answered with an error",
+        st.request_errors);
+    add("poseidon_server_pull_timeouts_total", "Pulls that timed out", st.pull_timeouts);
+    auto* active =
+        registry.GetGauge("poseidon_server_connections", "Open peer connections").value();
+    while (!stop_metrics.load()) {
+      for (auto& e : exported) {
+        const uint64_t now = e.source->load(std::memory_order_relaxed);
+        e.counter->Increment(static_cast<double>(now - e.last));
+        e.last = now;
+      }
+      active->Set(static_cast<double>(server->Stats().active));
+      absl::SleepFor(absl::Milliseconds(500));
+    }
+  });
+
+  PSD_LOG_INFO("serving on {} ({} engine threads{}{})", server->Address(), config.workers,
+               exposer ? absl::StrCat(", metrics on ", exposer->address()) : "",
+               config.checkpoint_dir.empty()
+                   ? ""
+                   : absl::StrCat(", checkpoints in ", config.checkpoint_dir));
+  // Tests and launchers read this line to learn the bound port.
+  std::printf("poseidon-server listening on %s\n", server->Address().c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  PSD_LOG_INFO("signal {}: finishing the clock in flight", sig);
+  if (!engine->WaitForQuiescence(config.shutdown_timeout)) {
+    PSD_LOG_WARN("a clock was still incomplete after {}; stopping anyway",
+                 absl::FormatDuration(config.shutdown_timeout));
+  }
+  int rc = 0;
+  if (!config.checkpoint_dir.empty()) {
+    for (uint64_t job : engine->Jobs()) {
+      auto snap = engine->Snapshot(job, absl::Seconds(1));
+      if (!snap.ok() || !write_checkpoint(*snap).ok()) {
+        PSD_LOG_ERROR("final checkpoint of job {} failed", job);
+        rc = 1;
+      }
+    }
+  }
+  server->Stop();
+  (*ctx)->Close();
+  stop_metrics = true;
+  metrics_thread.join();
+  PSD_LOG_INFO("stopped");
+  return rc;
+}
+
+}  // namespace
+}  // namespace poseidon::server
+
+int main(int argc, char** argv) {
+  return poseidon::server::Main(argc, argv);
+}

@@ -1,0 +1,116 @@
+#include "tools/plan_command.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/config.h"
+#include "coordinator/planner/model_spec.h"
+#include "coordinator/planner/planner.h"
+#include "tools/plan_output.h"
+
+namespace poseidon::tools {
+namespace {
+
+// The flags of `poseidon plan` (environment: POSEIDON_PLAN_<NAME>; file: --config).
+struct PlanFlags {
+  std::string model;
+  uint32_t workers = 0;
+  uint32_t servers = 0;
+  uint32_t batch = 0;
+  double bandwidth = 0;
+  absl::Duration latency = absl::Microseconds(50);
+  bool colocated = false;
+  std::string gpu = "titanx";
+  uint64_t block_size = planner::kDefaultBlockBytes;
+  bool json = false;
+};
+
+Validator<double> Positive() {
+  return [](const double& value) {
+    return value > 0 ? absl::OkStatus()
+                     : absl::InvalidArgumentError("must be > 0 (for example 10Gbit or 1.25GB/s)");
+  };
+}
+
+ConfigSchema<PlanFlags> PlanFlagsSchema() {
+  ConfigSchema<PlanFlags> schema("poseidon plan", "POSEIDON_PLAN_");
+  schema
+      .Field("model", &PlanFlags::model,
+             "built-in model (alexnet, vgg16, vgg19, vgg19-22k, googlenet, inception-v3, "
+             "resnet-50, resnet-152) or the path of a ModelSpec JSON file",
+             NonEmpty())
+      .Field("workers", &PlanFlags::workers, "P1, the number of workers (GPUs)", AtLeast(1))
+      .Field("servers", &PlanFlags::servers, "P2, the number of servers; 0: as many as workers")
+      .Field("batch", &PlanFlags::batch,
+             "K, the per-worker batch size; 0: each layer's batch_per_worker from the spec")
+      .BandwidthField("bandwidth", &PlanFlags::bandwidth,
+                      "network bandwidth per machine and direction (10Gbit, 1.25GB/s)", Positive())
+      .Field("latency", &PlanFlags::latency, "latency of one message (50us)")
+      .Field("colocated", &PlanFlags::colocated, "every worker machine also runs a server")
+      .Field("gpu", &PlanFlags::gpu,
+             "GPU rate for compute time from FLOPs: titanx, v100, a100, h100, a FLOP/s number "
+             "(12.5T), or none")
+      .ByteSizeField("block_size", &PlanFlags::block_size, "largest PS chunk (4MiB)")
+      .Field("json", &PlanFlags::json, "print JSON instead of a table");
+  return schema;
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "poseidon plan: %s\n", std::string(status.message()).c_str());
+  return 2;
+}
+
+}  // namespace
+
+int RunPlanCommand(const std::vector<std::string>& args) {
+  const ConfigSchema<PlanFlags> schema = PlanFlagsSchema();
+  ConfigInput input;
+  input.args = args;
+  absl::StatusOr<LoadedConfig<PlanFlags>> loaded = schema.Parse(input);
+  if (!loaded.ok()) return Fail(loaded.status());
+  if (loaded->help_requested) {
+    std::fputs(schema.Usage().c_str(), stdout);
+    return 0;
+  }
+  for (const std::string& arg : loaded->unparsed_args) {
+    if (arg != "--") return Fail(absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'")));
+  }
+  const PlanFlags& flags = loaded->value;
+
+  planner::PlannerConfig config;
+  config.workers = flags.workers;
+  config.servers = flags.servers == 0 ? flags.workers : flags.servers;
+  config.batch_per_worker = flags.batch;
+  config.colocated = flags.colocated;
+  config.bandwidth_bytes_per_second = flags.bandwidth;
+  config.latency_seconds = absl::ToDoubleSeconds(flags.latency);
+  config.block_bytes = flags.block_size;
+  if (absl::AsciiStrToLower(flags.gpu) != "none") {
+    absl::StatusOr<planner::GpuRate> gpu = planner::ParseGpuRate(flags.gpu);
+    if (!gpu.ok()) return Fail(gpu.status());
+    config.gpu = *gpu;
+  }
+
+  absl::StatusOr<poseidon::v1::ModelSpec> model = planner::LoadModel(flags.model);
+  if (!model.ok()) return Fail(model.status());
+  config.job_id = model->name();
+  absl::StatusOr<planner::PlanResult> result = planner::BuildPlan(*model, config);
+  if (!result.ok()) return Fail(result.status());
+
+  if (flags.json) {
+    absl::StatusOr<std::string> json = FormatPlanJson(*model, config, *result);
+    if (!json.ok()) return Fail(json.status());
+    std::fputs(json->c_str(), stdout);
+    std::fputc('\n', stdout);
+  } else {
+    std::fputs(FormatPlanTable(*model, config, *result).c_str(), stdout);
+  }
+  return std::fflush(stdout) == 0 ? 0 : 1;
+}
+
+}  // namespace poseidon::tools
