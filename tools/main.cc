@@ -22,9 +22,10 @@ constexpr Subcommand kSubcommands[] = {
 };
 
 void PrintUsage(std::FILE* out) {
-  std::fputs("usage: poseidon <command> [flags]   (poseidon <command> --help for its flags)\n\n"
-             "commands:\n",
-             out);
+  std::fputs(
+      "usage: poseidon <command> [flags]   (poseidon <command> --help for its flags)\n\n"
+      "commands:\n",
+      out);
   for (const Subcommand& command : kSubcommands) {
     std::fprintf(out, "  %-8s %s\n", command.name, command.summary);
   }

@@ -68,13 +68,18 @@ std::string Thousands(uint64_t value) {
 }
 
 // Seconds as milliseconds with three decimals.
-std::string Millis(double seconds) { return absl::StrFormat("%.3f", seconds * 1e3); }
-
-std::string Seconds(double seconds) {
-  return seconds >= 1 ? absl::StrFormat("%.3f s", seconds) : absl::StrFormat("%.1f ms", seconds * 1e3);
+std::string Millis(double seconds) {
+  return absl::StrFormat("%.3f", seconds * 1e3);
 }
 
-std::string ShapeText(const std::vector<uint64_t>& shape) { return absl::StrJoin(shape, "x"); }
+std::string Seconds(double seconds) {
+  return seconds >= 1 ? absl::StrFormat("%.3f s", seconds)
+                      : absl::StrFormat("%.1f ms", seconds * 1e3);
+}
+
+std::string ShapeText(const std::vector<uint64_t>& shape) {
+  return absl::StrJoin(shape, "x");
+}
 
 // A table of text cells; columns are left-aligned unless marked numeric.
 class TextTable {
@@ -109,7 +114,8 @@ class TextTable {
 
 std::string GpuText(const PlannerConfig& config) {
   if (!config.gpu.has_value()) return "none";
-  return absl::StrFormat("%s (%.1f TFLOP/s)", config.gpu->name, config.gpu->flops_per_second / 1e12);
+  return absl::StrFormat("%s (%.1f TFLOP/s)", config.gpu->name,
+                         config.gpu->flops_per_second / 1e12);
 }
 
 std::string BatchText(const PlannerConfig& config) {
@@ -172,14 +178,14 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
                         BatchText(config), FormatBandwidth(config.bandwidth_bytes_per_second),
                         absl::FormatDuration(absl::Seconds(config.latency_seconds)),
                         FormatByteSize(config.block_bytes), GpuText(config));
-  absl::StrAppend(&out, "rule     an FC layer uses SFB when 2K(P1-1)(M+N) <= ",
-                  config.colocated ? "2MN(P1+P2-2)/P2 (bytes per machine)"
-                                   : "2MN (bytes per worker)",
-                  "; every other layer uses PS\n\n");
+  absl::StrAppend(
+      &out, "rule     an FC layer uses SFB when 2K(P1-1)(M+N) <= ",
+      config.colocated ? "2MN(P1+P2-2)/P2 (bytes per machine)" : "2MN (bytes per worker)",
+      "; every other layer uses PS\n\n");
 
   std::vector<bool> right = {true, false, false, false, true, false, true, true};
-  std::vector<std::string> header = {"#",          "layer",     "kind",      "shape",
-                                     "parameters", "scheme",    "PS/worker", "PS/server"};
+  std::vector<std::string> header = {"#",          "layer",  "kind",      "shape",
+                                     "parameters", "scheme", "PS/worker", "PS/server"};
   if (config.colocated) {
     right.push_back(true);
     header.push_back("PS/machine");
@@ -214,7 +220,8 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
   TextTable totals({false, true, true});
   totals.Add({"per iteration", "plan (HybComm)", "PS only"});
   totals.Add({compared, HumanBytes(plan.compared_bytes), HumanBytes(ps.compared_bytes)});
-  totals.Add({"bytes per server", HumanBytes(plan.bytes_per_server), HumanBytes(ps.bytes_per_server)});
+  totals.Add(
+      {"bytes per server", HumanBytes(plan.bytes_per_server), HumanBytes(ps.bytes_per_server)});
   totals.Add({"synchronisation time", Seconds(plan.sync_seconds), Seconds(ps.sync_seconds)});
   if (plan.iteration.has_value() && ps.iteration.has_value()) {
     totals.Add({"compute time", Seconds(plan.iteration->compute_seconds),
@@ -236,7 +243,8 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
                     "\n");
   }
   if (!report.server_bytes.empty()) {
-    const auto [min, max] = std::minmax_element(report.server_bytes.begin(), report.server_bytes.end());
+    const auto [min, max] =
+        std::minmax_element(report.server_bytes.begin(), report.server_bytes.end());
     absl::StrAppend(&out, "servers  stored bytes per server: min ", HumanBytes(*min), ", mean ",
                     HumanBytes(Mean(report.server_bytes)), ", max ", HumanBytes(*max),
                     " (largest chunk ", HumanBytes(report.largest_chunk_bytes), ")\n");
@@ -250,10 +258,12 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
   std::string plan_json;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
-  const auto printed = google::protobuf::util::MessageToJsonString(result.plan, &plan_json, options);
+  const auto printed =
+      google::protobuf::util::MessageToJsonString(result.plan, &plan_json, options);
   if (!printed.ok()) {
-    return absl::InternalError(absl::StrCat("cannot print the plan as JSON: ",
-                                            std::string(printed.message().data(), printed.message().size())));
+    return absl::InternalError(
+        absl::StrCat("cannot print the plan as JSON: ",
+                     std::string(printed.message().data(), printed.message().size())));
   }
 
   JsonWriter w;
@@ -345,8 +355,9 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
   w.Key("ps_only");
   WriteTotals(w, report.ps_only);
   w.Key("bytes_ratio");
-  report.ps_only.compared_bytes > 0 ? w.Number(report.plan.compared_bytes / report.ps_only.compared_bytes)
-                                    : w.Null();
+  report.ps_only.compared_bytes > 0
+      ? w.Number(report.plan.compared_bytes / report.ps_only.compared_bytes)
+      : w.Null();
   w.Key("sfb_layers");
   w.Unsigned(report.sfb_layers);
   w.Key("compute_unknown_reason");

@@ -29,8 +29,8 @@ SchemeVolume SfbElements(uint64_t m, uint64_t n, const ClusterShape& cluster) {
 bool SfbNoCostlierThanPs(uint64_t m, uint64_t n, const ClusterShape& cluster) {
   // Both sides divided by 2, in 128 bits: the planner's limits (M·N < 2^64, P1, P2 <= 2^16,
   // K <= 2^20) keep every product below 2^118.
-  const absl::uint128 sfb = absl::uint128(cluster.batch_per_worker) * (cluster.workers - 1u) *
-                            (absl::uint128(m) + n);
+  const absl::uint128 sfb =
+      absl::uint128(cluster.batch_per_worker) * (cluster.workers - 1u) * (absl::uint128(m) + n);
   const absl::uint128 mn = absl::uint128(m) * n;
   if (cluster.colocated) {
     const uint64_t p1_plus_p2_minus_2 = uint64_t{cluster.workers} + cluster.servers - 2;

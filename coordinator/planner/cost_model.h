@@ -11,11 +11,12 @@
 //   SFB    | 0            | 2·K·(P1−1)·(M+N)  | 2·K·(P1−1)·(M+N)
 //
 // PS: each worker pushes its S-element gradient and pulls S elements back (2·S); the servers share
-// the layer evenly, so each receives S/P2 from every worker and sends S/P2 back to each (2·P1·S/P2).
-// On a machine that hosts one worker and one server, the worker's 1/P2 share to its own server and
-// that server's traffic with its own worker stay local: 2·S·(P2−1)/P2 + 2·S·(P1−1)/P2.
-// SFB: each worker sends its K pairs of factors (u ∈ R^M, v ∈ R^N) to each of the P1−1 other
-// workers and receives theirs; no server is involved, so a machine moves what its worker moves.
+// the layer evenly, so each receives S/P2 from every worker and sends S/P2 back to each
+// (2·P1·S/P2). On a machine that hosts one worker and one server, the worker's 1/P2 share to its
+// own server and that server's traffic with its own worker stay local: 2·S·(P2−1)/P2 +
+// 2·S·(P1−1)/P2. SFB: each worker sends its K pairs of factors (u ∈ R^M, v ∈ R^N) to each of the
+// P1−1 other workers and receives theirs; no server is involved, so a machine moves what its worker
+// moves.
 //
 // The selection rule (Poseidon's): an FC layer uses SFB when its SFB cost is at most its PS cost,
 // where the two numbers compared are those of the busiest link that differs between the schemes,

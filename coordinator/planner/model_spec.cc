@@ -79,7 +79,8 @@ absl::Status ValidateModelSpec(const ModelSpec& model) {
   absl::uint128 total_bytes = 0;
   for (int i = 0; i < model.layers_size(); ++i) {
     const LayerSpec& layer = model.layers(i);
-    if (layer.name().empty()) return absl::InvalidArgumentError(absl::StrCat("layer ", i, ": name is empty"));
+    if (layer.name().empty())
+      return absl::InvalidArgumentError(absl::StrCat("layer ", i, ": name is empty"));
     const std::string label = LayerLabel(i, layer);
     if (const auto [it, inserted] = seen.emplace(layer.name(), i); !inserted) {
       return absl::InvalidArgumentError(
@@ -92,14 +93,16 @@ absl::Status ValidateModelSpec(const ModelSpec& model) {
       case poseidon::v1::LAYER_KIND_OTHER:
         break;
       case poseidon::v1::LAYER_KIND_UNSPECIFIED:
-        return absl::InvalidArgumentError(absl::StrCat(
-            label, ": kind is not set (LAYER_KIND_FC, LAYER_KIND_CONV, LAYER_KIND_BIAS or "
-                   "LAYER_KIND_OTHER)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(label,
+                         ": kind is not set (LAYER_KIND_FC, LAYER_KIND_CONV, LAYER_KIND_BIAS or "
+                         "LAYER_KIND_OTHER)"));
       default:
         return absl::InvalidArgumentError(
             absl::StrCat(label, ": kind ", static_cast<int>(layer.kind()), " is unknown"));
     }
-    if (layer.shape().empty()) return absl::InvalidArgumentError(absl::StrCat(label, ": shape is empty"));
+    if (layer.shape().empty())
+      return absl::InvalidArgumentError(absl::StrCat(label, ": shape is empty"));
     for (int d = 0; d < layer.shape_size(); ++d) {
       if (layer.shape(d) == 0) {
         return absl::InvalidArgumentError(
@@ -112,7 +115,8 @@ absl::Status ValidateModelSpec(const ModelSpec& model) {
     }
     const absl::StatusOr<uint64_t> element_bytes = ElementBytes(layer.element_type());
     if (!element_bytes.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(label, ": ", element_bytes.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(label, ": ", element_bytes.status().message()));
     }
     absl::uint128 bytes = *element_bytes;
     for (const uint64_t d : layer.shape()) {
@@ -153,11 +157,12 @@ absl::StatusOr<ModelSpec> LoadModelSpecFile(const std::string& path) {
   std::error_code error;
   const uint64_t size = std::filesystem::file_size(path, error);
   if (error) {
-    return absl::NotFoundError(absl::StrCat("cannot read model spec ", path, ": ", error.message()));
+    return absl::NotFoundError(
+        absl::StrCat("cannot read model spec ", path, ": ", error.message()));
   }
   if (size > kMaxSpecFileBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model spec ", path, " is ", size, " bytes; the limit is ", kMaxSpecFileBytes));
+    return absl::InvalidArgumentError(absl::StrCat("model spec ", path, " is ", size,
+                                                   " bytes; the limit is ", kMaxSpecFileBytes));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open model spec ", path));
@@ -183,8 +188,8 @@ absl::StatusOr<ModelSpec> LoadBuiltinModel(absl::string_view name) {
         absl::string_view(reinterpret_cast<const char*>(embedded.data), embedded.size),
         absl::StrCat("built-in model ", embedded.name));
   }
-  return absl::NotFoundError(absl::StrCat("unknown model '", name, "' (built-in: ",
-                                          absl::StrJoin(BuiltinModelNames(), ", "), ")"));
+  return absl::NotFoundError(absl::StrCat(
+      "unknown model '", name, "' (built-in: ", absl::StrJoin(BuiltinModelNames(), ", "), ")"));
 }
 
 absl::StatusOr<ModelSpec> LoadModel(absl::string_view name_or_path) {
@@ -193,10 +198,9 @@ absl::StatusOr<ModelSpec> LoadModel(absl::string_view name_or_path) {
   const std::string path(name_or_path);
   std::error_code error;
   if (!path.empty() && std::filesystem::exists(path, error)) return LoadModelSpecFile(path);
-  return absl::NotFoundError(absl::StrCat("unknown model '", name_or_path,
-                                          "': not a built-in model (",
-                                          absl::StrJoin(BuiltinModelNames(), ", "),
-                                          ") and no such spec file"));
+  return absl::NotFoundError(
+      absl::StrCat("unknown model '", name_or_path, "': not a built-in model (",
+                   absl::StrJoin(BuiltinModelNames(), ", "), ") and no such spec file"));
 }
 
 }  // namespace poseidon::planner

@@ -17,25 +17,27 @@ using poseidon::v1::ModelSpec;
 
 absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
   if (config.workers < 1 || config.workers > kMaxWorkers) {
-    return absl::InvalidArgumentError(absl::StrCat("workers (P1) must be in [1, ", kMaxWorkers,
-                                                   "], got ", config.workers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("workers (P1) must be in [1, ", kMaxWorkers, "], got ", config.workers));
   }
   if (config.servers < 1 || config.servers > kMaxServers) {
-    return absl::InvalidArgumentError(absl::StrCat("servers (P2) must be in [1, ", kMaxServers,
-                                                   "], got ", config.servers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("servers (P2) must be in [1, ", kMaxServers, "], got ", config.servers));
   }
   if (config.batch_per_worker > kMaxBatchPerWorker) {
     return absl::InvalidArgumentError(absl::StrCat("batch_per_worker (K) must be in [1, ",
                                                    kMaxBatchPerWorker, "], got ",
                                                    config.batch_per_worker));
   }
-  if (!(config.bandwidth_bytes_per_second > 0) || !std::isfinite(config.bandwidth_bytes_per_second)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bandwidth must be a finite number of bytes/s > 0, got ", config.bandwidth_bytes_per_second));
+  if (!(config.bandwidth_bytes_per_second > 0) ||
+      !std::isfinite(config.bandwidth_bytes_per_second)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bandwidth must be a finite number of bytes/s > 0, got ",
+                     config.bandwidth_bytes_per_second));
   }
   if (!(config.latency_seconds >= 0) || !std::isfinite(config.latency_seconds)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("latency must be a finite number of seconds >= 0, got ", config.latency_seconds));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "latency must be a finite number of seconds >= 0, got ", config.latency_seconds));
   }
   if (config.block_bytes < 1) {
     return absl::InvalidArgumentError("block_size must be at least 1 byte, got 0");
@@ -48,8 +50,8 @@ absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
   }
   if (!config.server_node_ids.empty() && config.server_node_ids.size() != config.servers) {
     return absl::InvalidArgumentError(absl::StrCat("server_node_ids has ",
-                                                   config.server_node_ids.size(),
-                                                   " entries for ", config.servers, " servers"));
+                                                   config.server_node_ids.size(), " entries for ",
+                                                   config.servers, " servers"));
   }
   return absl::OkStatus();
 }
@@ -86,7 +88,8 @@ void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t wor
   }
   totals.iteration = PredictIteration(timings);
   if (totals.iteration->iteration_seconds > 0) {
-    totals.speedup = workers * totals.iteration->compute_seconds / totals.iteration->iteration_seconds;
+    totals.speedup =
+        workers * totals.iteration->compute_seconds / totals.iteration->iteration_seconds;
   }
 }
 
@@ -112,10 +115,10 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     layer.batch_per_worker =
         config.batch_per_worker != 0 ? config.batch_per_worker : spec.batch_per_worker();
     if (layer.batch_per_worker < 1 || layer.batch_per_worker > kMaxBatchPerWorker) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", i, " '", spec.name(), "': batch_per_worker (K) must be in [1, ",
-          kMaxBatchPerWorker, "], got ", layer.batch_per_worker,
-          " (set the planner's batch or the layer's batch_per_worker)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", i, " '", spec.name(), "': batch_per_worker (K) must be in [1, ",
+                       kMaxBatchPerWorker, "], got ", layer.batch_per_worker,
+                       " (set the planner's batch or the layer's batch_per_worker)"));
     }
     ASSIGN_OR_RETURN(const uint64_t element_bytes, ElementBytes(spec.element_type()));
     const ClusterShape cluster{config.workers, config.servers, layer.batch_per_worker,
@@ -125,8 +128,8 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     if (layer.cost.sfb_bytes.has_value()) {
       layer.sfb_seconds = SfbSeconds(*layer.cost.sfb_bytes, network);
     }
-    layer.seconds = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds
-                                                                        : layer.ps_seconds;
+    layer.seconds =
+        layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds : layer.ps_seconds;
     layer.compute = LayerComputeSeconds(spec, layer.batch_per_worker, gpu);
     if (!layer.compute.has_value() && report.compute_unknown_reason.empty()) {
       report.compute_unknown_reason =
@@ -155,9 +158,8 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
   plan.set_membership_epoch(config.membership_epoch);
   plan.set_max_chunk_bytes(config.block_bytes);
   for (uint32_t s = 0; s < config.servers; ++s) {
-    plan.add_servers()->set_node_id(config.server_node_ids.empty()
-                                        ? absl::StrCat("server-", s)
-                                        : config.server_node_ids[s]);
+    plan.add_servers()->set_node_id(config.server_node_ids.empty() ? absl::StrCat("server-", s)
+                                                                   : config.server_node_ids[s]);
   }
   for (const LayerReport& layer : report.layers) {
     poseidon::v1::LayerPlan* out = plan.add_layers();
@@ -173,7 +175,8 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
   }
   // Chunks come grouped by layer in layer order, in offset order within a layer.
   for (const ChunkAssignment& chunk : chunks) {
-    poseidon::v1::Chunk* out = plan.mutable_layers(static_cast<int>(chunk.layer_index))->add_chunks();
+    poseidon::v1::Chunk* out =
+        plan.mutable_layers(static_cast<int>(chunk.layer_index))->add_chunks();
     out->set_key(chunk.key);
     out->set_offset(chunk.offset);
     out->set_length(chunk.length);

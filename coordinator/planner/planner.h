@@ -83,9 +83,9 @@ struct LayerReport {
 struct SchemeTotals {
   double bytes_per_worker = 0;
   double bytes_per_server = 0;
-  double bytes_per_machine = 0;  // colocated machine: worker + server
-  double compared_bytes = 0;     // per machine when colocated, per worker otherwise
-  double sync_seconds = 0;       // Σ per-layer synchronisation time
+  double bytes_per_machine = 0;                  // colocated machine: worker + server
+  double compared_bytes = 0;                     // per machine when colocated, per worker otherwise
+  double sync_seconds = 0;                       // Σ per-layer synchronisation time
   std::optional<IterationPrediction> iteration;  // when every layer's compute time is known
   std::optional<double> speedup;                 // P1 · compute / iteration
 };

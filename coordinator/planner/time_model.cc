@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace poseidon::planner {
 
@@ -51,9 +52,9 @@ absl::StatusOr<GpuRate> ParseGpuRate(absl::string_view text) {
       value <= 0) {
     std::string names;
     for (const GpuRate& known : KnownGpuRates()) absl::StrAppend(&names, known.name, ", ");
-    return absl::InvalidArgumentError(
-        absl::StrCat("gpu '", text, "' is neither a known GPU (", names,
-                     ") nor a positive FLOP/s rate such as 12.5T"));
+    return absl::InvalidArgumentError(absl::StrCat("gpu '", text, "' is neither a known GPU (",
+                                                   names,
+                                                   ") nor a positive FLOP/s rate such as 12.5T"));
   }
   return GpuRate{std::string(absl::StripAsciiWhitespace(text)), value * scale};
 }
@@ -66,10 +67,9 @@ std::optional<ComputeSeconds> LayerComputeSeconds(const poseidon::v1::LayerSpec&
   }
   if (gpu != nullptr && layer.has_forward_flops() && layer.has_backward_flops()) {
     const double samples = batch;
-    return ComputeSeconds{static_cast<double>(layer.forward_flops()) * samples /
-                              gpu->flops_per_second,
-                          static_cast<double>(layer.backward_flops()) * samples /
-                              gpu->flops_per_second};
+    return ComputeSeconds{
+        static_cast<double>(layer.forward_flops()) * samples / gpu->flops_per_second,
+        static_cast<double>(layer.backward_flops()) * samples / gpu->flops_per_second};
   }
   return std::nullopt;
 }

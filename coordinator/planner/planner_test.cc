@@ -1,0 +1,298 @@
+#include "coordinator/planner/planner.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "coordinator/planner/model_spec.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+
+namespace poseidon::planner {
+namespace {
+
+using poseidon::v1::ModelSpec;
+using poseidon::v1::Plan;
+
+ModelSpec Builtin(const std::string& name) {
+  absl::StatusOr<ModelSpec> model = LoadBuiltinModel(name);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? *model : ModelSpec();
+}
+
+// The Poseidon paper's headline cluster: 16 machines, each a worker and a server, 10GbE, K = 32.
+PlannerConfig PaperCluster(uint32_t machines = 16) {
+  PlannerConfig config;
+  config.workers = machines;
+  config.servers = machines;
+  config.batch_per_worker = 32;
+  config.colocated = true;
+  config.bandwidth_bytes_per_second = 10e9 / 8;
+  config.latency_seconds = 50e-6;
+  config.gpu = ParseGpuRate("titanx").value();
+  return config;
+}
+
+const poseidon::v1::LayerPlan* FindLayer(const Plan& plan, const std::string& name) {
+  for (const auto& layer : plan.layers()) {
+    if (layer.layer_name() == name) return &layer;
+  }
+  return nullptr;
+}
+
+TEST(PlannerTest, Vgg19_22kAt16MachinesUsesSfbForFcWeightsOnly) {
+  const ModelSpec model = Builtin("vgg19-22k");
+  const absl::StatusOr<PlanResult> result = BuildPlan(model, PaperCluster());
+  ASSERT_TRUE(result.ok()) << result.status();
+  const Plan& plan = result->plan;
+  ASSERT_EQ(plan.layers_size(), model.layers_size());
+  int sfb = 0;
+  for (int i = 0; i < plan.layers_size(); ++i) {
+    const auto& layer = plan.layers(i);
+    const auto& spec = model.layers(i);
+    EXPECT_EQ(layer.layer_index(), static_cast<uint32_t>(i));
+    EXPECT_EQ(layer.layer_name(), spec.name());
+    EXPECT_EQ(layer.priority(), static_cast<uint32_t>(i));  // layer 0 first
+    if (spec.kind() == poseidon::v1::LAYER_KIND_FC) {
+      EXPECT_EQ(layer.scheme(), poseidon::v1::SYNC_SCHEME_SFB) << spec.name();
+      EXPECT_TRUE(layer.chunks().empty());
+      ++sfb;
+    } else {
+      // Every conv layer and every bias, fc biases included.
+      EXPECT_EQ(layer.scheme(), poseidon::v1::SYNC_SCHEME_PS) << spec.name();
+      uint64_t covered = 0;
+      for (const auto& chunk : layer.chunks()) {
+        EXPECT_EQ(chunk.offset(), covered);
+        EXPECT_LE(chunk.length(), kDefaultBlockBytes);
+        EXPECT_LT(chunk.server_index(), 16u);
+        covered += chunk.length();
+      }
+      EXPECT_EQ(covered, ParameterCount(spec) * 4) << spec.name();
+    }
+  }
+  EXPECT_EQ(sfb, 3);  // fc6, fc7, fc8
+  for (const char* name : {"fc6.weight", "fc7.weight", "fc8.weight"}) {
+    ASSERT_NE(FindLayer(plan, name), nullptr);
+    EXPECT_EQ(FindLayer(plan, name)->scheme(), poseidon::v1::SYNC_SCHEME_SFB);
+  }
+  // Bookkeeping.
+  EXPECT_EQ(plan.plan_epoch(), 1u);
+  EXPECT_EQ(plan.max_chunk_bytes(), kDefaultBlockBytes);
+  ASSERT_EQ(plan.servers_size(), 16);
+  EXPECT_EQ(plan.servers(3).node_id(), "server-3");
+  // fc7 under SFB: 2·32·15·8192·4 bytes per worker.
+  EXPECT_EQ(FindLayer(plan, "fc7.weight")->predicted_bytes_per_worker(), 31457280u);
+  // conv5_4 under PS: 2·S·4.
+  EXPECT_EQ(FindLayer(plan, "conv5_4.weight")->predicted_bytes_per_worker(), 18874368u);
+  EXPECT_GT(FindLayer(plan, "fc7.weight")->predicted_seconds(), 0);
+}
+
+TEST(PlannerTest, Fc7SwitchesToPsBeyond128Machines) {
+  const ModelSpec model = Builtin("vgg19-22k");
+  for (const uint32_t machines : {2u, 16u, 64u, 127u, 128u, 129u, 256u}) {
+    const absl::StatusOr<PlanResult> result = BuildPlan(model, PaperCluster(machines));
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(FindLayer(result->plan, "fc7.weight")->scheme(),
+              machines <= 128 ? poseidon::v1::SYNC_SCHEME_SFB : poseidon::v1::SYNC_SCHEME_PS)
+        << machines;
+  }
+}
+
+TEST(PlannerTest, ReportTotalsMatchTheLayers) {
+  const ModelSpec model = Builtin("vgg19-22k");
+  const absl::StatusOr<PlanResult> result = BuildPlan(model, PaperCluster());
+  ASSERT_TRUE(result.ok());
+  const PlanReport& report = result->report;
+  double plan_bytes = 0;
+  double ps_bytes = 0;
+  for (const LayerReport& layer : report.layers) {
+    ps_bytes += layer.cost.ps_bytes.per_machine;
+    plan_bytes += layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
+                      ? layer.cost.sfb_bytes->per_machine
+                      : layer.cost.ps_bytes.per_machine;
+  }
+  EXPECT_DOUBLE_EQ(report.plan.compared_bytes, plan_bytes);
+  EXPECT_DOUBLE_EQ(report.ps_only.compared_bytes, ps_bytes);
+  // 2·229,052,817·30/16·4 bytes per machine under PS only.
+  EXPECT_DOUBLE_EQ(ps_bytes, 2.0 * 229052817 * 30 / 16 * 4);
+  EXPECT_LT(report.plan.compared_bytes, report.ps_only.compared_bytes / 4);
+  EXPECT_EQ(report.sfb_layers, 3u);
+  EXPECT_TRUE(report.compute_unknown_reason.empty());
+  ASSERT_TRUE(report.plan.iteration.has_value());
+  ASSERT_TRUE(report.ps_only.iteration.has_value());
+  EXPECT_GE(report.plan.iteration->iteration_seconds, report.plan.iteration->compute_seconds);
+  EXPECT_LT(report.plan.iteration->iteration_seconds, report.ps_only.iteration->iteration_seconds);
+  ASSERT_TRUE(report.plan.speedup.has_value());
+  EXPECT_GT(*report.plan.speedup, *report.ps_only.speedup);
+  EXPECT_LE(*report.plan.speedup, 16.0);
+  // Stored bytes: every PS layer's bytes, spread within one chunk of the mean.
+  const uint64_t stored =
+      std::accumulate(report.server_bytes.begin(), report.server_bytes.end(), uint64_t{0});
+  uint64_t ps_layer_bytes = 0;
+  for (const LayerReport& layer : report.layers) {
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS)
+      ps_layer_bytes += layer.cost.parameters * 4;
+  }
+  EXPECT_EQ(stored, ps_layer_bytes);
+}
+
+TEST(PlannerTest, PartitionIsBalancedForEveryModelAndServerCount) {
+  for (const std::string& name : BuiltinModelNames()) {
+    const ModelSpec model = Builtin(name);
+    for (const uint32_t servers : {1u, 3u, 8u, 16u, 32u}) {
+      PlannerConfig config = PaperCluster(16);
+      config.servers = servers;
+      config.colocated = false;
+      const absl::StatusOr<PlanResult> result = BuildPlan(model, config);
+      ASSERT_TRUE(result.ok()) << result.status();
+      const std::vector<uint64_t>& loads = result->report.server_bytes;
+      ASSERT_EQ(loads.size(), servers);
+      const double mean =
+          static_cast<double>(std::accumulate(loads.begin(), loads.end(), uint64_t{0})) / servers;
+      const uint64_t max_load = *std::max_element(loads.begin(), loads.end());
+      EXPECT_LE(static_cast<double>(max_load),
+                mean + static_cast<double>(result->report.largest_chunk_bytes))
+          << name << " on " << servers << " servers";
+    }
+  }
+}
+
+TEST(PlannerTest, SameInputSamePlan) {
+  for (const std::string& name : {"resnet-152", "vgg19-22k", "inception-v3"}) {
+    const ModelSpec model = Builtin(name);
+    const absl::StatusOr<PlanResult> a = BuildPlan(model, PaperCluster(8));
+    const absl::StatusOr<PlanResult> b = BuildPlan(model, PaperCluster(8));
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(a->plan, b->plan)) << name;
+    std::string bytes_a;
+    std::string bytes_b;
+    ASSERT_TRUE(a->plan.SerializeToString(&bytes_a));
+    ASSERT_TRUE(b->plan.SerializeToString(&bytes_b));
+    EXPECT_EQ(bytes_a, bytes_b);
+  }
+}
+
+TEST(PlannerTest, ChunkKeysAreUniqueAcrossThePlan) {
+  const absl::StatusOr<PlanResult> result = BuildPlan(Builtin("resnet-50"), PaperCluster(4));
+  ASSERT_TRUE(result.ok());
+  std::vector<uint64_t> keys;
+  for (const auto& layer : result->plan.layers()) {
+    for (const auto& chunk : layer.chunks()) keys.push_back(chunk.key);
+  }
+  std::sort(keys.begin(), keys.end());
+  EXPECT_EQ(std::adjacent_find(keys.begin(), keys.end()), keys.end());
+  EXPECT_GE(keys.size(), static_cast<size_t>(result->plan.layers_size()));
+}
+
+TEST(PlannerTest, BookkeepingIsCopiedIntoThePlan) {
+  PlannerConfig config = PaperCluster(2);
+  config.job_id = "job-7";
+  config.plan_epoch = 5;
+  config.effective_iteration = 1200;
+  config.membership_epoch = 9;
+  config.block_bytes = 1 << 20;
+  config.server_node_ids = {"alpha", "beta"};
+  const absl::StatusOr<PlanResult> result = BuildPlan(Builtin("alexnet"), config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.job_id(), "job-7");
+  EXPECT_EQ(result->plan.plan_epoch(), 5u);
+  EXPECT_EQ(result->plan.effective_iteration(), 1200u);
+  EXPECT_EQ(result->plan.membership_epoch(), 9u);
+  EXPECT_EQ(result->plan.max_chunk_bytes(), 1u << 20);
+  EXPECT_EQ(result->plan.servers(1).node_id(), "beta");
+}
+
+TEST(PlannerTest, BatchComesFromTheSpecWhenTheClusterLeavesItOpen) {
+  ModelSpec model = Builtin("vgg19");
+  PlannerConfig config = PaperCluster();
+  config.batch_per_worker = 0;
+  const absl::StatusOr<PlanResult> missing = BuildPlan(model, config);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(std::string(missing.status().message()),
+              testing::HasSubstr("layer 0 'conv1_1.weight': batch_per_worker (K) must be in"));
+  for (auto& layer : *model.mutable_layers()) layer.set_batch_per_worker(32);
+  const absl::StatusOr<PlanResult> from_spec = BuildPlan(model, config);
+  ASSERT_TRUE(from_spec.ok()) << from_spec.status();
+  EXPECT_EQ(from_spec->report.layers[0].batch_per_worker, 32u);
+}
+
+TEST(PlannerTest, ComputeIsUnknownWithoutRateOrTimes) {
+  PlannerConfig config = PaperCluster();
+  config.gpu.reset();
+  const absl::StatusOr<PlanResult> result = BuildPlan(Builtin("alexnet"), config);
+  ASSERT_TRUE(result.ok());
+  EXPECT_THAT(result->report.compute_unknown_reason,
+              testing::HasSubstr("layer 0 'conv1.weight' has no measured times"));
+  EXPECT_FALSE(result->report.plan.iteration.has_value());
+  EXPECT_FALSE(result->report.plan.speedup.has_value());
+}
+
+void ExpectConfigError(const PlannerConfig& config, const std::string& message) {
+  const absl::StatusOr<PlanResult> result = BuildPlan(Builtin("alexnet"), config);
+  ASSERT_FALSE(result.ok()) << message;
+  EXPECT_TRUE(absl::IsInvalidArgument(result.status()));
+  EXPECT_THAT(std::string(result.status().message()), testing::HasSubstr(message));
+  EXPECT_EQ(result.status().message().find('\n'), absl::string_view::npos);
+}
+
+TEST(PlannerTest, ValidationErrorsNameTheField) {
+  PlannerConfig config = PaperCluster();
+  config.workers = 0;
+  ExpectConfigError(config, "workers (P1) must be in [1, 65536], got 0");
+  config = PaperCluster();
+  config.workers = 70000;
+  ExpectConfigError(config, "workers (P1) must be in [1, 65536], got 70000");
+  config = PaperCluster();
+  config.servers = 0;
+  ExpectConfigError(config, "servers (P2) must be in [1, 65536], got 0");
+  config = PaperCluster();
+  config.batch_per_worker = kMaxBatchPerWorker + 1;
+  ExpectConfigError(config, "batch_per_worker (K) must be in [1, 1048576], got 1048577");
+  config = PaperCluster();
+  config.bandwidth_bytes_per_second = 0;
+  ExpectConfigError(config, "bandwidth must be a finite number of bytes/s > 0, got 0");
+  config.bandwidth_bytes_per_second = std::numeric_limits<double>::quiet_NaN();
+  ExpectConfigError(config, "bandwidth must be");
+  config.bandwidth_bytes_per_second = std::numeric_limits<double>::infinity();
+  ExpectConfigError(config, "bandwidth must be");
+  config = PaperCluster();
+  config.latency_seconds = -1;
+  ExpectConfigError(config, "latency must be a finite number of seconds >= 0, got -1");
+  config = PaperCluster();
+  config.block_bytes = 0;
+  ExpectConfigError(config, "block_size must be at least 1 byte, got 0");
+  config = PaperCluster();
+  config.block_bytes = 2;
+  ExpectConfigError(config, "block_size 2 bytes is smaller than an element (4 bytes) of layer 0");
+  config = PaperCluster();
+  config.gpu = GpuRate{"broken", 0};
+  ExpectConfigError(config, "gpu 'broken': rate must be a finite FLOP/s > 0, got 0");
+  config = PaperCluster();
+  config.server_node_ids = {"a"};
+  ExpectConfigError(config, "server_node_ids has 1 entries for 16 servers");
+
+  // Model errors come through with the layer named.
+  ModelSpec model = Builtin("alexnet");
+  model.mutable_layers(14)->add_shape(7);
+  const absl::StatusOr<PlanResult> result = BuildPlan(model, PaperCluster());
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.status().message()),
+              testing::HasSubstr("layer 14 'fc8.weight': an FC layer's shape must be exactly"));
+}
+
+TEST(PlannerTest, NotColocatedComparesPerWorkerBytes) {
+  // fc7 at K = 32 not colocated: SFB while P1 <= 65.
+  for (const uint32_t workers : {65u, 66u}) {
+    PlannerConfig config = PaperCluster(workers);
+    config.colocated = false;
+    config.servers = 8;
+    const absl::StatusOr<PlanResult> result = BuildPlan(Builtin("vgg19"), config);
+    ASSERT_TRUE(result.ok());
+    EXPECT_EQ(FindLayer(result->plan, "fc7.weight")->scheme(),
+              workers <= 65 ? poseidon::v1::SYNC_SCHEME_SFB : poseidon::v1::SYNC_SCHEME_PS);
+  }
+}
+
+}  // namespace
+}  // namespace poseidon::planner

@@ -1,0 +1,160 @@
+// Runs the `poseidon` binary as a user would (popen) and checks exit codes and output.
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+struct Run {
+  int exit_code = -1;
+  std::string output;
+};
+
+// Runs the CLI with `args` (shell syntax); `redirect` chooses which stream is captured.
+Run RunCli(const std::string& args, const std::string& redirect) {
+  const std::string command = std::string(POSEIDON_CLI_PATH) + " " + args + " " + redirect;
+  Run run;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return run;
+  std::array<char, 4096> buffer{};
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0)
+    run.output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  if (WIFEXITED(status)) run.exit_code = WEXITSTATUS(status);
+  return run;
+}
+
+Run Stdout(const std::string& args) {
+  return RunCli(args, "2>/dev/null");
+}
+Run Stderr(const std::string& args) {
+  return RunCli(args, "2>&1 >/dev/null");
+}
+
+const google::protobuf::Value& Field(const google::protobuf::Struct& s, const std::string& key) {
+  static const google::protobuf::Value kMissing;
+  const auto it = s.fields().find(key);
+  return it == s.fields().end() ? kMissing : it->second;
+}
+
+constexpr char kPaperCluster[] =
+    "plan --model vgg19-22k --workers 16 --servers 16 --batch 32 --bandwidth 10Gbit --colocated";
+
+TEST(PlanCliTest, Vgg19_22kJsonHasFc7OnSfb) {
+  const Run run = Stdout(std::string(kPaperCluster) + " --json");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  google::protobuf::Struct root;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(run.output, &root).ok()) << run.output;
+  const auto& layers = Field(root, "layers").list_value().values();
+  ASSERT_EQ(layers.size(), 38);
+  int found = 0;
+  for (const auto& layer : layers) {
+    const auto& fields = layer.struct_value();
+    const std::string name = Field(fields, "name").string_value();
+    const std::string scheme = Field(fields, "scheme").string_value();
+    if (name == "fc6.weight" || name == "fc7.weight" || name == "fc8.weight") {
+      EXPECT_EQ(scheme, "SFB") << name;
+      ++found;
+    } else {
+      EXPECT_EQ(scheme, "PS") << name;
+    }
+    if (name == "fc7.weight") {
+      EXPECT_EQ(Field(Field(fields, "sfb").struct_value(), "bytes_per_worker").number_value(),
+                31457280);
+      EXPECT_EQ(Field(Field(fields, "ps").struct_value(), "bytes_per_machine").number_value(),
+                2.0 * 4096 * 4096 * 30 / 16 * 4);
+    }
+  }
+  EXPECT_EQ(found, 3);
+  const auto& totals = Field(root, "totals").struct_value();
+  EXPECT_GT(Field(Field(totals, "plan").struct_value(), "speedup").number_value(), 1);
+  EXPECT_EQ(Field(Field(root, "plan").struct_value(), "layers").list_value().values_size(), 38);
+}
+
+TEST(PlanCliTest, TableNamesEveryLayerAndTheTotals) {
+  const Run run = Stdout(kPaperCluster);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (const char* text :
+       {"conv1_1.weight", "fc7.weight", "SFB", "PS only", "speed-up at 16", "bytes per machine"}) {
+    EXPECT_NE(run.output.find(text), std::string::npos) << text << "\n" << run.output;
+  }
+}
+
+TEST(PlanCliTest, UnknownModelIsOneLineAndExitCode2) {
+  const Run run = Stderr("plan --model no-such-net --workers 4 --batch 32 --bandwidth 10Gbit");
+  EXPECT_EQ(run.exit_code, 2);
+  ASSERT_FALSE(run.output.empty());
+  EXPECT_EQ(run.output.find('\n'), run.output.size() - 1) << run.output;
+  EXPECT_EQ(run.output.rfind("poseidon plan: unknown model 'no-such-net'", 0), 0u) << run.output;
+  EXPECT_EQ(Stdout("plan --model no-such-net --workers 4 --batch 32 --bandwidth 10Gbit").output,
+            "");
+}
+
+TEST(PlanCliTest, BadInputIsOneLineAndExitCode2) {
+  const char* bad[] = {
+      "plan --model vgg19 --workers 0 --batch 32 --bandwidth 10Gbit",
+      "plan --model vgg19 --workers 4 --batch 32",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth fast",
+      "plan --model vgg19 --workers 70000 --batch 32 --bandwidth 10Gbit",
+      "plan --model vgg19 --workers 4 --bandwidth 10Gbit",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --gpu potato",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --block-size 0",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit stray",
+      "plan --model /dev/null --workers 4 --batch 32 --bandwidth 10Gbit",
+      "plan --workers 4 --batch 32 --bandwidth 10Gbit",
+      "frobnicate",
+  };
+  for (const char* args : bad) {
+    const Run run = Stderr(args);
+    EXPECT_EQ(run.exit_code, 2) << args << ": " << run.output;
+    EXPECT_FALSE(run.output.empty()) << args;
+    EXPECT_EQ(run.output.find('\n'), run.output.size() - 1) << args << ": " << run.output;
+  }
+}
+
+TEST(PlanCliTest, MalformedSpecFileIsOneLineAndExitCode2) {
+  const std::string path = ::testing::TempDir() + "poseidon_plan_cli_bad_spec.json";
+  FILE* file = std::fopen(path.c_str(), "w");
+  ASSERT_NE(file, nullptr);
+  std::fputs(
+      "{\"name\": \"x\", \"layers\": [{\"name\": \"w\", \"kind\": \"LAYER_KIND_FC\",\n"
+      "  \"shape\": [3, 4, 5]}]}\n",
+      file);
+  std::fclose(file);
+  Run run = Stderr("plan --model " + path + " --workers 4 --batch 32 --bandwidth 10Gbit");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_EQ(run.output, "poseidon plan: " + path +
+                            ": layer 0 'w': an FC layer's shape must be exactly [M, N], got "
+                            "[3, 4, 5]\n");
+  file = std::fopen(path.c_str(), "w");
+  ASSERT_NE(file, nullptr);
+  std::fputs("{\"name\": \"x\", \"layers\": [\n", file);
+  std::fclose(file);
+  run = Stderr("plan --model " + path + " --workers 4 --batch 32 --bandwidth 10Gbit");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_EQ(run.output.find('\n'), run.output.size() - 1) << run.output;
+  std::remove(path.c_str());
+}
+
+TEST(PlanCliTest, NoCommandPrintsUsageAndExitCode2) {
+  const Run run = Stderr("");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("plan"), std::string::npos);
+}
+
+TEST(PlanCliTest, HelpExitsZero) {
+  const Run run = Stdout("plan --help");
+  EXPECT_EQ(run.exit_code, 0);
+  EXPECT_NE(run.output.find("--bandwidth"), std::string::npos) << run.output;
+  EXPECT_EQ(Stdout("help").exit_code, 0);
+}
+
+}  // namespace
