@@ -12,15 +12,15 @@
 
 namespace {
 
-struct Run {
+struct CliRun {
   int exit_code = -1;
   std::string output;
 };
 
 // Runs the CLI with `args` (shell syntax); `redirect` chooses which stream is captured.
-Run RunCli(const std::string& args, const std::string& redirect) {
+CliRun RunCli(const std::string& args, const std::string& redirect) {
   const std::string command = std::string(POSEIDON_CLI_PATH) + " " + args + " " + redirect;
-  Run run;
+  CliRun run;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return run;
   std::array<char, 4096> buffer{};
@@ -32,10 +32,10 @@ Run RunCli(const std::string& args, const std::string& redirect) {
   return run;
 }
 
-Run Stdout(const std::string& args) {
+CliRun Stdout(const std::string& args) {
   return RunCli(args, "2>/dev/null");
 }
-Run Stderr(const std::string& args) {
+CliRun Stderr(const std::string& args) {
   return RunCli(args, "2>&1 >/dev/null");
 }
 
@@ -49,7 +49,7 @@ constexpr char kPaperCluster[] =
     "plan --model vgg19-22k --workers 16 --servers 16 --batch 32 --bandwidth 10Gbit --colocated";
 
 TEST(PlanCliTest, Vgg19_22kJsonHasFc7OnSfb) {
-  const Run run = Stdout(std::string(kPaperCluster) + " --json");
+  const CliRun run = Stdout(std::string(kPaperCluster) + " --json");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   google::protobuf::Struct root;
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(run.output, &root).ok()) << run.output;
@@ -80,7 +80,7 @@ TEST(PlanCliTest, Vgg19_22kJsonHasFc7OnSfb) {
 }
 
 TEST(PlanCliTest, TableNamesEveryLayerAndTheTotals) {
-  const Run run = Stdout(kPaperCluster);
+  const CliRun run = Stdout(kPaperCluster);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   for (const char* text :
        {"conv1_1.weight", "fc7.weight", "SFB", "PS only", "speed-up at 16", "bytes per machine"}) {
@@ -89,7 +89,7 @@ TEST(PlanCliTest, TableNamesEveryLayerAndTheTotals) {
 }
 
 TEST(PlanCliTest, UnknownModelIsOneLineAndExitCode2) {
-  const Run run = Stderr("plan --model no-such-net --workers 4 --batch 32 --bandwidth 10Gbit");
+  const CliRun run = Stderr("plan --model no-such-net --workers 4 --batch 32 --bandwidth 10Gbit");
   EXPECT_EQ(run.exit_code, 2);
   ASSERT_FALSE(run.output.empty());
   EXPECT_EQ(run.output.find('\n'), run.output.size() - 1) << run.output;
@@ -113,7 +113,7 @@ TEST(PlanCliTest, BadInputIsOneLineAndExitCode2) {
       "frobnicate",
   };
   for (const char* args : bad) {
-    const Run run = Stderr(args);
+    const CliRun run = Stderr(args);
     EXPECT_EQ(run.exit_code, 2) << args << ": " << run.output;
     EXPECT_FALSE(run.output.empty()) << args;
     EXPECT_EQ(run.output.find('\n'), run.output.size() - 1) << args << ": " << run.output;
@@ -129,7 +129,7 @@ TEST(PlanCliTest, MalformedSpecFileIsOneLineAndExitCode2) {
       "  \"shape\": [3, 4, 5]}]}\n",
       file);
   std::fclose(file);
-  Run run = Stderr("plan --model " + path + " --workers 4 --batch 32 --bandwidth 10Gbit");
+  CliRun run = Stderr("plan --model " + path + " --workers 4 --batch 32 --bandwidth 10Gbit");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_EQ(run.output, "poseidon plan: " + path +
                             ": layer 0 'w': an FC layer's shape must be exactly [M, N], got "
@@ -145,13 +145,13 @@ TEST(PlanCliTest, MalformedSpecFileIsOneLineAndExitCode2) {
 }
 
 TEST(PlanCliTest, NoCommandPrintsUsageAndExitCode2) {
-  const Run run = Stderr("");
+  const CliRun run = Stderr("");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_NE(run.output.find("plan"), std::string::npos);
 }
 
 TEST(PlanCliTest, HelpExitsZero) {
-  const Run run = Stdout("plan --help");
+  const CliRun run = Stdout("plan --help");
   EXPECT_EQ(run.exit_code, 0);
   EXPECT_NE(run.output.find("--bandwidth"), std::string::npos) << run.output;
   EXPECT_EQ(Stdout("help").exit_code, 0);

@@ -258,6 +258,7 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
   std::string plan_json;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;  // offset 0 and index 0 too
   const auto printed =
       google::protobuf::util::MessageToJsonString(result.plan, &plan_json, options);
   if (!printed.ok()) {

@@ -190,15 +190,15 @@ void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
     auto on_payload = [weak, peer, conn, h = *header,
                        buffer =
                            target->discard ? MutableBuffer{} : target->buffer](absl::Status s) {
-      auto self = weak.lock();
-      if (!self) return;
+      auto server = weak.lock();
+      if (!server) return;
       if (!s.ok()) {
-        self->Drop(peer, conn, s, false);
+        server->Drop(peer, conn, s, false);
         return;
       }
-      self->frames_.fetch_add(1);
-      self->handler_->OnFrame(peer, h, buffer);
-      if (!peer->ParkIfPaused()) self->ReadNext(peer);
+      server->frames_.fetch_add(1);
+      server->handler_->OnFrame(peer, h, buffer);
+      if (!peer->ParkIfPaused()) server->ReadNext(peer);
     };
     if (target->discard) {
       conn->DiscardPayload(std::move(on_payload));

@@ -118,7 +118,8 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", i, " '", spec.name(), "': batch_per_worker (K) must be in [1, ",
                        kMaxBatchPerWorker, "], got ", layer.batch_per_worker,
-                       " (set the planner's batch or the layer's batch_per_worker)"));
+                       " (set the cluster's batch_per_worker, --batch, or the layer's "
+                       "batch_per_worker in the spec)"));
     }
     ASSIGN_OR_RETURN(const uint64_t element_bytes, ElementBytes(spec.element_type()));
     const ClusterShape cluster{config.workers, config.servers, layer.batch_per_worker,

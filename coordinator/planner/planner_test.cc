@@ -178,7 +178,7 @@ TEST(PlannerTest, ChunkKeysAreUniqueAcrossThePlan) {
   ASSERT_TRUE(result.ok());
   std::vector<uint64_t> keys;
   for (const auto& layer : result->plan.layers()) {
-    for (const auto& chunk : layer.chunks()) keys.push_back(chunk.key);
+    for (const auto& chunk : layer.chunks()) keys.push_back(chunk.key());
   }
   std::sort(keys.begin(), keys.end());
   EXPECT_EQ(std::adjacent_find(keys.begin(), keys.end()), keys.end());

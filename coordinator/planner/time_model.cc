@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 
 namespace poseidon::planner {
@@ -50,10 +51,10 @@ absl::StatusOr<GpuRate> ParseGpuRate(absl::string_view text) {
   double value = 0;
   if (rest.empty() || !absl::SimpleAtod(rest, &value) || !std::isfinite(value * scale) ||
       value <= 0) {
-    std::string names;
-    for (const GpuRate& known : KnownGpuRates()) absl::StrAppend(&names, known.name, ", ");
+    std::vector<std::string> names;
+    for (const GpuRate& known : KnownGpuRates()) names.push_back(known.name);
     return absl::InvalidArgumentError(absl::StrCat("gpu '", text, "' is neither a known GPU (",
-                                                   names,
+                                                   absl::StrJoin(names, ", "),
                                                    ") nor a positive FLOP/s rate such as 12.5T"));
   }
   return GpuRate{std::string(absl::StripAsciiWhitespace(text)), value * scale};
@@ -88,22 +89,29 @@ IterationPrediction PredictIteration(const std::vector<LayerTiming>& layers) {
   }
   const double backward_end = t;
 
-  // The interface: among ready layers, lowest index first, one at a time. Layers become ready in
-  // decreasing index order, so `next` walks down from the top.
+  // The interface: piece by piece, the ready layer with the lowest index first. Layers become
+  // ready in decreasing index order, so `next` walks down from the top.
   std::vector<double> synced(count);
+  std::vector<uint64_t> left(count);
+  for (size_t l = 0; l < count; ++l) left[l] = std::max<uint64_t>(layers[l].pieces, 1);
   std::set<size_t> waiting;
   size_t next = count;  // layers [next, count) have been made ready
   double link = 0;
-  for (size_t done = 0; done < count; ++done) {
+  for (size_t done = 0; done < count;) {
     while (next > 0 && ready[next - 1] <= link) waiting.insert(--next);
     if (waiting.empty()) {
       link = ready[next - 1];
       waiting.insert(--next);
     }
     const size_t l = *waiting.begin();
-    waiting.erase(waiting.begin());
-    link += layers[l].sync_seconds;
-    synced[l] = link;
+    const uint64_t pieces = std::max<uint64_t>(layers[l].pieces, 1);
+    link += layers[l].sync_seconds / static_cast<double>(pieces);
+    if (--left[l] == 0) {
+      // The last piece: exact total, free of accumulated rounding.
+      synced[l] = link;
+      waiting.erase(waiting.begin());
+      ++done;
+    }
   }
 
   // The next forward pass: layer l starts once layer l−1's forward and layer l's sync are done.
