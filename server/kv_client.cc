@@ -9,32 +9,45 @@ namespace poseidon::server {
 using transport::FrameHeader;
 using transport::FrameType;
 
-absl::StatusOr<std::shared_ptr<KvClient>> KvClient::Connect(transport::Context& context,
-                                                            const std::string& address,
-                                                            uint64_t job_id, uint32_t rank,
-                                                            const std::string& secret,
-                                                            absl::Duration timeout) {
-  auto conn = transport::ConnectAuthenticated(context, address, job_id, rank, secret, timeout);
-  if (!conn.ok()) return conn.status();
-  std::shared_ptr<KvClient> client(new KvClient(*conn, address, job_id, rank));
-  client->ReadLoop();
+absl::StatusOr<std::shared_ptr<KvClient>> KvClient::Connect(
+    transport::Context& context, const std::string& address, uint64_t job_id, uint32_t rank,
+    const std::string& secret, absl::Duration timeout, int connections) {
+  if (connections < 1 || connections > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connections per server must be in [1, 64], got ", connections));
+  }
+  std::vector<std::shared_ptr<transport::Connection>> conns;
+  for (int i = 0; i < connections; ++i) {
+    auto conn = transport::ConnectAuthenticated(context, address, job_id, rank, secret, timeout);
+    if (!conn.ok()) {
+      for (auto& c : conns) c->Close();
+      return conn.status();
+    }
+    conns.push_back(*conn);
+  }
+  std::shared_ptr<KvClient> client(new KvClient(std::move(conns), address, job_id, rank));
+  for (size_t i = 0; i < client->conns_.size(); ++i) client->ReadLoop(i);
   return client;
 }
 
-KvClient::KvClient(std::shared_ptr<transport::Connection> conn, std::string address,
+KvClient::KvClient(std::vector<std::shared_ptr<transport::Connection>> conns, std::string address,
                    uint64_t job_id, uint32_t rank)
-    : conn_(std::move(conn)), address_(std::move(address)), job_id_(job_id), rank_(rank) {}
+    : conns_(std::move(conns)),
+      address_(std::move(address)),
+      job_id_(job_id),
+      rank_(rank),
+      error_buffers_(conns_.size()) {}
 
 KvClient::~KvClient() {
-  conn_->Close();
+  for (auto& c : conns_) c->Close();
 }
 
 void KvClient::Close() {
-  conn_->Close();
+  for (auto& c : conns_) c->Close();
   FailAll(absl::UnavailableError(absl::StrCat("client of ", address_, " closed")));
 }
 
-Ticket KvClient::Start(FrameHeader header, std::vector<transport::ConstBuffer> payload,
+Ticket KvClient::Start(size_t conn, FrameHeader header, std::vector<transport::ConstBuffer> payload,
                        Pending pending, std::shared_ptr<std::vector<std::byte>> owned) {
   uint64_t seq;
   {
@@ -52,7 +65,7 @@ Ticket KvClient::Start(FrameHeader header, std::vector<transport::ConstBuffer> p
   header.sequence = seq;
   header.payload_length = transport::TotalSize(payload);
   std::weak_ptr<KvClient> weak = weak_from_this();
-  conn_->Send(header, std::move(payload), [weak, seq, owned](absl::Status s) {
+  conns_[conn]->Send(header, std::move(payload), [weak, seq, owned](absl::Status s) {
     if (auto self = weak.lock()) self->Finish(seq, s, /*answer=*/false);
   });
   return seq;
@@ -67,7 +80,7 @@ Ticket KvClient::Push(uint64_t key, uint64_t clock, std::span<const float> data,
   Pending p;
   p.what = absl::StrCat(init ? "initial push" : "push", " of key ", key, " clock ", clock, " to ",
                         address_);
-  return Start(h, {std::as_bytes(data)}, std::move(p));
+  return Start(key % conns_.size(), h, {std::as_bytes(data)}, std::move(p));
 }
 
 Ticket KvClient::Pull(uint64_t key, uint64_t clock, std::span<float> into,
@@ -82,7 +95,7 @@ Ticket KvClient::Pull(uint64_t key, uint64_t clock, std::span<float> into,
   Pending p;
   p.what = absl::StrCat("pull of key ", key, " clock ", clock, " from ", address_);
   p.into = into;
-  return Start(h, {*timeout}, std::move(p), timeout);
+  return Start(key % conns_.size(), h, {*timeout}, std::move(p), timeout);
 }
 
 absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
@@ -93,7 +106,7 @@ absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
   h.type = FrameType::kRegisterTables;
   Pending p;
   p.what = absl::StrCat("table registration on ", address_);
-  return Wait(Start(h, {*bytes}, std::move(p), bytes), timeout);
+  return Wait(Start(0, h, {*bytes}, std::move(p), bytes), timeout);
 }
 
 absl::Status KvClient::Checkpoint(absl::Duration timeout) {
@@ -101,7 +114,7 @@ absl::Status KvClient::Checkpoint(absl::Duration timeout) {
   h.type = FrameType::kCheckpoint;
   Pending p;
   p.what = absl::StrCat("checkpoint on ", address_);
-  return Wait(Start(h, {}, std::move(p)), timeout);
+  return Wait(Start(0, h, {}, std::move(p)), timeout);
 }
 
 absl::Status KvClient::Wait(Ticket ticket, absl::Duration timeout) {
@@ -156,20 +169,22 @@ void KvClient::FailAll(const absl::Status& status) {
   cv_.notify_all();
 }
 
-void KvClient::ReadLoop() {
+void KvClient::ReadLoop(size_t conn) {
   std::weak_ptr<KvClient> weak = weak_from_this();
-  conn_->ReadHeader([weak](absl::StatusOr<FrameHeader> header) {
+  conns_[conn]->ReadHeader([weak, conn](absl::StatusOr<FrameHeader> header) {
     auto self = weak.lock();
     if (!self) return;
     if (!header.ok()) {
       self->FailAll(header.status());
       return;
     }
-    self->OnResponse(*header);
+    self->OnResponse(conn, *header);
   });
 }
 
-void KvClient::OnResponse(const FrameHeader& h) {
+void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
+  transport::Connection& c = *conns_[conn];
+  std::vector<std::byte>& error_buffer = error_buffers_[conn];
   std::weak_ptr<KvClient> weak = weak_from_this();
   switch (h.type) {
     case FrameType::kPushAck:
@@ -177,28 +192,28 @@ void KvClient::OnResponse(const FrameHeader& h) {
     case FrameType::kCheckpointAck:
     case FrameType::kPong:
       Finish(h.sequence, absl::OkStatus(), true);
-      ReadLoop();
+      ReadLoop(conn);
       return;
     case FrameType::kError: {
-      error_buffer_.resize(h.payload_length);
-      auto after = [weak, h](absl::Status s) {
+      error_buffer.resize(h.payload_length);
+      auto after = [weak, h, conn](absl::Status s) {
         auto self = weak.lock();
         if (!self) return;
         if (!s.ok()) return self->FailAll(s);
-        self->Finish(h.sequence, transport::ParseErrorFrame(h, self->error_buffer_), true);
-        self->ReadLoop();
+        self->Finish(h.sequence, transport::ParseErrorFrame(h, self->error_buffers_[conn]), true);
+        self->ReadLoop(conn);
       };
       if (h.payload_length > transport::kMaxErrorMessageBytes) {
-        return conn_->DiscardPayload([weak, h](absl::Status s) {
+        return c.DiscardPayload([weak, h, conn](absl::Status s) {
           auto self = weak.lock();
           if (!self) return;
           if (!s.ok()) return self->FailAll(s);
           self->Finish(h.sequence, absl::InternalError("server sent an oversized error"), true);
-          self->ReadLoop();
+          self->ReadLoop(conn);
         });
       }
       if (h.payload_length == 0) return after(absl::OkStatus());
-      return conn_->ReadPayload(error_buffer_, std::move(after));
+      return c.ReadPayload(error_buffer, std::move(after));
     }
     case FrameType::kPullResponse: {
       std::span<float> into;
@@ -212,7 +227,7 @@ void KvClient::OnResponse(const FrameHeader& h) {
         }
       }
       const bool fits = known && into.size_bytes() == h.payload_length;
-      auto after = [weak, h, fits, known, size = into.size_bytes()](absl::Status s) {
+      auto after = [weak, h, fits, known, conn, size = into.size_bytes()](absl::Status s) {
         auto self = weak.lock();
         if (!self) return;
         if (!s.ok()) return self->FailAll(s);
@@ -224,16 +239,16 @@ void KvClient::OnResponse(const FrameHeader& h) {
                                                size, "-byte destination")),
                        true);
         }
-        self->ReadLoop();
+        self->ReadLoop(conn);
       };
       if (h.payload_length == 0) return after(absl::OkStatus());
-      if (fits) return conn_->ReadPayload(std::as_writable_bytes(into), std::move(after));
-      return conn_->DiscardPayload(std::move(after));
+      if (fits) return c.ReadPayload(std::as_writable_bytes(into), std::move(after));
+      return c.DiscardPayload(std::move(after));
     }
     default:
       FailAll(absl::InternalError(
           absl::StrCat("server sent an unexpected ", transport::FrameTypeName(h.type), " frame")));
-      conn_->Close();
+      c.Close();
       return;
   }
 }

@@ -25,12 +25,12 @@ using Ticket = uint64_t;
 
 class KvClient : public std::enable_shared_from_this<KvClient> {
  public:
-  // Connects and authenticates as `rank` of `job_id`.
-  static absl::StatusOr<std::shared_ptr<KvClient>> Connect(transport::Context& context,
-                                                           const std::string& address,
-                                                           uint64_t job_id, uint32_t rank,
-                                                           const std::string& secret,
-                                                           absl::Duration timeout);
+  // Connects and authenticates as `rank` of `job_id`. With `connections` > 1 the client opens
+  // that many connections to the server and spreads keys over them (key % connections), for
+  // bandwidth where one TCP stream cannot fill the link; each key's requests stay in order.
+  static absl::StatusOr<std::shared_ptr<KvClient>> Connect(
+      transport::Context& context, const std::string& address, uint64_t job_id, uint32_t rank,
+      const std::string& secret, absl::Duration timeout, int connections = 1);
   ~KvClient();
 
   absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout);
@@ -65,16 +65,17 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
     absl::Status status;
   };
 
-  KvClient(std::shared_ptr<transport::Connection> conn, std::string address, uint64_t job_id,
-           uint32_t rank);
-  Ticket Start(transport::FrameHeader header, std::vector<transport::ConstBuffer> payload,
-               Pending pending, std::shared_ptr<std::vector<std::byte>> owned = nullptr);
-  void ReadLoop();
-  void OnResponse(const transport::FrameHeader& header);
+  KvClient(std::vector<std::shared_ptr<transport::Connection>> conns, std::string address,
+           uint64_t job_id, uint32_t rank);
+  Ticket Start(size_t conn, transport::FrameHeader header,
+               std::vector<transport::ConstBuffer> payload, Pending pending,
+               std::shared_ptr<std::vector<std::byte>> owned = nullptr);
+  void ReadLoop(size_t conn);
+  void OnResponse(size_t conn, const transport::FrameHeader& header);
   void Finish(uint64_t sequence, absl::Status status, bool answer);
   void FailAll(const absl::Status& status);
 
-  std::shared_ptr<transport::Connection> conn_;
+  std::vector<std::shared_ptr<transport::Connection>> conns_;
   std::string address_;
   uint64_t job_id_;
   uint32_t rank_;
@@ -83,8 +84,8 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   std::condition_variable cv_;
   uint64_t next_sequence_ = 1;
   std::map<uint64_t, Pending> pending_;
-  absl::Status broken_;  // set once the connection failed
-  std::vector<std::byte> error_buffer_;
+  absl::Status broken_;                                // set once the connection failed
+  std::vector<std::vector<std::byte>> error_buffers_;  // one per connection (its read loop's)
 };
 
 }  // namespace poseidon::server

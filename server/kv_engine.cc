@@ -98,7 +98,7 @@ struct KvEngine::Key {
   };
   std::vector<PendingPull> pulls;
 
-  bool sum() const { return rule == v1::UPDATE_RULE_SUM; }
+  bool IsSum() const { return rule == v1::UPDATE_RULE_SUM; }
   std::string Name() const {
     return absl::StrCat("key ", key, " (", table, ") of job ", job->job_id);
   }
@@ -233,8 +233,9 @@ absl::Status ValidateSpec(const v1::RegisterTablesRequest& spec) {
       return absl::InvalidArgumentError(
           absl::StrCat("table ", t.name(), ": ", hp.status().message()));
     }
-    if (t.keys_size() == 0)
+    if (t.keys_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " has no keys"));
+    }
     for (const auto& k : t.keys()) {
       if (k.elements() == 0 || k.elements() > (uint64_t{1} << 32)) {
         return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " key ", k.key(),
@@ -324,9 +325,9 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
         k->optimizer = MakeOptimizer(k->rule, hp, k->elements);
         k->init_pushed = t.initial_value() == v1::INITIAL_VALUE_PUSHED_BY_RANK0;
         k->initialized = !k->init_pushed;
-        if (!k->sum()) k->params.assign(k->elements, 0.0f);
+        if (!k->IsSum()) k->params.assign(k->elements, 0.0f);
         k->agg.assign(k->elements, 0.0f);
-        if (k->sum()) k->result.assign(k->elements, 0.0f);
+        if (k->IsSum()) k->result.assign(k->elements, 0.0f);
         k->pushed.assign(k->workers, 0);
         w.keys[{job_id, kspec.key()}] = std::move(k);
         created.count_down();
@@ -372,7 +373,7 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
       if (h.sender_rank != 0) {
         return fail(absl::InvalidArgumentError("only rank 0 pushes initial values"));
       }
-      if (k.sum()) {
+      if (k.IsSum()) {
         return fail(absl::FailedPreconditionError(
             absl::StrCat(k.Name(), " uses the sum rule: it holds no parameters to initialise")));
       }
@@ -427,7 +428,7 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
 
 void KvEngine::Complete(Worker& w, Key& k) {
   if (k.grad_scale != 1.0f) Scale(k.agg, k.grad_scale);
-  if (k.sum()) {
+  if (k.IsSum()) {
     std::swap(k.result, k.agg);
   } else {
     k.optimizer->Step(k.params, k.agg);
@@ -455,7 +456,7 @@ void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
 
 void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
   const std::span<const float> value =
-      k.sum() ? std::span<const float>(k.result) : std::span<const float>(k.params);
+      k.IsSum() ? std::span<const float>(k.result) : std::span<const float>(k.params);
   stats_.pulls.fetch_add(1, std::memory_order_relaxed);
   stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
   SendReply(ctx, FrameType::kPullResponse, value);
@@ -478,7 +479,7 @@ void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {
     Key& k = *it->second;
     bool ready = false;
     if (h.clock == 0) {
-      if (k.sum()) {
+      if (k.IsSum()) {
         return fail(absl::FailedPreconditionError(
             absl::StrCat(k.Name(), " uses the sum rule: there is no value at clock 0")));
       }
@@ -627,8 +628,8 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
         continue;
       }
       const KeySnapshot& s = *it->second;
-      const bool sizes_ok = (k->sum() ? s.result.size() == k->elements && s.params.empty()
-                                      : s.params.size() == k->elements && s.result.empty()) &&
+      const bool sizes_ok = (k->IsSum() ? s.result.size() == k->elements && s.params.empty()
+                                        : s.params.size() == k->elements && s.result.empty()) &&
                             s.optimizer_state.size() ==
                                 static_cast<size_t>(k->optimizer ? k->optimizer->StateCount() : 0);
       if (!sizes_ok) {
@@ -639,7 +640,7 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
       k->completed = s.completed_clock;
       k->initialized = s.initialized;
       k->params = s.params;
-      if (k->sum()) k->result = s.result;
+      if (k->IsSum()) k->result = s.result;
       if (k->optimizer) {
         k->optimizer->set_steps(s.optimizer_steps);
         for (int i = 0; i < k->optimizer->StateCount(); ++i) {

@@ -67,8 +67,9 @@ class KvServerTest : public ::testing::Test {
     ctx_->Close();
   }
   std::shared_ptr<KvClient> Client(uint32_t rank, uint64_t job = 1,
-                                   const std::string& secret = kSecret) {
-    auto c = KvClient::Connect(*ctx_, server_->Address(), job, rank, secret, absl::Seconds(10));
+                                   const std::string& secret = kSecret, int connections = 1) {
+    auto c = KvClient::Connect(*ctx_, server_->Address(), job, rank, secret, absl::Seconds(10),
+                               connections);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *c : nullptr;
   }
@@ -81,14 +82,16 @@ class KvServerTest : public ::testing::Test {
 
 constexpr absl::Duration kWait = absl::Seconds(30);
 
-TEST_F(KvServerTest, SumRuleUnderBspReturnsTheExactSumOfAllRanks) {
+class KvServerConnectionsTest : public KvServerTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(KvServerConnectionsTest, SumRuleUnderBspReturnsTheExactSumOfAllRanks) {
   constexpr uint32_t kRanks = 4;
   const std::vector<uint64_t> sizes = {1000, 37, 70000};
   std::vector<std::thread> ranks;
   std::atomic<int> failures{0};
   for (uint32_t r = 0; r < kRanks; ++r) {
     ranks.emplace_back([&, r] {
-      auto c = Client(r);
+      auto c = Client(r, 1, kSecret, GetParam());
       if (!c || !c->RegisterTables(Spec(kRanks, v1::UPDATE_RULE_SUM, sizes), kWait).ok()) {
         ++failures;
         return;
@@ -133,6 +136,9 @@ TEST_F(KvServerTest, SumRuleUnderBspReturnsTheExactSumOfAllRanks) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(engine_->stats().clocks_completed.load(), 5u * sizes.size());
 }
+
+// One connection per client, and keys spread over three connections per client.
+INSTANTIATE_TEST_SUITE_P(ConnectionsPerServer, KvServerConnectionsTest, ::testing::Values(1, 3));
 
 TEST_F(KvServerTest, ServerSideMomentumEqualsOneWorkerOnTheDoubledBatch) {
   constexpr size_t kN = 513;

@@ -32,6 +32,11 @@ struct Backend {
   std::string listen_address;
 };
 
+// Test names and failure messages show the backend's name, not its bytes.
+void PrintTo(const Backend& backend, std::ostream* os) {
+  *os << backend.name;
+}
+
 std::vector<Backend> Backends() {
   return {
       {"tcp",

@@ -23,19 +23,23 @@ ABSL_FLAG(bool, quick, false, "small sizes, one client count (smoke test)");
 ABSL_FLAG(int, engine_workers, 2, "engine threads of the server");
 ABSL_FLAG(uint64_t, key_bytes, 4 << 20, "bytes per key (chunk) for push+pull");
 ABSL_FLAG(int, keys, 8, "keys in the push+pull table");
+ABSL_FLAG(int, connections, 1, "connections per client to the server (keys spread over them)");
 
 namespace poseidon::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
 
 void Aggregation(bool quick) {
   std::printf("Aggregation: dst += src (float32) against memcpy of the same bytes, one thread\n");
   std::printf("%-10s | %12s %12s %6s\n", "buffer", "sum GB/s", "memcpy GB/s", "ratio");
   std::printf("%s\n", std::string(48, '-').c_str());
-  const std::vector<size_t> sizes =
-      quick ? std::vector<size_t>{1 << 20} : std::vector<size_t>{64 << 10, 1 << 20, 4 << 20, 64 << 20};
+  const std::vector<size_t> sizes = quick
+                                        ? std::vector<size_t>{1 << 20}
+                                        : std::vector<size_t>{64 << 10, 1 << 20, 4 << 20, 64 << 20};
   for (size_t bytes : sizes) {
     const size_t n = bytes / sizeof(float);
     std::vector<float> dst(n, 1.0f), src(n, 2.0f);
@@ -69,11 +73,13 @@ void PushPull(bool quick) {
   const int keys = quick ? 2 : absl::GetFlag(FLAGS_keys);
   const uint64_t key_bytes = quick ? 256 << 10 : absl::GetFlag(FLAGS_key_bytes);
   const uint64_t elements = key_bytes / sizeof(float);
-  const std::vector<uint32_t> counts = quick ? std::vector<uint32_t>{2}
-                                             : std::vector<uint32_t>{1, 2, 4, 8};
-  std::printf("Push+pull on loopback: one job, sum rule, BSP; %d keys of %s; %d engine threads\n",
-              keys, absl::StrCat(key_bytes >> 10, " KiB").c_str(),
-              absl::GetFlag(FLAGS_engine_workers));
+  const std::vector<uint32_t> counts =
+      quick ? std::vector<uint32_t>{2} : std::vector<uint32_t>{1, 2, 4, 8};
+  std::printf(
+      "Push+pull on loopback: one job, sum rule, BSP; %d keys of %s; %d engine threads; %d "
+      "connection(s) per client\n",
+      keys, absl::StrCat(key_bytes >> 10, " KiB").c_str(), absl::GetFlag(FLAGS_engine_workers),
+      absl::GetFlag(FLAGS_connections));
   std::printf("%-8s | %10s %14s %14s %12s\n", "clients", "clocks/s", "push GB/s", "push+pull GB/s",
               "per client");
   std::printf("%s\n", std::string(68, '-').c_str());
@@ -109,7 +115,7 @@ void PushPull(bool quick) {
     for (uint32_t r = 0; r < clients; ++r) {
       ranks.emplace_back([&, r] {
         auto c = *server::KvClient::Connect(*client_ctx[r], fs->Address(), 1, r, "bench",
-                                            absl::Seconds(10));
+                                            absl::Seconds(10), absl::GetFlag(FLAGS_connections));
         (void)c->RegisterTables(spec, absl::Seconds(30));
         std::vector<std::vector<float>> grads(keys, std::vector<float>(elements, 1.0f));
         std::vector<std::vector<float>> out(keys, std::vector<float>(elements));
@@ -141,8 +147,9 @@ void PushPull(bool quick) {
     for (auto& c : client_ctx) c->Close();
     ctx->Close();
   }
-  std::printf("(push GB/s: gradient bytes aggregated per second over all clients; push+pull adds "
-              "the responses)\n");
+  std::printf(
+      "(push GB/s: gradient bytes aggregated per second over all clients; push+pull adds "
+      "the responses)\n");
 }
 
 }  // namespace

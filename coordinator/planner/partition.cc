@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <limits>
 #include <numeric>
 #include <queue>
 #include <tuple>
@@ -12,24 +11,35 @@
 
 namespace poseidon::planner {
 
+uint64_t ChunkCount(uint64_t elements, uint64_t element_bytes, uint64_t block_bytes) {
+  if (element_bytes == 0 || block_bytes < element_bytes) return 0;
+  const uint64_t block_elements = block_bytes / element_bytes;
+  return elements / block_elements + (elements % block_elements != 0);
+}
+
 absl::StatusOr<std::vector<ChunkAssignment>> PartitionLayers(
     const std::vector<PartitionInput>& layers, uint32_t servers, uint64_t block_bytes) {
   if (servers == 0) return absl::InvalidArgumentError("servers (P2) must be >= 1, got 0");
-  std::vector<ChunkAssignment> chunks;
+  // Count first, so that an absurd block size is an error rather than an allocation.
+  uint64_t total = 0;
   for (const PartitionInput& layer : layers) {
     if (layer.element_bytes == 0 || block_bytes < layer.element_bytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("block_size ", block_bytes, " bytes is smaller than an element (",
                        layer.element_bytes, " bytes) of layer ", layer.layer_index));
     }
-    if (layer.elements == 0) continue;
-    const uint64_t block_elements = block_bytes / layer.element_bytes;
-    const uint64_t count = layer.elements / block_elements + (layer.elements % block_elements != 0);
-    if (count > std::numeric_limits<uint32_t>::max()) {
+    total += ChunkCount(layer.elements, layer.element_bytes, block_bytes);
+    if (total > kMaxChunks) {
       return absl::InvalidArgumentError(
-          absl::StrCat("layer ", layer.layer_index, " would need ", count, " chunks of at most ",
-                       block_bytes, " bytes (the limit is 2^32 - 1): raise block_size"));
+          absl::StrCat("block_size ", block_bytes, " bytes cuts the model into more than ",
+                       kMaxChunks, " chunks (by layer ", layer.layer_index, "): raise block_size"));
     }
+  }
+  std::vector<ChunkAssignment> chunks;
+  chunks.reserve(total);
+  for (const PartitionInput& layer : layers) {
+    const uint64_t count = ChunkCount(layer.elements, layer.element_bytes, block_bytes);
+    if (count == 0) continue;
     const uint64_t base = layer.elements / count;
     const uint64_t larger = layer.elements % count;
     uint64_t offset = 0;

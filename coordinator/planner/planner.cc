@@ -83,8 +83,10 @@ void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t wor
   std::vector<LayerTiming> timings;
   timings.reserve(layers.size());
   for (const LayerReport& layer : layers) {
+    const bool sfb = use_plan && layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB;
     timings.push_back(LayerTiming{layer.compute->forward, layer.compute->backward,
-                                  use_plan ? layer.seconds : layer.ps_seconds});
+                                  use_plan ? layer.seconds : layer.ps_seconds,
+                                  sfb ? uint64_t{1} : layer.ps_chunks});
   }
   totals.iteration = PredictIteration(timings);
   if (totals.iteration->iteration_seconds > 0) {
@@ -137,6 +139,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
           absl::StrCat("layer ", i, " '", spec.name(), "' has no measured times",
                        gpu == nullptr ? " and no GPU rate was given" : " and no FLOPs");
     }
+    layer.ps_chunks = ChunkCount(layer.cost.parameters, element_bytes, config.block_bytes);
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) {
       ps_layers.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
     } else {

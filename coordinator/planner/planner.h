@@ -76,7 +76,8 @@ struct LayerReport {
   std::optional<double> sfb_seconds;
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;
-  uint32_t chunks = 0;  // PS chunks (0 for SFB)
+  uint32_t chunks = 0;     // PS chunks in the plan (0 for SFB)
+  uint64_t ps_chunks = 0;  // chunks the layer has on PS (the same as chunks unless it is SFB)
 };
 
 // Totals over all layers when every layer uses the given schemes (bytes per iteration).

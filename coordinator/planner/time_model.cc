@@ -75,6 +75,17 @@ std::optional<ComputeSeconds> LayerComputeSeconds(const poseidon::v1::LayerSpec&
   return std::nullopt;
 }
 
+namespace {
+
+// Pieces beyond a few thousand per layer change nothing but the run time of the simulation.
+constexpr uint64_t kMaxPiecesPerLayer = 4096;
+
+uint64_t Pieces(const LayerTiming& layer) {
+  return std::clamp<uint64_t>(layer.pieces, 1, kMaxPiecesPerLayer);
+}
+
+}  // namespace
+
 IterationPrediction PredictIteration(const std::vector<LayerTiming>& layers) {
   IterationPrediction out;
   const size_t count = layers.size();
@@ -93,7 +104,7 @@ IterationPrediction PredictIteration(const std::vector<LayerTiming>& layers) {
   // ready in decreasing index order, so `next` walks down from the top.
   std::vector<double> synced(count);
   std::vector<uint64_t> left(count);
-  for (size_t l = 0; l < count; ++l) left[l] = std::max<uint64_t>(layers[l].pieces, 1);
+  for (size_t l = 0; l < count; ++l) left[l] = Pieces(layers[l]);
   std::set<size_t> waiting;
   size_t next = count;  // layers [next, count) have been made ready
   double link = 0;
@@ -104,10 +115,8 @@ IterationPrediction PredictIteration(const std::vector<LayerTiming>& layers) {
       waiting.insert(--next);
     }
     const size_t l = *waiting.begin();
-    const uint64_t pieces = std::max<uint64_t>(layers[l].pieces, 1);
-    link += layers[l].sync_seconds / static_cast<double>(pieces);
+    link += layers[l].sync_seconds / static_cast<double>(Pieces(layers[l]));
     if (--left[l] == 0) {
-      // The last piece: exact total, free of accumulated rounding.
       synced[l] = link;
       waiting.erase(waiting.begin());
       ++done;

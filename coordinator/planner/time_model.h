@@ -21,10 +21,11 @@
 // backward L−1..0; layer l's gradient is ready for synchronisation when its backward ends (WFBP).
 // The network interface is one server for all layers, working in pieces (a PS layer's chunks; an
 // SFB layer is one piece): whenever it is free it takes the next piece of the ready layer with the
-// lowest index (priority), so an urgent layer waits for at most one piece of another. The next iteration's forward of layer l waits
-// for layer l's synchronisation (and for layer l−1's forward). The iteration time is the steady
-// state period, from one backward start to the next; with no communication it equals the compute
-// time Σ(forward + backward). Speed-up at P1 workers = P1 · compute / iteration.
+// lowest index (priority), so an urgent layer waits for at most one piece of another. The next
+// iteration's forward of layer l waits for layer l's synchronisation (and for layer l−1's forward).
+// The iteration time is the steady state period, from one backward start to the next; with no
+// communication it equals the compute time Σ(forward + backward). Speed-up at P1 workers = P1 ·
+// compute / iteration.
 
 #include <cstdint>
 #include <optional>
@@ -80,7 +81,8 @@ struct LayerTiming {
   double forward_seconds = 0;
   double backward_seconds = 0;
   double sync_seconds = 0;
-  uint64_t pieces = 1;  // the sync is sent as this many equal pieces (0 counts as 1)
+  // The sync is sent as this many equal pieces (0 counts as 1; more than 4096 as 4096).
+  uint64_t pieces = 1;
 };
 
 // The iteration model above, layers in forward order.

@@ -86,6 +86,15 @@ TEST(TimeModelTest, LowerLayersGoFirstWhenSeveralWait) {
   EXPECT_DOUBLE_EQ(p.iteration_seconds, 15);
 }
 
+TEST(TimeModelTest, AnUrgentLayerWaitsForOnePieceOnly) {
+  // Layer 1 (ready at 1) is sent as 10 pieces of 1 s; layer 0 becomes ready at 2 and goes after
+  // the piece in flight (2..3); layer 1 finishes 3..12. Forward: layer 0 3..4, layer 1 12..13.
+  // As one piece, layer 1 would hold the link until 11 and the iteration would end at 14.
+  EXPECT_DOUBLE_EQ(PredictIteration({{1, 1, 1, 1}, {1, 1, 10, 10}}).iteration_seconds, 13);
+  EXPECT_DOUBLE_EQ(PredictIteration({{1, 1, 1, 1}, {1, 1, 10, 1}}).iteration_seconds, 14);
+  EXPECT_DOUBLE_EQ(PredictIteration({{1, 1, 1, 0}, {1, 1, 10, 1}}).iteration_seconds, 14);
+}
+
 TEST(TimeModelTest, EmptyModel) {
   const IterationPrediction p = PredictIteration({});
   EXPECT_DOUBLE_EQ(p.iteration_seconds, 0);
