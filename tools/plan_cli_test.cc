@@ -25,8 +25,9 @@ CliRun RunCli(const std::string& args, const std::string& redirect) {
   if (pipe == nullptr) return run;
   std::array<char, 4096> buffer{};
   size_t n = 0;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0)
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
     run.output.append(buffer.data(), n);
+  }
   const int status = pclose(pipe);
   if (WIFEXITED(status)) run.exit_code = WEXITSTATUS(status);
   return run;
@@ -40,9 +41,9 @@ CliRun Stderr(const std::string& args) {
 }
 
 const google::protobuf::Value& Field(const google::protobuf::Struct& s, const std::string& key) {
-  static const google::protobuf::Value kMissing;
+  static const google::protobuf::Value missing;
   const auto it = s.fields().find(key);
-  return it == s.fields().end() ? kMissing : it->second;
+  return it == s.fields().end() ? missing : it->second;
 }
 
 constexpr char kPaperCluster[] =

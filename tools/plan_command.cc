@@ -78,8 +78,9 @@ int RunPlanCommand(const std::vector<std::string>& args) {
     return 0;
   }
   for (const std::string& arg : loaded->unparsed_args) {
-    if (arg != "--")
+    if (arg != "--") {
       return Fail(absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'")));
+    }
   }
   const PlanFlags& flags = loaded->value;
 

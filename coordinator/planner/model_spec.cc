@@ -79,8 +79,9 @@ absl::Status ValidateModelSpec(const ModelSpec& model) {
   absl::uint128 total_bytes = 0;
   for (int i = 0; i < model.layers_size(); ++i) {
     const LayerSpec& layer = model.layers(i);
-    if (layer.name().empty())
+    if (layer.name().empty()) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", i, ": name is empty"));
+    }
     const std::string label = LayerLabel(i, layer);
     if (const auto [it, inserted] = seen.emplace(layer.name(), i); !inserted) {
       return absl::InvalidArgumentError(
@@ -101,8 +102,9 @@ absl::Status ValidateModelSpec(const ModelSpec& model) {
         return absl::InvalidArgumentError(
             absl::StrCat(label, ": kind ", static_cast<int>(layer.kind()), " is unknown"));
     }
-    if (layer.shape().empty())
+    if (layer.shape().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(label, ": shape is empty"));
+    }
     for (int d = 0; d < layer.shape_size(); ++d) {
       if (layer.shape(d) == 0) {
         return absl::InvalidArgumentError(

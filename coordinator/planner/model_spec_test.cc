@@ -59,8 +59,12 @@ TEST(ModelSpecTest, EveryBuiltinLoadsWithItsPublishedParameterCount) {
       EXPECT_GT(layer.forward_flops(), 0u) << layer.name();
       EXPECT_EQ(layer.backward_flops(), 2 * layer.forward_flops()) << layer.name();
       EXPECT_EQ(layer.element_type(), poseidon::v1::ELEMENT_TYPE_F32);
-      if (layer.kind() == poseidon::v1::LAYER_KIND_CONV) EXPECT_EQ(layer.shape_size(), 4);
-      if (layer.kind() == poseidon::v1::LAYER_KIND_FC) EXPECT_EQ(layer.shape_size(), 2);
+      if (layer.kind() == poseidon::v1::LAYER_KIND_CONV) {
+        EXPECT_EQ(layer.shape_size(), 4);
+      }
+      if (layer.kind() == poseidon::v1::LAYER_KIND_FC) {
+        EXPECT_EQ(layer.shape_size(), 2);
+      }
     }
   }
 }
@@ -88,7 +92,9 @@ TEST(ModelSpecTest, BuiltinShapesAndFlops) {
   ASSERT_TRUE(resnet.ok());
   int fc = 0;
   for (const LayerSpec& layer : resnet->layers()) {
-    if (layer.kind() == poseidon::v1::LAYER_KIND_BIAS) EXPECT_EQ(layer.name(), "fc.bias");
+    if (layer.kind() == poseidon::v1::LAYER_KIND_BIAS) {
+      EXPECT_EQ(layer.name(), "fc.bias");
+    }
     if (layer.kind() == poseidon::v1::LAYER_KIND_FC) ++fc;
   }
   EXPECT_EQ(fc, 1);

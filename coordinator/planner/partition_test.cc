@@ -15,6 +15,7 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 
 std::vector<PartitionInput> AllLayers(const poseidon::v1::ModelSpec& model) {
   std::vector<PartitionInput> layers;
+  layers.reserve(static_cast<size_t>(model.layers_size()));
   for (int i = 0; i < model.layers_size(); ++i) {
     layers.push_back(PartitionInput{static_cast<uint32_t>(i), ParameterCount(model.layers(i)), 4});
   }

@@ -62,7 +62,7 @@ namespace {
 uint64_t ToBytes(double bytes) {
   if (!(bytes > 0)) return 0;
   if (bytes >= 18446744073709551616.0) return std::numeric_limits<uint64_t>::max();  // 2^64
-  return static_cast<uint64_t>(bytes + 0.5);
+  return static_cast<uint64_t>(std::round(bytes));
 }
 
 // Adds one layer's bytes under `scheme` to `totals`.

@@ -131,8 +131,9 @@ TEST(PlannerTest, ReportTotalsMatchTheLayers) {
       std::accumulate(report.server_bytes.begin(), report.server_bytes.end(), uint64_t{0});
   uint64_t ps_layer_bytes = 0;
   for (const LayerReport& layer : report.layers) {
-    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS)
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) {
       ps_layer_bytes += layer.cost.parameters * 4;
+    }
   }
   EXPECT_EQ(stored, ps_layer_bytes);
 }
@@ -159,7 +160,7 @@ TEST(PlannerTest, PartitionIsBalancedForEveryModelAndServerCount) {
 }
 
 TEST(PlannerTest, SameInputSamePlan) {
-  for (const std::string& name : {"resnet-152", "vgg19-22k", "inception-v3"}) {
+  for (const char* name : {"resnet-152", "vgg19-22k", "inception-v3"}) {
     const ModelSpec model = Builtin(name);
     const absl::StatusOr<PlanResult> a = BuildPlan(model, PaperCluster(8));
     const absl::StatusOr<PlanResult> b = BuildPlan(model, PaperCluster(8));

@@ -33,7 +33,9 @@ TEST(TimeModelTest, ParsesGpuRates) {
   for (const char* bad : {"", "fast", "0", "-1T", "T", "nan", "inf", "1e400"}) {
     const absl::StatusOr<GpuRate> rate = ParseGpuRate(bad);
     EXPECT_FALSE(rate.ok()) << bad;
-    if (!rate.ok()) EXPECT_NE(rate.status().message().find("titanx"), absl::string_view::npos);
+    if (!rate.ok()) {
+      EXPECT_NE(rate.status().message().find("titanx"), absl::string_view::npos);
+    }
   }
 }
 

@@ -1,0 +1,117 @@
+/* libposeidon: the C ABI a training framework uses to hand its layers to the local
+ * poseidon-agent (DESIGN.md, "Processes" and "One iteration"). In the manner of NCCL's nccl.h:
+ * opaque handles, a psd_status result on every call with psd_last_error() for the message, a
+ * versioned config struct that starts with its size, and only the psd_* symbols exported.
+ * Depends on libc and pthread only.
+ *
+ * Thread-safety, per call:
+ *   psd_attach, psd_detach, psd_register_layers: one thread, not concurrently with other calls
+ *     on the same context.
+ *   psd_layer_ready, psd_wait_layer, psd_layer_info, psd_rank: any thread, concurrently.
+ *   psd_last_error: per thread (the message of this thread's last failed call).
+ *
+ * One iteration (WFBP): during backward, write each layer's gradient (or, for a layer the plan
+ * syncs by SFB, its factors U and V) into the buffers psd_layer_info returns and call
+ * psd_layer_ready(layer, t) at once; backward continues while the agent synchronises. Before
+ * layer l runs in the next forward pass, psd_wait_layer(l, t) returns when its synchronised
+ * result (the gradient summed over all workers) is in the gradient buffer. */
+#ifndef POSEIDON_POSEIDON_H_
+#define POSEIDON_POSEIDON_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PSD_ABI_VERSION 1u
+
+typedef enum psd_status {
+  PSD_OK = 0,
+  PSD_INVALID_ARGUMENT = 1,    /* a bad layer id, size, iteration or pointer */
+  PSD_TIMEOUT = 2,             /* the wait's timeout passed; the agent is alive */
+  PSD_AGENT_LOST = 3,          /* the agent died or failed; psd_last_error says what is known */
+  PSD_NOT_FOUND = 4,           /* no agent segment of that name */
+  PSD_FAILED_PRECONDITION = 5, /* called in the wrong state (not registered, never posted...) */
+  PSD_ALREADY_ATTACHED = 6,    /* another process is attached to this agent */
+  PSD_SYNC_FAILED = 7,         /* the agent could not synchronise the layer (server, peer...) */
+  PSD_VERSION_MISMATCH = 8,    /* the agent speaks another shared-memory ABI version */
+  PSD_INTERNAL = 9
+} psd_status;
+
+/* Layer kinds, element types, schemes. */
+#define PSD_LAYER_FC 1u
+#define PSD_LAYER_CONV 2u
+#define PSD_LAYER_BIAS 3u
+#define PSD_LAYER_OTHER 4u
+#define PSD_FLOAT32 1u
+#define PSD_SYNC_PS 1u
+#define PSD_SYNC_SFB 2u
+
+typedef struct psd_context psd_context;
+
+typedef struct psd_config {
+  uint32_t struct_size; /* sizeof(psd_config): set by psd_config_init */
+  uint32_t abi_version; /* PSD_ABI_VERSION: set by psd_config_init */
+  /* The agent's shared-memory segment name; NULL takes $POSEIDON_SEGMENT. */
+  const char* segment;
+  /* How long psd_attach waits for the agent's segment to appear (ms). */
+  uint32_t attach_timeout_ms;
+  /* An agent whose heartbeat is older than this is lost (ms). */
+  uint32_t agent_timeout_ms;
+} psd_config;
+
+typedef struct psd_layer_desc {
+  const char* name; /* unique, < 64 bytes */
+  uint32_t kind;    /* PSD_LAYER_* */
+  uint32_t dtype;   /* PSD_FLOAT32 */
+  uint32_t ndim;    /* 1..4; FC layers: 2, shape = {M outputs, N inputs} */
+  const uint64_t* shape;
+  uint32_t batch_k; /* FC layers: the per-worker batch K (rows of the SFB factors) */
+} psd_layer_desc;
+
+typedef struct psd_layer_info {
+  uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as planned */
+  uint32_t priority; /* lower is synchronised sooner */
+  uint64_t elements;
+  float* grad; /* elements floats: write the gradient here; the synchronised sum comes back */
+  float* u;    /* SFB: K x M (row-major), the per-sample output gradients; else NULL */
+  float* v;    /* SFB: K x N, the per-sample inputs; else NULL */
+} psd_layer_info;
+
+/* Fills the defaults: struct_size, abi_version, attach 30 s, agent timeout 5 s. */
+void psd_config_init(psd_config* config);
+
+psd_status psd_attach(const psd_config* config, psd_context** out);
+
+/* Registers the model's layers (in forward order) and waits up to timeout_ms for the agent's
+ * plan and buffers. Once. */
+psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc* layers, uint32_t count,
+                               uint32_t timeout_ms);
+
+psd_status psd_layer_info(psd_context* ctx, uint32_t layer, psd_layer_info* out);
+
+/* Posts "layer's input for iteration is written". Iterations start at 1 and increase by one per
+ * layer. Does not block. */
+psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t iteration);
+
+/* Waits until the layer's iteration is synchronised, at most timeout_ms. */
+psd_status psd_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                          uint32_t timeout_ms);
+
+psd_status psd_rank(psd_context* ctx, uint32_t* rank, uint32_t* world_size);
+
+/* Tells the agent the framework is leaving, unmaps, frees the context. */
+psd_status psd_detach(psd_context* ctx);
+
+/* The message of this thread's last failed call ("" if none). */
+const char* psd_last_error(void);
+const char* psd_status_string(psd_status status);
+uint32_t psd_abi_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* POSEIDON_POSEIDON_H_ */
