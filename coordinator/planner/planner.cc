@@ -130,6 +130,10 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     layer.ps_seconds = PsSeconds(layer.cost.ps_bytes, config.colocated, network);
     if (layer.cost.sfb_bytes.has_value()) {
       layer.sfb_seconds = SfbSeconds(*layer.cost.sfb_bytes, network);
+      if (config.scheme_rule == SchemeRule::kTime) {
+        layer.cost.scheme = *layer.sfb_seconds <= layer.ps_seconds ? poseidon::v1::SYNC_SCHEME_SFB
+                                                                   : poseidon::v1::SYNC_SCHEME_PS;
+      }
     }
     layer.seconds =
         layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds : layer.ps_seconds;

@@ -38,6 +38,18 @@ inline constexpr uint32_t kMaxBatchPerWorker = 1u << 20;
 
 inline constexpr uint64_t kDefaultBlockBytes = uint64_t{4} << 20;
 
+// How an FC layer's scheme is chosen (every other kind always uses PS).
+enum class SchemeRule {
+  // Poseidon's rule: SFB when it moves no more bytes than PS through a worker machine's interface
+  // (cost_model.h). Independent of bandwidth and latency.
+  kBytes,
+  // SFB when its predicted synchronisation time is at most PS's (time_model.h: PsSeconds,
+  // SfbSeconds): the bytes rule plus per-leg latency (PS two legs, SFB one) and, not colocated,
+  // the servers' interfaces. It depends on bandwidth and latency, so measured telemetry can move
+  // a layer near the boundary from one scheme to the other (the coordinator re-plans then).
+  kTime,
+};
+
 // The cluster and the plan's bookkeeping.
 struct PlannerConfig {
   uint32_t workers = 1;  // P1
@@ -50,6 +62,7 @@ struct PlannerConfig {
   uint64_t block_bytes = kDefaultBlockBytes;
   // The rate that turns a spec's FLOPs into compute time; without it only measured times count.
   std::optional<GpuRate> gpu;
+  SchemeRule scheme_rule = SchemeRule::kBytes;
 
   // Copied into the Plan.
   std::string job_id;

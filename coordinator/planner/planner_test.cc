@@ -295,5 +295,42 @@ TEST(PlannerTest, NotColocatedComparesPerWorkerBytes) {
   }
 }
 
+TEST(PlannerTest, TimeRuleDependsOnBandwidthNearTheBoundary) {
+  // A 1024x1024 FC layer at K = 258 on 4 colocated machines: SFB moves 12,681,216 bytes per
+  // worker, PS 12,582,912 per machine, 98,304 more for SFB. SFB saves one latency leg, so under
+  // the time rule it wins while 98,304 <= 2 * bandwidth * latency.
+  ModelSpec model;
+  model.set_name("boundary");
+  auto* fc = model.add_layers();
+  fc->set_name("fc.weight");
+  fc->set_kind(poseidon::v1::LAYER_KIND_FC);
+  fc->add_shape(1024);
+  fc->add_shape(1024);
+  fc->set_batch_per_worker(258);
+  PlannerConfig config;
+  config.workers = 4;
+  config.servers = 4;
+  config.colocated = true;
+  config.latency_seconds = 50e-6;
+  config.bandwidth_bytes_per_second = 10e9 / 8;  // 2 * bw * latency = 125,000
+  config.scheme_rule = SchemeRule::kBytes;
+  absl::StatusOr<PlanResult> result = BuildPlan(model, config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_PS);
+
+  config.scheme_rule = SchemeRule::kTime;
+  result = BuildPlan(model, config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_SFB);
+  EXPECT_TRUE(result->plan.layers(0).chunks().empty());
+  EXPECT_EQ(result->report.sfb_layers, 1u);
+
+  config.bandwidth_bytes_per_second = 5e9 / 8;  // 62,500
+  result = BuildPlan(model, config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_PS);
+  EXPECT_FALSE(result->plan.layers(0).chunks().empty());
+}
+
 }  // namespace
 }  // namespace poseidon::planner

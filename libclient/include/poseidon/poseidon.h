@@ -7,11 +7,11 @@
  * Thread-safety, per call:
  *   psd_attach, psd_detach, psd_register_layers: one thread, not concurrently with other calls
  *     on the same context.
- *   psd_layer_ready, psd_wait_layer, psd_layer_info, psd_rank: any thread, concurrently.
+ *   psd_layer_ready, psd_wait_layer, psd_get_layer_info, psd_rank: any thread, concurrently.
  *   psd_last_error: per thread (the message of this thread's last failed call).
  *
  * One iteration (WFBP): during backward, write each layer's gradient (or, for a layer the plan
- * syncs by SFB, its factors U and V) into the buffers psd_layer_info returns and call
+ * syncs by SFB, its factors U and V) into the buffers psd_get_layer_info returns and call
  * psd_layer_ready(layer, t) at once; backward continues while the agent synchronises. Before
  * layer l runs in the next forward pass, psd_wait_layer(l, t) returns when its synchronised
  * result (the gradient summed over all workers) is in the gradient buffer. */
@@ -90,7 +90,7 @@ psd_status psd_attach(const psd_config* config, psd_context** out);
 psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc* layers, uint32_t count,
                                uint32_t timeout_ms);
 
-psd_status psd_layer_info(psd_context* ctx, uint32_t layer, psd_layer_info* out);
+psd_status psd_get_layer_info(psd_context* ctx, uint32_t layer, psd_layer_info* out);
 
 /* Posts "layer's input for iteration is written". Iterations start at 1 and increase by one per
  * layer. Does not block. */

@@ -1,0 +1,657 @@
+#include "agent/agent.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <queue>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "agent/shm_endpoint.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "coordinator/planner/planner.h"
+#include "server/kv_client.h"
+#include "transport/frame_server.h"
+#include "transport/handshake.h"
+#include "transport/tcp/tcp_context.h"
+
+namespace poseidon::agent {
+namespace {
+
+using transport::FrameHeader;
+using transport::FrameType;
+
+constexpr uint64_t kAlign = 64;
+uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+struct PsChunk {
+  uint64_t key = 0;
+  uint64_t offset = 0;  // bytes
+  uint64_t length = 0;  // bytes
+  uint32_t server = 0;
+};
+
+struct LayerState {
+  LayerDesc desc;
+  LayerLayout layout;
+  std::vector<PsChunk> chunks;  // PS
+  uint64_t m = 0, n = 0, k = 0; // SFB: U is k x m, V is k x n
+  // Progress (guarded by Agent::layers_mu_).
+  uint64_t posted = 0;      // last iteration posted ready
+  uint64_t in_progress = 0; // iteration being synchronised (0: none)
+  int remaining = 0;        // tasks left of in_progress
+  bool failed = false;
+  std::string failure;
+};
+
+// Factors received from the other agents for one SFB layer, in two slots (iteration parity): a
+// peer can be at most one iteration ahead of us on a layer.
+struct SfbInbox {
+  uint64_t floats = 0;  // k * (m + n)
+  std::vector<float> data[2];  // world_size * floats each
+  std::vector<uint64_t> tag[2];  // per peer: the iteration held, 0 if none
+};
+
+struct Task {
+  uint32_t priority = 0;
+  uint64_t seq = 0;
+  uint32_t layer = 0;
+  uint64_t iteration = 0;
+  int chunk = -1;  // PS chunk index; -1 for an SFB layer
+  uint64_t bytes = 0;
+  bool operator<(const Task& o) const {  // for std::priority_queue (max-heap): invert
+    return priority != o.priority ? priority > o.priority : seq > o.seq;
+  }
+};
+
+class Agent : public transport::FrameHandler, public std::enable_shared_from_this<Agent> {
+ public:
+  explicit Agent(AgentConfig config) : config_(std::move(config)) {}
+
+  int Run();
+
+  // SFB inbound factors (transport I/O threads).
+  absl::StatusOr<transport::PayloadTarget> OnHeader(
+      const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& header) override;
+  void OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& header,
+               transport::MutableBuffer payload) override;
+
+ private:
+  absl::Status Register();
+  absl::Status ConnectServers(const v1::Plan& plan);
+  absl::Status ConnectPeers();
+  void OnReady(uint32_t layer, uint64_t iteration);
+  void Worker();
+  void RunTask(const Task& task);
+  absl::Status SyncChunk(const Task& task);
+  absl::Status SyncSfb(const Task& task);
+  void TaskFinished(const Task& task, const absl::Status& status);
+  void Fatal(const std::string& why);
+
+  AgentConfig config_;
+  std::unique_ptr<ShmEndpoint> shm_;
+  std::shared_ptr<transport::Context> ctx_;
+  std::shared_ptr<transport::FrameServer> sfb_server_;
+  std::vector<std::shared_ptr<server::KvClient>> servers_;
+  std::vector<std::shared_ptr<transport::Connection>> peers_;  // [rank], null for ourselves
+
+  std::mutex layers_mu_;
+  std::vector<LayerState> layers_;
+  bool registered_ = false;
+
+  std::mutex inbox_mu_;
+  std::condition_variable inbox_cv_;
+  std::map<uint32_t, SfbInbox> inbox_;  // by layer; created at registration, then fixed
+  // A peer announces (PING) that it has registered and can take our factors.
+  std::vector<bool> peer_ready_;
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::priority_queue<Task> queue_;
+  uint64_t in_flight_bytes_ = 0;
+  uint64_t next_seq_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+void Agent::Fatal(const std::string& why) {
+  PSD_LOG_ERROR("{}", why);
+  if (shm_) shm_->SetState(PSD_AGENT_FAILED, why);
+}
+
+int Agent::Run() {
+  if (config_.segment.empty()) {
+    config_.segment = absl::StrCat("/poseidon-", config_.job_id, "-", config_.rank);
+  }
+  auto shm = ShmEndpoint::Create(config_.segment, config_.rank, config_.world_size, config_.job_id);
+  if (!shm.ok()) {
+    PSD_LOG_ERROR("cannot create the shared-memory segment: {}", shm.status().message());
+    return 1;
+  }
+  shm_ = std::move(*shm);
+  peer_ready_.assign(config_.world_size, false);
+  transport::TcpOptions tcp;
+  tcp.io_threads = 2;
+  auto ctx = transport::CreateTcpContext(tcp);
+  if (!ctx.ok()) {
+    Fatal(std::string(ctx.status().message()));
+    return 1;
+  }
+  ctx_ = *ctx;
+  // The SFB listener starts at once so that peers can connect while we wait for our framework.
+  const std::string listen =
+      !config_.listen.empty() ? config_.listen
+                              : (config_.rank < config_.peers.size() ? config_.peers[config_.rank] : "");
+  if (!listen.empty()) {
+    auto listener = ctx_->Listen(listen);
+    if (!listener.ok()) {
+      Fatal(absl::StrCat("cannot listen for peers on ", listen, ": ", listener.status().message()));
+      return 1;
+    }
+    auto secrets = std::make_shared<transport::SecretStore>();
+    secrets->Set(config_.job_id, config_.secret);
+    sfb_server_ = std::make_shared<transport::FrameServer>(*listener, secrets, shared_from_this());
+    sfb_server_->Start();
+  }
+  PSD_LOG_INFO("agent rank {}/{} of job {}: segment {}, {} servers{}", config_.rank,
+               config_.world_size, config_.job_id, config_.segment, config_.servers.size(),
+               listen.empty() ? "" : absl::StrCat(", peers on ", listen));
+  std::printf("poseidon-agent ready on %s\n", config_.segment.c_str());
+  std::fflush(stdout);
+
+  for (int i = 0; i < config_.sync_threads; ++i) workers_.emplace_back([this] { Worker(); });
+  auto stop = [&](int code) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    inbox_cv_.notify_all();
+    for (auto& w : workers_) w.join();
+    if (sfb_server_) sfb_server_->Stop();
+    for (auto& s : servers_) s->Close();
+    ctx_->Close();
+    // Break the ownership cycle agent -> frame server -> handler (this agent).
+    sfb_server_.reset();
+    servers_.clear();
+    peers_.clear();
+    return code;
+  };
+
+  const absl::Time attach_deadline = absl::Now() + config_.attach_timeout;
+  while (true) {
+    shm_->Heartbeat();
+    if (auto s = shm_->CheckFramework(); !s.ok()) {
+      PSD_LOG_ERROR("{}; the agent of rank {} exits", s.message(), config_.rank);
+      shm_->SetState(PSD_AGENT_EXITED, std::string(s.message()));
+      return stop(3);
+    }
+    if (!shm_->attached() && !registered_ && absl::Now() > attach_deadline) {
+      Fatal(absl::StrCat("no training process attached to ", config_.segment, " within ",
+                         absl::FormatDuration(config_.attach_timeout)));
+      return stop(1);
+    }
+    auto event = shm_->NextEvent(absl::Milliseconds(100));
+    if (!event.ok()) {
+      PSD_LOG_WARN("bad event from the training process: {}", event.status().message());
+      continue;
+    }
+    if (!event->has_value()) continue;
+    const Event e = **event;
+    switch (e.type) {
+      case PSD_EVENT_REGISTER:
+        if (registered_) {
+          PSD_LOG_WARN("a second registration was ignored");
+          break;
+        }
+        if (auto s = Register(); !s.ok()) {
+          const std::string why = absl::StrCat("registration failed: ", s.message());
+          shm_->FailRegistration(why);
+          Fatal(why);
+          return stop(1);
+        }
+        registered_ = true;
+        break;
+      case PSD_EVENT_LAYER_READY:
+        OnReady(e.layer, e.iteration);
+        break;
+      case PSD_EVENT_DETACH:
+        PSD_LOG_INFO("the training process detached; the agent of rank {} exits", config_.rank);
+        return stop(0);
+      default:
+        break;
+    }
+  }
+}
+
+absl::Status Agent::Register() {
+  ASSIGN_OR_RETURN(std::vector<LayerDesc> descs, shm_->ReadLayers());
+  v1::ModelSpec model;
+  model.set_name(absl::StrCat("job-", config_.job_id));
+  for (const auto& d : descs) {
+    auto* l = model.add_layers();
+    l->set_name(d.name);
+    // "ps" keeps every layer on PS: present FC layers as "other" to the planner.
+    l->set_kind(d.kind == PSD_KIND_FC && config_.scheme == "ps" ? v1::LAYER_KIND_OTHER
+                                                                 : static_cast<v1::LayerKind>(d.kind));
+    for (uint64_t s : d.shape) l->add_shape(s);
+    l->set_element_type(v1::ELEMENT_TYPE_F32);
+    l->set_batch_per_worker(d.kind == PSD_KIND_FC ? d.batch_k : 1);
+  }
+  planner::PlannerConfig pc;
+  pc.workers = config_.world_size;
+  pc.servers = std::max<uint32_t>(1, static_cast<uint32_t>(config_.servers.size()));
+  pc.colocated = config_.colocated;
+  pc.bandwidth_bytes_per_second = config_.bandwidth_bytes_per_second;
+  pc.block_bytes = config_.block_bytes;
+  pc.job_id = absl::StrCat(config_.job_id);
+  ASSIGN_OR_RETURN(planner::PlanResult planned, planner::BuildPlan(model, pc));
+  const v1::Plan& plan = planned.plan;
+  if (plan.layers_size() != static_cast<int>(descs.size())) {
+    return absl::InternalError("the plan does not cover every layer");
+  }
+  std::vector<LayerLayout> layout(descs.size());
+  uint64_t offset = 0;
+  layers_.resize(descs.size());
+  bool any_sfb = false, any_ps = false;
+  for (size_t i = 0; i < descs.size(); ++i) {
+    const v1::LayerPlan& lp = plan.layers(static_cast<int>(i));
+    LayerState& st = layers_[i];
+    st.desc = descs[i];
+    bool sfb = lp.scheme() == v1::SYNC_SCHEME_SFB;
+    if (config_.scheme == "sfb" && descs[i].kind == PSD_KIND_FC) sfb = true;
+    LayerLayout& lay = layout[i];
+    lay.scheme = sfb ? PSD_SCHEME_SFB : PSD_SCHEME_PS;
+    lay.priority = lp.priority();
+    lay.grad_offset = offset;
+    offset = AlignUp(offset + descs[i].elements * sizeof(float));
+    if (sfb) {
+      any_sfb = true;
+      st.m = descs[i].shape[0];
+      st.n = descs[i].shape[1];
+      st.k = descs[i].batch_k;
+      lay.u_offset = offset;
+      offset = AlignUp(offset + st.k * st.m * sizeof(float));
+      lay.v_offset = offset;
+      offset = AlignUp(offset + st.k * st.n * sizeof(float));
+      std::lock_guard<std::mutex> lock(inbox_mu_);  // peers' frames may already arrive
+      SfbInbox& box = inbox_[static_cast<uint32_t>(i)];
+      box.floats = st.k * (st.m + st.n);
+      for (int s = 0; s < 2; ++s) {
+        box.data[s].assign(box.floats * config_.world_size, 0.0f);
+        box.tag[s].assign(config_.world_size, 0);
+      }
+    } else {
+      any_ps = true;
+      if (lp.chunks_size() == 0) {
+        return absl::InternalError(absl::StrCat("layer ", descs[i].name, " has no PS chunks"));
+      }
+      for (const auto& c : lp.chunks()) {
+        if (c.length() % sizeof(float) != 0 || c.offset() + c.length() > descs[i].elements * 4) {
+          return absl::InternalError(absl::StrCat("bad chunk of layer ", descs[i].name));
+        }
+        st.chunks.push_back({c.key(), c.offset(), c.length(), c.server_index()});
+      }
+    }
+    st.layout = lay;
+  }
+  if (any_ps && config_.servers.empty()) {
+    return absl::FailedPreconditionError("PS layers need KV servers (--servers)");
+  }
+  if (any_sfb && config_.world_size > 1 && config_.peers.size() != config_.world_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SFB layers need every agent's address (--peers: ", config_.world_size, " entries, got ",
+        config_.peers.size(), ")"));
+  }
+  if (any_ps) RETURN_IF_ERROR(ConnectServers(plan));
+  if (any_sfb) {
+    RETURN_IF_ERROR(ConnectPeers());
+    // Our inbox exists now: tell every peer it may send us factors.
+    for (uint32_t p = 0; p < config_.world_size; ++p) {
+      if (p == config_.rank) continue;
+      FrameHeader ping;
+      ping.type = FrameType::kPing;
+      ping.job_id = config_.job_id;
+      ping.sender_rank = config_.rank;
+      peers_[p]->Send(ping, {}, [](absl::Status) {});
+    }
+  }
+  RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, std::max<uint64_t>(offset, kAlign)));
+  int sfb_layers = 0;
+  for (const auto& l : layout) sfb_layers += l.scheme == PSD_SCHEME_SFB;
+  PSD_LOG_INFO("registered {} layers ({} on SFB), {} bytes of buffers", descs.size(), sfb_layers,
+               offset);
+  return absl::OkStatus();
+}
+
+absl::Status Agent::ConnectServers(const v1::Plan& plan) {
+  // Each server gets the tables of the chunks it owns; every rank sends the same registration.
+  std::vector<v1::RegisterTablesRequest> requests(config_.servers.size());
+  for (auto& r : requests) r.set_num_workers(config_.world_size);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const LayerState& st = layers_[i];
+    if (st.layout.scheme != PSD_SCHEME_PS) continue;
+    std::map<uint32_t, v1::KvTableSpec*> tables;
+    for (const auto& c : st.chunks) {
+      if (c.server >= requests.size()) return absl::InternalError("chunk on an unknown server");
+      auto*& t = tables[c.server];
+      if (t == nullptr) {
+        t = requests[c.server].add_tables();
+        t->set_name(st.desc.name);
+        t->set_element_type(v1::ELEMENT_TYPE_F32);
+        t->mutable_update_rule()->set_rule(v1::UPDATE_RULE_SUM);
+      }
+      auto* key = t->add_keys();
+      key->set_key(c.key);
+      key->set_elements(c.length / sizeof(float));
+    }
+  }
+  (void)plan;
+  const absl::Time deadline = absl::Now() + config_.connect_timeout;
+  for (size_t s = 0; s < config_.servers.size(); ++s) {
+    absl::StatusOr<std::shared_ptr<server::KvClient>> client;
+    while (true) {
+      client = server::KvClient::Connect(*ctx_, config_.servers[s], config_.job_id, config_.rank,
+                                         config_.secret, absl::Seconds(10));
+      if (client.ok() || absl::Now() > deadline) break;
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+    if (!client.ok()) {
+      return Annotate(client.status(), absl::StrCat("KV server ", config_.servers[s]));
+    }
+    if (requests[s].tables_size() > 0) {
+      RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30)));
+    }
+    servers_.push_back(*client);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Agent::ConnectPeers() {
+  peers_.assign(config_.world_size, nullptr);
+  const absl::Time deadline = absl::Now() + config_.connect_timeout;
+  for (uint32_t p = 0; p < config_.world_size; ++p) {
+    if (p == config_.rank) continue;
+    absl::StatusOr<std::shared_ptr<transport::Connection>> conn;
+    while (true) {
+      conn = transport::ConnectAuthenticated(*ctx_, config_.peers[p], config_.job_id, config_.rank,
+                                             config_.secret, absl::Seconds(10));
+      if (conn.ok() || absl::Now() > deadline) break;
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+    if (!conn.ok()) {
+      return Annotate(conn.status(), absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]));
+    }
+    peers_[p] = *conn;
+  }
+  return absl::OkStatus();
+}
+
+void Agent::OnReady(uint32_t layer, uint64_t iteration) {
+  std::vector<Task> tasks;
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    if (!registered_ || layer >= layers_.size()) {
+      PSD_LOG_WARN("ready event for unknown layer {} ignored", layer);
+      return;
+    }
+    LayerState& st = layers_[layer];
+    if (iteration != st.posted + 1) {
+      const std::string why = absl::StrCat("iteration ", iteration, " posted after ", st.posted);
+      PSD_LOG_WARN("layer {} ({}): {}", layer, st.desc.name, why);
+      shm_->LayerFailed(layer, iteration, why);
+      return;
+    }
+    if (st.in_progress != 0) {
+      const std::string why = absl::StrCat("iteration ", iteration, " posted while ",
+                                           st.in_progress, " is still being synchronised");
+      shm_->LayerFailed(layer, iteration, why);
+      return;
+    }
+    st.posted = iteration;
+    st.in_progress = iteration;
+    st.failed = false;
+    if (st.layout.scheme == PSD_SCHEME_SFB) {
+      st.remaining = 1;
+      tasks.push_back({st.layout.priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
+    } else {
+      st.remaining = static_cast<int>(st.chunks.size());
+      for (size_t c = 0; c < st.chunks.size(); ++c) {
+        tasks.push_back({st.layout.priority, 0, layer, iteration, static_cast<int>(c),
+                         st.chunks[c].length});
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    for (auto& t : tasks) {
+      t.seq = next_seq_++;
+      queue_.push(t);
+    }
+  }
+  queue_cv_.notify_all();
+}
+
+void Agent::Worker() {
+  while (true) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [&] {
+        if (stopping_) return true;
+        if (queue_.empty()) return false;
+        // Credit: a task goes when it fits, or when nothing else is in flight.
+        return in_flight_bytes_ == 0 || in_flight_bytes_ + queue_.top().bytes <= config_.credit_bytes;
+      });
+      if (stopping_) return;
+      task = queue_.top();
+      queue_.pop();
+      in_flight_bytes_ += task.bytes;
+    }
+    RunTask(task);
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      in_flight_bytes_ -= task.bytes;
+    }
+    queue_cv_.notify_all();
+  }
+}
+
+void Agent::RunTask(const Task& task) {
+  const absl::Status status = task.chunk >= 0 ? SyncChunk(task) : SyncSfb(task);
+  TaskFinished(task, status);
+}
+
+void Agent::TaskFinished(const Task& task, const absl::Status& status) {
+  bool done = false, report_failure = false;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    LayerState& st = layers_[task.layer];
+    if (!status.ok() && !st.failed) {
+      st.failed = true;
+      st.failure = absl::StrCat("clock ", task.iteration, ": ", status.message());
+      report_failure = true;
+      why = st.failure;
+    }
+    if (--st.remaining == 0) {
+      done = !st.failed;
+      st.in_progress = 0;
+    }
+  }
+  if (report_failure) {
+    PSD_LOG_ERROR("layer {} ({}) {}", task.layer, layers_[task.layer].desc.name, why);
+    shm_->LayerFailed(task.layer, task.iteration, why);
+  }
+  if (done) shm_->LayerDone(task.layer, task.iteration);
+}
+
+absl::Status Agent::SyncChunk(const Task& task) {
+  const LayerState& st = layers_[task.layer];
+  const PsChunk& c = st.chunks[static_cast<size_t>(task.chunk)];
+  server::KvClient& kv = *servers_[c.server];
+  std::span<float> values(shm_->Grad(task.layer) + c.offset / sizeof(float),
+                          c.length / sizeof(float));
+  // The pull's answer overwrites the gradient in place: the server answers only once every
+  // rank's push of this clock, ours included, has been received.
+  const server::Ticket push = kv.Push(c.key, task.iteration, values);
+  const server::Ticket pull = kv.Pull(c.key, task.iteration, values, config_.sync_timeout);
+  const absl::Status ps = kv.Wait(push, config_.sync_timeout);
+  const absl::Status pl = kv.Wait(pull, config_.sync_timeout + absl::Seconds(5));
+  if (!ps.ok()) return ps;
+  return pl;
+}
+
+absl::Status Agent::SyncSfb(const Task& task) {
+  const LayerState& st = layers_[task.layer];
+  const uint32_t me = config_.rank;
+  const uint32_t world = config_.world_size;
+  const float* u = shm_->FactorU(task.layer);
+  const float* v = shm_->FactorV(task.layer);
+  const uint64_t ku = st.k * st.m, kv = st.k * st.n;
+  // Every peer must have registered (its PING) before it can take our factors.
+  {
+    std::unique_lock<std::mutex> lock(inbox_mu_);
+    const bool ready = inbox_cv_.wait_for(lock, absl::ToChronoNanoseconds(config_.sync_timeout), [&] {
+      if (stopping_) return true;
+      for (uint32_t p = 0; p < world; ++p) {
+        if (p != me && !peer_ready_[p]) return false;
+      }
+      return true;
+    });
+    if (!ready || stopping_) {
+      std::vector<uint32_t> missing;
+      for (uint32_t p = 0; p < world; ++p) {
+        if (p != me && !peer_ready_[p]) missing.push_back(p);
+      }
+      return absl::DeadlineExceededError(absl::StrCat("peer agents of ranks [",
+                                                      absl::StrJoin(missing, ", "),
+                                                      "] never registered their model"));
+    }
+  }
+  // Broadcast our factors (straight from shared memory) to every other agent.
+  std::vector<std::future<absl::Status>> sends;
+  for (uint32_t p = 0; p < world; ++p) {
+    if (p == me) continue;
+    FrameHeader h;
+    h.type = FrameType::kFactors;
+    h.job_id = config_.job_id;
+    h.sender_rank = me;
+    h.key = task.layer;
+    h.clock = task.iteration;
+    h.payload_length = (ku + kv) * sizeof(float);
+    auto promise = std::make_shared<std::promise<absl::Status>>();
+    sends.push_back(promise->get_future());
+    peers_[p]->Send(h,
+                    {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
+                    [promise](absl::Status s) { promise->set_value(s); });
+  }
+  // Wait for everyone else's factors of this iteration.
+  const int slot = static_cast<int>(task.iteration % 2);
+  SfbInbox& box = inbox_.at(task.layer);
+  {
+    std::unique_lock<std::mutex> lock(inbox_mu_);
+    const bool all = inbox_cv_.wait_for(lock, absl::ToChronoNanoseconds(config_.sync_timeout), [&] {
+      if (stopping_) return true;
+      for (uint32_t p = 0; p < world; ++p) {
+        if (p != me && box.tag[slot][p] != task.iteration) return false;
+      }
+      return true;
+    });
+    if (!all || stopping_) {
+      std::vector<uint32_t> missing;
+      for (uint32_t p = 0; p < world; ++p) {
+        if (p != me && box.tag[slot][p] != task.iteration) missing.push_back(p);
+      }
+      return absl::DeadlineExceededError(absl::StrCat(
+          "SFB factors of clock ", task.iteration, " not received from ranks [",
+          absl::StrJoin(missing, ", "), "] within ", absl::FormatDuration(config_.sync_timeout)));
+    }
+  }
+  // Rebuild sum_p U_p^T V_p (M x N, row-major) into the gradient buffer, ranks in order.
+  float* grad = shm_->Grad(task.layer);
+  const int m = static_cast<int>(st.m), n = static_cast<int>(st.n), k = static_cast<int>(st.k);
+  for (uint32_t p = 0; p < world; ++p) {
+    const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
+    const float* vp = p == me ? v : up + ku;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
+                p == 0 ? 0.0f : 1.0f, grad, n);
+  }
+  for (auto& f : sends) {
+    if (f.wait_for(absl::ToChronoNanoseconds(config_.sync_timeout)) != std::future_status::ready) {
+      return absl::DeadlineExceededError("sending SFB factors did not complete");
+    }
+    if (auto s = f.get(); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
+    const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
+  if (h.type == FrameType::kPing && h.payload_length == 0) return transport::PayloadTarget::Discard();
+  if (h.type != FrameType::kFactors) {
+    return absl::InvalidArgumentError("agents only exchange SFB factors");
+  }
+  const uint32_t from = peer->identity().rank;
+  if (from >= config_.world_size || from == config_.rank || h.sender_rank != from) {
+    return absl::PermissionDeniedError(absl::StrCat("factors from rank ", h.sender_rank,
+                                                    " on a connection of rank ", from));
+  }
+  std::lock_guard<std::mutex> lock(inbox_mu_);
+  auto it = inbox_.find(static_cast<uint32_t>(h.key));
+  if (it == inbox_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", h.key, " is not an SFB layer here"));
+  }
+  SfbInbox& box = it->second;
+  if (h.payload_length != box.floats * sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat("factors of layer ", h.key, " carry ",
+                                                   h.payload_length, " bytes, expected ",
+                                                   box.floats * sizeof(float)));
+  }
+  if (h.clock == 0) return absl::InvalidArgumentError("iterations start at 1");
+  const int slot = static_cast<int>(h.clock % 2);
+  const uint64_t held = box.tag[slot][from];
+  if (held != 0 && held + 2 != h.clock) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "factors of layer ", h.key, " clock ", h.clock, " from rank ", from,
+        " arrive while the slot holds clock ", held));
+  }
+  box.tag[slot][from] = 0;  // being overwritten
+  return transport::PayloadTarget::Into(std::as_writable_bytes(
+      std::span(box.data[slot].data() + from * box.floats, box.floats)));
+}
+
+void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,
+                    transport::MutableBuffer) {
+  if (h.type == FrameType::kPing) {
+    const uint32_t from = peer->identity().rank;
+    {
+      std::lock_guard<std::mutex> lock(inbox_mu_);
+      if (from < peer_ready_.size()) peer_ready_[from] = true;
+    }
+    inbox_cv_.notify_all();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    inbox_.at(static_cast<uint32_t>(h.key)).tag[h.clock % 2][peer->identity().rank] = h.clock;
+  }
+  inbox_cv_.notify_all();
+}
+
+}  // namespace
+
+int RunAgent(const AgentConfig& config) {
+  auto agent = std::make_shared<Agent>(config);
+  return agent->Run();
+}
+
+}  // namespace poseidon::agent

@@ -1,0 +1,42 @@
+// poseidon-agent: the per-GPU sidecar (DESIGN.md, "Processes"). It owns the shared-memory
+// channel to one training process, plans the model's layers (HybComm), and synchronises each
+// layer as soon as the framework posts it ready (wait-free backpropagation): PS layers chunk by
+// chunk against the KV servers, SFB layers by broadcasting their sufficient factors to the other
+// agents and rebuilding the summed gradient with a GEMM. A priority queue with a credit limit on
+// bytes in flight decides what goes next.
+// Thread model: Run() is the main thread (events, liveness); sync_threads workers run the
+// synchronisation tasks; transport I/O threads receive peers' factors. See docs/agent.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace poseidon::agent {
+
+struct AgentConfig {
+  std::string segment;  // "/poseidon-<job>-<rank>" when empty
+  uint64_t job_id = 1;
+  std::string secret;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  std::vector<std::string> servers;  // KV servers, in plan order
+  std::vector<std::string> peers;    // every agent's SFB address, rank order (may be empty: no SFB)
+  std::string listen;                // our SFB address (peers[rank] when empty)
+  std::string scheme = "auto";       // auto (HybComm), ps, sfb
+  double bandwidth_bytes_per_second = 1.25e9;
+  bool colocated = true;
+  uint64_t block_bytes = uint64_t{4} << 20;
+  uint64_t credit_bytes = uint64_t{64} << 20;
+  int sync_threads = 8;
+  absl::Duration sync_timeout = absl::Seconds(60);
+  absl::Duration attach_timeout = absl::Seconds(120);
+  absl::Duration connect_timeout = absl::Seconds(60);
+};
+
+// Runs until the framework detaches (0), dies (3), or a fatal error (1). Never throws.
+int RunAgent(const AgentConfig& config);
+
+}  // namespace poseidon::agent

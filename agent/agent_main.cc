@@ -1,0 +1,102 @@
+// poseidon-agent: the per-GPU sidecar daemon. Configuration from flags > POSEIDON_* environment
+// > config file. Until the coordinator service hands out ranks and addresses, the cluster is
+// given explicitly (rank, world size, servers, peers); every agent computes the same plan.
+#include <signal.h>
+
+#include "absl/strings/str_split.h"
+#include "agent/agent.h"
+#include "common/config.h"
+#include "common/log.h"
+
+namespace {
+
+struct Flags {
+  std::string segment;
+  uint64_t job_id = 1;
+  std::string secret;
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  std::string servers;
+  std::string peers;
+  std::string listen;
+  std::string scheme = "auto";
+  double bandwidth = 1.25e9;
+  bool colocated = true;
+  uint64_t block_bytes = 4u << 20;
+  uint64_t credit_bytes = 64u << 20;
+  int64_t sync_threads = 8;
+  absl::Duration sync_timeout = absl::Seconds(60);
+  absl::Duration attach_timeout = absl::Seconds(120);
+  absl::Duration connect_timeout = absl::Seconds(60);
+  std::string log_level = "info";
+};
+
+poseidon::ConfigSchema<Flags> Schema() {
+  using poseidon::AtLeast;
+  using poseidon::InRange;
+  poseidon::ConfigSchema<Flags> s("poseidon-agent");
+  s.Field("segment", &Flags::segment, "shared-memory segment (default /poseidon-<job>-<rank>)")
+      .Field("job_id", &Flags::job_id, "job id")
+      .SecretField("secret", &Flags::secret, "the job's secret", poseidon::NonEmpty())
+      .Field("rank", &Flags::rank, "this worker's rank", InRange<int64_t>(0, 65535))
+      .Field("world_size", &Flags::world_size, "number of workers (P1)", InRange<int64_t>(1, 65536))
+      .Field("servers", &Flags::servers, "KV servers, comma-separated host:port")
+      .Field("peers", &Flags::peers, "every agent's SFB address, comma-separated, in rank order")
+      .Field("listen", &Flags::listen, "our SFB address (default: peers[rank])")
+      .Field("scheme", &Flags::scheme, "auto (HybComm plan), ps, sfb",
+             poseidon::OneOf({"auto", "ps", "sfb"}))
+      .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
+      .Field("colocated", &Flags::colocated, "servers share machines with workers")
+      .ByteSizeField("block_bytes", &Flags::block_bytes, "largest PS chunk",
+                     InRange<uint64_t>(4096, uint64_t{1} << 30))
+      .ByteSizeField("credit_bytes", &Flags::credit_bytes, "bytes in flight before queueing",
+                     AtLeast<uint64_t>(4096))
+      .Field("sync_threads", &Flags::sync_threads, "synchronisation threads", InRange<int64_t>(1, 256))
+      .Field("sync_timeout", &Flags::sync_timeout, "a layer's synchronisation must finish within")
+      .Field("attach_timeout", &Flags::attach_timeout, "wait this long for the training process")
+      .Field("connect_timeout", &Flags::connect_timeout, "wait this long for servers and peers")
+      .Field("log_level", &Flags::log_level, "trace, debug, info, warn, error",
+             poseidon::OneOf({"trace", "debug", "info", "warn", "error"}));
+  return s;
+}
+
+std::vector<std::string> List(const std::string& s) {
+  return absl::StrSplit(s, ',', absl::SkipWhitespace());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags f = poseidon::LoadOrExit(Schema(), argc, argv);
+  poseidon::InitLogging("poseidon-agent", *poseidon::ParseLogLevel(f.log_level));
+  signal(SIGPIPE, SIG_IGN);
+  poseidon::agent::AgentConfig c;
+  c.segment = f.segment;
+  c.job_id = f.job_id;
+  c.secret = f.secret;
+  c.rank = static_cast<uint32_t>(f.rank);
+  c.world_size = static_cast<uint32_t>(f.world_size);
+  c.servers = List(f.servers);
+  c.peers = List(f.peers);
+  c.listen = f.listen;
+  c.scheme = f.scheme;
+  c.bandwidth_bytes_per_second = f.bandwidth;
+  c.colocated = f.colocated;
+  c.block_bytes = f.block_bytes;
+  c.credit_bytes = f.credit_bytes;
+  c.sync_threads = static_cast<int>(f.sync_threads);
+  c.sync_timeout = f.sync_timeout;
+  c.attach_timeout = f.attach_timeout;
+  c.connect_timeout = f.connect_timeout;
+  if (c.rank >= c.world_size) {
+    std::fprintf(stderr, "poseidon-agent: rank %u must be below world_size %u\n", c.rank,
+                 c.world_size);
+    return 2;
+  }
+  if (!c.peers.empty() && c.peers.size() != c.world_size) {
+    std::fprintf(stderr, "poseidon-agent: --peers has %zu entries for world_size %u\n",
+                 c.peers.size(), c.world_size);
+    return 2;
+  }
+  return poseidon::agent::RunAgent(c);
+}

@@ -1,0 +1,283 @@
+#include "agent/shm_endpoint.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <type_traits>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace poseidon::agent {
+namespace {
+
+uint64_t NowNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+template <typename T>
+T Load(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+template <typename T>
+void Store(T* p, std::type_identity_t<T> v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+
+void FutexWake(uint32_t* addr) {
+  syscall(SYS_futex, addr, FUTEX_WAKE, 1 << 30, nullptr, nullptr, 0);
+}
+
+void FutexWait(uint32_t* addr, uint32_t expected, absl::Duration timeout) {
+  const timespec ts = absl::ToTimespec(timeout);
+  syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void CopyString(char* dst, size_t n, const std::string& s) {
+  std::memset(dst, 0, n);
+  std::memcpy(dst, s.data(), std::min(n - 1, s.size()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmEndpoint>> ShmEndpoint::Create(const std::string& name,
+                                                                 uint32_t rank,
+                                                                 uint32_t world_size,
+                                                                 uint64_t job_id) {
+  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
+      name.size() + 6 >= PSD_SHM_NAME_BYTES) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment name '", name, "' must be '/name' of at most ",
+                     PSD_SHM_NAME_BYTES - 7, " bytes"));
+  }
+  std::unique_ptr<ShmEndpoint> ep(new ShmEndpoint());
+  ep->name_ = name;
+  ep->data_name_ = name + ".data";
+  // A leftover of a crashed agent with the same name is replaced (we own this name).
+  shm_unlink(name.c_str());
+  shm_unlink(ep->data_name_.c_str());
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("cannot create ", name, ": ", std::strerror(errno)));
+  }
+  if (ftruncate(fd, PSD_SHM_CONTROL_BYTES) != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot size ", name, ": ", std::strerror(errno)));
+  }
+  void* p = mmap(nullptr, PSD_SHM_CONTROL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot map ", name, ": ", std::strerror(errno)));
+  }
+  ep->control_ = static_cast<unsigned char*>(p);
+  psd_shm_header* h = ep->header();
+  h->abi_version = PSD_SHM_ABI_VERSION;
+  h->header_bytes = sizeof(psd_shm_header);
+  h->control_bytes = PSD_SHM_CONTROL_BYTES;
+  h->agent_pid = static_cast<uint32_t>(getpid());
+  h->rank = rank;
+  h->world_size = world_size;
+  h->job_id = job_id;
+  h->to_agent_offset = PSD_SHM_TO_AGENT_OFFSET;
+  h->to_framework_offset = PSD_SHM_TO_FRAMEWORK_OFFSET;
+  h->layers_offset = PSD_SHM_LAYERS_OFFSET;
+  Store(&h->agent_heartbeat_ns, NowNs());
+  Store(&h->agent_state, PSD_AGENT_WAITING);
+  Store(&h->magic, PSD_SHM_MAGIC);  // last: the framework waits for it
+  return ep;
+}
+
+ShmEndpoint::~ShmEndpoint() {
+  if (control_) {
+    if (Load(&header()->agent_state) != PSD_AGENT_FAILED) Store(&header()->agent_state, PSD_AGENT_EXITED);
+    // Wake every waiter so it sees the state at once.
+    for (uint32_t i = 0; i < PSD_SHM_MAX_LAYERS; ++i) FutexWake(&layers()[i].done_futex);
+    FutexWake(&header()->registration_futex);
+    munmap(control_, PSD_SHM_CONTROL_BYTES);
+  }
+  if (data_) munmap(data_, data_bytes_);
+  shm_unlink(name_.c_str());
+  shm_unlink(data_name_.c_str());
+}
+
+void ShmEndpoint::Heartbeat() { Store(&header()->agent_heartbeat_ns, NowNs()); }
+
+void ShmEndpoint::SetState(uint32_t state, const std::string& error) {
+  if (!error.empty()) CopyString(header()->error, PSD_SHM_ERROR_BYTES, error);
+  Store(&header()->agent_state, state);
+  if (state == PSD_AGENT_FAILED || state == PSD_AGENT_EXITED) {
+    for (uint32_t i = 0; i < PSD_SHM_MAX_LAYERS; ++i) FutexWake(&layers()[i].done_futex);
+    FutexWake(&header()->registration_futex);
+  }
+}
+
+bool ShmEndpoint::attached() const { return Load(&header()->attached) != 0; }
+
+absl::Status ShmEndpoint::CheckFramework() const {
+  if (!attached()) return absl::OkStatus();
+  const auto pid = static_cast<pid_t>(Load(&header()->framework_pid));
+  if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+    return absl::UnavailableError(absl::StrCat("the training process (pid ", pid, ") died"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<Event>> ShmEndpoint::NextEvent(absl::Duration timeout) {
+  psd_shm_ring* ring = to_agent();
+  uint64_t head = Load(&ring->head);
+  uint64_t tail = Load(&ring->tail);
+  if (head == tail) {
+    const uint32_t bell = Load(&ring->doorbell);
+    Store(&ring->consumer_sleeping, 1u);
+    tail = Load(&ring->tail);
+    if (head == tail) FutexWait(&ring->doorbell, bell, timeout);
+    Store(&ring->consumer_sleeping, 0u);
+    tail = Load(&ring->tail);
+    if (head == tail) return std::optional<Event>();
+  }
+  if (tail - head > PSD_SHM_RING_CAPACITY || tail < head) {
+    Store(&ring->head, tail);  // resynchronise: drop what cannot be trusted
+    return absl::DataLossError(absl::StrCat("event ring indices are corrupt (head ", head,
+                                            ", tail ", tail, "); skipped to the tail"));
+  }
+  const psd_shm_event e = ring->events[head % PSD_SHM_RING_CAPACITY];
+  Store(&ring->head, head + 1);
+  if (e.type != PSD_EVENT_REGISTER && e.type != PSD_EVENT_LAYER_READY &&
+      e.type != PSD_EVENT_DETACH) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown event type ", e.type));
+  }
+  return std::optional<Event>(Event{e.type, e.layer, e.iteration});
+}
+
+absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
+  const uint32_t n = Load(&header()->num_layers);
+  if (n == 0 || n > PSD_SHM_MAX_LAYERS) {
+    return absl::InvalidArgumentError(absl::StrCat("layer count ", n, " outside [1, ",
+                                                   PSD_SHM_MAX_LAYERS, "]"));
+  }
+  std::vector<LayerDesc> out(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    const psd_shm_layer l = layers()[i];  // a private copy: the framework may scribble on it
+    LayerDesc& d = out[i];
+    const size_t len = strnlen(l.name, PSD_SHM_NAME_BYTES);
+    if (len == 0 || len == PSD_SHM_NAME_BYTES) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", i, ": name missing or unterminated"));
+    }
+    d.name.assign(l.name, len);
+    if (l.kind < PSD_KIND_FC || l.kind > PSD_KIND_OTHER) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): bad kind ", l.kind));
+    }
+    if (l.dtype != PSD_DTYPE_F32) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): only float32"));
+    }
+    if (l.ndim == 0 || l.ndim > PSD_SHM_MAX_DIMS) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): bad ndim ", l.ndim));
+    }
+    d.kind = l.kind;
+    d.batch_k = l.batch_k;
+    d.elements = 1;
+    for (uint32_t k = 0; k < l.ndim; ++k) {
+      if (l.shape[k] == 0 || l.shape[k] > (uint64_t{1} << 32)) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): bad dimension"));
+      }
+      d.shape.push_back(l.shape[k]);
+      d.elements *= l.shape[k];
+      if (d.elements > (uint64_t{1} << 34)) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, ") is too large"));
+      }
+    }
+    if (d.kind == PSD_KIND_FC && (l.ndim != 2 || l.batch_k == 0 || l.batch_k > (1u << 20))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", i, " (", d.name, "): FC layers need shape [M, N] and 0 < K <= 2^20"));
+    }
+  }
+  return out;
+}
+
+absl::Status ShmEndpoint::PublishLayout(const std::vector<LayerDesc>& descs,
+                                        const std::vector<LayerLayout>& layout,
+                                        uint64_t data_bytes) {
+  const int fd = shm_open(data_name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("cannot create ", data_name_, ": ", std::strerror(errno)));
+  }
+  if (ftruncate(fd, static_cast<off_t>(data_bytes)) != 0) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot size ", data_name_, " to ", data_bytes,
+                                               " bytes: ", std::strerror(errno)));
+  }
+  void* p = mmap(nullptr, data_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    return absl::UnavailableError(absl::StrCat("cannot map ", data_name_, ": ", std::strerror(errno)));
+  }
+  data_ = static_cast<unsigned char*>(p);
+  data_bytes_ = data_bytes;
+  layout_ = layout;
+  for (size_t i = 0; i < layout.size(); ++i) {
+    psd_shm_layer& l = layers()[i];
+    l.scheme = layout[i].scheme;
+    l.priority = layout[i].priority;
+    l.elements = descs[i].elements;
+    l.grad_offset = layout[i].grad_offset;
+    l.u_offset = layout[i].u_offset;
+    l.v_offset = layout[i].v_offset;
+    Store(&l.done_iteration, uint64_t{0});
+    Store(&l.done_status, 0);
+  }
+  psd_shm_header* h = header();
+  CopyString(h->data_name, PSD_SHM_NAME_BYTES, data_name_);
+  Store(&h->data_bytes, data_bytes);
+  Store(&h->agent_state, PSD_AGENT_SERVING);
+  Store(&h->registration_state, PSD_REG_DONE);
+  __atomic_add_fetch(&h->registration_futex, 1u, __ATOMIC_RELEASE);
+  FutexWake(&h->registration_futex);
+  return absl::OkStatus();
+}
+
+void ShmEndpoint::FailRegistration(const std::string& why) {
+  psd_shm_header* h = header();
+  CopyString(h->error, PSD_SHM_ERROR_BYTES, why);
+  Store(&h->registration_state, PSD_REG_FAILED);
+  __atomic_add_fetch(&h->registration_futex, 1u, __ATOMIC_RELEASE);
+  FutexWake(&h->registration_futex);
+}
+
+float* ShmEndpoint::Grad(uint32_t layer) const {
+  return reinterpret_cast<float*>(data_ + layout_[layer].grad_offset);
+}
+float* ShmEndpoint::FactorU(uint32_t layer) const {
+  return reinterpret_cast<float*>(data_ + layout_[layer].u_offset);
+}
+float* ShmEndpoint::FactorV(uint32_t layer) const {
+  return reinterpret_cast<float*>(data_ + layout_[layer].v_offset);
+}
+
+void ShmEndpoint::LayerDone(uint32_t layer, uint64_t iteration) {
+  psd_shm_layer& l = layers()[layer];
+  Store(&l.done_iteration, iteration);
+  __atomic_add_fetch(&l.done_futex, 1u, __ATOMIC_RELEASE);
+  FutexWake(&l.done_futex);
+}
+
+void ShmEndpoint::LayerFailed(uint32_t layer, uint64_t /*iteration*/, const std::string& why) {
+  psd_shm_layer& l = layers()[layer];
+  CopyString(l.message, sizeof(l.message), why);
+  Store(&l.done_status, 7);  // PSD_SYNC_FAILED
+  __atomic_add_fetch(&l.done_futex, 1u, __ATOMIC_RELEASE);
+  FutexWake(&l.done_futex);
+}
+
+}  // namespace poseidon::agent

@@ -1,0 +1,95 @@
+// The agent's side of the shared-memory channel (common/shm_layout.h): it creates the control
+// segment (mode 0600), consumes the framework's event ring, publishes the plan's layout and the
+// data segment at registration, and signals layer completion. Everything read from the segment
+// is validated: a bad layer id, size, state or ring index is an error for that event, never a
+// crash of the agent.
+// Thread-safety: NextEvent/registration from the agent's main thread only; LayerDone/
+// LayerFailed/Grad/Factors from any thread (each layer's progress words are written by one
+// sync task at a time).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/shm_layout.h"
+
+namespace poseidon::agent {
+
+struct LayerDesc {
+  std::string name;
+  uint32_t kind = 0;
+  std::vector<uint64_t> shape;
+  uint32_t batch_k = 0;
+  uint64_t elements = 0;
+};
+
+struct LayerLayout {
+  uint32_t scheme = PSD_SCHEME_PS;
+  uint32_t priority = 0;
+  uint64_t grad_offset = 0;
+  uint64_t u_offset = 0;
+  uint64_t v_offset = 0;
+};
+
+struct Event {
+  uint32_t type = 0;
+  uint32_t layer = 0;
+  uint64_t iteration = 0;
+};
+
+class ShmEndpoint {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShmEndpoint>> Create(const std::string& name,
+                                                             uint32_t rank, uint32_t world_size,
+                                                             uint64_t job_id);
+  ~ShmEndpoint();  // marks the agent EXITED and unlinks both segments
+
+  const std::string& name() const { return name_; }
+  void Heartbeat();
+  void SetState(uint32_t state, const std::string& error = "");
+
+  // The next event from the framework within `timeout` (nullopt: none). A malformed event is an
+  // error (the caller logs it and goes on); ring corruption resynchronises the ring.
+  absl::StatusOr<std::optional<Event>> NextEvent(absl::Duration timeout);
+
+  // Whether a framework is attached, and an error if it attached and its process is gone.
+  bool attached() const;
+  absl::Status CheckFramework() const;
+
+  // Registration: the layer table as the framework wrote it (validated).
+  absl::StatusOr<std::vector<LayerDesc>> ReadLayers() const;
+  // Creates the data segment and publishes each layer's layout, then answers the framework.
+  absl::Status PublishLayout(const std::vector<LayerDesc>& layers,
+                             const std::vector<LayerLayout>& layout, uint64_t data_bytes);
+  void FailRegistration(const std::string& why);
+
+  float* Grad(uint32_t layer) const;
+  float* FactorU(uint32_t layer) const;
+  float* FactorV(uint32_t layer) const;
+
+  void LayerDone(uint32_t layer, uint64_t iteration);
+  void LayerFailed(uint32_t layer, uint64_t iteration, const std::string& why);
+
+ private:
+  ShmEndpoint() = default;
+  psd_shm_header* header() const { return reinterpret_cast<psd_shm_header*>(control_); }
+  psd_shm_ring* to_agent() const {
+    return reinterpret_cast<psd_shm_ring*>(control_ + PSD_SHM_TO_AGENT_OFFSET);
+  }
+  psd_shm_layer* layers() const {
+    return reinterpret_cast<psd_shm_layer*>(control_ + PSD_SHM_LAYERS_OFFSET);
+  }
+
+  std::string name_, data_name_;
+  unsigned char* control_ = nullptr;
+  unsigned char* data_ = nullptr;
+  uint64_t data_bytes_ = 0;
+  std::vector<LayerLayout> layout_;
+};
+
+}  // namespace poseidon::agent

@@ -1,0 +1,201 @@
+// poseidon-synth: a training process that emulates a model from a spec, talking to its agent
+// only through the C ABI (libposeidon). Per iteration: the forward pass waits for each layer's
+// previous synchronisation and spends the layer's forward time; the backward pass spends each
+// layer's backward time, writes deterministic data (the gradient, or for SFB layers the factors)
+// and posts the layer ready at once (WFBP). With --verify every synchronised result is checked
+// against the exact sum over all ranks (the data are small integers, so sums are exact).
+// Compute is emulated by sleeping: it costs no CPU.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "coordinator/planner/model_spec.h"
+#include "coordinator/planner/time_model.h"
+#include "poseidon/poseidon.h"
+
+ABSL_FLAG(std::string, segment, "", "the agent's segment (default $POSEIDON_SEGMENT)");
+ABSL_FLAG(std::string, model, "", "built-in model name or spec path");
+ABSL_FLAG(uint32_t, batch, 32, "per-worker batch K (FC layers' factor rows; compute time)");
+ABSL_FLAG(uint64_t, iterations, 10, "iterations");
+ABSL_FLAG(std::string, gpu, "titanx", "GPU rate for compute time (name or FLOP/s)");
+ABSL_FLAG(double, compute_scale, 1.0, "multiply the emulated compute time (0: none)");
+ABSL_FLAG(bool, verify, false, "check every synchronised result against the exact sum");
+ABSL_FLAG(uint32_t, timeout_ms, 60000, "per-layer wait timeout");
+ABSL_FLAG(bool, wfbp, true, "post each layer ready during backward (false: after the whole backward)");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Small integers: sums over ranks (and products for SFB) are exact in float.
+inline float GradValue(uint32_t rank, uint64_t t, uint32_t layer, uint64_t i) {
+  return static_cast<float>(static_cast<int64_t>(((rank + 1) * 7 + t * 3 + layer * 5 + i % 17) % 23) - 11);
+}
+inline float UValue(uint32_t rank, uint64_t t, uint32_t layer, uint64_t k, uint64_t m) {
+  return static_cast<float>(static_cast<int64_t>((rank * 3 + t + layer + k * 5 + m) % 7) - 3);
+}
+inline float VValue(uint32_t rank, uint64_t t, uint32_t layer, uint64_t k, uint64_t n) {
+  return static_cast<float>(static_cast<int64_t>((rank + 2 * t + layer * 3 + k + n * 2) % 5) - 2);
+}
+
+struct Layer {
+  std::string name;
+  uint32_t kind;
+  std::vector<uint64_t> shape;
+  double forward_s = 0, backward_s = 0;
+  psd_layer_info info{};
+};
+
+[[noreturn]] void Die(const char* what, psd_status s) {
+  std::fprintf(stderr, "poseidon-synth: %s: %s: %s\n", what, psd_status_string(s),
+               psd_last_error());
+  std::exit(1);
+}
+
+void Sleep(double seconds) {
+  if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
+
+// Checks layer l's synchronised result of iteration t; returns the number of mismatches.
+uint64_t Verify(const Layer& layer, uint32_t l, uint64_t t, uint32_t world) {
+  const uint64_t n = layer.info.elements;
+  const uint64_t stride = std::max<uint64_t>(1, n / 4096);  // sample large layers
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < n; i += stride) {
+    double expected = 0;
+    if (layer.info.scheme == PSD_SYNC_SFB) {
+      const uint64_t M = layer.shape[0], N = layer.shape[1];
+      const uint64_t row = i / N, col = i % N;
+      (void)M;
+      const uint64_t K = absl::GetFlag(FLAGS_batch);
+      for (uint32_t r = 0; r < world; ++r) {
+        for (uint64_t k = 0; k < K; ++k) expected += UValue(r, t, l, k, row) * VValue(r, t, l, k, col);
+      }
+    } else {
+      for (uint32_t r = 0; r < world; ++r) expected += GradValue(r, t, l, i);
+    }
+    if (static_cast<double>(layer.info.grad[i]) != expected) {
+      if (bad < 3) {
+        std::fprintf(stderr, "poseidon-synth: layer %u (%s) iteration %llu element %llu: got %g, expected %g\n",
+                     l, layer.name.c_str(), static_cast<unsigned long long>(t),
+                     static_cast<unsigned long long>(i), layer.info.grad[i], expected);
+      }
+      ++bad;
+    }
+  }
+  return bad;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  auto spec = poseidon::planner::LoadModel(absl::GetFlag(FLAGS_model));
+  if (!spec.ok()) {
+    std::fprintf(stderr, "poseidon-synth: %s\n", spec.status().ToString().c_str());
+    return 2;
+  }
+  auto rate = poseidon::planner::ParseGpuRate(absl::GetFlag(FLAGS_gpu));
+  if (!rate.ok()) {
+    std::fprintf(stderr, "poseidon-synth: %s\n", rate.status().ToString().c_str());
+    return 2;
+  }
+  const uint32_t K = absl::GetFlag(FLAGS_batch);
+  const double scale = absl::GetFlag(FLAGS_compute_scale);
+  std::vector<Layer> layers;
+  for (const auto& ls : spec->layers()) {
+    Layer l;
+    l.name = ls.name();
+    l.kind = static_cast<uint32_t>(ls.kind());
+    l.shape.assign(ls.shape().begin(), ls.shape().end());
+    if (ls.has_forward_flops()) l.forward_s = scale * ls.forward_flops() * K / rate->flops_per_second;
+    if (ls.has_backward_flops()) l.backward_s = scale * ls.backward_flops() * K / rate->flops_per_second;
+    layers.push_back(l);
+  }
+  psd_config config;
+  psd_config_init(&config);
+  const std::string segment = absl::GetFlag(FLAGS_segment);
+  if (!segment.empty()) config.segment = segment.c_str();
+  psd_context* ctx = nullptr;
+  if (psd_status s = psd_attach(&config, &ctx); s != PSD_OK) Die("attach", s);
+  std::vector<psd_layer_desc> descs(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    descs[i] = {layers[i].name.c_str(), layers[i].kind, PSD_FLOAT32,
+                static_cast<uint32_t>(layers[i].shape.size()), layers[i].shape.data(),
+                layers[i].kind == PSD_LAYER_FC ? K : 0};
+  }
+  const uint32_t timeout = absl::GetFlag(FLAGS_timeout_ms);
+  if (psd_status s = psd_register_layers(ctx, descs.data(), static_cast<uint32_t>(descs.size()), timeout);
+      s != PSD_OK) {
+    Die("register", s);
+  }
+  uint32_t rank = 0, world = 1;
+  psd_rank(ctx, &rank, &world);
+  int sfb = 0;
+  for (uint32_t l = 0; l < layers.size(); ++l) {
+    if (psd_status s = psd_get_layer_info(ctx, l, &layers[l].info); s != PSD_OK) Die("layer info", s);
+    sfb += layers[l].info.scheme == PSD_SYNC_SFB;
+  }
+  const uint64_t iterations = absl::GetFlag(FLAGS_iterations);
+  const bool verify = absl::GetFlag(FLAGS_verify);
+  const bool wfbp = absl::GetFlag(FLAGS_wfbp);
+  uint64_t mismatches = 0, verified = 0;
+  const auto L = static_cast<uint32_t>(layers.size());
+  auto wait_and_check = [&](uint32_t l, uint64_t t) {
+    if (psd_status s = psd_wait_layer(ctx, l, t, timeout); s != PSD_OK) Die("wait", s);
+    if (verify) {
+      mismatches += Verify(layers[l], l, t, world);
+      ++verified;
+    }
+  };
+  const auto start = Clock::now();
+  auto first_iteration_end = start;
+  for (uint64_t t = 1; t <= iterations; ++t) {
+    for (uint32_t l = 0; l < L; ++l) {  // forward: each layer waits for its own last sync
+      if (t > 1) wait_and_check(l, t - 1);
+      Sleep(layers[l].forward_s);
+    }
+    for (uint32_t l = L; l-- > 0;) {  // backward, top layer first
+      Sleep(layers[l].backward_s);
+      Layer& layer = layers[l];
+      if (layer.info.scheme == PSD_SYNC_SFB) {
+        const uint64_t M = layer.shape[0], N = layer.shape[1];
+        for (uint64_t k = 0; k < K; ++k) {
+          for (uint64_t m = 0; m < M; ++m) layer.info.u[k * M + m] = UValue(rank, t, l, k, m);
+          for (uint64_t n = 0; n < N; ++n) layer.info.v[k * N + n] = VValue(rank, t, l, k, n);
+        }
+      } else {
+        for (uint64_t i = 0; i < layer.info.elements; ++i) layer.info.grad[i] = GradValue(rank, t, l, i);
+      }
+      if (wfbp) {
+        if (psd_status s = psd_layer_ready(ctx, l, t); s != PSD_OK) Die("ready", s);
+      }
+    }
+    if (!wfbp) {
+      for (uint32_t l = L; l-- > 0;) {
+        if (psd_status s = psd_layer_ready(ctx, l, t); s != PSD_OK) Die("ready", s);
+      }
+    }
+    if (t == 1) first_iteration_end = Clock::now();
+  }
+  for (uint32_t l = 0; l < L; ++l) wait_and_check(l, iterations);
+  const double total = std::chrono::duration<double>(Clock::now() - start).count();
+  const double steady =
+      iterations > 1 ? std::chrono::duration<double>(Clock::now() - first_iteration_end).count() /
+                           static_cast<double>(iterations - 1)
+                     : total;
+  std::printf("poseidon-synth rank %u/%u: %llu iterations of %s (%u layers, %d on SFB) in %.3f s, "
+              "%.4f s per iteration after the first; verified %llu results, %llu mismatches\n",
+              rank, world, static_cast<unsigned long long>(iterations), spec->name().c_str(), L, sfb,
+              total, steady, static_cast<unsigned long long>(verified),
+              static_cast<unsigned long long>(mismatches));
+  psd_detach(ctx);
+  return mismatches == 0 ? 0 : 1;
+}

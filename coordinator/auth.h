@@ -1,0 +1,48 @@
+// Per-job tokens: which jobs this coordinator serves and the shared secret each caller of a job
+// must send in RequestHeader.token, plus an optional cluster token for cluster-wide callers
+// (servers serving every job, `poseidon status` of all jobs).
+// Thread-safety: filled once at start, then only read (const methods are safe from any thread).
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace poseidon::coordinator {
+
+class TokenStore {
+ public:
+  // Adds a job and its token. Errors: an empty or malformed job id (validate.h's id rules), an
+  // empty or over-long token, or the job already present with another token.
+  absl::Status AddJob(absl::string_view job_id, absl::string_view token);
+
+  // The token of cluster-wide calls (an empty header.job_id). Empty: such calls are refused.
+  absl::Status SetClusterToken(absl::string_view token);
+
+  // Reads '<job id> <token>' lines; blank lines and lines starting with '#' are skipped. Errors
+  // name the file and line.
+  absl::Status LoadFile(const std::string& path);
+
+  // Whether the header may act for `job_id`:
+  //   - empty job id: the cluster token (PERMISSION_DENIED when none is configured);
+  //   - a job this store does not know: NOT_FOUND naming it;
+  //   - an empty token: UNAUTHENTICATED "header.token is empty ...";
+  //   - a wrong token: UNAUTHENTICATED "wrong token for job ...".
+  // Tokens are compared in time independent of where they differ.
+  absl::Status Check(absl::string_view job_id, absl::string_view token) const;
+
+  bool HasJob(absl::string_view job_id) const;
+  std::vector<std::string> JobIds() const;
+  size_t job_count() const { return tokens_.size(); }
+  bool has_cluster_token() const { return !cluster_token_.empty(); }
+
+ private:
+  std::map<std::string, std::string, std::less<>> tokens_;
+  std::string cluster_token_;
+};
+
+}  // namespace poseidon::coordinator

@@ -1,0 +1,27 @@
+#include "coordinator/grpc_status.h"
+
+#include <string>
+
+namespace poseidon::coordinator {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  const int code = static_cast<int>(status.code());
+  const grpc::StatusCode grpc_code =
+      code > 0 && code <= static_cast<int>(grpc::StatusCode::UNAUTHENTICATED)
+          ? static_cast<grpc::StatusCode>(code)
+          : grpc::StatusCode::UNKNOWN;
+  return grpc::Status(grpc_code, std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  const int code = static_cast<int>(status.error_code());
+  const absl::StatusCode absl_code =
+      code > 0 && code <= static_cast<int>(absl::StatusCode::kUnauthenticated)
+          ? static_cast<absl::StatusCode>(code)
+          : absl::StatusCode::kUnknown;
+  return absl::Status(absl_code, status.error_message());
+}
+
+}  // namespace poseidon::coordinator

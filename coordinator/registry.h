@@ -1,0 +1,239 @@
+// The coordinator's state machine: the servers and agents that registered, each job's world
+// (ranks, peers, servers), its model and the ranks' agreement on it, its plans (epoch, effective
+// iteration) and re-planning from telemetry, and liveness. It answers requests whose callers the
+// service already authenticated and validated; time is passed in, so tests can drive it.
+// Thread-safety: not thread-safe. CoordinatorService calls it under its one mutex.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "coordinator/planner/planner.h"
+#include "coordinator/telemetry.h"
+#include "poseidon/v1/coordinator.pb.h"
+
+namespace poseidon::coordinator {
+
+// The caller of a request, as authentication established it.
+struct Caller {
+  // The job whose token the caller presented; empty for the cluster token (cluster scope:
+  // servers that serve every job, status of every job).
+  std::string job_id;
+};
+
+// How the registry plans and judges liveness. docs/operations.md ("Coordinator") explains each.
+struct RegistryOptions {
+  // A node silent for longer than this is declared dead.
+  absl::Duration lease = absl::Seconds(15);
+  // How often nodes are asked to heartbeat; zero: lease / 5.
+  absl::Duration heartbeat_interval = absl::ZeroDuration();
+  // A job's world forms only when at least this many servers are available to it.
+  uint32_t min_servers = 1;
+  // The network the planner assumes until telemetry measures it.
+  double nominal_bandwidth_bytes_per_second = 10e9 / 8;
+  double nominal_latency_seconds = 50e-6;
+  bool colocated = false;
+  uint64_t block_bytes = planner::kDefaultBlockBytes;
+  // K for every layer; 0 takes each layer's batch_per_worker from the registered model.
+  uint32_t batch_per_worker = 0;
+  planner::SchemeRule scheme_rule = planner::SchemeRule::kTime;
+  // Re-plan only when the measured bandwidth differs from the current plan's by more than this
+  // fraction (and the new plan's schemes differ).
+  double replan_threshold = 0.2;
+  // A re-plan takes effect at (the highest iteration any agent of the job reported) + this.
+  uint64_t plan_lead_iterations = 10;
+  // Link samples older than this are ignored.
+  absl::Duration telemetry_max_age = absl::Seconds(60);
+  // Dead and departed nodes stay visible in status this long (unless a job still refers to them).
+  absl::Duration retention = absl::Minutes(10);
+  // At most this many nodes (alive or remembered); registration beyond: RESOURCE_EXHAUSTED.
+  size_t max_nodes = 100000;
+};
+
+class Registry {
+ public:
+  // `incarnation` distinguishes this coordinator's node ids from another run's.
+  Registry(RegistryOptions options, std::string incarnation);
+
+  const RegistryOptions& options() const { return options_; }
+  absl::Duration heartbeat_interval() const;
+  uint64_t membership_epoch() const { return membership_epoch_; }
+  // Increases on every change a waiting call may be waiting for.
+  uint64_t version() const { return version_; }
+
+  // The response header for a caller of `job_id`.
+  void FillHeader(absl::string_view job_id, poseidon::v1::ResponseHeader* header) const;
+
+  absl::Status RegisterServer(const Caller& caller,
+                              const poseidon::v1::RegisterServerRequest& request, absl::Time now,
+                              poseidon::v1::RegisterServerResponse* response);
+  absl::Status RegisterAgent(const Caller& caller,
+                             const poseidon::v1::RegisterAgentRequest& request, absl::Time now,
+                             poseidon::v1::RegisterAgentResponse* response);
+
+  // Calls that may wait: Try* returns true with the answer filled when the call can complete,
+  // false while it has to wait, or an error when it cannot succeed by waiting.
+
+  // Complete when every rank of the node's job is held by a live agent and the job's servers are
+  // known (a formed world).
+  absl::StatusOr<bool> TryRendezvous(const Caller& caller, absl::string_view node_id,
+                                     absl::Time now, poseidon::v1::RendezvousResponse* response);
+  // One line naming what a job's world lacks: missing ranks (never registered, dead, departed)
+  // and servers.
+  std::string DescribeIncompleteWorld(absl::string_view job_id, absl::Time now) const;
+
+  // Stores the job's model (the first registration) or checks a rank's against it.
+  absl::Status RegisterModel(const Caller& caller,
+                             const poseidon::v1::RegisterModelRequest& request, absl::Time now);
+  // Complete when the world is formed, every rank registered the same model, and the plan exists.
+  absl::StatusOr<bool> TryModelPlan(const Caller& caller, absl::string_view node_id,
+                                    absl::Time now, poseidon::v1::Plan* plan);
+  // One line naming why a job has no plan (world, ranks without the model, refusals).
+  std::string DescribeMissingPlan(absl::string_view job_id, absl::Time now) const;
+
+  // Complete when the job has a plan (of at least `min_epoch`, when given). Without min_epoch and
+  // without a plan: FAILED_PRECONDITION saying why.
+  absl::StatusOr<bool> TryGetPlan(const Caller& caller, absl::string_view node_id,
+                                  std::optional<uint64_t> min_epoch, absl::Time now,
+                                  poseidon::v1::Plan* plan);
+  // The job's newest plan, or null.
+  const poseidon::v1::Plan* CurrentPlan(absl::string_view job_id) const;
+
+  absl::Status ReportTelemetry(const Caller& caller,
+                               const poseidon::v1::ReportTelemetryRequest& request,
+                               absl::Time now);
+  absl::Status Heartbeat(const Caller& caller, const poseidon::v1::HeartbeatRequest& request,
+                         absl::Time now, poseidon::v1::HeartbeatResponse* response);
+  absl::Status Deregister(const Caller& caller, const poseidon::v1::DeregisterRequest& request,
+                          absl::Time now);
+  absl::Status ClusterStatus(const Caller& caller, absl::Time now,
+                             poseidon::v1::GetClusterStatusResponse* response) const;
+
+  // A node with a parked call (Rendezvous, RegisterModel, GetPlan) counts as alive while it
+  // waits: the open call is proof of life. Unknown ids are ignored.
+  void BeginWait(absl::string_view node_id, absl::Time now);
+  void EndWait(absl::string_view node_id, absl::Time now);
+
+  // Declares nodes silent for longer than the lease dead, and forgets dead or departed nodes
+  // after the retention time. Returns true if a node was declared dead.
+  bool Expire(absl::Time now);
+
+  // For metrics: nodes by role and state (SUSPECT: alive but silent for two heartbeat intervals).
+  struct NodeCount {
+    poseidon::v1::NodeRole role = poseidon::v1::NODE_ROLE_UNSPECIFIED;
+    poseidon::v1::NodeState state = poseidon::v1::NODE_STATE_UNSPECIFIED;
+    size_t count = 0;
+  };
+  std::vector<NodeCount> CountNodes(absl::Time now) const;
+  // (job id, plan epoch) for every job that has a plan.
+  std::vector<std::pair<std::string, uint64_t>> PlanEpochs() const;
+  // Plans installed so far (first plans and re-plans).
+  uint64_t plans_installed() const { return plans_installed_; }
+
+ private:
+  struct Node {
+    std::string id;
+    poseidon::v1::NodeRole role = poseidon::v1::NODE_ROLE_UNSPECIFIED;
+    std::string job_id;  // agents: their job; servers: the job they serve, "" for every job
+    std::string host;
+    uint32_t gpu_index = 0;
+    std::vector<poseidon::v1::Endpoint> endpoints;
+    poseidon::v1::ServerCapacity capacity;
+    uint32_t rank = 0;
+    poseidon::v1::NodeState state = poseidon::v1::NODE_STATE_ALIVE;  // ALIVE, DEAD or LEFT
+    std::string state_reason;                                        // why dead or left
+    absl::Time last_seen;
+    absl::Time state_since;
+    uint64_t iteration = 0;
+    uint64_t plan_epoch = 0;
+    int waits = 0;
+    uint64_t seq = 0;
+  };
+  struct RankSlot {
+    std::string node_id;  // the latest agent registered for the rank; "" before the first
+    bool model_ok = false;
+    std::string model_refusal;  // why this rank's model was refused
+  };
+  struct JobModel {
+    poseidon::v1::ModelSpec spec;
+    poseidon::v1::UpdateRuleSpec update_rule;
+    poseidon::v1::ConsistencySpec consistency;
+    uint32_t registered_by_rank = 0;
+  };
+  struct Job {
+    std::string id;
+    uint32_t world_size = 0;  // 0 until the first agent registers
+    std::string world_size_origin;
+    std::vector<RankSlot> ranks;
+    // The last world that formed: agents by rank, and the job's servers (fixed when the first
+    // world formed).
+    std::vector<std::string> world_agents;
+    std::vector<std::string> world_servers;
+    std::optional<JobModel> model;
+    std::optional<poseidon::v1::Plan> plan;
+    double plan_bandwidth = 0;
+    double plan_latency = 0;
+    std::string plan_error;
+    uint64_t last_plan_epoch = 0;
+    uint64_t max_iteration = 0;
+    std::optional<double> last_evaluated_bandwidth;
+  };
+
+  std::string NewId(absl::string_view prefix);
+  Node* FindNode(absl::string_view id);
+  const Node* FindNode(absl::string_view id) const;
+  Job& JobFor(absl::string_view job_id);
+  const Job* FindJob(absl::string_view job_id) const;
+  static bool Live(const Node* node);
+  bool HolderLive(const Job& job, uint32_t rank) const;
+  bool WorldComplete(const Job& job) const;
+  bool WorldFormed(const Job& job) const;
+  bool AllModelsAgree(const Job& job) const;
+  std::vector<std::string> CurrentHolders(const Job& job) const;
+  std::vector<const Node*> EligibleServers(absl::string_view job_id) const;
+  absl::Status CheckScope(const Caller& caller, const Node& node) const;
+  // The live node `node_id` of the caller's job (or scope) with `role` (UNSPECIFIED: any).
+  absl::StatusOr<Node*> Member(const Caller& caller, absl::string_view node_id,
+                               poseidon::v1::NodeRole role, absl::Time now);
+  // The agent's job, checking the agent still holds its rank.
+  absl::StatusOr<Job*> AgentJob(const Node& agent);
+  void MarkLeft(Node& node, absl::Time now, absl::string_view reason);
+  void ResetJob(Job& job);
+  std::string DescribeNode(const Node& node, absl::Time now) const;
+  std::string DescribeRank(const Job& job, uint32_t rank, absl::Time now) const;
+
+  // Forms the world when it is complete, then plans when everything a plan needs is there.
+  void Refresh(Job& job, absl::Time now);
+  void MaybePlan(Job& job, absl::Time now);
+  // Re-plans when telemetry moved the bandwidth beyond the threshold and the schemes change.
+  void EvaluateReplan(Job& job, absl::Time now);
+  std::vector<poseidon::v1::PlanServer> PlanServers(const Job& job) const;
+  absl::StatusOr<poseidon::v1::Plan> Build(const Job& job, double bandwidth, double latency,
+                                           uint64_t epoch, uint64_t effective_iteration) const;
+  void Install(Job& job, poseidon::v1::Plan plan, double bandwidth, double latency,
+               absl::string_view why);
+  std::pair<double, double> Network(const Job& job, absl::Time now) const;
+  absl::flat_hash_set<std::string> Members(const Job& job) const;
+
+  RegistryOptions options_;
+  std::string incarnation_;
+  uint64_t next_seq_ = 0;
+  uint64_t membership_epoch_ = 0;
+  uint64_t version_ = 0;
+  uint64_t plans_installed_ = 0;
+  std::map<std::string, Node, std::less<>> nodes_;
+  std::map<std::string, Job, std::less<>> jobs_;
+  LinkTable links_;
+};
+
+}  // namespace poseidon::coordinator

@@ -1,0 +1,59 @@
+// Link telemetry: the latest bandwidth and latency each node measured towards each peer, the
+// network estimate the planner uses for a set of nodes (median over fresh links), and the
+// hysteresis test that decides whether a measurement moved far enough to consider a new plan.
+// Thread-safety: LinkTable is not thread-safe (the registry's lock guards it); the free functions
+// are pure.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/time/time.h"
+
+namespace poseidon::coordinator {
+
+// One measurement of a directed link.
+struct LinkSample {
+  double bytes_per_second = 0;  // 0: not measured
+  uint64_t latency_ns = 0;      // round trip; 0: not measured
+  absl::Time at;
+};
+
+// What the planner should assume for a set of nodes.
+struct NetworkEstimate {
+  // Median of the fresh links' bytes/s (links that measured 0 are skipped); nullopt without any.
+  std::optional<double> bandwidth_bytes_per_second;
+  // Median of the fresh links' one-way latency (round trip / 2); nullopt without any.
+  std::optional<double> latency_seconds;
+  size_t links = 0;  // fresh links considered
+};
+
+class LinkTable {
+ public:
+  // Replaces the sample of link from -> to.
+  void Record(const std::string& from, const std::string& to, const LinkSample& sample);
+  // Forgets every link from or to `node`.
+  void EraseNode(const std::string& node);
+  // Over the links whose both ends are in `members` and whose sample is at most `max_age` old.
+  NetworkEstimate Estimate(const absl::flat_hash_set<std::string>& members, absl::Time now,
+                           absl::Duration max_age) const;
+  // Mean bytes/s of `node`'s fresh outgoing links; 0 without any.
+  double MeanOutgoing(const std::string& node, absl::Time now, absl::Duration max_age) const;
+  size_t size() const;
+
+ private:
+  std::map<std::string, std::map<std::string, LinkSample>> out_;  // from -> to -> sample
+};
+
+// The median (the mean of the two middle values for an even count); 0 for no values.
+double Median(std::vector<double> values);
+
+// Whether `measured` differs from `reference` by more than `fraction` of `reference`.
+bool MovedBeyond(double reference, double measured, double fraction);
+
+}  // namespace poseidon::coordinator

@@ -1,0 +1,306 @@
+#include "coordinator/validate.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "coordinator/planner/model_spec.h"
+
+namespace poseidon::coordinator {
+namespace {
+
+namespace v1 = ::poseidon::v1;
+
+absl::Status Invalid(absl::string_view field, absl::string_view reason) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", reason));
+}
+
+absl::Status CheckLength(absl::string_view field, absl::string_view value, size_t max) {
+  if (value.size() > max) {
+    return Invalid(field, absl::StrCat("is ", value.size(), " bytes; at most ", max, " allowed"));
+  }
+  return absl::OkStatus();
+}
+
+// Non-empty printable ASCII without spaces, at most `max` bytes.
+absl::Status CheckPrintable(absl::string_view field, absl::string_view value, size_t max) {
+  if (value.empty()) return Invalid(field, "must not be empty");
+  RETURN_IF_ERROR(CheckLength(field, value, max));
+  for (const char c : value) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u <= ' ' || u >= 0x7f) {
+      return Invalid(field, "must be printable ASCII without spaces");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(absl::string_view field, double value, double min) {
+  if (!std::isfinite(value) || value < min) {
+    return Invalid(field, absl::StrCat("must be a finite number >= ", min, ", got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNodeId(const v1::RequestHeader& header) {
+  if (header.node_id().empty()) {
+    return Invalid("header.node_id", "must be set (the node id registration returned)");
+  }
+  return absl::OkStatus();
+}
+
+bool IsHostChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_';
+}
+
+absl::Status ValidateEndpoints(
+    const google::protobuf::RepeatedPtrField<v1::Endpoint>& endpoints) {
+  if (endpoints.empty()) {
+    return Invalid("endpoints", "at least one data-plane endpoint is required");
+  }
+  if (endpoints.size() > kMaxEndpoints) {
+    return Invalid("endpoints", absl::StrCat(endpoints.size(), " entries; at most ",
+                                             kMaxEndpoints, " allowed"));
+  }
+  for (int i = 0; i < endpoints.size(); ++i) {
+    const v1::Endpoint& endpoint = endpoints[i];
+    const std::string field = absl::StrCat("endpoints[", i, "]");
+    switch (endpoint.transport()) {
+      case v1::TRANSPORT_KIND_TCP:
+      case v1::TRANSPORT_KIND_RDMA:
+        RETURN_IF_ERROR(ValidateHostPort(absl::StrCat(field, ".address"), endpoint.address()));
+        break;
+      case v1::TRANSPORT_KIND_INPROC:
+        RETURN_IF_ERROR(
+            CheckPrintable(absl::StrCat(field, ".address"), endpoint.address(), kMaxAddressBytes));
+        break;
+      default:
+        return Invalid(absl::StrCat(field, ".transport"),
+                       absl::StrCat("must be TRANSPORT_KIND_TCP, _RDMA or _INPROC, got ",
+                                    static_cast<int>(endpoint.transport())));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateUpdateRule(const v1::UpdateRuleSpec& rule) {
+  if (!v1::UpdateRule_IsValid(rule.rule())) {
+    return Invalid("update_rule.rule",
+                   absl::StrCat(static_cast<int>(rule.rule()), " is not a known UpdateRule"));
+  }
+  RETURN_IF_ERROR(CheckFinite("update_rule.learning_rate", rule.learning_rate(), 0));
+  RETURN_IF_ERROR(CheckFinite("update_rule.momentum", rule.momentum(), 0));
+  RETURN_IF_ERROR(CheckFinite("update_rule.beta1", rule.beta1(), 0));
+  RETURN_IF_ERROR(CheckFinite("update_rule.beta2", rule.beta2(), 0));
+  RETURN_IF_ERROR(CheckFinite("update_rule.epsilon", rule.epsilon(), 0));
+  RETURN_IF_ERROR(CheckFinite("update_rule.weight_decay", rule.weight_decay(), 0));
+  RETURN_IF_ERROR(CheckFinite("update_rule.dampening", rule.dampening(), 0));
+  if (rule.beta1() >= 1) return Invalid("update_rule.beta1", "must be below 1");
+  if (rule.beta2() >= 1) return Invalid("update_rule.beta2", "must be below 1");
+  return absl::OkStatus();
+}
+
+absl::Status ValidateConsistency(const v1::ConsistencySpec& consistency,
+                                 const v1::UpdateRuleSpec& rule) {
+  if (!v1::ConsistencyModel_IsValid(consistency.model())) {
+    return Invalid("consistency.model", absl::StrCat(static_cast<int>(consistency.model()),
+                                                     " is not a known ConsistencyModel"));
+  }
+  if (consistency.staleness() > kMaxStaleness) {
+    return Invalid("consistency.staleness",
+                   absl::StrCat("must be at most ", kMaxStaleness, ", got ",
+                                consistency.staleness()));
+  }
+  if (consistency.model() == v1::CONSISTENCY_MODEL_SSP &&
+      (rule.rule() == v1::UPDATE_RULE_SUM || rule.rule() == v1::UPDATE_RULE_UNSPECIFIED)) {
+    return Invalid("consistency.model",
+                   "CONSISTENCY_MODEL_SSP needs a server-side update rule (sgd, momentum, adam), "
+                   "not the summation service");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateId(absl::string_view what, absl::string_view id) {
+  if (id.empty()) return Invalid(what, "must not be empty");
+  RETURN_IF_ERROR(CheckLength(what, id, kMaxIdBytes));
+  for (const char c : id) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-' &&
+        c != ':') {
+      return Invalid(what, "may contain only letters, digits and . _ - :");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHostPort(absl::string_view what, absl::string_view address) {
+  if (address.empty()) return Invalid(what, "must not be empty");
+  RETURN_IF_ERROR(CheckLength(what, address, kMaxAddressBytes));
+  absl::string_view host;
+  absl::string_view port;
+  if (address.front() == '[') {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos || close + 1 >= address.size() ||
+        address[close + 1] != ':') {
+      return Invalid(what, absl::StrCat("'", address, "' is not [address]:port"));
+    }
+    host = address.substr(1, close - 1);
+    port = address.substr(close + 2);
+    for (const char c : host) {
+      if (!absl::ascii_isxdigit(static_cast<unsigned char>(c)) && c != ':' && c != '.' &&
+          c != '%') {
+        return Invalid(what, absl::StrCat("'", address, "' has a malformed IPv6 address"));
+      }
+    }
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos) {
+      return Invalid(what, absl::StrCat("'", address, "' is not host:port"));
+    }
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+    for (const char c : host) {
+      if (!IsHostChar(c)) {
+        return Invalid(what, absl::StrCat("'", address, "' has a malformed host"));
+      }
+    }
+  }
+  if (host.empty()) return Invalid(what, absl::StrCat("'", address, "' has no host"));
+  uint32_t number = 0;
+  if (port.empty() || port.size() > 5 || !absl::SimpleAtoi(port, &number) || number < 1 ||
+      number > 65535 || !absl::ascii_isdigit(static_cast<unsigned char>(port.front()))) {
+    return Invalid(what, absl::StrCat("'", address, "' needs a port in [1, 65535]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHeader(const v1::RequestHeader& header) {
+  if (!header.job_id().empty()) RETURN_IF_ERROR(ValidateId("header.job_id", header.job_id()));
+  RETURN_IF_ERROR(CheckLength("header.token", header.token(), kMaxTokenBytes));
+  if (!header.node_id().empty()) RETURN_IF_ERROR(ValidateId("header.node_id", header.node_id()));
+  RETURN_IF_ERROR(CheckLength("header.request_id", header.request_id(), kMaxIdBytes));
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::RegisterServerRequest& request) {
+  RETURN_IF_ERROR(CheckPrintable("host", request.host(), kMaxHostBytes));
+  RETURN_IF_ERROR(ValidateEndpoints(request.endpoints()));
+  RETURN_IF_ERROR(CheckFinite("capacity.network_bytes_per_second",
+                              request.capacity().network_bytes_per_second(), 0));
+  if (request.capacity().worker_threads() > 65536) {
+    return Invalid("capacity.worker_threads",
+                   absl::StrCat("must be at most 65536, got ", request.capacity().worker_threads()));
+  }
+  if (!request.previous_node_id().empty()) {
+    RETURN_IF_ERROR(ValidateId("previous_node_id", request.previous_node_id()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::RegisterAgentRequest& request) {
+  RETURN_IF_ERROR(CheckPrintable("host", request.host(), kMaxHostBytes));
+  if (request.gpu_index() > kMaxGpuIndex) {
+    return Invalid("gpu_index",
+                   absl::StrCat("must be at most ", kMaxGpuIndex, ", got ", request.gpu_index()));
+  }
+  RETURN_IF_ERROR(ValidateEndpoints(request.endpoints()));
+  if (request.world_size() < 1 || request.world_size() > kMaxWorldSize) {
+    return Invalid("world_size", absl::StrCat("must be in [1, ", kMaxWorldSize, "], got ",
+                                              request.world_size()));
+  }
+  if (request.has_requested_rank() && request.requested_rank() >= request.world_size()) {
+    return Invalid("requested_rank", absl::StrCat(request.requested_rank(),
+                                                  " is not below world_size ",
+                                                  request.world_size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::RendezvousRequest& request) {
+  return CheckNodeId(request.header());
+}
+
+absl::Status ValidateModel(const v1::ModelSpec& model) {
+  RETURN_IF_ERROR(CheckLength("model.name", model.name(), kMaxModelNameBytes));
+  RETURN_IF_ERROR(CheckLength("model.description", model.description(), kMaxDescriptionBytes));
+  if (model.layers().empty()) return Invalid("model.layers", "the model has no layers");
+  if (model.layers_size() > kMaxLayers) {
+    return Invalid("model.layers",
+                   absl::StrCat(model.layers_size(), " layers; at most ", kMaxLayers, " allowed"));
+  }
+  for (int i = 0; i < model.layers_size(); ++i) {
+    const v1::LayerSpec& layer = model.layers(i);
+    const std::string field = absl::StrCat("model.layers[", i, "]");
+    RETURN_IF_ERROR(CheckLength(absl::StrCat(field, ".name"), layer.name(), kMaxLayerNameBytes));
+    if (layer.shape_size() > kMaxShapeRank) {
+      return Invalid(absl::StrCat(field, ".shape"), absl::StrCat(layer.shape_size(),
+                                                                 " dimensions; at most ",
+                                                                 kMaxShapeRank, " allowed"));
+    }
+  }
+  if (absl::Status valid = planner::ValidateModelSpec(model); !valid.ok()) {
+    return Invalid("model", valid.message());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::RegisterModelRequest& request) {
+  RETURN_IF_ERROR(CheckNodeId(request.header()));
+  if (!request.has_model()) return Invalid("model", "must be set");
+  RETURN_IF_ERROR(ValidateModel(request.model()));
+  RETURN_IF_ERROR(ValidateUpdateRule(request.update_rule()));
+  RETURN_IF_ERROR(ValidateConsistency(request.consistency(), request.update_rule()));
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::GetPlanRequest& /*request*/) { return absl::OkStatus(); }
+
+absl::Status ValidateRequest(const v1::ReportTelemetryRequest& request) {
+  RETURN_IF_ERROR(CheckNodeId(request.header()));
+  if (request.links_size() > kMaxLinks) {
+    return Invalid("links", absl::StrCat(request.links_size(), " entries; at most ", kMaxLinks,
+                                         " allowed"));
+  }
+  for (int i = 0; i < request.links_size(); ++i) {
+    const v1::LinkTelemetry& link = request.links(i);
+    const std::string field = absl::StrCat("links[", i, "]");
+    RETURN_IF_ERROR(ValidateId(absl::StrCat(field, ".peer_node_id"), link.peer_node_id()));
+    if (!v1::TransportKind_IsValid(link.transport())) {
+      return Invalid(absl::StrCat(field, ".transport"),
+                     absl::StrCat(static_cast<int>(link.transport()),
+                                  " is not a known TransportKind"));
+    }
+    RETURN_IF_ERROR(
+        CheckFinite(absl::StrCat(field, ".bytes_per_second"), link.bytes_per_second(), 0));
+    if (link.latency_ns() > kMaxLatencyNs) {
+      return Invalid(absl::StrCat(field, ".latency_ns"),
+                     absl::StrCat("must be at most ", kMaxLatencyNs, " (an hour), got ",
+                                  link.latency_ns()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::HeartbeatRequest& request) {
+  RETURN_IF_ERROR(CheckNodeId(request.header()));
+  if (request.role() != v1::NODE_ROLE_SERVER && request.role() != v1::NODE_ROLE_AGENT) {
+    return Invalid("role", absl::StrCat("must be NODE_ROLE_SERVER or NODE_ROLE_AGENT, got ",
+                                        static_cast<int>(request.role())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::DeregisterRequest& request) {
+  RETURN_IF_ERROR(CheckNodeId(request.header()));
+  return CheckLength("reason", request.reason(), kMaxReasonBytes);
+}
+
+absl::Status ValidateRequest(const v1::GetClusterStatusRequest& /*request*/) {
+  return absl::OkStatus();
+}
+
+}  // namespace poseidon::coordinator

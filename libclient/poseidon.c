@@ -1,0 +1,440 @@
+/* libposeidon: the framework side of the shared-memory channel to poseidon-agent. C11, libc and
+ * pthread only. Every value read from the segment is checked before use; every wait is bounded
+ * and checks that the agent is still alive. */
+#define _GNU_SOURCE
+#include "poseidon/poseidon.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/shm_layout.h"
+
+#define PSD_EXPORT __attribute__((visibility("default")))
+
+struct psd_context {
+  int control_fd;
+  unsigned char* control;
+  size_t control_bytes;
+  unsigned char* data;
+  size_t data_bytes;
+  psd_shm_header* header;
+  psd_shm_ring* to_agent;
+  psd_shm_layer* layers;
+  uint32_t num_layers; /* our copy, once registered */
+  uint32_t agent_timeout_ms;
+  pid_t agent_pid;
+  pthread_mutex_t post_mu; /* the to-agent ring has one producer: us, serialized here */
+  char segment[PSD_SHM_NAME_BYTES];
+};
+
+static __thread char psd_error[512];
+
+static psd_status fail(psd_status s, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(psd_error, sizeof(psd_error), fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void futex_wait(uint32_t* addr, uint32_t expected, uint64_t timeout_ns) {
+  struct timespec ts = {(time_t)(timeout_ns / 1000000000ull), (long)(timeout_ns % 1000000000ull)};
+  syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+}
+
+static void futex_wake(uint32_t* addr) { syscall(SYS_futex, addr, FUTEX_WAKE, 1 << 30, NULL, NULL, 0); }
+
+static uint32_t load32(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static uint64_t load64(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* The agent is gone if its process is, if it says it failed, or if its heartbeat is stale. */
+static psd_status check_agent(psd_context* ctx) {
+  const uint32_t state = load32(&ctx->header->agent_state);
+  if (state == PSD_AGENT_FAILED || state == PSD_AGENT_EXITED) {
+    char why[PSD_SHM_ERROR_BYTES + 1];
+    memcpy(why, ctx->header->error, PSD_SHM_ERROR_BYTES);
+    why[PSD_SHM_ERROR_BYTES] = '\0';
+    return fail(PSD_AGENT_LOST, "agent lost (segment %s): %s", ctx->segment,
+                why[0] ? why : "it exited");
+  }
+  if (ctx->agent_pid > 0 && kill(ctx->agent_pid, 0) != 0 && errno == ESRCH) {
+    return fail(PSD_AGENT_LOST, "agent lost (segment %s): process %d is gone", ctx->segment,
+                (int)ctx->agent_pid);
+  }
+  const uint64_t beat = load64(&ctx->header->agent_heartbeat_ns);
+  const uint64_t now = now_ns();
+  if (beat != 0 && now > beat && now - beat > (uint64_t)ctx->agent_timeout_ms * 1000000ull) {
+    return fail(PSD_AGENT_LOST, "agent lost (segment %s): no heartbeat for %llu ms", ctx->segment,
+                (unsigned long long)((now - beat) / 1000000ull));
+  }
+  __atomic_store_n(&ctx->header->framework_heartbeat_ns, now, __ATOMIC_RELEASE);
+  return PSD_OK;
+}
+
+static psd_status post(psd_context* ctx, uint32_t type, uint32_t layer, uint64_t iteration) {
+  psd_shm_ring* ring = ctx->to_agent;
+  pthread_mutex_lock(&ctx->post_mu);
+  const uint64_t tail = __atomic_load_n(&ring->tail, __ATOMIC_RELAXED);
+  const uint64_t head = load64(&ring->head);
+  if (tail - head >= PSD_SHM_RING_CAPACITY) {
+    pthread_mutex_unlock(&ctx->post_mu);
+    return fail(PSD_FAILED_PRECONDITION,
+                "the event ring to the agent is full (%u events): is the agent stuck?",
+                PSD_SHM_RING_CAPACITY);
+  }
+  psd_shm_event* e = &ring->events[tail % PSD_SHM_RING_CAPACITY];
+  e->type = type;
+  e->layer = layer;
+  e->iteration = iteration;
+  e->status = 0;
+  e->aux = 0;
+  __atomic_store_n(&ring->tail, tail + 1, __ATOMIC_RELEASE);
+  __atomic_add_fetch(&ring->doorbell, 1, __ATOMIC_RELEASE);
+  if (load32(&ring->consumer_sleeping)) futex_wake(&ring->doorbell);
+  pthread_mutex_unlock(&ctx->post_mu);
+  return PSD_OK;
+}
+
+PSD_EXPORT void psd_config_init(psd_config* config) {
+  if (config == NULL) return;
+  memset(config, 0, sizeof(*config));
+  config->struct_size = sizeof(*config);
+  config->abi_version = PSD_ABI_VERSION;
+  config->attach_timeout_ms = 30000;
+  config->agent_timeout_ms = 5000;
+}
+
+PSD_EXPORT uint32_t psd_abi_version(void) { return PSD_ABI_VERSION; }
+
+PSD_EXPORT const char* psd_last_error(void) { return psd_error; }
+
+PSD_EXPORT const char* psd_status_string(psd_status s) {
+  switch (s) {
+    case PSD_OK: return "ok";
+    case PSD_INVALID_ARGUMENT: return "invalid argument";
+    case PSD_TIMEOUT: return "timeout";
+    case PSD_AGENT_LOST: return "agent lost";
+    case PSD_NOT_FOUND: return "not found";
+    case PSD_FAILED_PRECONDITION: return "failed precondition";
+    case PSD_ALREADY_ATTACHED: return "already attached";
+    case PSD_SYNC_FAILED: return "synchronisation failed";
+    case PSD_VERSION_MISMATCH: return "version mismatch";
+    case PSD_INTERNAL: return "internal error";
+  }
+  return "unknown status";
+}
+
+PSD_EXPORT psd_status psd_attach(const psd_config* config, psd_context** out) {
+  psd_error[0] = '\0';
+  if (config == NULL || out == NULL) return fail(PSD_INVALID_ARGUMENT, "config and out must be set");
+  if (config->struct_size < sizeof(psd_config) || config->abi_version != PSD_ABI_VERSION) {
+    return fail(PSD_VERSION_MISMATCH,
+                "psd_config of size %u version %u; this library is ABI version %u "
+                "(use psd_config_init)",
+                config->struct_size, config->abi_version, PSD_ABI_VERSION);
+  }
+  const char* segment = config->segment ? config->segment : getenv("POSEIDON_SEGMENT");
+  if (segment == NULL || segment[0] == '\0') {
+    return fail(PSD_INVALID_ARGUMENT, "no agent segment: set config.segment or POSEIDON_SEGMENT");
+  }
+  if (strlen(segment) >= PSD_SHM_NAME_BYTES || strchr(segment + 1, '/') != NULL) {
+    return fail(PSD_INVALID_ARGUMENT, "bad segment name '%s'", segment);
+  }
+  /* Wait for the agent to create the segment. */
+  const uint64_t deadline = now_ns() + (uint64_t)config->attach_timeout_ms * 1000000ull;
+  int fd = -1;
+  while ((fd = shm_open(segment, O_RDWR, 0)) < 0) {
+    if (errno != ENOENT) return fail(PSD_NOT_FOUND, "cannot open %s: %s", segment, strerror(errno));
+    if (now_ns() >= deadline) {
+      return fail(PSD_NOT_FOUND, "no agent segment %s after %u ms: is poseidon-agent running?",
+                  segment, config->attach_timeout_ms);
+    }
+    usleep(10000);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (size_t)st.st_size < PSD_SHM_CONTROL_BYTES) {
+    /* The agent may still be sizing it. */
+    while (now_ns() < deadline && fstat(fd, &st) == 0 && (size_t)st.st_size < PSD_SHM_CONTROL_BYTES) {
+      usleep(10000);
+    }
+    if ((size_t)st.st_size < PSD_SHM_CONTROL_BYTES) {
+      close(fd);
+      return fail(PSD_VERSION_MISMATCH, "segment %s is %lld bytes, expected at least %zu", segment,
+                  (long long)st.st_size, (size_t)PSD_SHM_CONTROL_BYTES);
+    }
+  }
+  unsigned char* control = mmap(NULL, PSD_SHM_CONTROL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (control == MAP_FAILED) {
+    close(fd);
+    return fail(PSD_INTERNAL, "mmap of %s failed: %s", segment, strerror(errno));
+  }
+  psd_shm_header* header = (psd_shm_header*)control;
+  /* The agent publishes magic last: wait for it. */
+  while (load64(&header->magic) != PSD_SHM_MAGIC && now_ns() < deadline) usleep(5000);
+  if (load64(&header->magic) != PSD_SHM_MAGIC || header->abi_version != PSD_SHM_ABI_VERSION ||
+      header->control_bytes != PSD_SHM_CONTROL_BYTES ||
+      header->to_agent_offset != PSD_SHM_TO_AGENT_OFFSET ||
+      header->to_framework_offset != PSD_SHM_TO_FRAMEWORK_OFFSET ||
+      header->layers_offset != PSD_SHM_LAYERS_OFFSET) {
+    munmap(control, PSD_SHM_CONTROL_BYTES);
+    close(fd);
+    return fail(PSD_VERSION_MISMATCH,
+                "segment %s is not a poseidon-agent segment of ABI version %u", segment,
+                PSD_SHM_ABI_VERSION);
+  }
+  uint32_t expected = 0;
+  if (!__atomic_compare_exchange_n(&header->attached, &expected, 1, 0, __ATOMIC_ACQ_REL,
+                                   __ATOMIC_ACQUIRE)) {
+    munmap(control, PSD_SHM_CONTROL_BYTES);
+    close(fd);
+    return fail(PSD_ALREADY_ATTACHED, "another process (pid %u) is attached to agent %s",
+                header->framework_pid, segment);
+  }
+  psd_context* ctx = calloc(1, sizeof(*ctx));
+  if (ctx == NULL) {
+    __atomic_store_n(&header->attached, 0, __ATOMIC_RELEASE);
+    munmap(control, PSD_SHM_CONTROL_BYTES);
+    close(fd);
+    return fail(PSD_INTERNAL, "out of memory");
+  }
+  ctx->control_fd = fd;
+  ctx->control = control;
+  ctx->control_bytes = PSD_SHM_CONTROL_BYTES;
+  ctx->header = header;
+  ctx->to_agent = (psd_shm_ring*)(control + PSD_SHM_TO_AGENT_OFFSET);
+  ctx->layers = (psd_shm_layer*)(control + PSD_SHM_LAYERS_OFFSET);
+  ctx->agent_timeout_ms = config->agent_timeout_ms ? config->agent_timeout_ms : 5000;
+  ctx->agent_pid = (pid_t)load32(&header->agent_pid);
+  pthread_mutex_init(&ctx->post_mu, NULL);
+  snprintf(ctx->segment, sizeof(ctx->segment), "%s", segment);
+  __atomic_store_n(&header->framework_pid, (uint32_t)getpid(), __ATOMIC_RELEASE);
+  __atomic_store_n(&header->framework_heartbeat_ns, now_ns(), __ATOMIC_RELEASE);
+  psd_status s = check_agent(ctx);
+  if (s != PSD_OK) {
+    psd_detach(ctx);
+    return s;
+  }
+  *out = ctx;
+  return PSD_OK;
+}
+
+PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc* layers,
+                                          uint32_t count, uint32_t timeout_ms) {
+  psd_error[0] = '\0';
+  if (ctx == NULL || layers == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx and layers must be set");
+  if (count == 0 || count > PSD_SHM_MAX_LAYERS) {
+    return fail(PSD_INVALID_ARGUMENT, "layer count %u outside [1, %u]", count, PSD_SHM_MAX_LAYERS);
+  }
+  if (ctx->num_layers != 0 || load32(&ctx->header->registration_state) != PSD_REG_NONE) {
+    return fail(PSD_FAILED_PRECONDITION, "layers are already registered");
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    const psd_layer_desc* d = &layers[i];
+    if (d->name == NULL || d->name[0] == '\0' || strlen(d->name) >= PSD_SHM_NAME_BYTES) {
+      return fail(PSD_INVALID_ARGUMENT, "layer %u: name must have 1 to %u bytes", i,
+                  PSD_SHM_NAME_BYTES - 1);
+    }
+    if (d->ndim == 0 || d->ndim > PSD_SHM_MAX_DIMS || d->shape == NULL) {
+      return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): ndim must be 1..%u", i, d->name,
+                  PSD_SHM_MAX_DIMS);
+    }
+    if (d->dtype != PSD_FLOAT32) {
+      return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): only PSD_FLOAT32 is supported", i, d->name);
+    }
+    if (d->kind < PSD_LAYER_FC || d->kind > PSD_LAYER_OTHER) {
+      return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown kind %u", i, d->name, d->kind);
+    }
+    if (d->kind == PSD_LAYER_FC && (d->ndim != 2 || d->batch_k == 0)) {
+      return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): FC layers need shape {M, N} and batch_k > 0",
+                  i, d->name);
+    }
+    for (uint32_t k = 0; k < d->ndim; ++k) {
+      if (d->shape[k] == 0 || d->shape[k] > (1ull << 32)) {
+        return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): bad dimension %llu", i, d->name,
+                    (unsigned long long)d->shape[k]);
+      }
+    }
+    psd_shm_layer* l = &ctx->layers[i];
+    memset(l, 0, sizeof(*l));
+    snprintf(l->name, sizeof(l->name), "%s", d->name);
+    l->kind = d->kind;
+    l->dtype = d->dtype;
+    l->ndim = d->ndim;
+    l->batch_k = d->batch_k;
+    for (uint32_t k = 0; k < d->ndim; ++k) l->shape[k] = d->shape[k];
+  }
+  __atomic_store_n(&ctx->header->num_layers, count, __ATOMIC_RELEASE);
+  const uint32_t generation = load32(&ctx->header->registration_futex);
+  __atomic_store_n(&ctx->header->registration_state, PSD_REG_REQUESTED, __ATOMIC_RELEASE);
+  psd_status s = post(ctx, PSD_EVENT_REGISTER, 0, 0);
+  if (s != PSD_OK) return s;
+  const uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  uint32_t state;
+  while ((state = load32(&ctx->header->registration_state)) == PSD_REG_REQUESTED) {
+    s = check_agent(ctx);
+    if (s != PSD_OK) return s;
+    const uint64_t now = now_ns();
+    if (now >= deadline) {
+      return fail(PSD_TIMEOUT, "the agent did not answer the registration of %u layers within %u ms",
+                  count, timeout_ms);
+    }
+    const uint64_t left = deadline - now;
+    futex_wait(&ctx->header->registration_futex, generation, left < 100000000ull ? left : 100000000ull);
+  }
+  if (state != PSD_REG_DONE) {
+    char why[PSD_SHM_ERROR_BYTES + 1];
+    memcpy(why, ctx->header->error, PSD_SHM_ERROR_BYTES);
+    why[PSD_SHM_ERROR_BYTES] = '\0';
+    return fail(PSD_FAILED_PRECONDITION, "the agent refused the registration: %s", why);
+  }
+  /* Map the data segment the agent created. */
+  char data_name[PSD_SHM_NAME_BYTES + 1];
+  memcpy(data_name, ctx->header->data_name, PSD_SHM_NAME_BYTES);
+  data_name[PSD_SHM_NAME_BYTES] = '\0';
+  const uint64_t data_bytes = load64(&ctx->header->data_bytes);
+  const int fd = shm_open(data_name, O_RDWR, 0);
+  if (fd < 0) return fail(PSD_AGENT_LOST, "cannot open data segment %s: %s", data_name, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != data_bytes || data_bytes == 0) {
+    close(fd);
+    return fail(PSD_INTERNAL, "data segment %s has the wrong size", data_name);
+  }
+  void* data = mmap(NULL, data_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (data == MAP_FAILED) return fail(PSD_INTERNAL, "mmap of %s failed: %s", data_name, strerror(errno));
+  /* Check every offset the agent wrote against the data segment before handing out pointers. */
+  for (uint32_t i = 0; i < count; ++i) {
+    const psd_shm_layer* l = &ctx->layers[i];
+    const uint64_t grad_end = l->grad_offset + l->elements * 4;
+    int bad = l->elements == 0 || grad_end > data_bytes || grad_end < l->grad_offset;
+    if (l->scheme == PSD_SCHEME_SFB) {
+      const uint64_t m = l->shape[0], n = l->shape[1], k = l->batch_k;
+      bad |= l->u_offset + k * m * 4 > data_bytes || l->v_offset + k * n * 4 > data_bytes;
+    } else if (l->scheme != PSD_SCHEME_PS) {
+      bad = 1;
+    }
+    if (bad) {
+      munmap(data, data_bytes);
+      return fail(PSD_INTERNAL, "the agent's layout of layer %u (%s) is invalid", i, l->name);
+    }
+  }
+  ctx->data = data;
+  ctx->data_bytes = data_bytes;
+  ctx->num_layers = count;
+  return PSD_OK;
+}
+
+static psd_status check_layer(psd_context* ctx, uint32_t layer) {
+  if (ctx == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx is NULL");
+  if (ctx->num_layers == 0) return fail(PSD_FAILED_PRECONDITION, "no layers registered yet");
+  if (layer >= ctx->num_layers) {
+    return fail(PSD_INVALID_ARGUMENT, "layer %u out of range (%u layers)", layer, ctx->num_layers);
+  }
+  return PSD_OK;
+}
+
+PSD_EXPORT psd_status psd_get_layer_info(psd_context* ctx, uint32_t layer, psd_layer_info* out) {
+  psd_error[0] = '\0';
+  psd_status s = check_layer(ctx, layer);
+  if (s != PSD_OK) return s;
+  if (out == NULL) return fail(PSD_INVALID_ARGUMENT, "out is NULL");
+  const psd_shm_layer* l = &ctx->layers[layer];
+  out->scheme = l->scheme;
+  out->priority = l->priority;
+  out->elements = l->elements;
+  out->grad = (float*)(ctx->data + l->grad_offset);
+  out->u = l->scheme == PSD_SCHEME_SFB ? (float*)(ctx->data + l->u_offset) : NULL;
+  out->v = l->scheme == PSD_SCHEME_SFB ? (float*)(ctx->data + l->v_offset) : NULL;
+  return PSD_OK;
+}
+
+PSD_EXPORT psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t iteration) {
+  psd_error[0] = '\0';
+  psd_status s = check_layer(ctx, layer);
+  if (s != PSD_OK) return s;
+  psd_shm_layer* l = &ctx->layers[layer];
+  const uint64_t previous = load64(&l->ready_iteration);
+  if (iteration != previous + 1) {
+    return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): iteration %llu posted after %llu (must be %llu)",
+                layer, l->name, (unsigned long long)iteration, (unsigned long long)previous,
+                (unsigned long long)(previous + 1));
+  }
+  s = check_agent(ctx);
+  if (s != PSD_OK) return s;
+  __atomic_store_n(&l->ready_iteration, iteration, __ATOMIC_RELEASE);
+  return post(ctx, PSD_EVENT_LAYER_READY, layer, iteration);
+}
+
+PSD_EXPORT psd_status psd_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                                     uint32_t timeout_ms) {
+  psd_error[0] = '\0';
+  psd_status s = check_layer(ctx, layer);
+  if (s != PSD_OK) return s;
+  psd_shm_layer* l = &ctx->layers[layer];
+  if (iteration == 0 || iteration > load64(&l->ready_iteration)) {
+    return fail(PSD_FAILED_PRECONDITION, "layer %u (%s): iteration %llu was never posted ready",
+                layer, l->name, (unsigned long long)iteration);
+  }
+  const uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  while (1) {
+    const uint32_t generation = load32(&l->done_futex);
+    if (load64(&l->done_iteration) >= iteration) return PSD_OK;
+    if (__atomic_load_n(&l->done_status, __ATOMIC_ACQUIRE) != 0) {
+      char why[sizeof(l->message) + 1];
+      memcpy(why, l->message, sizeof(l->message));
+      why[sizeof(l->message)] = '\0';
+      return fail(PSD_SYNC_FAILED, "layer %u (%s) iteration %llu: %s", layer, l->name,
+                  (unsigned long long)iteration, why);
+    }
+    s = check_agent(ctx);
+    if (s != PSD_OK) return s;
+    const uint64_t now = now_ns();
+    if (now >= deadline) {
+      return fail(PSD_TIMEOUT, "layer %u (%s) iteration %llu not synchronised within %u ms", layer,
+                  l->name, (unsigned long long)iteration, timeout_ms);
+    }
+    const uint64_t left = deadline - now;
+    futex_wait(&l->done_futex, generation, left < 100000000ull ? left : 100000000ull);
+  }
+}
+
+PSD_EXPORT psd_status psd_rank(psd_context* ctx, uint32_t* rank, uint32_t* world_size) {
+  psd_error[0] = '\0';
+  if (ctx == NULL || rank == NULL || world_size == NULL) {
+    return fail(PSD_INVALID_ARGUMENT, "ctx, rank and world_size must be set");
+  }
+  *rank = load32(&ctx->header->rank);
+  *world_size = load32(&ctx->header->world_size);
+  return PSD_OK;
+}
+
+PSD_EXPORT psd_status psd_detach(psd_context* ctx) {
+  psd_error[0] = '\0';
+  if (ctx == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx is NULL");
+  (void)post(ctx, PSD_EVENT_DETACH, 0, 0);
+  if (ctx->data) munmap(ctx->data, ctx->data_bytes);
+  __atomic_store_n(&ctx->header->attached, 0, __ATOMIC_RELEASE);
+  munmap(ctx->control, ctx->control_bytes);
+  close(ctx->control_fd);
+  pthread_mutex_destroy(&ctx->post_mu);
+  free(ctx);
+  return PSD_OK;
+}
