@@ -30,7 +30,9 @@ using transport::FrameHeader;
 using transport::FrameType;
 
 constexpr uint64_t kAlign = 64;
-uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+uint64_t AlignUp(uint64_t x) {
+  return (x + kAlign - 1) / kAlign * kAlign;
+}
 
 struct PsChunk {
   uint64_t key = 0;
@@ -42,12 +44,12 @@ struct PsChunk {
 struct LayerState {
   LayerDesc desc;
   LayerLayout layout;
-  std::vector<PsChunk> chunks;  // PS
-  uint64_t m = 0, n = 0, k = 0; // SFB: U is k x m, V is k x n
+  std::vector<PsChunk> chunks;   // PS
+  uint64_t m = 0, n = 0, k = 0;  // SFB: U is k x m, V is k x n
   // Progress (guarded by Agent::layers_mu_).
-  uint64_t posted = 0;      // last iteration posted ready
-  uint64_t in_progress = 0; // iteration being synchronised (0: none)
-  int remaining = 0;        // tasks left of in_progress
+  uint64_t posted = 0;       // last iteration posted ready
+  uint64_t in_progress = 0;  // iteration being synchronised (0: none)
+  int remaining = 0;         // tasks left of in_progress
   bool failed = false;
   std::string failure;
 };
@@ -55,8 +57,8 @@ struct LayerState {
 // Factors received from the other agents for one SFB layer, in two slots (iteration parity): a
 // peer can be at most one iteration ahead of us on a layer.
 struct SfbInbox {
-  uint64_t floats = 0;  // k * (m + n)
-  std::vector<float> data[2];  // world_size * floats each
+  uint64_t floats = 0;           // k * (m + n)
+  std::vector<float> data[2];    // world_size * floats each
   std::vector<uint64_t> tag[2];  // per peer: the iteration held, 0 if none
 };
 
@@ -148,8 +150,9 @@ int Agent::Run() {
   ctx_ = *ctx;
   // The SFB listener starts at once so that peers can connect while we wait for our framework.
   const std::string listen =
-      !config_.listen.empty() ? config_.listen
-                              : (config_.rank < config_.peers.size() ? config_.peers[config_.rank] : "");
+      !config_.listen.empty()
+          ? config_.listen
+          : (config_.rank < config_.peers.size() ? config_.peers[config_.rank] : "");
   if (!listen.empty()) {
     auto listener = ctx_->Listen(listen);
     if (!listener.ok()) {
@@ -240,8 +243,9 @@ absl::Status Agent::Register() {
     auto* l = model.add_layers();
     l->set_name(d.name);
     // "ps" keeps every layer on PS: present FC layers as "other" to the planner.
-    l->set_kind(d.kind == PSD_KIND_FC && config_.scheme == "ps" ? v1::LAYER_KIND_OTHER
-                                                                 : static_cast<v1::LayerKind>(d.kind));
+    l->set_kind(d.kind == PSD_KIND_FC && config_.scheme == "ps"
+                    ? v1::LAYER_KIND_OTHER
+                    : static_cast<v1::LayerKind>(d.kind));
     for (uint64_t s : d.shape) l->add_shape(s);
     l->set_element_type(v1::ELEMENT_TYPE_F32);
     l->set_batch_per_worker(d.kind == PSD_KIND_FC ? d.batch_k : 1);
@@ -307,9 +311,9 @@ absl::Status Agent::Register() {
     return absl::FailedPreconditionError("PS layers need KV servers (--servers)");
   }
   if (any_sfb && config_.world_size > 1 && config_.peers.size() != config_.world_size) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "SFB layers need every agent's address (--peers: ", config_.world_size, " entries, got ",
-        config_.peers.size(), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
+                     " entries, got ", config_.peers.size(), ")"));
   }
   if (any_ps) RETURN_IF_ERROR(ConnectServers(plan));
   if (any_sfb) {
@@ -388,7 +392,8 @@ absl::Status Agent::ConnectPeers() {
       absl::SleepFor(absl::Milliseconds(200));
     }
     if (!conn.ok()) {
-      return Annotate(conn.status(), absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]));
+      return Annotate(conn.status(),
+                      absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]));
     }
     peers_[p] = *conn;
   }
@@ -425,8 +430,8 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration) {
     } else {
       st.remaining = static_cast<int>(st.chunks.size());
       for (size_t c = 0; c < st.chunks.size(); ++c) {
-        tasks.push_back({st.layout.priority, 0, layer, iteration, static_cast<int>(c),
-                         st.chunks[c].length});
+        tasks.push_back(
+            {st.layout.priority, 0, layer, iteration, static_cast<int>(c), st.chunks[c].length});
       }
     }
   }
@@ -449,7 +454,8 @@ void Agent::Worker() {
         if (stopping_) return true;
         if (queue_.empty()) return false;
         // Credit: a task goes when it fits, or when nothing else is in flight.
-        return in_flight_bytes_ == 0 || in_flight_bytes_ + queue_.top().bytes <= config_.credit_bytes;
+        return in_flight_bytes_ == 0 ||
+               in_flight_bytes_ + queue_.top().bytes <= config_.credit_bytes;
       });
       if (stopping_) return;
       task = queue_.top();
@@ -520,13 +526,14 @@ absl::Status Agent::SyncSfb(const Task& task) {
   // Every peer must have registered (its PING) before it can take our factors.
   {
     std::unique_lock<std::mutex> lock(inbox_mu_);
-    const bool ready = inbox_cv_.wait_for(lock, absl::ToChronoNanoseconds(config_.sync_timeout), [&] {
-      if (stopping_) return true;
-      for (uint32_t p = 0; p < world; ++p) {
-        if (p != me && !peer_ready_[p]) return false;
-      }
-      return true;
-    });
+    const bool ready =
+        inbox_cv_.wait_for(lock, absl::ToChronoNanoseconds(config_.sync_timeout), [&] {
+          if (stopping_) return true;
+          for (uint32_t p = 0; p < world; ++p) {
+            if (p != me && !peer_ready_[p]) return false;
+          }
+          return true;
+        });
     if (!ready || stopping_) {
       std::vector<uint32_t> missing;
       for (uint32_t p = 0; p < world; ++p) {
@@ -550,8 +557,7 @@ absl::Status Agent::SyncSfb(const Task& task) {
     h.payload_length = (ku + kv) * sizeof(float);
     auto promise = std::make_shared<std::promise<absl::Status>>();
     sends.push_back(promise->get_future());
-    peers_[p]->Send(h,
-                    {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
+    peers_[p]->Send(h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
                     [promise](absl::Status s) { promise->set_value(s); });
   }
   // Wait for everyone else's factors of this iteration.
@@ -596,14 +602,15 @@ absl::Status Agent::SyncSfb(const Task& task) {
 
 absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
     const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
-  if (h.type == FrameType::kPing && h.payload_length == 0) return transport::PayloadTarget::Discard();
+  if (h.type == FrameType::kPing && h.payload_length == 0)
+    return transport::PayloadTarget::Discard();
   if (h.type != FrameType::kFactors) {
     return absl::InvalidArgumentError("agents only exchange SFB factors");
   }
   const uint32_t from = peer->identity().rank;
   if (from >= config_.world_size || from == config_.rank || h.sender_rank != from) {
-    return absl::PermissionDeniedError(absl::StrCat("factors from rank ", h.sender_rank,
-                                                    " on a connection of rank ", from));
+    return absl::PermissionDeniedError(
+        absl::StrCat("factors from rank ", h.sender_rank, " on a connection of rank ", from));
   }
   std::lock_guard<std::mutex> lock(inbox_mu_);
   auto it = inbox_.find(static_cast<uint32_t>(h.key));
@@ -620,13 +627,13 @@ absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
   const int slot = static_cast<int>(h.clock % 2);
   const uint64_t held = box.tag[slot][from];
   if (held != 0 && held + 2 != h.clock) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "factors of layer ", h.key, " clock ", h.clock, " from rank ", from,
-        " arrive while the slot holds clock ", held));
+    return absl::FailedPreconditionError(absl::StrCat("factors of layer ", h.key, " clock ",
+                                                      h.clock, " from rank ", from,
+                                                      " arrive while the slot holds clock ", held));
   }
   box.tag[slot][from] = 0;  // being overwritten
-  return transport::PayloadTarget::Into(std::as_writable_bytes(
-      std::span(box.data[slot].data() + from * box.floats, box.floats)));
+  return transport::PayloadTarget::Into(
+      std::as_writable_bytes(std::span(box.data[slot].data() + from * box.floats, box.floats)));
 }
 
 void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,

@@ -51,7 +51,8 @@ poseidon::ConfigSchema<Flags> Schema() {
                      InRange<uint64_t>(4096, uint64_t{1} << 30))
       .ByteSizeField("credit_bytes", &Flags::credit_bytes, "bytes in flight before queueing",
                      AtLeast<uint64_t>(4096))
-      .Field("sync_threads", &Flags::sync_threads, "synchronisation threads", InRange<int64_t>(1, 256))
+      .Field("sync_threads", &Flags::sync_threads, "synchronisation threads",
+             InRange<int64_t>(1, 256))
       .Field("sync_timeout", &Flags::sync_timeout, "a layer's synchronisation must finish within")
       .Field("attach_timeout", &Flags::attach_timeout, "wait this long for the training process")
       .Field("connect_timeout", &Flags::connect_timeout, "wait this long for servers and peers")

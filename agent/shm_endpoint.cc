@@ -51,14 +51,12 @@ void CopyString(char* dst, size_t n, const std::string& s) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmEndpoint>> ShmEndpoint::Create(const std::string& name,
-                                                                 uint32_t rank,
-                                                                 uint32_t world_size,
+                                                                 uint32_t rank, uint32_t world_size,
                                                                  uint64_t job_id) {
   if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
       name.size() + 6 >= PSD_SHM_NAME_BYTES) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("segment name '", name, "' must be '/name' of at most ",
-                     PSD_SHM_NAME_BYTES - 7, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segment name '", name, "' must be '/name' of at most ", PSD_SHM_NAME_BYTES - 7, " bytes"));
   }
   std::unique_ptr<ShmEndpoint> ep(new ShmEndpoint());
   ep->name_ = name;
@@ -101,7 +99,8 @@ absl::StatusOr<std::unique_ptr<ShmEndpoint>> ShmEndpoint::Create(const std::stri
 
 ShmEndpoint::~ShmEndpoint() {
   if (control_) {
-    if (Load(&header()->agent_state) != PSD_AGENT_FAILED) Store(&header()->agent_state, PSD_AGENT_EXITED);
+    if (Load(&header()->agent_state) != PSD_AGENT_FAILED)
+      Store(&header()->agent_state, PSD_AGENT_EXITED);
     // Wake every waiter so it sees the state at once.
     for (uint32_t i = 0; i < PSD_SHM_MAX_LAYERS; ++i) FutexWake(&layers()[i].done_futex);
     FutexWake(&header()->registration_futex);
@@ -112,7 +111,9 @@ ShmEndpoint::~ShmEndpoint() {
   shm_unlink(data_name_.c_str());
 }
 
-void ShmEndpoint::Heartbeat() { Store(&header()->agent_heartbeat_ns, NowNs()); }
+void ShmEndpoint::Heartbeat() {
+  Store(&header()->agent_heartbeat_ns, NowNs());
+}
 
 void ShmEndpoint::SetState(uint32_t state, const std::string& error) {
   if (!error.empty()) CopyString(header()->error, PSD_SHM_ERROR_BYTES, error);
@@ -123,7 +124,9 @@ void ShmEndpoint::SetState(uint32_t state, const std::string& error) {
   }
 }
 
-bool ShmEndpoint::attached() const { return Load(&header()->attached) != 0; }
+bool ShmEndpoint::attached() const {
+  return Load(&header()->attached) != 0;
+}
 
 absl::Status ShmEndpoint::CheckFramework() const {
   if (!attached()) return absl::OkStatus();
@@ -164,8 +167,8 @@ absl::StatusOr<std::optional<Event>> ShmEndpoint::NextEvent(absl::Duration timeo
 absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
   const uint32_t n = Load(&header()->num_layers);
   if (n == 0 || n > PSD_SHM_MAX_LAYERS) {
-    return absl::InvalidArgumentError(absl::StrCat("layer count ", n, " outside [1, ",
-                                                   PSD_SHM_MAX_LAYERS, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer count ", n, " outside [1, ", PSD_SHM_MAX_LAYERS, "]"));
   }
   std::vector<LayerDesc> out(n);
   for (uint32_t i = 0; i < n; ++i) {
@@ -173,34 +176,39 @@ absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
     LayerDesc& d = out[i];
     const size_t len = strnlen(l.name, PSD_SHM_NAME_BYTES);
     if (len == 0 || len == PSD_SHM_NAME_BYTES) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", i, ": name missing or unterminated"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", i, ": name missing or unterminated"));
     }
     d.name.assign(l.name, len);
     if (l.kind < PSD_KIND_FC || l.kind > PSD_KIND_OTHER) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): bad kind ", l.kind));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", i, " (", d.name, "): bad kind ", l.kind));
     }
     if (l.dtype != PSD_DTYPE_F32) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): only float32"));
     }
     if (l.ndim == 0 || l.ndim > PSD_SHM_MAX_DIMS) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): bad ndim ", l.ndim));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", i, " (", d.name, "): bad ndim ", l.ndim));
     }
     d.kind = l.kind;
     d.batch_k = l.batch_k;
     d.elements = 1;
     for (uint32_t k = 0; k < l.ndim; ++k) {
       if (l.shape[k] == 0 || l.shape[k] > (uint64_t{1} << 32)) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, "): bad dimension"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", i, " (", d.name, "): bad dimension"));
       }
       d.shape.push_back(l.shape[k]);
       d.elements *= l.shape[k];
       if (d.elements > (uint64_t{1} << 34)) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", i, " (", d.name, ") is too large"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", i, " (", d.name, ") is too large"));
       }
     }
     if (d.kind == PSD_KIND_FC && (l.ndim != 2 || l.batch_k == 0 || l.batch_k > (1u << 20))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layer ", i, " (", d.name, "): FC layers need shape [M, N] and 0 < K <= 2^20"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", i, " (", d.name, "): FC layers need shape [M, N] and 0 < K <= 2^20"));
     }
   }
   return out;
@@ -211,7 +219,8 @@ absl::Status ShmEndpoint::PublishLayout(const std::vector<LayerDesc>& descs,
                                         uint64_t data_bytes) {
   const int fd = shm_open(data_name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("cannot create ", data_name_, ": ", std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot create ", data_name_, ": ", std::strerror(errno)));
   }
   if (ftruncate(fd, static_cast<off_t>(data_bytes)) != 0) {
     close(fd);
@@ -221,7 +230,8 @@ absl::Status ShmEndpoint::PublishLayout(const std::vector<LayerDesc>& descs,
   void* p = mmap(nullptr, data_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) {
-    return absl::UnavailableError(absl::StrCat("cannot map ", data_name_, ": ", std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot map ", data_name_, ": ", std::strerror(errno)));
   }
   data_ = static_cast<unsigned char*>(p);
   data_bytes_ = data_bytes;

@@ -44,9 +44,8 @@ struct Event {
 
 class ShmEndpoint {
  public:
-  static absl::StatusOr<std::unique_ptr<ShmEndpoint>> Create(const std::string& name,
-                                                             uint32_t rank, uint32_t world_size,
-                                                             uint64_t job_id);
+  static absl::StatusOr<std::unique_ptr<ShmEndpoint>> Create(const std::string& name, uint32_t rank,
+                                                             uint32_t world_size, uint64_t job_id);
   ~ShmEndpoint();  // marks the agent EXITED and unlinks both segments
 
   const std::string& name() const { return name_; }

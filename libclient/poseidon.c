@@ -203,10 +203,11 @@ PSD_EXPORT psd_status psd_attach(const psd_config* config, psd_context** out) {
   uint32_t expected = 0;
   if (!__atomic_compare_exchange_n(&header->attached, &expected, 1, 0, __ATOMIC_ACQ_REL,
                                    __ATOMIC_ACQUIRE)) {
+    const uint32_t holder = load32(&header->framework_pid);
     munmap(control, PSD_SHM_CONTROL_BYTES);
     close(fd);
-    return fail(PSD_ALREADY_ATTACHED, "another process (pid %u) is attached to agent %s",
-                header->framework_pid, segment);
+    return fail(PSD_ALREADY_ATTACHED, "another process (pid %u) is attached to agent %s", holder,
+                segment);
   }
   psd_context* ctx = calloc(1, sizeof(*ctx));
   if (ctx == NULL) {

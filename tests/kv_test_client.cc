@@ -36,9 +36,9 @@ int main(int argc, char** argv) {
   };
   auto ctx = transport::CreateTcpContext(transport::TcpOptions{});
   if (!ctx.ok()) return fail(ctx.status());
-  auto client = server::KvClient::Connect(**ctx, absl::GetFlag(FLAGS_server),
-                                          absl::GetFlag(FLAGS_job), rank,
-                                          absl::GetFlag(FLAGS_secret), absl::Seconds(20));
+  auto client =
+      server::KvClient::Connect(**ctx, absl::GetFlag(FLAGS_server), absl::GetFlag(FLAGS_job), rank,
+                                absl::GetFlag(FLAGS_secret), absl::Seconds(20));
   if (!client.ok()) return fail(client.status());
   auto& c = **client;
   const absl::Duration wait = absl::Seconds(60);

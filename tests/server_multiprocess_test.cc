@@ -34,7 +34,8 @@ class ServerProcessTest : public ::testing::Test {
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
   // Starts the server; returns its address ("127.0.0.1:port"), or "" if it did not come up.
-  std::string StartServer(std::unique_ptr<Subprocess>& server, std::vector<std::string> extra = {}) {
+  std::string StartServer(std::unique_ptr<Subprocess>& server,
+                          std::vector<std::string> extra = {}) {
     std::vector<std::string> argv = {POSEIDON_SERVER_BIN, "--listen=127.0.0.1:0", "--job_id=1",
                                      std::string("--job_secret=") + kSecret, "--log_level=warn"};
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -55,10 +56,10 @@ class ServerProcessTest : public ::testing::Test {
                                           const std::string& out) {
     return std::make_unique<Subprocess>(std::vector<std::string>{
         KV_TEST_CLIENT_BIN, "--server=" + address, std::string("--secret=") + kSecret,
-        "--rank=" + std::to_string(rank), "--workers=" + std::to_string(workers),
-        "--rule=" + rule, "--keys=" + std::to_string(keys),
-        "--elements=" + std::to_string(elements), "--start_clock=" + std::to_string(start),
-        "--clocks=" + std::to_string(clocks), "--out=" + out});
+        "--rank=" + std::to_string(rank), "--workers=" + std::to_string(workers), "--rule=" + rule,
+        "--keys=" + std::to_string(keys), "--elements=" + std::to_string(elements),
+        "--start_clock=" + std::to_string(start), "--clocks=" + std::to_string(clocks),
+        "--out=" + out});
   }
 
   static std::vector<float> ReadFloats(const std::filesystem::path& path) {

@@ -21,14 +21,15 @@ namespace poseidon::testing {
 
 class Subprocess {
  public:
-  // Starts argv[0] with the arguments; stdout is captured for ReadLine, stderr goes to the
-  // test's stderr.
-  explicit Subprocess(const std::vector<std::string>& argv) {
+  // Starts argv[0] with the arguments; stdout (and stderr too with merge_stderr) is captured
+  // for ReadLine, stderr otherwise goes to the test's stderr.
+  explicit Subprocess(const std::vector<std::string>& argv, bool merge_stderr = false) {
     int fds[2];
     if (pipe(fds) != 0) return;
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    if (merge_stderr) posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
     posix_spawn_file_actions_addclose(&actions, fds[0]);
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -71,6 +72,15 @@ class Subprocess {
       if (n <= 0) return std::nullopt;
       buffer_.append(buf, static_cast<size_t>(n));
     }
+  }
+
+  // Everything the child writes until it exits (or `timeout`).
+  std::string ReadAll(std::chrono::milliseconds timeout) {
+    std::string all;
+    while (auto line = ReadLine(timeout)) all += *line + "\n";
+    all += buffer_;
+    buffer_.clear();
+    return all;
   }
 
   void Signal(int sig) {

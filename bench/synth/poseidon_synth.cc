@@ -28,7 +28,8 @@ ABSL_FLAG(std::string, gpu, "titanx", "GPU rate for compute time (name or FLOP/s
 ABSL_FLAG(double, compute_scale, 1.0, "multiply the emulated compute time (0: none)");
 ABSL_FLAG(bool, verify, false, "check every synchronised result against the exact sum");
 ABSL_FLAG(uint32_t, timeout_ms, 60000, "per-layer wait timeout");
-ABSL_FLAG(bool, wfbp, true, "post each layer ready during backward (false: after the whole backward)");
+ABSL_FLAG(bool, wfbp, true,
+          "post each layer ready during backward (false: after the whole backward)");
 
 namespace {
 
@@ -36,7 +37,8 @@ using Clock = std::chrono::steady_clock;
 
 // Small integers: sums over ranks (and products for SFB) are exact in float.
 inline float GradValue(uint32_t rank, uint64_t t, uint32_t layer, uint64_t i) {
-  return static_cast<float>(static_cast<int64_t>(((rank + 1) * 7 + t * 3 + layer * 5 + i % 17) % 23) - 11);
+  return static_cast<float>(
+      static_cast<int64_t>(((rank + 1) * 7 + t * 3 + layer * 5 + i % 17) % 23) - 11);
 }
 inline float UValue(uint32_t rank, uint64_t t, uint32_t layer, uint64_t k, uint64_t m) {
   return static_cast<float>(static_cast<int64_t>((rank * 3 + t + layer + k * 5 + m) % 7) - 3);
@@ -76,16 +78,19 @@ uint64_t Verify(const Layer& layer, uint32_t l, uint64_t t, uint32_t world) {
       (void)M;
       const uint64_t K = absl::GetFlag(FLAGS_batch);
       for (uint32_t r = 0; r < world; ++r) {
-        for (uint64_t k = 0; k < K; ++k) expected += UValue(r, t, l, k, row) * VValue(r, t, l, k, col);
+        for (uint64_t k = 0; k < K; ++k)
+          expected += UValue(r, t, l, k, row) * VValue(r, t, l, k, col);
       }
     } else {
       for (uint32_t r = 0; r < world; ++r) expected += GradValue(r, t, l, i);
     }
     if (static_cast<double>(layer.info.grad[i]) != expected) {
       if (bad < 3) {
-        std::fprintf(stderr, "poseidon-synth: layer %u (%s) iteration %llu element %llu: got %g, expected %g\n",
-                     l, layer.name.c_str(), static_cast<unsigned long long>(t),
-                     static_cast<unsigned long long>(i), layer.info.grad[i], expected);
+        std::fprintf(
+            stderr,
+            "poseidon-synth: layer %u (%s) iteration %llu element %llu: got %g, expected %g\n", l,
+            layer.name.c_str(), static_cast<unsigned long long>(t),
+            static_cast<unsigned long long>(i), layer.info.grad[i], expected);
       }
       ++bad;
     }
@@ -115,8 +120,10 @@ int main(int argc, char** argv) {
     l.name = ls.name();
     l.kind = static_cast<uint32_t>(ls.kind());
     l.shape.assign(ls.shape().begin(), ls.shape().end());
-    if (ls.has_forward_flops()) l.forward_s = scale * ls.forward_flops() * K / rate->flops_per_second;
-    if (ls.has_backward_flops()) l.backward_s = scale * ls.backward_flops() * K / rate->flops_per_second;
+    if (ls.has_forward_flops())
+      l.forward_s = scale * ls.forward_flops() * K / rate->flops_per_second;
+    if (ls.has_backward_flops())
+      l.backward_s = scale * ls.backward_flops() * K / rate->flops_per_second;
     layers.push_back(l);
   }
   psd_config config;
@@ -127,12 +134,16 @@ int main(int argc, char** argv) {
   if (psd_status s = psd_attach(&config, &ctx); s != PSD_OK) Die("attach", s);
   std::vector<psd_layer_desc> descs(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
-    descs[i] = {layers[i].name.c_str(), layers[i].kind, PSD_FLOAT32,
-                static_cast<uint32_t>(layers[i].shape.size()), layers[i].shape.data(),
+    descs[i] = {layers[i].name.c_str(),
+                layers[i].kind,
+                PSD_FLOAT32,
+                static_cast<uint32_t>(layers[i].shape.size()),
+                layers[i].shape.data(),
                 layers[i].kind == PSD_LAYER_FC ? K : 0};
   }
   const uint32_t timeout = absl::GetFlag(FLAGS_timeout_ms);
-  if (psd_status s = psd_register_layers(ctx, descs.data(), static_cast<uint32_t>(descs.size()), timeout);
+  if (psd_status s =
+          psd_register_layers(ctx, descs.data(), static_cast<uint32_t>(descs.size()), timeout);
       s != PSD_OK) {
     Die("register", s);
   }
@@ -140,7 +151,8 @@ int main(int argc, char** argv) {
   psd_rank(ctx, &rank, &world);
   int sfb = 0;
   for (uint32_t l = 0; l < layers.size(); ++l) {
-    if (psd_status s = psd_get_layer_info(ctx, l, &layers[l].info); s != PSD_OK) Die("layer info", s);
+    if (psd_status s = psd_get_layer_info(ctx, l, &layers[l].info); s != PSD_OK)
+      Die("layer info", s);
     sfb += layers[l].info.scheme == PSD_SYNC_SFB;
   }
   const uint64_t iterations = absl::GetFlag(FLAGS_iterations);
@@ -172,7 +184,8 @@ int main(int argc, char** argv) {
           for (uint64_t n = 0; n < N; ++n) layer.info.v[k * N + n] = VValue(rank, t, l, k, n);
         }
       } else {
-        for (uint64_t i = 0; i < layer.info.elements; ++i) layer.info.grad[i] = GradValue(rank, t, l, i);
+        for (uint64_t i = 0; i < layer.info.elements; ++i)
+          layer.info.grad[i] = GradValue(rank, t, l, i);
       }
       if (wfbp) {
         if (psd_status s = psd_layer_ready(ctx, l, t); s != PSD_OK) Die("ready", s);
@@ -191,11 +204,12 @@ int main(int argc, char** argv) {
       iterations > 1 ? std::chrono::duration<double>(Clock::now() - first_iteration_end).count() /
                            static_cast<double>(iterations - 1)
                      : total;
-  std::printf("poseidon-synth rank %u/%u: %llu iterations of %s (%u layers, %d on SFB) in %.3f s, "
-              "%.4f s per iteration after the first; verified %llu results, %llu mismatches\n",
-              rank, world, static_cast<unsigned long long>(iterations), spec->name().c_str(), L, sfb,
-              total, steady, static_cast<unsigned long long>(verified),
-              static_cast<unsigned long long>(mismatches));
+  std::printf(
+      "poseidon-synth rank %u/%u: %llu iterations of %s (%u layers, %d on SFB) in %.3f s, "
+      "%.4f s per iteration after the first; verified %llu results, %llu mismatches\n",
+      rank, world, static_cast<unsigned long long>(iterations), spec->name().c_str(), L, sfb, total,
+      steady, static_cast<unsigned long long>(verified),
+      static_cast<unsigned long long>(mismatches));
   psd_detach(ctx);
   return mismatches == 0 ? 0 : 1;
 }

@@ -1,0 +1,326 @@
+#include "coordinator/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "coordinator/grpc_status.h"
+#include "grpcpp/create_channel.h"
+
+namespace poseidon::coordinator {
+namespace {
+
+namespace v1 = ::poseidon::v1;
+
+// Status of a call, with which call failed for context.
+absl::Status CallStatus(const grpc::Status& status, absl::string_view method) {
+  if (status.ok()) return absl::OkStatus();
+  absl::Status converted = FromGrpcStatus(status);
+  if (status.error_message().empty()) {
+    return absl::Status(converted.code(), absl::StrCat(method, " failed"));
+  }
+  return converted;
+}
+
+}  // namespace
+
+v1::Endpoint MakeEndpoint(v1::TransportKind transport, absl::string_view address) {
+  v1::Endpoint endpoint;
+  endpoint.set_transport(transport);
+  endpoint.set_address(std::string(address));
+  return endpoint;
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
+    CoordinatorClientOptions options) {
+  if (options.address.empty()) {
+    return absl::InvalidArgumentError("coordinator address is empty");
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   MakeChannelCredentials(options.tls));
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  if (options.tls.enabled && !options.tls.server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls.server_name);
+  }
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(options.address, credentials, args);
+  auto stub = v1::Coordinator::NewStub(channel);
+  return std::unique_ptr<CoordinatorClient>(
+      new CoordinatorClient(std::move(options), std::move(stub)));
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
+    absl::string_view address, absl::string_view job_id, absl::string_view token,
+    const ClientTlsOptions& tls) {
+  CoordinatorClientOptions options;
+  options.address = std::string(address);
+  options.job_id = std::string(job_id);
+  options.token = std::string(token);
+  options.tls = tls;
+  return Connect(std::move(options));
+}
+
+CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options,
+                                     std::unique_ptr<v1::Coordinator::Stub> stub)
+    : options_(std::move(options)), stub_(std::move(stub)) {}
+
+void CoordinatorClient::FillHeader(v1::RequestHeader* header) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  header->set_job_id(options_.job_id);
+  header->set_token(options_.token);
+  header->set_epoch(membership_epoch_);
+  header->set_node_id(node_id_);
+}
+
+void CoordinatorClient::Observe(const v1::ResponseHeader& header) {
+  std::lock_guard<std::mutex> lock(mu_);
+  membership_epoch_ = std::max(membership_epoch_, header.epoch());
+  plan_epoch_ = std::max(plan_epoch_, header.plan_epoch());
+}
+
+void CoordinatorClient::SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
+  context->set_deadline(std::chrono::system_clock::now() +
+                        absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration())));
+}
+
+absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::RegisterAgent(
+    const AgentRegistration& agent) {
+  v1::RegisterAgentRequest request;
+  FillHeader(request.mutable_header());
+  request.set_host(agent.host);
+  request.set_gpu_index(agent.gpu_index);
+  for (const v1::Endpoint& endpoint : agent.endpoints) *request.add_endpoints() = endpoint;
+  request.set_world_size(agent.world_size);
+  if (agent.requested_rank.has_value()) request.set_requested_rank(*agent.requested_rank);
+  v1::RegisterAgentResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(
+      CallStatus(stub_->RegisterAgent(&context, request, &response), "RegisterAgent"));
+  Observe(response.header());
+  std::lock_guard<std::mutex> lock(mu_);
+  node_id_ = response.node_id();
+  role_ = v1::NODE_ROLE_AGENT;
+  if (response.heartbeat_interval_ms() > 0) {
+    heartbeat_interval_ = absl::Milliseconds(response.heartbeat_interval_ms());
+  }
+  return response;
+}
+
+absl::StatusOr<v1::RegisterServerResponse> CoordinatorClient::RegisterServer(
+    const ServerRegistration& server) {
+  v1::RegisterServerRequest request;
+  FillHeader(request.mutable_header());
+  request.set_host(server.host);
+  for (const v1::Endpoint& endpoint : server.endpoints) *request.add_endpoints() = endpoint;
+  *request.mutable_capacity() = server.capacity;
+  request.set_previous_node_id(server.previous_node_id);
+  v1::RegisterServerResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(
+      CallStatus(stub_->RegisterServer(&context, request, &response), "RegisterServer"));
+  Observe(response.header());
+  std::lock_guard<std::mutex> lock(mu_);
+  node_id_ = response.node_id();
+  role_ = v1::NODE_ROLE_SERVER;
+  if (response.heartbeat_interval_ms() > 0) {
+    heartbeat_interval_ = absl::Milliseconds(response.heartbeat_interval_ms());
+  }
+  return response;
+}
+
+absl::StatusOr<World> CoordinatorClient::Rendezvous(absl::Duration timeout) {
+  v1::RendezvousRequest request;
+  FillHeader(request.mutable_header());
+  v1::RendezvousResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout);
+  RETURN_IF_ERROR(CallStatus(stub_->Rendezvous(&context, request, &response), "Rendezvous"));
+  Observe(response.header());
+  World world;
+  world.rank = response.rank();
+  world.world_size = response.world_size();
+  world.peers.assign(response.peers().begin(), response.peers().end());
+  world.servers.assign(response.servers().begin(), response.servers().end());
+  world.membership_epoch = response.header().epoch();
+  return world;
+}
+
+absl::StatusOr<World> CoordinatorClient::RegisterAgentAndRendezvous(const AgentRegistration& agent,
+                                                                    absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  RETURN_IF_ERROR(RegisterAgent(agent).status());
+  return Rendezvous(deadline - absl::Now());
+}
+
+absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(const v1::ModelSpec& model,
+                                                          const v1::UpdateRuleSpec& update_rule,
+                                                          const v1::ConsistencySpec& consistency,
+                                                          absl::Duration timeout) {
+  v1::RegisterModelRequest request;
+  FillHeader(request.mutable_header());
+  *request.mutable_model() = model;
+  *request.mutable_update_rule() = update_rule;
+  *request.mutable_consistency() = consistency;
+  v1::RegisterModelResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout);
+  RETURN_IF_ERROR(
+      CallStatus(stub_->RegisterModel(&context, request, &response), "RegisterModel"));
+  Observe(response.header());
+  return std::move(*response.mutable_plan());
+}
+
+absl::StatusOr<v1::Plan> CoordinatorClient::GetPlan() {
+  v1::GetPlanRequest request;
+  FillHeader(request.mutable_header());
+  v1::GetPlanResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(CallStatus(stub_->GetPlan(&context, request, &response), "GetPlan"));
+  Observe(response.header());
+  return std::move(*response.mutable_plan());
+}
+
+absl::StatusOr<v1::Plan> CoordinatorClient::WaitForPlan(uint64_t min_plan_epoch,
+                                                        absl::Duration timeout) {
+  v1::GetPlanRequest request;
+  FillHeader(request.mutable_header());
+  request.set_min_plan_epoch(min_plan_epoch);
+  v1::GetPlanResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout);
+  RETURN_IF_ERROR(CallStatus(stub_->GetPlan(&context, request, &response), "GetPlan"));
+  Observe(response.header());
+  return std::move(*response.mutable_plan());
+}
+
+absl::Status CoordinatorClient::ReportTelemetry(const std::vector<v1::LinkTelemetry>& links,
+                                                uint64_t iteration) {
+  v1::ReportTelemetryRequest request;
+  FillHeader(request.mutable_header());
+  for (const v1::LinkTelemetry& link : links) *request.add_links() = link;
+  request.set_iteration(iteration);
+  v1::ReportTelemetryResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(
+      CallStatus(stub_->ReportTelemetry(&context, request, &response), "ReportTelemetry"));
+  Observe(response.header());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(uint64_t iteration,
+                                                                   uint64_t plan_epoch) {
+  v1::HeartbeatRequest request;
+  FillHeader(request.mutable_header());
+  request.set_role(role());
+  request.set_iteration(iteration);
+  request.set_plan_epoch(plan_epoch);
+  v1::HeartbeatResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(CallStatus(stub_->Heartbeat(&context, request, &response), "Heartbeat"));
+  Observe(response.header());
+  return response;
+}
+
+absl::Status CoordinatorClient::Deregister(absl::string_view reason) {
+  v1::DeregisterRequest request;
+  FillHeader(request.mutable_header());
+  request.set_reason(std::string(reason));
+  v1::DeregisterResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(CallStatus(stub_->Deregister(&context, request, &response), "Deregister"));
+  Observe(response.header());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::GetClusterStatusResponse> CoordinatorClient::GetClusterStatus() {
+  v1::GetClusterStatusRequest request;
+  FillHeader(request.mutable_header());
+  v1::GetClusterStatusResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(
+      CallStatus(stub_->GetClusterStatus(&context, request, &response), "GetClusterStatus"));
+  Observe(response.header());
+  return response;
+}
+
+std::unique_ptr<HeartbeatLoop> CoordinatorClient::StartHeartbeats(HeartbeatOptions options) {
+  return std::make_unique<HeartbeatLoop>(this, std::move(options));
+}
+
+std::string CoordinatorClient::node_id() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return node_id_;
+}
+
+v1::NodeRole CoordinatorClient::role() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return role_;
+}
+
+absl::Duration CoordinatorClient::heartbeat_interval() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return heartbeat_interval_;
+}
+
+uint64_t CoordinatorClient::membership_epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return membership_epoch_;
+}
+
+uint64_t CoordinatorClient::plan_epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plan_epoch_;
+}
+
+// ---- HeartbeatLoop -----------------------------------------------------------------------------
+
+HeartbeatLoop::HeartbeatLoop(CoordinatorClient* client,
+                             CoordinatorClient::HeartbeatOptions options)
+    : client_(client), options_(std::move(options)), thread_([this] { Run(); }) {}
+
+HeartbeatLoop::~HeartbeatLoop() { Stop(); }
+
+void HeartbeatLoop::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void HeartbeatLoop::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    lock.unlock();
+    const uint64_t iteration = options_.iteration ? options_.iteration() : 0;
+    const uint64_t plan_epoch = options_.plan_epoch ? options_.plan_epoch() : client_->plan_epoch();
+    const absl::StatusOr<v1::HeartbeatResponse> result = client_->Heartbeat(iteration, plan_epoch);
+    if (options_.on_result) {
+      options_.on_result(result);
+    } else if (!result.ok()) {
+      PSD_LOG_WARN("heartbeat of {} failed: {}", client_->node_id(), result.status().message());
+    } else if (result->shutdown()) {
+      PSD_LOG_WARN("the coordinator asks {} to shut down (declared dead or replaced)",
+                   client_->node_id());
+    }
+    const absl::Duration interval = options_.interval > absl::ZeroDuration()
+                                        ? options_.interval
+                                        : client_->heartbeat_interval();
+    lock.lock();
+    wake_.wait_for(lock, absl::ToChronoNanoseconds(interval), [this] { return stop_; });
+  }
+}
+
+}  // namespace poseidon::coordinator

@@ -1,0 +1,178 @@
+// CoordinatorClient: what agents, servers and tools use to talk to poseidon-coordinator. Every call
+// has a deadline, carries the job id, token and (once registered) node id, and returns
+// absl::Status / absl::StatusOr with the coordinator's code and message. HeartbeatLoop keeps a
+// registered node alive from a thread of its own.
+// Thread-safety: CoordinatorClient is safe from any thread (the stub is; the registration state is
+// under a mutex). A HeartbeatLoop must be stopped (or destroyed) before its client.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "coordinator/tls.h"
+#include "poseidon/v1/coordinator.grpc.pb.h"
+
+namespace poseidon::coordinator {
+
+struct CoordinatorClientOptions {
+  std::string address;  // "host:port" of the coordinator
+  std::string job_id;   // empty only for cluster-wide servers and tools (with the cluster token)
+  std::string token;
+  ClientTlsOptions tls;
+  // The deadline of calls that do not wait (everything but Rendezvous, RegisterModel and
+  // WaitForPlan, which take their own timeout).
+  absl::Duration call_timeout = absl::Seconds(10);
+};
+
+// What an agent tells the coordinator about itself.
+struct AgentRegistration {
+  std::string host;
+  uint32_t gpu_index = 0;
+  // The agent's data-plane listeners (at least one), e.g. {TRANSPORT_KIND_TCP, "10.0.0.5:7200"}.
+  std::vector<poseidon::v1::Endpoint> endpoints;
+  uint32_t world_size = 0;
+  std::optional<uint32_t> requested_rank;  // from a launcher; absent: the coordinator chooses
+};
+
+// What a server tells the coordinator about itself.
+struct ServerRegistration {
+  std::string host;
+  std::vector<poseidon::v1::Endpoint> endpoints;
+  poseidon::v1::ServerCapacity capacity;
+  std::string previous_node_id;  // to re-join as the same server after a restart
+};
+
+// A job's membership, as Rendezvous returns it.
+struct World {
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  std::vector<poseidon::v1::PeerInfo> peers;      // every agent of the job, by rank (incl. self)
+  std::vector<poseidon::v1::ServerInfo> servers;  // the job's servers (Plan.servers' order)
+  uint64_t membership_epoch = 0;
+};
+
+// An endpoint from its parts.
+poseidon::v1::Endpoint MakeEndpoint(poseidon::v1::TransportKind transport,
+                                    absl::string_view address);
+
+class HeartbeatLoop;
+
+class CoordinatorClient {
+ public:
+  // Creates the channel (no call is made: an unreachable coordinator shows on the first call).
+  // Errors: an empty address, unreadable TLS files.
+  static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Connect(
+      CoordinatorClientOptions options);
+  static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Connect(
+      absl::string_view address, absl::string_view job_id, absl::string_view token,
+      const ClientTlsOptions& tls = {});
+
+  CoordinatorClient(const CoordinatorClient&) = delete;
+  CoordinatorClient& operator=(const CoordinatorClient&) = delete;
+
+  // Registration; on success node_id() is set and sent with every later call. A retry with the
+  // same client returns the same registration.
+  absl::StatusOr<poseidon::v1::RegisterAgentResponse> RegisterAgent(
+      const AgentRegistration& agent);
+  absl::StatusOr<poseidon::v1::RegisterServerResponse> RegisterServer(
+      const ServerRegistration& server);
+
+  // Waits (at most `timeout`) until the job's world is complete; the rank, the peers and the
+  // servers. DEADLINE_EXCEEDED names the ranks that are missing.
+  absl::StatusOr<World> Rendezvous(absl::Duration timeout);
+  // RegisterAgent, then Rendezvous within `timeout` in all.
+  absl::StatusOr<World> RegisterAgentAndRendezvous(const AgentRegistration& agent,
+                                                   absl::Duration timeout);
+
+  // Registers this rank's model and waits (at most `timeout`) until every rank registered the
+  // same model; returns the job's plan. FAILED_PRECONDITION names the first differing layer.
+  absl::StatusOr<poseidon::v1::Plan> RegisterModel(
+      const poseidon::v1::ModelSpec& model, const poseidon::v1::UpdateRuleSpec& update_rule = {},
+      const poseidon::v1::ConsistencySpec& consistency = {}, absl::Duration timeout =
+                                                                 absl::Minutes(5));
+
+  // The job's newest plan (FAILED_PRECONDITION when it has none yet).
+  absl::StatusOr<poseidon::v1::Plan> GetPlan();
+  // Waits (at most `timeout`) for a plan of epoch >= min_plan_epoch. When none arrives in time
+  // the current plan is returned (compare its epoch); without any plan, DEADLINE_EXCEEDED.
+  absl::StatusOr<poseidon::v1::Plan> WaitForPlan(uint64_t min_plan_epoch, absl::Duration timeout);
+
+  // Measured links to peers, and the iteration this node completed (agents; 0 for servers).
+  absl::Status ReportTelemetry(const std::vector<poseidon::v1::LinkTelemetry>& links,
+                               uint64_t iteration);
+  // One heartbeat. A response with shutdown = true means this node id was declared dead or
+  // replaced: stop, or register anew.
+  absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(uint64_t iteration,
+                                                             uint64_t plan_epoch);
+  absl::Status Deregister(absl::string_view reason);
+  absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();
+
+  // Heartbeats every heartbeat_interval() on a thread of its own until stopped.
+  struct HeartbeatOptions {
+    absl::Duration interval = absl::ZeroDuration();  // zero: what registration returned
+    std::function<uint64_t()> iteration;             // null: 0
+    std::function<uint64_t()> plan_epoch;            // null: the last plan epoch seen
+    // Every result, on the loop's thread (keep it short). Null: failures are logged.
+    std::function<void(const absl::StatusOr<poseidon::v1::HeartbeatResponse>&)> on_result;
+  };
+  std::unique_ptr<HeartbeatLoop> StartHeartbeats(HeartbeatOptions options);
+
+  // Registration state and the newest epochs seen in any response.
+  std::string node_id() const;
+  poseidon::v1::NodeRole role() const;
+  absl::Duration heartbeat_interval() const;
+  uint64_t membership_epoch() const;
+  uint64_t plan_epoch() const;
+  const CoordinatorClientOptions& options() const { return options_; }
+
+ private:
+  CoordinatorClient(CoordinatorClientOptions options,
+                    std::unique_ptr<poseidon::v1::Coordinator::Stub> stub);
+  void FillHeader(poseidon::v1::RequestHeader* header) const;
+  void Observe(const poseidon::v1::ResponseHeader& header);
+  static void SetDeadline(grpc::ClientContext* context, absl::Duration timeout);
+
+  const CoordinatorClientOptions options_;
+  const std::unique_ptr<poseidon::v1::Coordinator::Stub> stub_;
+  mutable std::mutex mu_;
+  std::string node_id_;                                                  // guarded by mu_
+  poseidon::v1::NodeRole role_ = poseidon::v1::NODE_ROLE_UNSPECIFIED;    // guarded by mu_
+  absl::Duration heartbeat_interval_ = absl::Seconds(3);                 // guarded by mu_
+  uint64_t membership_epoch_ = 0;                                        // guarded by mu_
+  uint64_t plan_epoch_ = 0;                                              // guarded by mu_
+};
+
+// A running heartbeat thread (CoordinatorClient::StartHeartbeats). Stops when destroyed.
+class HeartbeatLoop {
+ public:
+  HeartbeatLoop(CoordinatorClient* client, CoordinatorClient::HeartbeatOptions options);
+  ~HeartbeatLoop();
+  HeartbeatLoop(const HeartbeatLoop&) = delete;
+  HeartbeatLoop& operator=(const HeartbeatLoop&) = delete;
+
+  // Stops and joins the thread (a heartbeat in flight finishes first, within the call timeout).
+  void Stop();
+
+ private:
+  void Run();
+
+  CoordinatorClient* const client_;
+  const CoordinatorClient::HeartbeatOptions options_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace poseidon::coordinator

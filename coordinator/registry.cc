@@ -1,0 +1,995 @@
+#include "coordinator/registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "coordinator/model_diff.h"
+#include "google/protobuf/util/message_differencer.h"
+
+namespace poseidon::coordinator {
+namespace {
+
+namespace v1 = ::poseidon::v1;
+
+// Lists name at most this many ranks; the rest are counted.
+constexpr size_t kMaxListed = 16;
+
+std::string Ago(absl::Duration d) {
+  return absl::FormatDuration(absl::Trunc(std::max(d, absl::ZeroDuration()),
+                                          absl::Milliseconds(1)));
+}
+
+uint64_t Millis(absl::Duration d) {
+  return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Milliseconds(d)));
+}
+
+std::string Bandwidth(double bytes_per_second) {
+  return absl::StrCat(absl::SixDigits(bytes_per_second * 8 / 1e9), " Gbit/s");
+}
+
+std::vector<v1::SyncScheme> Schemes(const v1::Plan& plan) {
+  std::vector<v1::SyncScheme> schemes;
+  schemes.reserve(static_cast<size_t>(plan.layers_size()));
+  for (const v1::LayerPlan& layer : plan.layers()) schemes.push_back(layer.scheme());
+  return schemes;
+}
+
+// "2, 3, 5 and 7 more" style list of the first kMaxListed entries.
+std::string Listed(const std::vector<std::string>& items) {
+  std::vector<std::string> shown(items.begin(),
+                                 items.begin() + static_cast<std::ptrdiff_t>(
+                                                     std::min(items.size(), kMaxListed)));
+  std::string text = absl::StrJoin(shown, "; ");
+  if (items.size() > kMaxListed) absl::StrAppend(&text, "; and ", items.size() - kMaxListed, " more");
+  return text;
+}
+
+}  // namespace
+
+Registry::Registry(RegistryOptions options, std::string incarnation)
+    : options_(std::move(options)), incarnation_(std::move(incarnation)) {}
+
+absl::Duration Registry::heartbeat_interval() const {
+  return options_.heartbeat_interval > absl::ZeroDuration() ? options_.heartbeat_interval
+                                                            : options_.lease / 5;
+}
+
+void Registry::FillHeader(absl::string_view job_id, v1::ResponseHeader* header) const {
+  header->set_epoch(membership_epoch_);
+  const Job* job = job_id.empty() ? nullptr : FindJob(job_id);
+  header->set_plan_epoch(job != nullptr && job->plan.has_value() ? job->plan->plan_epoch() : 0);
+}
+
+// ---- Lookups -------------------------------------------------------------------------------------
+
+std::string Registry::NewId(absl::string_view prefix) {
+  return absl::StrCat(prefix, "-", incarnation_, "-", ++next_seq_);
+}
+
+Registry::Node* Registry::FindNode(absl::string_view id) {
+  const auto it = nodes_.find(id);
+  return it == nodes_.end() ? nullptr : &it->second;
+}
+
+const Registry::Node* Registry::FindNode(absl::string_view id) const {
+  const auto it = nodes_.find(id);
+  return it == nodes_.end() ? nullptr : &it->second;
+}
+
+Registry::Job& Registry::JobFor(absl::string_view job_id) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    it = jobs_.emplace(std::string(job_id), Job{}).first;
+    it->second.id = std::string(job_id);
+  }
+  return it->second;
+}
+
+const Registry::Job* Registry::FindJob(absl::string_view job_id) const {
+  const auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : &it->second;
+}
+
+bool Registry::Live(const Node* node) {
+  return node != nullptr && node->state == v1::NODE_STATE_ALIVE;
+}
+
+bool Registry::HolderLive(const Job& job, uint32_t rank) const {
+  return rank < job.ranks.size() && Live(FindNode(job.ranks[rank].node_id));
+}
+
+bool Registry::WorldComplete(const Job& job) const {
+  if (job.world_size == 0) return false;
+  for (uint32_t r = 0; r < job.world_size; ++r) {
+    if (!HolderLive(job, r)) return false;
+  }
+  return true;
+}
+
+bool Registry::WorldFormed(const Job& job) const {
+  return !job.world_agents.empty() && WorldComplete(job) && job.world_agents == CurrentHolders(job);
+}
+
+bool Registry::AllModelsAgree(const Job& job) const {
+  if (!job.model.has_value() || job.ranks.empty()) return false;
+  return std::all_of(job.ranks.begin(), job.ranks.end(),
+                     [](const RankSlot& slot) { return slot.model_ok; });
+}
+
+std::vector<std::string> Registry::CurrentHolders(const Job& job) const {
+  std::vector<std::string> holders;
+  holders.reserve(job.ranks.size());
+  for (const RankSlot& slot : job.ranks) holders.push_back(slot.node_id);
+  return holders;
+}
+
+std::vector<const Registry::Node*> Registry::EligibleServers(absl::string_view job_id) const {
+  std::vector<const Node*> servers;
+  for (const auto& [id, node] : nodes_) {
+    if (node.role == v1::NODE_ROLE_SERVER && Live(&node) &&
+        (node.job_id.empty() || node.job_id == job_id)) {
+      servers.push_back(&node);
+    }
+  }
+  std::sort(servers.begin(), servers.end(),
+            [](const Node* a, const Node* b) { return a->seq < b->seq; });
+  return servers;
+}
+
+absl::Status Registry::CheckScope(const Caller& caller, const Node& node) const {
+  if (node.job_id == caller.job_id) return absl::OkStatus();
+  if (caller.job_id.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "node '", node.id, "' belongs to job '", node.job_id,
+        "': send that job's id and token, not the cluster token"));
+  }
+  if (node.job_id.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "node '", node.id, "' is a cluster-wide server: send an empty header.job_id and the "
+                           "cluster token, not job '",
+        caller.job_id, "'"));
+  }
+  return absl::PermissionDeniedError(absl::StrCat("node '", node.id, "' belongs to job '",
+                                                  node.job_id, "', not to job '", caller.job_id,
+                                                  "'"));
+}
+
+absl::StatusOr<Registry::Node*> Registry::Member(const Caller& caller, absl::string_view node_id,
+                                                 v1::NodeRole role, absl::Time now) {
+  Node* node = FindNode(node_id);
+  if (node == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "node '", node_id,
+        "' is not registered with this coordinator (it may have restarted): register again"));
+  }
+  RETURN_IF_ERROR(CheckScope(caller, *node));
+  if (role != v1::NODE_ROLE_UNSPECIFIED && node->role != role) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node '", node_id, "' is registered as ", v1::NodeRole_Name(node->role), ", this call is for ",
+        v1::NodeRole_Name(role)));
+  }
+  if (node->state == v1::NODE_STATE_DEAD) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("node '", node_id, "' was declared dead ", Ago(now - node->state_since),
+                     " ago (", node->state_reason, "): register again"));
+  }
+  if (node->state == v1::NODE_STATE_LEFT) {
+    return absl::FailedPreconditionError(absl::StrCat("node '", node_id, "' has left (",
+                                                      node->state_reason, "): register again"));
+  }
+  node->last_seen = std::max(node->last_seen, now);
+  return node;
+}
+
+absl::StatusOr<Registry::Job*> Registry::AgentJob(const Node& agent) {
+  const auto it = jobs_.find(agent.job_id);
+  if (it == jobs_.end() || agent.rank >= it->second.ranks.size() ||
+      it->second.ranks[agent.rank].node_id != agent.id) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("agent '", agent.id, "' no longer holds rank ", agent.rank, " of job '",
+                     agent.job_id, "': register again"));
+  }
+  return &it->second;
+}
+
+void Registry::MarkLeft(Node& node, absl::Time now, absl::string_view reason) {
+  node.state = v1::NODE_STATE_LEFT;
+  node.state_since = now;
+  node.state_reason = std::string(reason);
+  ++membership_epoch_;
+  ++version_;
+  PSD_LOG_INFO("node {} ({}) left: {}", node.id, v1::NodeRole_Name(node.role), reason);
+}
+
+void Registry::ResetJob(Job& job) {
+  PSD_LOG_INFO("job {}: no live agent is left; the next registration starts a new world",
+               job.id);
+  const uint64_t last_epoch = job.last_plan_epoch;
+  const std::string id = job.id;
+  job = Job{};
+  job.id = id;
+  job.last_plan_epoch = last_epoch;  // plan epochs never repeat
+  ++version_;
+}
+
+std::string Registry::DescribeNode(const Node& node, absl::Time now) const {
+  std::string text = absl::StrCat(node.id, " on host ", node.host);
+  if (node.role == v1::NODE_ROLE_AGENT) absl::StrAppend(&text, " gpu ", node.gpu_index);
+  switch (node.state) {
+    case v1::NODE_STATE_DEAD:
+      absl::StrAppend(&text, ", declared dead ", Ago(now - node.state_since), " ago (",
+                      node.state_reason, ")");
+      break;
+    case v1::NODE_STATE_LEFT:
+      absl::StrAppend(&text, ", left (", node.state_reason, ")");
+      break;
+    default:
+      absl::StrAppend(&text, ", alive, last heard ", Ago(now - node.last_seen), " ago");
+  }
+  return text;
+}
+
+std::string Registry::DescribeRank(const Job& job, uint32_t rank, absl::Time now) const {
+  const Node* holder = rank < job.ranks.size() ? FindNode(job.ranks[rank].node_id) : nullptr;
+  if (holder == nullptr) return absl::StrCat("rank ", rank, " (no agent has registered)");
+  return absl::StrCat("rank ", rank, " (", DescribeNode(*holder, now), ")");
+}
+
+// ---- Registration ----------------------------------------------------------------------------
+
+absl::Status Registry::RegisterServer(const Caller& caller,
+                                      const v1::RegisterServerRequest& request, absl::Time now,
+                                      v1::RegisterServerResponse* response) {
+  const std::string& previous = request.previous_node_id();
+  Node* node = previous.empty() ? nullptr : FindNode(previous);
+  if (node != nullptr) {
+    // A server re-joining after a restart keeps its id (and the tables assigned to it).
+    if (node->role != v1::NODE_ROLE_SERVER) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("previous_node_id '", previous, "' is an agent, not a server"));
+    }
+    RETURN_IF_ERROR(CheckScope(caller, *node));
+    if (Live(node) && node->host != request.host()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "server '", previous, "' is registered and alive on host ", node->host,
+          "; another host can take its id only after it is declared dead (",
+          Ago(options_.lease), " of silence) or deregisters"));
+    }
+    node->host = request.host();
+    node->endpoints.assign(request.endpoints().begin(), request.endpoints().end());
+    node->capacity = request.capacity();
+    node->state = v1::NODE_STATE_ALIVE;
+    node->state_reason.clear();
+    node->last_seen = now;
+    PSD_LOG_INFO("server {} re-joined from host {}", node->id, node->host);
+  } else {
+    if (nodes_.size() >= options_.max_nodes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the coordinator already tracks ", nodes_.size(), " nodes (max_nodes)"));
+    }
+    Node fresh;
+    // An id from a previous coordinator run is kept, so the server stays the same server.
+    fresh.id = previous.empty() ? NewId("server") : previous;
+    fresh.role = v1::NODE_ROLE_SERVER;
+    fresh.job_id = caller.job_id;
+    fresh.host = request.host();
+    fresh.endpoints.assign(request.endpoints().begin(), request.endpoints().end());
+    fresh.capacity = request.capacity();
+    fresh.last_seen = now;
+    fresh.seq = ++next_seq_;
+    node = &nodes_.emplace(fresh.id, std::move(fresh)).first->second;
+    PSD_LOG_INFO("server {} registered from host {} for {}", node->id, node->host,
+                 caller.job_id.empty() ? std::string("every job")
+                                       : absl::StrCat("job ", caller.job_id));
+  }
+  ++membership_epoch_;
+  ++version_;
+  // A new server may complete a world that waits for servers; a re-joined one changes endpoints.
+  for (auto& [id, job] : jobs_) Refresh(job, now);
+  response->set_node_id(node->id);
+  response->set_heartbeat_interval_ms(Millis(heartbeat_interval()));
+  response->set_lease_ms(Millis(options_.lease));
+  FillHeader(caller.job_id, response->mutable_header());
+  return absl::OkStatus();
+}
+
+absl::Status Registry::RegisterAgent(const Caller& caller,
+                                     const v1::RegisterAgentRequest& request, absl::Time now,
+                                     v1::RegisterAgentResponse* response) {
+  if (caller.job_id.empty()) {
+    return absl::PermissionDeniedError(
+        "an agent belongs to a job: send header.job_id and the job's token, not the cluster "
+        "token");
+  }
+  Job& job = JobFor(caller.job_id);
+  auto answer = [&](const Node& node) {
+    response->set_node_id(node.id);
+    response->set_rank(node.rank);
+    response->set_world_size(job.world_size);
+    response->set_heartbeat_interval_ms(Millis(heartbeat_interval()));
+    response->set_lease_ms(Millis(options_.lease));
+    FillHeader(job.id, response->mutable_header());
+  };
+
+  // A retry of a registration that went through (the response was lost) gets the same answer.
+  if (Node* known = FindNode(request.header().node_id());
+      known != nullptr && known->role == v1::NODE_ROLE_AGENT && known->job_id == job.id &&
+      known->state != v1::NODE_STATE_LEFT && known->rank < job.ranks.size() &&
+      job.ranks[known->rank].node_id == known->id && job.world_size == request.world_size() &&
+      (!request.has_requested_rank() || request.requested_rank() == known->rank)) {
+    if (known->state == v1::NODE_STATE_DEAD) {
+      known->state = v1::NODE_STATE_ALIVE;
+      known->state_reason.clear();
+      ++membership_epoch_;
+      ++version_;
+      PSD_LOG_INFO("job {}: agent {} (rank {}) is back", job.id, known->id, known->rank);
+    }
+    known->last_seen = now;
+    Refresh(job, now);
+    answer(*known);
+    return absl::OkStatus();
+  }
+
+  if (job.world_size != 0) {
+    bool any_live = false;
+    for (uint32_t r = 0; r < job.world_size; ++r) any_live = any_live || HolderLive(job, r);
+    if (!any_live) ResetJob(job);
+  }
+  if (job.world_size == 0) {
+    job.world_size = request.world_size();
+    job.ranks.assign(job.world_size, RankSlot{});
+    job.world_size_origin = absl::StrCat("host ", request.host(), " gpu ", request.gpu_index());
+  } else if (request.world_size() != job.world_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "world_size mismatch: this agent says ", request.world_size(), ", job '", job.id,
+        "' has world_size ", job.world_size, " (set by the first agent, ", job.world_size_origin,
+        "); every agent of a job must send the same world_size"));
+  }
+  if (nodes_.size() >= options_.max_nodes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the coordinator already tracks ", nodes_.size(), " nodes (max_nodes)"));
+  }
+
+  uint32_t rank = 0;
+  Node* restarted = nullptr;
+  if (request.has_requested_rank()) {
+    rank = request.requested_rank();
+    Node* holder = FindNode(job.ranks[rank].node_id);
+    if (Live(holder)) {
+      if (holder->host != request.host() || holder->gpu_index != request.gpu_index()) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "duplicate rank: rank ", rank, " of job '", job.id, "' is held by ",
+            DescribeNode(*holder, now), "; a replacement can take the rank once that agent "
+                                        "deregisters or is declared dead after ",
+            Ago(options_.lease), " of silence"));
+      }
+      // The same host and GPU asking for its own rank again: the agent restarted.
+      restarted = holder;
+    }
+  } else {
+    bool found = false;
+    for (uint32_t r = 0; r < job.world_size && !found; ++r) {
+      if (!HolderLive(job, r)) {
+        rank = r;
+        found = true;
+      }
+    }
+    if (!found) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job '", job.id, "' already has ", job.world_size, " live agents (world_size ",
+          job.world_size, "); a replacement can register once one of them deregisters or is "
+                          "declared dead"));
+    }
+  }
+  if (restarted != nullptr) MarkLeft(*restarted, now, "replaced by a restart on the same GPU");
+
+  Node node;
+  node.id = NewId("agent");
+  node.role = v1::NODE_ROLE_AGENT;
+  node.job_id = job.id;
+  node.host = request.host();
+  node.gpu_index = request.gpu_index();
+  node.endpoints.assign(request.endpoints().begin(), request.endpoints().end());
+  node.rank = rank;
+  node.last_seen = now;
+  node.seq = ++next_seq_;
+  const Node& added = nodes_.emplace(node.id, std::move(node)).first->second;
+  job.ranks[rank] = RankSlot{added.id, false, ""};
+  ++membership_epoch_;
+  ++version_;
+  PSD_LOG_INFO("job {}: agent {} (host {} gpu {}) registered as rank {} of {}", job.id, added.id,
+               added.host, added.gpu_index, rank, job.world_size);
+  Refresh(job, now);
+  answer(added);
+  return absl::OkStatus();
+}
+
+// ---- Rendezvous --------------------------------------------------------------------------------
+
+absl::StatusOr<bool> Registry::TryRendezvous(const Caller& caller, absl::string_view node_id,
+                                             absl::Time now, v1::RendezvousResponse* response) {
+  ASSIGN_OR_RETURN(Node * node, Member(caller, node_id, v1::NODE_ROLE_AGENT, now));
+  ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
+  if (!WorldFormed(*job)) return false;
+  response->Clear();
+  response->set_rank(node->rank);
+  response->set_world_size(job->world_size);
+  for (uint32_t r = 0; r < job->world_size; ++r) {
+    const Node& peer = *FindNode(job->world_agents[r]);
+    v1::PeerInfo* info = response->add_peers();
+    info->set_node_id(peer.id);
+    info->set_rank(r);
+    info->set_host(peer.host);
+    info->set_gpu_index(peer.gpu_index);
+    for (const v1::Endpoint& endpoint : peer.endpoints) *info->add_endpoints() = endpoint;
+  }
+  for (const std::string& id : job->world_servers) {
+    const Node* server = FindNode(id);
+    if (server == nullptr) continue;  // never: world servers are not forgotten
+    v1::ServerInfo* info = response->add_servers();
+    info->set_node_id(server->id);
+    info->set_host(server->host);
+    for (const v1::Endpoint& endpoint : server->endpoints) *info->add_endpoints() = endpoint;
+    *info->mutable_capacity() = server->capacity;
+  }
+  FillHeader(job->id, response->mutable_header());
+  return true;
+}
+
+std::string Registry::DescribeIncompleteWorld(absl::string_view job_id, absl::Time now) const {
+  const Job* job = FindJob(job_id);
+  if (job == nullptr || job->world_size == 0) {
+    return absl::StrCat("no agent of job '", job_id, "' has registered");
+  }
+  std::vector<std::string> missing;
+  uint32_t live = 0;
+  for (uint32_t r = 0; r < job->world_size; ++r) {
+    if (HolderLive(*job, r)) {
+      ++live;
+    } else {
+      missing.push_back(DescribeRank(*job, r, now));
+    }
+  }
+  std::vector<std::string> parts;
+  if (!missing.empty()) {
+    parts.push_back(absl::StrCat(live, " of ", job->world_size,
+                                 " ranks have a live agent; missing: ", Listed(missing)));
+  }
+  if (job->world_servers.empty()) {
+    const size_t servers = EligibleServers(job_id).size();
+    if (servers < options_.min_servers) {
+      parts.push_back(absl::StrCat("servers: ", servers, " of the ", options_.min_servers,
+                                   " required have registered"));
+    }
+  }
+  if (parts.empty()) return "the world is complete";
+  return absl::StrJoin(parts, "; ");
+}
+
+// ---- Model and plan ----------------------------------------------------------------------------
+
+absl::Status Registry::RegisterModel(const Caller& caller,
+                                     const v1::RegisterModelRequest& request, absl::Time now) {
+  ASSIGN_OR_RETURN(Node * node, Member(caller, request.header().node_id(), v1::NODE_ROLE_AGENT,
+                                       now));
+  ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
+  RankSlot& slot = job->ranks[node->rank];
+
+  std::optional<std::string> difference;
+  if (job->model.has_value()) {
+    difference = FirstModelDifference(job->model->spec, request.model());
+    if (!difference) {
+      difference = FirstUpdateRuleDifference(job->model->update_rule, request.update_rule());
+    }
+    if (!difference) {
+      difference = FirstConsistencyDifference(job->model->consistency, request.consistency());
+    }
+  }
+  bool others_agree = false;
+  for (uint32_t r = 0; r < job->ranks.size(); ++r) {
+    others_agree = others_agree || (r != node->rank && job->ranks[r].model_ok);
+  }
+  if (difference && others_agree) {
+    slot.model_ok = false;
+    slot.model_refusal = absl::StrCat("the model of rank ", node->rank, " differs from job '",
+                                      job->id, "''s model (first registered by rank ",
+                                      job->model->registered_by_rank, "): ", *difference);
+    ++version_;
+    return absl::FailedPreconditionError(slot.model_refusal);
+  }
+  if (!job->model.has_value() || difference) {
+    // The job's first model, or a new one no other rank has agreed to yet. A dry run on the
+    // job's shape refuses a model the planner cannot plan now, to its sender.
+    planner::PlannerConfig trial;
+    trial.workers = job->world_size;
+    trial.servers = static_cast<uint32_t>(std::max<size_t>(
+        1, job->world_servers.empty() ? EligibleServers(job->id).size()
+                                      : job->world_servers.size()));
+    trial.batch_per_worker = options_.batch_per_worker;
+    trial.colocated = options_.colocated;
+    trial.bandwidth_bytes_per_second = options_.nominal_bandwidth_bytes_per_second;
+    trial.latency_seconds = options_.nominal_latency_seconds;
+    trial.block_bytes = options_.block_bytes;
+    trial.scheme_rule = options_.scheme_rule;
+    if (absl::StatusOr<planner::PlanResult> dry = planner::BuildPlan(request.model(), trial);
+        !dry.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("model: ", dry.status().message()));
+    }
+    job->model = JobModel{request.model(), request.update_rule(), request.consistency(),
+                          node->rank};
+    job->plan.reset();
+    job->plan_error.clear();
+    PSD_LOG_INFO("job {}: model '{}' ({} layers) registered by rank {}", job->id,
+                 request.model().name(), request.model().layers_size(), node->rank);
+  }
+  slot.model_ok = true;
+  slot.model_refusal.clear();
+  ++version_;
+  Refresh(*job, now);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Registry::TryModelPlan(const Caller& caller, absl::string_view node_id,
+                                            absl::Time now, v1::Plan* plan) {
+  ASSIGN_OR_RETURN(Node * node, Member(caller, node_id, v1::NODE_ROLE_AGENT, now));
+  ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
+  const RankSlot& slot = job->ranks[node->rank];
+  if (!slot.model_ok) {
+    return absl::FailedPreconditionError(
+        slot.model_refusal.empty()
+            ? absl::StrCat("rank ", node->rank, " has no registered model: register it again")
+            : slot.model_refusal);
+  }
+  if (!job->plan_error.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job->id, "' cannot be planned: ", job->plan_error));
+  }
+  if (!job->plan.has_value() || !WorldFormed(*job) || !AllModelsAgree(*job)) return false;
+  *plan = *job->plan;
+  return true;
+}
+
+std::string Registry::DescribeMissingPlan(absl::string_view job_id, absl::Time now) const {
+  const Job* job = FindJob(job_id);
+  if (job == nullptr || job->world_size == 0) {
+    return absl::StrCat("no agent of job '", job_id, "' has registered");
+  }
+  if (!WorldFormed(*job)) {
+    return absl::StrCat("the world is incomplete: ", DescribeIncompleteWorld(job_id, now));
+  }
+  if (!job->model.has_value()) return "no rank has registered the model";
+  std::vector<std::string> waiting;
+  std::vector<std::string> refused;
+  for (uint32_t r = 0; r < job->world_size; ++r) {
+    const RankSlot& slot = job->ranks[r];
+    if (slot.model_ok) continue;
+    if (!slot.model_refusal.empty()) {
+      refused.push_back(slot.model_refusal);
+    } else {
+      waiting.push_back(DescribeRank(*job, r, now));
+    }
+  }
+  std::vector<std::string> parts;
+  if (!waiting.empty()) {
+    parts.push_back(absl::StrCat(waiting.size(), " of ", job->world_size,
+                                 " ranks have not registered the model: ", Listed(waiting)));
+  }
+  if (!refused.empty()) parts.push_back(Listed(refused));
+  if (!job->plan_error.empty()) parts.push_back(absl::StrCat("planning failed: ", job->plan_error));
+  if (parts.empty()) return "the plan is ready";
+  return absl::StrJoin(parts, "; ");
+}
+
+absl::StatusOr<bool> Registry::TryGetPlan(const Caller& caller, absl::string_view node_id,
+                                          std::optional<uint64_t> min_epoch, absl::Time now,
+                                          v1::Plan* plan) {
+  if (caller.job_id.empty()) {
+    return absl::InvalidArgumentError(
+        "header.job_id: GetPlan needs the job whose plan to return");
+  }
+  if (!node_id.empty()) {
+    RETURN_IF_ERROR(Member(caller, node_id, v1::NODE_ROLE_UNSPECIFIED, now).status());
+  }
+  const Job* job = FindJob(caller.job_id);
+  if (job == nullptr || !job->plan.has_value()) {
+    if (!min_epoch.has_value()) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", caller.job_id,
+                                                        "' has no plan yet: ",
+                                                        DescribeMissingPlan(caller.job_id, now)));
+    }
+    return false;
+  }
+  if (min_epoch.has_value() && job->plan->plan_epoch() < *min_epoch) return false;
+  *plan = *job->plan;
+  return true;
+}
+
+const v1::Plan* Registry::CurrentPlan(absl::string_view job_id) const {
+  const Job* job = FindJob(job_id);
+  return job != nullptr && job->plan.has_value() ? &*job->plan : nullptr;
+}
+
+void Registry::Refresh(Job& job, absl::Time now) {
+  if (WorldComplete(job)) {
+    std::vector<std::string> holders = CurrentHolders(job);
+    if (holders != job.world_agents) {
+      bool formed = true;
+      if (job.world_servers.empty()) {
+        const std::vector<const Node*> servers = EligibleServers(job.id);
+        if (servers.size() < options_.min_servers) {
+          formed = false;
+        } else {
+          for (const Node* server : servers) job.world_servers.push_back(server->id);
+        }
+      }
+      if (formed) {
+        job.world_agents = std::move(holders);
+        ++version_;
+        PSD_LOG_INFO("job {}: world formed: {} agents, {} servers (membership epoch {})", job.id,
+                     job.world_size, job.world_servers.size(), membership_epoch_);
+      }
+    }
+  }
+  MaybePlan(job, now);
+}
+
+std::vector<v1::PlanServer> Registry::PlanServers(const Job& job) const {
+  std::vector<v1::PlanServer> servers;
+  for (const std::string& id : job.world_servers) {
+    v1::PlanServer server;
+    server.set_node_id(id);
+    if (const Node* node = FindNode(id)) {
+      for (const v1::Endpoint& endpoint : node->endpoints) *server.add_endpoints() = endpoint;
+    }
+    servers.push_back(std::move(server));
+  }
+  return servers;
+}
+
+absl::flat_hash_set<std::string> Registry::Members(const Job& job) const {
+  absl::flat_hash_set<std::string> members(job.world_agents.begin(), job.world_agents.end());
+  members.insert(job.world_servers.begin(), job.world_servers.end());
+  return members;
+}
+
+std::pair<double, double> Registry::Network(const Job& job, absl::Time now) const {
+  const NetworkEstimate estimate =
+      links_.Estimate(Members(job), now, options_.telemetry_max_age);
+  return {estimate.bandwidth_bytes_per_second.value_or(options_.nominal_bandwidth_bytes_per_second),
+          estimate.latency_seconds.value_or(options_.nominal_latency_seconds)};
+}
+
+absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, double latency,
+                                         uint64_t epoch, uint64_t effective_iteration) const {
+  planner::PlannerConfig config;
+  config.workers = job.world_size;
+  config.servers = static_cast<uint32_t>(job.world_servers.size());
+  config.batch_per_worker = options_.batch_per_worker;
+  config.colocated = options_.colocated;
+  config.bandwidth_bytes_per_second = bandwidth;
+  config.latency_seconds = latency;
+  config.block_bytes = options_.block_bytes;
+  config.scheme_rule = options_.scheme_rule;
+  config.job_id = job.id;
+  config.plan_epoch = epoch;
+  config.effective_iteration = effective_iteration;
+  config.membership_epoch = membership_epoch_;
+  config.server_node_ids = job.world_servers;
+  ASSIGN_OR_RETURN(planner::PlanResult result, planner::BuildPlan(job.model->spec, config));
+  const std::vector<v1::PlanServer> servers = PlanServers(job);
+  for (size_t i = 0; i < servers.size(); ++i) {
+    *result.plan.mutable_servers(static_cast<int>(i)) = servers[i];
+  }
+  return std::move(result.plan);
+}
+
+void Registry::Install(Job& job, v1::Plan plan, double bandwidth, double latency,
+                       absl::string_view why) {
+  job.last_plan_epoch = plan.plan_epoch();
+  job.plan_bandwidth = bandwidth;
+  job.plan_latency = latency;
+  job.plan_error.clear();
+  job.last_evaluated_bandwidth.reset();
+  int sfb = 0;
+  for (const v1::LayerPlan& layer : plan.layers()) {
+    if (layer.scheme() == v1::SYNC_SCHEME_SFB) ++sfb;
+  }
+  PSD_LOG_INFO(
+      "job {}: plan epoch {} from iteration {} ({}): {} layers, {} on SFB, bandwidth {}, "
+      "latency {:.6g}us",
+      job.id, plan.plan_epoch(), plan.effective_iteration(), why, plan.layers_size(), sfb,
+      Bandwidth(bandwidth), latency * 1e6);
+  job.plan = std::move(plan);
+  ++plans_installed_;
+  ++version_;
+}
+
+void Registry::MaybePlan(Job& job, absl::Time now) {
+  if (!WorldFormed(job) || !AllModelsAgree(job)) return;
+  double bandwidth = job.plan_bandwidth;
+  double latency = job.plan_latency;
+  std::string why;
+  if (!job.plan.has_value()) {
+    std::tie(bandwidth, latency) = Network(job, now);
+    why = "first plan of the world";
+  } else {
+    const std::vector<v1::PlanServer> servers = PlanServers(job);
+    bool same = static_cast<int>(servers.size()) == job.plan->servers_size();
+    for (size_t i = 0; same && i < servers.size(); ++i) {
+      same = google::protobuf::util::MessageDifferencer::Equals(
+          servers[i], job.plan->servers(static_cast<int>(i)));
+    }
+    if (same) return;
+    why = "a server's endpoints changed";
+  }
+  if (!job.plan_error.empty()) return;  // cleared by the next model registration
+  const uint64_t effective = job.plan.has_value() ? job.max_iteration + options_.plan_lead_iterations
+                                                  : 0;
+  absl::StatusOr<v1::Plan> plan =
+      Build(job, bandwidth, latency, job.last_plan_epoch + 1, effective);
+  if (!plan.ok()) {
+    job.plan_error = std::string(plan.status().message());
+    ++version_;
+    PSD_LOG_ERROR("job {}: cannot plan: {}", job.id, job.plan_error);
+    return;
+  }
+  Install(job, *std::move(plan), bandwidth, latency, why);
+}
+
+void Registry::EvaluateReplan(Job& job, absl::Time now) {
+  if (!job.plan.has_value() || !job.model.has_value() || !WorldFormed(job) ||
+      !AllModelsAgree(job)) {
+    return;
+  }
+  const NetworkEstimate estimate =
+      links_.Estimate(Members(job), now, options_.telemetry_max_age);
+  if (!estimate.bandwidth_bytes_per_second.has_value()) return;
+  const double measured = *estimate.bandwidth_bytes_per_second;
+  // Hysteresis: small moves never re-plan, so noise cannot make plans flap.
+  if (!MovedBeyond(job.plan_bandwidth, measured, options_.replan_threshold)) return;
+  // A move already judged (no change of scheme) is not re-judged until it moves on.
+  if (job.last_evaluated_bandwidth.has_value() &&
+      !MovedBeyond(*job.last_evaluated_bandwidth, measured, options_.replan_threshold / 4)) {
+    return;
+  }
+  job.last_evaluated_bandwidth = measured;
+  const double latency = estimate.latency_seconds.value_or(options_.nominal_latency_seconds);
+  absl::StatusOr<v1::Plan> candidate =
+      Build(job, measured, latency, job.last_plan_epoch + 1,
+            job.max_iteration + options_.plan_lead_iterations);
+  if (!candidate.ok()) {
+    PSD_LOG_WARN("job {}: re-planning for {} failed: {}", job.id, Bandwidth(measured),
+                 candidate.status().message());
+    return;
+  }
+  if (Schemes(*candidate) == Schemes(*job.plan)) {
+    PSD_LOG_DEBUG("job {}: bandwidth {} (plan: {}) changes no scheme; plan kept", job.id,
+                  Bandwidth(measured), Bandwidth(job.plan_bandwidth));
+    return;
+  }
+  Install(job, *std::move(candidate), measured, latency,
+          absl::StrCat("measured bandwidth moved from ", Bandwidth(job.plan_bandwidth), " to ",
+                       Bandwidth(measured)));
+}
+
+// ---- Telemetry, liveness, status ---------------------------------------------------------------
+
+absl::Status Registry::ReportTelemetry(const Caller& caller,
+                                       const v1::ReportTelemetryRequest& request, absl::Time now) {
+  ASSIGN_OR_RETURN(Node * node,
+                   Member(caller, request.header().node_id(), v1::NODE_ROLE_UNSPECIFIED, now));
+  for (const v1::LinkTelemetry& link : request.links()) {
+    // Links to unknown nodes are dropped: the table only grows with real pairs of nodes.
+    if (link.peer_node_id() == node->id || FindNode(link.peer_node_id()) == nullptr) continue;
+    links_.Record(node->id, link.peer_node_id(),
+                  LinkSample{link.bytes_per_second(), link.latency_ns(), now});
+  }
+  if (node->role == v1::NODE_ROLE_AGENT) {
+    node->iteration = std::max(node->iteration, request.iteration());
+    ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
+    job->max_iteration = std::max(job->max_iteration, request.iteration());
+    EvaluateReplan(*job, now);
+  } else {
+    for (auto& [id, job] : jobs_) {
+      if (std::find(job.world_servers.begin(), job.world_servers.end(), node->id) !=
+          job.world_servers.end()) {
+        EvaluateReplan(job, now);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatRequest& request,
+                                 absl::Time now, v1::HeartbeatResponse* response) {
+  const std::string& node_id = request.header().node_id();
+  Node* node = FindNode(node_id);
+  if (node == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "node '", node_id,
+        "' is not registered with this coordinator (it may have restarted): register again"));
+  }
+  RETURN_IF_ERROR(CheckScope(caller, *node));
+  if (request.role() != node->role) {
+    return absl::InvalidArgumentError(absl::StrCat("role: ", v1::NodeRole_Name(request.role()),
+                                                   ", but node '", node_id,
+                                                   "' registered as ",
+                                                   v1::NodeRole_Name(node->role)));
+  }
+  FillHeader(caller.job_id, response->mutable_header());
+  if (!Live(node)) {
+    // Dead or departed is final for this id: the node is told to stop (and may register anew).
+    response->set_shutdown(true);
+    response->set_lease_ms(0);
+    return absl::OkStatus();
+  }
+  node->last_seen = now;
+  node->iteration = std::max(node->iteration, request.iteration());
+  node->plan_epoch = request.plan_epoch();
+  if (node->role == v1::NODE_ROLE_AGENT) {
+    if (auto job = jobs_.find(node->job_id); job != jobs_.end()) {
+      job->second.max_iteration = std::max(job->second.max_iteration, request.iteration());
+    }
+  }
+  response->set_lease_ms(Millis(options_.lease));
+  return absl::OkStatus();
+}
+
+absl::Status Registry::Deregister(const Caller& caller, const v1::DeregisterRequest& request,
+                                  absl::Time now) {
+  const std::string& node_id = request.header().node_id();
+  Node* node = FindNode(node_id);
+  if (node == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("node '", node_id, "' is not registered with this coordinator"));
+  }
+  RETURN_IF_ERROR(CheckScope(caller, *node));
+  if (node->state == v1::NODE_STATE_LEFT) return absl::OkStatus();
+  MarkLeft(*node, now, request.reason().empty() ? "deregistered" : request.reason());
+  return absl::OkStatus();
+}
+
+absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
+                                     v1::GetClusterStatusResponse* response) const {
+  response->set_membership_epoch(membership_epoch_);
+  FillHeader(caller.job_id, response->mutable_header());
+  std::vector<const Node*> shown;
+  for (const auto& [id, node] : nodes_) {
+    const bool visible =
+        caller.job_id.empty() || node.job_id == caller.job_id ||
+        (node.role == v1::NODE_ROLE_SERVER && node.job_id.empty());
+    if (visible) shown.push_back(&node);
+  }
+  std::sort(shown.begin(), shown.end(), [](const Node* a, const Node* b) {
+    return std::tie(a->role, a->job_id, a->rank, a->seq) <
+           std::tie(b->role, b->job_id, b->rank, b->seq);
+  });
+  const absl::Duration suspect_after = 2 * heartbeat_interval();
+  for (const Node* node : shown) {
+    v1::NodeStatus* out = response->add_nodes();
+    out->set_node_id(node->id);
+    out->set_role(node->role);
+    v1::NodeState state = node->state;
+    if (state == v1::NODE_STATE_ALIVE && node->waits == 0 && now - node->last_seen > suspect_after) {
+      state = v1::NODE_STATE_SUSPECT;
+    }
+    out->set_state(state);
+    out->set_host(node->host);
+    for (const v1::Endpoint& endpoint : node->endpoints) *out->add_endpoints() = endpoint;
+    if (node->role == v1::NODE_ROLE_AGENT) {
+      out->set_job_id(node->job_id);
+      out->set_rank(node->rank);
+      out->set_gpu_index(node->gpu_index);
+    }
+    out->set_iteration(node->iteration);
+    out->set_bytes_per_second(links_.MeanOutgoing(node->id, now, options_.telemetry_max_age));
+    out->set_last_heartbeat_age_ms(Millis(now - node->last_seen));
+  }
+  for (const auto& [id, job] : jobs_) {
+    if (!caller.job_id.empty() && id != caller.job_id) continue;
+    v1::JobStatus* out = response->add_jobs();
+    out->set_job_id(id);
+    if (job.model.has_value()) out->set_model_name(job.model->spec.name());
+    out->set_world_size(job.world_size);
+    if (job.plan.has_value()) {
+      out->set_plan_epoch(job.plan->plan_epoch());
+      out->set_effective_iteration(job.plan->effective_iteration());
+      for (const v1::LayerPlan& layer : job.plan->layers()) {
+        v1::LayerStatus* status = out->add_layers();
+        status->set_name(layer.layer_name());
+        status->set_scheme(layer.scheme());
+        status->set_bytes(layer.predicted_bytes_per_worker());
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Registry::BeginWait(absl::string_view node_id, absl::Time now) {
+  if (Node* node = FindNode(node_id)) {
+    ++node->waits;
+    node->last_seen = std::max(node->last_seen, now);
+  }
+}
+
+void Registry::EndWait(absl::string_view node_id, absl::Time now) {
+  if (Node* node = FindNode(node_id); node != nullptr && node->waits > 0) {
+    --node->waits;
+    node->last_seen = std::max(node->last_seen, now);
+  }
+}
+
+bool Registry::Expire(absl::Time now) {
+  bool died = false;
+  for (auto& [id, node] : nodes_) {
+    if (node.state != v1::NODE_STATE_ALIVE) continue;
+    if (node.waits > 0) {
+      node.last_seen = now;
+      continue;
+    }
+    const absl::Duration silent = now - node.last_seen;
+    if (silent <= options_.lease) continue;
+    node.state = v1::NODE_STATE_DEAD;
+    node.state_since = now;
+    node.state_reason = absl::StrCat("no heartbeat for ", Ago(silent), "; lease ",
+                                     Ago(options_.lease));
+    ++membership_epoch_;
+    died = true;
+    PSD_LOG_WARN("{} {} declared dead: {}", v1::NodeRole_Name(node.role), node.id,
+                 node.state_reason);
+  }
+  if (died) ++version_;
+
+  // Forget nodes long gone that no job refers to any more.
+  absl::flat_hash_set<std::string> referenced;
+  for (const auto& [id, job] : jobs_) {
+    for (const RankSlot& slot : job.ranks) referenced.insert(slot.node_id);
+    referenced.insert(job.world_agents.begin(), job.world_agents.end());
+    referenced.insert(job.world_servers.begin(), job.world_servers.end());
+  }
+  for (auto it = nodes_.begin(); it != nodes_.end();) {
+    const Node& node = it->second;
+    if (node.state != v1::NODE_STATE_ALIVE && node.waits == 0 &&
+        now - node.state_since > options_.retention && !referenced.contains(node.id)) {
+      links_.EraseNode(node.id);
+      it = nodes_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return died;
+}
+
+std::vector<Registry::NodeCount> Registry::CountNodes(absl::Time now) const {
+  std::vector<NodeCount> counts;
+  for (const v1::NodeRole role : {v1::NODE_ROLE_SERVER, v1::NODE_ROLE_AGENT}) {
+    for (const v1::NodeState state : {v1::NODE_STATE_ALIVE, v1::NODE_STATE_SUSPECT,
+                                      v1::NODE_STATE_DEAD, v1::NODE_STATE_LEFT}) {
+      counts.push_back(NodeCount{role, state, 0});
+    }
+  }
+  const absl::Duration suspect_after = 2 * heartbeat_interval();
+  for (const auto& [id, node] : nodes_) {
+    v1::NodeState state = node.state;
+    if (state == v1::NODE_STATE_ALIVE && node.waits == 0 && now - node.last_seen > suspect_after) {
+      state = v1::NODE_STATE_SUSPECT;
+    }
+    for (NodeCount& count : counts) {
+      if (count.role == node.role && count.state == state) ++count.count;
+    }
+  }
+  return counts;
+}
+
+std::vector<std::pair<std::string, uint64_t>> Registry::PlanEpochs() const {
+  std::vector<std::pair<std::string, uint64_t>> epochs;
+  for (const auto& [id, job] : jobs_) {
+    if (job.plan.has_value()) epochs.emplace_back(id, job.plan->plan_epoch());
+  }
+  return epochs;
+}
+
+}  // namespace poseidon::coordinator

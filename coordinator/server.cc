@@ -1,0 +1,60 @@
+#include "coordinator/server.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "coordinator/validate.h"
+#include "grpcpp/server_builder.h"
+
+namespace poseidon::coordinator {
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    TokenStore tokens, CoordinatorServerOptions options) {
+  if (absl::Status valid = ValidateHostPort("listen", options.listen); !valid.ok()) {
+    // Port 0 is fine here (a free port); ValidateHostPort wants 1..65535.
+    const size_t colon = options.listen.rfind(':');
+    if (colon == std::string::npos || options.listen.substr(colon + 1) != "0") return valid;
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
+
+  std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  server->tls_ = options.tls.enabled();
+  server->service_ =
+      std::make_unique<CoordinatorService>(std::move(tokens), std::move(options.service));
+
+  grpc::ServerBuilder builder;
+  // Two coordinators must not share a port silently.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.AddListeningPort(options.listen, *credentials, &server->port_);
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    if (server->server_ != nullptr) server->server_->Shutdown();
+    server->server_.reset();
+    server->service_->Shutdown();
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen, " (address in use or not local?)"));
+  }
+  const size_t colon = options.listen.rfind(':');
+  server->address_ = absl::StrCat(options.listen.substr(0, colon), ":", server->port_);
+  server->service_->Start();
+  return server;
+}
+
+CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+void CoordinatorServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (service_ != nullptr) service_->Shutdown();
+  if (server_ != nullptr) {
+    server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
+    server_->Wait();
+  }
+}
+
+}  // namespace poseidon::coordinator

@@ -1,0 +1,61 @@
+// CoordinatorServer: the Coordinator service on a gRPC server, listening on an address (port 0
+// picks a free port), insecure or with TLS. Used by the poseidon-coordinator daemon and by tests,
+// which run it in-process.
+// Thread-safety: Start and Shutdown from one owner thread; the accessors from any thread.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "coordinator/auth.h"
+#include "coordinator/service.h"
+#include "coordinator/tls.h"
+#include "grpcpp/server.h"
+
+namespace poseidon::coordinator {
+
+struct CoordinatorServerOptions {
+  // "host:port" or "[v6]:port"; port 0 picks a free port.
+  std::string listen = "127.0.0.1:0";
+  ServerTlsFiles tls;
+  CoordinatorServiceOptions service;
+  // Largest request accepted, in bytes (a model spec is the largest message).
+  int max_message_bytes = 64 << 20;
+};
+
+class CoordinatorServer {
+ public:
+  // Binds, starts serving and starts the service's housekeeping. Errors: bad TLS files, an
+  // address that cannot be bound (in use, malformed).
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(TokenStore tokens,
+                                                                   CoordinatorServerOptions options);
+  // Shuts down (with the default grace) if Shutdown was not called.
+  ~CoordinatorServer();
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  // Answers parked calls UNAVAILABLE, lets calls in flight finish for up to `grace`, cancels the
+  // rest and stops. Idempotent.
+  void Shutdown(absl::Duration grace = absl::Seconds(5));
+
+  // The bound address ("127.0.0.1:41234") and port.
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+  bool tls() const { return tls_; }
+  CoordinatorService& service() { return *service_; }
+
+ private:
+  CoordinatorServer() = default;
+
+  // Declared before server_: the service must outlive the grpc::Server that calls it.
+  std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+  bool tls_ = false;
+  bool shut_down_ = false;
+};
+
+}  // namespace poseidon::coordinator

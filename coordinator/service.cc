@@ -1,0 +1,431 @@
+#include "coordinator/service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "coordinator/grpc_status.h"
+#include "coordinator/validate.h"
+
+namespace poseidon::coordinator {
+namespace {
+
+namespace v1 = ::poseidon::v1;
+
+// A random tag for this coordinator run's node ids, so ids from a previous run never collide.
+std::string NewIncarnation() {
+  std::random_device random;
+  return absl::StrFormat("%08x", static_cast<uint32_t>(random()));
+}
+
+std::string Waited(absl::Duration d) {
+  return absl::FormatDuration(absl::Trunc(d, absl::Milliseconds(1)));
+}
+
+// Runs `body`, turning an escaping exception (a bug, or std::bad_alloc) into INTERNAL.
+template <typename Body>
+absl::Status Guarded(Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    PSD_LOG_ERROR("coordinator call failed with an exception: {}", e.what());
+    return absl::InternalError(absl::StrCat("internal error: ", e.what()));
+  } catch (...) {
+    PSD_LOG_ERROR("coordinator call failed with an unknown exception");
+    return absl::InternalError("internal error");
+  }
+}
+
+}  // namespace
+
+absl::Time MonotonicNow() {
+  return absl::UnixEpoch() + absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+}
+
+// A parked call's reactor. gRPC calls OnCancel (client gone, deadline passed, server shutting
+// down) only after the handler returned, and OnDone last, after Finish; it deletes itself there.
+class CoordinatorService::WaitReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit WaitReactor(CoordinatorService* service) : service_(service) {}
+  void OnCancel() override { service_->OnWaitCancelled(this); }
+  void OnDone() override { delete this; }
+
+ private:
+  CoordinatorService* const service_;
+};
+
+CoordinatorService::CoordinatorService(TokenStore tokens, CoordinatorServiceOptions options)
+    : tokens_(std::move(tokens)),
+      options_(std::move(options)),
+      metrics_(options_.metrics),
+      registry_(options_.registry, NewIncarnation()) {}
+
+CoordinatorService::~CoordinatorService() { Shutdown(); }
+
+void CoordinatorService::Start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (housekeeper_.joinable() || stopping_) return;
+  housekeeper_ = std::thread([this] { Housekeep(); });
+}
+
+void CoordinatorService::Shutdown() {
+  std::vector<Completion> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    const absl::Time now = MonotonicNow();
+    for (auto& [reactor, waiter] : waiters_) {
+      registry_.EndWait(waiter.node_id, now);
+      done.push_back(Completion{reactor, waiter.method,
+                                grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                             "the coordinator is shutting down")});
+    }
+    waiters_.clear();
+  }
+  wake_.notify_all();
+  Complete(done);
+  if (housekeeper_.joinable() && housekeeper_.get_id() != std::this_thread::get_id()) {
+    housekeeper_.join();
+  }
+}
+
+size_t CoordinatorService::parked_calls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiters_.size();
+}
+
+absl::Duration CoordinatorService::HousekeepingInterval() const {
+  if (options_.housekeeping_interval > absl::ZeroDuration()) return options_.housekeeping_interval;
+  return std::clamp(options_.registry.lease / 10, absl::Milliseconds(5), absl::Seconds(1));
+}
+
+absl::Time CoordinatorService::WaitDeadline(const grpc::CallbackServerContext& context,
+                                            absl::Duration bound, absl::Time now) {
+  absl::Duration left = bound;
+  const std::chrono::system_clock::time_point deadline = context.deadline();
+  const std::chrono::system_clock::time_point wall = std::chrono::system_clock::now();
+  if (deadline < wall + absl::ToChronoSeconds(bound + absl::Seconds(1))) {
+    const absl::Duration remaining = absl::FromChrono(deadline - wall);
+    const absl::Duration margin = std::min(absl::Milliseconds(200), remaining / 5);
+    left = std::min(left, remaining - margin);
+  }
+  return now + std::max(left, absl::ZeroDuration());
+}
+
+template <typename Request>
+absl::StatusOr<Caller> CoordinatorService::Admit(const Request& request) const {
+  RETURN_IF_ERROR(ValidateHeader(request.header()));
+  RETURN_IF_ERROR(tokens_.Check(request.header().job_id(), request.header().token()));
+  RETURN_IF_ERROR(ValidateRequest(request));
+  return Caller{request.header().job_id()};
+}
+
+template <typename Request, typename Body>
+grpc::ServerUnaryReactor* CoordinatorService::Answer(grpc::CallbackServerContext* context,
+                                                     Method method, const Request& request,
+                                                     Body body) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  std::vector<Completion> done;
+  const absl::Status status = Guarded([&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Caller caller, Admit(request));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+    const absl::Time now = MonotonicNow();
+    const absl::Status result = body(caller, now);
+    PollWaitersLocked(now, done);
+    return result;
+  });
+  Complete(done);
+  const grpc::Status answer = ToGrpcStatus(status);
+  metrics_.CountRpc(method, answer.error_code());
+  reactor->Finish(answer);
+  return reactor;
+}
+
+void CoordinatorService::StartWaitLocked(WaitReactor* reactor, Waiter waiter, absl::Time now,
+                                         std::vector<Completion>& done) {
+  if (stopping_) {
+    done.push_back(Completion{reactor, waiter.method,
+                              grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                           "the coordinator is shutting down")});
+    return;
+  }
+  const absl::StatusOr<bool> ready = waiter.poll(now);
+  if (!ready.ok() || *ready) {
+    done.push_back(Completion{reactor, waiter.method, ToGrpcStatus(ready.status())});
+    return;
+  }
+  if (waiter.deadline <= now) {
+    done.push_back(Completion{reactor, waiter.method, ToGrpcStatus(waiter.expire(now))});
+    return;
+  }
+  registry_.BeginWait(waiter.node_id, now);
+  waiters_.emplace(reactor, std::move(waiter));
+  kicked_ = true;
+  wake_.notify_one();
+}
+
+void CoordinatorService::PollWaitersLocked(absl::Time now, std::vector<Completion>& done) {
+  if (registry_.version() == polled_version_) return;
+  polled_version_ = registry_.version();
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    Waiter& waiter = it->second;
+    absl::StatusOr<bool> ready = false;
+    const absl::Status guard = Guarded([&] {
+      ready = waiter.poll(now);
+      return absl::OkStatus();
+    });
+    if (!guard.ok()) ready = guard;
+    if (ready.ok() && !*ready) {
+      ++it;
+      continue;
+    }
+    registry_.EndWait(waiter.node_id, now);
+    done.push_back(Completion{it->first, waiter.method, ToGrpcStatus(ready.status())});
+    it = waiters_.erase(it);
+  }
+}
+
+void CoordinatorService::ExpireWaitersLocked(absl::Time now, std::vector<Completion>& done) {
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    Waiter& waiter = it->second;
+    if (waiter.deadline > now) {
+      ++it;
+      continue;
+    }
+    const absl::Status status = Guarded([&] { return waiter.expire(now); });
+    if (!status.ok()) {
+      PSD_LOG_WARN("{} of node {}: {}", MethodName(waiter.method), waiter.node_id,
+                   status.message());
+    }
+    registry_.EndWait(waiter.node_id, now);
+    done.push_back(Completion{it->first, waiter.method, ToGrpcStatus(status)});
+    it = waiters_.erase(it);
+  }
+}
+
+void CoordinatorService::Complete(std::vector<Completion>& done) {
+  for (Completion& completion : done) {
+    metrics_.CountRpc(completion.method, completion.status.error_code());
+    completion.reactor->Finish(completion.status);
+  }
+  done.clear();
+}
+
+void CoordinatorService::OnWaitCancelled(WaitReactor* reactor) {
+  std::vector<Completion> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = waiters_.find(reactor);
+    if (it == waiters_.end()) return;  // already answered
+    registry_.EndWait(it->second.node_id, MonotonicNow());
+    done.push_back(Completion{reactor, it->second.method,
+                              grpc::Status(grpc::StatusCode::CANCELLED,
+                                           "the call was cancelled or its deadline passed")});
+    waiters_.erase(it);
+  }
+  Complete(done);
+}
+
+void CoordinatorService::Housekeep() {
+  const absl::Duration interval = HousekeepingInterval();
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    kicked_ = false;
+    std::vector<Completion> done;
+    const absl::Time now = MonotonicNow();
+    registry_.Expire(now);
+    PollWaitersLocked(now, done);
+    ExpireWaitersLocked(now, done);
+    metrics_.Update(registry_, now, waiters_.size());
+    absl::Time wake = now + interval;
+    for (const auto& [reactor, waiter] : waiters_) wake = std::min(wake, waiter.deadline);
+    if (!done.empty()) {
+      lock.unlock();
+      Complete(done);
+      lock.lock();
+    }
+    const absl::Duration sleep = std::max(wake - MonotonicNow(), absl::ZeroDuration());
+    wake_.wait_for(lock, absl::ToChronoNanoseconds(sleep), [this] { return stopping_ || kicked_; });
+  }
+}
+
+// ---- Calls answered at once ----------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* CoordinatorService::RegisterServer(
+    grpc::CallbackServerContext* context, const v1::RegisterServerRequest* request,
+    v1::RegisterServerResponse* response) {
+  return Answer(context, Method::kRegisterServer, *request,
+                [&](const Caller& caller, absl::Time now) {
+                  return registry_.RegisterServer(caller, *request, now, response);
+                });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::RegisterAgent(
+    grpc::CallbackServerContext* context, const v1::RegisterAgentRequest* request,
+    v1::RegisterAgentResponse* response) {
+  return Answer(context, Method::kRegisterAgent, *request,
+                [&](const Caller& caller, absl::Time now) {
+                  return registry_.RegisterAgent(caller, *request, now, response);
+                });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::ReportTelemetry(
+    grpc::CallbackServerContext* context, const v1::ReportTelemetryRequest* request,
+    v1::ReportTelemetryResponse* response) {
+  return Answer(context, Method::kReportTelemetry, *request,
+                [&](const Caller& caller, absl::Time now) {
+                  RETURN_IF_ERROR(registry_.ReportTelemetry(caller, *request, now));
+                  registry_.FillHeader(caller.job_id, response->mutable_header());
+                  return absl::OkStatus();
+                });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerContext* context,
+                                                        const v1::HeartbeatRequest* request,
+                                                        v1::HeartbeatResponse* response) {
+  return Answer(context, Method::kHeartbeat, *request, [&](const Caller& caller, absl::Time now) {
+    return registry_.Heartbeat(caller, *request, now, response);
+  });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::Deregister(grpc::CallbackServerContext* context,
+                                                         const v1::DeregisterRequest* request,
+                                                         v1::DeregisterResponse* response) {
+  return Answer(context, Method::kDeregister, *request, [&](const Caller& caller, absl::Time now) {
+    RETURN_IF_ERROR(registry_.Deregister(caller, *request, now));
+    registry_.FillHeader(caller.job_id, response->mutable_header());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::GetClusterStatus(
+    grpc::CallbackServerContext* context, const v1::GetClusterStatusRequest* request,
+    v1::GetClusterStatusResponse* response) {
+  return Answer(context, Method::kGetClusterStatus, *request,
+                [&](const Caller& caller, absl::Time now) {
+                  return registry_.ClusterStatus(caller, now, response);
+                });
+}
+
+// ---- Calls that may wait ---------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* CoordinatorService::Rendezvous(grpc::CallbackServerContext* context,
+                                                         const v1::RendezvousRequest* request,
+                                                         v1::RendezvousResponse* response) {
+  auto* reactor = new WaitReactor(this);
+  std::vector<Completion> done;
+  const absl::Status admitted = Guarded([&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Caller caller, Admit(*request));
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = MonotonicNow();
+    const std::string node_id = request->header().node_id();
+    Waiter waiter;
+    waiter.method = Method::kRendezvous;
+    waiter.node_id = node_id;
+    waiter.deadline = WaitDeadline(*context, options_.rendezvous_timeout, now);
+    waiter.poll = [this, caller, node_id, response](absl::Time at) {
+      return registry_.TryRendezvous(caller, node_id, at, response);
+    };
+    waiter.expire = [this, caller, started = now](absl::Time at) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rendezvous of job '", caller.job_id, "' incomplete after ", Waited(at - started), ": ",
+          registry_.DescribeIncompleteWorld(caller.job_id, at)));
+    };
+    StartWaitLocked(reactor, std::move(waiter), now, done);
+    return absl::OkStatus();
+  });
+  if (!admitted.ok()) done.push_back(Completion{reactor, Method::kRendezvous,
+                                                ToGrpcStatus(admitted)});
+  Complete(done);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::RegisterModel(
+    grpc::CallbackServerContext* context, const v1::RegisterModelRequest* request,
+    v1::RegisterModelResponse* response) {
+  auto* reactor = new WaitReactor(this);
+  std::vector<Completion> done;
+  const absl::Status admitted = Guarded([&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Caller caller, Admit(*request));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+    const absl::Time now = MonotonicNow();
+    const absl::Status registered = registry_.RegisterModel(caller, *request, now);
+    PollWaitersLocked(now, done);  // other ranks may have waited for this one
+    RETURN_IF_ERROR(registered);
+    const std::string node_id = request->header().node_id();
+    Waiter waiter;
+    waiter.method = Method::kRegisterModel;
+    waiter.node_id = node_id;
+    waiter.deadline = WaitDeadline(*context, options_.rendezvous_timeout, now);
+    waiter.poll = [this, caller, node_id, response](absl::Time at) -> absl::StatusOr<bool> {
+      ASSIGN_OR_RETURN(const bool ready,
+                       registry_.TryModelPlan(caller, node_id, at, response->mutable_plan()));
+      if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
+      return ready;
+    };
+    waiter.expire = [this, caller, started = now](absl::Time at) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
+          registry_.DescribeMissingPlan(caller.job_id, at)));
+    };
+    StartWaitLocked(reactor, std::move(waiter), now, done);
+    return absl::OkStatus();
+  });
+  if (!admitted.ok()) {
+    done.push_back(Completion{reactor, Method::kRegisterModel, ToGrpcStatus(admitted)});
+  }
+  Complete(done);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::GetPlan(grpc::CallbackServerContext* context,
+                                                      const v1::GetPlanRequest* request,
+                                                      v1::GetPlanResponse* response) {
+  auto* reactor = new WaitReactor(this);
+  std::vector<Completion> done;
+  const absl::Status admitted = Guarded([&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Caller caller, Admit(*request));
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = MonotonicNow();
+    const std::string node_id = request->header().node_id();
+    std::optional<uint64_t> min_epoch;
+    if (request->has_min_plan_epoch()) min_epoch = request->min_plan_epoch();
+    Waiter waiter;
+    waiter.method = Method::kGetPlan;
+    waiter.node_id = node_id;
+    waiter.deadline = WaitDeadline(*context, options_.plan_wait_timeout, now);
+    waiter.poll = [this, caller, node_id, min_epoch, response](
+                      absl::Time at) -> absl::StatusOr<bool> {
+      ASSIGN_OR_RETURN(const bool ready, registry_.TryGetPlan(caller, node_id, min_epoch, at,
+                                                              response->mutable_plan()));
+      if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
+      return ready;
+    };
+    // A long poll that sees no newer plan in time answers the current one, if there is one.
+    waiter.expire = [this, caller, response, started = now](absl::Time at) -> absl::Status {
+      if (const v1::Plan* plan = registry_.CurrentPlan(caller.job_id)) {
+        *response->mutable_plan() = *plan;
+        registry_.FillHeader(caller.job_id, response->mutable_header());
+        return absl::OkStatus();
+      }
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
+          registry_.DescribeMissingPlan(caller.job_id, at)));
+    };
+    StartWaitLocked(reactor, std::move(waiter), now, done);
+    return absl::OkStatus();
+  });
+  if (!admitted.ok()) done.push_back(Completion{reactor, Method::kGetPlan, ToGrpcStatus(admitted)});
+  Complete(done);
+  return reactor;
+}
+
+}  // namespace poseidon::coordinator

@@ -1,0 +1,147 @@
+// The gRPC Coordinator service (proto/poseidon/v1/coordinator.proto) on gRPC's callback API: every
+// request is validated and authenticated, then answered from the Registry. Calls that wait
+// (Rendezvous, RegisterModel, GetPlan with min_plan_epoch) are parked without holding a thread and
+// completed when the state they wait for arrives, or with a message naming what is missing when
+// their bound passes. A housekeeping thread declares silent nodes dead and expires parked calls.
+// Thread-safety: handlers run on gRPC's threads; all state is guarded by one mutex, never held
+// while a call is finished (docs/thread_model.md, "coordinator/").
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/metrics.h"
+#include "coordinator/auth.h"
+#include "coordinator/registry.h"
+#include "coordinator/service_metrics.h"
+#include "poseidon/v1/coordinator.grpc.pb.h"
+
+namespace poseidon::coordinator {
+
+struct CoordinatorServiceOptions {
+  RegistryOptions registry;
+  // Rendezvous and RegisterModel wait at most this long (and never past the call's deadline).
+  absl::Duration rendezvous_timeout = absl::Minutes(5);
+  // GetPlan with min_plan_epoch waits at most this long; then it answers the current plan.
+  absl::Duration plan_wait_timeout = absl::Seconds(60);
+  // How often the housekeeping thread looks for silent nodes; zero: lease / 10 in [5ms, 1s].
+  absl::Duration housekeeping_interval = absl::ZeroDuration();
+  // Where to report metrics; null: nowhere. Not owned; must outlive the service.
+  const MetricsRegistry* metrics = nullptr;
+};
+
+// The monotonic clock the coordinator judges time by (steady_clock as an absl::Time).
+absl::Time MonotonicNow();
+
+class CoordinatorService final : public poseidon::v1::Coordinator::CallbackService {
+ public:
+  CoordinatorService(TokenStore tokens, CoordinatorServiceOptions options);
+  // Shuts down. The grpc::Server using this service must have been shut down before.
+  ~CoordinatorService() override;
+  CoordinatorService(const CoordinatorService&) = delete;
+  CoordinatorService& operator=(const CoordinatorService&) = delete;
+
+  // Starts the housekeeping thread.
+  void Start();
+  // Answers every parked call UNAVAILABLE, refuses new calls, stops the housekeeping thread.
+  // Idempotent. Call it before grpc::Server::Shutdown, so that waits on parked calls end at once.
+  void Shutdown();
+
+  // Calls parked right now (for tests and metrics).
+  size_t parked_calls() const;
+
+  grpc::ServerUnaryReactor* RegisterServer(grpc::CallbackServerContext* context,
+                                           const poseidon::v1::RegisterServerRequest* request,
+                                           poseidon::v1::RegisterServerResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterAgent(grpc::CallbackServerContext* context,
+                                          const poseidon::v1::RegisterAgentRequest* request,
+                                          poseidon::v1::RegisterAgentResponse* response) override;
+  grpc::ServerUnaryReactor* Rendezvous(grpc::CallbackServerContext* context,
+                                       const poseidon::v1::RendezvousRequest* request,
+                                       poseidon::v1::RendezvousResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* context,
+                                          const poseidon::v1::RegisterModelRequest* request,
+                                          poseidon::v1::RegisterModelResponse* response) override;
+  grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext* context,
+                                    const poseidon::v1::GetPlanRequest* request,
+                                    poseidon::v1::GetPlanResponse* response) override;
+  grpc::ServerUnaryReactor* ReportTelemetry(
+      grpc::CallbackServerContext* context, const poseidon::v1::ReportTelemetryRequest* request,
+      poseidon::v1::ReportTelemetryResponse* response) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
+                                      const poseidon::v1::HeartbeatRequest* request,
+                                      poseidon::v1::HeartbeatResponse* response) override;
+  grpc::ServerUnaryReactor* Deregister(grpc::CallbackServerContext* context,
+                                       const poseidon::v1::DeregisterRequest* request,
+                                       poseidon::v1::DeregisterResponse* response) override;
+  grpc::ServerUnaryReactor* GetClusterStatus(
+      grpc::CallbackServerContext* context, const poseidon::v1::GetClusterStatusRequest* request,
+      poseidon::v1::GetClusterStatusResponse* response) override;
+
+ private:
+  class WaitReactor;
+  // A parked call. `poll` runs under mu_ whenever the registry changed: true (answer filled) or an
+  // error completes the call. `expire` runs at `deadline` and gives the final status.
+  struct Waiter {
+    Method method = Method::kRendezvous;
+    std::string node_id;  // the waiting node, kept alive while it waits; may be empty
+    absl::Time deadline;
+    absl::AnyInvocable<absl::StatusOr<bool>(absl::Time now)> poll;
+    absl::AnyInvocable<absl::Status(absl::Time now)> expire;
+  };
+  // A call to finish once mu_ is released.
+  struct Completion {
+    grpc::ServerUnaryReactor* reactor = nullptr;
+    Method method = Method::kRendezvous;
+    grpc::Status status;
+  };
+
+  // Validates the header, authenticates, validates the rest; UNAVAILABLE once shutting down.
+  template <typename Request>
+  absl::StatusOr<Caller> Admit(const Request& request) const;
+  // Runs `body` under mu_ for a call answered at once, then finishes it.
+  template <typename Request, typename Body>
+  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, Method method,
+                                   const Request& request, Body body);
+  // Polls `waiter` once and parks it when it has to wait (under mu_).
+  void StartWaitLocked(WaitReactor* reactor, Waiter waiter, absl::Time now,
+                       std::vector<Completion>& done);
+  // Completes parked calls whose state arrived (when the registry changed) or whose deadline
+  // passed (under mu_).
+  void PollWaitersLocked(absl::Time now, std::vector<Completion>& done);
+  void ExpireWaitersLocked(absl::Time now, std::vector<Completion>& done);
+  void Complete(std::vector<Completion>& done);
+  void OnWaitCancelled(WaitReactor* reactor);
+  void Housekeep();
+  absl::Duration HousekeepingInterval() const;
+  // When a parked call must be answered: the configured bound, and a little before the call's
+  // own deadline, so the caller gets our message rather than a bare DEADLINE_EXCEEDED.
+  static absl::Time WaitDeadline(const grpc::CallbackServerContext& context, absl::Duration bound,
+                                 absl::Time now);
+
+  const TokenStore tokens_;
+  const CoordinatorServiceOptions options_;
+  ServiceMetrics metrics_;
+
+  mutable std::mutex mu_;
+  std::condition_variable wake_;  // the housekeeper's: stop, or a new deadline
+  bool stopping_ = false;         // guarded by mu_
+  bool kicked_ = false;           // guarded by mu_
+  Registry registry_;             // guarded by mu_
+  std::unordered_map<WaitReactor*, Waiter> waiters_;  // guarded by mu_
+  uint64_t polled_version_ = 0;                       // guarded by mu_
+  std::thread housekeeper_;
+};
+
+}  // namespace poseidon::coordinator

@@ -1,0 +1,246 @@
+// End to end on loopback with real processes: KV servers, one poseidon-agent per worker and one
+// poseidon-synth per worker (an emulated training process on the C ABI), with every synchronised
+// result verified against the exact sum over all ranks; for PS-only, SFB-only and the planner's
+// mixed plan. Then the faults: a dead agent, a dead training process, a dead server, a hostile
+// writer on the shared memory, and misuse of the C ABI.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+
+#include <random>
+
+#include "common/shm_layout.h"
+#include "poseidon/poseidon.h"
+#include "tests/subprocess.h"
+
+namespace poseidon::testing {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr char kSecret[] = "e2e-secret";
+
+// A free loopback port (bound and released; the agent binds it right after).
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string Join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
+  return s;
+}
+
+class Cluster {
+ public:
+  // Starts `servers` KV servers and `workers` agents.
+  Cluster(int servers, int workers, const std::string& scheme,
+          std::vector<std::string> agent_extra = {}) {
+    for (int s = 0; s < servers; ++s) {
+      servers_.push_back(std::make_unique<Subprocess>(
+          std::vector<std::string>{POSEIDON_SERVER_BIN, "--listen=127.0.0.1:0", "--job_id=1",
+                                   std::string("--job_secret=") + kSecret, "--log_level=warn"}));
+      while (auto line = servers_.back()->ReadLine(milliseconds(20000))) {
+        if (auto at = line->find("listening on "); at != std::string::npos) {
+          addresses_.push_back(line->substr(at + 13));
+          break;
+        }
+      }
+    }
+    for (int r = 0; r < workers; ++r) peers_.push_back("127.0.0.1:" + std::to_string(FreePort()));
+    // Unique per cluster: a killed agent leaves its segment behind.
+    static int clusters = 0;
+    const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(clusters++);
+    for (int r = 0; r < workers; ++r) {
+      segments_.push_back("/psd-e2e-" + tag + "-" + std::to_string(r));
+      std::vector<std::string> argv = {POSEIDON_AGENT_BIN,
+                                       std::string("--secret=") + kSecret,
+                                       "--rank=" + std::to_string(r),
+                                       "--world_size=" + std::to_string(workers),
+                                       "--servers=" + Join(addresses_),
+                                       "--peers=" + Join(peers_),
+                                       "--scheme=" + scheme,
+                                       "--segment=" + segments_.back(),
+                                       "--log_level=warn",
+                                       "--attach_timeout=60s"};
+      argv.insert(argv.end(), agent_extra.begin(), agent_extra.end());
+      agents_.push_back(std::make_unique<Subprocess>(argv, /*merge_stderr=*/true));
+    }
+    // Training processes start once their agent has created its segment.
+    for (auto& agent : agents_) {
+      while (auto line = agent->ReadLine(milliseconds(20000))) {
+        if (line->find("poseidon-agent ready") != std::string::npos) break;
+      }
+    }
+  }
+
+  std::unique_ptr<Subprocess> Synth(int rank, const std::string& model, int iterations,
+                                    std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {POSEIDON_SYNTH_BIN,
+                                     "--segment=" + segments_[rank],
+                                     "--model=" + model,
+                                     "--batch=8",
+                                     "--iterations=" + std::to_string(iterations),
+                                     "--verify"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return std::make_unique<Subprocess>(argv, /*merge_stderr=*/true);
+  }
+
+  bool ok() const { return !addresses_.empty() || servers_.empty(); }
+  Subprocess& agent(int r) { return *agents_[r]; }
+  Subprocess& server(int s) { return *servers_[s]; }
+  const std::string& segment(int r) const { return segments_[r]; }
+
+ private:
+  std::vector<std::unique_ptr<Subprocess>> servers_, agents_;
+  std::vector<std::string> addresses_, peers_, segments_;
+};
+
+const std::string kTiny = POSEIDON_TEST_MODELS "/tiny.json";
+
+class EndToEnd : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EndToEnd, FourWorkersTwoServersTwentyIterationsVerified) {
+  Cluster cluster(2, 4, GetParam());
+  ASSERT_TRUE(cluster.ok());
+  std::vector<std::unique_ptr<Subprocess>> synths;
+  for (int r = 0; r < 4; ++r) synths.push_back(cluster.Synth(r, kTiny, 20));
+  for (int r = 0; r < 4; ++r) {
+    const std::string out = synths[r]->ReadAll(milliseconds(120000));
+    ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
+    EXPECT_NE(out.find("verified 160 results, 0 mismatches"), std::string::npos) << out;
+    // auto: with P1 = 4, P2 = 2 and K = 8, fc1 and fc2 are cheaper by SFB, fc3 (10 x 128) by PS.
+    const int sfb_layers = GetParam() == "ps" ? 0 : GetParam() == "sfb" ? 3 : 2;
+    EXPECT_NE(out.find(std::to_string(sfb_layers) + " on SFB"), std::string::npos) << out;
+  }
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(cluster.agent(r).Wait(milliseconds(20000)), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, EndToEnd, ::testing::Values("ps", "sfb", "auto"));
+
+TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {
+  Cluster cluster(1, 1, "ps");
+  auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000", "--timeout_ms=30000"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  cluster.agent(0).Signal(SIGKILL);
+  const std::string out = synth->ReadAll(milliseconds(60000));
+  EXPECT_EQ(synth->Wait(milliseconds(10000)), 1) << out;
+  EXPECT_NE(out.find("agent lost"), std::string::npos) << out;
+}
+
+TEST(Faults, AKilledTrainingProcessMakesTheAgentExitClearly) {
+  Cluster cluster(1, 1, "ps");
+  auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  synth->Signal(SIGKILL);
+  synth->Wait(milliseconds(10000));
+  const std::string out = cluster.agent(0).ReadAll(milliseconds(30000));
+  EXPECT_EQ(cluster.agent(0).Wait(milliseconds(10000)), 3) << out;
+  EXPECT_NE(out.find("died"), std::string::npos) << out;
+}
+
+TEST(Faults, AKilledServerFailsTheLayerNamingServerLayerAndClock) {
+  Cluster cluster(1, 2, "ps", {"--sync_timeout=3s", "--connect_timeout=5s"});
+  auto s0 = cluster.Synth(0, kTiny, 100000, {"--compute_scale=500"});
+  auto s1 = cluster.Synth(1, kTiny, 100000, {"--compute_scale=500"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  cluster.server(0).Signal(SIGKILL);
+  const std::string out = s0->ReadAll(milliseconds(60000));
+  EXPECT_EQ(s0->Wait(milliseconds(10000)), 1) << out;
+  EXPECT_NE(out.find("synchronisation failed"), std::string::npos) << out;
+  EXPECT_NE(out.find("clock"), std::string::npos) << out;
+  EXPECT_NE(out.find("127.0.0.1:"), std::string::npos) << "names the server: " << out;
+}
+
+TEST(Faults, AHostileWriterOnTheSharedMemoryDoesNotCrashTheAgent) {
+  Cluster cluster(1, 1, "ps");
+  auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=200"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  const int fd = shm_open(cluster.segment(0).c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  auto* control = static_cast<unsigned char*>(
+      mmap(nullptr, PSD_SHM_CONTROL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  ASSERT_NE(control, MAP_FAILED);
+  std::mt19937_64 rng(3);
+  const auto end = std::chrono::steady_clock::now() + milliseconds(2000);
+  while (std::chrono::steady_clock::now() < end) {
+    // Scribble on the framework-to-agent ring (indices and events) and the layer table.
+    const size_t ring_at = PSD_SHM_TO_AGENT_OFFSET + rng() % sizeof(psd_shm_ring);
+    control[ring_at] = static_cast<unsigned char>(rng());
+    auto* ring = reinterpret_cast<psd_shm_ring*>(control + PSD_SHM_TO_AGENT_OFFSET);
+    if (rng() % 4 == 0) __atomic_store_n(&ring->tail, rng(), __ATOMIC_RELEASE);
+    const size_t layer_at = PSD_SHM_LAYERS_OFFSET + rng() % (8 * sizeof(psd_shm_layer));
+    control[layer_at] = static_cast<unsigned char>(rng());
+  }
+  munmap(control, PSD_SHM_CONTROL_BYTES);
+  synth->Signal(SIGKILL);
+  synth->Wait(milliseconds(10000));
+  // The agent survived the scribbling: it noticed the training process died and exited clearly
+  // (3), not by a signal or a sanitizer report.
+  const std::string out = cluster.agent(0).ReadAll(milliseconds(30000));
+  const auto code = cluster.agent(0).Wait(milliseconds(10000));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 3) << out;
+  EXPECT_EQ(out.find("AddressSanitizer"), std::string::npos) << out;
+  EXPECT_EQ(out.find("runtime error"), std::string::npos) << out;
+}
+
+TEST(CAbi, MisuseReturnsTheRightStatus) {
+  Cluster cluster(0, 1, "sfb");  // an SFB-only model needs no server
+  psd_config config;
+  psd_config_init(&config);
+  const std::string segment = cluster.segment(0);
+  config.segment = segment.c_str();
+  psd_context* ctx = nullptr;
+  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  psd_context* second = nullptr;
+  EXPECT_EQ(psd_attach(&config, &second), PSD_ALREADY_ATTACHED);
+  EXPECT_NE(std::string(psd_last_error()).find("attached"), std::string::npos);
+  EXPECT_EQ(psd_layer_ready(ctx, 0, 1), PSD_FAILED_PRECONDITION) << "before registration";
+
+  const uint64_t bad_shape[2] = {0, 4};
+  psd_layer_desc bad{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, bad_shape, 4};
+  EXPECT_EQ(psd_register_layers(ctx, &bad, 1, 10000), PSD_INVALID_ARGUMENT);
+  const uint64_t shape[2] = {8, 4};
+  psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4};
+  ASSERT_EQ(psd_register_layers(ctx, &good, 1, 30000), PSD_OK) << psd_last_error();
+  EXPECT_EQ(psd_register_layers(ctx, &good, 1, 1000), PSD_FAILED_PRECONDITION) << "twice";
+
+  psd_layer_info info;
+  EXPECT_EQ(psd_get_layer_info(ctx, 7, &info), PSD_INVALID_ARGUMENT) << "bad layer";
+  ASSERT_EQ(psd_get_layer_info(ctx, 0, &info), PSD_OK);
+  EXPECT_EQ(info.scheme, PSD_SYNC_SFB);
+  EXPECT_EQ(info.elements, 32u);
+  EXPECT_EQ(psd_layer_ready(ctx, 3, 1), PSD_INVALID_ARGUMENT) << "bad layer";
+  EXPECT_EQ(psd_layer_ready(ctx, 0, 2), PSD_INVALID_ARGUMENT) << "skips iteration 1";
+  EXPECT_EQ(psd_wait_layer(ctx, 0, 1, 100), PSD_FAILED_PRECONDITION) << "never posted";
+  for (int i = 0; i < 32; ++i) info.u[i] = 1.0f, info.v[i] = 1.0f;
+  ASSERT_EQ(psd_layer_ready(ctx, 0, 1), PSD_OK) << psd_last_error();
+  ASSERT_EQ(psd_wait_layer(ctx, 0, 1, 30000), PSD_OK) << psd_last_error();
+  EXPECT_EQ(info.grad[0], 4.0f) << "U^T V with K = 4 ones";
+  EXPECT_EQ(psd_wait_layer(ctx, 0, 2, 100), PSD_FAILED_PRECONDITION) << "a future iteration";
+  psd_config old = config;
+  old.abi_version = 99;
+  EXPECT_EQ(psd_attach(&old, &second), PSD_VERSION_MISMATCH);
+  psd_config missing = config;
+  missing.segment = "/psd-no-such-segment";
+  missing.attach_timeout_ms = 100;
+  EXPECT_EQ(psd_attach(&missing, &second), PSD_NOT_FOUND);
+  EXPECT_EQ(psd_detach(ctx), PSD_OK);
+  EXPECT_EQ(cluster.agent(0).Wait(milliseconds(20000)), 0) << "detach ends the agent cleanly";
+}
+
+}  // namespace
+}  // namespace poseidon::testing
