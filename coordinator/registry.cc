@@ -30,6 +30,10 @@ std::string Bandwidth(double bytes_per_second) {
   return absl::StrCat(absl::SixDigits(bytes_per_second * 8 / 1e9), " Gbit/s");
 }
 
+const char* RoleName(v1::NodeRole role) {
+  return role == v1::NODE_ROLE_SERVER ? "server" : role == v1::NODE_ROLE_AGENT ? "agent" : "node";
+}
+
 std::vector<v1::SyncScheme> Schemes(const v1::Plan& plan) {
   std::vector<v1::SyncScheme> schemes;
   schemes.reserve(static_cast<size_t>(plan.layers_size()));
@@ -201,7 +205,7 @@ void Registry::MarkLeft(Node& node, absl::Time now, absl::string_view reason) {
   node.state_reason = std::string(reason);
   ++membership_epoch_;
   ++version_;
-  PSD_LOG_INFO("node {} ({}) left: {}", node.id, v1::NodeRole_Name(node.role), reason);
+  PSD_LOG_INFO("{} {} left: {}", RoleName(node.role), node.id, reason);
 }
 
 void Registry::ResetJob(Job& job) {
@@ -938,8 +942,7 @@ bool Registry::Expire(absl::Time now) {
                                      Ago(options_.lease));
     ++membership_epoch_;
     died = true;
-    PSD_LOG_WARN("{} {} declared dead: {}", v1::NodeRole_Name(node.role), node.id,
-                 node.state_reason);
+    PSD_LOG_WARN("{} {} declared dead: {}", RoleName(node.role), node.id, node.state_reason);
   }
   if (died) ++version_;
 

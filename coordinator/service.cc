@@ -200,7 +200,7 @@ void CoordinatorService::ExpireWaitersLocked(absl::Time now, std::vector<Complet
       continue;
     }
     const absl::Status status = Guarded([&] { return waiter.expire(now); });
-    if (!status.ok()) {
+    if (!status.ok() && waiter.method != Method::kGetPlan) {
       PSD_LOG_WARN("{} of node {}: {}", MethodName(waiter.method), waiter.node_id,
                    status.message());
     }

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "coordinator/test_util.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/generic/generic_stub.h"
 
 namespace poseidon::coordinator::testing {
@@ -156,7 +157,7 @@ TEST_F(CoordinatorServiceTest, UnknownJobIsNotFound) {
 
 TEST_F(CoordinatorServiceTest, WrongOrMissingTokenIsRefusedOnEveryCall) {
   StartServer();
-  for (const std::string token : {std::string("wrong"), std::string()}) {
+  for (const std::string& token : {std::string("wrong"), std::string()}) {
     SCOPED_TRACE(token);
     auto client = Client(kJobA, token);
     const char* expected =
@@ -607,7 +608,8 @@ TEST_F(CoordinatorServiceTest, MalformedRequestsNameTheField) {
     v1::ModelSpec no_batch = TinyModel();
     no_batch.mutable_layers(2)->set_batch_per_worker(0);
     EXPECT_STATUS(agent->RegisterModel(no_batch, {}, {}, absl::Seconds(5)).status(),
-                  kInvalidArgument, "layer 0 'conv.weight'");  // the planner's check, first layer
+                  kInvalidArgument,
+                  "model: layer 2 'fc.weight': batch_per_worker (K) must be in [1, 1048576], got 0");
   }
   EXPECT_STATUS(agent->Deregister(std::string(2000, 'r')), kInvalidArgument,
                 "reason: is 2000 bytes; at most 1024");
@@ -631,12 +633,12 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
   ASSERT_TRUE(agent->RegisterAgent(Agent(0, 2)).ok());
   auto stub = RawStub();
   std::mt19937_64 random(1234);
-  auto text = [&] {
-    static const std::string kPieces[] = {"",      kJobA,  kTokenA, "job-b", "127.0.0.1:7200",
-                                          "[::1]:1", ":",  "a:b:c", agent->node_id(),
-                                          std::string(130, 'x')};
-    return kPieces[random() % std::size(kPieces)];
-  };
+  const std::vector<std::string> pieces = {"",    kJobA, kTokenA,          "job-b",
+                                           "127.0.0.1:7200", "[::1]:1", ":", "a:b:c",
+                                           agent->node_id(), std::string(130, 'x')};
+  auto text = [&] { return pieces[random() % pieces.size()]; };
+  // An enum field's value from a small range around the valid ones (always within int32).
+  auto small = [&](int range) { return static_cast<int>(random() % static_cast<uint64_t>(range)) - 1; };
   auto fill_header = [&](v1::RequestHeader* h) {
     h->set_job_id(random() % 4 == 0 ? text() : kJobA);
     h->set_token(random() % 4 == 0 ? text() : kTokenA);
@@ -655,7 +657,7 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
         r.set_gpu_index(static_cast<uint32_t>(random()));
         for (uint64_t e = random() % 3; e > 0; --e) {
           *r.add_endpoints() =
-              MakeEndpoint(static_cast<v1::TransportKind>(random() % 6 - 1), text());
+              MakeEndpoint(static_cast<v1::TransportKind>(small(6)), text());
         }
         r.set_world_size(static_cast<uint32_t>(random() % 5));
         if (random() % 2) r.set_requested_rank(static_cast<uint32_t>(random() % 6));
@@ -671,7 +673,7 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
           link->set_peer_node_id(text());
           link->set_bytes_per_second(static_cast<double>(random() % 1000) - 10);
           link->set_latency_ns(random());
-          link->set_transport(static_cast<v1::TransportKind>(random() % 6));
+          link->set_transport(static_cast<v1::TransportKind>(small(6)));
         }
         r.set_iteration(random());
         v1::ReportTelemetryResponse response;
@@ -684,18 +686,18 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
         *r.mutable_model() = TinyModel(1 + random() % 64);
         if (random() % 2) r.mutable_model()->mutable_layers(0)->add_shape(random() % 3);
         if (random() % 3 == 0) {
-          r.mutable_model()->mutable_layers(2)->set_kind(static_cast<v1::LayerKind>(random() % 9));
+          r.mutable_model()->mutable_layers(2)->set_kind(static_cast<v1::LayerKind>(small(9)));
         }
         r.mutable_update_rule()->set_learning_rate(random() % 2 ? -1 : 0.1);
         v1::RegisterModelResponse response;
-        context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(50));
         status = stub->RegisterModel(&context, r, &response);
         break;
       }
       case 3: {
         v1::HeartbeatRequest r;
         fill_header(r.mutable_header());
-        r.set_role(static_cast<v1::NodeRole>(random() % 5));
+        r.set_role(static_cast<v1::NodeRole>(small(5)));
         r.set_iteration(random());
         v1::HeartbeatResponse response;
         status = stub->Heartbeat(&context, r, &response);
@@ -706,7 +708,7 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
         fill_header(r.mutable_header());
         if (random() % 2) r.set_min_plan_epoch(random() % 3);
         v1::GetPlanResponse response;
-        context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(50));
         status = stub->GetPlan(&context, r, &response);
         break;
       }
@@ -795,6 +797,7 @@ TEST_F(CoordinatorServiceTest, MetricsCountCallsAndNodes) {
   EXPECT_THAT(text, HasSubstr(R"(poseidon_coordinator_rpcs_total{code="UNAUTHENTICATED",)"
                               R"(method="RegisterAgent"} 1)"));
   EXPECT_THAT(text, HasSubstr("poseidon_coordinator_membership_epoch"));
+  server_->Shutdown();  // before `metrics` goes away
 }
 
 }  // namespace

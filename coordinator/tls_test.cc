@@ -1,0 +1,134 @@
+// TLS on the coordinator's channel: a throwaway CA, server and client certificates made with the
+// openssl command line; a TLS client connects, an insecure one (or one trusting another CA) does
+// not; with a client CA configured, only clients with a certificate get in.
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "coordinator/test_util.h"
+
+namespace poseidon::coordinator::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+class CoordinatorTlsTest : public CoordinatorFixture {
+ protected:
+  static void SetUpTestSuite() {
+    char pattern[] = "/tmp/poseidon-coordinator-tls-XXXXXX";
+    const char* made = mkdtemp(pattern);
+    ASSERT_NE(made, nullptr);
+    dir_ = made;
+    // EC keys: quick to make. The server certificate names 127.0.0.1 and localhost.
+    const std::string script = absl::StrCat(
+        "set -e; cd ", dir_, "; ",
+        "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out $1; }; ",
+        "ca() { key $1.key; openssl req -x509 -new -key $1.key -out $1.pem -days 2 "
+        "-subj /CN=$1; }; ",
+        "leaf() { key $1.key; openssl req -new -key $1.key -out $1.csr -subj /CN=$1; ",
+        "printf '%s\\n' \"$3\" > $1.ext; ",
+        "openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial -out $1.pem "
+        "-days 2 -extfile $1.ext; }; ",
+        "ca ca; ca other-ca; ",
+        "leaf server ca 'subjectAltName=IP:127.0.0.1,DNS:localhost'; ",
+        "leaf client ca 'extendedKeyUsage=clientAuth'; ",
+        ") >/dev/null 2>&1");
+    ASSERT_EQ(std::system(absl::StrCat("(", script).c_str()), 0) << "openssl failed";
+  }
+
+  static void TearDownTestSuite() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  static std::string File(const std::string& name) { return absl::StrCat(dir_, "/", name); }
+
+  void StartTlsServer(bool require_client_certificates) {
+    CoordinatorServerOptions options = DefaultServerOptions();
+    options.tls.cert_file = File("server.pem");
+    options.tls.key_file = File("server.key");
+    if (require_client_certificates) options.tls.client_ca_file = File("ca.pem");
+    StartServer(options);
+    ASSERT_TRUE(server_->tls());
+  }
+
+  // A cluster-status call: the cheapest call that needs the channel and a token.
+  absl::Status Probe(const ClientTlsOptions& tls) {
+    CoordinatorClientOptions options;
+    options.address = server_->address();
+    options.job_id = kJobA;
+    options.token = kTokenA;
+    options.tls = tls;
+    options.call_timeout = absl::Seconds(10);
+    auto client = CoordinatorClient::Connect(options);
+    if (!client.ok()) return client.status();
+    return (*client)->GetClusterStatus().status();
+  }
+
+  static ClientTlsOptions Tls(const std::string& ca, bool with_certificate = false) {
+    ClientTlsOptions tls;
+    tls.enabled = true;
+    tls.ca_file = File(ca);
+    if (with_certificate) {
+      tls.cert_file = File("client.pem");
+      tls.key_file = File("client.key");
+    }
+    return tls;
+  }
+
+  static std::string dir_;
+};
+
+std::string CoordinatorTlsTest::dir_;
+
+TEST_F(CoordinatorTlsTest, TlsClientConnects) {
+  StartTlsServer(false);
+  EXPECT_TRUE(Probe(Tls("ca.pem")).ok()) << Probe(Tls("ca.pem"));
+  // Registration and the rest work the same over TLS.
+  auto agent = Client(kJobA, kTokenA, Tls("ca.pem"));
+  auto registered = agent->RegisterAgent(Agent(0, 1));
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_EQ(registered->rank(), 0u);
+}
+
+TEST_F(CoordinatorTlsTest, InsecureClientToTlsServerFails) {
+  StartTlsServer(false);
+  const absl::Status status = Probe(ClientTlsOptions{});
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+}
+
+TEST_F(CoordinatorTlsTest, ClientTrustingAnotherCaFails) {
+  StartTlsServer(false);
+  const absl::Status status = Probe(Tls("other-ca.pem"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+}
+
+TEST_F(CoordinatorTlsTest, MutualTlsNeedsAClientCertificate) {
+  StartTlsServer(true);
+  const absl::Status without = Probe(Tls("ca.pem"));
+  EXPECT_EQ(without.code(), absl::StatusCode::kUnavailable) << without;
+  EXPECT_TRUE(Probe(Tls("ca.pem", /*with_certificate=*/true)).ok());
+}
+
+TEST_F(CoordinatorTlsTest, IncompleteTlsConfigurationIsRefused) {
+  CoordinatorServerOptions options = DefaultServerOptions();
+  options.tls.key_file = File("server.key");
+  auto server = CoordinatorServer::Start(DefaultTokens(), options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("tls_key is set but tls_cert"));
+
+  options.tls.cert_file = File("missing.pem");
+  server = CoordinatorServer::Start(DefaultTokens(), options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("cannot read tls_cert"));
+
+  options.tls.cert_file = File("server.csr");  // PEM, but a request: gRPC would fail later
+  options.tls.key_file = File("server.ext");   // not PEM at all
+  server = CoordinatorServer::Start(DefaultTokens(), options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("is not a PEM file"));
+}
+
+}  // namespace
+}  // namespace poseidon::coordinator::testing

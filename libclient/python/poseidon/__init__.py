@@ -1,0 +1,71 @@
+"""Poseidon for Python: attach a training process to its poseidon-agent.
+
+    import poseidon
+    poseidon.init()                       # reads POSEIDON_SEGMENT (set by `poseidon run`)
+    poseidon.rank(), poseidon.size()
+    model = ...; optimizer = ...
+    optimizer = poseidon.torch.distribute(model, optimizer, batch_size=32)
+    ...
+    poseidon.shutdown()
+
+See docs/pytorch.md.
+"""
+import ctypes
+import os
+
+from ._capi import PoseidonError, check, lib, Config
+
+_ctx = None
+_rank = None
+_size = None
+
+
+def init(segment=None, attach_timeout_ms=60000, agent_timeout_ms=5000):
+    """Attaches to the local agent (segment: $POSEIDON_SEGMENT by default). Once per process."""
+    global _ctx, _rank, _size
+    if _ctx is not None:
+        raise PoseidonError(5, "poseidon.init() was already called")
+    segment = segment or os.environ.get("POSEIDON_SEGMENT")
+    if not segment:
+        raise PoseidonError(1, "no agent segment: run under `poseidon run` or set POSEIDON_SEGMENT")
+    config = Config()
+    lib().psd_config_init(ctypes.byref(config))
+    config.segment = segment.encode()
+    config.attach_timeout_ms = attach_timeout_ms
+    config.agent_timeout_ms = agent_timeout_ms
+    ctx = ctypes.c_void_p()
+    check(lib().psd_attach(ctypes.byref(config), ctypes.byref(ctx)), "attach")
+    r, s = ctypes.c_uint32(), ctypes.c_uint32()
+    check(lib().psd_rank(ctx, ctypes.byref(r), ctypes.byref(s)), "rank")
+    _ctx, _rank, _size = ctx, r.value, s.value
+
+
+def _context():
+    if _ctx is None:
+        raise PoseidonError(5, "call poseidon.init() first")
+    return _ctx
+
+
+def rank():
+    _context()
+    return _rank
+
+
+def size():
+    _context()
+    return _size
+
+
+def local_rank():
+    return int(os.environ.get("POSEIDON_LOCAL_RANK", rank()))
+
+
+def shutdown():
+    """Detaches from the agent (which then exits cleanly)."""
+    global _ctx
+    if _ctx is not None:
+        lib().psd_detach(_ctx)
+        _ctx = None
+
+
+from . import torch  # noqa: E402,F401  (poseidon.torch)

@@ -1,0 +1,186 @@
+"""poseidon run: start a local Poseidon cluster and a training command on every rank.
+
+    python3 -m poseidon.run -n 4 [--servers 1] [--scheme auto|ps|sfb] -- python3 train.py ...
+
+Starts the KV servers, one poseidon-agent per worker and the command once per worker (with
+POSEIDON_SEGMENT, POSEIDON_RANK, POSEIDON_WORLD_SIZE, POSEIDON_LOCAL_RANK set), streams every
+process's output prefixed with its name, and stops everything when the job ends. If a rank or a
+daemon fails, everything is stopped, and the exit code is non-zero with a message naming it.
+"""
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+
+
+def find_binary(name, subdir):
+    dirs = []
+    if os.environ.get("POSEIDON_BIN_DIR"):
+        dirs.append(os.environ["POSEIDON_BIN_DIR"])
+    for build in (os.environ.get("POSEIDON_BUILD_DIR", ""), "build/release", "build/asan"):
+        if build:
+            base = build if os.path.isabs(build) else os.path.join(ROOT, build)
+            dirs.append(os.path.join(base, subdir))
+    for d in dirs:
+        path = os.path.join(d, name)
+        if os.access(path, os.X_OK):
+            return path
+    sys.exit(f"poseidon run: cannot find {name} (build with ./scripts/demo.sh, or set "
+             "POSEIDON_BUILD_DIR / POSEIDON_BIN_DIR)")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, name, argv, env=None, watch=None):
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        self.watch = watch
+        self.seen = threading.Event()
+        self.tail = []
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self):
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            if "\r" in line:  # a progress bar redrawn in place: keep its last state
+                segments = [seg for seg in line.split("\r") if seg.strip()]
+                if not segments:
+                    continue
+                line = segments[-1]
+            self.tail = (self.tail + [line])[-5:]
+            if self.watch and self.watch in line:
+                self.seen.set()
+                if line.startswith("poseidon-"):
+                    continue
+            print(f"[{self.name}] {line}", flush=True)
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="poseidon run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", "--workers", type=int, default=2)
+    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--scheme", choices=["auto", "ps", "sfb"], default="auto")
+    ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        ap.error("no command to run (poseidon run -n 4 -- python3 train.py)")
+    if not 1 <= args.workers <= 256 or not 1 <= args.servers <= 64:
+        ap.error("workers must be in [1, 256] and servers in [1, 64]")
+    server_bin = find_binary("poseidon-server", "server")
+    agent_bin = find_binary("poseidon-agent", "agent")
+    secret = secrets.token_hex(16)
+    job = os.getpid()
+    procs = []
+    failed = None
+
+    def stop_all():
+        for p in procs:
+            p.stop()
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.stop(signal.SIGKILL)
+
+    signal.signal(signal.SIGINT, lambda *_: (stop_all(), sys.exit(130)))
+    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
+    try:
+        servers = []
+        for s in range(args.servers):
+            p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
+                                     f"--job_secret={secret}", "--log_level=warn"])
+            procs.append(p)
+            servers.append(p)
+        addresses = []
+        for p in servers:
+            deadline = time.time() + 30
+            while not any("listening on " in l for l in p.tail):
+                if p.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
+                time.sleep(0.02)
+            addresses.append(next(l for l in p.tail if "listening on " in l).split("listening on ")[1])
+        peers = [f"127.0.0.1:{free_port()}" for _ in range(args.workers)]
+        agents = []
+        for r in range(args.workers):
+            segment = f"/poseidon-{job}-{r}"
+            p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--secret={secret}", f"--rank={r}",
+                                    f"--world_size={args.workers}", f"--servers={','.join(addresses)}",
+                                    f"--peers={','.join(peers)}", f"--scheme={args.scheme}",
+                                    f"--bandwidth={args.bandwidth}", f"--segment={segment}",
+                                    "--log_level=warn"], watch="poseidon-agent ready")
+            procs.append(p)
+            agents.append((p, segment))
+        for p, _ in agents:
+            if not p.seen.wait(30):
+                raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
+        workers = []
+        pythonpath = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+        for r, (_, segment) in enumerate(agents):
+            env = dict(os.environ, POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
+                       POSEIDON_WORLD_SIZE=str(args.workers), POSEIDON_LOCAL_RANK=str(r),
+                       PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
+            p = Proc(f"rank {r}", command, env=env)
+            procs.append(p)
+            workers.append(p)
+        # Watch: every worker must finish with 0; no daemon may die before that.
+        while True:
+            for p in workers:
+                code = p.proc.poll()
+                if code not in (None, 0):
+                    failed = f"{p.name} failed with exit code {code}"
+                    break
+            if failed:
+                break
+            for p in procs:
+                if p in workers:
+                    continue
+                code = p.proc.poll()
+                # An agent exits 0 when its worker detaches; anything else while a worker still
+                # runs is a failure.
+                if code not in (None, 0) or (code == 0 and p in servers):
+                    if any(w.proc.poll() is None for w in workers):
+                        failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
+                        break
+            if failed or all(w.proc.poll() == 0 for w in workers):
+                break
+            time.sleep(0.05)
+    except RuntimeError as e:
+        failed = str(e)
+    if failed:
+        time.sleep(0.2)  # let the failing process's last lines through
+    stop_all()
+    for p in procs:
+        p.thread.join(timeout=2)
+    if failed:
+        print(f"poseidon run: {failed}; stopped every process", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""PyTorch integration: wait-free backpropagation through the local poseidon-agent.
+
+    optimizer = poseidon.torch.distribute(model, optimizer, batch_size=32)
+
+registers every parameter of `model` as a layer (in definition order: the order the forward pass
+needs them), broadcasts rank 0's initial parameters so every replica starts equal, and installs
+the hooks: as backward produces each parameter's gradient, it is written into the agent's shared
+buffer and posted ready at once (WFBP), so synchronisation overlaps the rest of backward. For an
+nn.Linear whose weight the plan syncs by SFB, the layer's input (forward hook) and output gradient
+(backward hook) are handed over instead: the agent broadcasts these sufficient factors and rebuilds
+the summed weight gradient. The returned optimizer's step() waits for each layer's summed
+gradient, averages it over the workers (the gradient of the P-times larger batch with a mean
+loss) and then runs your optimizer: its learning-rate schedule, momentum, etc. work unchanged.
+"""
+import ctypes
+
+import numpy as np
+import torch
+
+import poseidon
+from ._capi import (LayerDesc, LayerInfo, PoseidonError, PSD_FLOAT32, PSD_LAYER_BIAS,
+                    PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_OTHER, PSD_SYNC_SFB, check, lib)
+
+BROADCAST_LAYER = "__poseidon_broadcast__"
+
+
+def _view(pointer, count):
+    if count == 0:
+        return torch.empty(0)
+    array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(count,))
+    return torch.from_numpy(array)
+
+
+class _Layer:
+    def __init__(self, index, name, param, kind, module):
+        self.index, self.name, self.param, self.kind, self.module = index, name, param, kind, module
+        self.scheme = None
+        self.grad = None  # flat view of the shared gradient buffer
+        self.u = self.v = None
+
+
+def _describe(model):
+    layers = []
+    seen = set()
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                raise PoseidonError(1, f"parameter {module_name}.{pname} is shared between modules")
+            seen.add(id(param))
+            if not param.requires_grad:
+                continue
+            if param.dtype != torch.float32:
+                raise PoseidonError(1, f"{module_name}.{pname}: only float32 parameters are supported")
+            name = f"{module_name}.{pname}" if module_name else pname
+            if isinstance(module, torch.nn.Linear) and pname == "weight":
+                kind = PSD_LAYER_FC
+            elif pname == "bias":
+                kind = PSD_LAYER_BIAS
+            elif isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+                kind = PSD_LAYER_CONV
+            else:
+                kind = PSD_LAYER_OTHER
+            layers.append(_Layer(len(layers), name, param, kind, module))
+    if not layers:
+        raise PoseidonError(1, "the model has no trainable parameters")
+    return layers
+
+
+class DistributedOptimizer:
+    """Wraps a torch.optim optimizer; see distribute()."""
+
+    def __init__(self, optimizer, layers, ctx, world, timeout_ms):
+        self._optimizer = optimizer
+        self._layers = layers
+        self._ctx = ctx
+        self._world = world
+        self._timeout_ms = timeout_ms
+        self.iteration = 2  # 1 was the initial broadcast
+        self.posted = set()
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+    def zero_grad(self, set_to_none=True):
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self):
+        """Waits for every layer of this iteration and installs the averaged gradients."""
+        missing = [l.name for l in self._layers if l.index not in self.posted]
+        if missing:
+            raise PoseidonError(5, f"iteration {self.iteration}: no gradient was produced for "
+                                   f"{', '.join(missing[:5])} (did backward run?)")
+        for layer in self._layers:  # forward order: the next forward needs layer 0 first
+            check(lib().psd_wait_layer(self._ctx, layer.index, self.iteration, self._timeout_ms),
+                  f"waiting for {layer.name}")
+            layer.param.grad = (layer.grad / self._world).view_as(layer.param).clone()
+        self.posted.clear()
+        self.iteration += 1
+
+    def step(self, closure=None):
+        self.synchronize()
+        return self._optimizer.step(closure)
+
+    def state_dict(self):
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self._optimizer.load_state_dict(state)
+
+
+def distribute(model, optimizer, batch_size, timeout_ms=120000):
+    """Registers `model` with the agent and returns the optimizer to train with (see module doc).
+
+    batch_size is the per-worker batch: SFB layers need every batch to have exactly this many
+    rows (use drop_last=True in the DataLoader)."""
+    ctx = poseidon._context()
+    world = poseidon.size()
+    layers = _describe(model)
+    total = sum(l.param.numel() for l in layers)
+    # The last layer is the broadcast buffer: every parameter, sent by rank 0 once.
+    names = [l.name.encode() for l in layers] + [BROADCAST_LAYER.encode()]
+    shapes = [(ctypes.c_uint64 * max(1, l.param.dim()))(*(l.param.shape or (1,))) for l in layers]
+    shapes.append((ctypes.c_uint64 * 1)(total))
+    descs = (LayerDesc * (len(layers) + 1))()
+    for i, layer in enumerate(layers):
+        descs[i] = LayerDesc(names[i], layer.kind, PSD_FLOAT32, max(1, layer.param.dim()),
+                             ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)),
+                             batch_size if layer.kind == PSD_LAYER_FC else 0)
+    descs[len(layers)] = LayerDesc(names[-1], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
+                                   ctypes.cast(shapes[-1], ctypes.POINTER(ctypes.c_uint64)), 0)
+    check(lib().psd_register_layers(ctx, descs, len(layers) + 1, timeout_ms), "register layers")
+    for layer in layers:
+        info = LayerInfo()
+        check(lib().psd_get_layer_info(ctx, layer.index, ctypes.byref(info)), "layer info")
+        layer.scheme = info.scheme
+        layer.grad = _view(info.grad, info.elements)
+        if info.scheme == PSD_SYNC_SFB:
+            m, n = layer.param.shape
+            layer.u = _view(info.u, batch_size * m).view(batch_size, m)
+            layer.v = _view(info.v, batch_size * n).view(batch_size, n)
+    _broadcast(ctx, layers, len(layers), total, timeout_ms)
+    wrapped = DistributedOptimizer(optimizer, layers, ctx, world, timeout_ms)
+    _install_hooks(layers, wrapped, ctx, batch_size)
+    model._poseidon_layers = layers  # keep the views alive with the model
+    return wrapped
+
+
+def plan_summary(optimizer):
+    """[(layer name, 'SFB' or 'PS', parameters)] as the agent planned them."""
+    return [(l.name, "SFB" if l.scheme == PSD_SYNC_SFB else "PS", l.param.numel())
+            for l in optimizer._layers]
+
+
+def _broadcast(ctx, layers, index, total, timeout_ms):
+    info = LayerInfo()
+    check(lib().psd_get_layer_info(ctx, index, ctypes.byref(info)), "broadcast buffer")
+    buffer = _view(info.grad, total)
+    if poseidon.rank() == 0:
+        buffer.copy_(torch.cat([l.param.detach().reshape(-1) for l in layers]))
+    else:
+        buffer.zero_()
+    check(lib().psd_layer_ready(ctx, index, 1), "broadcast")
+    check(lib().psd_wait_layer(ctx, index, 1, timeout_ms), "broadcast")
+    # Every other layer takes iteration 1 as well, so that training starts at 2 everywhere.
+    for layer in layers:
+        layer.grad.zero_()
+        if layer.u is not None:
+            layer.u.zero_()
+            layer.v.zero_()
+        check(lib().psd_layer_ready(ctx, layer.index, 1), "initial sync")
+    offset = 0
+    with torch.no_grad():
+        for layer in layers:
+            n = layer.param.numel()
+            layer.param.copy_(buffer[offset:offset + n].view_as(layer.param))
+            offset += n
+    for layer in layers:
+        check(lib().psd_wait_layer(ctx, layer.index, 1, timeout_ms), "initial sync")
+
+
+def _install_hooks(layers, opt, ctx, batch_size):
+    def post(layer):
+        if layer.index in opt.posted:
+            raise PoseidonError(5, f"{layer.name}: a second gradient in iteration {opt.iteration} "
+                                   "(call optimizer.step() after every backward)")
+        opt.posted.add(layer.index)
+        check(lib().psd_layer_ready(ctx, layer.index, opt.iteration), f"posting {layer.name}")
+
+    for layer in layers:
+        if layer.scheme == PSD_SYNC_SFB:
+            def forward_hook(module, inputs, output, layer=layer):
+                x = inputs[0]
+                if not torch.is_grad_enabled() or not output.requires_grad:
+                    return
+                if x.dim() != 2 or x.shape[0] != batch_size:
+                    raise PoseidonError(1, f"{layer.name} is synchronised by SFB with K = {batch_size}"
+                                           f" rows, got input of shape {tuple(x.shape)} "
+                                           "(use drop_last=True)")
+                saved = x.detach()
+
+                def output_grad_hook(g, layer=layer, saved=saved):
+                    layer.u.copy_(g)
+                    layer.v.copy_(saved)
+                    post(layer)
+
+                output.register_hook(output_grad_hook)
+            layer.module.register_forward_hook(forward_hook)
+        else:
+            def grad_hook(g, layer=layer):
+                layer.grad.copy_(g.reshape(-1))
+                post(layer)
+
+            layer.param.register_hook(grad_hook)
