@@ -223,6 +223,7 @@ int Main(int argc, char** argv) {
   PSD_LOG_INFO("signal {}: answering waiting calls and stopping", sig);
   (*server)->Shutdown(config.shutdown_timeout);
   server->reset();
+  PSD_LOG_INFO("gRPC stopped");
   exposer.reset();
   PSD_LOG_INFO("stopped");
   return 0;

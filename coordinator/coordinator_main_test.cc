@@ -218,11 +218,19 @@ TEST_F(CoordinatorDaemonTest, ServesJobsAndStopsOnSigterm) {
     EXPECT_TRUE(client.ok()) << client.status();
     return std::move(*client);
   };
+  const int probe = getenv("PROBE") ? atoi(getenv("PROBE")) : 99;
+  auto stop_now = [&] {
+    daemon.Signal(SIGTERM);
+    daemon.Wait(absl::Seconds(30));
+    std::fprintf(stderr, "%s", daemon.Stderr().c_str());
+  };
+  if (probe == 0) return stop_now();
   auto server = connect("", "cluster-secret");
   ServerRegistration registration;
   registration.host = "127.0.0.1";
   registration.endpoints.push_back(MakeEndpoint(v1::TRANSPORT_KIND_TCP, "127.0.0.1:7100"));
   ASSERT_TRUE(server->RegisterServer(registration).ok());
+  if (probe == 1) return stop_now();
 
   // Two agents of job-a form a world and get a plan.
   std::vector<std::unique_ptr<CoordinatorClient>> agents;
@@ -249,6 +257,7 @@ TEST_F(CoordinatorDaemonTest, ServesJobsAndStopsOnSigterm) {
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->nodes_size(), 3);
   EXPECT_EQ(status->jobs_size(), 1);
+  if (probe == 2) return stop_now();
 
   // Wrong token: refused, and counted.
   EXPECT_EQ(connect("job-a", "nope")->GetPlan().status().code(),

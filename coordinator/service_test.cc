@@ -802,3 +802,21 @@ TEST_F(CoordinatorServiceTest, MetricsCountCallsAndNodes) {
 
 }  // namespace
 }  // namespace poseidon::coordinator::testing
+namespace poseidon::coordinator::testing {
+TEST_F(CoordinatorFixture, ZZProbeShutdownTime) {
+  StartServer();
+  auto server = AddServer(7100);
+  std::vector<Member> members = FormWorld(2);
+  ASSERT_TRUE(RegisterModels(members, TinyModel())[0].ok());
+  EXPECT_FALSE(Client(kJobA, "nope")->GetPlan().ok());
+  auto waiting = Client(kJobB, kTokenB);
+  ASSERT_TRUE(waiting->RegisterAgent(Agent(0, 2)).ok());
+  absl::StatusOr<World> world = absl::UnknownError("");
+  std::thread waiter([&] { world = waiting->Rendezvous(absl::Seconds(60)); });
+  absl::SleepFor(absl::Milliseconds(200));
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::Seconds(5));
+  fprintf(stderr, "PROBE shutdown took %s\n", absl::FormatDuration(absl::Now() - start).c_str());
+  waiter.join();
+}
+}

@@ -69,6 +69,20 @@ def main():
         for name, scheme, params in plan:
             print(f"  {name:14s} {scheme:3s} {params:7d} parameters")
         print(f"  {sum(s == 'SFB' for _, s, _ in plan)} of {len(plan)} layers on SFB")
+        # Bytes per iteration through one machine (colocated server, the agent's assumption):
+        # PS 2*S*(P1+P2-2)/P2, SFB 2*K*(P1-1)*(M+N) for an M x N weight (DESIGN.md's table).
+        servers = 1
+        ps_only = plan_bytes = 0
+        for (name, scheme, params), p in zip(plan, model.parameters()):
+            ps = 2 * params * (world + servers - 2) / servers * 4
+            ps_only += ps
+            if scheme == "SFB":
+                m, n = p.shape
+                plan_bytes += 2 * args.batch * (world - 1) * (m + n) * 4
+            else:
+                plan_bytes += ps
+        print(f"  bytes per iteration per machine: {plan_bytes / 1e6:.2f} MB with this plan, "
+              f"{ps_only / 1e6:.2f} MB PS-only ({1 - plan_bytes / max(ps_only, 1):.0%} saved)")
 
     global_batch = args.batch * world
     steps = len(x_train) // global_batch  # drop the last partial batch: SFB needs K rows

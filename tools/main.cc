@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tools/plan_command.h"
+#include "tools/run_command.h"
 
 namespace {
 
@@ -19,6 +20,8 @@ struct Subcommand {
 constexpr Subcommand kSubcommands[] = {
     {"plan", "per-layer HybComm plan and predicted bytes and time for a model and a cluster",
      &poseidon::tools::RunPlanCommand},
+    {"run", "start a local cluster and a training command on every rank (poseidon run -n 4 -- cmd)",
+     &poseidon::tools::RunRunCommand},
 };
 
 void PrintUsage(std::FILE* out) {

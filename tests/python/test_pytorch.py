@@ -1,0 +1,122 @@
+#!/usr/bin/python3
+"""PyTorch integration and launcher tests (run by ctest; need python3-torch, else skipped).
+
+- Equivalence: 4 workers through Poseidon (PS-only, SFB-only, auto) against one process on the
+  4x-larger batch, same model and data: parameters equal within 1e-5 relative after 30 steps.
+- The launcher: a rank that raises, a daemon that is killed: everything stops, the exit code is
+  non-zero and the message names the process.
+- Misuse: calling before init, registering a model twice: clear Python exceptions.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+try:
+    import torch
+except ImportError:
+    print("torch is not installed: skipping")
+    sys.exit(77)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import equivalence_worker  # noqa: E402
+import poseidon  # noqa: E402
+
+PY = "/usr/bin/python3"
+
+
+def launch(args, timeout=300):
+    return subprocess.run([PY, "-m", "poseidon.run"] + args, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+class Equivalence(unittest.TestCase):
+    def reference(self):
+        model, x, y = equivalence_worker.model_and_data(seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(equivalence_worker.STEPS):
+            loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    def check_scheme(self, scheme, expect):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--scheme", scheme, "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn(f"schemes: {expect}", r.stdout)
+            got = torch.load(out)
+        for g, want in zip(got, self.reference()):
+            rel = ((g - want).abs() / want.abs().clamp(min=1e-3)).max().item()
+            self.assertLessEqual(rel, 1e-5, f"{scheme}: max relative difference {rel:.2e}")
+
+    def test_ps(self):
+        self.check_scheme("ps", "PS,PS,PS,PS")
+
+    def test_sfb(self):
+        self.check_scheme("sfb", "SFB,PS,SFB,PS")
+
+    def test_auto(self):
+        # P1 = 4, one server, K = 8: the 32x20 weight is cheaper by SFB (2K(P1-1)(M+N) = 2496
+        # against 2MN(P1+P2-2)/P2 = 3840 numbers), the 5x32 one by PS (1776 against 960).
+        self.check_scheme("auto", "SFB,PS,PS,PS")
+
+
+class Launcher(unittest.TestCase):
+    def test_a_rank_that_raises_stops_everything_and_is_named(self):
+        code = ("import os, time, poseidon; poseidon.init(); "
+                "r = poseidon.rank(); time.sleep(0.5); "
+                "raise SystemExit(3) if r == 2 else time.sleep(60)")
+        r = launch(["-n", "3", "--", PY, "-c", code], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("rank 2 failed with exit code 3", r.stderr)
+
+    def test_a_killed_daemon_stops_everything_and_is_named(self):
+        # The pattern is assembled at run time so that it matches no command line but the agent's.
+        code = ("import subprocess, time, poseidon; poseidon.init(); "
+                "r = poseidon.rank(); time.sleep(0.5); "
+                "subprocess.run(['pkill', '-9', '-f', 'poseidon-' + 'agent.*--rank' + '=1 ']) "
+                "if r == 0 else None; time.sleep(60)")
+        r = launch(["-n", "2", "--", PY, "-c", code], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("agent 1 died", r.stderr)
+
+    def test_no_command_is_a_usage_error(self):
+        r = launch(["-n", "2"])
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("no command", r.stderr)
+
+
+class Misuse(unittest.TestCase):
+    def test_calls_before_init_raise(self):
+        with self.assertRaisesRegex(poseidon.PoseidonError, "init"):
+            poseidon.rank()
+        with self.assertRaisesRegex(poseidon.PoseidonError, "init"):
+            poseidon.torch.distribute(torch.nn.Linear(2, 2), None, batch_size=1)
+
+    def test_init_without_an_agent_raises(self):
+        os.environ.pop("POSEIDON_SEGMENT", None)
+        with self.assertRaisesRegex(poseidon.PoseidonError, "segment"):
+            poseidon.init()
+
+    def test_registering_twice_raises(self):
+        code = ("import torch, poseidon, poseidon.torch; poseidon.init(); "
+                "m = torch.nn.Linear(4, 2); "
+                "poseidon.torch.distribute(m, torch.optim.SGD(m.parameters(), lr=1), batch_size=2)\n"
+                "try:\n"
+                "    poseidon.torch.distribute(m, torch.optim.SGD(m.parameters(), lr=1), batch_size=2)\n"
+                "except poseidon.PoseidonError as e:\n"
+                "    print('refused:', e)\n"
+                "poseidon.shutdown()")
+        r = launch(["-n", "1", "--", PY, "-c", code], timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("refused: failed precondition", r.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
