@@ -197,7 +197,7 @@ TEST_F(CoordinatorDaemonTest, ServesJobsAndStopsOnSigterm) {
   const std::string tokens = WriteFile("tokens", "# job token\njob-a secret-a\n\njob-b secret-b\n");
   Process daemon(Command({"--listen=127.0.0.1:0", "--tokens_file=" + tokens,
                           "--cluster_token=cluster-secret", "--metrics_listen=127.0.0.1:0",
-                          "--liveness_timeout=5s", "--log_level=info"}));
+                          "--liveness_timeout=5s", "--log_level=debug"}));
   ASSERT_TRUE(daemon.started());
   std::string address;
   std::string metrics_address;
