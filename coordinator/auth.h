@@ -1,7 +1,6 @@
-// Per-job tokens: which jobs this coordinator serves and the shared secret each caller of a job
-// must send in RequestHeader.token, plus an optional cluster token for cluster-wide callers
-// (servers serving every job, `poseidon status` of all jobs).
-// Thread-safety: filled once at start, then only read (const methods are safe from any thread).
+// Per-job tokens (the jobs this coordinator serves, each with the secret its callers send) and an
+// optional cluster token for cluster-wide callers (servers of every job, status of all jobs).
+// Thread-safety: filled once at start, then only read; const methods are safe from any thread.
 #pragma once
 
 #include <cstddef>

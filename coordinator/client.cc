@@ -99,8 +99,7 @@ absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::RegisterAgent(
   v1::RegisterAgentResponse response;
   grpc::ClientContext context;
   SetDeadline(&context, options_.call_timeout);
-  RETURN_IF_ERROR(
-      CallStatus(stub_->RegisterAgent(&context, request, &response), "RegisterAgent"));
+  RETURN_IF_ERROR(CallStatus(stub_->RegisterAgent(&context, request, &response), "RegisterAgent"));
   Observe(response.header());
   std::lock_guard<std::mutex> lock(mu_);
   node_id_ = response.node_id();
@@ -170,8 +169,7 @@ absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(const v1::ModelSpec& m
   v1::RegisterModelResponse response;
   grpc::ClientContext context;
   SetDeadline(&context, timeout);
-  RETURN_IF_ERROR(
-      CallStatus(stub_->RegisterModel(&context, request, &response), "RegisterModel"));
+  RETURN_IF_ERROR(CallStatus(stub_->RegisterModel(&context, request, &response), "RegisterModel"));
   Observe(response.header());
   return std::move(*response.mutable_plan());
 }
@@ -285,11 +283,12 @@ uint64_t CoordinatorClient::plan_epoch() const {
 
 // ---- HeartbeatLoop -----------------------------------------------------------------------------
 
-HeartbeatLoop::HeartbeatLoop(CoordinatorClient* client,
-                             CoordinatorClient::HeartbeatOptions options)
+HeartbeatLoop::HeartbeatLoop(CoordinatorClient* client, CoordinatorClient::HeartbeatOptions options)
     : client_(client), options_(std::move(options)), thread_([this] { Run(); }) {}
 
-HeartbeatLoop::~HeartbeatLoop() { Stop(); }
+HeartbeatLoop::~HeartbeatLoop() {
+  Stop();
+}
 
 void HeartbeatLoop::Stop() {
   {

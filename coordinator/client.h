@@ -1,9 +1,9 @@
-// CoordinatorClient: what agents, servers and tools use to talk to poseidon-coordinator. Every call
-// has a deadline, carries the job id, token and (once registered) node id, and returns
-// absl::Status / absl::StatusOr with the coordinator's code and message. HeartbeatLoop keeps a
-// registered node alive from a thread of its own.
-// Thread-safety: CoordinatorClient is safe from any thread (the stub is; the registration state is
-// under a mutex). A HeartbeatLoop must be stopped (or destroyed) before its client.
+// CoordinatorClient: how agents, servers and tools call poseidon-coordinator, every call with a
+// deadline, answers as absl::StatusOr; HeartbeatLoop keeps a node alive from its own thread.
+// Thread-safety: CoordinatorClient is safe from any thread; stop a HeartbeatLoop before its client.
+
+// Every call carries the job id, the token and, once registered, the node id; errors keep the
+// coordinator's code and message.
 #pragma once
 
 #include <condition_variable>
@@ -83,8 +83,7 @@ class CoordinatorClient {
 
   // Registration; on success node_id() is set and sent with every later call. A retry with the
   // same client returns the same registration.
-  absl::StatusOr<poseidon::v1::RegisterAgentResponse> RegisterAgent(
-      const AgentRegistration& agent);
+  absl::StatusOr<poseidon::v1::RegisterAgentResponse> RegisterAgent(const AgentRegistration& agent);
   absl::StatusOr<poseidon::v1::RegisterServerResponse> RegisterServer(
       const ServerRegistration& server);
 
@@ -99,8 +98,8 @@ class CoordinatorClient {
   // same model; returns the job's plan. FAILED_PRECONDITION names the first differing layer.
   absl::StatusOr<poseidon::v1::Plan> RegisterModel(
       const poseidon::v1::ModelSpec& model, const poseidon::v1::UpdateRuleSpec& update_rule = {},
-      const poseidon::v1::ConsistencySpec& consistency = {}, absl::Duration timeout =
-                                                                 absl::Minutes(5));
+      const poseidon::v1::ConsistencySpec& consistency = {},
+      absl::Duration timeout = absl::Minutes(5));
 
   // The job's newest plan (FAILED_PRECONDITION when it has none yet).
   absl::StatusOr<poseidon::v1::Plan> GetPlan();
@@ -114,7 +113,7 @@ class CoordinatorClient {
   // One heartbeat. A response with shutdown = true means this node id was declared dead or
   // replaced: stop, or register anew.
   absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(uint64_t iteration,
-                                                             uint64_t plan_epoch);
+                                                            uint64_t plan_epoch);
   absl::Status Deregister(absl::string_view reason);
   absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();
 
@@ -146,11 +145,11 @@ class CoordinatorClient {
   const CoordinatorClientOptions options_;
   const std::unique_ptr<poseidon::v1::Coordinator::Stub> stub_;
   mutable std::mutex mu_;
-  std::string node_id_;                                                  // guarded by mu_
-  poseidon::v1::NodeRole role_ = poseidon::v1::NODE_ROLE_UNSPECIFIED;    // guarded by mu_
-  absl::Duration heartbeat_interval_ = absl::Seconds(3);                 // guarded by mu_
-  uint64_t membership_epoch_ = 0;                                        // guarded by mu_
-  uint64_t plan_epoch_ = 0;                                              // guarded by mu_
+  std::string node_id_;                                                // guarded by mu_
+  poseidon::v1::NodeRole role_ = poseidon::v1::NODE_ROLE_UNSPECIFIED;  // guarded by mu_
+  absl::Duration heartbeat_interval_ = absl::Seconds(3);               // guarded by mu_
+  uint64_t membership_epoch_ = 0;                                      // guarded by mu_
+  uint64_t plan_epoch_ = 0;                                            // guarded by mu_
 };
 
 // A running heartbeat thread (CoordinatorClient::StartHeartbeats). Stops when destroyed.

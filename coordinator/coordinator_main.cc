@@ -44,7 +44,7 @@ struct CoordinatorConfig {
   std::string tls_key;
   std::string tls_client_ca;
   std::string metrics_listen;
-  absl::Duration shutdown_timeout = absl::Seconds(5);
+  absl::Duration shutdown_timeout = absl::Seconds(1);
   std::string log_level = "info";
 };
 
@@ -106,7 +106,8 @@ ConfigSchema<CoordinatorConfig> Schema() {
       .Field("metrics_listen", &C::metrics_listen,
              "Prometheus /metrics address (host:port); empty: off")
       .Field("shutdown_timeout", &C::shutdown_timeout,
-             "on SIGTERM, calls in flight get at most this long to finish",
+             "on SIGTERM, calls in flight get at most this long to finish (idle client "
+             "connections are closed after it)",
              InRange(absl::ZeroDuration(), absl::Minutes(10)))
       .Field("log_level", &C::log_level, "trace, debug, info, warn, error",
              OneOf({"trace", "debug", "info", "warn", "error"}));
@@ -127,8 +128,7 @@ absl::Status LoadTokens(const CoordinatorConfig& config, TokenStore& tokens) {
     if (absl::Status s = tokens.LoadFile(config.tokens_file); !s.ok()) return s;
   }
   if (tokens.job_count() == 0) {
-    return absl::InvalidArgumentError(
-        "no job to serve: set job_id and job_token, or tokens_file");
+    return absl::InvalidArgumentError("no job to serve: set job_id and job_token, or tokens_file");
   }
   if (absl::Status s = tokens.SetClusterToken(config.cluster_token); !s.ok()) return s;
   return absl::OkStatus();
@@ -205,14 +205,15 @@ int Main(int argc, char** argv) {
   if (!server.ok()) return Refuse(server.status().message());
 
   if (!(*server)->tls() && !IsLoopback(config.listen)) {
-    PSD_LOG_WARN("serving without TLS on {}: tokens cross the network in clear text; set tls_cert "
-                 "and tls_key",
-                 config.listen);
+    PSD_LOG_WARN(
+        "serving without TLS on {}: tokens cross the network in clear text; set tls_cert "
+        "and tls_key",
+        config.listen);
   }
-  PSD_LOG_INFO("serving {} job{} on {} ({}{})", jobs, jobs == 1 ? "" : "s", (*server)->address(),
-               (*server)->tls() ? (config.tls_client_ca.empty() ? "TLS" : "mutual TLS")
-                                : "insecure",
-               exposer ? absl::StrCat(", metrics on ", exposer->address()) : "");
+  PSD_LOG_INFO(
+      "serving {} job{} on {} ({}{})", jobs, jobs == 1 ? "" : "s", (*server)->address(),
+      (*server)->tls() ? (config.tls_client_ca.empty() ? "TLS" : "mutual TLS") : "insecure",
+      exposer ? absl::StrCat(", metrics on ", exposer->address()) : "");
   // Tests and launchers read these lines to learn the bound ports.
   std::printf("poseidon-coordinator listening on %s\n", (*server)->address().c_str());
   if (exposer) std::printf("poseidon-coordinator metrics on %s\n", exposer->address().c_str());
@@ -223,7 +224,6 @@ int Main(int argc, char** argv) {
   PSD_LOG_INFO("signal {}: answering waiting calls and stopping", sig);
   (*server)->Shutdown(config.shutdown_timeout);
   server->reset();
-  PSD_LOG_INFO("gRPC stopped");
   exposer.reset();
   PSD_LOG_INFO("stopped");
   return 0;
@@ -232,4 +232,6 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace poseidon::coordinator
 
-int main(int argc, char** argv) { return poseidon::coordinator::Main(argc, argv); }
+int main(int argc, char** argv) {
+  return poseidon::coordinator::Main(argc, argv);
+}

@@ -31,8 +31,8 @@ std::string TypeName(v1::ElementType type) {
 
 std::string Differs(int index, const v1::LayerSpec& theirs, absl::string_view what,
                     absl::string_view here, absl::string_view there) {
-  return absl::StrCat("layer ", index, " '", theirs.name(), "': ", what, " is ", here,
-                      " here, ", there, " in the job's model");
+  return absl::StrCat("layer ", index, " '", theirs.name(), "': ", what, " is ", here, " here, ",
+                      there, " in the job's model");
 }
 
 template <typename T>
@@ -105,8 +105,8 @@ std::optional<std::string> FirstUpdateRuleDifference(const v1::UpdateRuleSpec& r
   if (auto d = Field("update_rule.beta1", reference.beta1(), candidate.beta1())) return d;
   if (auto d = Field("update_rule.beta2", reference.beta2(), candidate.beta2())) return d;
   if (auto d = Field("update_rule.epsilon", reference.epsilon(), candidate.epsilon())) return d;
-  if (auto d = Field("update_rule.weight_decay", reference.weight_decay(),
-                     candidate.weight_decay())) {
+  if (auto d =
+          Field("update_rule.weight_decay", reference.weight_decay(), candidate.weight_decay())) {
     return d;
   }
   if (auto d = Field("update_rule.nesterov", reference.nesterov(), candidate.nesterov())) return d;
@@ -123,9 +123,9 @@ std::optional<std::string> FirstConsistencyDifference(const v1::ConsistencySpec&
     return m == v1::CONSISTENCY_MODEL_UNSPECIFIED ? v1::CONSISTENCY_MODEL_BSP : m;
   };
   if (model(reference.model()) != model(candidate.model())) {
-    return absl::StrCat("consistency.model is ", v1::ConsistencyModel_Name(model(candidate.model())),
-                        " here, ", v1::ConsistencyModel_Name(model(reference.model())),
-                        " in the job's");
+    return absl::StrCat("consistency.model is ",
+                        v1::ConsistencyModel_Name(model(candidate.model())), " here, ",
+                        v1::ConsistencyModel_Name(model(reference.model())), " in the job's");
   }
   return Field("consistency.staleness", reference.staleness(), candidate.staleness());
 }

@@ -18,8 +18,9 @@ namespace v1 = ::poseidon::v1;
 constexpr size_t kMaxListed = 16;
 
 std::string Ago(absl::Duration d) {
-  return absl::FormatDuration(absl::Trunc(std::max(d, absl::ZeroDuration()),
-                                          absl::Milliseconds(1)));
+  const absl::Duration rounded =
+      absl::Trunc(std::max(d, absl::ZeroDuration()), absl::Milliseconds(1));
+  return rounded == absl::ZeroDuration() ? "0s" : absl::FormatDuration(rounded);
 }
 
 uint64_t Millis(absl::Duration d) {
@@ -43,11 +44,12 @@ std::vector<v1::SyncScheme> Schemes(const v1::Plan& plan) {
 
 // "2, 3, 5 and 7 more" style list of the first kMaxListed entries.
 std::string Listed(const std::vector<std::string>& items) {
-  std::vector<std::string> shown(items.begin(),
-                                 items.begin() + static_cast<std::ptrdiff_t>(
-                                                     std::min(items.size(), kMaxListed)));
+  std::vector<std::string> shown(
+      items.begin(),
+      items.begin() + static_cast<std::ptrdiff_t>(std::min(items.size(), kMaxListed)));
   std::string text = absl::StrJoin(shown, "; ");
-  if (items.size() > kMaxListed) absl::StrAppend(&text, "; and ", items.size() - kMaxListed, " more");
+  if (items.size() > kMaxListed)
+    absl::StrAppend(&text, "; and ", items.size() - kMaxListed, " more");
   return text;
 }
 
@@ -67,7 +69,8 @@ void Registry::FillHeader(absl::string_view job_id, v1::ResponseHeader* header) 
   header->set_plan_epoch(job != nullptr && job->plan.has_value() ? job->plan->plan_epoch() : 0);
 }
 
-// ---- Lookups -------------------------------------------------------------------------------------
+// ---- Lookups
+// -------------------------------------------------------------------------------------
 
 std::string Registry::NewId(absl::string_view prefix) {
   return absl::StrCat(prefix, "-", incarnation_, "-", ++next_seq_);
@@ -146,19 +149,19 @@ std::vector<const Registry::Node*> Registry::EligibleServers(absl::string_view j
 absl::Status Registry::CheckScope(const Caller& caller, const Node& node) const {
   if (node.job_id == caller.job_id) return absl::OkStatus();
   if (caller.job_id.empty()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "node '", node.id, "' belongs to job '", node.job_id,
-        "': send that job's id and token, not the cluster token"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("node '", node.id, "' belongs to job '", node.job_id,
+                     "': send that job's id and token, not the cluster token"));
   }
   if (node.job_id.empty()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "node '", node.id, "' is a cluster-wide server: send an empty header.job_id and the "
-                           "cluster token, not job '",
-        caller.job_id, "'"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("node '", node.id,
+                     "' is a cluster-wide server: send an empty header.job_id and the "
+                     "cluster token, not job '",
+                     caller.job_id, "'"));
   }
-  return absl::PermissionDeniedError(absl::StrCat("node '", node.id, "' belongs to job '",
-                                                  node.job_id, "', not to job '", caller.job_id,
-                                                  "'"));
+  return absl::PermissionDeniedError(absl::StrCat(
+      "node '", node.id, "' belongs to job '", node.job_id, "', not to job '", caller.job_id, "'"));
 }
 
 absl::StatusOr<Registry::Node*> Registry::Member(const Caller& caller, absl::string_view node_id,
@@ -171,18 +174,18 @@ absl::StatusOr<Registry::Node*> Registry::Member(const Caller& caller, absl::str
   }
   RETURN_IF_ERROR(CheckScope(caller, *node));
   if (role != v1::NODE_ROLE_UNSPECIFIED && node->role != role) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "node '", node_id, "' is registered as ", v1::NodeRole_Name(node->role), ", this call is for ",
-        v1::NodeRole_Name(role)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("node '", node_id, "' is registered as ", v1::NodeRole_Name(node->role),
+                     ", this call is for ", v1::NodeRole_Name(role)));
   }
   if (node->state == v1::NODE_STATE_DEAD) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("node '", node_id, "' was declared dead ", Ago(now - node->state_since),
-                     " ago (", node->state_reason, "): register again"));
+    return absl::FailedPreconditionError(absl::StrCat("node '", node_id, "' was declared dead ",
+                                                      Ago(now - node->state_since), " ago (",
+                                                      node->state_reason, "): register again"));
   }
   if (node->state == v1::NODE_STATE_LEFT) {
-    return absl::FailedPreconditionError(absl::StrCat("node '", node_id, "' has left (",
-                                                      node->state_reason, "): register again"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("node '", node_id, "' has left (", node->state_reason, "): register again"));
   }
   node->last_seen = std::max(node->last_seen, now);
   return node;
@@ -209,8 +212,7 @@ void Registry::MarkLeft(Node& node, absl::Time now, absl::string_view reason) {
 }
 
 void Registry::ResetJob(Job& job) {
-  PSD_LOG_INFO("job {}: no live agent is left; the next registration starts a new world",
-               job.id);
+  PSD_LOG_INFO("job {}: no live agent is left; the next registration starts a new world", job.id);
   const uint64_t last_epoch = job.last_plan_epoch;
   const std::string id = job.id;
   job = Job{};
@@ -257,10 +259,10 @@ absl::Status Registry::RegisterServer(const Caller& caller,
     }
     RETURN_IF_ERROR(CheckScope(caller, *node));
     if (Live(node) && node->host != request.host()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "server '", previous, "' is registered and alive on host ", node->host,
-          "; another host can take its id only after it is declared dead (",
-          Ago(options_.lease), " of silence) or deregisters"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("server '", previous, "' is registered and alive on host ", node->host,
+                       "; another host can take its id only after it is declared dead (",
+                       Ago(options_.lease), " of silence) or deregisters"));
     }
     node->host = request.host();
     node->endpoints.assign(request.endpoints().begin(), request.endpoints().end());
@@ -285,9 +287,9 @@ absl::Status Registry::RegisterServer(const Caller& caller,
     fresh.last_seen = now;
     fresh.seq = ++next_seq_;
     node = &nodes_.emplace(fresh.id, std::move(fresh)).first->second;
-    PSD_LOG_INFO("server {} registered from host {} for {}", node->id, node->host,
-                 caller.job_id.empty() ? std::string("every job")
-                                       : absl::StrCat("job ", caller.job_id));
+    PSD_LOG_INFO(
+        "server {} registered from host {} for {}", node->id, node->host,
+        caller.job_id.empty() ? std::string("every job") : absl::StrCat("job ", caller.job_id));
   }
   ++membership_epoch_;
   ++version_;
@@ -300,9 +302,8 @@ absl::Status Registry::RegisterServer(const Caller& caller,
   return absl::OkStatus();
 }
 
-absl::Status Registry::RegisterAgent(const Caller& caller,
-                                     const v1::RegisterAgentRequest& request, absl::Time now,
-                                     v1::RegisterAgentResponse* response) {
+absl::Status Registry::RegisterAgent(const Caller& caller, const v1::RegisterAgentRequest& request,
+                                     absl::Time now, v1::RegisterAgentResponse* response) {
   if (caller.job_id.empty()) {
     return absl::PermissionDeniedError(
         "an agent belongs to a job: send header.job_id and the job's token, not the cluster "
@@ -364,11 +365,12 @@ absl::Status Registry::RegisterAgent(const Caller& caller,
     Node* holder = FindNode(job.ranks[rank].node_id);
     if (Live(holder)) {
       if (holder->host != request.host() || holder->gpu_index != request.gpu_index()) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "duplicate rank: rank ", rank, " of job '", job.id, "' is held by ",
-            DescribeNode(*holder, now), "; a replacement can take the rank once that agent "
-                                        "deregisters or is declared dead after ",
-            Ago(options_.lease), " of silence"));
+        return absl::AlreadyExistsError(
+            absl::StrCat("duplicate rank: rank ", rank, " of job '", job.id, "' is held by ",
+                         DescribeNode(*holder, now),
+                         "; a replacement can take the rank once that agent "
+                         "deregisters or is declared dead after ",
+                         Ago(options_.lease), " of silence"));
       }
       // The same host and GPU asking for its own rank again: the agent restarted.
       restarted = holder;
@@ -382,10 +384,11 @@ absl::Status Registry::RegisterAgent(const Caller& caller,
       }
     }
     if (!found) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "job '", job.id, "' already has ", job.world_size, " live agents (world_size ",
-          job.world_size, "); a replacement can register once one of them deregisters or is "
-                          "declared dead"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("job '", job.id, "' already has ", job.world_size,
+                       " live agents (world_size ", job.world_size,
+                       "); a replacement can register once one of them deregisters or is "
+                       "declared dead"));
     }
   }
   if (restarted != nullptr) MarkLeft(*restarted, now, "replaced by a restart on the same GPU");
@@ -475,10 +478,10 @@ std::string Registry::DescribeIncompleteWorld(absl::string_view job_id, absl::Ti
 
 // ---- Model and plan ----------------------------------------------------------------------------
 
-absl::Status Registry::RegisterModel(const Caller& caller,
-                                     const v1::RegisterModelRequest& request, absl::Time now) {
-  ASSIGN_OR_RETURN(Node * node, Member(caller, request.header().node_id(), v1::NODE_ROLE_AGENT,
-                                       now));
+absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterModelRequest& request,
+                                     absl::Time now) {
+  ASSIGN_OR_RETURN(Node * node,
+                   Member(caller, request.header().node_id(), v1::NODE_ROLE_AGENT, now));
   ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
   RankSlot& slot = job->ranks[node->rank];
 
@@ -509,9 +512,9 @@ absl::Status Registry::RegisterModel(const Caller& caller,
     // job's shape refuses a model the planner cannot plan now, to its sender.
     planner::PlannerConfig trial;
     trial.workers = job->world_size;
-    trial.servers = static_cast<uint32_t>(std::max<size_t>(
-        1, job->world_servers.empty() ? EligibleServers(job->id).size()
-                                      : job->world_servers.size()));
+    trial.servers = static_cast<uint32_t>(std::max<size_t>(1, job->world_servers.empty()
+                                                                  ? EligibleServers(job->id).size()
+                                                                  : job->world_servers.size()));
     trial.batch_per_worker = options_.batch_per_worker;
     trial.colocated = options_.colocated;
     trial.bandwidth_bytes_per_second = options_.nominal_bandwidth_bytes_per_second;
@@ -522,8 +525,8 @@ absl::Status Registry::RegisterModel(const Caller& caller,
         !dry.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("model: ", dry.status().message()));
     }
-    job->model = JobModel{request.model(), request.update_rule(), request.consistency(),
-                          node->rank};
+    job->model =
+        JobModel{request.model(), request.update_rule(), request.consistency(), node->rank};
     job->plan.reset();
     job->plan_error.clear();
     PSD_LOG_INFO("job {}: model '{}' ({} layers) registered by rank {}", job->id,
@@ -591,8 +594,7 @@ absl::StatusOr<bool> Registry::TryGetPlan(const Caller& caller, absl::string_vie
                                           std::optional<uint64_t> min_epoch, absl::Time now,
                                           v1::Plan* plan) {
   if (caller.job_id.empty()) {
-    return absl::InvalidArgumentError(
-        "header.job_id: GetPlan needs the job whose plan to return");
+    return absl::InvalidArgumentError("header.job_id: GetPlan needs the job whose plan to return");
   }
   if (!node_id.empty()) {
     RETURN_IF_ERROR(Member(caller, node_id, v1::NODE_ROLE_UNSPECIFIED, now).status());
@@ -600,9 +602,8 @@ absl::StatusOr<bool> Registry::TryGetPlan(const Caller& caller, absl::string_vie
   const Job* job = FindJob(caller.job_id);
   if (job == nullptr || !job->plan.has_value()) {
     if (!min_epoch.has_value()) {
-      return absl::FailedPreconditionError(absl::StrCat("job '", caller.job_id,
-                                                        "' has no plan yet: ",
-                                                        DescribeMissingPlan(caller.job_id, now)));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job '", caller.job_id, "' has no plan yet: ", DescribeMissingPlan(caller.job_id, now)));
     }
     return false;
   }
@@ -660,8 +661,7 @@ absl::flat_hash_set<std::string> Registry::Members(const Job& job) const {
 }
 
 std::pair<double, double> Registry::Network(const Job& job, absl::Time now) const {
-  const NetworkEstimate estimate =
-      links_.Estimate(Members(job), now, options_.telemetry_max_age);
+  const NetworkEstimate estimate = links_.Estimate(Members(job), now, options_.telemetry_max_age);
   return {estimate.bandwidth_bytes_per_second.value_or(options_.nominal_bandwidth_bytes_per_second),
           estimate.latency_seconds.value_or(options_.nominal_latency_seconds)};
 }
@@ -730,8 +730,8 @@ void Registry::MaybePlan(Job& job, absl::Time now) {
     why = "a server's endpoints changed";
   }
   if (!job.plan_error.empty()) return;  // cleared by the next model registration
-  const uint64_t effective = job.plan.has_value() ? job.max_iteration + options_.plan_lead_iterations
-                                                  : 0;
+  const uint64_t effective =
+      job.plan.has_value() ? job.max_iteration + options_.plan_lead_iterations : 0;
   absl::StatusOr<v1::Plan> plan =
       Build(job, bandwidth, latency, job.last_plan_epoch + 1, effective);
   if (!plan.ok()) {
@@ -748,8 +748,7 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
       !AllModelsAgree(job)) {
     return;
   }
-  const NetworkEstimate estimate =
-      links_.Estimate(Members(job), now, options_.telemetry_max_age);
+  const NetworkEstimate estimate = links_.Estimate(Members(job), now, options_.telemetry_max_age);
   if (!estimate.bandwidth_bytes_per_second.has_value()) return;
   const double measured = *estimate.bandwidth_bytes_per_second;
   // Hysteresis: small moves never re-plan, so noise cannot make plans flap.
@@ -761,9 +760,8 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
   }
   job.last_evaluated_bandwidth = measured;
   const double latency = estimate.latency_seconds.value_or(options_.nominal_latency_seconds);
-  absl::StatusOr<v1::Plan> candidate =
-      Build(job, measured, latency, job.last_plan_epoch + 1,
-            job.max_iteration + options_.plan_lead_iterations);
+  absl::StatusOr<v1::Plan> candidate = Build(job, measured, latency, job.last_plan_epoch + 1,
+                                             job.max_iteration + options_.plan_lead_iterations);
   if (!candidate.ok()) {
     PSD_LOG_WARN("job {}: re-planning for {} failed: {}", job.id, Bandwidth(measured),
                  candidate.status().message());
@@ -819,8 +817,7 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
   RETURN_IF_ERROR(CheckScope(caller, *node));
   if (request.role() != node->role) {
     return absl::InvalidArgumentError(absl::StrCat("role: ", v1::NodeRole_Name(request.role()),
-                                                   ", but node '", node_id,
-                                                   "' registered as ",
+                                                   ", but node '", node_id, "' registered as ",
                                                    v1::NodeRole_Name(node->role)));
   }
   FillHeader(caller.job_id, response->mutable_header());
@@ -862,9 +859,8 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
   FillHeader(caller.job_id, response->mutable_header());
   std::vector<const Node*> shown;
   for (const auto& [id, node] : nodes_) {
-    const bool visible =
-        caller.job_id.empty() || node.job_id == caller.job_id ||
-        (node.role == v1::NODE_ROLE_SERVER && node.job_id.empty());
+    const bool visible = caller.job_id.empty() || node.job_id == caller.job_id ||
+                         (node.role == v1::NODE_ROLE_SERVER && node.job_id.empty());
     if (visible) shown.push_back(&node);
   }
   std::sort(shown.begin(), shown.end(), [](const Node* a, const Node* b) {
@@ -877,7 +873,8 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
     out->set_node_id(node->id);
     out->set_role(node->role);
     v1::NodeState state = node->state;
-    if (state == v1::NODE_STATE_ALIVE && node->waits == 0 && now - node->last_seen > suspect_after) {
+    if (state == v1::NODE_STATE_ALIVE && node->waits == 0 &&
+        now - node->last_seen > suspect_after) {
       state = v1::NODE_STATE_SUSPECT;
     }
     out->set_state(state);
@@ -938,8 +935,8 @@ bool Registry::Expire(absl::Time now) {
     if (silent <= options_.lease) continue;
     node.state = v1::NODE_STATE_DEAD;
     node.state_since = now;
-    node.state_reason = absl::StrCat("no heartbeat for ", Ago(silent), "; lease ",
-                                     Ago(options_.lease));
+    node.state_reason =
+        absl::StrCat("no heartbeat for ", Ago(silent), "; lease ", Ago(options_.lease));
     ++membership_epoch_;
     died = true;
     PSD_LOG_WARN("{} {} declared dead: {}", RoleName(node.role), node.id, node.state_reason);
@@ -969,8 +966,8 @@ bool Registry::Expire(absl::Time now) {
 std::vector<Registry::NodeCount> Registry::CountNodes(absl::Time now) const {
   std::vector<NodeCount> counts;
   for (const v1::NodeRole role : {v1::NODE_ROLE_SERVER, v1::NODE_ROLE_AGENT}) {
-    for (const v1::NodeState state : {v1::NODE_STATE_ALIVE, v1::NODE_STATE_SUSPECT,
-                                      v1::NODE_STATE_DEAD, v1::NODE_STATE_LEFT}) {
+    for (const v1::NodeState state :
+         {v1::NODE_STATE_ALIVE, v1::NODE_STATE_SUSPECT, v1::NODE_STATE_DEAD, v1::NODE_STATE_LEFT}) {
       counts.push_back(NodeCount{role, state, 0});
     }
   }

@@ -1,8 +1,8 @@
-// The coordinator's state machine: the servers and agents that registered, each job's world
-// (ranks, peers, servers), its model and the ranks' agreement on it, its plans (epoch, effective
-// iteration) and re-planning from telemetry, and liveness. It answers requests whose callers the
-// service already authenticated and validated; time is passed in, so tests can drive it.
+// The coordinator's state machine: registered nodes, each job's world, model, plans and
+// re-planning from telemetry, and liveness; time is passed in, so tests can drive it.
 // Thread-safety: not thread-safe. CoordinatorService calls it under its one mutex.
+
+// It answers requests whose callers the service already authenticated and validated.
 #pragma once
 
 #include <cstddef>
@@ -96,8 +96,8 @@ class Registry {
   absl::Status RegisterModel(const Caller& caller,
                              const poseidon::v1::RegisterModelRequest& request, absl::Time now);
   // Complete when the world is formed, every rank registered the same model, and the plan exists.
-  absl::StatusOr<bool> TryModelPlan(const Caller& caller, absl::string_view node_id,
-                                    absl::Time now, poseidon::v1::Plan* plan);
+  absl::StatusOr<bool> TryModelPlan(const Caller& caller, absl::string_view node_id, absl::Time now,
+                                    poseidon::v1::Plan* plan);
   // One line naming why a job has no plan (world, ranks without the model, refusals).
   std::string DescribeMissingPlan(absl::string_view job_id, absl::Time now) const;
 
@@ -110,8 +110,7 @@ class Registry {
   const poseidon::v1::Plan* CurrentPlan(absl::string_view job_id) const;
 
   absl::Status ReportTelemetry(const Caller& caller,
-                               const poseidon::v1::ReportTelemetryRequest& request,
-                               absl::Time now);
+                               const poseidon::v1::ReportTelemetryRequest& request, absl::Time now);
   absl::Status Heartbeat(const Caller& caller, const poseidon::v1::HeartbeatRequest& request,
                          absl::Time now, poseidon::v1::HeartbeatResponse* response);
   absl::Status Deregister(const Caller& caller, const poseidon::v1::DeregisterRequest& request,

@@ -45,7 +45,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   return server;
 }
 
-CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+CoordinatorServer::~CoordinatorServer() {
+  Shutdown();
+}
 
 void CoordinatorServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;

@@ -1,6 +1,5 @@
-// CoordinatorServer: the Coordinator service on a gRPC server, listening on an address (port 0
-// picks a free port), insecure or with TLS. Used by the poseidon-coordinator daemon and by tests,
-// which run it in-process.
+// CoordinatorServer: the Coordinator service on a gRPC server (port 0 picks a free port), insecure
+// or TLS; the poseidon-coordinator daemon runs one, tests run one in-process.
 // Thread-safety: Start and Shutdown from one owner thread; the accessors from any thread.
 #pragma once
 
@@ -30,7 +29,7 @@ class CoordinatorServer {
   // Binds, starts serving and starts the service's housekeeping. Errors: bad TLS files, an
   // address that cannot be bound (in use, malformed).
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(TokenStore tokens,
-                                                                   CoordinatorServerOptions options);
+                                                                  CoordinatorServerOptions options);
   // Shuts down (with the default grace) if Shutdown was not called.
   ~CoordinatorServer();
   CoordinatorServer(const CoordinatorServer&) = delete;

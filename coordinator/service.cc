@@ -66,7 +66,9 @@ CoordinatorService::CoordinatorService(TokenStore tokens, CoordinatorServiceOpti
       metrics_(options_.metrics),
       registry_(options_.registry, NewIncarnation()) {}
 
-CoordinatorService::~CoordinatorService() { Shutdown(); }
+CoordinatorService::~CoordinatorService() {
+  Shutdown();
+}
 
 void CoordinatorService::Start() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -82,9 +84,9 @@ void CoordinatorService::Shutdown() {
     const absl::Time now = MonotonicNow();
     for (auto& [reactor, waiter] : waiters_) {
       registry_.EndWait(waiter.node_id, now);
-      done.push_back(Completion{reactor, waiter.method,
-                                grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                             "the coordinator is shutting down")});
+      done.push_back(Completion{
+          reactor, waiter.method,
+          grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down")});
     }
     waiters_.clear();
   }
@@ -151,9 +153,9 @@ grpc::ServerUnaryReactor* CoordinatorService::Answer(grpc::CallbackServerContext
 void CoordinatorService::StartWaitLocked(WaitReactor* reactor, Waiter waiter, absl::Time now,
                                          std::vector<Completion>& done) {
   if (stopping_) {
-    done.push_back(Completion{reactor, waiter.method,
-                              grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                           "the coordinator is shutting down")});
+    done.push_back(Completion{
+        reactor, waiter.method,
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down")});
     return;
   }
   const absl::StatusOr<bool> ready = waiter.poll(now);
@@ -256,7 +258,8 @@ void CoordinatorService::Housekeep() {
   }
 }
 
-// ---- Calls answered at once ----------------------------------------------------------------------
+// ---- Calls answered at once
+// ----------------------------------------------------------------------
 
 grpc::ServerUnaryReactor* CoordinatorService::RegisterServer(
     grpc::CallbackServerContext* context, const v1::RegisterServerRequest* request,
@@ -267,9 +270,9 @@ grpc::ServerUnaryReactor* CoordinatorService::RegisterServer(
                 });
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::RegisterAgent(
-    grpc::CallbackServerContext* context, const v1::RegisterAgentRequest* request,
-    v1::RegisterAgentResponse* response) {
+grpc::ServerUnaryReactor* CoordinatorService::RegisterAgent(grpc::CallbackServerContext* context,
+                                                            const v1::RegisterAgentRequest* request,
+                                                            v1::RegisterAgentResponse* response) {
   return Answer(context, Method::kRegisterAgent, *request,
                 [&](const Caller& caller, absl::Time now) {
                   return registry_.RegisterAgent(caller, *request, now, response);
@@ -341,15 +344,15 @@ grpc::ServerUnaryReactor* CoordinatorService::Rendezvous(grpc::CallbackServerCon
     StartWaitLocked(reactor, std::move(waiter), now, done);
     return absl::OkStatus();
   });
-  if (!admitted.ok()) done.push_back(Completion{reactor, Method::kRendezvous,
-                                                ToGrpcStatus(admitted)});
+  if (!admitted.ok())
+    done.push_back(Completion{reactor, Method::kRendezvous, ToGrpcStatus(admitted)});
   Complete(done);
   return reactor;
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::RegisterModel(
-    grpc::CallbackServerContext* context, const v1::RegisterModelRequest* request,
-    v1::RegisterModelResponse* response) {
+grpc::ServerUnaryReactor* CoordinatorService::RegisterModel(grpc::CallbackServerContext* context,
+                                                            const v1::RegisterModelRequest* request,
+                                                            v1::RegisterModelResponse* response) {
   auto* reactor = new WaitReactor(this);
   std::vector<Completion> done;
   const absl::Status admitted = Guarded([&]() -> absl::Status {
@@ -372,9 +375,9 @@ grpc::ServerUnaryReactor* CoordinatorService::RegisterModel(
       return ready;
     };
     waiter.expire = [this, caller, started = now](absl::Time at) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
-          registry_.DescribeMissingPlan(caller.job_id, at)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
+                       registry_.DescribeMissingPlan(caller.job_id, at)));
     };
     StartWaitLocked(reactor, std::move(waiter), now, done);
     return absl::OkStatus();
@@ -402,8 +405,8 @@ grpc::ServerUnaryReactor* CoordinatorService::GetPlan(grpc::CallbackServerContex
     waiter.method = Method::kGetPlan;
     waiter.node_id = node_id;
     waiter.deadline = WaitDeadline(*context, options_.plan_wait_timeout, now);
-    waiter.poll = [this, caller, node_id, min_epoch, response](
-                      absl::Time at) -> absl::StatusOr<bool> {
+    waiter.poll = [this, caller, node_id, min_epoch,
+                   response](absl::Time at) -> absl::StatusOr<bool> {
       ASSIGN_OR_RETURN(const bool ready, registry_.TryGetPlan(caller, node_id, min_epoch, at,
                                                               response->mutable_plan()));
       if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
@@ -416,9 +419,9 @@ grpc::ServerUnaryReactor* CoordinatorService::GetPlan(grpc::CallbackServerContex
         registry_.FillHeader(caller.job_id, response->mutable_header());
         return absl::OkStatus();
       }
-      return absl::DeadlineExceededError(absl::StrCat(
-          "job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
-          registry_.DescribeMissingPlan(caller.job_id, at)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
+                       registry_.DescribeMissingPlan(caller.job_id, at)));
     };
     StartWaitLocked(reactor, std::move(waiter), now, done);
     return absl::OkStatus();

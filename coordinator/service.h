@@ -1,10 +1,10 @@
-// The gRPC Coordinator service (proto/poseidon/v1/coordinator.proto) on gRPC's callback API: every
-// request is validated and authenticated, then answered from the Registry. Calls that wait
-// (Rendezvous, RegisterModel, GetPlan with min_plan_epoch) are parked without holding a thread and
-// completed when the state they wait for arrives, or with a message naming what is missing when
-// their bound passes. A housekeeping thread declares silent nodes dead and expires parked calls.
-// Thread-safety: handlers run on gRPC's threads; all state is guarded by one mutex, never held
-// while a call is finished (docs/thread_model.md, "coordinator/").
+// The gRPC Coordinator service (coordinator.proto) on gRPC's callback API: validation, tokens, the
+// Registry, calls that wait parked without a thread, and a housekeeping thread for liveness.
+// Thread-safety: gRPC threads call it; one mutex guards all state (docs/thread_model.md).
+
+// Calls that wait (Rendezvous, RegisterModel, GetPlan with min_plan_epoch) are completed when the
+// state they wait for arrives, or, when their bound passes, with a message naming what is missing.
+// The mutex is never held while a call is finished.
 #pragma once
 
 #include <condition_variable>
@@ -135,10 +135,10 @@ class CoordinatorService final : public poseidon::v1::Coordinator::CallbackServi
   ServiceMetrics metrics_;
 
   mutable std::mutex mu_;
-  std::condition_variable wake_;  // the housekeeper's: stop, or a new deadline
-  bool stopping_ = false;         // guarded by mu_
-  bool kicked_ = false;           // guarded by mu_
-  Registry registry_;             // guarded by mu_
+  std::condition_variable wake_;                      // the housekeeper's: stop, or a new deadline
+  bool stopping_ = false;                             // guarded by mu_
+  bool kicked_ = false;                               // guarded by mu_
+  Registry registry_;                                 // guarded by mu_
   std::unordered_map<WaitReactor*, Waiter> waiters_;  // guarded by mu_
   uint64_t polled_version_ = 0;                       // guarded by mu_
   std::thread housekeeper_;

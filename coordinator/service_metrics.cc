@@ -40,12 +40,23 @@ const char* MethodName(Method method) {
 }
 
 const char* StatusCodeName(grpc::StatusCode code) {
-  static constexpr const char* kNames[] = {
-      "OK",           "CANCELLED",         "UNKNOWN",        "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",    "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",         "UNAVAILABLE",    "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static constexpr const char* kNames[] = {"OK",
+                                           "CANCELLED",
+                                           "UNKNOWN",
+                                           "INVALID_ARGUMENT",
+                                           "DEADLINE_EXCEEDED",
+                                           "NOT_FOUND",
+                                           "ALREADY_EXISTS",
+                                           "PERMISSION_DENIED",
+                                           "RESOURCE_EXHAUSTED",
+                                           "FAILED_PRECONDITION",
+                                           "ABORTED",
+                                           "OUT_OF_RANGE",
+                                           "UNIMPLEMENTED",
+                                           "INTERNAL",
+                                           "UNAVAILABLE",
+                                           "DATA_LOSS",
+                                           "UNAUTHENTICATED"};
   const int index = static_cast<int>(code);
   return index >= 0 && index < 17 ? kNames[index] : "UNKNOWN";
 }
@@ -61,10 +72,11 @@ void ServiceMetrics::CountRpc(Method method, grpc::StatusCode code) {
     std::lock_guard<std::mutex> lock(mu_);
     prometheus::Counter*& slot = rpcs_[static_cast<size_t>(method)][static_cast<size_t>(index)];
     if (slot == nullptr) {
-      auto created = registry_->GetCounter(
-          "poseidon_coordinator_rpcs_total", "Coordinator calls answered, by method and status code",
-          {{"method", MethodName(method)},
-           {"code", StatusCodeName(static_cast<grpc::StatusCode>(index))}});
+      auto created =
+          registry_->GetCounter("poseidon_coordinator_rpcs_total",
+                                "Coordinator calls answered, by method and status code",
+                                {{"method", MethodName(method)},
+                                 {"code", StatusCodeName(static_cast<grpc::StatusCode>(index))}});
       if (!created.ok()) return;
       slot = *created;
     }

@@ -1,6 +1,5 @@
-// Prometheus metrics of the coordinator service: calls by method and status code, nodes by role and
-// state, the membership epoch, each job's plan epoch, parked (waiting) calls and plans installed.
-// Every label set is bounded: 9 methods x 17 codes, 2 roles x 4 states, and the configured jobs.
+// Prometheus metrics of the coordinator service: calls by method and code, nodes by role and
+// state, epochs, parked calls, plans. Label sets are bounded (9 x 17, 2 x 4, configured jobs).
 // Thread-safety: safe from any thread (CountRpc locks its own cache; metrics are atomic).
 #pragma once
 

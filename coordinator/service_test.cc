@@ -17,16 +17,17 @@ namespace {
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
-#define EXPECT_STATUS(expr, expected_code, substring)                            \
-  do {                                                                           \
-    const absl::Status status_ = (expr);                                         \
-    EXPECT_EQ(status_.code(), absl::StatusCode::expected_code) << status_;       \
+#define EXPECT_STATUS(expr, expected_code, substring)                             \
+  do {                                                                            \
+    const absl::Status status_ = (expr);                                          \
+    EXPECT_EQ(status_.code(), absl::StatusCode::expected_code) << status_;        \
     EXPECT_THAT(std::string(status_.message()), HasSubstr(substring)) << status_; \
   } while (false)
 
 class CoordinatorServiceTest : public CoordinatorFixture {};
 
-// ---- Rendezvous ----------------------------------------------------------------------------------
+// ---- Rendezvous
+// ----------------------------------------------------------------------------------
 
 TEST_F(CoordinatorServiceTest, FourAgentsRendezvousAndGetOnePlan) {
   StartServer();
@@ -81,8 +82,8 @@ TEST_F(CoordinatorServiceTest, RequestedRanksOrderThePeers) {
   for (int i = 0; i < 3; ++i) clients.push_back(Client());
   for (int i = 0; i < 3; ++i) {
     threads.emplace_back([&, i] {
-      worlds[i] = clients[i]->RegisterAgentAndRendezvous(Agent(i, 3, requested[i]),
-                                                         absl::Seconds(30));
+      worlds[i] =
+          clients[i]->RegisterAgentAndRendezvous(Agent(i, 3, requested[i]), absl::Seconds(30));
     });
   }
   for (auto& thread : threads) thread.join();
@@ -160,9 +161,8 @@ TEST_F(CoordinatorServiceTest, WrongOrMissingTokenIsRefusedOnEveryCall) {
   for (const std::string& token : {std::string("wrong"), std::string()}) {
     SCOPED_TRACE(token);
     auto client = Client(kJobA, token);
-    const char* expected =
-        token.empty() ? "header.token is empty: job 'job-a' needs its token"
-                      : "wrong token for job 'job-a'";
+    const char* expected = token.empty() ? "header.token is empty: job 'job-a' needs its token"
+                                         : "wrong token for job 'job-a'";
     EXPECT_STATUS(client->RegisterAgent(Agent(0, 1)).status(), kUnauthenticated, expected);
     ServerRegistration server;
     server.host = "h";
@@ -248,9 +248,8 @@ TEST_F(CoordinatorServiceTest, DifferingModelsNameTheFirstDifferingLayer) {
   Member* second = members[0].world.rank == 0 ? &members[1] : &members[0];
 
   absl::StatusOr<v1::Plan> first_plan = absl::UnknownError("");
-  std::thread waiting([&] {
-    first_plan = first->client->RegisterModel(TinyModel(32), {}, {}, absl::Seconds(30));
-  });
+  std::thread waiting(
+      [&] { first_plan = first->client->RegisterModel(TinyModel(32), {}, {}, absl::Seconds(30)); });
   // Wait until rank 0's model is the job's (its call is parked, waiting for rank 1).
   while (server_->service().parked_calls() == 0) absl::SleepFor(absl::Milliseconds(5));
 
@@ -282,8 +281,7 @@ TEST_F(CoordinatorServiceTest, ModelWaitNamesTheRanksWithoutAModel) {
   std::vector<Member> members = FormWorld(2);
   Member& rank0 = members[0].world.rank == 0 ? members[0] : members[1];
   EXPECT_STATUS(rank0.client->RegisterModel(TinyModel(), {}, {}, absl::Seconds(30)).status(),
-                kDeadlineExceeded,
-                "1 of 2 ranks have not registered the model: rank 1 (agent-");
+                kDeadlineExceeded, "1 of 2 ranks have not registered the model: rank 1 (agent-");
 }
 
 TEST_F(CoordinatorServiceTest, GetPlanBeforeAnyModelSaysWhy) {
@@ -413,7 +411,8 @@ TEST_F(CoordinatorServiceTest, ServerRejoiningWithNewEndpointsGetsANewPlanEpoch)
   EXPECT_EQ(plan->servers(0).endpoints(0).address(), "127.0.0.1:7999");
 }
 
-// ---- Liveness ------------------------------------------------------------------------------------
+// ---- Liveness
+// ------------------------------------------------------------------------------------
 
 TEST_F(CoordinatorServiceTest, SilentNodeIsDeclaredDeadAndCanBeReplaced) {
   CoordinatorServerOptions options = DefaultServerOptions();
@@ -595,21 +594,21 @@ TEST_F(CoordinatorServiceTest, MalformedRequestsNameTheField) {
   }
   {
     v1::ModelSpec empty;
-    EXPECT_STATUS(agent->RegisterModel(empty, {}, {}, absl::Seconds(5)).status(),
-                  kInvalidArgument, "model.layers: the model has no layers");
+    EXPECT_STATUS(agent->RegisterModel(empty, {}, {}, absl::Seconds(5)).status(), kInvalidArgument,
+                  "model.layers: the model has no layers");
     v1::ModelSpec unkind = TinyModel();
     unkind.mutable_layers(1)->set_kind(v1::LAYER_KIND_UNSPECIFIED);
-    EXPECT_STATUS(agent->RegisterModel(unkind, {}, {}, absl::Seconds(5)).status(),
-                  kInvalidArgument, "model: layer 1 'conv.bias': kind is not set");
+    EXPECT_STATUS(agent->RegisterModel(unkind, {}, {}, absl::Seconds(5)).status(), kInvalidArgument,
+                  "model: layer 1 'conv.bias': kind is not set");
     v1::UpdateRuleSpec rule;
     rule.set_rule(static_cast<v1::UpdateRule>(77));
     EXPECT_STATUS(agent->RegisterModel(TinyModel(), rule, {}, absl::Seconds(5)).status(),
                   kInvalidArgument, "update_rule.rule: 77 is not a known UpdateRule");
     v1::ModelSpec no_batch = TinyModel();
     no_batch.mutable_layers(2)->set_batch_per_worker(0);
-    EXPECT_STATUS(agent->RegisterModel(no_batch, {}, {}, absl::Seconds(5)).status(),
-                  kInvalidArgument,
-                  "model: layer 2 'fc.weight': batch_per_worker (K) must be in [1, 1048576], got 0");
+    EXPECT_STATUS(
+        agent->RegisterModel(no_batch, {}, {}, absl::Seconds(5)).status(), kInvalidArgument,
+        "model: layer 2 'fc.weight': batch_per_worker (K) must be in [1, 1048576], got 0");
   }
   EXPECT_STATUS(agent->Deregister(std::string(2000, 'r')), kInvalidArgument,
                 "reason: is 2000 bytes; at most 1024");
@@ -633,12 +632,14 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
   ASSERT_TRUE(agent->RegisterAgent(Agent(0, 2)).ok());
   auto stub = RawStub();
   std::mt19937_64 random(1234);
-  const std::vector<std::string> pieces = {"",    kJobA, kTokenA,          "job-b",
-                                           "127.0.0.1:7200", "[::1]:1", ":", "a:b:c",
-                                           agent->node_id(), std::string(130, 'x')};
+  const std::vector<std::string> pieces = {
+      "",        kJobA, kTokenA, "job-b",          "127.0.0.1:7200",
+      "[::1]:1", ":",   "a:b:c", agent->node_id(), std::string(130, 'x')};
   auto text = [&] { return pieces[random() % pieces.size()]; };
   // An enum field's value from a small range around the valid ones (always within int32).
-  auto small = [&](int range) { return static_cast<int>(random() % static_cast<uint64_t>(range)) - 1; };
+  auto small = [&](int range) {
+    return static_cast<int>(random() % static_cast<uint64_t>(range)) - 1;
+  };
   auto fill_header = [&](v1::RequestHeader* h) {
     h->set_job_id(random() % 4 == 0 ? text() : kJobA);
     h->set_token(random() % 4 == 0 ? text() : kTokenA);
@@ -656,8 +657,7 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
         r.set_host(text());
         r.set_gpu_index(static_cast<uint32_t>(random()));
         for (uint64_t e = random() % 3; e > 0; --e) {
-          *r.add_endpoints() =
-              MakeEndpoint(static_cast<v1::TransportKind>(small(6)), text());
+          *r.add_endpoints() = MakeEndpoint(static_cast<v1::TransportKind>(small(6)), text());
         }
         r.set_world_size(static_cast<uint32_t>(random() % 5));
         if (random() % 2) r.set_requested_rank(static_cast<uint32_t>(random() % 6));
@@ -802,21 +802,3 @@ TEST_F(CoordinatorServiceTest, MetricsCountCallsAndNodes) {
 
 }  // namespace
 }  // namespace poseidon::coordinator::testing
-namespace poseidon::coordinator::testing {
-TEST_F(CoordinatorFixture, ZZProbeShutdownTime) {
-  StartServer();
-  auto server = AddServer(7100);
-  std::vector<Member> members = FormWorld(2);
-  ASSERT_TRUE(RegisterModels(members, TinyModel())[0].ok());
-  EXPECT_FALSE(Client(kJobA, "nope")->GetPlan().ok());
-  auto waiting = Client(kJobB, kTokenB);
-  ASSERT_TRUE(waiting->RegisterAgent(Agent(0, 2)).ok());
-  absl::StatusOr<World> world = absl::UnknownError("");
-  std::thread waiter([&] { world = waiting->Rendezvous(absl::Seconds(60)); });
-  absl::SleepFor(absl::Milliseconds(200));
-  const absl::Time start = absl::Now();
-  server_->Shutdown(absl::Seconds(5));
-  fprintf(stderr, "PROBE shutdown took %s\n", absl::FormatDuration(absl::Now() - start).c_str());
-  waiter.join();
-}
-}

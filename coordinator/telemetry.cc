@@ -17,8 +17,8 @@ void LinkTable::EraseNode(const std::string& node) {
   }
 }
 
-NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& members,
-                                    absl::Time now, absl::Duration max_age) const {
+NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& members, absl::Time now,
+                                    absl::Duration max_age) const {
   std::vector<double> bandwidths;
   std::vector<double> latencies;
   NetworkEstimate estimate;
@@ -60,8 +60,7 @@ size_t LinkTable::size() const {
 double Median(std::vector<double> values) {
   if (values.empty()) return 0;
   const size_t mid = values.size() / 2;
-  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid),
-                   values.end());
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
   const double upper = values[mid];
   if (values.size() % 2 == 1) return upper;
   const double lower =

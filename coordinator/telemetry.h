@@ -1,8 +1,6 @@
-// Link telemetry: the latest bandwidth and latency each node measured towards each peer, the
-// network estimate the planner uses for a set of nodes (median over fresh links), and the
-// hysteresis test that decides whether a measurement moved far enough to consider a new plan.
-// Thread-safety: LinkTable is not thread-safe (the registry's lock guards it); the free functions
-// are pure.
+// Link telemetry: the latest bandwidth and latency each node measured to each peer, the estimate
+// the planner uses for a set of nodes (median over fresh links), and the hysteresis test.
+// Thread-safety: LinkTable is not thread-safe (the registry's lock guards it); functions are pure.
 #pragma once
 
 #include <cstddef>

@@ -54,8 +54,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   options.pem_key_cert_pairs.push_back(std::move(pair));
   if (!files.client_ca_file.empty()) {
     ASSIGN_OR_RETURN(options.pem_root_certs, ReadPemFile(files.client_ca_file, "tls_client_ca"));
-    options.client_certificate_request =
-        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);
 }

@@ -1,6 +1,5 @@
-// TLS for the coordinator's gRPC channel: server credentials from PEM files (certificate chain,
-// private key and, for mutual TLS, the CA that client certificates must chain to), and the
-// matching client (channel) credentials. Insecure when no certificate is configured.
+// TLS for the coordinator's gRPC channel: server and client credentials from PEM files (mutual TLS
+// with a client CA), insecure when no certificate is configured.
 // Thread-safety: pure functions that read files, safe from any thread.
 #pragma once
 
@@ -40,7 +39,8 @@ struct ClientTlsOptions {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientTlsOptions& options);
 
-// The contents of a PEM file (at most 1 MiB, must contain "-----BEGIN "); `what` names it in errors.
+// The contents of a PEM file (at most 1 MiB, must contain "-----BEGIN "); `what` names it in
+// errors.
 absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view what);
 
 }  // namespace poseidon::coordinator

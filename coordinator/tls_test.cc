@@ -29,10 +29,8 @@ class CoordinatorTlsTest : public CoordinatorFixture {
         "printf '%s\\n' \"$3\" > $1.ext; ",
         "openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial -out $1.pem "
         "-days 2 -extfile $1.ext; }; ",
-        "ca ca; ca other-ca; ",
-        "leaf server ca 'subjectAltName=IP:127.0.0.1,DNS:localhost'; ",
-        "leaf client ca 'extendedKeyUsage=clientAuth'; ",
-        ") >/dev/null 2>&1");
+        "ca ca; ca other-ca; ", "leaf server ca 'subjectAltName=IP:127.0.0.1,DNS:localhost'; ",
+        "leaf client ca 'extendedKeyUsage=clientAuth'; ", ") >/dev/null 2>&1");
     ASSERT_EQ(std::system(absl::StrCat("(", script).c_str()), 0) << "openssl failed";
   }
 

@@ -56,14 +56,13 @@ bool IsHostChar(char c) {
   return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_';
 }
 
-absl::Status ValidateEndpoints(
-    const google::protobuf::RepeatedPtrField<v1::Endpoint>& endpoints) {
+absl::Status ValidateEndpoints(const google::protobuf::RepeatedPtrField<v1::Endpoint>& endpoints) {
   if (endpoints.empty()) {
     return Invalid("endpoints", "at least one data-plane endpoint is required");
   }
   if (endpoints.size() > kMaxEndpoints) {
-    return Invalid("endpoints", absl::StrCat(endpoints.size(), " entries; at most ",
-                                             kMaxEndpoints, " allowed"));
+    return Invalid("endpoints",
+                   absl::StrCat(endpoints.size(), " entries; at most ", kMaxEndpoints, " allowed"));
   }
   for (int i = 0; i < endpoints.size(); ++i) {
     const v1::Endpoint& endpoint = endpoints[i];
@@ -110,9 +109,8 @@ absl::Status ValidateConsistency(const v1::ConsistencySpec& consistency,
                                                      " is not a known ConsistencyModel"));
   }
   if (consistency.staleness() > kMaxStaleness) {
-    return Invalid("consistency.staleness",
-                   absl::StrCat("must be at most ", kMaxStaleness, ", got ",
-                                consistency.staleness()));
+    return Invalid("consistency.staleness", absl::StrCat("must be at most ", kMaxStaleness,
+                                                         ", got ", consistency.staleness()));
   }
   if (consistency.model() == v1::CONSISTENCY_MODEL_SSP &&
       (rule.rule() == v1::UPDATE_RULE_SUM || rule.rule() == v1::UPDATE_RULE_UNSPECIFIED)) {
@@ -192,8 +190,8 @@ absl::Status ValidateRequest(const v1::RegisterServerRequest& request) {
   RETURN_IF_ERROR(CheckFinite("capacity.network_bytes_per_second",
                               request.capacity().network_bytes_per_second(), 0));
   if (request.capacity().worker_threads() > 65536) {
-    return Invalid("capacity.worker_threads",
-                   absl::StrCat("must be at most 65536, got ", request.capacity().worker_threads()));
+    return Invalid("capacity.worker_threads", absl::StrCat("must be at most 65536, got ",
+                                                           request.capacity().worker_threads()));
   }
   if (!request.previous_node_id().empty()) {
     RETURN_IF_ERROR(ValidateId("previous_node_id", request.previous_node_id()));
@@ -209,13 +207,13 @@ absl::Status ValidateRequest(const v1::RegisterAgentRequest& request) {
   }
   RETURN_IF_ERROR(ValidateEndpoints(request.endpoints()));
   if (request.world_size() < 1 || request.world_size() > kMaxWorldSize) {
-    return Invalid("world_size", absl::StrCat("must be in [1, ", kMaxWorldSize, "], got ",
-                                              request.world_size()));
+    return Invalid("world_size",
+                   absl::StrCat("must be in [1, ", kMaxWorldSize, "], got ", request.world_size()));
   }
   if (request.has_requested_rank() && request.requested_rank() >= request.world_size()) {
-    return Invalid("requested_rank", absl::StrCat(request.requested_rank(),
-                                                  " is not below world_size ",
-                                                  request.world_size()));
+    return Invalid(
+        "requested_rank",
+        absl::StrCat(request.requested_rank(), " is not below world_size ", request.world_size()));
   }
   return absl::OkStatus();
 }
@@ -237,9 +235,9 @@ absl::Status ValidateModel(const v1::ModelSpec& model) {
     const std::string field = absl::StrCat("model.layers[", i, "]");
     RETURN_IF_ERROR(CheckLength(absl::StrCat(field, ".name"), layer.name(), kMaxLayerNameBytes));
     if (layer.shape_size() > kMaxShapeRank) {
-      return Invalid(absl::StrCat(field, ".shape"), absl::StrCat(layer.shape_size(),
-                                                                 " dimensions; at most ",
-                                                                 kMaxShapeRank, " allowed"));
+      return Invalid(
+          absl::StrCat(field, ".shape"),
+          absl::StrCat(layer.shape_size(), " dimensions; at most ", kMaxShapeRank, " allowed"));
     }
   }
   if (absl::Status valid = planner::ValidateModelSpec(model); !valid.ok()) {
@@ -257,29 +255,31 @@ absl::Status ValidateRequest(const v1::RegisterModelRequest& request) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateRequest(const v1::GetPlanRequest& /*request*/) { return absl::OkStatus(); }
+absl::Status ValidateRequest(const v1::GetPlanRequest& /*request*/) {
+  return absl::OkStatus();
+}
 
 absl::Status ValidateRequest(const v1::ReportTelemetryRequest& request) {
   RETURN_IF_ERROR(CheckNodeId(request.header()));
   if (request.links_size() > kMaxLinks) {
-    return Invalid("links", absl::StrCat(request.links_size(), " entries; at most ", kMaxLinks,
-                                         " allowed"));
+    return Invalid("links",
+                   absl::StrCat(request.links_size(), " entries; at most ", kMaxLinks, " allowed"));
   }
   for (int i = 0; i < request.links_size(); ++i) {
     const v1::LinkTelemetry& link = request.links(i);
     const std::string field = absl::StrCat("links[", i, "]");
     RETURN_IF_ERROR(ValidateId(absl::StrCat(field, ".peer_node_id"), link.peer_node_id()));
     if (!v1::TransportKind_IsValid(link.transport())) {
-      return Invalid(absl::StrCat(field, ".transport"),
-                     absl::StrCat(static_cast<int>(link.transport()),
-                                  " is not a known TransportKind"));
+      return Invalid(
+          absl::StrCat(field, ".transport"),
+          absl::StrCat(static_cast<int>(link.transport()), " is not a known TransportKind"));
     }
     RETURN_IF_ERROR(
         CheckFinite(absl::StrCat(field, ".bytes_per_second"), link.bytes_per_second(), 0));
     if (link.latency_ns() > kMaxLatencyNs) {
-      return Invalid(absl::StrCat(field, ".latency_ns"),
-                     absl::StrCat("must be at most ", kMaxLatencyNs, " (an hour), got ",
-                                  link.latency_ns()));
+      return Invalid(
+          absl::StrCat(field, ".latency_ns"),
+          absl::StrCat("must be at most ", kMaxLatencyNs, " (an hour), got ", link.latency_ns()));
     }
   }
   return absl::OkStatus();

@@ -244,3 +244,41 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
 
 }  // namespace
 }  // namespace poseidon::testing
+
+namespace poseidon::testing {
+namespace {
+
+// Layers posted top first (as backward does) are synchronised by priority: layer 0, which the
+// next forward needs first, overtakes the queued chunks of the larger layers posted before it.
+TEST(Scheduling, TheLayerTheNextForwardNeedsFirstIsSynchronisedFirst) {
+  Cluster cluster(1, 1, "ps", {"--sync_threads=1", "--credit_bytes=4096", "--block_bytes=65536"});
+  psd_config config;
+  psd_config_init(&config);
+  const std::string segment = cluster.segment(0);
+  config.segment = segment.c_str();
+  psd_context* ctx = nullptr;
+  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  const uint64_t small[1] = {1024}, big[1] = {1u << 20};
+  psd_layer_desc layers[4] = {{"l0", PSD_LAYER_OTHER, PSD_FLOAT32, 1, small, 0},
+                              {"l1", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0},
+                              {"l2", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0},
+                              {"l3", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0}};
+  ASSERT_EQ(psd_register_layers(ctx, layers, 4, 30000), PSD_OK) << psd_last_error();
+  for (uint32_t l = 4; l-- > 0;) ASSERT_EQ(psd_layer_ready(ctx, l, 1), PSD_OK);
+  std::vector<uint32_t> order;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (order.size() < 4 && std::chrono::steady_clock::now() < deadline) {
+    for (uint32_t l = 0; l < 4; ++l) {
+      if (std::find(order.begin(), order.end(), l) != order.end()) continue;
+      if (psd_wait_layer(ctx, l, 1, 0) == PSD_OK) order.push_back(l);
+    }
+  }
+  ASSERT_EQ(order.size(), 4u);
+  EXPECT_EQ(order.front(), 0u) << "completion order " << order[0] << order[1] << order[2]
+                               << order[3];
+  EXPECT_EQ(order.back(), 3u) << "the first-posted layer still had its chunks queued";
+  psd_detach(ctx);
+}
+
+}  // namespace
+}  // namespace poseidon::testing

@@ -1,0 +1,44 @@
+#include "coordinator/telemetry.h"
+
+#include "gtest/gtest.h"
+
+namespace poseidon::coordinator {
+namespace {
+
+TEST(TelemetryTest, MedianAndHysteresis) {
+  EXPECT_EQ(Median({}), 0);
+  EXPECT_EQ(Median({3}), 3);
+  EXPECT_EQ(Median({5, 1, 3}), 3);
+  EXPECT_EQ(Median({4, 1, 3, 2}), 2.5);
+  EXPECT_FALSE(MovedBeyond(100, 120, 0.2));  // exactly 20%: inside the band
+  EXPECT_TRUE(MovedBeyond(100, 121, 0.2));
+  EXPECT_TRUE(MovedBeyond(100, 79, 0.2));
+  EXPECT_FALSE(MovedBeyond(100, 85, 0.2));
+}
+
+TEST(TelemetryTest, EstimateUsesFreshLinksBetweenMembers) {
+  const absl::Time now = absl::UnixEpoch() + absl::Hours(1);
+  LinkTable links;
+  links.Record("a", "b", {1e9, 100000, now});
+  links.Record("b", "a", {3e9, 300000, now - absl::Seconds(10)});
+  links.Record("a", "c", {2e9, 0, now});                     // c is not a member
+  links.Record("b", "d", {9e9, 0, now - absl::Minutes(5)});  // too old (and not a member)
+  links.Record("d", "a", {0, 40000, now});                   // d not a member
+  const absl::flat_hash_set<std::string> members = {"a", "b"};
+  NetworkEstimate estimate = links.Estimate(members, now, absl::Minutes(1));
+  EXPECT_EQ(estimate.links, 2u);
+  EXPECT_EQ(estimate.bandwidth_bytes_per_second, 2e9);
+  ASSERT_TRUE(estimate.latency_seconds.has_value());
+  EXPECT_DOUBLE_EQ(*estimate.latency_seconds, 100e-6);  // median RTT 200us, one way 100us
+
+  estimate = links.Estimate(members, now, absl::Seconds(5));  // b->a is too old now
+  EXPECT_EQ(estimate.bandwidth_bytes_per_second, 1e9);
+
+  EXPECT_EQ(links.MeanOutgoing("a", now, absl::Minutes(1)), 1.5e9);
+  links.EraseNode("a");
+  EXPECT_EQ(links.size(), 1u);  // only b -> d remains
+  EXPECT_FALSE(links.Estimate(members, now, absl::Minutes(1)).bandwidth_bytes_per_second);
+}
+
+}  // namespace
+}  // namespace poseidon::coordinator

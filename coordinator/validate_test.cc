@@ -1,0 +1,86 @@
+#include "coordinator/validate.h"
+
+#include "coordinator/test_util.h"
+
+namespace poseidon::coordinator::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string Message(const absl::Status& status) {
+  return std::string(status.message());
+}
+
+TEST(ValidateTest, Ids) {
+  EXPECT_TRUE(ValidateId("id", "job-1.a_b:c").ok());
+  EXPECT_THAT(Message(ValidateId("header.job_id", "")), HasSubstr("header.job_id: must not be"));
+  EXPECT_THAT(Message(ValidateId("id", "a/b")), HasSubstr("id: may contain only"));
+  EXPECT_THAT(Message(ValidateId("id", std::string(129, 'a'))),
+              HasSubstr("id: is 129 bytes; at most 128"));
+  EXPECT_TRUE(ValidateId("id", std::string(128, 'a')).ok());
+}
+
+TEST(ValidateTest, HostPort) {
+  for (const char* good : {"10.0.0.1:7100", "host-a.example:1", "[::1]:65535", "[fe80::1%2]:80"}) {
+    EXPECT_TRUE(ValidateHostPort("a", good).ok()) << good;
+  }
+  for (const char* bad : {"", "host", "host:", ":7100", "host:0", "host:65536", "host:+80",
+                          "ho st:80", "[::1]80", "[zz]:80", "::1:80", "host:80x"}) {
+    const absl::Status status = ValidateHostPort("endpoints[0].address", bad);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(Message(status), HasSubstr("endpoints[0].address: ")) << bad;
+  }
+}
+
+TEST(ValidateTest, ConsistencyNeedsAServerSideRuleForSsp) {
+  v1::RegisterModelRequest request;
+  request.mutable_header()->set_node_id("agent-1");
+  *request.mutable_model() = TinyModel();
+  request.mutable_consistency()->set_model(v1::CONSISTENCY_MODEL_SSP);
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("consistency.model: "));
+  request.mutable_update_rule()->set_rule(v1::UPDATE_RULE_ADAM);
+  request.mutable_update_rule()->set_beta1(0.9);
+  request.mutable_update_rule()->set_beta2(0.999);
+  EXPECT_TRUE(ValidateRequest(request).ok()) << ValidateRequest(request);
+  request.mutable_update_rule()->set_beta2(1.5);
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("update_rule.beta2: must be below 1"));
+  request.mutable_update_rule()->set_beta2(0.999);
+  request.mutable_update_rule()->set_learning_rate(-1);
+  EXPECT_THAT(Message(ValidateRequest(request)),
+              HasSubstr("update_rule.learning_rate: must be a finite number >= 0, got -1"));
+}
+
+TEST(ValidateTest, ModelLimits) {
+  v1::ModelSpec model = TinyModel();
+  for (int i = 0; i < 17; ++i) model.mutable_layers(0)->add_shape(1);
+  EXPECT_THAT(Message(ValidateModel(model)),
+              HasSubstr("model.layers[0].shape: 21 dimensions; at most 16"));
+  model = TinyModel();
+  model.mutable_layers(3)->set_name(std::string(2000, 'n'));
+  EXPECT_THAT(Message(ValidateModel(model)), HasSubstr("model.layers[3].name: is 2000 bytes"));
+  model = TinyModel();
+  model.mutable_layers(3)->set_name("conv.bias");
+  EXPECT_THAT(Message(ValidateModel(model)),
+              HasSubstr("model: layer 3 'conv.bias': name is also used by layer 1"));
+}
+
+TEST(ValidateTest, ServerRegistration) {
+  v1::RegisterServerRequest request;
+  request.set_host("h");
+  *request.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_RDMA, "10.0.0.1:7100");
+  EXPECT_TRUE(ValidateRequest(request).ok());
+  request.mutable_capacity()->set_network_bytes_per_second(-1);
+  EXPECT_THAT(Message(ValidateRequest(request)),
+              HasSubstr("capacity.network_bytes_per_second: must be a finite number >= 0"));
+  request.mutable_capacity()->set_network_bytes_per_second(1e9);
+  request.set_previous_node_id("bad id");
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("previous_node_id: may contain only"));
+  request.set_previous_node_id("");
+  for (int i = 0; i < 16; ++i) {
+    *request.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_INPROC, "inproc-1");
+  }
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("endpoints: 17 entries; at most 16"));
+}
+
+}  // namespace
+}  // namespace poseidon::coordinator::testing
