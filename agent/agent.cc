@@ -60,6 +60,13 @@ struct SfbInbox {
   uint64_t floats = 0;           // k * (m + n)
   std::vector<float> data[2];    // world_size * floats each
   std::vector<uint64_t> tag[2];  // per peer: the iteration held, 0 if none
+  // Progress of the current iteration (guarded by Agent::inbox_mu_).
+  uint64_t sent = 0;            // iteration whose factors we have started sending
+  int sends_pending = 0;        // our sends of `sent` not yet handed to the network
+  absl::Status send_error;
+  uint64_t rebuild_queued = 0;  // iteration whose rebuild is queued
+  uint64_t finished = 0;        // iteration completed or failed
+  absl::Time started;           // when `sent` began (the watchdog's clock)
 };
 
 struct Task {
@@ -69,6 +76,7 @@ struct Task {
   uint64_t iteration = 0;
   int chunk = -1;  // PS chunk index; -1 for an SFB layer
   uint64_t bytes = 0;
+  bool rebuild = false;  // SFB: false sends our factors, true rebuilds the sum
   bool operator<(const Task& o) const {  // for std::priority_queue (max-heap): invert
     return priority != o.priority ? priority > o.priority : seq > o.seq;
   }
@@ -93,8 +101,12 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void OnReady(uint32_t layer, uint64_t iteration);
   void Worker();
   void RunTask(const Task& task);
-  absl::Status SyncChunk(const Task& task);
-  absl::Status SyncSfb(const Task& task);
+  void SyncChunk(const Task& task);
+  void SendFactors(const Task& task);
+  void RebuildSfb(const Task& task);
+  void MaybeRebuildLocked(uint32_t layer, uint64_t iteration);
+  void CheckSfbDeadlines();
+  void Enqueue(Task task);
   void TaskFinished(const Task& task, const absl::Status& status);
   void Fatal(const std::string& why);
 
@@ -202,6 +214,7 @@ int Agent::Run() {
                          absl::FormatDuration(config_.attach_timeout)));
       return stop(1);
     }
+    if (registered_) CheckSfbDeadlines();
     auto event = shm_->NextEvent(absl::Milliseconds(100));
     if (!event.ok()) {
       PSD_LOG_WARN("bad event from the training process: {}", event.status().message());
@@ -472,8 +485,22 @@ void Agent::Worker() {
 }
 
 void Agent::RunTask(const Task& task) {
-  const absl::Status status = task.chunk >= 0 ? SyncChunk(task) : SyncSfb(task);
-  TaskFinished(task, status);
+  if (task.chunk >= 0) {
+    SyncChunk(task);
+  } else if (!task.rebuild) {
+    SendFactors(task);
+  } else {
+    RebuildSfb(task);
+  }
+}
+
+void Agent::Enqueue(Task task) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    task.seq = next_seq_++;
+    queue_.push(task);
+  }
+  queue_cv_.notify_all();
 }
 
 void Agent::TaskFinished(const Task& task, const absl::Status& status) {
@@ -500,7 +527,11 @@ void Agent::TaskFinished(const Task& task, const absl::Status& status) {
   if (done) shm_->LayerDone(task.layer, task.iteration);
 }
 
-absl::Status Agent::SyncChunk(const Task& task) {
+// A PS chunk: push our gradient and pull the clock's sum into the same buffer. The worker waits
+// only for the server to take our push (that is what the credit limits); the pull completes
+// asynchronously, since it needs every other rank's push too. Holding a thread on it could
+// deadlock two agents whose threads all wait on each other's next pushes.
+void Agent::SyncChunk(const Task& task) {
   const LayerState& st = layers_[task.layer];
   const PsChunk& c = st.chunks[static_cast<size_t>(task.chunk)];
   server::KvClient& kv = *servers_[c.server];
@@ -510,21 +541,24 @@ absl::Status Agent::SyncChunk(const Task& task) {
   // rank's push of this clock, ours included, has been received.
   const server::Ticket push = kv.Push(c.key, task.iteration, values);
   const server::Ticket pull = kv.Pull(c.key, task.iteration, values, config_.sync_timeout);
-  const absl::Status ps = kv.Wait(push, config_.sync_timeout);
-  const absl::Status pl = kv.Wait(pull, config_.sync_timeout + absl::Seconds(5));
-  if (!ps.ok()) return ps;
-  return pl;
+  kv.OnDone(pull, [self = shared_from_this(), task](absl::Status s) { self->TaskFinished(task, s); });
+  const absl::Status pushed = kv.Wait(push, config_.sync_timeout);
+  if (!pushed.ok()) {
+    // The pull fails too (the server never gets our push); say why now.
+    PSD_LOG_ERROR("layer {} ({}) clock {}: {}", task.layer, st.desc.name, task.iteration,
+                  pushed.message());
+  }
 }
 
-absl::Status Agent::SyncSfb(const Task& task) {
+// SFB, first half: broadcast our factors (straight from shared memory) to every other agent.
+// The rebuild is queued once our sends are out and every peer's factors are in.
+void Agent::SendFactors(const Task& task) {
   const LayerState& st = layers_[task.layer];
   const uint32_t me = config_.rank;
   const uint32_t world = config_.world_size;
-  const float* u = shm_->FactorU(task.layer);
-  const float* v = shm_->FactorV(task.layer);
-  const uint64_t ku = st.k * st.m, kv = st.k * st.n;
-  // Every peer must have registered (its PING) before it can take our factors.
+  SfbInbox& box = inbox_.at(task.layer);
   {
+    // Every peer must have registered (its PING) before it can take our factors.
     std::unique_lock<std::mutex> lock(inbox_mu_);
     const bool ready =
         inbox_cv_.wait_for(lock, absl::ToChronoNanoseconds(config_.sync_timeout), [&] {
@@ -539,13 +573,22 @@ absl::Status Agent::SyncSfb(const Task& task) {
       for (uint32_t p = 0; p < world; ++p) {
         if (p != me && !peer_ready_[p]) missing.push_back(p);
       }
-      return absl::DeadlineExceededError(absl::StrCat("peer agents of ranks [",
-                                                      absl::StrJoin(missing, ", "),
-                                                      "] never registered their model"));
+      box.finished = task.iteration;
+      lock.unlock();
+      TaskFinished(task, absl::DeadlineExceededError(
+                             absl::StrCat("peer agents of ranks [", absl::StrJoin(missing, ", "),
+                                          "] never registered their model")));
+      return;
     }
+    box.sent = task.iteration;
+    box.sends_pending = static_cast<int>(world) - 1;
+    box.send_error = absl::OkStatus();
+    box.started = absl::Now();
+    MaybeRebuildLocked(task.layer, task.iteration);  // world == 1: nothing to wait for
   }
-  // Broadcast our factors (straight from shared memory) to every other agent.
-  std::vector<std::future<absl::Status>> sends;
+  const float* u = shm_->FactorU(task.layer);
+  const float* v = shm_->FactorV(task.layer);
+  const uint64_t ku = st.k * st.m, kv = st.k * st.n;
   for (uint32_t p = 0; p < world; ++p) {
     if (p == me) continue;
     FrameHeader h;
@@ -555,49 +598,99 @@ absl::Status Agent::SyncSfb(const Task& task) {
     h.key = task.layer;
     h.clock = task.iteration;
     h.payload_length = (ku + kv) * sizeof(float);
-    auto promise = std::make_shared<std::promise<absl::Status>>();
-    sends.push_back(promise->get_future());
     peers_[p]->Send(h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
-                    [promise](absl::Status s) { promise->set_value(s); });
+                    [self = shared_from_this(), layer = task.layer, it = task.iteration,
+                     p](absl::Status s) {
+                      std::lock_guard<std::mutex> lock(self->inbox_mu_);
+                      SfbInbox& b = self->inbox_.at(layer);
+                      if (b.sent != it) return;
+                      --b.sends_pending;
+                      if (!s.ok() && b.send_error.ok()) {
+                        b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
+                      }
+                      self->MaybeRebuildLocked(layer, it);
+                    });
   }
-  // Wait for everyone else's factors of this iteration.
-  const int slot = static_cast<int>(task.iteration % 2);
+}
+
+void Agent::MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
+  SfbInbox& box = inbox_.at(layer);
+  if (box.sent != iteration || box.sends_pending > 0 || box.rebuild_queued == iteration ||
+      box.finished == iteration) {
+    return;
+  }
+  const int slot = static_cast<int>(iteration % 2);
+  for (uint32_t p = 0; p < config_.world_size; ++p) {
+    if (p != config_.rank && box.tag[slot][p] != iteration) return;
+  }
+  box.rebuild_queued = iteration;
+  Task t;
+  t.priority = layers_[layer].layout.priority;
+  t.layer = layer;
+  t.iteration = iteration;
+  t.rebuild = true;
+  t.bytes = 0;  // computation, not network: never held back by the credit
+  Enqueue(t);
+}
+
+// SFB, second half: sum_p U_p^T V_p (M x N, row-major) into the gradient buffer, ranks in order.
+void Agent::RebuildSfb(const Task& task) {
+  const LayerState& st = layers_[task.layer];
   SfbInbox& box = inbox_.at(task.layer);
+  absl::Status status;
   {
-    std::unique_lock<std::mutex> lock(inbox_mu_);
-    const bool all = inbox_cv_.wait_for(lock, absl::ToChronoNanoseconds(config_.sync_timeout), [&] {
-      if (stopping_) return true;
-      for (uint32_t p = 0; p < world; ++p) {
-        if (p != me && box.tag[slot][p] != task.iteration) return false;
-      }
-      return true;
-    });
-    if (!all || stopping_) {
-      std::vector<uint32_t> missing;
-      for (uint32_t p = 0; p < world; ++p) {
-        if (p != me && box.tag[slot][p] != task.iteration) missing.push_back(p);
-      }
-      return absl::DeadlineExceededError(absl::StrCat(
-          "SFB factors of clock ", task.iteration, " not received from ranks [",
-          absl::StrJoin(missing, ", "), "] within ", absl::FormatDuration(config_.sync_timeout)));
-    }
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    if (box.finished == task.iteration) return;  // the watchdog failed it already
+    status = box.send_error;
   }
-  // Rebuild sum_p U_p^T V_p (M x N, row-major) into the gradient buffer, ranks in order.
+  const uint32_t me = config_.rank;
+  const int slot = static_cast<int>(task.iteration % 2);
+  const float* u = shm_->FactorU(task.layer);
+  const float* v = shm_->FactorV(task.layer);
   float* grad = shm_->Grad(task.layer);
   const int m = static_cast<int>(st.m), n = static_cast<int>(st.n), k = static_cast<int>(st.k);
-  for (uint32_t p = 0; p < world; ++p) {
+  const uint64_t ku = st.k * st.m;
+  for (uint32_t p = 0; p < config_.world_size; ++p) {
     const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
     const float* vp = p == me ? v : up + ku;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
                 p == 0 ? 0.0f : 1.0f, grad, n);
   }
-  for (auto& f : sends) {
-    if (f.wait_for(absl::ToChronoNanoseconds(config_.sync_timeout)) != std::future_status::ready) {
-      return absl::DeadlineExceededError("sending SFB factors did not complete");
-    }
-    if (auto s = f.get(); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    if (box.finished == task.iteration) return;
+    box.finished = task.iteration;
   }
-  return absl::OkStatus();
+  TaskFinished(task, status);
+}
+
+// The main thread's watchdog: SFB layers whose peers' factors did not all arrive in time fail,
+// naming the ranks that are missing.
+void Agent::CheckSfbDeadlines() {
+  std::vector<std::pair<Task, absl::Status>> expired;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    const absl::Time now = absl::Now();
+    for (auto& [layer, box] : inbox_) {
+      if (box.sent == 0 || box.finished == box.sent || box.rebuild_queued == box.sent) continue;
+      if (now - box.started < config_.sync_timeout) continue;
+      const int slot = static_cast<int>(box.sent % 2);
+      std::vector<uint32_t> missing;
+      for (uint32_t p = 0; p < config_.world_size; ++p) {
+        if (p != config_.rank && box.tag[slot][p] != box.sent) missing.push_back(p);
+      }
+      box.finished = box.sent;
+      Task t;
+      t.layer = layer;
+      t.iteration = box.sent;
+      expired.emplace_back(
+          t, absl::DeadlineExceededError(absl::StrCat(
+                 "SFB factors of clock ", box.sent, " not received from ranks [",
+                 absl::StrJoin(missing, ", "), "] within ",
+                 absl::FormatDuration(config_.sync_timeout))));
+    }
+  }
+  for (auto& [task, status] : expired) TaskFinished(task, status);
 }
 
 absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
@@ -650,6 +743,7 @@ void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const F
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
     inbox_.at(static_cast<uint32_t>(h.key)).tag[h.clock % 2][peer->identity().rank] = h.clock;
+    MaybeRebuildLocked(static_cast<uint32_t>(h.key), h.clock);
   }
   inbox_cv_.notify_all();
 }

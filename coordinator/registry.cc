@@ -73,7 +73,12 @@ void Registry::FillHeader(absl::string_view job_id, v1::ResponseHeader* header) 
 // -------------------------------------------------------------------------------------
 
 std::string Registry::NewId(absl::string_view prefix) {
-  return absl::StrCat(prefix, "-", incarnation_, "-", ++next_seq_);
+  // A server may keep an id of its choosing (previous_node_id), so make sure ours is free.
+  std::string id;
+  do {
+    id = absl::StrCat(prefix, "-", incarnation_, "-", ++next_seq_);
+  } while (nodes_.contains(id));
+  return id;
 }
 
 Registry::Node* Registry::FindNode(absl::string_view id) {

@@ -1,6 +1,5 @@
-// Validation of every field of every Coordinator request before the coordinator acts on it: sizes,
-// counts, enum values, empty strings, numbers that must be finite. Errors are INVALID_ARGUMENT
-// with a message that starts with the field's path ("endpoints[1].address: ...").
+// Validation of every field of every Coordinator request (sizes, counts, enums, empty strings,
+// finite numbers): INVALID_ARGUMENT whose message starts with the field ("endpoints[1].address: ").
 // Thread-safety: pure functions, safe from any thread.
 #pragma once
 

@@ -135,38 +135,71 @@ absl::Status KvClient::Wait(Ticket ticket, absl::Duration timeout) {
 }
 
 void KvClient::Finish(uint64_t sequence, absl::Status status, bool answer) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = pending_.find(sequence);
-    if (it == pending_.end()) return;
-    Pending& p = it->second;
-    if (answer) {
-      p.answered = true;
-    } else {
-      p.send_done = true;
-      if (!status.ok()) p.answered = true;  // it never reached the server
-    }
-    if (!status.ok() && p.status.ok()) {
-      p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
-    }
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = pending_.find(sequence);
+  if (it == pending_.end()) return;
+  Pending& p = it->second;
+  if (answer) {
+    p.answered = true;
+  } else {
+    p.send_done = true;
+    if (!status.ok()) p.answered = true;  // it never reached the server
   }
+  if (!status.ok() && p.status.ok()) {
+    p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
+  }
+  if (p.answered && p.send_done && p.on_done) {
+    RunCallbackLocked(lock, sequence);
+    return;
+  }
+  lock.unlock();
   cv_.notify_all();
 }
 
+void KvClient::RunCallbackLocked(std::unique_lock<std::mutex>& lock, uint64_t sequence) {
+  auto it = pending_.find(sequence);
+  auto done = std::move(it->second.on_done);
+  absl::Status status = std::move(it->second.status);
+  pending_.erase(it);
+  lock.unlock();
+  done(std::move(status));
+}
+
+void KvClient::OnDone(Ticket ticket, std::function<void(absl::Status)> done) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = pending_.find(ticket);
+  if (it == pending_.end()) {
+    lock.unlock();
+    done(absl::InvalidArgumentError(absl::StrCat("unknown or already waited ticket ", ticket)));
+    return;
+  }
+  it->second.on_done = std::move(done);
+  if (it->second.answered && it->second.send_done) RunCallbackLocked(lock, ticket);
+}
+
 void KvClient::FailAll(const absl::Status& status) {
+  std::vector<std::pair<std::function<void(absl::Status)>, absl::Status>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_.ok()) broken_ = status;
-    for (auto& [seq, p] : pending_) {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      Pending& p = it->second;
       if (!p.answered || !p.send_done) {
         p.answered = p.send_done = true;
         if (p.status.ok()) {
           p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
         }
+        if (p.on_done) {
+          callbacks.emplace_back(std::move(p.on_done), p.status);
+          it = pending_.erase(it);
+          continue;
+        }
       }
+      ++it;
     }
   }
   cv_.notify_all();
+  for (auto& [done, s] : callbacks) done(s);
 }
 
 void KvClient::ReadLoop(size_t conn) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -48,6 +49,11 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   // request stays pending and may still be waited for).
   absl::Status Wait(Ticket ticket, absl::Duration timeout);
 
+  // Instead of Wait: `done` runs once with the ticket's result (on a transport I/O thread: it
+  // must not block), and the ticket may not be waited for. If the ticket already finished,
+  // `done` runs at once on the calling thread.
+  void OnDone(Ticket ticket, std::function<void(absl::Status)> done);
+
   // Asks the server to checkpoint this job now and waits for it.
   absl::Status Checkpoint(absl::Duration timeout);
 
@@ -63,7 +69,10 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
     bool send_done = false;  // the push payload has left our buffer
     bool answered = false;
     absl::Status status;
+    std::function<void(absl::Status)> on_done;  // OnDone's callback, if any
   };
+  // Runs and forgets the callback of a finished ticket. Called with mu_ held: unlocks it.
+  void RunCallbackLocked(std::unique_lock<std::mutex>& lock, uint64_t sequence);
 
   KvClient(std::vector<std::shared_ptr<transport::Connection>> conns, std::string address,
            uint64_t job_id, uint32_t rank);
