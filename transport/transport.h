@@ -6,6 +6,7 @@
 // the context's I/O threads, must not block, and may call back into the transport.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -136,5 +137,16 @@ class Context {
 
 // Total bytes of a gather list.
 size_t TotalSize(std::span<const ConstBuffer> buffers);
+
+// What every backend checks before sending: the buffers hold exactly header.payload_length
+// bytes, within the limit; with payload checksums on, fills the flag and the CRC.
+absl::Status PrepareSend(FrameHeader& header, std::span<const ConstBuffer> payload,
+                         const ContextOptions& options);
+
+// The counters behind Connection::Stats(), for backends.
+struct ConnectionCounters {
+  std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bytes_sent{0}, bytes_received{0};
+  ConnectionStats Snapshot() const;
+};
 
 }  // namespace poseidon::transport

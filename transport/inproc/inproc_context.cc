@@ -165,25 +165,9 @@ class InprocConnection final : public Connection,
   void Send(const FrameHeader& header_in, std::vector<ConstBuffer> payload,
             DoneCallback done) override {
     FrameHeader header = header_in;
-    const size_t total = TotalSize(payload);
-    if (total != header.payload_length) {
-      Post(std::move(done), absl::InvalidArgumentError(absl::StrCat(
-                                "payload buffers hold ", total, " bytes but the header declares ",
-                                header.payload_length)));
+    if (absl::Status s = PrepareSend(header, payload, ctx_->options); !s.ok()) {
+      Post(std::move(done), std::move(s));
       return;
-    }
-    if (header.payload_length > ctx_->options.limits.max_payload_bytes) {
-      Post(std::move(done),
-           absl::ResourceExhaustedError(absl::StrCat("payload of ", header.payload_length,
-                                                     " bytes exceeds the maximum of ",
-                                                     ctx_->options.limits.max_payload_bytes)));
-      return;
-    }
-    if (ctx_->options.payload_checksums) {
-      uint32_t crc = 0;
-      for (const auto& b : payload) crc = Crc32c(crc, b);
-      header.flags |= kFlagPayloadChecksum;
-      header.payload_checksum = crc;
     }
     Direction::InFrame frame;
     frame.header = EncodeHeader(header);
@@ -246,14 +230,7 @@ class InprocConnection final : public Connection,
 
   std::string PeerAddress() const override { return pipe_->names[1 - side_]; }
 
-  ConnectionStats Stats() const override {
-    ConnectionStats s;
-    s.frames_sent = frames_sent_.load(std::memory_order_relaxed);
-    s.frames_received = frames_received_.load(std::memory_order_relaxed);
-    s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
-    s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
-    return s;
-  }
+  ConnectionStats Stats() const override { return counters_.Snapshot(); }
 
   // Called on the peer side's object when it closes.
   void CloseWith(const absl::Status& reason) {
@@ -307,9 +284,9 @@ class InprocConnection final : public Connection,
       Post(std::move(frame.done), ClosedError());
       return;
     }
-    frames_sent_.fetch_add(1, std::memory_order_relaxed);
-    bytes_sent_.fetch_add(kFrameHeaderSize + TotalSize(frame.payload) + frame.owned.size(),
-                          std::memory_order_relaxed);
+    counters_.frames_sent.fetch_add(1, std::memory_order_relaxed);
+    counters_.bytes_sent.fetch_add(kFrameHeaderSize + TotalSize(frame.payload) + frame.owned.size(),
+                                   std::memory_order_relaxed);
     pipe_->dirs[side_].frames.push_back(std::move(frame));
     TryDeliverTo(lock, pipe_->dirs[side_]);
   }
@@ -396,8 +373,9 @@ class InprocConnection final : public Connection,
                                 " bytes but the frame carries ", header->payload_length)));
       return;
     }
-    frames_received_.fetch_add(1, std::memory_order_relaxed);
-    bytes_received_.fetch_add(kFrameHeaderSize + header->payload_length, std::memory_order_relaxed);
+    counters_.frames_received.fetch_add(1, std::memory_order_relaxed);
+    counters_.bytes_received.fetch_add(kFrameHeaderSize + header->payload_length,
+                                       std::memory_order_relaxed);
     in.read_state = Direction::ReadState::kWaitPayload;
     in.into = into;
     in.discard = discard;
@@ -438,7 +416,7 @@ class InprocConnection final : public Connection,
   std::shared_ptr<ContextState> ctx_;
   std::shared_ptr<Pipe> pipe_;
   int side_;
-  std::atomic<uint64_t> frames_sent_{0}, frames_received_{0}, bytes_sent_{0}, bytes_received_{0};
+  ConnectionCounters counters_;
 };
 
 class InprocListener final : public Listener, public std::enable_shared_from_this<InprocListener> {

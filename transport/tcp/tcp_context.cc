@@ -151,23 +151,8 @@ class TcpConnection final : public Connection,
             DoneCallback done) override {
     if (RejectIfShutDown(done)) return;
     FrameHeader header = header_in;
+    absl::Status invalid = PrepareSend(header, payload, service_->options());
     const size_t total = TotalSize(payload);
-    absl::Status invalid;
-    if (total != header.payload_length) {
-      invalid = absl::InvalidArgumentError(absl::StrCat("payload buffers hold ", total,
-                                                        " bytes but the header declares ",
-                                                        header.payload_length));
-    } else if (header.payload_length > service_->options().limits.max_payload_bytes) {
-      invalid = absl::ResourceExhaustedError(
-          absl::StrCat("payload of ", header.payload_length, " bytes exceeds the maximum of ",
-                       service_->options().limits.max_payload_bytes));
-    }
-    if (invalid.ok() && service_->options().payload_checksums) {
-      uint32_t crc = 0;
-      for (const auto& b : payload) crc = Crc32c(crc, b);
-      header.flags |= kFlagPayloadChecksum;
-      header.payload_checksum = crc;
-    }
     PendingSend op;
     op.header = EncodeHeader(header);
     op.payload = std::move(payload);
@@ -227,14 +212,7 @@ class TcpConnection final : public Connection,
 
   std::string PeerAddress() const override { return peer_; }
 
-  ConnectionStats Stats() const override {
-    ConnectionStats s;
-    s.frames_sent = frames_sent_.load(std::memory_order_relaxed);
-    s.frames_received = frames_received_.load(std::memory_order_relaxed);
-    s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
-    s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
-    return s;
-  }
+  ConnectionStats Stats() const override { return counters_.Snapshot(); }
 
  private:
   struct PendingSend {
@@ -298,8 +276,8 @@ class TcpConnection final : public Connection,
       FailQueuedSends();
       return;
     }
-    bytes_sent_.fetch_add(n, std::memory_order_relaxed);
-    frames_sent_.fetch_add(batch_frames_, std::memory_order_relaxed);
+    counters_.bytes_sent.fetch_add(n, std::memory_order_relaxed);
+    counters_.frames_sent.fetch_add(batch_frames_, std::memory_order_relaxed);
     for (size_t i = 0; i < batch_frames_; ++i) {
       auto op = std::move(send_queue_.front());
       send_queue_.pop_front();
@@ -351,7 +329,7 @@ class TcpConnection final : public Connection,
       ReadFailed(ec);
       return;
     }
-    bytes_received_.fetch_add(n, std::memory_order_relaxed);
+    counters_.bytes_received.fetch_add(n, std::memory_order_relaxed);
     const bool first_bytes = header_got_ == 0;
     header_got_ += n;
     if (header_got_ < kFrameHeaderSize) {
@@ -374,7 +352,7 @@ class TcpConnection final : public Connection,
       done(status);
       return;
     }
-    frames_received_.fetch_add(1, std::memory_order_relaxed);
+    counters_.frames_received.fetch_add(1, std::memory_order_relaxed);
     if (header->payload_length > 0) {
       read_state_ = ReadState::kAwaitPayload;
       pending_header_ = *header;
@@ -440,7 +418,7 @@ class TcpConnection final : public Connection,
       ReadFailed(ec);
       return;
     }
-    bytes_received_.fetch_add(n, std::memory_order_relaxed);
+    counters_.bytes_received.fetch_add(n, std::memory_order_relaxed);
     const bool verify = (pending_header_.flags & kFlagPayloadChecksum) != 0;
     if (verify) {
       const std::byte* base =
@@ -513,7 +491,8 @@ class TcpConnection final : public Connection,
   // moves earlier, so steady-state traffic costs no timer operations at all.
   SteadyClock::time_point NextDeadline() const {
     SteadyClock::time_point next = kNever;
-    if (read_state_ == ReadState::kHeader) next = std::min({next, user_deadline_, header_deadline_});
+    if (read_state_ == ReadState::kHeader)
+      next = std::min({next, user_deadline_, header_deadline_});
     if (read_state_ == ReadState::kPayload) {
       next = std::min(next, last_progress_ + ToChrono(service_->options().payload_idle_timeout));
     }
@@ -546,8 +525,8 @@ class TcpConnection final : public Connection,
       return;
     }
     if (read_state_ == ReadState::kHeader && now >= user_deadline_) {
-      reason = absl::StrCat("no frame from ", peer_, " within ",
-                            absl::FormatDuration(user_timeout_));
+      reason =
+          absl::StrCat("no frame from ", peer_, " within ", absl::FormatDuration(user_timeout_));
     } else if (read_state_ == ReadState::kHeader && now >= header_deadline_) {
       reason = absl::StrCat("partial frame header from ", peer_, " stalled for ",
                             absl::FormatDuration(service_->options().header_timeout), " (",
@@ -665,7 +644,7 @@ class TcpConnection final : public Connection,
   bool timer_fired_ = false;
   std::string timeout_reason_;
 
-  std::atomic<uint64_t> frames_sent_{0}, frames_received_{0}, bytes_sent_{0}, bytes_received_{0};
+  ConnectionCounters counters_;
 };
 
 class TcpListener final : public Listener,
