@@ -12,11 +12,13 @@
 #include <queue>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/shm_endpoint.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "coordinator/client.h"
 #include "coordinator/planner/planner.h"
 #include "server/kv_client.h"
 #include "transport/frame_server.h"
@@ -61,8 +63,8 @@ struct SfbInbox {
   std::vector<float> data[2];    // world_size * floats each
   std::vector<uint64_t> tag[2];  // per peer: the iteration held, 0 if none
   // Progress of the current iteration (guarded by Agent::inbox_mu_).
-  uint64_t sent = 0;            // iteration whose factors we have started sending
-  int sends_pending = 0;        // our sends of `sent` not yet handed to the network
+  uint64_t sent = 0;      // iteration whose factors we have started sending
+  int sends_pending = 0;  // our sends of `sent` not yet handed to the network
   absl::Status send_error;
   uint64_t rebuild_queued = 0;  // iteration whose rebuild is queued
   uint64_t finished = 0;        // iteration completed or failed
@@ -76,7 +78,7 @@ struct Task {
   uint64_t iteration = 0;
   int chunk = -1;  // PS chunk index; -1 for an SFB layer
   uint64_t bytes = 0;
-  bool rebuild = false;  // SFB: false sends our factors, true rebuilds the sum
+  bool rebuild = false;                  // SFB: false sends our factors, true rebuilds the sum
   bool operator<(const Task& o) const {  // for std::priority_queue (max-heap): invert
     return priority != o.priority ? priority > o.priority : seq > o.seq;
   }
@@ -110,7 +112,12 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void TaskFinished(const Task& task, const absl::Status& status);
   void Fatal(const std::string& why);
 
+  absl::Status JoinCoordinator(const std::string& listen);
+
   AgentConfig config_;
+  std::unique_ptr<coordinator::CoordinatorClient> coord_;
+  std::unique_ptr<coordinator::HeartbeatLoop> heartbeats_;
+  std::atomic<uint64_t> last_iteration_{0};
   std::unique_ptr<ShmEndpoint> shm_;
   std::shared_ptr<transport::Context> ctx_;
   std::shared_ptr<transport::FrameServer> sfb_server_;
@@ -176,6 +183,15 @@ int Agent::Run() {
     sfb_server_ = std::make_shared<transport::FrameServer>(*listener, secrets, shared_from_this());
     sfb_server_->Start();
   }
+  if (!config_.coordinator.empty()) {
+    if (auto s = JoinCoordinator(listen); !s.ok()) {
+      Fatal(absl::StrCat("joining the coordinator ", config_.coordinator, ": ", s.message()));
+      if (sfb_server_) sfb_server_->Stop();
+      sfb_server_.reset();
+      ctx_->Close();
+      return 1;
+    }
+  }
   PSD_LOG_INFO("agent rank {}/{} of job {}: segment {}, {} servers{}", config_.rank,
                config_.world_size, config_.job_id, config_.segment, config_.servers.size(),
                listen.empty() ? "" : absl::StrCat(", peers on ", listen));
@@ -191,6 +207,8 @@ int Agent::Run() {
     queue_cv_.notify_all();
     inbox_cv_.notify_all();
     for (auto& w : workers_) w.join();
+    if (heartbeats_) heartbeats_->Stop();
+    if (coord_) (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting");
     if (sfb_server_) sfb_server_->Stop();
     for (auto& s : servers_) s->Close();
     ctx_->Close();
@@ -248,6 +266,38 @@ int Agent::Run() {
   }
 }
 
+absl::Status Agent::JoinCoordinator(const std::string& listen) {
+  if (listen.empty() || absl::EndsWith(listen, ":0")) {
+    return absl::InvalidArgumentError("--listen must be a concrete host:port the peers can reach");
+  }
+  ASSIGN_OR_RETURN(
+      coord_, coordinator::CoordinatorClient::Connect(
+                  config_.coordinator, absl::StrCat(config_.job_id), config_.coordinator_token));
+  coordinator::AgentRegistration reg;
+  reg.host = "localhost";
+  reg.gpu_index = config_.rank;
+  reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, listen));
+  reg.world_size = config_.world_size;
+  reg.requested_rank = config_.rank;
+  ASSIGN_OR_RETURN(coordinator::World world,
+                   coord_->RegisterAgentAndRendezvous(reg, config_.connect_timeout));
+  if (world.rank != config_.rank || world.world_size != config_.world_size) {
+    return absl::InternalError(absl::StrCat("the coordinator gave rank ", world.rank, " of ",
+                                            world.world_size, ", not ", config_.rank, " of ",
+                                            config_.world_size));
+  }
+  config_.peers.clear();
+  for (const auto& peer : world.peers) {
+    config_.peers.push_back(peer.endpoints_size() > 0 ? peer.endpoints(0).address() : "");
+  }
+  coordinator::CoordinatorClient::HeartbeatOptions hb;
+  hb.iteration = [this] { return last_iteration_.load(); };
+  heartbeats_ = coord_->StartHeartbeats(hb);
+  PSD_LOG_INFO("rendezvous with {}: rank {} of {}, {} servers", config_.coordinator, world.rank,
+               world.world_size, world.servers.size());
+  return absl::OkStatus();
+}
+
 absl::Status Agent::Register() {
   ASSIGN_OR_RETURN(std::vector<LayerDesc> descs, shm_->ReadLayers());
   v1::ModelSpec model;
@@ -270,8 +320,25 @@ absl::Status Agent::Register() {
   pc.bandwidth_bytes_per_second = config_.bandwidth_bytes_per_second;
   pc.block_bytes = config_.block_bytes;
   pc.job_id = absl::StrCat(config_.job_id);
-  ASSIGN_OR_RETURN(planner::PlanResult planned, planner::BuildPlan(model, pc));
-  const v1::Plan& plan = planned.plan;
+  v1::Plan plan;
+  if (coord_) {
+    // Every rank registers its model; the coordinator answers with the job's plan once all of
+    // them registered the same model (or names the first layer that differs).
+    v1::UpdateRuleSpec rule;
+    rule.set_rule(v1::UPDATE_RULE_SUM);
+    ASSIGN_OR_RETURN(plan, coord_->RegisterModel(model, rule, {}, config_.attach_timeout));
+    config_.servers.clear();
+    for (const auto& server : plan.servers()) {
+      if (server.endpoints_size() == 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("the plan names server ", server.node_id(), " without an address"));
+      }
+      config_.servers.push_back(server.endpoints(0).address());
+    }
+  } else {
+    ASSIGN_OR_RETURN(planner::PlanResult planned, planner::BuildPlan(model, pc));
+    plan = std::move(planned.plan);
+  }
   if (plan.layers_size() != static_cast<int>(descs.size())) {
     return absl::InternalError("the plan does not cover every layer");
   }
@@ -524,7 +591,12 @@ void Agent::TaskFinished(const Task& task, const absl::Status& status) {
     PSD_LOG_ERROR("layer {} ({}) {}", task.layer, layers_[task.layer].desc.name, why);
     shm_->LayerFailed(task.layer, task.iteration, why);
   }
-  if (done) shm_->LayerDone(task.layer, task.iteration);
+  if (done) {
+    shm_->LayerDone(task.layer, task.iteration);
+    uint64_t seen = last_iteration_.load();
+    while (task.iteration > seen && !last_iteration_.compare_exchange_weak(seen, task.iteration)) {
+    }
+  }
 }
 
 // A PS chunk: push our gradient and pull the clock's sum into the same buffer. The worker waits
@@ -541,7 +613,8 @@ void Agent::SyncChunk(const Task& task) {
   // rank's push of this clock, ours included, has been received.
   const server::Ticket push = kv.Push(c.key, task.iteration, values);
   const server::Ticket pull = kv.Pull(c.key, task.iteration, values, config_.sync_timeout);
-  kv.OnDone(pull, [self = shared_from_this(), task](absl::Status s) { self->TaskFinished(task, s); });
+  kv.OnDone(pull,
+            [self = shared_from_this(), task](absl::Status s) { self->TaskFinished(task, s); });
   const absl::Status pushed = kv.Wait(push, config_.sync_timeout);
   if (!pushed.ok()) {
     // The pull fails too (the server never gets our push); say why now.
@@ -598,18 +671,18 @@ void Agent::SendFactors(const Task& task) {
     h.key = task.layer;
     h.clock = task.iteration;
     h.payload_length = (ku + kv) * sizeof(float);
-    peers_[p]->Send(h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
-                    [self = shared_from_this(), layer = task.layer, it = task.iteration,
-                     p](absl::Status s) {
-                      std::lock_guard<std::mutex> lock(self->inbox_mu_);
-                      SfbInbox& b = self->inbox_.at(layer);
-                      if (b.sent != it) return;
-                      --b.sends_pending;
-                      if (!s.ok() && b.send_error.ok()) {
-                        b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
-                      }
-                      self->MaybeRebuildLocked(layer, it);
-                    });
+    peers_[p]->Send(
+        h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
+        [self = shared_from_this(), layer = task.layer, it = task.iteration, p](absl::Status s) {
+          std::lock_guard<std::mutex> lock(self->inbox_mu_);
+          SfbInbox& b = self->inbox_.at(layer);
+          if (b.sent != it) return;
+          --b.sends_pending;
+          if (!s.ok() && b.send_error.ok()) {
+            b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
+          }
+          self->MaybeRebuildLocked(layer, it);
+        });
   }
 }
 
@@ -683,11 +756,10 @@ void Agent::CheckSfbDeadlines() {
       Task t;
       t.layer = layer;
       t.iteration = box.sent;
-      expired.emplace_back(
-          t, absl::DeadlineExceededError(absl::StrCat(
-                 "SFB factors of clock ", box.sent, " not received from ranks [",
-                 absl::StrJoin(missing, ", "), "] within ",
-                 absl::FormatDuration(config_.sync_timeout))));
+      expired.emplace_back(t, absl::DeadlineExceededError(absl::StrCat(
+                                  "SFB factors of clock ", box.sent, " not received from ranks [",
+                                  absl::StrJoin(missing, ", "), "] within ",
+                                  absl::FormatDuration(config_.sync_timeout))));
     }
   }
   for (auto& [task, status] : expired) TaskFinished(task, status);

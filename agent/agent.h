@@ -34,6 +34,10 @@ struct AgentConfig {
   absl::Duration sync_timeout = absl::Seconds(60);
   absl::Duration attach_timeout = absl::Seconds(120);
   absl::Duration connect_timeout = absl::Seconds(60);
+  // With a coordinator, rank, peers, servers and the plan come from it (rendezvous and model
+  // registration); `listen` must then be a concrete address the peers can reach.
+  std::string coordinator;
+  std::string coordinator_token;
 };
 
 // Runs until the framework detaches (0), dies (3), or a fatal error (1). Never throws.

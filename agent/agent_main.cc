@@ -29,6 +29,8 @@ struct Flags {
   absl::Duration attach_timeout = absl::Seconds(120);
   absl::Duration connect_timeout = absl::Seconds(60);
   std::string log_level = "info";
+  std::string coordinator;
+  std::string coordinator_token;
 };
 
 poseidon::ConfigSchema<Flags> Schema() {
@@ -56,6 +58,9 @@ poseidon::ConfigSchema<Flags> Schema() {
       .Field("sync_timeout", &Flags::sync_timeout, "a layer's synchronisation must finish within")
       .Field("attach_timeout", &Flags::attach_timeout, "wait this long for the training process")
       .Field("connect_timeout", &Flags::connect_timeout, "wait this long for servers and peers")
+      .Field("coordinator", &Flags::coordinator,
+             "poseidon-coordinator (host:port): rank, peers, servers and plan come from it")
+      .SecretField("coordinator_token", &Flags::coordinator_token, "the job's coordinator token")
       .Field("log_level", &Flags::log_level, "trace, debug, info, warn, error",
              poseidon::OneOf({"trace", "debug", "info", "warn", "error"}));
   return s;
@@ -89,6 +94,8 @@ int main(int argc, char** argv) {
   c.sync_timeout = f.sync_timeout;
   c.attach_timeout = f.attach_timeout;
   c.connect_timeout = f.connect_timeout;
+  c.coordinator = f.coordinator;
+  c.coordinator_token = f.coordinator_token;
   if (c.rank >= c.world_size) {
     std::fprintf(stderr, "poseidon-agent: rank %u must be below world_size %u\n", c.rank,
                  c.world_size);

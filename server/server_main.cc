@@ -17,6 +17,7 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "coordinator/client.h"
 #include "server/checkpoint.h"
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
@@ -40,6 +41,9 @@ struct ServerConfig {
   absl::Duration shutdown_timeout = absl::Seconds(30);
   absl::Duration handshake_timeout = absl::Seconds(10);
   std::string log_level = "info";
+  std::string coordinator;
+  std::string coordinator_token;
+  std::string advertise;
 };
 
 ConfigSchema<ServerConfig> Schema() {
@@ -66,6 +70,12 @@ ConfigSchema<ServerConfig> Schema() {
              "on SIGTERM, wait at most this long for the clock in flight")
       .Field("handshake_timeout", &ServerConfig::handshake_timeout,
              "a new connection must authenticate within this time")
+      .Field("coordinator", &ServerConfig::coordinator,
+             "poseidon-coordinator to register with (host:port); empty: none")
+      .SecretField("coordinator_token", &ServerConfig::coordinator_token,
+                   "the job's coordinator token (with coordinator)")
+      .Field("advertise", &ServerConfig::advertise,
+             "the address peers reach this server at (default: the bound listen address)")
       .Field("log_level", &ServerConfig::log_level, "trace, debug, info, warn, error",
              OneOf({"trace", "debug", "info", "warn", "error"}));
   return s;
@@ -248,6 +258,29 @@ int Main(int argc, char** argv) {
     }
   });
 
+  // Join the coordinator's registry so agents learn this server from their plan.
+  std::unique_ptr<coordinator::CoordinatorClient> coord;
+  std::unique_ptr<coordinator::HeartbeatLoop> heartbeats;
+  if (!config.coordinator.empty()) {
+    auto client = coordinator::CoordinatorClient::Connect(
+        config.coordinator, absl::StrCat(config.job_id), config.coordinator_token);
+    if (!client.ok()) {
+      PSD_LOG_ERROR("refusing to start: coordinator: {}", client.status().message());
+      return 2;
+    }
+    coordinator::ServerRegistration reg;
+    reg.host = "localhost";
+    const std::string advertise = config.advertise.empty() ? server->Address() : config.advertise;
+    reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, advertise));
+    if (auto r = (*client)->RegisterServer(reg); !r.ok()) {
+      PSD_LOG_ERROR("refusing to start: registering with the coordinator {}: {}",
+                    config.coordinator, r.status().message());
+      return 2;
+    }
+    coord = std::move(*client);
+    heartbeats = coord->StartHeartbeats({});
+  }
+
   PSD_LOG_INFO("serving on {} ({} engine threads{}{})", server->Address(), config.workers,
                exposer ? absl::StrCat(", metrics on ", exposer->address()) : "",
                config.checkpoint_dir.empty()
@@ -274,6 +307,8 @@ int Main(int argc, char** argv) {
       }
     }
   }
+  if (heartbeats) heartbeats->Stop();
+  if (coord) (void)coord->Deregister("shutting down");
   server->Stop();
   (*ctx)->Close();
   stop_metrics = true;

@@ -83,6 +83,13 @@ def main(argv=None):
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--scheme", choices=["auto", "ps", "sfb"], default="auto")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
+    ap.add_argument("--coordinator", default=os.environ.get("POSEIDON_COORDINATOR", ""),
+                    help="join an existing cluster: its coordinator (host:port); the KV servers "
+                         "are the ones registered there ($POSEIDON_COORDINATOR)")
+    ap.add_argument("--token", default=os.environ.get("POSEIDON_TOKEN", ""),
+                    help="the job's token on that coordinator ($POSEIDON_TOKEN)")
+    ap.add_argument("--job", type=int, default=int(os.environ.get("POSEIDON_JOB_ID", "0")),
+                    help="the job id on that coordinator ($POSEIDON_JOB_ID)")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -92,8 +99,11 @@ def main(argv=None):
         ap.error("workers must be in [1, 256] and servers in [1, 64]")
     server_bin = find_binary("poseidon-server", "server")
     agent_bin = find_binary("poseidon-agent", "agent")
-    secret = secrets.token_hex(16)
-    job = os.getpid()
+    joining = bool(args.coordinator)
+    if joining and (not args.token or not args.job):
+        ap.error("joining a cluster needs --token and --job (or POSEIDON_TOKEN, POSEIDON_JOB_ID)")
+    secret = args.token if joining else secrets.token_hex(16)
+    job = args.job if joining else os.getpid()
     procs = []
     failed = None
 
@@ -109,28 +119,41 @@ def main(argv=None):
 
     signal.signal(signal.SIGINT, lambda *_: (stop_all(), sys.exit(130)))
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
+    def address_of(p):
+        deadline = time.time() + 30
+        while not any("listening on " in l for l in p.tail):
+            if p.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
+            time.sleep(0.02)
+        return next(l for l in p.tail if "listening on " in l).split("listening on ")[1].strip()
+
+    servers = []
     try:
-        servers = []
-        for s in range(args.servers):
-            p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
-                                     f"--job_secret={secret}", "--log_level=warn"])
+        coordinator = args.coordinator
+        if not joining:
+            # A whole local cluster: the coordinator, then the servers registering with it.
+            coord_bin = find_binary("poseidon-coordinator", "coordinator")
+            p = Proc("coordinator", [coord_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
+                                     f"--job_token={secret}", f"--min_servers={args.servers}",
+                                     f"--bandwidth={args.bandwidth}", "--log_level=warn"])
             procs.append(p)
             servers.append(p)
-        addresses = []
-        for p in servers:
-            deadline = time.time() + 30
-            while not any("listening on " in l for l in p.tail):
-                if p.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
-                time.sleep(0.02)
-            addresses.append(next(l for l in p.tail if "listening on " in l).split("listening on ")[1])
-        peers = [f"127.0.0.1:{free_port()}" for _ in range(args.workers)]
+            coordinator = address_of(p)
+            for s in range(args.servers):
+                p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
+                                         f"--job_secret={secret}", f"--coordinator={coordinator}",
+                                         f"--coordinator_token={secret}", "--log_level=warn"])
+                procs.append(p)
+                servers.append(p)
+            for p in servers[1:]:
+                address_of(p)
         agents = []
         for r in range(args.workers):
             segment = f"/poseidon-{job}-{r}"
             p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--secret={secret}", f"--rank={r}",
-                                    f"--world_size={args.workers}", f"--servers={','.join(addresses)}",
-                                    f"--peers={','.join(peers)}", f"--scheme={args.scheme}",
+                                    f"--world_size={args.workers}", f"--coordinator={coordinator}",
+                                    f"--coordinator_token={secret}",
+                                    f"--listen=127.0.0.1:{free_port()}", f"--scheme={args.scheme}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
                                     "--log_level=warn"], watch="poseidon-agent ready")
             procs.append(p)
