@@ -68,6 +68,26 @@ class Equivalence(unittest.TestCase):
         self.check_scheme("auto", "SFB,PS,SFB,PS")
 
 
+    def test_poseidon_equals_torch_ddp_over_gloo(self):
+        import socket
+        with tempfile.TemporaryDirectory() as tmp:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            ddp_out = os.path.join(tmp, "ddp.pt")
+            r = subprocess.run([PY, os.path.join(HERE, "ddp_worker.py"), str(port), ddp_out],
+                               capture_output=True, text=True, timeout=300,
+                               env=dict(os.environ, PYTHONPATH=HERE + os.pathsep +
+                                        os.environ.get("PYTHONPATH", "")))
+            self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+            psd_out = os.path.join(tmp, "psd.pt")
+            r = launch(["-n", "4", "--", PY, os.path.join(HERE, "equivalence_worker.py"), psd_out])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            for g, want in zip(torch.load(psd_out), torch.load(ddp_out)):
+                rel = ((g - want).abs() / want.abs().clamp(min=1e-3)).max().item()
+                self.assertLessEqual(rel, 1e-5, f"Poseidon vs DDP: {rel:.2e}")
+
+
 class Launcher(unittest.TestCase):
     def test_a_rank_that_raises_stops_everything_and_is_named(self):
         code = ("import os, time, poseidon; poseidon.init(); "
@@ -104,6 +124,16 @@ class Misuse(unittest.TestCase):
         os.environ.pop("POSEIDON_SEGMENT", None)
         with self.assertRaisesRegex(poseidon.PoseidonError, "segment"):
             poseidon.init()
+
+    def test_ranks_with_different_models_are_told_the_first_differing_layer(self):
+        code = ("import torch, poseidon, poseidon.torch; poseidon.init(); "
+                "h = 8 if poseidon.rank() == 0 else 9; "
+                "m = torch.nn.Sequential(torch.nn.Linear(4, h), torch.nn.Linear(h, 2)); "
+                "poseidon.torch.distribute(m, torch.optim.SGD(m.parameters(), lr=1), batch_size=2)")
+        r = launch(["-n", "2", "--", PY, "-c", code], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("differs from", r.stdout + r.stderr)
+        self.assertIn("layer 0 '0.weight': shape is", r.stdout + r.stderr)
 
     def test_registering_twice_raises(self):
         code = ("import torch, poseidon, poseidon.torch; poseidon.init(); "
