@@ -13,6 +13,7 @@ PACKAGES=(
   libibverbs-dev libopenblas-dev
   python3 python3-torch python3-sklearn python3-tqdm
   iproute2
+  prometheus systemd python3-yaml
 )
 
 missing=()

@@ -205,7 +205,16 @@ def _install_hooks(layers, opt, ctx, batch_size):
 
                 output.register_hook(output_grad_hook)
             layer.module.register_forward_hook(forward_hook)
+        elif hasattr(layer.param, "register_post_accumulate_grad_hook"):
+            # PyTorch >= 2.1: called once the parameter's .grad is complete for this backward.
+            def accumulated_hook(param, layer=layer):
+                layer.grad.copy_(param.grad.reshape(-1))
+                post(layer)
+
+            layer.param.register_post_accumulate_grad_hook(accumulated_hook)
         else:
+            # PyTorch 1.13: the tensor hook sees the parameter's gradient as autograd makes it
+            # (a parameter used once per forward gets exactly one).
             def grad_hook(g, layer=layer):
                 layer.grad.copy_(g.reshape(-1))
                 post(layer)
