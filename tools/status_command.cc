@@ -1,0 +1,336 @@
+#include "tools/status_command.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "common/config.h"
+#include "coordinator/client.h"
+#include "tools/json_writer.h"
+
+namespace poseidon::tools {
+namespace {
+
+namespace v1 = poseidon::v1;
+
+// The flags of `poseidon status` (environment: POSEIDON_<NAME>; file: --config).
+struct StatusFlags {
+  std::string coordinator = "127.0.0.1:7070";
+  std::string job_id;
+  std::string token;
+  absl::Duration timeout = absl::Seconds(5);
+  std::string tls_ca;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_server_name;
+  bool tls = false;
+  bool json = false;
+};
+
+ConfigSchema<StatusFlags> StatusFlagsSchema() {
+  ConfigSchema<StatusFlags> schema("poseidon status", "POSEIDON_");
+  schema.Field("coordinator", &StatusFlags::coordinator, "the coordinator (host:port)", NonEmpty())
+      .Field("job_id", &StatusFlags::job_id,
+             "the job to show (--job also works); empty: every job, with the cluster token")
+      .SecretField("token", &StatusFlags::token, "the job's coordinator token (or cluster token)")
+      .Field("timeout", &StatusFlags::timeout, "give up on the coordinator after this long")
+      .Field("tls", &StatusFlags::tls, "connect with TLS (implied by tls_ca)")
+      .Field("tls_ca", &StatusFlags::tls_ca, "PEM CA of the coordinator's certificate")
+      .Field("tls_cert", &StatusFlags::tls_cert, "client certificate (mutual TLS)")
+      .Field("tls_key", &StatusFlags::tls_key, "client key (mutual TLS)")
+      .Field("tls_server_name", &StatusFlags::tls_server_name,
+             "name to verify in the coordinator's certificate")
+      .Field("json", &StatusFlags::json, "print JSON instead of tables");
+  return schema;
+}
+
+int Fail(absl::string_view message) {
+  std::fprintf(stderr, "poseidon status: %s\n", std::string(message).c_str());
+  return 2;
+}
+
+std::string RoleName(v1::NodeRole role) {
+  switch (role) {
+    case v1::NODE_ROLE_SERVER:
+      return "server";
+    case v1::NODE_ROLE_AGENT:
+      return "agent";
+    default:
+      return "?";
+  }
+}
+
+std::string StateName(v1::NodeState state) {
+  switch (state) {
+    case v1::NODE_STATE_ALIVE:
+      return "alive";
+    case v1::NODE_STATE_SUSPECT:
+      return "suspect";
+    case v1::NODE_STATE_DEAD:
+      return "dead";
+    case v1::NODE_STATE_LEFT:
+      return "left";
+    default:
+      return "?";
+  }
+}
+
+std::string SchemeName(v1::SyncScheme scheme) {
+  switch (scheme) {
+    case v1::SYNC_SCHEME_PS:
+      return "ps";
+    case v1::SYNC_SCHEME_SFB:
+      return "sfb";
+    default:
+      return "-";
+  }
+}
+
+std::string TransportName(v1::TransportKind kind) {
+  switch (kind) {
+    case v1::TRANSPORT_KIND_TCP:
+      return "tcp";
+    case v1::TRANSPORT_KIND_RDMA:
+      return "rdma";
+    case v1::TRANSPORT_KIND_INPROC:
+      return "inproc";
+    default:
+      return "?";
+  }
+}
+
+std::string Endpoints(const v1::NodeStatus& node) {
+  std::vector<std::string> parts;
+  for (const v1::Endpoint& e : node.endpoints()) {
+    parts.push_back(absl::StrCat(TransportName(e.transport()), "://", e.address()));
+  }
+  return parts.empty() ? "-" : absl::StrJoin(parts, ",");
+}
+
+std::string Age(uint64_t ms) {
+  if (ms < 10000) return absl::StrFormat("%.1fs ago", static_cast<double>(ms) / 1000.0);
+  return absl::StrCat(ms / 1000, "s ago");
+}
+
+std::string Rate(double bytes_per_second) {
+  if (bytes_per_second <= 0) return "-";
+  return absl::StrFormat("%.1f MB/s", bytes_per_second / 1e6);
+}
+
+// Left-aligned columns, widths from the content.
+void PrintTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> widths;
+  for (const auto& row : rows) {
+    widths.resize(std::max(widths.size(), row.size()), 0);
+    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], row[i].size());
+  }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(widths[i] - row[i].size() + 2, ' ');
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& status) {
+  std::printf("coordinator %s, membership epoch %llu\n\n", flags.coordinator.c_str(),
+              static_cast<unsigned long long>(status.membership_epoch()));
+  for (v1::NodeRole role : {v1::NODE_ROLE_SERVER, v1::NODE_ROLE_AGENT}) {
+    std::vector<std::vector<std::string>> rows;
+    if (role == v1::NODE_ROLE_SERVER) {
+      rows.push_back({"SERVER", "STATE", "HOST", "ENDPOINTS", "SENDING", "LAST SEEN"});
+    } else {
+      rows.push_back({"AGENT", "JOB", "RANK", "STATE", "HOST", "GPU", "ENDPOINTS", "ITERATION",
+                      "SENDING", "LAST SEEN"});
+    }
+    for (const v1::NodeStatus& n : status.nodes()) {
+      if (n.role() != role) continue;
+      if (role == v1::NODE_ROLE_SERVER) {
+        rows.push_back({n.node_id(), StateName(n.state()), n.host(), Endpoints(n),
+                        Rate(n.bytes_per_second()), Age(n.last_heartbeat_age_ms())});
+      } else {
+        rows.push_back({n.node_id(), n.job_id(), absl::StrCat(n.rank()), StateName(n.state()),
+                        n.host(), absl::StrCat(n.gpu_index()), Endpoints(n),
+                        absl::StrCat(n.iteration()), Rate(n.bytes_per_second()),
+                        Age(n.last_heartbeat_age_ms())});
+      }
+    }
+    if (rows.size() == 1) {
+      std::printf("no %ss registered\n\n", RoleName(role).c_str());
+      continue;
+    }
+    PrintTable(rows);
+    std::printf("\n");
+  }
+  if (status.jobs().empty()) std::printf("no jobs\n");
+  for (const v1::JobStatus& job : status.jobs()) {
+    std::printf("job %s: model %s, world size %u, plan epoch %llu (from iteration %llu)\n",
+                job.job_id().c_str(), job.model_name().empty() ? "-" : job.model_name().c_str(),
+                job.world_size(), static_cast<unsigned long long>(job.plan_epoch()),
+                static_cast<unsigned long long>(job.effective_iteration()));
+    if (job.layers().empty()) {
+      std::printf("  no plan yet (the model is registered when every rank has joined)\n");
+      continue;
+    }
+    std::vector<std::vector<std::string>> rows = {{"  LAYER", "SCHEME", "BYTES"}};
+    for (const v1::LayerStatus& layer : job.layers()) {
+      rows.push_back({absl::StrCat("  ", layer.name()), SchemeName(layer.scheme()),
+                      absl::StrCat(layer.bytes())});
+    }
+    PrintTable(rows);
+  }
+}
+
+void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& status) {
+  JsonWriter w;
+  w.BeginObject();
+  w.Key("coordinator");
+  w.String(flags.coordinator);
+  w.Key("membership_epoch");
+  w.Unsigned(status.membership_epoch());
+  w.Key("nodes");
+  w.BeginArray();
+  for (const v1::NodeStatus& n : status.nodes()) {
+    w.BeginObject();
+    w.Key("node_id");
+    w.String(n.node_id());
+    w.Key("role");
+    w.String(RoleName(n.role()));
+    w.Key("state");
+    w.String(StateName(n.state()));
+    w.Key("alive");
+    w.Bool(n.state() == v1::NODE_STATE_ALIVE);
+    w.Key("host");
+    w.String(n.host());
+    w.Key("endpoints");
+    w.BeginArray();
+    for (const v1::Endpoint& e : n.endpoints()) {
+      w.BeginObject();
+      w.Key("transport");
+      w.String(TransportName(e.transport()));
+      w.Key("address");
+      w.String(e.address());
+      w.EndObject();
+    }
+    w.EndArray();
+    if (n.role() == v1::NODE_ROLE_AGENT) {
+      w.Key("job_id");
+      w.String(n.job_id());
+      w.Key("rank");
+      w.Unsigned(n.rank());
+      w.Key("gpu_index");
+      w.Unsigned(n.gpu_index());
+      w.Key("iteration");
+      w.Unsigned(n.iteration());
+    }
+    w.Key("bytes_per_second");
+    w.Number(n.bytes_per_second());
+    w.Key("last_heartbeat_age_ms");
+    w.Unsigned(n.last_heartbeat_age_ms());
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("jobs");
+  w.BeginArray();
+  for (const v1::JobStatus& job : status.jobs()) {
+    w.BeginObject();
+    w.Key("job_id");
+    w.String(job.job_id());
+    w.Key("model_name");
+    w.String(job.model_name());
+    w.Key("world_size");
+    w.Unsigned(job.world_size());
+    w.Key("plan_epoch");
+    w.Unsigned(job.plan_epoch());
+    w.Key("effective_iteration");
+    w.Unsigned(job.effective_iteration());
+    w.Key("layers");
+    w.BeginArray();
+    for (const v1::LayerStatus& layer : job.layers()) {
+      w.BeginObject();
+      w.Key("name");
+      w.String(layer.name());
+      w.Key("scheme");
+      w.String(SchemeName(layer.scheme()));
+      w.Key("bytes");
+      w.Unsigned(layer.bytes());
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+  }
+  w.EndArray();
+  w.EndObject();
+  std::printf("%s\n", w.str().c_str());
+}
+
+}  // namespace
+
+int RunStatusCommand(const std::vector<std::string>& args) {
+  // --job is the short form of --job_id (the coordinator's and the launchers' name).
+  std::vector<std::string> normalized;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--job" && i + 1 < args.size()) {
+      normalized.push_back(absl::StrCat("--job_id=", args[++i]));
+    } else if (args[i].rfind("--job=", 0) == 0) {
+      normalized.push_back(absl::StrCat("--job_id=", args[i].substr(6)));
+    } else {
+      normalized.push_back(args[i]);
+    }
+  }
+  const ConfigSchema<StatusFlags> schema = StatusFlagsSchema();
+  ConfigInput input;
+  input.args = normalized;
+  absl::StatusOr<LoadedConfig<StatusFlags>> loaded = schema.Parse(input);
+  if (!loaded.ok()) return Fail(loaded.status().message());
+  if (loaded->help_requested) {
+    std::fputs(schema.Usage().c_str(), stdout);
+    return 0;
+  }
+  for (const std::string& arg : loaded->unparsed_args) {
+    if (arg != "--") return Fail(absl::StrCat("unexpected argument '", arg, "'"));
+  }
+  const StatusFlags& flags = loaded->value;
+
+  coordinator::CoordinatorClientOptions options;
+  options.address = flags.coordinator;
+  options.job_id = flags.job_id;
+  options.token = flags.token;
+  options.call_timeout = flags.timeout;
+  options.tls.enabled = flags.tls || !flags.tls_ca.empty();
+  options.tls.ca_file = flags.tls_ca;
+  options.tls.cert_file = flags.tls_cert;
+  options.tls.key_file = flags.tls_key;
+  options.tls.server_name = flags.tls_server_name;
+  absl::StatusOr<std::unique_ptr<coordinator::CoordinatorClient>> client =
+      coordinator::CoordinatorClient::Connect(options);
+  if (!client.ok()) return Fail(client.status().message());
+  absl::StatusOr<v1::GetClusterStatusResponse> status = (*client)->GetClusterStatus();
+  if (!status.ok()) {
+    const absl::Status& s = status.status();
+    if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) {
+      return Fail(absl::StrCat("coordinator ", flags.coordinator, " unreachable: ", s.message()));
+    }
+    return Fail(absl::StrCat("coordinator ", flags.coordinator, ": ",
+                             absl::StatusCodeToString(s.code()), ": ", s.message()));
+  }
+  if (flags.json) {
+    PrintJson(flags, *status);
+  } else {
+    PrintText(flags, *status);
+  }
+  return 0;
+}
+
+}  // namespace poseidon::tools
