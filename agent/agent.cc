@@ -16,7 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/shm_endpoint.h"
+#include "agent/timeline.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "coordinator/client.h"
 #include "coordinator/planner/planner.h"
@@ -27,6 +29,9 @@
 
 namespace poseidon::agent {
 namespace {
+
+// Set from a signal handler (the one process-wide flag: a signal cannot reach a context object).
+std::atomic<bool> stop_requested{false};
 
 using transport::FrameHeader;
 using transport::FrameType;
@@ -54,6 +59,10 @@ struct LayerState {
   int remaining = 0;         // tasks left of in_progress
   bool failed = false;
   std::string failure;
+  absl::Time ready_at;                 // when in_progress was posted
+  std::vector<uint8_t> chunk_pending;  // PS: chunks of in_progress not yet complete
+  bool stall_reported = false;
+  prometheus::Histogram* sync_seconds = nullptr;
 };
 
 // Factors received from the other agents for one SFB layer, in two slots (iteration parity): a
@@ -113,12 +122,30 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void Fatal(const std::string& why);
 
   absl::Status JoinCoordinator(const std::string& listen);
+  void SetUpMetrics();
+  void CheckStalls();
+  void CountError(const std::string& kind);
 
   AgentConfig config_;
   std::unique_ptr<coordinator::CoordinatorClient> coord_;
   std::unique_ptr<coordinator::HeartbeatLoop> heartbeats_;
   std::atomic<uint64_t> last_iteration_{0};
   std::unique_ptr<ShmEndpoint> shm_;
+  // Observability: metrics (always collected; served when metrics_listen is set), timeline.
+  MetricsRegistry metrics_;
+  std::unique_ptr<MetricsExposer> exposer_;
+  std::unique_ptr<Timeline> timeline_;
+  std::vector<prometheus::Counter*> push_bytes_, pull_bytes_;  // by server index
+  prometheus::Counter* sfb_sent_bytes_ = nullptr;
+  prometheus::Counter* sfb_received_bytes_ = nullptr;
+  prometheus::Histogram* iteration_seconds_ = nullptr;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* credit_in_use_ = nullptr;
+  prometheus::Gauge* plan_epoch_ = nullptr;
+  prometheus::Gauge* peers_alive_ = nullptr;
+  std::mutex iteration_mu_;
+  std::map<uint64_t, size_t> layers_done_;  // iteration -> layers completed
+  absl::Time last_iteration_end_;
   std::shared_ptr<transport::Context> ctx_;
   std::shared_ptr<transport::FrameServer> sfb_server_;
   std::vector<std::shared_ptr<server::KvClient>> servers_;
@@ -159,6 +186,28 @@ int Agent::Run() {
   }
   shm_ = std::move(*shm);
   peer_ready_.assign(config_.world_size, false);
+  SetUpMetrics();
+  if (!config_.metrics_listen.empty()) {
+    auto exposer = MetricsExposer::Start(config_.metrics_listen, metrics_);
+    if (!exposer.ok()) {
+      Fatal(absl::StrCat("metrics: ", exposer.status().message()));
+      return 1;
+    }
+    exposer_ = std::move(*exposer);
+    std::printf("poseidon-agent metrics on %s\n", exposer_->address().c_str());
+  }
+  if (!config_.timeline.empty()) {
+    std::string path = config_.timeline;
+    if (auto at = path.find("{rank}"); at != std::string::npos) {
+      path.replace(at, 6, std::to_string(config_.rank));
+    }
+    auto timeline = Timeline::Open(path, config_.rank);
+    if (!timeline.ok()) {
+      Fatal(std::string(timeline.status().message()));
+      return 1;
+    }
+    timeline_ = std::move(*timeline);
+  }
   transport::TcpOptions tcp;
   tcp.io_threads = 2;
   auto ctx = transport::CreateTcpContext(tcp);
@@ -212,6 +261,8 @@ int Agent::Run() {
     if (sfb_server_) sfb_server_->Stop();
     for (auto& s : servers_) s->Close();
     ctx_->Close();
+    timeline_.reset();  // closes the JSON
+    exposer_.reset();
     // Break the ownership cycle agent -> frame server -> handler (this agent).
     sfb_server_.reset();
     servers_.clear();
@@ -221,6 +272,11 @@ int Agent::Run() {
 
   const absl::Time attach_deadline = absl::Now() + config_.attach_timeout;
   while (true) {
+    if (stop_requested.load()) {
+      PSD_LOG_INFO("stop requested; the agent of rank {} exits", config_.rank);
+      shm_->SetState(PSD_AGENT_EXITED, "the agent was stopped");
+      return stop(0);
+    }
     shm_->Heartbeat();
     if (auto s = shm_->CheckFramework(); !s.ok()) {
       PSD_LOG_ERROR("{}; the agent of rank {} exits", s.message(), config_.rank);
@@ -232,10 +288,14 @@ int Agent::Run() {
                          absl::FormatDuration(config_.attach_timeout)));
       return stop(1);
     }
-    if (registered_) CheckSfbDeadlines();
+    if (registered_) {
+      CheckSfbDeadlines();
+      CheckStalls();
+    }
     auto event = shm_->NextEvent(absl::Milliseconds(100));
     if (!event.ok()) {
       PSD_LOG_WARN("bad event from the training process: {}", event.status().message());
+      CountError("bad_event");
       continue;
     }
     if (!event->has_value()) continue;
@@ -409,6 +469,21 @@ absl::Status Agent::Register() {
     }
   }
   RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, std::max<uint64_t>(offset, kAlign)));
+  plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const MetricLabels labels = {{"layer", layers_[i].desc.name}};
+    if (auto g = metrics_.GetGauge("poseidon_agent_layer_scheme",
+                                   "Scheme of each layer: 1 parameter server, 2 SFB", labels);
+        g.ok()) {
+      (*g)->Set(layout[i].scheme);
+    }
+    if (auto h = metrics_.GetHistogram("poseidon_agent_layer_sync_seconds",
+                                       "Time from a layer's ready to its done", labels,
+                                       ExponentialBuckets(1e-4, 2, 18));
+        h.ok()) {
+      layers_[i].sync_seconds = *h;
+    }
+  }
   int sfb_layers = 0;
   for (const auto& l : layout) sfb_layers += l.scheme == PSD_SCHEME_SFB;
   PSD_LOG_INFO("registered {} layers ({} on SFB), {} bytes of buffers", descs.size(), sfb_layers,
@@ -455,6 +530,13 @@ absl::Status Agent::ConnectServers(const v1::Plan& plan) {
       RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30)));
     }
     servers_.push_back(*client);
+    const MetricLabels labels = {{"server", std::to_string(s)}};
+    push_bytes_.push_back(
+        metrics_.GetCounter("poseidon_agent_push_bytes_total", "Gradient bytes pushed", labels)
+            .value_or(nullptr));
+    pull_bytes_.push_back(
+        metrics_.GetCounter("poseidon_agent_pull_bytes_total", "Result bytes pulled", labels)
+            .value_or(nullptr));
   }
   return absl::OkStatus();
 }
@@ -477,6 +559,7 @@ absl::Status Agent::ConnectPeers() {
     }
     peers_[p] = *conn;
   }
+  peers_alive_->Set(static_cast<double>(config_.world_size - 1));
   return absl::OkStatus();
 }
 
@@ -504,6 +587,10 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration) {
     st.posted = iteration;
     st.in_progress = iteration;
     st.failed = false;
+    st.ready_at = absl::Now();
+    st.stall_reported = false;
+    st.chunk_pending.assign(st.chunks.size(), 1);
+    if (timeline_) timeline_->Instant("ready", layer, iteration, st.ready_at);
     if (st.layout.scheme == PSD_SCHEME_SFB) {
       st.remaining = 1;
       tasks.push_back({st.layout.priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
@@ -541,11 +628,14 @@ void Agent::Worker() {
       task = queue_.top();
       queue_.pop();
       in_flight_bytes_ += task.bytes;
+      queue_depth_->Set(static_cast<double>(queue_.size()));
+      credit_in_use_->Set(static_cast<double>(in_flight_bytes_));
     }
     RunTask(task);
     {
       std::lock_guard<std::mutex> lock(queue_mu_);
       in_flight_bytes_ -= task.bytes;
+      credit_in_use_->Set(static_cast<double>(in_flight_bytes_));
     }
     queue_cv_.notify_all();
   }
@@ -573,9 +663,14 @@ void Agent::Enqueue(Task task) {
 void Agent::TaskFinished(const Task& task, const absl::Status& status) {
   bool done = false, report_failure = false;
   std::string why;
+  absl::Time ready_at;
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
     LayerState& st = layers_[task.layer];
+    if (task.chunk >= 0 && static_cast<size_t>(task.chunk) < st.chunk_pending.size()) {
+      st.chunk_pending[static_cast<size_t>(task.chunk)] = 0;
+    }
+    ready_at = st.ready_at;
     if (!status.ok() && !st.failed) {
       st.failed = true;
       st.failure = absl::StrCat("clock ", task.iteration, ": ", status.message());
@@ -590,6 +685,21 @@ void Agent::TaskFinished(const Task& task, const absl::Status& status) {
   if (report_failure) {
     PSD_LOG_ERROR("layer {} ({}) {}", task.layer, layers_[task.layer].desc.name, why);
     shm_->LayerFailed(task.layer, task.iteration, why);
+    CountError("sync_failed");
+  }
+  if (done) {
+    const absl::Time now = absl::Now();
+    const LayerState& st = layers_[task.layer];
+    if (st.sync_seconds) st.sync_seconds->Observe(absl::ToDoubleSeconds(now - ready_at));
+    if (timeline_) timeline_->Span("sync", task.layer, st.desc.name, task.iteration, ready_at, now);
+    std::lock_guard<std::mutex> lock(iteration_mu_);
+    if (++layers_done_[task.iteration] == layers_.size()) {
+      layers_done_.erase(task.iteration);
+      if (last_iteration_end_ != absl::Time()) {
+        iteration_seconds_->Observe(absl::ToDoubleSeconds(now - last_iteration_end_));
+      }
+      last_iteration_end_ = now;
+    }
   }
   if (done) {
     shm_->LayerDone(task.layer, task.iteration);
@@ -611,11 +721,20 @@ void Agent::SyncChunk(const Task& task) {
                           c.length / sizeof(float));
   // The pull's answer overwrites the gradient in place: the server answers only once every
   // rank's push of this clock, ours included, has been received.
+  const absl::Time start = absl::Now();
   const server::Ticket push = kv.Push(c.key, task.iteration, values);
   const server::Ticket pull = kv.Pull(c.key, task.iteration, values, config_.sync_timeout);
-  kv.OnDone(pull,
-            [self = shared_from_this(), task](absl::Status s) { self->TaskFinished(task, s); });
+  kv.OnDone(pull, [self = shared_from_this(), task, start, server = c.server,
+                   bytes = c.length](absl::Status s) {
+    if (s.ok() && self->pull_bytes_[server]) self->pull_bytes_[server]->Increment(bytes);
+    if (self->timeline_) {
+      self->timeline_->Span("push+pull", task.layer, self->layers_[task.layer].desc.name,
+                            task.iteration, start, absl::Now());
+    }
+    self->TaskFinished(task, s);
+  });
   const absl::Status pushed = kv.Wait(push, config_.sync_timeout);
+  if (pushed.ok() && push_bytes_[c.server]) push_bytes_[c.server]->Increment(c.length);
   if (!pushed.ok()) {
     // The pull fails too (the server never gets our push); say why now.
     PSD_LOG_ERROR("layer {} ({}) clock {}: {}", task.layer, st.desc.name, task.iteration,
@@ -662,6 +781,8 @@ void Agent::SendFactors(const Task& task) {
   const float* u = shm_->FactorU(task.layer);
   const float* v = shm_->FactorV(task.layer);
   const uint64_t ku = st.k * st.m, kv = st.k * st.n;
+  sfb_sent_bytes_->Increment(static_cast<double>((ku + kv) * sizeof(float) * (world - 1)));
+  if (timeline_) timeline_->Instant("send factors", task.layer, task.iteration, absl::Now());
   for (uint32_t p = 0; p < world; ++p) {
     if (p == me) continue;
     FrameHeader h;
@@ -723,11 +844,16 @@ void Agent::RebuildSfb(const Task& task) {
   float* grad = shm_->Grad(task.layer);
   const int m = static_cast<int>(st.m), n = static_cast<int>(st.n), k = static_cast<int>(st.k);
   const uint64_t ku = st.k * st.m;
+  const absl::Time rebuild_start = absl::Now();
   for (uint32_t p = 0; p < config_.world_size; ++p) {
     const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
     const float* vp = p == me ? v : up + ku;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
                 p == 0 ? 0.0f : 1.0f, grad, n);
+  }
+  if (timeline_) {
+    timeline_->Span("rebuild", task.layer, st.desc.name, task.iteration, rebuild_start,
+                    absl::Now());
   }
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
@@ -763,6 +889,88 @@ void Agent::CheckSfbDeadlines() {
     }
   }
   for (auto& [task, status] : expired) TaskFinished(task, status);
+}
+
+void Agent::SetUpMetrics() {
+  auto gauge = [&](const char* name, const char* help) {
+    return metrics_.GetGauge(name, help).value_or(nullptr);
+  };
+  auto counter = [&](const char* name, const char* help) {
+    return metrics_.GetCounter(name, help).value_or(nullptr);
+  };
+  sfb_sent_bytes_ = counter("poseidon_agent_sfb_sent_bytes_total", "SFB factor bytes sent");
+  sfb_received_bytes_ =
+      counter("poseidon_agent_sfb_received_bytes_total", "SFB factor bytes received");
+  queue_depth_ = gauge("poseidon_agent_queue_depth", "Synchronisation tasks waiting");
+  credit_in_use_ = gauge("poseidon_agent_credit_in_use_bytes", "Bytes in flight (the credit)");
+  plan_epoch_ = gauge("poseidon_agent_plan_epoch", "Epoch of the plan in use");
+  peers_alive_ = gauge("poseidon_agent_peers_connected", "Other agents connected for SFB");
+  iteration_seconds_ = metrics_
+                           .GetHistogram("poseidon_agent_iteration_seconds",
+                                         "Time between the completions of consecutive iterations",
+                                         {}, ExponentialBuckets(1e-3, 2, 16))
+                           .value_or(nullptr);
+  for (const char* kind : {"sync_failed", "bad_event", "stall"}) {
+    (void)metrics_.GetCounter("poseidon_agent_errors_total", "Errors by kind", {{"kind", kind}});
+  }
+}
+
+void Agent::CountError(const std::string& kind) {
+  if (auto c =
+          metrics_.GetCounter("poseidon_agent_errors_total", "Errors by kind", {{"kind", kind}});
+      c.ok()) {
+    (*c)->Increment();
+  }
+}
+
+// The stall detector: a layer in progress for longer than stall_timeout is reported once, with
+// what it waits for (PS: its pending chunks and their servers; SFB: the missing ranks).
+void Agent::CheckStalls() {
+  struct Stalled {
+    uint32_t layer;
+    uint64_t iteration;
+    absl::Duration age;
+    std::string waiting;
+  };
+  std::vector<Stalled> stalled;
+  const absl::Time now = absl::Now();
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      LayerState& st = layers_[l];
+      if (st.in_progress == 0 || st.stall_reported || now - st.ready_at < config_.stall_timeout) {
+        continue;
+      }
+      st.stall_reported = true;
+      std::vector<std::string> pending;
+      for (size_t c = 0; c < st.chunk_pending.size() && pending.size() < 8; ++c) {
+        if (st.chunk_pending[c]) {
+          pending.push_back(
+              absl::StrCat("key ", st.chunks[c].key, " on ", config_.servers[st.chunks[c].server]));
+        }
+      }
+      stalled.push_back(
+          {l, st.in_progress, now - st.ready_at,
+           pending.empty() ? "" : absl::StrCat("chunks [", absl::StrJoin(pending, ", "), "]")});
+    }
+  }
+  for (auto& s : stalled) {
+    if (s.waiting.empty()) {  // SFB: which ranks' factors are missing
+      std::lock_guard<std::mutex> lock(inbox_mu_);
+      auto it = inbox_.find(s.layer);
+      if (it != inbox_.end()) {
+        const int slot = static_cast<int>(s.iteration % 2);
+        std::vector<uint32_t> missing;
+        for (uint32_t p = 0; p < config_.world_size; ++p) {
+          if (p != config_.rank && it->second.tag[slot][p] != s.iteration) missing.push_back(p);
+        }
+        s.waiting = absl::StrCat("SFB factors from ranks [", absl::StrJoin(missing, ", "), "]");
+      }
+    }
+    PSD_LOG_WARN("stall: layer {} ({}) iteration {} has waited {} for {}", s.layer,
+                 layers_[s.layer].desc.name, s.iteration, absl::FormatDuration(s.age), s.waiting);
+    CountError("stall");
+  }
 }
 
 absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
@@ -815,12 +1023,17 @@ void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const F
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
     inbox_.at(static_cast<uint32_t>(h.key)).tag[h.clock % 2][peer->identity().rank] = h.clock;
+    sfb_received_bytes_->Increment(static_cast<double>(h.payload_length));
     MaybeRebuildLocked(static_cast<uint32_t>(h.key), h.clock);
   }
   inbox_cv_.notify_all();
 }
 
 }  // namespace
+
+void RequestAgentStop() {
+  stop_requested.store(true);
+}
 
 int RunAgent(const AgentConfig& config) {
   auto agent = std::make_shared<Agent>(config);

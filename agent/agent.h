@@ -38,9 +38,20 @@ struct AgentConfig {
   // registration); `listen` must then be a concrete address the peers can reach.
   std::string coordinator;
   std::string coordinator_token;
+  // Observability: Prometheus /metrics address (empty: not served), Chrome-trace timeline file
+  // (empty: off), and how long a layer may take before the stall detector reports what it waits
+  // for.
+  std::string metrics_listen;
+  std::string timeline;
+  absl::Duration stall_timeout = absl::Seconds(10);
 };
 
-// Runs until the framework detaches (0), dies (3), or a fatal error (1). Never throws.
+// Runs until the framework detaches (0), dies (3), a stop is requested (0), or a fatal error
+// (1). Never throws.
 int RunAgent(const AgentConfig& config);
+
+// Asks a running agent to stop cleanly (the framework's waits then report the agent lost).
+// Async-signal-safe: meant for a SIGTERM/SIGINT handler.
+void RequestAgentStop();
 
 }  // namespace poseidon::agent

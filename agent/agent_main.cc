@@ -31,6 +31,9 @@ struct Flags {
   std::string log_level = "info";
   std::string coordinator;
   std::string coordinator_token;
+  std::string metrics_listen;
+  std::string timeline;
+  absl::Duration stall_timeout = absl::Seconds(10);
 };
 
 poseidon::ConfigSchema<Flags> Schema() {
@@ -61,6 +64,11 @@ poseidon::ConfigSchema<Flags> Schema() {
       .Field("coordinator", &Flags::coordinator,
              "poseidon-coordinator (host:port): rank, peers, servers and plan come from it")
       .SecretField("coordinator_token", &Flags::coordinator_token, "the job's coordinator token")
+      .Field("metrics_listen", &Flags::metrics_listen, "Prometheus /metrics address; empty: off")
+      .Field("timeline", &Flags::timeline,
+             "write a Chrome-trace timeline here ({rank} is replaced); empty: off")
+      .Field("stall_timeout", &Flags::stall_timeout,
+             "report a layer not done within this time, with what it waits for")
       .Field("log_level", &Flags::log_level, "trace, debug, info, warn, error",
              poseidon::OneOf({"trace", "debug", "info", "warn", "error"}));
   return s;
@@ -76,6 +84,10 @@ int main(int argc, char** argv) {
   const Flags f = poseidon::LoadOrExit(Schema(), argc, argv);
   poseidon::InitLogging("poseidon-agent", *poseidon::ParseLogLevel(f.log_level));
   signal(SIGPIPE, SIG_IGN);
+  struct sigaction stop {};
+  stop.sa_handler = [](int) { poseidon::agent::RequestAgentStop(); };
+  sigaction(SIGTERM, &stop, nullptr);
+  sigaction(SIGINT, &stop, nullptr);
   poseidon::agent::AgentConfig c;
   c.segment = f.segment;
   c.job_id = f.job_id;
@@ -96,6 +108,9 @@ int main(int argc, char** argv) {
   c.connect_timeout = f.connect_timeout;
   c.coordinator = f.coordinator;
   c.coordinator_token = f.coordinator_token;
+  c.metrics_listen = f.metrics_listen;
+  c.timeline = f.timeline;
+  c.stall_timeout = f.stall_timeout;
   if (c.rank >= c.world_size) {
     std::fprintf(stderr, "poseidon-agent: rank %u must be below world_size %u\n", c.rank,
                  c.world_size);

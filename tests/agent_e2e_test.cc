@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 
+#include <fstream>
 #include <random>
 
 #include "common/shm_layout.h"
@@ -79,7 +80,9 @@ class Cluster {
     }
     // Training processes start once their agent has created its segment.
     for (auto& agent : agents_) {
+      early_.emplace_back();
       while (auto line = agent->ReadLine(milliseconds(20000))) {
+        early_.back() += *line + "\n";
         if (line->find("poseidon-agent ready") != std::string::npos) break;
       }
     }
@@ -101,10 +104,12 @@ class Cluster {
   Subprocess& agent(int r) { return *agents_[r]; }
   Subprocess& server(int s) { return *servers_[s]; }
   const std::string& segment(int r) const { return segments_[r]; }
+  // What an agent printed before it was ready.
+  const std::string& early_output(int r) const { return early_[r]; }
 
  private:
   std::vector<std::unique_ptr<Subprocess>> servers_, agents_;
-  std::vector<std::string> addresses_, peers_, segments_;
+  std::vector<std::string> addresses_, peers_, segments_, early_;
 };
 
 const std::string kTiny = POSEIDON_TEST_MODELS "/tiny.json";
@@ -278,6 +283,87 @@ TEST(Scheduling, TheLayerTheNextForwardNeedsFirstIsSynchronisedFirst) {
                                << order[3];
   EXPECT_EQ(order.back(), 3u) << "the first-posted layer still had its chunks queued";
   psd_detach(ctx);
+}
+
+}  // namespace
+}  // namespace poseidon::testing
+
+namespace poseidon::testing {
+namespace {
+
+std::string HttpGet(const std::string& host_port, const std::string& path) {
+  const auto colon = host_port.rfind(':');
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(std::stoi(host_port.substr(colon + 1))));
+  inet_pton(AF_INET, host_port.substr(0, colon).c_str(), &a.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: x\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return out;
+}
+
+// Observability of the agent: its metrics, its timeline, and the stall detector naming what a
+// layer waits for.
+TEST(Observability, MetricsTimelineAndStallReports) {
+  const std::string timeline = "/tmp/psd-timeline-" + std::to_string(::getpid()) + "-{rank}.json";
+  Cluster cluster(1, 2, "ps",
+                  {"--stall_timeout=1s", "--metrics_listen=127.0.0.1:0", "--timeline=" + timeline});
+  // Rank 1's training process never starts: rank 0's layers wait for its pushes.
+  auto synth = cluster.Synth(0, kTiny, 3, {"--timeout_ms=4000"});
+  std::string agent_out = cluster.early_output(0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  std::string metrics_address;
+  if (auto at = agent_out.find("metrics on "); at != std::string::npos) {
+    metrics_address = agent_out.substr(at + 11, agent_out.find('\n', at) - at - 11);
+  }
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto line = cluster.agent(0).ReadLine(milliseconds(500));
+    if (!line) continue;
+    agent_out += *line + "\n";
+    if (auto at = line->find("metrics on "); at != std::string::npos) {
+      metrics_address = line->substr(at + 11);
+    }
+    if (line->find("stall:") != std::string::npos) break;
+  }
+  EXPECT_NE(agent_out.find("stall: layer"), std::string::npos) << agent_out;
+  EXPECT_NE(agent_out.find("chunks [key"), std::string::npos) << "names the chunks: " << agent_out;
+  ASSERT_FALSE(metrics_address.empty()) << agent_out;
+  const std::string metrics = HttpGet(metrics_address, "/metrics");
+  const auto stall = metrics.find("poseidon_agent_errors_total{kind=\"stall\"} ");
+  ASSERT_NE(stall, std::string::npos) << metrics;
+  EXPECT_GE(std::stoi(metrics.substr(stall + 42)), 1) << metrics.substr(stall, 60);
+  EXPECT_NE(metrics.find("poseidon_agent_layer_scheme{layer=\"fc1.weight\"} 1"), std::string::npos);
+  EXPECT_NE(metrics.find("poseidon_agent_push_bytes_total"), std::string::npos);
+  synth->Wait(milliseconds(30000));
+  cluster.agent(0).Signal(SIGTERM);
+  cluster.agent(0).Wait(milliseconds(10000));
+  // The timeline is valid Chrome-trace JSON with the ready events of every layer.
+  std::string path = timeline;
+  path.replace(path.find("{rank}"), 6, "0");
+  std::ifstream in(path);
+  const std::string json((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(json.find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(json.find("\"name\": \"ready\""), std::string::npos) << json.substr(0, 500);
+  // The merge command reads it back (it is valid JSON) into one view.
+  const std::string merged = path + ".merged";
+  const std::string cmd = std::string("/usr/bin/python3 ") + POSEIDON_SOURCE_DIR +
+                          "/tools/timeline_merge.py -o " + merged + " " + path;
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream merged_in(merged);
+  const std::string merged_json((std::istreambuf_iterator<char>(merged_in)), {});
+  EXPECT_NE(merged_json.find("\"ready\""), std::string::npos);
+  std::remove(path.c_str());
+  std::remove(merged.c_str());
 }
 
 }  // namespace
