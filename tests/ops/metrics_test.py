@@ -101,7 +101,16 @@ def start_cluster(args, daemons):
     daemons.append(server)
     server.wait_for(r"poseidon-server listening on (\S+)")
     server_metrics = server.wait_for(r"metrics on ([0-9.]+:[0-9]+)").group(1)
-    return {"coordinator": coord_metrics, "server": server_metrics}
+    endpoints = {"coordinator": coord_metrics, "server": server_metrics}
+    if args.agent:
+        # An agent serves its metrics while it waits for its training process.
+        agent = Daemon("poseidon-agent", [
+            args.agent, f"--job_id={JOB_ID}", "--rank=0", "--world_size=1",
+            "--metrics_listen=127.0.0.1:0", f"--segment=/poseidon-ops-{os.getpid()}",
+            "--log_level=warn"])
+        daemons.append(agent)
+        endpoints["agent"] = agent.wait_for(r"poseidon-agent metrics on (\S+)").group(1)
+    return endpoints
 
 
 def check_exposition(args, endpoints):
@@ -189,6 +198,7 @@ def main():
     ap.add_argument("--mode", choices=["exposition", "prometheus"], required=True)
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--server", required=True)
+    ap.add_argument("--agent", default="")
     ap.add_argument("--promtool", default=shutil.which("promtool"))
     ap.add_argument("--prometheus", default=shutil.which("prometheus"))
     args = ap.parse_args()
@@ -200,6 +210,7 @@ def main():
     os.environ["POSEIDON_JOB_TOKEN"] = TOKEN
     os.environ["POSEIDON_COORDINATOR_TOKEN"] = TOKEN
     os.environ["POSEIDON_JOB_SECRET"] = SECRET
+    os.environ["POSEIDON_SECRET"] = SECRET  # the agent's name for it
     daemons = []
     tmp = tempfile.mkdtemp(prefix="poseidon-ops-")
     try:
