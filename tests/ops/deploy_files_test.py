@@ -32,7 +32,7 @@ def fail(msg):
 def exported_metrics():
     """Metric names the daemons register (string literals in their metric code)."""
     names = set()
-    for path in ["server/server_main.cc", "coordinator/service_metrics.cc"]:
+    for path in ["server/server_main.cc", "coordinator/service_metrics.cc", "agent/agent.cc"]:
         with open(os.path.join(ROOT, path)) as f:
             names |= set(re.findall(r'"(poseidon_[a-z0-9_]+)"', f.read()))
     return names
