@@ -1,0 +1,618 @@
+#!/usr/bin/python3
+"""Emulated GPU cluster: N hosts as network namespaces on a shaped bridge, a poseidon-server, a
+poseidon-agent and a poseidon-synth worker on every host; throughput, speed-up and scaling
+efficiency per (model, mode, N) against the bound max(compute, best-plan communication).
+
+Scaling (docs/cluster.md): layer channel dimensions and the batch K are divided by s, the link rate
+by s^2, the compute time is kept (--compute_scale), so communication and compute times are those of
+the unscaled cluster.
+
+    bench/cluster/run_cluster.py --quick [--build build/release]      # <= 3 minutes, smoke test
+    bench/cluster/run_cluster.py [--models vgg19,...] [--hosts 1,2,4] [--modes poseidon,ps,no-wfbp,ddp]
+
+Modes: poseidon (--scheme auto), ps (--scheme ps), no-wfbp (synth --wfbp=false), sep-servers
+(servers on N hosts of their own; --sep_models), ddp (PyTorch DDP with gloo, ddp_worker.py).
+
+Exit code 77 when network namespaces or tc tbf are not permitted here (the test is skipped).
+Needs root. Everything (namespaces, links, processes, shared-memory segments) is removed on every
+exit path.
+"""
+import argparse
+import atexit
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MODELS_DIR = os.path.join(ROOT, "coordinator", "models")
+GPU_RATES = {"titanx": 6.1e12}  # FLOP/s; bench/synth uses the same Titan X-class rate
+ALL_MODELS = ["vgg19", "vgg19-22k", "inception-v3", "resnet-152", "googlenet"]
+MODES = {
+    # name: (agent scheme, synth wfbp, servers on separate hosts)
+    "poseidon": ("auto", True, False),
+    "ps": ("ps", True, False),
+    "no-wfbp": ("auto", False, False),
+    "sep-servers": ("auto", True, True),
+    "ddp": (None, True, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py, no Poseidon
+}
+DDP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_worker.py")
+SKIP = 77
+PREFIX = f"psd-{os.getpid()}"
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaling
+
+
+def parse_rate(text):
+    """'10Gbit', '156Mbit', '1e9' -> bits/s."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]?)(bit|bps)?\s*", text)
+    if not m:
+        raise ValueError(f"bad rate {text!r}")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+
+
+def load_spec(model):
+    path = model if os.path.exists(model) else os.path.join(MODELS_DIR, f"{model}.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def scale_shape(shape, s):
+    """Divide the channel dimensions (FC: [M, N]; conv: [out, in, kh, kw]; bias/bn: [C]) by s,
+    keeping at least 1; kernel spatial dimensions are kept."""
+    shape = [int(d) for d in shape]
+    return [max(1, d // s) if i < 2 else d for i, d in enumerate(shape)]
+
+
+def scale_spec(spec, s):
+    """The scaled spec; per-layer FLOPs scale like the layer's parameters (a conv's per-sample
+    FLOPs are in*out*kh*kw*H*W, an FC's M*N, a bias/bn's C*H*W)."""
+    out = dict(spec)
+    out["name"] = f"{spec['name']}-s{s}"
+    out["description"] = f"{spec.get('description', '')} Scaled by s={s} (bench/cluster)."
+    layers = []
+    for l in spec["layers"]:
+        l2 = dict(l)
+        l2["shape"] = scale_shape(l["shape"], s)
+        ratio = numel(l2["shape"]) / numel(l["shape"])
+        for k in ("forward_flops", "backward_flops"):
+            if k in l:
+                l2[k] = max(1, int(round(int(l[k]) * ratio)))
+        layers.append(l2)
+    out["layers"] = layers
+    return out
+
+
+def total_flops(spec):
+    return sum(int(l.get("forward_flops", 0)) + int(l.get("backward_flops", 0))
+               for l in spec["layers"])
+
+
+def is_fc(l):
+    return l.get("kind") == "LAYER_KIND_FC" and len(l["shape"]) == 2
+
+
+def comm_bound_seconds(spec, batch, n, rate_bps, colocated=True):
+    """Per-iteration communication time of the best plan (HybComm cost model, DESIGN.md) on
+    full-duplex links of rate_bps: the busiest direction of the busiest NIC carries half of the
+    sent+received bytes per machine."""
+    if n <= 1:
+        return 0.0
+    total = 0.0
+    for l in spec["layers"]:
+        elem = 4
+        mn = numel(l["shape"])
+        if colocated:
+            ps = 2 * mn * (n + n - 2) / n
+        else:
+            ps = 2 * mn  # per worker; a server host moves 2*P1*MN/P2 = 2*MN too (P1 = P2)
+        best = ps
+        if is_fc(l):
+            m_, n_ = l["shape"]
+            sfb = 2 * batch * (n - 1) * (m_ + n_)
+            best = min(ps, sfb)
+        total += best * elem
+    return (total / 2) / (rate_bps / 8)
+
+
+def compute_seconds(spec, batch, gpu_rate):
+    return total_flops(spec) * batch / gpu_rate
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulated cluster
+
+
+class Cluster:
+    """Namespaces <PREFIX>-sw (the bridge) and <PREFIX>-h<i> (hosts), veth pairs, tbf on both
+    directions of every host link (the switch port's egress too, so incast is limited as on a
+    real switch). Teardown is idempotent."""
+
+    def __init__(self, hosts, rate_bps, subnet, slow_start_after_idle=False):
+        self.slow_start_after_idle = slow_start_after_idle
+        self.hosts = hosts
+        self.rate_bps = rate_bps
+        self.subnet = subnet  # "10.x.y"
+        self.sw = f"{PREFIX}-sw"
+        self.namespaces = []
+        self.procs = []
+        self.segments = []
+
+    def ns(self, i):
+        return f"{PREFIX}-h{i}"
+
+    def addr(self, i):
+        return f"{self.subnet}.{i + 1}"
+
+    def _ip(self, *args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    def _tbf(self, ns, dev):
+        rate = int(self.rate_bps)
+        burst = max(64 * 1024, rate // 8 // 100)  # >= one GSO packet, >= 10 ms at the rate
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                        "rate", f"{rate}bit", "burst", str(burst), "latency", "200ms"],
+                       check=True, capture_output=True, timeout=30)
+
+    def up(self):
+        self._ip("netns", "add", self.sw)
+        self.namespaces.append(self.sw)
+        self._ip("-n", self.sw, "link", "set", "lo", "up")
+        self._ip("-n", self.sw, "link", "add", "br0", "type", "bridge")
+        self._ip("-n", self.sw, "link", "set", "br0", "up")
+        for i in range(self.hosts):
+            ns = self.ns(i)
+            self._ip("netns", "add", ns)
+            self.namespaces.append(ns)
+            self._ip("-n", ns, "link", "set", "lo", "up")
+            self._ip("-n", self.sw, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0",
+                     "netns", ns)
+            self._ip("-n", self.sw, "link", "set", f"p{i}", "master", "br0")
+            self._ip("-n", self.sw, "link", "set", f"p{i}", "up")
+            self._ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            self._ip("-n", ns, "link", "set", "eth0", "up")
+            self._tbf(ns, "eth0")
+            if not self.slow_start_after_idle:
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                                "net.ipv4.tcp_slow_start_after_idle=0"], capture_output=True,
+                               timeout=30)
+            self._tbf(self.sw, f"p{i}")
+
+    def start(self, i, name, argv, logdir, env=None):
+        path = os.path.join(logdir, f"{name}.log")
+        f = open(path, "w")
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], stdout=f,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        f.close()
+        p.log = path
+        p.name = name
+        self.procs.append(p)
+        return p
+
+    def stop_procs(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 5
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(5)
+        self.procs = []
+        for seg in self.segments:
+            for suffix in ("", ".data"):
+                try:
+                    os.unlink("/dev/shm" + seg + suffix)
+                except OSError:
+                    pass
+        self.segments = []
+
+    def down(self):
+        self.stop_procs()
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.namespaces = []
+
+
+LIVE = []
+
+
+def teardown_all():
+    while LIVE:
+        c = LIVE.pop()
+        try:
+            c.down()
+        except Exception as e:  # keep tearing down the rest
+            log(f"teardown: {e}")
+    # Anything of ours left behind (a crash between 'netns add' and bookkeeping).
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(PREFIX + "-"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def on_signal(sig, _frame):
+    raise SystemExit(128 + sig)
+
+
+def wait_for(p, text, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with open(p.log, errors="replace") as f:
+            if text in f.read():
+                return
+        if p.poll() is not None:
+            break
+        time.sleep(0.05)
+    with open(p.log, errors="replace") as f:
+        tail = f.read()[-600:]
+    raise RuntimeError(f"{p.name} did not print {text!r}: {tail}")
+
+
+def permitted():
+    probe = f"{PREFIX}-probe"
+    try:
+        r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=20)
+        if r.returncode != 0:
+            return f"ip netns add: {r.stderr.decode(errors='replace').strip()}"
+        r = subprocess.run(["ip", "-n", probe, "link", "add", "va", "type", "veth", "peer", "name",
+                            "vb"], capture_output=True, timeout=20)
+        if r.returncode != 0:
+            return f"veth: {r.stderr.decode(errors='replace').strip()}"
+        r = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "va", "root",
+                            "tbf", "rate", "1mbit", "burst", "64kb", "latency", "50ms"],
+                           capture_output=True, timeout=20)
+        if r.returncode != 0:
+            return f"tc tbf: {r.stderr.decode(errors='replace').strip()}"
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
+def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, rate_bps, subnet,
+            logroot):
+    scheme, wfbp, separate = MODES[mode]
+    hosts = 2 * n if separate else n
+    cluster = Cluster(hosts, rate_bps, subnet, args.slow_start_after_idle)
+    LIVE.append(cluster)
+    logdir = os.path.join(logroot, f"{spec_scaled['name']}-{mode}-n{n}")
+    os.makedirs(logdir, exist_ok=True)
+    job, secret = 1, os.urandom(8).hex()
+    b = args.build
+    try:
+        cluster.up()
+        if scheme is None:
+            return run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir)
+        server_hosts = list(range(n, 2 * n)) if separate else list(range(n))
+        servers = []
+        for j, h in enumerate(server_hosts):
+            p = cluster.start(h, f"server{j}", [
+                os.path.join(b, "server", "poseidon-server"), f"--listen={cluster.addr(h)}:7100",
+                f"--job_id={job}", f"--job_secret={secret}", "--log_level=warn"], logdir)
+            servers.append(p)
+        for p in servers:
+            wait_for(p, "listening on", 60)
+        server_list = ",".join(f"{cluster.addr(h)}:7100" for h in server_hosts)
+        peers = ",".join(f"{cluster.addr(i)}:7200" for i in range(n))
+        agents = []
+        for r in range(n):
+            seg = f"/{PREFIX}-seg-{r}"
+            cluster.segments.append(seg)
+            p = cluster.start(r, f"agent{r}", [
+                os.path.join(b, "agent", "poseidon-agent"), f"--job_id={job}", f"--secret={secret}",
+                f"--rank={r}", f"--world_size={n}", f"--servers={server_list}", f"--peers={peers}",
+                f"--listen={cluster.addr(r)}:7200", f"--scheme={scheme}",
+                f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
+                f"--segment={seg}", "--log_level=warn"], logdir)
+            agents.append((p, seg))
+        for p, _ in agents:
+            wait_for(p, "poseidon-agent ready", 120)
+        workers = []
+        for r, (_, seg) in enumerate(agents):
+            p = cluster.start(r, f"worker{r}", [
+                os.path.join(b, "bench", "poseidon-synth"), f"--model={spec_path}",
+                f"--batch={batch_scaled}", f"--iterations={args.iterations}",
+                f"--compute_scale={compute_scale:.6f}", f"--gpu={args.gpu}",
+                f"--wfbp={'true' if wfbp else 'false'}", f"--segment={seg}",
+                f"--timeout_ms={args.layer_timeout_ms}"] + (["--verify"] if args.verify else []),
+                logdir)
+            workers.append(p)
+        return collect(args, cluster, workers)
+    finally:
+        cluster.down()
+        if cluster in LIVE:
+            LIVE.remove(cluster)
+
+
+def run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir):
+    gpu_rate = GPU_RATES.get(args.gpu) or float(args.gpu)
+    bucket_mb = 25.0 / (args.scale * args.scale)  # DDP's default bucket, scaled like the bytes
+    workers = []
+    for r in range(n):
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+        workers.append(cluster.start(r, f"ddp{r}", [
+            "/usr/bin/python3", DDP_WORKER, f"--spec={spec_path}", f"--rank={r}",
+            f"--world_size={n}", f"--master={cluster.addr(0)}", f"--batch={batch_scaled}",
+            f"--compute_scale={compute_scale:.6f}", f"--gpu_flops={gpu_rate}",
+            f"--iterations={args.iterations}", f"--bucket_mb={bucket_mb}"], logdir, env=env))
+    return collect(args, cluster, workers)
+
+
+def collect(args, cluster, workers):
+    """Wait for the workers (failing when a daemon dies), parse their per-iteration times."""
+    deadline = time.time() + args.run_timeout
+    while any(w.poll() is None for w in workers):
+        dead = [p for p in cluster.procs if p not in workers and p.poll() not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].returncode}): "
+                               f"{open(dead[0].log, errors='replace').read()[-400:]}")
+        if time.time() > deadline:
+            raise RuntimeError(f"timed out after {args.run_timeout} s")
+        time.sleep(0.1)
+    per_iter, sfb_layers, mismatches = [], None, 0
+    for w in workers:
+        text = open(w.log, errors="replace").read()
+        m = re.search(r"\(\d+ layers, (\d+) on SFB\).* ([0-9.]+) s per iteration after the first"
+                      r"(?:; verified \d+ results, (\d+) mismatches)?", text)
+        if w.returncode != 0 or not m:
+            raise RuntimeError(f"{w.name} exit {w.returncode}: {text[-600:]}")
+        sfb_layers = int(m.group(1))
+        per_iter.append(float(m.group(2)))
+        mismatches += int(m.group(3) or 0)
+    if mismatches:
+        raise RuntimeError(f"--verify: {mismatches} synchronised results differ from the sum")
+    return {"seconds_per_iteration": max(per_iter), "sfb_layers": sfb_layers,
+            "mismatches": mismatches}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def table(results):
+    lines = ["| model | mode | N | s/iter | iter/s | samples/s | speed-up | efficiency | compute s "
+             "| comm bound s | bound s | iter/bound | SFB layers |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r.get("error"):
+            lines.append(f"| {r['model']} | {r['mode']} | {r['n']} | failed: "
+                         f"{r['error'][:80].replace('|', '/')} |||||||||")
+            continue
+        su = f"{r['speedup']:.2f}" if r.get("speedup") is not None else "–"
+        ef = f"{r['efficiency']:.2f}" if r.get("efficiency") is not None else "–"
+        lines.append(
+            f"| {r['model']} | {r['mode']} | {r['n']} | {r['seconds_per_iteration']:.3f} | "
+            f"{r['iterations_per_second']:.2f} | {r['samples_per_second']:.0f} | {su} | {ef} | "
+            f"{r['compute_seconds']:.3f} | {r['comm_bound_seconds']:.3f} | {r['bound_seconds']:.3f} "
+            f"| {r['iteration_over_bound']:.2f} | {r['sfb_layers']} |")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing (apt-get install python3-matplotlib): no plot")
+        return None
+    models = sorted({r["model"] for r in results})
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results if r["model"] == model and r.get("speedup") is not None]
+        ns = sorted({r["n"] for r in rows}) or [1]
+        ax.plot(ns, ns, "k--", label="ideal")
+        for mode in sorted({r["mode"] for r in rows}):
+            pts = sorted((r["n"], r["speedup"]) for r in rows if r["mode"] == mode)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode)
+        ax.set_title(model)
+        ax.set_xlabel("hosts N")
+        ax.set_ylabel("speed-up vs N=1")
+        ax.set_xticks(ns)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build", "release"))
+    ap.add_argument("--quick", action="store_true",
+                    help="alexnet, N = 1, 2, poseidon mode, 3 iterations (<= 3 minutes)")
+    ap.add_argument("--models", default=",".join(ALL_MODELS))
+    ap.add_argument("--hosts", default="1,2,4")
+    ap.add_argument("--modes", default="poseidon,ps,no-wfbp,ddp")
+    ap.add_argument("--sep_models", default="vgg19-22k",
+                    help="models also run with servers on separate hosts (mode sep-servers)")
+    ap.add_argument("--scale", type=int, default=8, help="s: dimensions and K / s, bandwidth / s^2")
+    ap.add_argument("--bandwidth", default="10Gbit", help="the unscaled cluster's link rate")
+    ap.add_argument("--batch", type=int, default=32, help="the unscaled per-worker batch K")
+    ap.add_argument("--gpu", default="titanx")
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--slow_start_after_idle", action="store_true",
+                    help="keep the kernel default net.ipv4.tcp_slow_start_after_idle=1 in the "
+                         "host namespaces (default: 0, as tuned clusters run)")
+    ap.add_argument("--verify", action="store_true", help="synth --verify (slower)")
+    ap.add_argument("--run_timeout", type=float, default=300)
+    ap.add_argument("--layer_timeout_ms", type=int, default=120000)
+    ap.add_argument("--out", default=None, help="output directory (default bench/cluster/results/"
+                                                "<timestamp>)")
+    args = ap.parse_args()
+    if args.quick:
+        args.models, args.hosts, args.modes, args.sep_models = "alexnet", "1,2", "poseidon", ""
+        args.iterations = min(args.iterations, 3)
+        args.verify = True
+    args.build = os.path.abspath(args.build)
+    for rel in ("server/poseidon-server", "agent/poseidon-agent", "bench/poseidon-synth"):
+        if not os.access(os.path.join(args.build, rel), os.X_OK):
+            sys.exit(f"run_cluster: {os.path.join(args.build, rel)} missing (build it first)")
+    if os.geteuid() != 0:
+        print("run_cluster: SKIP: needs root for network namespaces", flush=True)
+        return SKIP
+    why = permitted()
+    if why:
+        print(f"run_cluster: SKIP: network namespaces / tc not permitted here ({why})", flush=True)
+        return SKIP
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    atexit.register(teardown_all)
+
+    s = args.scale
+    rate_unscaled = parse_rate(args.bandwidth)
+    rate = rate_unscaled / (s * s)
+    gpu_rate = GPU_RATES.get(args.gpu) or float(args.gpu)
+    batch_scaled = max(1, args.batch // s)
+    hosts = [int(x) for x in args.hosts.split(",") if x]
+    modes = [m for m in args.modes.split(",") if m]
+    if "ddp" in modes:
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:
+            log("run_cluster: python3-torch missing: mode ddp left out")
+            modes.remove("ddp")
+    for m in modes:
+        if m not in MODES:
+            sys.exit(f"run_cluster: unknown mode {m} (have {', '.join(MODES)})")
+    out = args.out or os.path.join(ROOT, "bench", "cluster", "results",
+                                   datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    specdir = os.path.join(out, "specs")
+    os.makedirs(specdir, exist_ok=True)
+    logroot = tempfile.mkdtemp(prefix=f"{PREFIX}-logs-")
+    pid = os.getpid()
+    subnet = f"10.{200 + (pid >> 8) % 50}.{pid % 256}"
+
+    plan = []  # (model, mode, n)
+    for model in args.models.split(","):
+        for mode in modes:
+            for n in hosts:
+                plan.append((model, mode, n))
+        if model in args.sep_models.split(","):
+            for n in hosts:
+                if n >= 2:
+                    plan.append((model, "sep-servers", n))
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    bar = tqdm(total=len(plan), desc="cluster runs", unit="run", file=sys.stderr) if tqdm else None
+
+    print(f"Emulated cluster: s = {s}, link {rate_unscaled / 1e9:g} Gbit/s -> {rate / 1e6:.1f} "
+          f"Mbit/s per host and direction (tbf), K = {args.batch} -> {batch_scaled}, GPU "
+          f"{args.gpu} ({gpu_rate / 1e12:g} TFLOP/s), {args.iterations} iterations per run; "
+          f"build {args.build}", flush=True)
+    results = []
+    specs = {}
+    t_start = time.time()
+    try:
+        for model, mode, n in plan:
+            if model not in specs:
+                spec = load_spec(model)
+                scaled = scale_spec(spec, s)
+                path = os.path.join(specdir, f"{scaled['name']}.json")
+                with open(path, "w") as f:
+                    json.dump(scaled, f, indent=1)
+                # Compute time kept: FLOPs(unscaled) * K == scale * FLOPs(scaled) * K/s.
+                cs = total_flops(spec) * args.batch / (total_flops(scaled) * batch_scaled)
+                specs[model] = (spec, scaled, path, cs)
+            spec, scaled, path, cs = specs[model]
+            if bar:
+                bar.set_postfix_str(f"{model} {mode} N={n}")
+            colocated = not MODES[mode][2]
+            compute = compute_seconds(spec, args.batch, gpu_rate)
+            comm = comm_bound_seconds(spec, args.batch, n, rate_unscaled, colocated)
+            row = {"model": model, "mode": mode, "n": n, "scale": s, "compute_scale": cs,
+                   "compute_seconds": compute, "comm_bound_seconds": comm,
+                   "bound_seconds": max(compute, comm),
+                   "comm_bound_seconds_scaled_check": comm_bound_seconds(
+                       scaled, batch_scaled, n, rate, colocated)}
+            try:
+                r = run_one(args, path, scaled, n, mode, cs, batch_scaled, rate, subnet, logroot)
+                row.update(r)
+                t = r["seconds_per_iteration"]
+                row["iterations_per_second"] = 1 / t
+                row["samples_per_second"] = n * args.batch / t
+                row["iteration_over_bound"] = t / row["bound_seconds"]
+            except RuntimeError as e:
+                row["error"] = str(e)
+                log(f"run failed: {model} {mode} N={n}: {e}")
+            results.append(row)
+            if bar:
+                bar.update(1)
+    finally:
+        if bar:
+            bar.close()
+    # Speed-up against N = 1 of the same model (mode's own N=1 run; sep-servers against poseidon).
+    for r in results:
+        if r.get("error"):
+            continue
+        base_mode = "poseidon" if r["mode"] == "sep-servers" else r["mode"]
+        base = [b for b in results if b["model"] == r["model"] and b["mode"] == base_mode
+                and b["n"] == 1 and not b.get("error")]
+        if base:
+            r["speedup"] = r["samples_per_second"] / base[0]["samples_per_second"]
+            r["efficiency"] = r["speedup"] / r["n"]
+    md = table(results)
+    header = (f"s = {s}; link {rate_unscaled / 1e9:g} Gbit/s (emulated at {rate / 1e6:.1f} Mbit/s); "
+              f"K = {args.batch} (emulated {batch_scaled}); GPU {args.gpu}; "
+              f"{args.iterations} iterations; wall {time.time() - t_start:.0f} s")
+    print(header)
+    print(md, flush=True)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(header + "\n\n" + md + "\n")
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"command": sys.argv, "scale": s, "bandwidth_bps": rate_unscaled,
+                   "emulated_bandwidth_bps": rate, "batch": args.batch,
+                   "emulated_batch": batch_scaled, "gpu": args.gpu, "gpu_flops": gpu_rate,
+                   "iterations": args.iterations, "results": results}, f, indent=1)
+    png = plot(results, os.path.join(out, "speedup.png"))
+    print(f"results in {out} (results.md, results.json{', speedup.png' if png else ''})",
+          flush=True)
+    shutil.rmtree(logroot, ignore_errors=True) if not any(r.get("error") for r in results) else \
+        log(f"logs of the failed runs kept in {logroot}")
+    return 1 if any(r.get("error") for r in results) else 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    finally:
+        teardown_all()
+    sys.exit(code)
