@@ -591,14 +591,14 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration) {
     st.stall_reported = false;
     st.chunk_pending.assign(st.chunks.size(), 1);
     if (timeline_) timeline_->Instant("ready", layer, iteration, st.ready_at);
+    const uint32_t priority = config_.priority ? st.layout.priority : 0;
     if (st.layout.scheme == PSD_SCHEME_SFB) {
       st.remaining = 1;
-      tasks.push_back({st.layout.priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
+      tasks.push_back({priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
     } else {
       st.remaining = static_cast<int>(st.chunks.size());
       for (size_t c = 0; c < st.chunks.size(); ++c) {
-        tasks.push_back(
-            {st.layout.priority, 0, layer, iteration, static_cast<int>(c), st.chunks[c].length});
+        tasks.push_back({priority, 0, layer, iteration, static_cast<int>(c), st.chunks[c].length});
       }
     }
   }
@@ -819,7 +819,7 @@ void Agent::MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
   }
   box.rebuild_queued = iteration;
   Task t;
-  t.priority = layers_[layer].layout.priority;
+  t.priority = config_.priority ? layers_[layer].layout.priority : 0;
   t.layer = layer;
   t.iteration = iteration;
   t.rebuild = true;

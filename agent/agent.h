@@ -31,6 +31,8 @@ struct AgentConfig {
   uint64_t block_bytes = uint64_t{4} << 20;
   uint64_t credit_bytes = uint64_t{64} << 20;
   int sync_threads = 8;
+  // false: tasks run in the order layers become ready (no priority), for comparisons.
+  bool priority = true;
   absl::Duration sync_timeout = absl::Seconds(60);
   absl::Duration attach_timeout = absl::Seconds(120);
   absl::Duration connect_timeout = absl::Seconds(60);

@@ -25,6 +25,7 @@ struct Flags {
   uint64_t block_bytes = 4u << 20;
   uint64_t credit_bytes = 64u << 20;
   int64_t sync_threads = 8;
+  bool priority = true;
   absl::Duration sync_timeout = absl::Seconds(60);
   absl::Duration attach_timeout = absl::Seconds(120);
   absl::Duration connect_timeout = absl::Seconds(60);
@@ -58,6 +59,8 @@ poseidon::ConfigSchema<Flags> Schema() {
                      AtLeast<uint64_t>(4096))
       .Field("sync_threads", &Flags::sync_threads, "synchronisation threads",
              InRange<int64_t>(1, 256))
+      .Field("priority", &Flags::priority,
+             "synchronise the layer the next forward needs first (false: in ready order)")
       .Field("sync_timeout", &Flags::sync_timeout, "a layer's synchronisation must finish within")
       .Field("attach_timeout", &Flags::attach_timeout, "wait this long for the training process")
       .Field("connect_timeout", &Flags::connect_timeout, "wait this long for servers and peers")
@@ -103,6 +106,7 @@ int main(int argc, char** argv) {
   c.block_bytes = f.block_bytes;
   c.credit_bytes = f.credit_bytes;
   c.sync_threads = static_cast<int>(f.sync_threads);
+  c.priority = f.priority;
   c.sync_timeout = f.sync_timeout;
   c.attach_timeout = f.attach_timeout;
   c.connect_timeout = f.connect_timeout;

@@ -10,7 +10,8 @@ the unscaled cluster.
     bench/cluster/run_cluster.py --quick [--build build/release]      # <= 3 minutes, smoke test
     bench/cluster/run_cluster.py [--models vgg19,...] [--hosts 1,2,4] [--modes poseidon,ps,no-wfbp,ddp]
 
-Modes: poseidon (--scheme auto), ps (--scheme ps), no-wfbp (synth --wfbp=false), sep-servers
+Modes: poseidon (--scheme auto), ps (--scheme ps), no-wfbp (synth --wfbp=false), no-priority
+(agents synchronise layers in the order they become ready: --priority=false), sep-servers
 (servers on N hosts of their own; --sep_models), ddp (PyTorch DDP with gloo, ddp_worker.py).
 
 Exit code 77 when network namespaces or tc tbf are not permitted here (the test is skipped).
@@ -40,6 +41,7 @@ MODES = {
     "poseidon": ("auto", True, False),
     "ps": ("ps", True, False),
     "no-wfbp": ("auto", False, False),
+    "no-priority": ("auto", True, False),  # agents synchronise in arrival order (--priority=false)
     "sep-servers": ("auto", True, True),
     "ddp": (None, True, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py, no Poseidon
 }
@@ -338,6 +340,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 f"--rank={r}", f"--world_size={n}", f"--servers={server_list}", f"--peers={peers}",
                 f"--listen={cluster.addr(r)}:7200", f"--scheme={scheme}",
                 f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
+                f"--priority={'false' if mode == 'no-priority' else 'true'}",
                 f"--segment={seg}", "--log_level=warn"], logdir)
             agents.append((p, seg))
         for p, _ in agents:
