@@ -97,6 +97,13 @@ class Launcher(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("rank 2 failed with exit code 3", r.stderr)
 
+    def test_a_killed_rank_stops_everything_and_is_named(self):
+        code = ("import os, signal, time, poseidon; poseidon.init(); time.sleep(0.5); "
+                "os.kill(os.getpid(), signal.SIGKILL) if poseidon.rank() == 1 else time.sleep(60)")
+        r = launch(["-n", "2", "--", PY, "-c", code], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("rank 1 failed with exit code -9", r.stderr)
+
     def test_a_killed_daemon_stops_everything_and_is_named(self):
         # The pattern is assembled at run time so that it matches no command line but the agent's.
         code = ("import subprocess, time, poseidon; poseidon.init(); "
