@@ -89,6 +89,47 @@ class Equivalence(unittest.TestCase):
 
 
 class Launcher(unittest.TestCase):
+    def test_two_launchers_join_one_cluster_as_two_nodes(self):
+        # A cluster started by hand (as systemd would), and one launcher per "machine".
+        from poseidon import run as launcher
+        coord = subprocess.Popen([launcher.find_binary("poseidon-coordinator", "coordinator"),
+                                  "--listen=127.0.0.1:0", "--job_id=77", "--log_level=warn"],
+                                 stdout=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, POSEIDON_JOB_TOKEN="tok"))
+        procs = [coord]
+        try:
+            line = coord.stdout.readline()
+            address = line.strip().split("listening on ")[1]
+            server = subprocess.Popen([launcher.find_binary("poseidon-server", "server"),
+                                       "--listen=127.0.0.1:0", "--job_id=77", "--log_level=warn",
+                                       f"--coordinator={address}"], stdout=subprocess.PIPE,
+                                      text=True, env=dict(os.environ, POSEIDON_JOB_SECRET="tok",
+                                                          POSEIDON_COORDINATOR_TOKEN="tok"))
+            procs.append(server)
+            server.stdout.readline()
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "params.pt")
+                nodes = [subprocess.Popen(
+                    [PY, "-m", "poseidon.run", "-n", "2", "--coordinator", address, "--token",
+                     "tok", "--job", "77", "--node-rank", str(n), "--", PY,
+                     os.path.join(HERE, "equivalence_worker.py"), out],
+                    env=dict(os.environ, SLURM_NNODES="2"),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+                outputs = [p.communicate(timeout=300)[0] for p in nodes]
+                for p, o in zip(nodes, outputs):
+                    self.assertEqual(p.returncode, 0, o)
+                # Rank 0 (node 0) reports; the worker asserts a world of 4, i.e. both nodes.
+                self.assertIn("[rank 0] schemes:", outputs[0])
+                got = torch.load(out)
+            for g, want in zip(got, Equivalence.reference(None)):
+                rel = ((g - want).abs() / want.abs().clamp(min=1e-3)).max().item()
+                self.assertLessEqual(rel, 1e-5, f"two nodes: {rel:.2e}")
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(timeout=30)
+                p.stdout.close()
+
     def test_a_rank_that_raises_stops_everything_and_is_named(self):
         code = ("import os, time, poseidon; poseidon.init(); "
                 "r = poseidon.rank(); time.sleep(0.5); "

@@ -88,8 +88,23 @@ def main(argv=None):
                          "are the ones registered there ($POSEIDON_COORDINATOR)")
     ap.add_argument("--token", default=os.environ.get("POSEIDON_TOKEN", ""),
                     help="the job's token on that coordinator ($POSEIDON_TOKEN)")
-    ap.add_argument("--job", type=int, default=int(os.environ.get("POSEIDON_JOB_ID", "0")),
-                    help="the job id on that coordinator ($POSEIDON_JOB_ID)")
+    ap.add_argument("--job", type=int,
+                    default=int(os.environ.get("POSEIDON_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+                                or "0"),
+                    help="the job id on that coordinator ($POSEIDON_JOB_ID, else $SLURM_JOB_ID)")
+    # Several machines, one launcher each (Slurm: one task per node): ranks are
+    # node_rank * workers + local rank, the world is nodes * workers.
+    ap.add_argument("--nodes", type=int,
+                    default=int(os.environ.get("POSEIDON_NODES") or os.environ.get("SLURM_NNODES")
+                                or os.environ.get("SLURM_JOB_NUM_NODES") or "1"),
+                    help="machines in the job ($POSEIDON_NODES, else $SLURM_NNODES)")
+    ap.add_argument("--node-rank", type=int, dest="node_rank",
+                    default=int(os.environ.get("POSEIDON_NODE_RANK") or os.environ.get("SLURM_NODEID")
+                                or "0"),
+                    help="this machine's index ($POSEIDON_NODE_RANK, else $SLURM_NODEID)")
+    ap.add_argument("--listen-host", dest="listen_host",
+                    default=os.environ.get("POSEIDON_LISTEN_HOST", "127.0.0.1"),
+                    help="the address other machines reach this one's agents at")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -102,6 +117,12 @@ def main(argv=None):
     joining = bool(args.coordinator)
     if joining and (not args.token or not args.job):
         ap.error("joining a cluster needs --token and --job (or POSEIDON_TOKEN, POSEIDON_JOB_ID)")
+    if args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
+        ap.error(f"node rank {args.node_rank} is not in [0, {args.nodes})")
+    if args.nodes > 1 and not joining:
+        ap.error("several nodes share one cluster: give its --coordinator (and --token, --job)")
+    world = args.nodes * args.workers
+    first_rank = args.node_rank * args.workers
     secret = args.token if joining else secrets.token_hex(16)
     job = args.job if joining else os.getpid()
     procs = []
@@ -148,12 +169,14 @@ def main(argv=None):
             for p in servers[1:]:
                 address_of(p)
         agents = []
-        for r in range(args.workers):
+        for local in range(args.workers):
+            r = first_rank + local
             segment = f"/poseidon-{job}-{r}"
             p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--secret={secret}", f"--rank={r}",
-                                    f"--world_size={args.workers}", f"--coordinator={coordinator}",
+                                    f"--world_size={world}", f"--coordinator={coordinator}",
                                     f"--coordinator_token={secret}",
-                                    f"--listen=127.0.0.1:{free_port()}", f"--scheme={args.scheme}",
+                                    f"--listen={args.listen_host}:{free_port()}",
+                                    f"--scheme={args.scheme}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
                                     "--log_level=warn"], watch="poseidon-agent ready")
             procs.append(p)
@@ -163,9 +186,10 @@ def main(argv=None):
                 raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
         workers = []
         pythonpath = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
-        for r, (_, segment) in enumerate(agents):
+        for local, (_, segment) in enumerate(agents):
+            r = first_rank + local
             env = dict(os.environ, POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
-                       POSEIDON_WORLD_SIZE=str(args.workers), POSEIDON_LOCAL_RANK=str(r),
+                       POSEIDON_WORLD_SIZE=str(world), POSEIDON_LOCAL_RANK=str(local),
                        PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
             p = Proc(f"rank {r}", command, env=env)
             procs.append(p)
