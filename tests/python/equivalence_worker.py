@@ -20,18 +20,21 @@ def model_and_data(seed=0):
     return model, x, y
 
 
-def main(out):
+def main(out, overlap=False):
     poseidon.init()
     rank, world = poseidon.rank(), poseidon.size()
     assert world == 4
     model, x, y = model_and_data(seed=rank)  # different seeds: the broadcast must fix it
-    opt = poseidon.torch.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), batch_size=K)
+    opt = poseidon.torch.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                                    if overlap else torch.optim.SGD(model.parameters(), lr=0.1),
+                                    batch_size=K, overlap_forward=overlap)
     for step in range(STEPS):
         mine = slice(rank * K, (rank + 1) * K)
         loss = torch.nn.functional.cross_entropy(model(x[step, mine]), y[step, mine])
         opt.zero_grad()
         loss.backward()
         opt.step()
+    opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
     if rank == 0:
         torch.save([p.detach().clone() for p in model.parameters()], out)
         print("schemes:", ",".join(s for _, s, _ in poseidon.torch.plan_summary(opt)))
@@ -39,4 +42,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], overlap=len(sys.argv) > 2 and sys.argv[2] == "overlap")

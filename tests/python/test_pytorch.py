@@ -68,6 +68,28 @@ class Equivalence(unittest.TestCase):
         self.check_scheme("auto", "SFB,PS,SFB,PS")
 
 
+    def test_overlap_with_the_next_forward_gives_the_same_parameters(self):
+        # overlap_forward: per-layer steps in forward pre-hooks, SGD with momentum.
+        model, x, y = equivalence_worker.model_and_data(seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(equivalence_worker.STEPS):
+            loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        want = [p.detach() for p in model.parameters()]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        "overlap"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            got = torch.load(out)
+        # Momentum carries the float rounding of the summation order (which varies with arrival
+        # order at the server) from step to step: compare per tensor, relative to its norm.
+        for g, w in zip(got, want):
+            rel = ((g - w).norm() / w.norm()).item()
+            self.assertLessEqual(rel, 1e-5, f"overlap_forward: {rel:.2e}")
+
     def test_poseidon_equals_torch_ddp_over_gloo(self):
         import socket
         with tempfile.TemporaryDirectory() as tmp:

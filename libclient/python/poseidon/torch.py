@@ -69,7 +69,7 @@ def _describe(model):
 class DistributedOptimizer:
     """Wraps a torch.optim optimizer; see distribute()."""
 
-    def __init__(self, optimizer, layers, ctx, world, timeout_ms):
+    def __init__(self, optimizer, layers, ctx, world, timeout_ms, overlap_forward=False):
         self._optimizer = optimizer
         self._layers = layers
         self._ctx = ctx
@@ -77,6 +77,17 @@ class DistributedOptimizer:
         self._timeout_ms = timeout_ms
         self.iteration = 2  # 1 was the initial broadcast
         self.posted = set()
+        self._overlap = overlap_forward
+        self._pending = {}  # layer index -> iteration whose step waits for the next forward
+        if overlap_forward:
+            # One optimizer per parameter with its group's hyperparameters, so that each layer
+            # can step on its own when the next forward reaches it. Per-element rules (SGD,
+            # momentum, Adam, ...) give exactly the same result as one step over all parameters.
+            self._per_param = {}
+            for group in optimizer.param_groups:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                for p in group["params"]:
+                    self._per_param[id(p)] = (type(optimizer)([dict(params=[p], **hyper)]), group)
 
     def __getattr__(self, name):
         return getattr(self._optimizer, name)
@@ -84,22 +95,52 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none=True):
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def synchronize(self):
-        """Waits for every layer of this iteration and installs the averaged gradients."""
+    def _check_posted(self):
         missing = [l.name for l in self._layers if l.index not in self.posted]
         if missing:
             raise PoseidonError(5, f"iteration {self.iteration}: no gradient was produced for "
                                    f"{', '.join(missing[:5])} (did backward run?)")
-        for layer in self._layers:  # forward order: the next forward needs layer 0 first
-            check(lib().psd_wait_layer(self._ctx, layer.index, self.iteration, self._timeout_ms),
-                  f"waiting for {layer.name}")
-            layer.param.grad = (layer.grad / self._world).view_as(layer.param).clone()
         self.posted.clear()
+
+    def _install(self, layer, iteration):
+        check(lib().psd_wait_layer(self._ctx, layer.index, iteration, self._timeout_ms),
+              f"waiting for {layer.name}")
+        layer.param.grad = (layer.grad / self._world).view_as(layer.param).clone()
+
+    def synchronize(self):
+        """Waits for every layer of this iteration and installs the averaged gradients (and, with
+        overlap_forward, applies every step still pending)."""
+        if self._overlap:
+            for layer in self._layers:
+                self._step_layer(layer)
+            return
+        self._check_posted()
+        for layer in self._layers:  # forward order: the next forward needs layer 0 first
+            self._install(layer, self.iteration)
         self.iteration += 1
 
+    def _step_layer(self, layer):
+        iteration = self._pending.pop(layer.index, None)
+        if iteration is None:
+            return
+        self._install(layer, iteration)
+        opt, group = self._per_param[id(layer.param)]
+        for k, v in group.items():  # the user's LR schedule (or any change) applies
+            if k != "params":
+                opt.param_groups[0][k] = v
+        opt.step()
+
     def step(self, closure=None):
-        self.synchronize()
-        return self._optimizer.step(closure)
+        if not self._overlap:
+            self.synchronize()
+            return self._optimizer.step(closure)
+        if closure is not None:
+            raise PoseidonError(1, "closures are not supported with overlap_forward")
+        self._check_posted()
+        for layer in self._layers:  # each layer steps when the next forward reaches it
+            self._pending[layer.index] = self.iteration
+        self.iteration += 1
+        return None
 
     def state_dict(self):
         return self._optimizer.state_dict()
@@ -108,11 +149,14 @@ class DistributedOptimizer:
         self._optimizer.load_state_dict(state)
 
 
-def distribute(model, optimizer, batch_size, timeout_ms=120000):
+def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=False):
     """Registers `model` with the agent and returns the optimizer to train with (see module doc).
 
     batch_size is the per-worker batch: SFB layers need every batch to have exactly this many
-    rows (use drop_last=True in the DataLoader)."""
+    rows (use drop_last=True in the DataLoader). With overlap_forward, step() returns at once and
+    each module's parameters are updated by a forward pre-hook when the next forward pass reaches
+    it, so synchronisation also overlaps the next forward (call optimizer.synchronize() before
+    reading the parameters outside a forward pass, e.g. to save them)."""
     ctx = poseidon._context()
     world = poseidon.size()
     layers = _describe(model)
@@ -139,8 +183,18 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000):
             layer.u = _view(info.u, batch_size * m).view(batch_size, m)
             layer.v = _view(info.v, batch_size * n).view(batch_size, n)
     _broadcast(ctx, layers, len(layers), total, timeout_ms)
-    wrapped = DistributedOptimizer(optimizer, layers, ctx, world, timeout_ms)
+    wrapped = DistributedOptimizer(optimizer, layers, ctx, world, timeout_ms, overlap_forward)
     _install_hooks(layers, wrapped, ctx, batch_size)
+    if overlap_forward:
+        by_module = {}
+        for layer in layers:
+            by_module.setdefault(id(layer.module), (layer.module, []))[1].append(layer)
+        for module, owned in by_module.values():
+            def pre_hook(module, inputs, owned=owned):
+                for layer in owned:
+                    wrapped._step_layer(layer)
+
+            module.register_forward_pre_hook(pre_hook)
     model._poseidon_layers = layers  # keep the views alive with the model
     return wrapped
 
