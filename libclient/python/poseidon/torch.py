@@ -108,12 +108,14 @@ class DistributedOptimizer:
         layer.param.grad = (layer.grad / self._world).view_as(layer.param).clone()
 
     def synchronize(self):
-        """Waits for every layer of this iteration and installs the averaged gradients (and, with
-        overlap_forward, applies every step still pending)."""
+        """Applies every step still waiting for a forward pass (overlap_forward); without
+        overlap_forward, step() has already waited and this does nothing."""
         if self._overlap:
             for layer in self._layers:
                 self._step_layer(layer)
-            return
+
+    def _wait_all(self):
+        """Waits for every layer of this iteration and installs the averaged gradients."""
         self._check_posted()
         for layer in self._layers:  # forward order: the next forward needs layer 0 first
             self._install(layer, self.iteration)
@@ -132,7 +134,7 @@ class DistributedOptimizer:
 
     def step(self, closure=None):
         if not self._overlap:
-            self.synchronize()
+            self._wait_all()
             return self._optimizer.step(closure)
         if closure is not None:
             raise PoseidonError(1, "closures are not supported with overlap_forward")
