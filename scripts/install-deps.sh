@@ -12,7 +12,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libibverbs-dev libopenblas-dev
   python3 python3-torch python3-sklearn python3-tqdm python3-matplotlib
-  iproute2
+  iproute2 procps openssl
   prometheus systemd python3-yaml
 )
 
