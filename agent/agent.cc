@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <queue>
 #include <thread>
 
@@ -154,6 +155,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::mutex layers_mu_;
   std::vector<LayerState> layers_;
   bool registered_ = false;
+  ShmEndpoint::ServerRule server_rule_;  // rule 0: sum (the framework's optimizer steps)
 
   std::mutex inbox_mu_;
   std::condition_variable inbox_cv_;
@@ -360,6 +362,9 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
 
 absl::Status Agent::Register() {
   ASSIGN_OR_RETURN(std::vector<LayerDesc> descs, shm_->ReadLayers());
+  ASSIGN_OR_RETURN(server_rule_, shm_->ReadServerRule());
+  // A server-side rule keeps parameters on the servers: every layer goes by PS.
+  if (server_rule_.rule != 0) config_.scheme = "ps";
   v1::ModelSpec model;
   model.set_name(absl::StrCat("job-", config_.job_id));
   for (const auto& d : descs) {
@@ -494,7 +499,10 @@ absl::Status Agent::Register() {
 absl::Status Agent::ConnectServers(const v1::Plan& plan) {
   // Each server gets the tables of the chunks it owns; every rank sends the same registration.
   std::vector<v1::RegisterTablesRequest> requests(config_.servers.size());
-  for (auto& r : requests) r.set_num_workers(config_.world_size);
+  for (auto& r : requests) {
+    r.set_num_workers(config_.world_size);
+    r.set_average_gradients(server_rule_.rule != 0);
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerState& st = layers_[i];
     if (st.layout.scheme != PSD_SCHEME_PS) continue;
@@ -506,7 +514,21 @@ absl::Status Agent::ConnectServers(const v1::Plan& plan) {
         t = requests[c.server].add_tables();
         t->set_name(st.desc.name);
         t->set_element_type(v1::ELEMENT_TYPE_F32);
-        t->mutable_update_rule()->set_rule(v1::UPDATE_RULE_SUM);
+        auto* u = t->mutable_update_rule();
+        if (server_rule_.rule == 0) {
+          u->set_rule(v1::UPDATE_RULE_SUM);
+        } else {
+          u->set_rule(static_cast<v1::UpdateRule>(server_rule_.rule));
+          u->set_learning_rate(server_rule_.lr);
+          u->set_momentum(server_rule_.momentum);
+          u->set_dampening(server_rule_.dampening);
+          u->set_nesterov(server_rule_.nesterov);
+          u->set_beta1(server_rule_.beta1);
+          u->set_beta2(server_rule_.beta2);
+          u->set_epsilon(server_rule_.eps);
+          u->set_weight_decay(server_rule_.weight_decay);
+          t->set_initial_value(v1::INITIAL_VALUE_PUSHED_BY_RANK0);
+        }
       }
       auto* key = t->add_keys();
       key->set_key(c.key);
@@ -722,8 +744,14 @@ void Agent::SyncChunk(const Task& task) {
   // The pull's answer overwrites the gradient in place: the server answers only once every
   // rank's push of this clock, ours included, has been received.
   const absl::Time start = absl::Now();
-  const server::Ticket push = kv.Push(c.key, task.iteration, values);
-  const server::Ticket pull = kv.Pull(c.key, task.iteration, values, config_.sync_timeout);
+  // With a server-side rule, iteration 1 carries rank 0's initial parameters (clock 0) and
+  // iteration t the gradient of clock t - 1; the answer is the updated parameters.
+  const bool server_rule = server_rule_.rule != 0;
+  const uint64_t clock = server_rule ? task.iteration - 1 : task.iteration;
+  const bool init = server_rule && clock == 0;
+  std::optional<server::Ticket> push;
+  if (!init || config_.rank == 0) push = kv.Push(c.key, clock, values, init);
+  const server::Ticket pull = kv.Pull(c.key, clock, values, config_.sync_timeout);
   kv.OnDone(pull, [self = shared_from_this(), task, start, server = c.server,
                    bytes = c.length](absl::Status s) {
     if (s.ok() && self->pull_bytes_[server]) self->pull_bytes_[server]->Increment(bytes);
@@ -733,7 +761,7 @@ void Agent::SyncChunk(const Task& task) {
     }
     self->TaskFinished(task, s);
   });
-  const absl::Status pushed = kv.Wait(push, config_.sync_timeout);
+  const absl::Status pushed = push ? kv.Wait(*push, config_.sync_timeout) : absl::OkStatus();
   if (pushed.ok() && push_bytes_[c.server]) push_bytes_[c.server]->Increment(c.length);
   if (!pushed.ok()) {
     // The pull fails too (the server never gets our push); say why now.

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <type_traits>
@@ -162,6 +163,27 @@ absl::StatusOr<std::optional<Event>> ShmEndpoint::NextEvent(absl::Duration timeo
     return absl::InvalidArgumentError(absl::StrCat("unknown event type ", e.type));
   }
   return std::optional<Event>(Event{e.type, e.layer, e.iteration});
+}
+
+absl::StatusOr<ShmEndpoint::ServerRule> ShmEndpoint::ReadServerRule() const {
+  const psd_shm_header* h = header();
+  ServerRule r;
+  r.rule = Load(&h->server_rule);
+  if (r.rule != 0 && r.rule != 2 && r.rule != 3 && r.rule != 4) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown server rule ", r.rule));
+  }
+  r.nesterov = h->server_nesterov != 0;
+  r.lr = h->server_lr;
+  r.momentum = h->server_momentum;
+  r.dampening = h->server_dampening;
+  r.beta1 = h->server_beta1;
+  r.beta2 = h->server_beta2;
+  r.eps = h->server_eps;
+  r.weight_decay = h->server_weight_decay;
+  for (double x : {r.lr, r.momentum, r.dampening, r.beta1, r.beta2, r.eps, r.weight_decay}) {
+    if (!std::isfinite(x)) return absl::InvalidArgumentError("server rule values must be finite");
+  }
+  return r;
 }
 
 absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {

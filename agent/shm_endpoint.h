@@ -60,6 +60,14 @@ class ShmEndpoint {
   bool attached() const;
   absl::Status CheckFramework() const;
 
+  // The server-side update rule the framework asked for (rule 0: sum), validated.
+  struct ServerRule {
+    uint32_t rule = 0;
+    bool nesterov = false;
+    double lr = 0, momentum = 0, dampening = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  };
+  absl::StatusOr<ServerRule> ReadServerRule() const;
+
   // Registration: the layer table as the framework wrote it (validated).
   absl::StatusOr<std::vector<LayerDesc>> ReadLayers() const;
   // Creates the data segment and publishes each layer's layout, then answers the framework.

@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #define PSD_SHM_MAGIC 0x314D485344535050ull /* "PPSDSHM1" */
-#define PSD_SHM_ABI_VERSION 1u
+#define PSD_SHM_ABI_VERSION 2u
 #define PSD_SHM_MAX_LAYERS 4096u
 #define PSD_SHM_NAME_BYTES 64u
 #define PSD_SHM_MAX_DIMS 4u
@@ -132,6 +132,14 @@ typedef struct psd_shm_header {
   uint64_t to_agent_offset;
   uint64_t to_framework_offset;
   uint64_t layers_offset;
+  /* Server-side update rule (written by the framework before registration; 0: sum, the
+   * framework's own optimizer steps). poseidon.v1 UpdateRule numbers: 2 sgd, 3 momentum, 4 adam.
+   * With a server rule every layer goes by PS, iteration 1 carries rank 0's initial parameters
+   * and the synchronised result of every later iteration is the updated parameters. */
+  uint32_t server_rule;
+  uint32_t server_nesterov;
+  double server_lr, server_momentum, server_dampening, server_beta1, server_beta2, server_eps,
+      server_weight_decay;
 } psd_shm_header;
 
 /* The control segment: header, then (aligned) the two rings and the layer table. */

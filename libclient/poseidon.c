@@ -237,6 +237,30 @@ PSD_EXPORT psd_status psd_attach(const psd_config* config, psd_context** out) {
   return PSD_OK;
 }
 
+PSD_EXPORT psd_status psd_set_server_rule(psd_context* ctx, const psd_server_rule* rule) {
+  psd_error[0] = '\0';
+  if (ctx == NULL || rule == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx and rule must be set");
+  if (rule->struct_size < sizeof(psd_server_rule)) {
+    return fail(PSD_VERSION_MISMATCH, "psd_server_rule of size %u, expected %zu",
+                rule->struct_size, sizeof(psd_server_rule));
+  }
+  if (rule->rule != PSD_RULE_SGD && rule->rule != PSD_RULE_MOMENTUM && rule->rule != PSD_RULE_ADAM) {
+    return fail(PSD_INVALID_ARGUMENT, "unknown server rule %u", rule->rule);
+  }
+  if (ctx->num_layers != 0) return fail(PSD_FAILED_PRECONDITION, "layers are already registered");
+  psd_shm_header* h = ctx->header;
+  h->server_lr = rule->lr;
+  h->server_momentum = rule->momentum;
+  h->server_dampening = rule->dampening;
+  h->server_beta1 = rule->beta1;
+  h->server_beta2 = rule->beta2;
+  h->server_eps = rule->eps;
+  h->server_weight_decay = rule->weight_decay;
+  h->server_nesterov = rule->nesterov;
+  __atomic_store_n(&h->server_rule, rule->rule, __ATOMIC_RELEASE);
+  return PSD_OK;
+}
+
 PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc* layers,
                                           uint32_t count, uint32_t timeout_ms) {
   psd_error[0] = '\0';

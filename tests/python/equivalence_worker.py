@@ -20,14 +20,19 @@ def model_and_data(seed=0):
     return model, x, y
 
 
-def main(out, overlap=False):
+def main(out, overlap=False, server=False):
     poseidon.init()
     rank, world = poseidon.rank(), poseidon.size()
     assert world == 4
     model, x, y = model_and_data(seed=rank)  # different seeds: the broadcast must fix it
-    opt = poseidon.torch.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-                                    if overlap else torch.optim.SGD(model.parameters(), lr=0.1),
-                                    batch_size=K, overlap_forward=overlap)
+    if server:  # the KV servers run Adam; no local optimizer
+        opt = poseidon.torch.distribute(model, None, batch_size=K,
+                                        server_optimizer=dict(rule="adam", lr=0.01))
+    else:
+        opt = poseidon.torch.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if overlap else torch.optim.SGD(model.parameters(), lr=0.1),
+            batch_size=K, overlap_forward=overlap)
     for step in range(STEPS):
         mine = slice(rank * K, (rank + 1) * K)
         loss = torch.nn.functional.cross_entropy(model(x[step, mine]), y[step, mine])
@@ -42,4 +47,5 @@ def main(out, overlap=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], overlap=len(sys.argv) > 2 and sys.argv[2] == "overlap")
+    mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    main(sys.argv[1], overlap=mode == "overlap", server=mode == "server-adam")

@@ -90,6 +90,26 @@ class Equivalence(unittest.TestCase):
             rel = ((g - w).norm() / w.norm()).item()
             self.assertLessEqual(rel, 1e-5, f"overlap_forward: {rel:.2e}")
 
+    def test_server_side_adam_equals_torch_adam_on_the_larger_batch(self):
+        model, x, y = equivalence_worker.model_and_data(seed=0)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for step in range(equivalence_worker.STEPS):
+            loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        want = [p.detach() for p in model.parameters()]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        "server-adam"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("schemes: PS,PS,PS,PS", r.stdout)
+            got = torch.load(out)
+        for g, w in zip(got, want):
+            rel = ((g - w).norm() / w.norm()).item()
+            self.assertLessEqual(rel, 1e-5, f"server-side Adam: {rel:.2e}")
+
     def test_poseidon_equals_torch_ddp_over_gloo(self):
         import socket
         with tempfile.TemporaryDirectory() as tmp:

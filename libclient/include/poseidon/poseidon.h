@@ -80,6 +80,18 @@ typedef struct psd_layer_info {
   float* v;    /* SFB: K x N, the per-sample inputs; else NULL */
 } psd_layer_info;
 
+/* A server-side update rule: the KV servers apply the optimizer and the synchronised result of
+ * each iteration is the updated parameters (not the summed gradient). */
+typedef struct psd_server_rule {
+  uint32_t struct_size; /* sizeof(psd_server_rule) */
+  uint32_t rule;        /* PSD_RULE_SGD, PSD_RULE_MOMENTUM, PSD_RULE_ADAM */
+  double lr, momentum, dampening, beta1, beta2, eps, weight_decay;
+  uint32_t nesterov;
+} psd_server_rule;
+#define PSD_RULE_SGD 2u
+#define PSD_RULE_MOMENTUM 3u
+#define PSD_RULE_ADAM 4u
+
 /* Fills the defaults: struct_size, abi_version, attach 30 s, agent timeout 5 s. */
 void psd_config_init(psd_config* config);
 
@@ -91,6 +103,12 @@ psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc* layers, u
                                uint32_t timeout_ms);
 
 psd_status psd_get_layer_info(psd_context* ctx, uint32_t layer, psd_layer_info* out);
+
+/* Before psd_register_layers: use a server-side update rule instead of the sum. Every layer then
+ * goes by PS; iteration 1 carries rank 0's initial parameters (other ranks' buffers are ignored)
+ * and every psd_wait_layer(l, t) leaves the layer's updated parameters in its buffer; iteration
+ * t >= 2 posts the gradient (averaged over the workers by the servers). */
+psd_status psd_set_server_rule(psd_context* ctx, const psd_server_rule* rule);
 
 /* Posts "layer's input for iteration is written". Iterations start at 1 and increase by one per
  * layer. Does not block. */

@@ -38,6 +38,14 @@ class LayerDesc(ctypes.Structure):
                 ("batch_k", ctypes.c_uint32)]
 
 
+class ServerRule(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("rule", ctypes.c_uint32),
+                ("lr", ctypes.c_double), ("momentum", ctypes.c_double),
+                ("dampening", ctypes.c_double), ("beta1", ctypes.c_double),
+                ("beta2", ctypes.c_double), ("eps", ctypes.c_double),
+                ("weight_decay", ctypes.c_double), ("nesterov", ctypes.c_uint32)]
+
+
 class LayerInfo(ctypes.Structure):
     _fields_ = [("scheme", ctypes.c_uint32), ("priority", ctypes.c_uint32),
                 ("elements", ctypes.c_uint64), ("grad", ctypes.POINTER(ctypes.c_float)),
@@ -83,6 +91,8 @@ def lib():
         _lib.psd_get_layer_info.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                             ctypes.POINTER(LayerInfo)]
         _lib.psd_get_layer_info.restype = s
+        _lib.psd_set_server_rule.argtypes = [ctypes.c_void_p, ctypes.POINTER(ServerRule)]
+        _lib.psd_set_server_rule.restype = s
         _lib.psd_layer_ready.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
         _lib.psd_layer_ready.restype = s
         _lib.psd_wait_layer.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import poseidon
-from ._capi import (LayerDesc, LayerInfo, PoseidonError, PSD_FLOAT32, PSD_LAYER_BIAS,
+from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
                     PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_OTHER, PSD_SYNC_SFB, check, lib)
 
 BROADCAST_LAYER = "__poseidon_broadcast__"
@@ -69,8 +69,10 @@ def _describe(model):
 class DistributedOptimizer:
     """Wraps a torch.optim optimizer; see distribute()."""
 
-    def __init__(self, optimizer, layers, ctx, world, timeout_ms, overlap_forward=False):
+    def __init__(self, optimizer, layers, ctx, world, timeout_ms, overlap_forward=False,
+                 server=False):
         self._optimizer = optimizer
+        self._server = server  # the servers apply the update: results are parameters
         self._layers = layers
         self._ctx = ctx
         self._world = world
@@ -93,6 +95,10 @@ class DistributedOptimizer:
         return getattr(self._optimizer, name)
 
     def zero_grad(self, set_to_none=True):
+        if self._optimizer is None:
+            for layer in self._layers:
+                layer.param.grad = None
+            return
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def _check_posted(self):
@@ -105,6 +111,10 @@ class DistributedOptimizer:
     def _install(self, layer, iteration):
         check(lib().psd_wait_layer(self._ctx, layer.index, iteration, self._timeout_ms),
               f"waiting for {layer.name}")
+        if self._server:
+            with torch.no_grad():
+                layer.param.copy_(layer.grad.view_as(layer.param))
+            return
         layer.param.grad = (layer.grad / self._world).view_as(layer.param).clone()
 
     def synchronize(self):
@@ -133,6 +143,9 @@ class DistributedOptimizer:
         opt.step()
 
     def step(self, closure=None):
+        if self._server:
+            self._wait_all()  # the servers stepped: the parameters are installed
+            return None
         if not self._overlap:
             self._wait_all()
             return self._optimizer.step(closure)
@@ -151,17 +164,41 @@ class DistributedOptimizer:
         self._optimizer.load_state_dict(state)
 
 
-def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=False):
+SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
+
+
+def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=False,
+               server_optimizer=None):
     """Registers `model` with the agent and returns the optimizer to train with (see module doc).
 
     batch_size is the per-worker batch: SFB layers need every batch to have exactly this many
     rows (use drop_last=True in the DataLoader). With overlap_forward, step() returns at once and
     each module's parameters are updated by a forward pre-hook when the next forward pass reaches
     it, so synchronisation also overlaps the next forward (call optimizer.synchronize() before
-    reading the parameters outside a forward pass, e.g. to save them)."""
+    reading the parameters outside a forward pass, e.g. to save them).
+
+    server_optimizer, e.g. dict(rule="adam", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=0) or dict(rule="momentum", lr=0.1, momentum=0.9, nesterov=False): the KV
+    servers apply the update (torch.optim's definitions, gradients averaged over the workers),
+    every layer goes by PS, and step() installs the updated parameters; `optimizer` may be None."""
     ctx = poseidon._context()
     world = poseidon.size()
     layers = _describe(model)
+    if server_optimizer is not None:
+        if overlap_forward:
+            raise PoseidonError(1, "overlap_forward is for local optimizers")
+        cfg = dict(server_optimizer)
+        name = cfg.pop("rule", None)
+        if name not in SERVER_RULES:
+            raise PoseidonError(1, f"server rule must be one of {sorted(SERVER_RULES)}, not {name!r}")
+        betas = cfg.pop("betas", (0.9, 0.999))
+        rule = ServerRule(ctypes.sizeof(ServerRule), SERVER_RULES[name], float(cfg.pop("lr")),
+                          float(cfg.pop("momentum", 0.0)), float(cfg.pop("dampening", 0.0)),
+                          float(betas[0]), float(betas[1]), float(cfg.pop("eps", 1e-8)),
+                          float(cfg.pop("weight_decay", 0.0)), int(bool(cfg.pop("nesterov", False))))
+        if cfg:
+            raise PoseidonError(1, f"unknown server_optimizer settings: {sorted(cfg)}")
+        check(lib().psd_set_server_rule(ctx, ctypes.byref(rule)), "server rule")
     total = sum(l.param.numel() for l in layers)
     # The last layer is the broadcast buffer: every parameter, sent by rank 0 once.
     names = [l.name.encode() for l in layers] + [BROADCAST_LAYER.encode()]
@@ -184,8 +221,9 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=
             m, n = layer.param.shape
             layer.u = _view(info.u, batch_size * m).view(batch_size, m)
             layer.v = _view(info.v, batch_size * n).view(batch_size, n)
-    _broadcast(ctx, layers, len(layers), total, timeout_ms)
-    wrapped = DistributedOptimizer(optimizer, layers, ctx, world, timeout_ms, overlap_forward)
+    _broadcast(ctx, layers, len(layers), total, timeout_ms, server=server_optimizer is not None)
+    wrapped = DistributedOptimizer(optimizer, layers, ctx, world, timeout_ms, overlap_forward,
+                                   server=server_optimizer is not None)
     _install_hooks(layers, wrapped, ctx, batch_size)
     if overlap_forward:
         by_module = {}
@@ -207,7 +245,7 @@ def plan_summary(optimizer):
             for l in optimizer._layers]
 
 
-def _broadcast(ctx, layers, index, total, timeout_ms):
+def _broadcast(ctx, layers, index, total, timeout_ms, server=False):
     info = LayerInfo()
     check(lib().psd_get_layer_info(ctx, index, ctypes.byref(info)), "broadcast buffer")
     buffer = _view(info.grad, total)
@@ -217,19 +255,23 @@ def _broadcast(ctx, layers, index, total, timeout_ms):
         buffer.zero_()
     check(lib().psd_layer_ready(ctx, index, 1), "broadcast")
     check(lib().psd_wait_layer(ctx, index, 1, timeout_ms), "broadcast")
-    # Every other layer takes iteration 1 as well, so that training starts at 2 everywhere.
-    for layer in layers:
-        layer.grad.zero_()
-        if layer.u is not None:
-            layer.u.zero_()
-            layer.v.zero_()
-        check(lib().psd_layer_ready(ctx, layer.index, 1), "initial sync")
     offset = 0
     with torch.no_grad():
         for layer in layers:
             n = layer.param.numel()
             layer.param.copy_(buffer[offset:offset + n].view_as(layer.param))
             offset += n
+    # Every other layer takes iteration 1 as well, so that training starts at 2 everywhere.
+    # With a server-side rule iteration 1 is each table's initial value (rank 0's, as above).
+    for layer in layers:
+        if server:
+            layer.grad.copy_(layer.param.detach().reshape(-1))
+        else:
+            layer.grad.zero_()
+        if layer.u is not None:
+            layer.u.zero_()
+            layer.v.zero_()
+        check(lib().psd_layer_ready(ctx, layer.index, 1), "initial sync")
     for layer in layers:
         check(lib().psd_wait_layer(ctx, layer.index, 1, timeout_ms), "initial sync")
 
