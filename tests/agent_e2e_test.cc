@@ -100,6 +100,17 @@ class Cluster {
     return std::make_unique<Subprocess>(argv, /*merge_stderr=*/true);
   }
 
+  // Agents end first (a SIGKILLed one cannot unlink its segments: do it for it), then servers.
+  ~Cluster() {
+    agents_.clear();
+    for (const auto& segment : segments_) {
+      shm_unlink(segment.c_str());
+      shm_unlink((segment + ".data").c_str());
+    }
+  }
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+
   bool ok() const { return !addresses_.empty() || servers_.empty(); }
   Subprocess& agent(int r) { return *agents_[r]; }
   Subprocess& server(int s) { return *servers_[s]; }

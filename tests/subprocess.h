@@ -41,9 +41,13 @@ class Subprocess {
   }
   ~Subprocess() {
     if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      int status;
-      waitpid(pid_, &status, 0);
+      // Ask first, so a daemon can clean up (segments, files); insist after 3 s.
+      kill(pid_, SIGTERM);
+      if (!Wait(std::chrono::milliseconds(3000))) {
+        kill(pid_, SIGKILL);
+        int status;
+        waitpid(pid_, &status, 0);
+      }
     }
     if (out_ >= 0) close(out_);
   }

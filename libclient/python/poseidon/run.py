@@ -37,6 +37,13 @@ def find_binary(name, subdir):
              "POSEIDON_BUILD_DIR / POSEIDON_BIN_DIR)")
 
 
+def _die_with_parent():
+    """In the child before exec: SIGTERM it when the launcher dies, even by SIGKILL, so that no
+    daemon outlives the job (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,7 +54,8 @@ class Proc:
     def __init__(self, name, argv, env=None, watch=None):
         self.name = name
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self.watch = watch
         self.seen = threading.Event()
         self.tail = []
@@ -128,6 +136,8 @@ def main(argv=None):
     procs = []
     failed = None
 
+    segments = []
+
     def stop_all():
         for p in procs:
             p.stop()
@@ -137,6 +147,14 @@ def main(argv=None):
                 p.proc.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 p.stop(signal.SIGKILL)
+                p.proc.wait()
+        # An agent that was killed could not unlink its shared memory: do it for it.
+        for segment in segments:
+            for name in (segment, segment + ".data"):
+                try:
+                    os.unlink("/dev/shm" + name)
+                except FileNotFoundError:
+                    pass
 
     signal.signal(signal.SIGINT, lambda *_: (stop_all(), sys.exit(130)))
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
@@ -172,6 +190,7 @@ def main(argv=None):
         for local in range(args.workers):
             r = first_rank + local
             segment = f"/poseidon-{job}-{r}"
+            segments.append(segment)
             p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--secret={secret}", f"--rank={r}",
                                     f"--world_size={world}", f"--coordinator={coordinator}",
                                     f"--coordinator_token={secret}",
