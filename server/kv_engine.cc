@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "server/update_rules.h"
 #include "transport/error_frame.h"
 
@@ -211,7 +212,11 @@ struct KvEngine::Worker {
 
 namespace {
 
-absl::Status ValidateSpec(const v1::RegisterTablesRequest& spec) {
+// Validates a registration and returns the memory its tables need: per element, the aggregation
+// buffer plus the result (sum) or the parameters and the optimizer's state.
+absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
+                                      const EngineOptions& options) {
+  uint64_t bytes = 0;
   if (spec.num_workers() == 0 || spec.num_workers() > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_workers must be in [1, 65536], got ", spec.num_workers()));
@@ -236,10 +241,20 @@ absl::Status ValidateSpec(const v1::RegisterTablesRequest& spec) {
     if (t.keys_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " has no keys"));
     }
+    const v1::UpdateRule rule = t.update_rule().rule();
+    const uint64_t copies = rule == v1::UPDATE_RULE_ADAM       ? 4
+                            : rule == v1::UPDATE_RULE_MOMENTUM ? 3
+                                                               : 2;
     for (const auto& k : t.keys()) {
-      if (k.elements() == 0 || k.elements() > (uint64_t{1} << 32)) {
-        return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " key ", k.key(),
-                                                       ": bad element count ", k.elements()));
+      if (k.elements() == 0 || k.elements() > options.max_key_bytes / sizeof(float)) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("table ", t.name(), " key ", k.key(), ": ", k.elements(),
+                         " elements (a key may hold at most ", options.max_key_bytes, " bytes)"));
+      }
+      bytes += k.elements() * sizeof(float) * copies;
+      if (bytes > options.max_memory_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat("the tables need more than this server's ",
+                                                         options.max_memory_bytes, " bytes"));
       }
       auto [it, inserted] = seen.emplace(k.key(), t.name());
       if (!inserted) {
@@ -248,7 +263,7 @@ absl::Status ValidateSpec(const v1::RegisterTablesRequest& spec) {
       }
     }
   }
-  return absl::OkStatus();
+  return bytes;
 }
 
 }  // namespace
@@ -280,12 +295,12 @@ void KvEngine::RunOnAllWorkers(const std::function<void(Worker&)>& fn) {
 }
 
 absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequest& spec) {
-  if (auto s = ValidateSpec(spec); !s.ok()) return s;
+  ASSIGN_OR_RETURN(const uint64_t bytes, ValidateSpec(spec, options_));
   std::lock_guard<std::mutex> lock(jobs_mu_);
   if (auto it = jobs_.find(job_id); it != jobs_.end()) {
-    if (it->second.spec.SerializeAsString() == spec.SerializeAsString()) return absl::OkStatus();
+    if (it->second->spec.SerializeAsString() == spec.SerializeAsString()) return absl::OkStatus();
     // Name the first difference.
-    const auto& old = it->second.spec;
+    const auto& old = it->second->spec;
     if (old.num_workers() != spec.num_workers()) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is registered with ",
                                                         old.num_workers(), " workers, not ",
@@ -300,12 +315,18 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is registered with a different table set"));
   }
+  if (registered_bytes_ + bytes > options_.max_memory_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("job ", job_id, " needs ", bytes, " bytes of tables; this server has ",
+                     options_.max_memory_bytes - registered_bytes_, " of its ",
+                     options_.max_memory_bytes, " left"));
+  }
+  registered_bytes_ += bytes;
   auto job = std::make_shared<JobState>();
   job->job_id = job_id;
   job->spec = spec;
   for (const auto& t : spec.tables()) job->total_keys += t.keys_size();
-  jobs_[job_id].spec = spec;
-  jobs_[job_id].state = job;
+  jobs_[job_id] = job;
   // Create each key on its worker.
   std::latch created(static_cast<std::ptrdiff_t>(job->total_keys));
   for (const auto& t : spec.tables()) {
@@ -552,7 +573,7 @@ absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration t
     std::lock_guard<std::mutex> lock(jobs_mu_);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
-    job = it->second.state;
+    job = it->second;
   }
   // Quiet job (no clock half-aggregated, every key at the same clock): copy it now.
   std::mutex mu;
@@ -605,7 +626,7 @@ absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration t
 }
 
 absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
-  if (auto s = ValidateSpec(snapshot.spec); !s.ok()) return s;
+  if (auto s = ValidateSpec(snapshot.spec, options_); !s.ok()) return s.status();
   {
     std::lock_guard<std::mutex> lock(jobs_mu_);
     if (jobs_.contains(snapshot.job_id)) {

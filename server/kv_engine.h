@@ -52,6 +52,10 @@ struct EngineOptions {
   // snapshot handed to on_periodic_snapshot (on an engine worker thread: hand it off quickly).
   uint64_t snapshot_every = 0;
   std::function<void(JobSnapshot)> on_periodic_snapshot;
+  // A registration is refused (ResourceExhausted) when one key is larger than a frame may carry
+  // (it could never be pushed), or when all jobs' tables would need more memory than this.
+  uint64_t max_key_bytes = uint64_t{256} << 20;
+  uint64_t max_memory_bytes = uint64_t{16} << 30;
 };
 
 // Counters the daemon exports (read with relaxed loads).
@@ -111,10 +115,6 @@ class KvEngine {
  private:
   struct Key;
   struct Worker;
-  struct Job {
-    v1::RegisterTablesRequest spec;
-    std::shared_ptr<JobState> state;
-  };
   void Complete(Worker& w, Key& k);
   void AnswerPulls(Worker& w, Key& k);
   void RespondPull(const RequestContext& ctx, Key& k);
@@ -127,8 +127,9 @@ class KvEngine {
   EngineOptions options_;
   EngineStats stats_;
   std::vector<std::unique_ptr<Worker>> workers_;
-  mutable std::mutex jobs_mu_;  // registration only, never on the data path
-  std::map<uint64_t, Job> jobs_;
+  mutable std::mutex jobs_mu_;                          // registration only, never on the data path
+  std::map<uint64_t, std::shared_ptr<JobState>> jobs_;  // JobState holds the registered spec
+  uint64_t registered_bytes_ = 0;                       // guarded by jobs_mu_
 };
 
 }  // namespace poseidon::server

@@ -228,6 +228,30 @@ TEST_F(KvServerTest, APullThatCannotCompleteNamesTheRanksThatHaveNotPushed) {
   EXPECT_NE(s.message().find("ranks [1, 2] have not pushed"), std::string::npos) << s;
 }
 
+TEST_F(KvServerTest, ARegistrationBeyondTheMemoryLimitIsRefusedAndOthersAreServed) {
+  TearDown();
+  EngineOptions options;
+  options.max_key_bytes = 1 << 20;
+  options.max_memory_bytes = 8 << 20;
+  Start(options);
+  auto a = Client(0, 1), b = Client(0, 2, "other-job");
+  // One key larger than a frame may carry, then tables larger than the server's memory.
+  auto too_big_key = a->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {(1 << 18) + 1}), kWait);
+  EXPECT_EQ(too_big_key.code(), absl::StatusCode::kResourceExhausted) << too_big_key;
+  auto too_much =
+      a->RegisterTables(Spec(1, v1::UPDATE_RULE_ADAM, {1 << 18, 1 << 18, 1 << 18}), kWait);
+  EXPECT_EQ(too_much.code(), absl::StatusCode::kResourceExhausted) << too_much;
+  // 6 MiB fit; another job's 6 MiB then do not: the limit is the server's, across jobs.
+  ASSERT_TRUE(
+      a->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {1 << 18, 1 << 18, 1 << 18}), kWait).ok());
+  auto second = b->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {1 << 18, 1 << 18, 1 << 18}), kWait);
+  EXPECT_EQ(second.code(), absl::StatusCode::kResourceExhausted) << second;
+  std::vector<float> g(1 << 18, 1.0f), out(1 << 18);
+  ASSERT_TRUE(a->Wait(a->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(a->Wait(a->Pull(100, 1, out), kWait).ok());
+  EXPECT_EQ(out, g);
+}
+
 TEST_F(KvServerTest, JobsAreIsolatedNamespaces) {
   auto a = Client(0, 1), b = Client(0, 2, "other-job");
   ASSERT_TRUE(a->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {4}), kWait).ok());

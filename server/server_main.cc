@@ -36,6 +36,7 @@ struct ServerConfig {
   int64_t workers = 2;
   int64_t io_threads = 1;
   uint64_t max_payload = 256u << 20;
+  uint64_t max_memory = uint64_t{16} << 30;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
   absl::Duration shutdown_timeout = absl::Seconds(30);
@@ -62,6 +63,9 @@ ConfigSchema<ServerConfig> Schema() {
              InRange<int64_t>(1, 64))
       .ByteSizeField("max_payload", &ServerConfig::max_payload, "largest frame payload accepted",
                      InRange<uint64_t>(4096, uint64_t{1} << 34))
+      .ByteSizeField("max_memory", &ServerConfig::max_memory,
+                     "memory all jobs' tables may take; a registration beyond it is refused",
+                     AtLeast<uint64_t>(1 << 20))
       .Field("checkpoint_dir", &ServerConfig::checkpoint_dir,
              "directory for checkpoints; restored from at start")
       .Field("checkpoint_every", &ServerConfig::checkpoint_every,
@@ -158,6 +162,8 @@ int Main(int argc, char** argv) {
 
   EngineOptions engine_options;
   engine_options.workers = static_cast<int>(config.workers);
+  engine_options.max_key_bytes = config.max_payload;  // a larger key could never be pushed
+  engine_options.max_memory_bytes = config.max_memory;
   if (!config.checkpoint_dir.empty() && config.checkpoint_every > 0) {
     engine_options.snapshot_every = static_cast<uint64_t>(config.checkpoint_every);
     engine_options.on_periodic_snapshot = [&](JobSnapshot snap) {
