@@ -38,6 +38,7 @@ using transport::FrameHeader;
 using transport::FrameType;
 
 constexpr uint64_t kAlign = 64;
+constexpr uint64_t kMaxDataBytes = uint64_t{1} << 40;  // shared buffers of one worker
 uint64_t AlignUp(uint64_t x) {
   return (x + kAlign - 1) / kAlign * kAlign;
 }
@@ -108,7 +109,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
 
  private:
   absl::Status Register();
-  absl::Status ConnectServers(const v1::Plan& plan);
+  absl::Status ConnectServers();
   absl::Status ConnectPeers();
   void OnReady(uint32_t layer, uint64_t iteration);
   void Worker();
@@ -155,7 +156,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::mutex layers_mu_;
   std::vector<LayerState> layers_;
   bool registered_ = false;
-  ShmEndpoint::ServerRule server_rule_;  // rule 0: sum (the framework's optimizer steps)
+  std::atomic<uint64_t> layers_count_{0};  // layers_.size() once registered (I/O threads read)
+  ShmEndpoint::ServerRule server_rule_;    // rule 0: sum (the framework's optimizer steps)
 
   std::mutex inbox_mu_;
   std::condition_variable inbox_cv_;
@@ -451,6 +453,13 @@ absl::Status Agent::Register() {
       }
     }
     st.layout = lay;
+    // Sizes come from the training process: refuse a layout that cannot be mapped rather than
+    // let offsets wrap around (a layer adds at most ~2^55 bytes: this check cannot overflow).
+    if (offset > kMaxDataBytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("the layers' buffers need more than ",
+                                                       kMaxDataBytes, " bytes (at layer ", i, ", ",
+                                                       descs[i].name, ")"));
+    }
   }
   if (any_ps && config_.servers.empty()) {
     return absl::FailedPreconditionError("PS layers need KV servers (--servers)");
@@ -460,7 +469,7 @@ absl::Status Agent::Register() {
         absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
                      " entries, got ", config_.peers.size(), ")"));
   }
-  if (any_ps) RETURN_IF_ERROR(ConnectServers(plan));
+  if (any_ps) RETURN_IF_ERROR(ConnectServers());
   if (any_sfb) {
     RETURN_IF_ERROR(ConnectPeers());
     // Our inbox exists now: tell every peer it may send us factors.
@@ -474,6 +483,7 @@ absl::Status Agent::Register() {
     }
   }
   RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, std::max<uint64_t>(offset, kAlign)));
+  layers_count_.store(layers_.size());
   plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const MetricLabels labels = {{"layer", layers_[i].desc.name}};
@@ -496,7 +506,7 @@ absl::Status Agent::Register() {
   return absl::OkStatus();
 }
 
-absl::Status Agent::ConnectServers(const v1::Plan& plan) {
+absl::Status Agent::ConnectServers() {
   // Each server gets the tables of the chunks it owns; every rank sends the same registration.
   std::vector<v1::RegisterTablesRequest> requests(config_.servers.size());
   for (auto& r : requests) {
@@ -535,7 +545,6 @@ absl::Status Agent::ConnectServers(const v1::Plan& plan) {
       key->set_elements(c.length / sizeof(float));
     }
   }
-  (void)plan;
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     absl::StatusOr<std::shared_ptr<server::KvClient>> client;
@@ -1012,6 +1021,10 @@ absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
   if (from >= config_.world_size || from == config_.rank || h.sender_rank != from) {
     return absl::PermissionDeniedError(
         absl::StrCat("factors from rank ", h.sender_rank, " on a connection of rank ", from));
+  }
+  if (h.key >= layers_count_.load()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("factors for layer ", h.key, " of ", layers_count_.load()));
   }
   std::lock_guard<std::mutex> lock(inbox_mu_);
   auto it = inbox_.find(static_cast<uint32_t>(h.key));
