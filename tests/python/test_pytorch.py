@@ -32,28 +32,41 @@ def launch(args, timeout=300):
                           timeout=timeout)
 
 
-class Equivalence(unittest.TestCase):
-    def reference(self):
-        model, x, y = equivalence_worker.model_and_data(seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(equivalence_worker.STEPS):
-            loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return [p.detach() for p in model.parameters()]
+def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1)):
+    """One process on the 4x-larger batch: what every scheme must reproduce."""
+    model, x, y = equivalence_worker.model_and_data(seed=0)
+    opt = make_optimizer(model.parameters())
+    for step in range(equivalence_worker.STEPS):
+        loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
 
-    def check_scheme(self, scheme, expect):
+
+class Equivalence(unittest.TestCase):
+    def run_workers(self, launcher_args=(), worker_args=(), expect_schemes=None):
+        """4 ranks of equivalence_worker.py through the launcher; rank 0's parameters."""
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "4", "--scheme", scheme, "--", PY,
-                        os.path.join(HERE, "equivalence_worker.py"), out])
+            r = launch(["-n", "4", *launcher_args, "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out, *worker_args])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn(f"schemes: {expect}", r.stdout)
-            got = torch.load(out)
-        for g, want in zip(got, self.reference()):
-            rel = ((g - want).abs() / want.abs().clamp(min=1e-3)).max().item()
-            self.assertLessEqual(rel, 1e-5, f"{scheme}: max relative difference {rel:.2e}")
+            if expect_schemes:
+                self.assertIn(f"schemes: {expect_schemes}", r.stdout)
+            return torch.load(out)
+
+    def assert_close(self, got, want, what, per_element=True):
+        for g, w in zip(got, want):
+            if per_element:
+                rel = ((g - w).abs() / w.abs().clamp(min=1e-3)).max().item()
+            else:  # relative to the tensor's norm (see the momentum and Adam tests)
+                rel = ((g - w).norm() / w.norm()).item()
+            self.assertLessEqual(rel, 1e-5, f"{what}: relative difference {rel:.2e}")
+
+    def check_scheme(self, scheme, expect):
+        got = self.run_workers(["--scheme", scheme], expect_schemes=expect)
+        self.assert_close(got, reference(), scheme)
 
     def test_ps(self):
         self.check_scheme("ps", "PS,PS,PS,PS")
@@ -67,48 +80,18 @@ class Equivalence(unittest.TestCase):
         # (by bytes alone the 5x32 weight would go by PS: 1776 against 960 numbers).
         self.check_scheme("auto", "SFB,PS,SFB,PS")
 
-
     def test_overlap_with_the_next_forward_gives_the_same_parameters(self):
-        # overlap_forward: per-layer steps in forward pre-hooks, SGD with momentum.
-        model, x, y = equivalence_worker.model_and_data(seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for step in range(equivalence_worker.STEPS):
-            loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        want = [p.detach() for p in model.parameters()]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "4", "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
-                        "overlap"])
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            got = torch.load(out)
-        # Momentum carries the float rounding of the summation order (which varies with arrival
-        # order at the server) from step to step: compare per tensor, relative to its norm.
-        for g, w in zip(got, want):
-            rel = ((g - w).norm() / w.norm()).item()
-            self.assertLessEqual(rel, 1e-5, f"overlap_forward: {rel:.2e}")
+        # overlap_forward: per-layer steps in forward pre-hooks, SGD with momentum. Momentum
+        # carries the float rounding of the summation order (which varies with arrival order at
+        # the server) from step to step: compare per tensor, relative to its norm.
+        got = self.run_workers(worker_args=["overlap"])
+        want = reference(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        self.assert_close(got, want, "overlap_forward", per_element=False)
 
     def test_server_side_adam_equals_torch_adam_on_the_larger_batch(self):
-        model, x, y = equivalence_worker.model_and_data(seed=0)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        for step in range(equivalence_worker.STEPS):
-            loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        want = [p.detach() for p in model.parameters()]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "4", "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
-                        "server-adam"])
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn("schemes: PS,PS,PS,PS", r.stdout)
-            got = torch.load(out)
-        for g, w in zip(got, want):
-            rel = ((g - w).norm() / w.norm()).item()
-            self.assertLessEqual(rel, 1e-5, f"server-side Adam: {rel:.2e}")
+        got = self.run_workers(worker_args=["server-adam"], expect_schemes="PS,PS,PS,PS")
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01))
+        self.assert_close(got, want, "server-side Adam", per_element=False)
 
     def test_poseidon_equals_torch_ddp_over_gloo(self):
         import socket
@@ -122,12 +105,8 @@ class Equivalence(unittest.TestCase):
                                env=dict(os.environ, PYTHONPATH=HERE + os.pathsep +
                                         os.environ.get("PYTHONPATH", "")))
             self.assertEqual(r.returncode, 0, r.stderr[-2000:])
-            psd_out = os.path.join(tmp, "psd.pt")
-            r = launch(["-n", "4", "--", PY, os.path.join(HERE, "equivalence_worker.py"), psd_out])
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            for g, want in zip(torch.load(psd_out), torch.load(ddp_out)):
-                rel = ((g - want).abs() / want.abs().clamp(min=1e-3)).max().item()
-                self.assertLessEqual(rel, 1e-5, f"Poseidon vs DDP: {rel:.2e}")
+            ddp = torch.load(ddp_out)
+        self.assert_close(self.run_workers(), ddp, "Poseidon vs DDP")
 
 
 class Launcher(unittest.TestCase):
@@ -163,7 +142,7 @@ class Launcher(unittest.TestCase):
                 # Rank 0 (node 0) reports; the worker asserts a world of 4, i.e. both nodes.
                 self.assertIn("[rank 0] schemes:", outputs[0])
                 got = torch.load(out)
-            for g, want in zip(got, Equivalence.reference(None)):
+            for g, want in zip(got, reference()):
                 rel = ((g - want).abs() / want.abs().clamp(min=1e-3)).max().item()
                 self.assertLessEqual(rel, 1e-5, f"two nodes: {rel:.2e}")
         finally:
