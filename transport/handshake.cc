@@ -370,11 +370,19 @@ void StartClientHandshake(std::shared_ptr<Connection> conn, uint64_t job_id, uin
 
 absl::Status AuthenticateClient(const std::shared_ptr<Connection>& conn, uint64_t job_id,
                                 uint32_t rank, std::string secret, absl::Duration timeout) {
-  std::promise<absl::Status> result;
-  auto future = result.get_future();
+  auto result = std::make_shared<std::promise<absl::Status>>();
+  auto future = result->get_future();
   StartClientHandshake(
       conn, job_id, rank, std::move(secret), timeout,
-      [&result](absl::StatusOr<PeerIdentity> peer) { result.set_value(peer.status()); });
+      [result](absl::StatusOr<PeerIdentity> peer) { result->set_value(peer.status()); });
+  // The reads are bounded by `timeout`; the margin covers a send that never completes.
+  if (future.wait_for(absl::ToChronoNanoseconds(timeout + absl::Seconds(1))) !=
+      std::future_status::ready) {
+    conn->Close();
+    return absl::DeadlineExceededError(absl::StrCat("handshake with ", conn->PeerAddress(),
+                                                    " did not finish within ",
+                                                    absl::FormatDuration(timeout)));
+  }
   return future.get();
 }
 

@@ -789,6 +789,10 @@ class TcpContext final : public Context {
             "connect to ", addr, " did not complete within ", absl::FormatDuration(timeout))));
       });
     });
+    // The timer above bounds the connect; the margin covers I/O threads that stopped.
+    if (future.wait_for(ToChrono(timeout + absl::Seconds(5))) != std::future_status::ready) {
+      return absl::DeadlineExceededError(absl::StrCat("connect to ", addr, " timed out"));
+    }
     absl::Status status = future.get();
     if (!status.ok()) return status;
     ConfigureSocket(state->socket, service_->options());
