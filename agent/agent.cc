@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/shm_endpoint.h"
+#include "agent/telemetry_reporter.h"
 #include "agent/timeline.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -131,6 +132,9 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   AgentConfig config_;
   std::unique_ptr<coordinator::CoordinatorClient> coord_;
   std::unique_ptr<coordinator::HeartbeatLoop> heartbeats_;
+  // With a coordinator: per-link bytes and per-layer sync times, reported periodically. Set in
+  // JoinCoordinator, before any data-path thread can use it.
+  std::unique_ptr<TelemetryReporter> telemetry_;
   std::atomic<uint64_t> last_iteration_{0};
   std::unique_ptr<ShmEndpoint> shm_;
   // Observability: metrics (always collected; served when metrics_listen is set), timeline.
@@ -260,6 +264,7 @@ int Agent::Run() {
     queue_cv_.notify_all();
     inbox_cv_.notify_all();
     for (auto& w : workers_) w.join();
+    if (telemetry_) telemetry_->Stop();
     if (heartbeats_) heartbeats_->Stop();
     if (coord_) (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting");
     if (sfb_server_) sfb_server_->Stop();
@@ -357,6 +362,15 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   coordinator::CoordinatorClient::HeartbeatOptions hb;
   hb.iteration = [this] { return last_iteration_.load(); };
   heartbeats_ = coord_->StartHeartbeats(hb);
+  if (config_.telemetry_interval > absl::ZeroDuration()) {
+    std::vector<std::string> servers, peers;
+    for (const auto& server : world.servers) servers.push_back(server.node_id());
+    for (const auto& peer : world.peers) peers.push_back(peer.node_id());
+    telemetry_ = std::make_unique<TelemetryReporter>(
+        coord_.get(), config_.telemetry_interval, std::move(servers), std::move(peers),
+        config_.rank, [this] { return last_iteration_.load(); });
+    telemetry_->Start();
+  }
   PSD_LOG_INFO("rendezvous with {}: rank {} of {}, {} servers", config_.coordinator, world.rank,
                world.world_size, world.servers.size());
   return absl::OkStatus();
@@ -470,6 +484,10 @@ absl::Status Agent::Register() {
                      " entries, got ", config_.peers.size(), ")"));
   }
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
+  // Every layer's state and inbox exists now. Peers send factors as soon as they have our PING
+  // below, so the inbound path (OnHeader checks layer ids against this) must be open first: a
+  // frame refused here would cost that peer's connection and leave this layer waiting forever.
+  layers_count_.store(layers_.size());
   if (any_sfb) {
     RETURN_IF_ERROR(ConnectPeers());
     // Our inbox exists now: tell every peer it may send us factors.
@@ -482,8 +500,12 @@ absl::Status Agent::Register() {
       peers_[p]->Send(ping, {}, [](absl::Status) {});
     }
   }
+  if (telemetry_) {
+    std::vector<std::string> names;
+    for (const auto& d : descs) names.push_back(d.name);
+    telemetry_->SetLayers(std::move(names));
+  }
   RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, std::max<uint64_t>(offset, kAlign)));
-  layers_count_.store(layers_.size());
   plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const MetricLabels labels = {{"layer", layers_[i].desc.name}};
@@ -622,6 +644,7 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration) {
     st.stall_reported = false;
     st.chunk_pending.assign(st.chunks.size(), 1);
     if (timeline_) timeline_->Instant("ready", layer, iteration, st.ready_at);
+    if (telemetry_) telemetry_->LayerReady(layer, iteration, st.ready_at);
     const uint32_t priority = config_.priority ? st.layout.priority : 0;
     if (st.layout.scheme == PSD_SCHEME_SFB) {
       st.remaining = 1;
@@ -722,6 +745,7 @@ void Agent::TaskFinished(const Task& task, const absl::Status& status) {
     const absl::Time now = absl::Now();
     const LayerState& st = layers_[task.layer];
     if (st.sync_seconds) st.sync_seconds->Observe(absl::ToDoubleSeconds(now - ready_at));
+    if (telemetry_) telemetry_->LayerSynced(task.layer, task.iteration, now - ready_at);
     if (timeline_) timeline_->Span("sync", task.layer, st.desc.name, task.iteration, ready_at, now);
     std::lock_guard<std::mutex> lock(iteration_mu_);
     if (++layers_done_[task.iteration] == layers_.size()) {
@@ -764,6 +788,7 @@ void Agent::SyncChunk(const Task& task) {
   kv.OnDone(pull, [self = shared_from_this(), task, start, server = c.server,
                    bytes = c.length](absl::Status s) {
     if (s.ok() && self->pull_bytes_[server]) self->pull_bytes_[server]->Increment(bytes);
+    if (s.ok() && self->telemetry_) self->telemetry_->AddServerBytes(server, 0, bytes);
     if (self->timeline_) {
       self->timeline_->Span("push+pull", task.layer, self->layers_[task.layer].desc.name,
                             task.iteration, start, absl::Now());
@@ -772,6 +797,7 @@ void Agent::SyncChunk(const Task& task) {
   });
   const absl::Status pushed = push ? kv.Wait(*push, config_.sync_timeout) : absl::OkStatus();
   if (pushed.ok() && push_bytes_[c.server]) push_bytes_[c.server]->Increment(c.length);
+  if (pushed.ok() && push && telemetry_) telemetry_->AddServerBytes(c.server, c.length, 0);
   if (!pushed.ok()) {
     // The pull fails too (the server never gets our push); say why now.
     PSD_LOG_ERROR("layer {} ({}) clock {}: {}", task.layer, st.desc.name, task.iteration,
@@ -829,6 +855,7 @@ void Agent::SendFactors(const Task& task) {
     h.key = task.layer;
     h.clock = task.iteration;
     h.payload_length = (ku + kv) * sizeof(float);
+    if (telemetry_) telemetry_->AddPeerBytes(p, h.payload_length, 0);
     peers_[p]->Send(
         h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
         [self = shared_from_this(), layer = task.layer, it = task.iteration, p](absl::Status s) {
@@ -1065,6 +1092,7 @@ void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const F
     std::lock_guard<std::mutex> lock(inbox_mu_);
     inbox_.at(static_cast<uint32_t>(h.key)).tag[h.clock % 2][peer->identity().rank] = h.clock;
     sfb_received_bytes_->Increment(static_cast<double>(h.payload_length));
+    if (telemetry_) telemetry_->AddPeerBytes(peer->identity().rank, 0, h.payload_length);
     MaybeRebuildLocked(static_cast<uint32_t>(h.key), h.clock);
   }
   inbox_cv_.notify_all();

@@ -132,9 +132,19 @@ TEST_P(EndToEnd, FourWorkersTwoServersTwentyIterationsVerified) {
   ASSERT_TRUE(cluster.ok());
   std::vector<std::unique_ptr<Subprocess>> synths;
   for (int r = 0; r < 4; ++r) synths.push_back(cluster.Synth(r, kTiny, 20));
+  // On a failure, what every agent said (its stall reports name what a layer waits for).
+  auto agents_said = [&] {
+    std::string all;
+    for (int r = 0; r < 4; ++r) {
+      cluster.agent(r).Signal(SIGTERM);
+      all += "--- agent " + std::to_string(r) + ":\n" + cluster.early_output(r) +
+             cluster.agent(r).ReadAll(milliseconds(10000));
+    }
+    return all;
+  };
   for (int r = 0; r < 4; ++r) {
     const std::string out = synths[r]->ReadAll(milliseconds(120000));
-    ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
+    ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out << agents_said();
     EXPECT_NE(out.find("verified 160 results, 0 mismatches"), std::string::npos) << out;
     // auto: with P1 = 4, P2 = 2 and K = 8, fc1 and fc2 are cheaper by SFB, fc3 (10 x 128) by PS.
     const int sfb_layers = GetParam() == "ps" ? 0 : GetParam() == "sfb" ? 3 : 2;
