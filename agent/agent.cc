@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "agent/device_stager.h"
 #include "agent/shm_endpoint.h"
 #include "agent/telemetry_reporter.h"
 #include "agent/timeline.h"
@@ -65,6 +66,7 @@ struct LayerState {
   absl::Time ready_at;                 // when in_progress was posted
   std::vector<uint8_t> chunk_pending;  // PS: chunks of in_progress not yet complete
   bool stall_reported = false;
+  bool on_device = false;  // in_progress was posted on the GPU (its buffers are in the arena)
   prometheus::Histogram* sync_seconds = nullptr;
 };
 
@@ -112,7 +114,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Status Register();
   absl::Status ConnectServers();
   absl::Status ConnectPeers();
-  void OnReady(uint32_t layer, uint64_t iteration);
+  void OnReady(uint32_t layer, uint64_t iteration, bool on_device);
+  void AttachCuda();
   void Worker();
   void RunTask(const Task& task);
   void SyncChunk(const Task& task);
@@ -137,6 +140,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::unique_ptr<TelemetryReporter> telemetry_;
   std::atomic<uint64_t> last_iteration_{0};
   std::unique_ptr<ShmEndpoint> shm_;
+  // The GPU path, once the training process has attached its CUDA arena (null otherwise).
+  std::unique_ptr<DeviceStager> stager_;
   // Observability: metrics (always collected; served when metrics_listen is set), timeline.
   MetricsRegistry metrics_;
   std::unique_ptr<MetricsExposer> exposer_;
@@ -270,6 +275,8 @@ int Agent::Run() {
     if (sfb_server_) sfb_server_->Stop();
     for (auto& s : servers_) s->Close();
     ctx_->Close();
+    // Drains the device streams (their callbacks use the timeline) and unpins the segment.
+    stager_.reset();
     timeline_.reset();  // closes the JSON
     exposer_.reset();
     // Break the ownership cycle agent -> frame server -> handler (this agent).
@@ -324,7 +331,10 @@ int Agent::Run() {
         registered_ = true;
         break;
       case PSD_EVENT_LAYER_READY:
-        OnReady(e.layer, e.iteration);
+        OnReady(e.layer, e.iteration, e.aux == PSD_READY_DEVICE);
+        break;
+      case PSD_EVENT_CUDA_ATTACH:
+        AttachCuda();
         break;
       case PSD_EVENT_DETACH:
         PSD_LOG_INFO("the training process detached; the agent of rank {} exits", config_.rank);
@@ -616,8 +626,9 @@ absl::Status Agent::ConnectPeers() {
   return absl::OkStatus();
 }
 
-void Agent::OnReady(uint32_t layer, uint64_t iteration) {
+void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
   std::vector<Task> tasks;
+  std::vector<DeviceRange> ranges;  // on the device: what to copy to the host first
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
     if (!registered_ || layer >= layers_.size()) {
@@ -637,6 +648,14 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration) {
       shm_->LayerFailed(layer, iteration, why);
       return;
     }
+    if (on_device && !stager_) {
+      const std::string why = absl::StrCat(
+          "iteration ", iteration, " posted on the GPU, but no CUDA arena is attached");
+      PSD_LOG_WARN("layer {} ({}): {}", layer, st.desc.name, why);
+      shm_->LayerFailed(layer, iteration, why);
+      return;
+    }
+    st.on_device = on_device;
     st.posted = iteration;
     st.in_progress = iteration;
     st.failed = false;
@@ -649,12 +668,33 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration) {
     if (st.layout.scheme == PSD_SCHEME_SFB) {
       st.remaining = 1;
       tasks.push_back({priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
+      ranges.push_back({st.layout.u_offset, st.k * st.m * 4});
+      ranges.push_back({st.layout.v_offset, st.k * st.n * 4});
     } else {
       st.remaining = static_cast<int>(st.chunks.size());
       for (size_t c = 0; c < st.chunks.size(); ++c) {
         tasks.push_back({priority, 0, layer, iteration, static_cast<int>(c), st.chunks[c].length});
+        ranges.push_back({st.layout.grad_offset + st.chunks[c].offset, st.chunks[c].length});
       }
     }
+  }
+  if (on_device) {
+    // Each PS chunk goes to the network as soon as its copy is on the host, while the next
+    // chunk is being copied; an SFB layer once both factors are.
+    const bool sfb = tasks.size() == 1 && tasks[0].chunk < 0;
+    auto staged = std::make_shared<std::vector<Task>>(tasks);
+    const absl::Status s = stager_->StageOut(
+        layer, ranges, [self = shared_from_this(), staged, sfb](size_t i) {
+          if (!sfb) {
+            self->Enqueue((*staged)[i]);
+          } else if (i == 1) {
+            self->Enqueue((*staged)[0]);
+          }
+        });
+    if (!s.ok()) {
+      for (const Task& t : tasks) TaskFinished(t, s);
+    }
+    return;
   }
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
@@ -714,10 +754,18 @@ void Agent::Enqueue(Task task) {
   queue_cv_.notify_all();
 }
 
-void Agent::TaskFinished(const Task& task, const absl::Status& status) {
-  bool done = false, report_failure = false;
+void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
+  bool done = false, report_failure = false, on_device = false;
   std::string why;
   absl::Time ready_at;
+  absl::Status status = task_status;
+  const LayerState& lst = layers_[task.layer];
+  if (status.ok() && task.chunk >= 0 && lst.on_device) {
+    // This chunk's result goes back to the GPU now (before the count below, so that the done
+    // event is recorded after every chunk's copy).
+    const PsChunk& c = lst.chunks[static_cast<size_t>(task.chunk)];
+    status = stager_->StageIn(task.layer, {lst.layout.grad_offset + c.offset, c.length});
+  }
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
     LayerState& st = layers_[task.layer];
@@ -731,8 +779,19 @@ void Agent::TaskFinished(const Task& task, const absl::Status& status) {
       report_failure = true;
       why = st.failure;
     }
+    on_device = st.on_device;
     if (--st.remaining == 0) {
       done = !st.failed;
+      // The framework's stream waits for this event: record it before saying done.
+      if (done && on_device) {
+        if (absl::Status s = stager_->MarkDone(task.layer); !s.ok()) {
+          done = false;
+          st.failed = true;
+          st.failure = absl::StrCat("clock ", task.iteration, ": ", s.message());
+          report_failure = true;
+          why = st.failure;
+        }
+      }
       st.in_progress = 0;
     }
   }
@@ -909,11 +968,28 @@ void Agent::RebuildSfb(const Task& task) {
   const int m = static_cast<int>(st.m), n = static_cast<int>(st.n), k = static_cast<int>(st.k);
   const uint64_t ku = st.k * st.m;
   const absl::Time rebuild_start = absl::Now();
-  for (uint32_t p = 0; p < config_.world_size; ++p) {
-    const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
-    const float* vp = p == me ? v : up + ku;
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
-                p == 0 ? 0.0f : 1.0f, grad, n);
+  if (st.on_device) {
+    // On the GPU: one cuBLAS GEMM over every rank's factors, straight into the arena.
+    DeviceStager::SfbShape shape;
+    shape.m = st.m;
+    shape.n = st.n;
+    shape.k = st.k;
+    shape.world = config_.world_size;
+    shape.me = me;
+    shape.grad_offset = st.layout.grad_offset;
+    shape.u_offset = st.layout.u_offset;
+    shape.v_offset = st.layout.v_offset;
+    if (absl::Status s = stager_->Rebuild(task.layer, shape, task.iteration, box.data[slot].data());
+        !s.ok() && status.ok()) {
+      status = s;
+    }
+  } else {
+    for (uint32_t p = 0; p < config_.world_size; ++p) {
+      const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
+      const float* vp = p == me ? v : up + ku;
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
+                  p == 0 ? 0.0f : 1.0f, grad, n);
+    }
   }
   if (timeline_) {
     timeline_->Span("rebuild", task.layer, st.desc.name, task.iteration, rebuild_start,
@@ -925,6 +1001,48 @@ void Agent::RebuildSfb(const Task& task) {
     box.finished = task.iteration;
   }
   TaskFinished(task, status);
+}
+
+// The training process shared its CUDA arena and per-layer events: open them (or say why not).
+void Agent::AttachCuda() {
+  auto refuse = [&](const std::string& why) {
+    PSD_LOG_WARN("CUDA attach refused: {}", why);
+    shm_->FailCuda(why);
+  };
+  if (!registered_) return refuse("register the layers before attaching CUDA");
+  if (stager_) return refuse("a CUDA arena is already attached");
+  auto attach = shm_->ReadCudaAttach();
+  if (!attach.ok()) return refuse(std::string(attach.status().message()));
+  auto stager = OpenDeviceStager(*attach, shm_->data(), shm_->data_bytes());
+  if (!stager.ok()) return refuse(std::string(stager.status().message()));
+  {
+    // Peers' factors are copied to the GPU from the inboxes: pin them too (fixed since
+    // registration). Pageable memory still works, only slower: a failure is not fatal.
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    for (auto& [layer, box] : inbox_) {
+      for (auto& d : box.data) {
+        if (absl::Status s = (*stager)->PinHost(d.data(), d.size() * sizeof(float)); !s.ok()) {
+          PSD_LOG_WARN("layer {}: SFB inbox stays pageable: {}", layer, s.message());
+        }
+      }
+    }
+  }
+  if (timeline_) {
+    (*stager)->SetObserver([self = shared_from_this()](const char* what, uint32_t layer,
+                                                       absl::Time start, absl::Time end,
+                                                       uint64_t) {
+      uint64_t iteration;
+      {
+        std::lock_guard<std::mutex> lock(self->layers_mu_);
+        iteration = self->layers_[layer].posted;
+      }
+      self->timeline_->Span(what, layer, self->layers_[layer].desc.name, iteration, start, end);
+    });
+  }
+  stager_ = std::move(*stager);
+  shm_->AnswerCuda(stager_->DoneEvents());
+  PSD_LOG_INFO("CUDA arena of {} bytes on device {} attached", attach->arena_bytes,
+               attach->device);
 }
 
 // The main thread's watchdog: SFB layers whose peers' factors did not all arrive in time fail,
@@ -1088,9 +1206,32 @@ void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const F
     inbox_cv_.notify_all();
     return;
   }
+  const uint32_t from = peer->identity().rank;
+  const auto layer = static_cast<uint32_t>(h.key);
+  if (stager_ && layers_[layer].on_device) {
+    // The GPU rebuild needs every rank's factors on the device: copy these now, while the
+    // other ranks' are still on the network (pinned inbox, asynchronous).
+    const LayerState& st = layers_[layer];
+    DeviceStager::SfbShape shape;
+    shape.m = st.m;
+    shape.n = st.n;
+    shape.k = st.k;
+    shape.world = config_.world_size;
+    shape.me = config_.rank;
+    shape.grad_offset = st.layout.grad_offset;
+    shape.u_offset = st.layout.u_offset;
+    shape.v_offset = st.layout.v_offset;
+    const SfbInbox& box = inbox_.at(layer);
+    if (absl::Status s = stager_->StagePeerFactors(
+            layer, shape, h.clock, from, box.data[h.clock % 2].data() + from * box.floats);
+        !s.ok()) {
+      PSD_LOG_WARN("layer {}: staging rank {}'s factors: {} (the rebuild copies them)", layer,
+                   from, s.message());
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
-    inbox_.at(static_cast<uint32_t>(h.key)).tag[h.clock % 2][peer->identity().rank] = h.clock;
+    inbox_.at(layer).tag[h.clock % 2][from] = h.clock;
     sfb_received_bytes_->Increment(static_cast<double>(h.payload_length));
     if (telemetry_) telemetry_->AddPeerBytes(peer->identity().rank, 0, h.payload_length);
     MaybeRebuildLocked(static_cast<uint32_t>(h.key), h.clock);

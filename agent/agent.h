@@ -46,6 +46,9 @@ struct AgentConfig {
   std::string metrics_listen;
   std::string timeline;
   absl::Duration stall_timeout = absl::Seconds(10);
+  // With a coordinator: how often to report per-link bytes and per-layer sync times to it
+  // (ReportTelemetry; `poseidon status` shows them). Zero: never.
+  absl::Duration telemetry_interval = absl::Seconds(5);
 };
 
 // Runs until the framework detaches (0), dies (3), a stop is requested (0), or a fatal error

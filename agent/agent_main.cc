@@ -35,6 +35,7 @@ struct Flags {
   std::string metrics_listen;
   std::string timeline;
   absl::Duration stall_timeout = absl::Seconds(10);
+  absl::Duration telemetry_interval = absl::Seconds(5);
 };
 
 poseidon::ConfigSchema<Flags> Schema() {
@@ -72,6 +73,15 @@ poseidon::ConfigSchema<Flags> Schema() {
              "write a Chrome-trace timeline here ({rank} is replaced); empty: off")
       .Field("stall_timeout", &Flags::stall_timeout,
              "report a layer not done within this time, with what it waits for")
+      .Field(
+          "telemetry_interval", &Flags::telemetry_interval,
+          "with a coordinator: report link bytes and layer sync times this often; 0: off",
+          [](const absl::Duration& d) {
+            if (d == absl::ZeroDuration() || (d >= absl::Milliseconds(10) && d <= absl::Hours(1))) {
+              return absl::OkStatus();
+            }
+            return absl::InvalidArgumentError("must be 0 (off) or in [10ms, 1h]");
+          })
       .Field("log_level", &Flags::log_level, "trace, debug, info, warn, error",
              poseidon::OneOf({"trace", "debug", "info", "warn", "error"}));
   return s;
@@ -115,6 +125,7 @@ int main(int argc, char** argv) {
   c.metrics_listen = f.metrics_listen;
   c.timeline = f.timeline;
   c.stall_timeout = f.stall_timeout;
+  c.telemetry_interval = f.telemetry_interval;
   if (c.rank >= c.world_size) {
     std::fprintf(stderr, "poseidon-agent: rank %u must be below world_size %u\n", c.rank,
                  c.world_size);

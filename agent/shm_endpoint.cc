@@ -159,10 +159,14 @@ absl::StatusOr<std::optional<Event>> ShmEndpoint::NextEvent(absl::Duration timeo
   const psd_shm_event e = ring->events[head % PSD_SHM_RING_CAPACITY];
   Store(&ring->head, head + 1);
   if (e.type != PSD_EVENT_REGISTER && e.type != PSD_EVENT_LAYER_READY &&
-      e.type != PSD_EVENT_DETACH) {
+      e.type != PSD_EVENT_DETACH && e.type != PSD_EVENT_CUDA_ATTACH) {
     return absl::InvalidArgumentError(absl::StrCat("unknown event type ", e.type));
   }
-  return std::optional<Event>(Event{e.type, e.layer, e.iteration});
+  if (e.type == PSD_EVENT_LAYER_READY && e.aux != PSD_READY_HOST && e.aux != PSD_READY_DEVICE) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", e.layer, " ready with an unknown location ", e.aux));
+  }
+  return std::optional<Event>(Event{e.type, e.layer, e.iteration, e.aux});
 }
 
 absl::StatusOr<ShmEndpoint::ServerRule> ShmEndpoint::ReadServerRule() const {
@@ -283,6 +287,49 @@ void ShmEndpoint::FailRegistration(const std::string& why) {
   psd_shm_header* h = header();
   CopyString(h->error, PSD_SHM_ERROR_BYTES, why);
   Store(&h->registration_state, PSD_REG_FAILED);
+  __atomic_add_fetch(&h->registration_futex, 1u, __ATOMIC_RELEASE);
+  FutexWake(&h->registration_futex);
+}
+
+absl::StatusOr<DeviceAttach> ShmEndpoint::ReadCudaAttach() const {
+  const psd_shm_header* h = header();
+  if (data_ == nullptr) {
+    return absl::FailedPreconditionError("CUDA attach before the layers were registered");
+  }
+  if (Load(&h->cuda_state) != PSD_CUDA_REQUESTED) {
+    return absl::FailedPreconditionError("CUDA attach event without a CUDA request");
+  }
+  DeviceAttach a;
+  a.device = h->cuda_device;
+  a.arena_bytes = Load(&h->cuda_arena_bytes);
+  if (a.device < 0) return absl::InvalidArgumentError(absl::StrCat("CUDA device ", a.device));
+  if (a.arena_bytes != data_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("the CUDA arena has ", a.arena_bytes,
+                                                   " bytes; the layers' buffers take ",
+                                                   data_bytes_));
+  }
+  std::memcpy(a.arena.data(), h->cuda_arena_handle, a.arena.size());
+  a.ready_events.resize(layout_.size());
+  for (size_t i = 0; i < layout_.size(); ++i) {
+    std::memcpy(a.ready_events[i].data(), layers()[i].cuda_ready_event, PSD_CUDA_IPC_HANDLE_BYTES);
+  }
+  return a;
+}
+
+void ShmEndpoint::AnswerCuda(const std::vector<IpcHandle>& done_events) {
+  for (size_t i = 0; i < done_events.size() && i < layout_.size(); ++i) {
+    std::memcpy(layers()[i].cuda_done_event, done_events[i].data(), PSD_CUDA_IPC_HANDLE_BYTES);
+  }
+  psd_shm_header* h = header();
+  Store(&h->cuda_state, PSD_CUDA_READY);
+  __atomic_add_fetch(&h->registration_futex, 1u, __ATOMIC_RELEASE);
+  FutexWake(&h->registration_futex);
+}
+
+void ShmEndpoint::FailCuda(const std::string& why) {
+  psd_shm_header* h = header();
+  CopyString(h->error, PSD_SHM_ERROR_BYTES, why);
+  Store(&h->cuda_state, PSD_CUDA_FAILED);
   __atomic_add_fetch(&h->registration_futex, 1u, __ATOMIC_RELEASE);
   FutexWake(&h->registration_futex);
 }

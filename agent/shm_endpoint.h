@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "agent/device_stager.h"
 #include "common/shm_layout.h"
 
 namespace poseidon::agent {
@@ -40,6 +41,7 @@ struct Event {
   uint32_t type = 0;
   uint32_t layer = 0;
   uint64_t iteration = 0;
+  uint64_t aux = 0;  // LAYER_READY: PSD_READY_HOST or PSD_READY_DEVICE (validated)
 };
 
 class ShmEndpoint {
@@ -74,6 +76,14 @@ class ShmEndpoint {
   absl::Status PublishLayout(const std::vector<LayerDesc>& layers,
                              const std::vector<LayerLayout>& layout, uint64_t data_bytes);
   void FailRegistration(const std::string& why);
+
+  // CUDA (after registration): what the framework exported, validated (state REQUESTED, the
+  // arena's size equal to the data segment's, a device id >= 0); then the answer.
+  absl::StatusOr<DeviceAttach> ReadCudaAttach() const;
+  void AnswerCuda(const std::vector<IpcHandle>& done_events);
+  void FailCuda(const std::string& why);
+  unsigned char* data() const { return data_; }
+  uint64_t data_bytes() const { return data_bytes_; }
 
   float* Grad(uint32_t layer) const;
   float* FactorU(uint32_t layer) const;

@@ -45,6 +45,11 @@ endif()
 if(POSEIDON_CUDA_ENABLED AND NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 90)
 endif()
+if(POSEIDON_CUDA_ENABLED)
+  # The runtime and cuBLAS as shared libraries (CUDA::cudart, CUDA::cublas); no device code of
+  # our own needs nvcc so far, the toolkit's libraries do the work.
+  find_package(CUDAToolkit REQUIRED)
+endif()
 
 message(STATUS "Poseidon: RDMA=${POSEIDON_RDMA_ENABLED} CUDA=${POSEIDON_CUDA_ENABLED} "
                "sanitize=${POSEIDON_SANITIZE} werror=${POSEIDON_WERROR} fuzz=${POSEIDON_FUZZ}")

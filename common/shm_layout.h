@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #define PSD_SHM_MAGIC 0x314D485344535050ull /* "PPSDSHM1" */
-#define PSD_SHM_ABI_VERSION 2u
+#define PSD_SHM_ABI_VERSION 3u
 #define PSD_SHM_MAX_LAYERS 4096u
 #define PSD_SHM_NAME_BYTES 64u
 #define PSD_SHM_MAX_DIMS 4u
@@ -27,9 +27,20 @@
 #define PSD_EVENT_REGISTER 1u    /* the layer table is filled: plan it and create buffers */
 #define PSD_EVENT_LAYER_READY 2u /* layer's gradient (or factors) for `iteration` is written */
 #define PSD_EVENT_DETACH 3u      /* the framework is leaving cleanly */
+#define PSD_EVENT_CUDA_ATTACH 4u /* the CUDA fields are filled: open the arena and the events */
 /* agent -> framework: */
 #define PSD_EVENT_LAYER_FAILED 16u /* layer/iteration failed; status + message in the layer */
 
+/* psd_shm_event.aux of PSD_EVENT_LAYER_READY: where the layer's input is. */
+#define PSD_READY_HOST 0u   /* in the data segment */
+#define PSD_READY_DEVICE 1u /* in the CUDA arena, complete once the layer's ready event fires */
+/* header.cuda_state */
+#define PSD_CUDA_OFF 0u
+#define PSD_CUDA_REQUESTED 1u
+#define PSD_CUDA_READY 2u
+#define PSD_CUDA_FAILED 3u
+/* Size of cudaIpcMemHandle_t and cudaIpcEventHandle_t (CUDA runtime ABI). */
+#define PSD_CUDA_IPC_HANDLE_BYTES 64u
 /* Layer kinds and element types (the same numbers as poseidon.v1 LayerKind / ElementType). */
 #define PSD_KIND_FC 1u
 #define PSD_KIND_CONV 2u
@@ -100,6 +111,11 @@ typedef struct psd_shm_layer {
   int32_t done_status; /* 0 ok, else a psd_status of the last failure */
   uint32_t done_futex;
   char message[128]; /* the last failure, NUL-terminated */
+  /* CUDA (see the header's cuda_state): cudaIpcEventHandle_t of the framework's event recorded
+   * once the layer's input is in the arena (framework), and of the agent's event recorded once
+   * the result has been copied back into the arena (agent). */
+  uint8_t cuda_ready_event[PSD_CUDA_IPC_HANDLE_BYTES];
+  uint8_t cuda_done_event[PSD_CUDA_IPC_HANDLE_BYTES];
 } psd_shm_layer;
 
 typedef struct psd_shm_header {
@@ -140,6 +156,15 @@ typedef struct psd_shm_header {
   uint32_t server_nesterov;
   double server_lr, server_momentum, server_dampening, server_beta1, server_beta2, server_eps,
       server_weight_decay;
+  /* CUDA, after registration. The framework allocates the arena (data_bytes of device memory
+   * laid out exactly like the data segment), fills cuda_device, cuda_arena_bytes, the arena's
+   * cudaIpcMemHandle_t and every layer's cuda_ready_event, sets cuda_state REQUESTED and posts
+   * PSD_EVENT_CUDA_ATTACH. The agent opens them, fills the layers' cuda_done_event and answers
+   * READY or FAILED (error says why), bumping registration_futex. */
+  uint32_t cuda_state;
+  int32_t cuda_device;
+  uint64_t cuda_arena_bytes;
+  uint8_t cuda_arena_handle[PSD_CUDA_IPC_HANDLE_BYTES];
 } psd_shm_header;
 
 /* The control segment: header, then (aligned) the two rings and the layer table. */

@@ -201,12 +201,17 @@ absl::StatusOr<v1::Plan> CoordinatorClient::WaitForPlan(uint64_t min_plan_epoch,
 absl::Status CoordinatorClient::ReportTelemetry(const std::vector<v1::LinkTelemetry>& links,
                                                 uint64_t iteration) {
   v1::ReportTelemetryRequest request;
-  FillHeader(request.mutable_header());
   for (const v1::LinkTelemetry& link : links) *request.add_links() = link;
   request.set_iteration(iteration);
+  return ReportTelemetry(std::move(request), options_.call_timeout);
+}
+
+absl::Status CoordinatorClient::ReportTelemetry(v1::ReportTelemetryRequest request,
+                                                absl::Duration timeout) {
+  FillHeader(request.mutable_header());
   v1::ReportTelemetryResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  SetDeadline(&context, timeout);
   RETURN_IF_ERROR(
       CallStatus(stub_->ReportTelemetry(&context, request, &response), "ReportTelemetry"));
   Observe(response.header());

@@ -110,6 +110,9 @@ class CoordinatorClient {
   // Measured links to peers, and the iteration this node completed (agents; 0 for servers).
   absl::Status ReportTelemetry(const std::vector<poseidon::v1::LinkTelemetry>& links,
                                uint64_t iteration);
+  // A whole report (the header is filled in), with its own deadline.
+  absl::Status ReportTelemetry(poseidon::v1::ReportTelemetryRequest request,
+                               absl::Duration timeout);
   // One heartbeat. A response with shutdown = true means this node id was declared dead or
   // replaced: stop, or register anew.
   absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(uint64_t iteration,

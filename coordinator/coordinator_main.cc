@@ -40,6 +40,7 @@ struct CoordinatorConfig {
   double replan_threshold = 0.2;
   int64_t plan_lead = 10;
   absl::Duration telemetry_max_age = absl::Seconds(60);
+  uint64_t telemetry_min_bytes = uint64_t{16} << 20;
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
@@ -99,6 +100,9 @@ ConfigSchema<CoordinatorConfig> Schema() {
              InRange<int64_t>(1, int64_t{1} << 32))
       .Field("telemetry_max_age", &C::telemetry_max_age, "link samples older than this are ignored",
              InRange(absl::Milliseconds(1), absl::Hours(24)))
+      .ByteSizeField("telemetry_min_bytes", &C::telemetry_min_bytes,
+                     "achieved throughput counts for the planner (as a lower bound) only from "
+                     "windows that moved this much")
       .Field("tls_cert", &C::tls_cert, "PEM certificate chain: serve TLS (empty: insecure)")
       .Field("tls_key", &C::tls_key, "PEM private key of tls_cert")
       .Field("tls_client_ca", &C::tls_client_ca,
@@ -199,6 +203,7 @@ int Main(int argc, char** argv) {
   registry.replan_threshold = config.replan_threshold;
   registry.plan_lead_iterations = static_cast<uint64_t>(config.plan_lead);
   registry.telemetry_max_age = config.telemetry_max_age;
+  registry.telemetry_min_bytes = config.telemetry_min_bytes;
 
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =
       CoordinatorServer::Start(std::move(tokens), std::move(options));

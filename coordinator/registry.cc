@@ -1,6 +1,8 @@
 #include "coordinator/registry.h"
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -51,6 +53,38 @@ std::string Listed(const std::vector<std::string>& items) {
   if (items.size() > kMaxListed)
     absl::StrAppend(&text, "; and ", items.size() - kMaxListed, " more");
   return text;
+}
+
+// An agent's synchronisation in its telemetry window: the sum of the layers' mean sync times
+// (one iteration's synchronisation) and the layer with the longest mean (-1: none).
+struct SyncSummary {
+  double total_seconds = 0;
+  int64_t slowest_index = -1;
+  std::string slowest_name;
+  double slowest_seconds = 0;
+};
+
+SyncSummary Summarize(const std::vector<v1::LayerTelemetry>& layers) {
+  SyncSummary summary;
+  for (const v1::LayerTelemetry& layer : layers) {
+    if (layer.syncs() == 0) continue;
+    summary.total_seconds += layer.mean_sync_seconds();
+    if (summary.slowest_index < 0 || layer.mean_sync_seconds() > summary.slowest_seconds) {
+      summary.slowest_index = layer.index();
+      summary.slowest_name = layer.name();
+      summary.slowest_seconds = layer.mean_sync_seconds();
+    }
+  }
+  return summary;
+}
+
+// A layer's name from the plan, else from the report, else its index.
+std::string LayerName(const std::optional<v1::Plan>& plan, uint32_t index,
+                      const std::string& reported) {
+  if (plan.has_value() && index < static_cast<uint32_t>(plan->layers_size())) {
+    return plan->layers(static_cast<int>(index)).layer_name();
+  }
+  return reported.empty() ? absl::StrCat("layer ", index) : reported;
 }
 
 }  // namespace
@@ -666,7 +700,9 @@ absl::flat_hash_set<std::string> Registry::Members(const Job& job) const {
 }
 
 std::pair<double, double> Registry::Network(const Job& job, absl::Time now) const {
-  const NetworkEstimate estimate = links_.Estimate(Members(job), now, options_.telemetry_max_age);
+  const NetworkEstimate estimate =
+      links_.Estimate(Members(job), now, options_.telemetry_max_age,
+                      {options_.telemetry_min_bytes, options_.nominal_bandwidth_bytes_per_second});
   return {estimate.bandwidth_bytes_per_second.value_or(options_.nominal_bandwidth_bytes_per_second),
           estimate.latency_seconds.value_or(options_.nominal_latency_seconds)};
 }
@@ -753,7 +789,11 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
       !AllModelsAgree(job)) {
     return;
   }
-  const NetworkEstimate estimate = links_.Estimate(Members(job), now, options_.telemetry_max_age);
+  // Achieved throughput is a lower bound of the capacity: it may raise the estimate above the
+  // plan's bandwidth, but an idle or compute-bound link never drags it down.
+  const NetworkEstimate estimate =
+      links_.Estimate(Members(job), now, options_.telemetry_max_age,
+                      {options_.telemetry_min_bytes, job.plan_bandwidth});
   if (!estimate.bandwidth_bytes_per_second.has_value()) return;
   const double measured = *estimate.bandwidth_bytes_per_second;
   // Hysteresis: small moves never re-plan, so noise cannot make plans flap.
@@ -788,12 +828,17 @@ absl::Status Registry::ReportTelemetry(const Caller& caller,
                                        const v1::ReportTelemetryRequest& request, absl::Time now) {
   ASSIGN_OR_RETURN(Node * node,
                    Member(caller, request.header().node_id(), v1::NODE_ROLE_UNSPECIFIED, now));
+  node->telemetry_links.clear();
   for (const v1::LinkTelemetry& link : request.links()) {
     // Links to unknown nodes are dropped: the table only grows with real pairs of nodes.
     if (link.peer_node_id() == node->id || FindNode(link.peer_node_id()) == nullptr) continue;
     links_.Record(node->id, link.peer_node_id(),
-                  LinkSample{link.bytes_per_second(), link.latency_ns(), now});
+                  LinkSample{link.bytes_per_second(), link.latency_ns(), now, link.window_ns(),
+                             std::max(link.bytes(), link.received_bytes())});
+    node->telemetry_links.push_back(link);
   }
+  node->telemetry_layers.assign(request.layers().begin(), request.layers().end());
+  node->telemetry_at = now;
   if (node->role == v1::NODE_ROLE_AGENT) {
     node->iteration = std::max(node->iteration, request.iteration());
     ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
@@ -893,6 +938,41 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
     out->set_iteration(node->iteration);
     out->set_bytes_per_second(links_.MeanOutgoing(node->id, now, options_.telemetry_max_age));
     out->set_last_heartbeat_age_ms(Millis(now - node->last_seen));
+    if (node->telemetry_at.has_value()) {
+      out->set_telemetry_age_ms(Millis(now - *node->telemetry_at));
+    }
+    if (!FreshTelemetry(*node, now)) continue;
+    for (const v1::LinkTelemetry& link : node->telemetry_links) {
+      const Node* peer = FindNode(link.peer_node_id());
+      const LinkSample* sample = links_.Find(node->id, link.peer_node_id());
+      if (peer == nullptr || sample == nullptr) continue;  // forgotten since
+      v1::LinkStatus* status = out->add_links();
+      status->set_peer_node_id(peer->id);
+      status->set_peer_role(peer->role);
+      status->set_peer_host(peer->host);
+      if (peer->role == v1::NODE_ROLE_AGENT) status->set_peer_rank(peer->rank);
+      status->set_transport(link.transport());
+      status->set_sent_bytes(link.bytes());
+      status->set_received_bytes(link.received_bytes());
+      status->set_window_ns(link.window_ns());
+      status->set_bytes_per_second(link.bytes_per_second());
+      status->set_bandwidth_bytes_per_second(
+          SampleBandwidth(*sample, options_.telemetry_min_bytes).value_or(0));
+      status->set_lower_bound(link.window_ns() != 0);
+      status->set_latency_ns(link.latency_ns());
+    }
+    if (node->role == v1::NODE_ROLE_AGENT) {
+      const SyncSummary summary = Summarize(node->telemetry_layers);
+      out->set_sync_seconds(summary.total_seconds);
+      if (summary.slowest_index >= 0) {
+        static const std::optional<v1::Plan> kNoPlan;
+        const Job* job = FindJob(node->job_id);
+        out->set_slowest_layer(LayerName(job != nullptr ? job->plan : kNoPlan,
+                                         static_cast<uint32_t>(summary.slowest_index),
+                                         summary.slowest_name));
+        out->set_slowest_layer_sync_seconds(summary.slowest_seconds);
+      }
+    }
   }
   for (const auto& [id, job] : jobs_) {
     if (!caller.job_id.empty() && id != caller.job_id) continue;
@@ -910,8 +990,59 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
         status->set_bytes(layer.predicted_bytes_per_worker());
       }
     }
+    FillSyncStatus(job, now, out);
   }
   return absl::OkStatus();
+}
+
+bool Registry::FreshTelemetry(const Node& node, absl::Time now) const {
+  return node.telemetry_at.has_value() && now - *node.telemetry_at <= options_.telemetry_max_age;
+}
+
+void Registry::FillSyncStatus(const Job& job, absl::Time now, v1::JobStatus* out) const {
+  // Per layer index: the sum and count of the ranks' mean sync times, and a reported name.
+  std::map<uint32_t, std::tuple<double, int, std::string>> layers;
+  double slowest_rank_seconds = 0;
+  double waiting_seconds = 0;
+  for (const RankSlot& slot : job.ranks) {
+    const Node* agent = FindNode(slot.node_id);
+    if (agent == nullptr || !Live(agent) || !FreshTelemetry(*agent, now)) continue;
+    const SyncSummary summary = Summarize(agent->telemetry_layers);
+    if (summary.slowest_index >= 0 &&
+        (!out->has_slowest_rank() || summary.total_seconds > slowest_rank_seconds)) {
+      out->set_slowest_rank(agent->rank);
+      slowest_rank_seconds = summary.total_seconds;
+    }
+    for (const v1::LayerTelemetry& layer : agent->telemetry_layers) {
+      if (layer.syncs() > 0) {
+        auto& [sum, count, name] = layers[layer.index()];
+        sum += layer.mean_sync_seconds();
+        ++count;
+        if (name.empty()) name = layer.name();
+      }
+      if (layer.waiting_seconds() > waiting_seconds) {
+        waiting_seconds = layer.waiting_seconds();
+        out->set_waiting_rank(agent->rank);
+        out->set_waiting_layer(LayerName(job.plan, layer.index(), layer.name()));
+        out->set_waiting_iteration(layer.waiting_iteration());
+        out->set_waiting_seconds(layer.waiting_seconds());
+      }
+    }
+  }
+  if (out->has_slowest_rank()) out->set_slowest_rank_sync_seconds(slowest_rank_seconds);
+  double slowest = -1;
+  for (const auto& [index, entry] : layers) {
+    const auto& [sum, count, name] = entry;
+    const double mean = sum / count;
+    if (index < static_cast<uint32_t>(out->layers_size())) {
+      out->mutable_layers(static_cast<int>(index))->set_sync_seconds(mean);
+    }
+    if (mean > slowest) {
+      slowest = mean;
+      out->set_slowest_layer(LayerName(job.plan, index, name));
+      out->set_slowest_layer_sync_seconds(mean);
+    }
+  }
 }
 
 void Registry::BeginWait(absl::string_view node_id, absl::Time now) {

@@ -52,8 +52,12 @@ struct RegistryOptions {
   double replan_threshold = 0.2;
   // A re-plan takes effect at (the highest iteration any agent of the job reported) + this.
   uint64_t plan_lead_iterations = 10;
-  // Link samples older than this are ignored.
+  // Link samples and agents' reports older than this are ignored.
   absl::Duration telemetry_max_age = absl::Seconds(60);
+  // An achieved-throughput sample counts for the planner only if its window moved at least this
+  // many bytes in its busier direction, and then only as a lower bound of the link's bandwidth
+  // (docs/planner.md, "Measured bandwidth").
+  uint64_t telemetry_min_bytes = uint64_t{16} << 20;
   // Dead and departed nodes stay visible in status this long (unless a job still refers to them).
   absl::Duration retention = absl::Minutes(10);
   // At most this many nodes (alive or remembered); registration beyond: RESOURCE_EXHAUSTED.
@@ -157,6 +161,10 @@ class Registry {
     uint64_t plan_epoch = 0;
     int waits = 0;
     uint64_t seq = 0;
+    // The latest ReportTelemetry: its links to known nodes, its layers (agents), and when.
+    std::vector<poseidon::v1::LinkTelemetry> telemetry_links;
+    std::vector<poseidon::v1::LayerTelemetry> telemetry_layers;
+    std::optional<absl::Time> telemetry_at;
   };
   struct RankSlot {
     std::string node_id;  // the latest agent registered for the rank; "" before the first
@@ -222,6 +230,10 @@ class Registry {
   void Install(Job& job, poseidon::v1::Plan plan, double bandwidth, double latency,
                absl::string_view why);
   std::pair<double, double> Network(const Job& job, absl::Time now) const;
+  // The node's latest telemetry if it is at most telemetry_max_age old.
+  bool FreshTelemetry(const Node& node, absl::Time now) const;
+  // The status of a job's synchronisation from its agents' recent telemetry.
+  void FillSyncStatus(const Job& job, absl::Time now, poseidon::v1::JobStatus* out) const;
   absl::flat_hash_set<std::string> Members(const Job& job) const;
 
   RegistryOptions options_;

@@ -11,7 +11,8 @@ using ::testing::HasSubstr;
 
 class RegistryTest : public ::testing::Test {
  protected:
-  RegistryTest() : registry_(Options(), "test") {}
+  explicit RegistryTest(RegistryOptions options = Options())
+      : registry_(std::move(options), "test") {}
 
   static RegistryOptions Options() {
     RegistryOptions options;
@@ -122,6 +123,239 @@ TEST_F(RegistryTest, AJobWithoutLiveAgentsStartsAfresh) {
   AddAgent(1, 2);
   EXPECT_THAT(registry_.DescribeIncompleteWorld("job", now_),
               HasSubstr("1 of 2 ranks have a live agent"));
+}
+
+// ---- Telemetry in the status view, and what achieved throughput does to the planner ----------
+
+v1::LinkTelemetry Window(const std::string& peer, uint64_t sent, uint64_t received,
+                         absl::Duration window) {
+  v1::LinkTelemetry link;
+  link.set_peer_node_id(peer);
+  link.set_transport(v1::TRANSPORT_KIND_TCP);
+  link.set_bytes(sent);
+  link.set_received_bytes(received);
+  link.set_window_ns(static_cast<uint64_t>(absl::ToInt64Nanoseconds(window)));
+  link.set_bytes_per_second(static_cast<double>(std::max(sent, received)) /
+                            absl::ToDoubleSeconds(window));
+  return link;
+}
+
+v1::LayerTelemetry Layer(uint32_t index, double mean_seconds, uint64_t syncs = 5) {
+  v1::LayerTelemetry layer;
+  layer.set_index(index);
+  layer.set_syncs(syncs);
+  layer.set_mean_sync_seconds(mean_seconds);
+  layer.set_max_sync_seconds(mean_seconds * 2);
+  return layer;
+}
+
+class RegistryTelemetryTest : public RegistryTest {
+ protected:
+  using RegistryTest::RegistryTest;
+
+  // Two servers and two agents with a formed world and `model` registered by both: the plan.
+  void FormJob(const v1::ModelSpec& model) {
+    servers_ = {AddServer(), AddServer()};
+    agents_ = {AddAgent(0, 2, 0), AddAgent(1, 2, 1)};
+    v1::RendezvousResponse world;
+    ASSERT_TRUE(*registry_.TryRendezvous(job_, agents_[0], now_, &world));
+    for (const std::string& agent : agents_) {
+      v1::RegisterModelRequest request;
+      request.mutable_header()->set_node_id(agent);
+      *request.mutable_model() = model;
+      ASSERT_TRUE(registry_.RegisterModel(job_, request, now_).ok());
+    }
+    v1::Plan plan;
+    ASSERT_TRUE(*registry_.TryModelPlan(job_, agents_[0], now_, &plan));
+    ASSERT_EQ(plan.plan_epoch(), 1u);
+  }
+
+  void Report(const std::string& agent, std::vector<v1::LinkTelemetry> links,
+              std::vector<v1::LayerTelemetry> layers, uint64_t iteration) {
+    v1::ReportTelemetryRequest request;
+    request.mutable_header()->set_node_id(agent);
+    for (auto& link : links) *request.add_links() = std::move(link);
+    for (auto& layer : layers) *request.add_layers() = std::move(layer);
+    request.set_iteration(iteration);
+    request.set_window_ns(1000000000);
+    const absl::Status status = registry_.ReportTelemetry(job_, request, now_);
+    ASSERT_TRUE(status.ok()) << status;
+  }
+
+  v1::GetClusterStatusResponse Status() {
+    v1::GetClusterStatusResponse status;
+    EXPECT_TRUE(registry_.ClusterStatus(job_, now_, &status).ok());
+    return status;
+  }
+
+  const v1::NodeStatus* NodeOf(const v1::GetClusterStatusResponse& status, const std::string& id) {
+    for (const v1::NodeStatus& node : status.nodes()) {
+      if (node.node_id() == id) return &node;
+    }
+    ADD_FAILURE() << "no node " << id;
+    return nullptr;
+  }
+
+  uint64_t PlanEpoch() {
+    const v1::Plan* plan = registry_.CurrentPlan("job");
+    return plan == nullptr ? 0 : plan->plan_epoch();
+  }
+
+  std::vector<std::string> servers_, agents_;
+};
+
+TEST_F(RegistryTelemetryTest, ReportsShowPerLinkThroughputAndTheSlowestRankAndLayer) {
+  FormJob(TinyModel());  // conv.weight, conv.bias, fc.weight, fc.bias
+  // Rank 0: quick conv.weight, slow fc.weight; 3 MB to server 0 and 1 MB from it in 1s.
+  Report(agents_[0],
+         {Window(servers_[0], 3000000, 1000000, absl::Seconds(1)),
+          Window(agents_[1], 0, 0, absl::Seconds(1))},
+         {Layer(0, 0.010), Layer(2, 0.030)}, 41);
+  // Rank 1: slow conv.weight; fc.bias posted ready for iteration 43 and waiting for 4s.
+  v1::LayerTelemetry waiting;
+  waiting.set_index(3);
+  waiting.set_waiting_iteration(43);
+  waiting.set_waiting_seconds(4);
+  Report(agents_[1], {Window(servers_[1], 2000000, 2000000, absl::Seconds(2))},
+         {Layer(0, 0.050), Layer(2, 0.020), waiting}, 42);
+  now_ += absl::Seconds(1);
+
+  v1::GetClusterStatusResponse status = Status();
+  const v1::NodeStatus* rank0 = NodeOf(status, agents_[0]);
+  ASSERT_NE(rank0, nullptr);
+  EXPECT_EQ(rank0->iteration(), 41u);
+  EXPECT_EQ(rank0->telemetry_age_ms(), 1000u);
+  ASSERT_EQ(rank0->links_size(), 2);
+  const v1::LinkStatus& to_server = rank0->links(0);
+  EXPECT_EQ(to_server.peer_node_id(), servers_[0]);
+  EXPECT_EQ(to_server.peer_role(), v1::NODE_ROLE_SERVER);
+  EXPECT_EQ(to_server.peer_host(), "server-host");
+  EXPECT_EQ(to_server.sent_bytes(), 3000000u);
+  EXPECT_EQ(to_server.received_bytes(), 1000000u);
+  EXPECT_EQ(to_server.window_ns(), 1000000000u);
+  EXPECT_DOUBLE_EQ(to_server.bytes_per_second(), 3e6);
+  // 3 MB is below telemetry_min_bytes (16 MiB): the planner takes nothing from this window.
+  EXPECT_EQ(to_server.bandwidth_bytes_per_second(), 0);
+  EXPECT_TRUE(to_server.lower_bound());
+  const v1::LinkStatus& to_peer = rank0->links(1);
+  EXPECT_EQ(to_peer.peer_role(), v1::NODE_ROLE_AGENT);
+  EXPECT_EQ(to_peer.peer_rank(), 1u);
+  EXPECT_EQ(to_peer.bytes_per_second(), 0);
+  EXPECT_DOUBLE_EQ(rank0->sync_seconds(), 0.040);
+  EXPECT_EQ(rank0->slowest_layer(), "fc.weight");
+  EXPECT_DOUBLE_EQ(rank0->slowest_layer_sync_seconds(), 0.030);
+  const v1::NodeStatus* rank1 = NodeOf(status, agents_[1]);
+  ASSERT_NE(rank1, nullptr);
+  EXPECT_DOUBLE_EQ(rank1->sync_seconds(), 0.070);
+  EXPECT_EQ(rank1->slowest_layer(), "conv.weight");
+  ASSERT_EQ(rank1->links_size(), 1);
+  EXPECT_DOUBLE_EQ(rank1->links(0).bytes_per_second(), 1e6);
+  const v1::NodeStatus* server0 = NodeOf(status, servers_[0]);
+  ASSERT_NE(server0, nullptr);
+  EXPECT_FALSE(server0->has_telemetry_age_ms());
+  EXPECT_EQ(server0->links_size(), 0);
+
+  ASSERT_EQ(status.jobs_size(), 1);
+  const v1::JobStatus& job = status.jobs(0);
+  ASSERT_TRUE(job.has_slowest_rank());
+  EXPECT_EQ(job.slowest_rank(), 1u);
+  EXPECT_DOUBLE_EQ(job.slowest_rank_sync_seconds(), 0.070);
+  // conv.weight: (10 + 50) / 2 = 30ms; fc.weight: (30 + 20) / 2 = 25ms.
+  EXPECT_EQ(job.slowest_layer(), "conv.weight");
+  EXPECT_DOUBLE_EQ(job.slowest_layer_sync_seconds(), 0.030);
+  ASSERT_EQ(job.layers_size(), 4);
+  EXPECT_DOUBLE_EQ(job.layers(0).sync_seconds(), 0.030);
+  EXPECT_EQ(job.layers(1).sync_seconds(), 0);
+  EXPECT_DOUBLE_EQ(job.layers(2).sync_seconds(), 0.025);
+  ASSERT_TRUE(job.has_waiting_rank());
+  EXPECT_EQ(job.waiting_rank(), 1u);
+  EXPECT_EQ(job.waiting_layer(), "fc.bias");
+  EXPECT_EQ(job.waiting_iteration(), 43u);
+  EXPECT_EQ(job.waiting_seconds(), 4);
+
+  // A newer report replaces the old one: rank 0 is now the slowest.
+  Report(agents_[0], {}, {Layer(0, 0.100), Layer(2, 0.030)}, 45);
+  status = Status();
+  EXPECT_EQ(status.jobs(0).slowest_rank(), 0u);
+  EXPECT_EQ(NodeOf(status, agents_[0])->links_size(), 0);
+
+  // Reports older than telemetry_max_age are not shown.
+  now_ += absl::Seconds(61);
+  for (const std::string& agent : agents_) {  // stay alive
+    v1::HeartbeatRequest beat;
+    beat.mutable_header()->set_node_id(agent);
+    beat.set_role(v1::NODE_ROLE_AGENT);
+    v1::HeartbeatResponse response;
+    ASSERT_TRUE(registry_.Heartbeat(job_, beat, now_, &response).ok());
+  }
+  status = Status();
+  EXPECT_FALSE(status.jobs(0).has_slowest_rank());
+  EXPECT_FALSE(status.jobs(0).has_waiting_rank());
+  EXPECT_EQ(NodeOf(status, agents_[1])->links_size(), 0);
+  EXPECT_EQ(NodeOf(status, agents_[1])->sync_seconds(), 0);
+}
+
+// A model whose FC layer sits near the SFB/PS boundary on 2 colocated machines: with 7us of
+// latency SFB is faster above 9.36 Gbit/s (service_test.cc explains).
+v1::ModelSpec BoundaryModel() {
+  v1::ModelSpec model;
+  model.set_name("boundary");
+  v1::LayerSpec* fc = model.add_layers();
+  fc->set_name("fc.weight");
+  fc->set_kind(v1::LAYER_KIND_FC);
+  fc->add_shape(1024);
+  fc->add_shape(1024);
+  fc->set_batch_per_worker(513);
+  v1::LayerSpec* bias = model.add_layers();
+  bias->set_name("fc.bias");
+  bias->set_kind(v1::LAYER_KIND_BIAS);
+  bias->add_shape(1024);
+  bias->set_batch_per_worker(513);
+  return model;
+}
+
+class PlannerTelemetryTest : public RegistryTelemetryTest {
+ protected:
+  PlannerTelemetryTest() : RegistryTelemetryTest(PlannerOptions()) {}
+
+  static RegistryOptions PlannerOptions() {
+    RegistryOptions options = Options();
+    options.colocated = true;
+    options.nominal_bandwidth_bytes_per_second = 10e9 / 8;
+    options.nominal_latency_seconds = 7e-6;
+    options.min_servers = 2;
+    options.telemetry_min_bytes = uint64_t{16} << 20;
+    return options;
+  }
+};
+
+TEST_F(PlannerTelemetryTest, AchievedThroughputNeverDragsTheBandwidthDown) {
+  FormJob(BoundaryModel());
+  ASSERT_EQ(registry_.CurrentPlan("job")->layers(0).scheme(), v1::SYNC_SCHEME_SFB);
+
+  // A nearly idle window: 1 MB in 1s (8 Mbit/s) says nothing about the link's capacity.
+  Report(agents_[0], {Window(agents_[1], 1000000, 0, absl::Seconds(1))}, {}, 10);
+  EXPECT_EQ(PlanEpoch(), 1u);
+  EXPECT_EQ(NodeOf(Status(), agents_[0])->links(0).bandwidth_bytes_per_second(), 0);
+
+  // A busy window at 4 Gbit/s (the link was not busy all the time): a lower bound, below the
+  // plan's 10 Gbit/s, so the estimate stays 10 Gbit/s and so does the plan.
+  Report(agents_[0], {Window(agents_[1], 500000000, 0, absl::Seconds(1))}, {}, 20);
+  EXPECT_EQ(PlanEpoch(), 1u);
+  const v1::LinkStatus busy = NodeOf(Status(), agents_[0])->links(0);
+  EXPECT_DOUBLE_EQ(busy.bandwidth_bytes_per_second(), 5e8);
+  EXPECT_TRUE(busy.lower_bound());
+
+  // A capacity measurement of 7 Gbit/s (no window) still moves the plan to PS: the test above
+  // would have re-planned had the throughput counted as capacity.
+  v1::LinkTelemetry measured;
+  measured.set_peer_node_id(agents_[1]);
+  measured.set_transport(v1::TRANSPORT_KIND_TCP);
+  measured.set_bytes_per_second(7e9 / 8);
+  Report(agents_[0], {measured}, {}, 30);
+  EXPECT_EQ(PlanEpoch(), 2u);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(0).scheme(), v1::SYNC_SCHEME_PS);
+  EXPECT_FALSE(NodeOf(Status(), agents_[0])->links(0).lower_bound());
 }
 
 }  // namespace

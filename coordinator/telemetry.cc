@@ -17,8 +17,14 @@ void LinkTable::EraseNode(const std::string& node) {
   }
 }
 
+std::optional<double> SampleBandwidth(const LinkSample& sample, uint64_t min_bytes) {
+  if (!(sample.bytes_per_second > 0)) return std::nullopt;
+  if (sample.window_ns != 0 && sample.bytes < min_bytes) return std::nullopt;
+  return sample.bytes_per_second;
+}
+
 NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& members, absl::Time now,
-                                    absl::Duration max_age) const {
+                                    absl::Duration max_age, const ThroughputRule& rule) const {
   std::vector<double> bandwidths;
   std::vector<double> latencies;
   NetworkEstimate estimate;
@@ -28,7 +34,10 @@ NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& memb
     for (const auto& [to, sample] : links->second) {
       if (!members.contains(to) || now - sample.at > max_age) continue;
       ++estimate.links;
-      if (sample.bytes_per_second > 0) bandwidths.push_back(sample.bytes_per_second);
+      if (const std::optional<double> bandwidth = SampleBandwidth(sample, rule.min_bytes)) {
+        // Achieved throughput is only a lower bound: it never drags the estimate below `floor`.
+        bandwidths.push_back(sample.window_ns == 0 ? *bandwidth : std::max(*bandwidth, rule.floor));
+      }
       if (sample.latency_ns > 0) latencies.push_back(static_cast<double>(sample.latency_ns) / 2e9);
     }
   }
@@ -49,6 +58,13 @@ double LinkTable::MeanOutgoing(const std::string& node, absl::Time now,
     ++count;
   }
   return count == 0 ? 0 : sum / count;
+}
+
+const LinkSample* LinkTable::Find(const std::string& from, const std::string& to) const {
+  const auto links = out_.find(from);
+  if (links == out_.end()) return nullptr;
+  const auto sample = links->second.find(to);
+  return sample == links->second.end() ? nullptr : &sample->second;
 }
 
 size_t LinkTable::size() const {

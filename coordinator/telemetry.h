@@ -20,7 +20,25 @@ struct LinkSample {
   double bytes_per_second = 0;  // 0: not measured
   uint64_t latency_ns = 0;      // round trip; 0: not measured
   absl::Time at;
+  // 0: bytes_per_second measures the link's capacity. Otherwise it is the throughput achieved over
+  // a window this long, which moved `bytes` in its busier direction: a lower bound of the
+  // capacity, since an idle or compute-bound link moves less than it could.
+  uint64_t window_ns = 0;
+  uint64_t bytes = 0;
 };
+
+// How achieved-throughput samples feed the planner (docs/planner.md, "Measured bandwidth").
+struct ThroughputRule {
+  // A window that moved fewer bytes (busier direction) does not count at all.
+  uint64_t min_bytes = 0;
+  // A counted window stands for max(achieved, floor): it can raise the estimate above the
+  // bandwidth the plan assumes (the link carried that much), never lower it.
+  double floor = 0;
+};
+
+// The bandwidth a sample tells about the link's capacity: a capacity measurement as is, the
+// achieved throughput of a window with at least min_bytes (a lower bound), nullopt otherwise.
+std::optional<double> SampleBandwidth(const LinkSample& sample, uint64_t min_bytes);
 
 // What the planner should assume for a set of nodes.
 struct NetworkEstimate {
@@ -37,12 +55,15 @@ class LinkTable {
   void Record(const std::string& from, const std::string& to, const LinkSample& sample);
   // Forgets every link from or to `node`.
   void EraseNode(const std::string& node);
-  // Over the links whose both ends are in `members` and whose sample is at most `max_age` old.
+  // Over the links whose both ends are in `members` and whose sample is at most `max_age` old;
+  // achieved-throughput samples count as `rule` says.
   NetworkEstimate Estimate(const absl::flat_hash_set<std::string>& members, absl::Time now,
-                           absl::Duration max_age) const;
+                           absl::Duration max_age, const ThroughputRule& rule = {}) const;
   // Mean bytes/s of `node`'s fresh outgoing links; 0 without any.
   double MeanOutgoing(const std::string& node, absl::Time now, absl::Duration max_age) const;
   size_t size() const;
+  // The sample of link from -> to, or null.
+  const LinkSample* Find(const std::string& from, const std::string& to) const;
 
  private:
   std::map<std::string, std::map<std::string, LinkSample>> out_;  // from -> to -> sample

@@ -40,5 +40,27 @@ TEST(TelemetryTest, EstimateUsesFreshLinksBetweenMembers) {
   EXPECT_FALSE(links.Estimate(members, now, absl::Minutes(1)).bandwidth_bytes_per_second);
 }
 
+TEST(TelemetryTest, AchievedThroughputIsALowerBoundFromBusyWindowsOnly) {
+  const absl::Time now = absl::UnixEpoch() + absl::Hours(1);
+  const absl::flat_hash_set<std::string> members = {"a", "b", "c"};
+  const ThroughputRule rule{/*min_bytes=*/1000, /*floor=*/5e9};
+  LinkTable links;
+  // Idle (100 bytes in 1s): ignored, whatever rate it shows.
+  links.Record("a", "b", {100, 0, now, 1000000000, 100});
+  EXPECT_FALSE(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second);
+  EXPECT_FALSE(SampleBandwidth({100, 0, now, 1000000000, 100}, 1000).has_value());
+  // Busy but slower than the floor: counts as the floor, never below it.
+  links.Record("a", "b", {1e9, 0, now, 1000000000, 1000000000});
+  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 5e9);
+  EXPECT_EQ(SampleBandwidth({1e9, 0, now, 1000000000, 1000000000}, 1000), 1e9);
+  // Busy and faster than the floor: the link carried that much, so the estimate rises.
+  links.Record("a", "b", {8e9, 0, now, 1000000000, 8000000000});
+  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 8e9);
+  // A capacity measurement (no window) counts as it is, below the floor too.
+  links.Record("b", "c", {2e9, 0, now});
+  links.Record("c", "a", {1e9, 0, now});
+  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 2e9);
+}
+
 }  // namespace
 }  // namespace poseidon::coordinator

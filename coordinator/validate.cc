@@ -282,6 +282,25 @@ absl::Status ValidateRequest(const v1::ReportTelemetryRequest& request) {
           absl::StrCat("must be at most ", kMaxLatencyNs, " (an hour), got ", link.latency_ns()));
     }
   }
+  if (request.layers_size() > kMaxLayers) {
+    return Invalid("layers", absl::StrCat(request.layers_size(), " entries; at most ", kMaxLayers,
+                                          " allowed"));
+  }
+  for (int i = 0; i < request.layers_size(); ++i) {
+    const v1::LayerTelemetry& layer = request.layers(i);
+    const std::string field = absl::StrCat("layers[", i, "]");
+    if (layer.index() >= static_cast<uint32_t>(kMaxLayers)) {
+      return Invalid(absl::StrCat(field, ".index"),
+                     absl::StrCat("must be below ", kMaxLayers, ", got ", layer.index()));
+    }
+    RETURN_IF_ERROR(CheckLength(absl::StrCat(field, ".name"), layer.name(), kMaxLayerNameBytes));
+    RETURN_IF_ERROR(
+        CheckFinite(absl::StrCat(field, ".mean_sync_seconds"), layer.mean_sync_seconds(), 0));
+    RETURN_IF_ERROR(
+        CheckFinite(absl::StrCat(field, ".max_sync_seconds"), layer.max_sync_seconds(), 0));
+    RETURN_IF_ERROR(
+        CheckFinite(absl::StrCat(field, ".waiting_seconds"), layer.waiting_seconds(), 0));
+  }
   return absl::OkStatus();
 }
 

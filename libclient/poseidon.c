@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include "poseidon/poseidon.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -37,6 +38,11 @@ struct psd_context {
   pid_t agent_pid;
   pthread_mutex_t post_mu; /* the to-agent ring has one producer: us, serialized here */
   char segment[PSD_SHM_NAME_BYTES];
+  /* CUDA (psd_cuda_enable): the device arena and the per-layer events. */
+  int cuda_device;
+  unsigned char* cuda_arena;
+  void** cuda_ready; /* cudaEvent_t per layer, ours, exported */
+  void** cuda_done;  /* cudaEvent_t per layer, the agent's, opened */
 };
 
 static __thread char psd_error[512];
@@ -89,7 +95,8 @@ static psd_status check_agent(psd_context* ctx) {
   return PSD_OK;
 }
 
-static psd_status post(psd_context* ctx, uint32_t type, uint32_t layer, uint64_t iteration) {
+static psd_status post_aux(psd_context* ctx, uint32_t type, uint32_t layer, uint64_t iteration,
+                           uint64_t aux) {
   psd_shm_ring* ring = ctx->to_agent;
   pthread_mutex_lock(&ctx->post_mu);
   const uint64_t tail = __atomic_load_n(&ring->tail, __ATOMIC_RELAXED);
@@ -105,13 +112,19 @@ static psd_status post(psd_context* ctx, uint32_t type, uint32_t layer, uint64_t
   e->layer = layer;
   e->iteration = iteration;
   e->status = 0;
-  e->aux = 0;
+  e->aux = aux;
   __atomic_store_n(&ring->tail, tail + 1, __ATOMIC_RELEASE);
   __atomic_add_fetch(&ring->doorbell, 1, __ATOMIC_RELEASE);
   if (load32(&ring->consumer_sleeping)) futex_wake(&ring->doorbell);
   pthread_mutex_unlock(&ctx->post_mu);
   return PSD_OK;
 }
+
+static psd_status post(psd_context* ctx, uint32_t type, uint32_t layer, uint64_t iteration) {
+  return post_aux(ctx, type, layer, iteration, 0);
+}
+
+static void cuda_release(psd_context* ctx);
 
 PSD_EXPORT void psd_config_init(psd_config* config) {
   if (config == NULL) return;
@@ -391,8 +404,7 @@ PSD_EXPORT psd_status psd_get_layer_info(psd_context* ctx, uint32_t layer, psd_l
   return PSD_OK;
 }
 
-PSD_EXPORT psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t iteration) {
-  psd_error[0] = '\0';
+static psd_status check_ready(psd_context* ctx, uint32_t layer, uint64_t iteration) {
   psd_status s = check_layer(ctx, layer);
   if (s != PSD_OK) return s;
   psd_shm_layer* l = &ctx->layers[layer];
@@ -406,8 +418,15 @@ PSD_EXPORT psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t
    * reported its end. A vanished process is noticed by psd_wait_layer, which always follows. */
   const uint32_t state = load32(&ctx->header->agent_state);
   if (state == PSD_AGENT_FAILED || state == PSD_AGENT_EXITED) return check_agent(ctx);
-  __atomic_store_n(&l->ready_iteration, iteration, __ATOMIC_RELEASE);
-  return post(ctx, PSD_EVENT_LAYER_READY, layer, iteration);
+  return PSD_OK;
+}
+
+PSD_EXPORT psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t iteration) {
+  psd_error[0] = '\0';
+  psd_status s = check_ready(ctx, layer, iteration);
+  if (s != PSD_OK) return s;
+  __atomic_store_n(&ctx->layers[layer].ready_iteration, iteration, __ATOMIC_RELEASE);
+  return post_aux(ctx, PSD_EVENT_LAYER_READY, layer, iteration, PSD_READY_HOST);
 }
 
 PSD_EXPORT psd_status psd_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,
@@ -457,11 +476,228 @@ PSD_EXPORT psd_status psd_detach(psd_context* ctx) {
   psd_error[0] = '\0';
   if (ctx == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx is NULL");
   (void)post(ctx, PSD_EVENT_DETACH, 0, 0);
+  cuda_release(ctx);
   if (ctx->data) munmap(ctx->data, ctx->data_bytes);
   __atomic_store_n(&ctx->header->attached, 0, __ATOMIC_RELEASE);
   munmap(ctx->control, ctx->control_bytes);
   close(ctx->control_fd);
   pthread_mutex_destroy(&ctx->post_mu);
   free(ctx);
+  return PSD_OK;
+}
+
+/* ---- CUDA ------------------------------------------------------------------------------------
+ * The CUDA runtime is loaded at run time (dlopen), so that libposeidon needs nothing beyond libc
+ * on a CPU machine and shares the runtime a framework (PyTorch) has already loaded. Only the
+ * few stable runtime entry points below are used; the IPC handles are 64-byte structs passed as
+ * the runtime declares them. */
+typedef int cuda_err;
+typedef struct { char reserved[PSD_CUDA_IPC_HANDLE_BYTES]; } cuda_ipc_handle;
+#define CUDA_EVENT_DISABLE_TIMING 0x02u
+#define CUDA_EVENT_INTERPROCESS 0x04u
+
+static struct {
+  pthread_once_t once;
+  void* lib;
+  char why[256];
+  cuda_err (*get_device_count)(int*);
+  cuda_err (*set_device)(int);
+  cuda_err (*malloc_)(void**, size_t);
+  cuda_err (*free_)(void*);
+  cuda_err (*memset_)(void*, int, size_t);
+  cuda_err (*ipc_get_mem_handle)(cuda_ipc_handle*, void*);
+  cuda_err (*event_create_with_flags)(void**, unsigned);
+  cuda_err (*event_destroy)(void*);
+  cuda_err (*event_record)(void*, void*);
+  cuda_err (*ipc_get_event_handle)(cuda_ipc_handle*, void*);
+  cuda_err (*ipc_open_event_handle)(void**, cuda_ipc_handle);
+  cuda_err (*stream_wait_event)(void*, void*, unsigned);
+  const char* (*get_error_string)(cuda_err);
+} cuda = {PTHREAD_ONCE_INIT};
+
+static void cuda_load(void) {
+  static const char* const names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so",
+                                      "/usr/local/cuda/lib64/libcudart.so"};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]) && cuda.lib == NULL; ++i) {
+    cuda.lib = dlopen(names[i], RTLD_NOW | RTLD_GLOBAL);
+  }
+  if (cuda.lib == NULL) {
+    snprintf(cuda.why, sizeof(cuda.why), "the CUDA runtime (libcudart.so) could not be loaded");
+    return;
+  }
+#define PSD_CUDA_SYM(field, symbol)                                                        \
+  do {                                                                                     \
+    *(void**)(&cuda.field) = dlsym(cuda.lib, symbol);                                      \
+    if (cuda.field == NULL) {                                                              \
+      snprintf(cuda.why, sizeof(cuda.why), "the CUDA runtime lacks %s", symbol);           \
+      cuda.lib = NULL;                                                                     \
+      return;                                                                              \
+    }                                                                                      \
+  } while (0)
+  PSD_CUDA_SYM(get_device_count, "cudaGetDeviceCount");
+  PSD_CUDA_SYM(set_device, "cudaSetDevice");
+  PSD_CUDA_SYM(malloc_, "cudaMalloc");
+  PSD_CUDA_SYM(free_, "cudaFree");
+  PSD_CUDA_SYM(memset_, "cudaMemset");
+  PSD_CUDA_SYM(ipc_get_mem_handle, "cudaIpcGetMemHandle");
+  PSD_CUDA_SYM(event_create_with_flags, "cudaEventCreateWithFlags");
+  PSD_CUDA_SYM(event_destroy, "cudaEventDestroy");
+  PSD_CUDA_SYM(event_record, "cudaEventRecord");
+  PSD_CUDA_SYM(ipc_get_event_handle, "cudaIpcGetEventHandle");
+  PSD_CUDA_SYM(ipc_open_event_handle, "cudaIpcOpenEventHandle");
+  PSD_CUDA_SYM(stream_wait_event, "cudaStreamWaitEvent");
+  PSD_CUDA_SYM(get_error_string, "cudaGetErrorString");
+#undef PSD_CUDA_SYM
+}
+
+static const char* cuda_error(cuda_err e) {
+  return cuda.get_error_string ? cuda.get_error_string(e) : "unknown CUDA error";
+}
+
+static void cuda_release(psd_context* ctx) {
+  if (cuda.lib == NULL) return;
+  for (uint32_t i = 0; i < ctx->num_layers; ++i) {
+    if (ctx->cuda_ready && ctx->cuda_ready[i]) cuda.event_destroy(ctx->cuda_ready[i]);
+    if (ctx->cuda_done && ctx->cuda_done[i]) cuda.event_destroy(ctx->cuda_done[i]);
+  }
+  free(ctx->cuda_ready);
+  free(ctx->cuda_done);
+  ctx->cuda_ready = ctx->cuda_done = NULL;
+  if (ctx->cuda_arena) cuda.free_(ctx->cuda_arena);
+  ctx->cuda_arena = NULL;
+}
+
+PSD_EXPORT psd_status psd_cuda_enable(psd_context* ctx, int device, uint32_t timeout_ms) {
+  psd_error[0] = '\0';
+  if (ctx == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx is NULL");
+  if (ctx->num_layers == 0) {
+    return fail(PSD_FAILED_PRECONDITION, "register the layers before psd_cuda_enable");
+  }
+  if (ctx->cuda_arena != NULL) return fail(PSD_FAILED_PRECONDITION, "CUDA is already enabled");
+  pthread_once(&cuda.once, cuda_load);
+  if (cuda.lib == NULL) return fail(PSD_FAILED_PRECONDITION, "%s", cuda.why);
+  int devices = 0;
+  cuda_err e = cuda.get_device_count(&devices);
+  if (e != 0 || devices == 0) {
+    return fail(PSD_FAILED_PRECONDITION, "no CUDA device: cudaGetDeviceCount returned %d (%s)", e,
+                e ? cuda_error(e) : "0 devices");
+  }
+  if (device < 0 || device >= devices) {
+    return fail(PSD_INVALID_ARGUMENT, "CUDA device %d out of range [0, %d)", device, devices);
+  }
+  psd_status status = PSD_INTERNAL;
+  const uint32_t n = ctx->num_layers;
+  psd_shm_header* h = ctx->header;
+  if ((e = cuda.set_device(device)) != 0) {
+    return fail(PSD_FAILED_PRECONDITION, "cudaSetDevice(%d): %s", device, cuda_error(e));
+  }
+  ctx->cuda_device = device;
+  ctx->cuda_ready = calloc(n, sizeof(void*));
+  ctx->cuda_done = calloc(n, sizeof(void*));
+  if (ctx->cuda_ready == NULL || ctx->cuda_done == NULL) {
+    status = fail(PSD_INTERNAL, "out of memory");
+    goto out;
+  }
+  if ((e = cuda.malloc_((void**)&ctx->cuda_arena, ctx->data_bytes)) != 0) {
+    ctx->cuda_arena = NULL;
+    status = fail(PSD_INTERNAL, "cudaMalloc of the %llu-byte arena: %s",
+                  (unsigned long long)ctx->data_bytes, cuda_error(e));
+    goto out;
+  }
+  cuda_ipc_handle handle;
+  if ((e = cuda.memset_(ctx->cuda_arena, 0, ctx->data_bytes)) != 0 ||
+      (e = cuda.ipc_get_mem_handle(&handle, ctx->cuda_arena)) != 0) {
+    status = fail(PSD_INTERNAL, "exporting the arena: %s", cuda_error(e));
+    goto out;
+  }
+  memcpy(h->cuda_arena_handle, &handle, sizeof(handle));
+  for (uint32_t i = 0; i < n; ++i) {
+    if ((e = cuda.event_create_with_flags(&ctx->cuda_ready[i], CUDA_EVENT_DISABLE_TIMING |
+                                                                   CUDA_EVENT_INTERPROCESS)) != 0 ||
+        (e = cuda.ipc_get_event_handle(&handle, ctx->cuda_ready[i])) != 0) {
+      status = fail(PSD_INTERNAL, "the ready event of layer %u: %s", i, cuda_error(e));
+      goto out;
+    }
+    memcpy(ctx->layers[i].cuda_ready_event, &handle, sizeof(handle));
+  }
+  h->cuda_device = device;
+  __atomic_store_n(&h->cuda_arena_bytes, (uint64_t)ctx->data_bytes, __ATOMIC_RELEASE);
+  const uint32_t generation = load32(&h->registration_futex);
+  __atomic_store_n(&h->cuda_state, PSD_CUDA_REQUESTED, __ATOMIC_RELEASE);
+  if ((status = post(ctx, PSD_EVENT_CUDA_ATTACH, 0, 0)) != PSD_OK) goto out;
+  const uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  uint32_t state;
+  while ((state = load32(&h->cuda_state)) == PSD_CUDA_REQUESTED) {
+    if ((status = check_agent(ctx)) != PSD_OK) goto out;
+    const uint64_t now = now_ns();
+    if (now >= deadline) {
+      status = fail(PSD_TIMEOUT, "the agent did not open the CUDA arena within %u ms", timeout_ms);
+      goto out;
+    }
+    const uint64_t left = deadline - now;
+    futex_wait(&h->registration_futex, generation, left < 100000000ull ? left : 100000000ull);
+  }
+  if (state != PSD_CUDA_READY) {
+    char why[PSD_SHM_ERROR_BYTES + 1];
+    memcpy(why, h->error, PSD_SHM_ERROR_BYTES);
+    why[PSD_SHM_ERROR_BYTES] = '\0';
+    status = fail(PSD_FAILED_PRECONDITION, "the agent could not use the CUDA arena: %s", why);
+    goto out;
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    memcpy(&handle, ctx->layers[i].cuda_done_event, sizeof(handle));
+    if ((e = cuda.ipc_open_event_handle(&ctx->cuda_done[i], handle)) != 0) {
+      ctx->cuda_done[i] = NULL;
+      status = fail(PSD_INTERNAL, "opening the agent's done event of layer %u: %s", i,
+                    cuda_error(e));
+      goto out;
+    }
+  }
+  return PSD_OK;
+out:
+  cuda_release(ctx);
+  __atomic_store_n(&h->cuda_state, PSD_CUDA_OFF, __ATOMIC_RELEASE);
+  return status;
+}
+
+PSD_EXPORT psd_status psd_cuda_layer_buffers(psd_context* ctx, uint32_t layer, float** grad,
+                                             float** u, float** v) {
+  psd_error[0] = '\0';
+  psd_status s = check_layer(ctx, layer);
+  if (s != PSD_OK) return s;
+  if (ctx->cuda_arena == NULL) return fail(PSD_FAILED_PRECONDITION, "CUDA is not enabled");
+  const psd_shm_layer* l = &ctx->layers[layer];
+  const int sfb = l->scheme == PSD_SCHEME_SFB;
+  if (grad) *grad = (float*)(ctx->cuda_arena + l->grad_offset);
+  if (u) *u = sfb ? (float*)(ctx->cuda_arena + l->u_offset) : NULL;
+  if (v) *v = sfb ? (float*)(ctx->cuda_arena + l->v_offset) : NULL;
+  return PSD_OK;
+}
+
+PSD_EXPORT psd_status psd_cuda_layer_ready(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                                           void* stream) {
+  psd_error[0] = '\0';
+  psd_status s = check_ready(ctx, layer, iteration);
+  if (s != PSD_OK) return s;
+  if (ctx->cuda_arena == NULL) return fail(PSD_FAILED_PRECONDITION, "CUDA is not enabled");
+  const cuda_err e = cuda.event_record(ctx->cuda_ready[layer], stream);
+  if (e != 0) {
+    return fail(PSD_INTERNAL, "layer %u: cudaEventRecord on the training stream: %s", layer,
+                cuda_error(e));
+  }
+  __atomic_store_n(&ctx->layers[layer].ready_iteration, iteration, __ATOMIC_RELEASE);
+  return post_aux(ctx, PSD_EVENT_LAYER_READY, layer, iteration, PSD_READY_DEVICE);
+}
+
+PSD_EXPORT psd_status psd_cuda_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                                          uint32_t timeout_ms, void* stream) {
+  psd_status s = psd_wait_layer(ctx, layer, iteration, timeout_ms);
+  if (s != PSD_OK) return s;
+  if (ctx->cuda_arena == NULL) return fail(PSD_FAILED_PRECONDITION, "CUDA is not enabled");
+  const cuda_err e = cuda.stream_wait_event(stream, ctx->cuda_done[layer], 0);
+  if (e != 0) {
+    return fail(PSD_INTERNAL, "layer %u: cudaStreamWaitEvent on the agent's copy: %s", layer,
+                cuda_error(e));
+  }
   return PSD_OK;
 }

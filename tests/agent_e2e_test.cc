@@ -10,10 +10,14 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 
+#include <cstring>
 #include <fstream>
 #include <random>
 
 #include "common/shm_layout.h"
+#ifdef POSEIDON_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 #include "poseidon/poseidon.h"
 #include "tests/subprocess.h"
 
@@ -155,6 +159,42 @@ TEST_P(EndToEnd, FourWorkersTwoServersTwentyIterationsVerified) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, EndToEnd, ::testing::Values("ps", "sfb", "auto"));
 
+// The GPU path: two training processes share one GPU; each keeps its layers in a CUDA arena its
+// agent reaches by CUDA IPC (device->host staging, pinned buffers, results back by event, SFB
+// rebuilt with cuBLAS). Every result must equal the exact sum, as on the CPU path.
+class GpuEndToEnd : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+#ifdef POSEIDON_HAVE_CUDA
+    int devices = 0;
+    const cudaError_t e = cudaGetDeviceCount(&devices);
+    if (e != cudaSuccess || devices == 0) {
+      GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned " << static_cast<int>(e)
+                   << " (" << cudaGetErrorName(e) << ")";
+    }
+#else
+    GTEST_SKIP() << "built without CUDA";
+#endif
+  }
+};
+
+TEST_P(GpuEndToEnd, TwoProcessesOnOneGpuMatchTheExactSums) {
+  Cluster cluster(1, 2, GetParam());
+  ASSERT_TRUE(cluster.ok());
+  std::vector<std::unique_ptr<Subprocess>> synths;
+  for (int r = 0; r < 2; ++r) synths.push_back(cluster.Synth(r, kTiny, 20, {"--cuda"}));
+  for (int r = 0; r < 2; ++r) {
+    const std::string out = synths[r]->ReadAll(milliseconds(120000));
+    ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
+    EXPECT_NE(out.find("verified 160 results, 0 mismatches"), std::string::npos) << out;
+    const int sfb_layers = GetParam() == "ps" ? 0 : 3;
+    EXPECT_NE(out.find(std::to_string(sfb_layers) + " on SFB"), std::string::npos) << out;
+  }
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(cluster.agent(r).Wait(milliseconds(20000)), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, GpuEndToEnd, ::testing::Values("ps", "sfb"));
+
 TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {
   Cluster cluster(1, 1, "ps");
   auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000", "--timeout_ms=30000"});
@@ -266,6 +306,86 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
   EXPECT_EQ(psd_attach(&missing, &second), PSD_NOT_FOUND);
   EXPECT_EQ(psd_detach(ctx), PSD_OK);
   EXPECT_EQ(cluster.agent(0).Wait(milliseconds(20000)), 0) << "detach ends the agent cleanly";
+}
+
+// The CUDA calls fail clearly where CUDA cannot be used, and the agent refuses a layer posted on
+// the GPU by a framework that never attached an arena (a forged event on the ring).
+TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
+  Cluster cluster(0, 1, "sfb");
+  psd_config config;
+  psd_config_init(&config);
+  const std::string segment = cluster.segment(0);
+  config.segment = segment.c_str();
+  psd_context* ctx = nullptr;
+  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  EXPECT_EQ(psd_cuda_enable(ctx, 0, 1000), PSD_FAILED_PRECONDITION) << "before registration";
+  const uint64_t shape[2] = {8, 4};
+  psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4};
+  ASSERT_EQ(psd_register_layers(ctx, &good, 1, 30000), PSD_OK) << psd_last_error();
+  float *g = nullptr, *u = nullptr, *v = nullptr;
+  EXPECT_EQ(psd_cuda_layer_buffers(ctx, 0, &g, &u, &v), PSD_FAILED_PRECONDITION);
+  EXPECT_EQ(psd_cuda_layer_ready(ctx, 0, 1, nullptr), PSD_FAILED_PRECONDITION);
+  EXPECT_NE(std::string(psd_last_error()).find("CUDA is not enabled"), std::string::npos);
+  bool have_device = false;
+#ifdef POSEIDON_HAVE_CUDA
+  int devices = 0;
+  have_device = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+#endif
+  if (!have_device) {
+    EXPECT_EQ(psd_cuda_enable(ctx, 0, 10000), PSD_FAILED_PRECONDITION);
+    const std::string why = psd_last_error();
+    EXPECT_TRUE(why.find("no CUDA device") != std::string::npos ||
+                why.find("CUDA runtime") != std::string::npos)
+        << why;
+  } else {
+    EXPECT_EQ(psd_cuda_enable(ctx, 99, 10000), PSD_INVALID_ARGUMENT) << "no such device";
+  }
+
+  // A LAYER_READY "on the device" written straight onto the ring: the agent must fail the
+  // layer (no arena), not read device memory it does not have.
+  const int fd = shm_open(segment.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  auto* control = static_cast<unsigned char*>(
+      mmap(nullptr, PSD_SHM_CONTROL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  ASSERT_NE(control, MAP_FAILED);
+  auto* ring = reinterpret_cast<psd_shm_ring*>(control + PSD_SHM_TO_AGENT_OFFSET);
+  auto* layer = reinterpret_cast<psd_shm_layer*>(control + PSD_SHM_LAYERS_OFFSET);
+  __atomic_store_n(&layer->ready_iteration, 1, __ATOMIC_RELEASE);
+  const uint64_t tail = __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE);
+  psd_shm_event& e = ring->events[tail % PSD_SHM_RING_CAPACITY];
+  e = psd_shm_event{PSD_EVENT_LAYER_READY, 0, 1, 0, 0, PSD_READY_DEVICE};
+  __atomic_store_n(&ring->tail, tail + 1, __ATOMIC_RELEASE);
+  __atomic_add_fetch(&ring->doorbell, 1, __ATOMIC_RELEASE);
+  EXPECT_EQ(psd_wait_layer(ctx, 0, 1, 30000), PSD_SYNC_FAILED);
+  EXPECT_NE(std::string(psd_last_error()).find("no CUDA arena"), std::string::npos)
+      << psd_last_error();
+
+  // A forged CUDA attach with a garbage arena handle: the agent loads its CUDA plugin, and
+  // refuses (no device here, or a handle that does not open) with the reason, and lives on.
+  auto* header = reinterpret_cast<psd_shm_header*>(control);
+  header->cuda_device = 0;
+  __atomic_store_n(&header->cuda_arena_bytes, __atomic_load_n(&header->data_bytes, __ATOMIC_ACQUIRE),
+                   __ATOMIC_RELEASE);
+  std::memset(header->cuda_arena_handle, 0x5a, sizeof(header->cuda_arena_handle));
+  __atomic_store_n(&header->cuda_state, PSD_CUDA_REQUESTED, __ATOMIC_RELEASE);
+  const uint64_t tail2 = __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE);
+  ring->events[tail2 % PSD_SHM_RING_CAPACITY] =
+      psd_shm_event{PSD_EVENT_CUDA_ATTACH, 0, 0, 0, 0, 0};
+  __atomic_store_n(&ring->tail, tail2 + 1, __ATOMIC_RELEASE);
+  __atomic_add_fetch(&ring->doorbell, 1, __ATOMIC_RELEASE);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (__atomic_load_n(&header->cuda_state, __ATOMIC_ACQUIRE) == PSD_CUDA_REQUESTED &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_EQ(__atomic_load_n(&header->cuda_state, __ATOMIC_ACQUIRE), PSD_CUDA_FAILED);
+  const std::string why(header->error, strnlen(header->error, PSD_SHM_ERROR_BYTES));
+  EXPECT_TRUE(why.find("CUDA") != std::string::npos) << why;
+  EXPECT_EQ(__atomic_load_n(&header->agent_state, __ATOMIC_ACQUIRE), PSD_AGENT_SERVING);
+  munmap(control, PSD_SHM_CONTROL_BYTES);
+  EXPECT_EQ(psd_detach(ctx), PSD_OK);
+  EXPECT_EQ(cluster.agent(0).Wait(milliseconds(20000)), 0);
 }
 
 }  // namespace

@@ -126,6 +126,45 @@ std::string Rate(double bytes_per_second) {
   return absl::StrFormat("%.1f MB/s", bytes_per_second / 1e6);
 }
 
+// Like Rate, but an idle link shows 0 rather than "-".
+std::string Throughput(double bytes_per_second) {
+  if (bytes_per_second <= 0) return "0";
+  if (bytes_per_second < 1e5) return absl::StrFormat("%.1f kB/s", bytes_per_second / 1e3);
+  return Rate(bytes_per_second);
+}
+
+std::string Bytes(uint64_t bytes) {
+  if (bytes < 10000) return absl::StrCat(bytes, " B");
+  if (bytes < 10000000) return absl::StrFormat("%.1f kB", static_cast<double>(bytes) / 1e3);
+  return absl::StrFormat("%.1f MB", static_cast<double>(bytes) / 1e6);
+}
+
+std::string Seconds(double seconds) {
+  if (seconds <= 0) return "-";
+  if (seconds < 1) return absl::StrFormat("%.2f ms", seconds * 1e3);
+  return absl::StrFormat("%.2f s", seconds);
+}
+
+// "rank 2", "server s-1", the node id of anything else.
+std::string Peer(const v1::LinkStatus& link) {
+  if (link.peer_role() == v1::NODE_ROLE_AGENT) return absl::StrCat("rank ", link.peer_rank());
+  if (link.peer_role() == v1::NODE_ROLE_SERVER) return absl::StrCat("server ", link.peer_node_id());
+  return link.peer_node_id();
+}
+
+std::string NodeName(const v1::NodeStatus& node) {
+  if (node.role() == v1::NODE_ROLE_AGENT) {
+    return absl::StrCat("job ", node.job_id(), " rank ", node.rank());
+  }
+  return absl::StrCat(RoleName(node.role()), " ", node.node_id());
+}
+
+// The planner's bandwidth from a link's sample: ">= X" for achieved throughput (a lower bound).
+std::string Bandwidth(const v1::LinkStatus& link) {
+  if (link.bandwidth_bytes_per_second() <= 0) return "-";
+  return absl::StrCat(link.lower_bound() ? ">=" : "", Rate(link.bandwidth_bytes_per_second()));
+}
+
 // Left-aligned columns, widths from the content.
 void PrintTable(const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> widths;
@@ -152,7 +191,7 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       rows.push_back({"SERVER", "STATE", "HOST", "ENDPOINTS", "SENDING", "LAST SEEN"});
     } else {
       rows.push_back({"AGENT", "JOB", "RANK", "STATE", "HOST", "GPU", "ENDPOINTS", "ITERATION",
-                      "SENDING", "LAST SEEN"});
+                      "SENDING", "SYNC/ITER", "SLOWEST LAYER", "LAST SEEN"});
     }
     for (const v1::NodeStatus& n : status.nodes()) {
       if (n.role() != role) continue;
@@ -160,10 +199,14 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
         rows.push_back({n.node_id(), StateName(n.state()), n.host(), Endpoints(n),
                         Rate(n.bytes_per_second()), Age(n.last_heartbeat_age_ms())});
       } else {
-        rows.push_back({n.node_id(), n.job_id(), absl::StrCat(n.rank()), StateName(n.state()),
-                        n.host(), absl::StrCat(n.gpu_index()), Endpoints(n),
-                        absl::StrCat(n.iteration()), Rate(n.bytes_per_second()),
-                        Age(n.last_heartbeat_age_ms())});
+        rows.push_back(
+            {n.node_id(), n.job_id(), absl::StrCat(n.rank()), StateName(n.state()), n.host(),
+             absl::StrCat(n.gpu_index()), Endpoints(n), absl::StrCat(n.iteration()),
+             Rate(n.bytes_per_second()), Seconds(n.sync_seconds()),
+             n.slowest_layer().empty() ? "-"
+                                       : absl::StrCat(n.slowest_layer(), " (",
+                                                      Seconds(n.slowest_layer_sync_seconds()), ")"),
+             Age(n.last_heartbeat_age_ms())});
       }
     }
     if (rows.size() == 1) {
@@ -173,20 +216,51 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     PrintTable(rows);
     std::printf("\n");
   }
+  // Every node's links, from its latest telemetry (achieved throughput over its window).
+  std::vector<std::vector<std::string>> links = {
+      {"LINK FROM", "TO", "SENT", "RECEIVED", "WINDOW", "BYTES/S", "BANDWIDTH"}};
+  for (const v1::NodeStatus& n : status.nodes()) {
+    for (const v1::LinkStatus& link : n.links()) {
+      links.push_back(
+          {NodeName(n), Peer(link), Bytes(link.sent_bytes()), Bytes(link.received_bytes()),
+           link.window_ns() == 0 ? "-" : Seconds(static_cast<double>(link.window_ns()) / 1e9),
+           Throughput(link.bytes_per_second()), Bandwidth(link)});
+    }
+  }
+  if (links.size() == 1) {
+    std::printf("no link telemetry yet\n\n");
+  } else {
+    PrintTable(links);
+    std::printf("\n");
+  }
   if (status.jobs().empty()) std::printf("no jobs\n");
   for (const v1::JobStatus& job : status.jobs()) {
     std::printf("job %s: model %s, world size %u, plan epoch %llu (from iteration %llu)\n",
                 job.job_id().c_str(), job.model_name().empty() ? "-" : job.model_name().c_str(),
                 job.world_size(), static_cast<unsigned long long>(job.plan_epoch()),
                 static_cast<unsigned long long>(job.effective_iteration()));
+    if (job.has_slowest_rank()) {
+      std::printf(
+          "  slowest rank %u (%s of synchronisation per iteration), slowest layer %s (%s)\n",
+          job.slowest_rank(), Seconds(job.slowest_rank_sync_seconds()).c_str(),
+          job.slowest_layer().empty() ? "-" : job.slowest_layer().c_str(),
+          Seconds(job.slowest_layer_sync_seconds()).c_str());
+    }
+    // A healthy job always has some layer in flight: only a wait of a second or more is news.
+    if (job.has_waiting_rank() && job.waiting_seconds() >= 1) {
+      std::printf("  waiting longest: rank %u, layer %s, iteration %llu, for %s\n",
+                  job.waiting_rank(), job.waiting_layer().c_str(),
+                  static_cast<unsigned long long>(job.waiting_iteration()),
+                  Seconds(job.waiting_seconds()).c_str());
+    }
     if (job.layers().empty()) {
       std::printf("  no plan yet (the model is registered when every rank has joined)\n");
       continue;
     }
-    std::vector<std::vector<std::string>> rows = {{"  LAYER", "SCHEME", "BYTES"}};
+    std::vector<std::vector<std::string>> rows = {{"  LAYER", "SCHEME", "BYTES", "SYNC"}};
     for (const v1::LayerStatus& layer : job.layers()) {
       rows.push_back({absl::StrCat("  ", layer.name()), SchemeName(layer.scheme()),
-                      absl::StrCat(layer.bytes())});
+                      absl::StrCat(layer.bytes()), Seconds(layer.sync_seconds())});
     }
     PrintTable(rows);
   }
@@ -238,6 +312,53 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     w.Number(n.bytes_per_second());
     w.Key("last_heartbeat_age_ms");
     w.Unsigned(n.last_heartbeat_age_ms());
+    w.Key("telemetry_age_ms");
+    if (n.has_telemetry_age_ms()) {
+      w.Unsigned(n.telemetry_age_ms());
+    } else {
+      w.Null();
+    }
+    if (n.role() == v1::NODE_ROLE_AGENT) {
+      w.Key("sync_seconds");
+      w.Number(n.sync_seconds());
+      w.Key("slowest_layer");
+      w.String(n.slowest_layer());
+      w.Key("slowest_layer_sync_seconds");
+      w.Number(n.slowest_layer_sync_seconds());
+    }
+    w.Key("links");
+    w.BeginArray();
+    for (const v1::LinkStatus& link : n.links()) {
+      w.BeginObject();
+      w.Key("peer_node_id");
+      w.String(link.peer_node_id());
+      w.Key("peer_role");
+      w.String(RoleName(link.peer_role()));
+      w.Key("peer_host");
+      w.String(link.peer_host());
+      if (link.peer_role() == v1::NODE_ROLE_AGENT) {
+        w.Key("peer_rank");
+        w.Unsigned(link.peer_rank());
+      }
+      w.Key("transport");
+      w.String(TransportName(link.transport()));
+      w.Key("sent_bytes");
+      w.Unsigned(link.sent_bytes());
+      w.Key("received_bytes");
+      w.Unsigned(link.received_bytes());
+      w.Key("window_ns");
+      w.Unsigned(link.window_ns());
+      w.Key("bytes_per_second");
+      w.Number(link.bytes_per_second());
+      w.Key("bandwidth_bytes_per_second");
+      w.Number(link.bandwidth_bytes_per_second());
+      w.Key("lower_bound");
+      w.Bool(link.lower_bound());
+      w.Key("latency_ns");
+      w.Unsigned(link.latency_ns());
+      w.EndObject();
+    }
+    w.EndArray();
     w.EndObject();
   }
   w.EndArray();
@@ -265,9 +386,38 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.String(SchemeName(layer.scheme()));
       w.Key("bytes");
       w.Unsigned(layer.bytes());
+      w.Key("sync_seconds");
+      w.Number(layer.sync_seconds());
       w.EndObject();
     }
     w.EndArray();
+    w.Key("slowest_rank");
+    if (job.has_slowest_rank()) {
+      w.Unsigned(job.slowest_rank());
+    } else {
+      w.Null();
+    }
+    w.Key("slowest_rank_sync_seconds");
+    w.Number(job.slowest_rank_sync_seconds());
+    w.Key("slowest_layer");
+    w.String(job.slowest_layer());
+    w.Key("slowest_layer_sync_seconds");
+    w.Number(job.slowest_layer_sync_seconds());
+    w.Key("waiting");
+    if (job.has_waiting_rank()) {
+      w.BeginObject();
+      w.Key("rank");
+      w.Unsigned(job.waiting_rank());
+      w.Key("layer");
+      w.String(job.waiting_layer());
+      w.Key("iteration");
+      w.Unsigned(job.waiting_iteration());
+      w.Key("seconds");
+      w.Number(job.waiting_seconds());
+      w.EndObject();
+    } else {
+      w.Null();
+    }
     w.EndObject();
   }
   w.EndArray();

@@ -20,6 +20,10 @@
 #include "coordinator/planner/time_model.h"
 #include "poseidon/poseidon.h"
 
+#ifdef POSEIDON_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 ABSL_FLAG(std::string, segment, "", "the agent's segment (default $POSEIDON_SEGMENT)");
 ABSL_FLAG(std::string, model, "", "built-in model name or spec path");
 ABSL_FLAG(uint32_t, batch, 32, "per-worker batch K (FC layers' factor rows; compute time)");
@@ -28,6 +32,9 @@ ABSL_FLAG(std::string, gpu, "titanx", "GPU rate for compute time (name or FLOP/s
 ABSL_FLAG(double, compute_scale, 1.0, "multiply the emulated compute time (0: none)");
 ABSL_FLAG(bool, verify, false, "check every synchronised result against the exact sum");
 ABSL_FLAG(uint32_t, timeout_ms, 60000, "per-layer wait timeout");
+ABSL_FLAG(bool, cuda, false,
+          "keep the layers on the GPU (device 0): write them there, post with "
+          "psd_cuda_layer_ready on a stream, wait with psd_cuda_wait_layer");
 ABSL_FLAG(bool, wfbp, true,
           "post each layer ready during backward (false: after the whole backward)");
 
@@ -53,6 +60,10 @@ struct Layer {
   std::vector<uint64_t> shape;
   double forward_s = 0, backward_s = 0;
   psd_layer_info info{};
+  float* dev_grad = nullptr;  // --cuda: the layer's device buffers
+  float* dev_u = nullptr;
+  float* dev_v = nullptr;
+  std::vector<float> staging;  // --cuda: host copy written to / read back from the device
 };
 
 [[noreturn]] void Die(const char* what, psd_status s) {
@@ -66,7 +77,7 @@ void Sleep(double seconds) {
 }
 
 // Checks layer l's synchronised result of iteration t; returns the number of mismatches.
-uint64_t Verify(const Layer& layer, uint32_t l, uint64_t t, uint32_t world) {
+uint64_t Verify(const Layer& layer, const float* grad, uint32_t l, uint64_t t, uint32_t world) {
   const uint64_t n = layer.info.elements;
   const uint64_t stride = std::max<uint64_t>(1, n / 4096);  // sample large layers
   uint64_t bad = 0;
@@ -84,13 +95,13 @@ uint64_t Verify(const Layer& layer, uint32_t l, uint64_t t, uint32_t world) {
     } else {
       for (uint32_t r = 0; r < world; ++r) expected += GradValue(r, t, l, i);
     }
-    if (static_cast<double>(layer.info.grad[i]) != expected) {
+    if (static_cast<double>(grad[i]) != expected) {
       if (bad < 3) {
         std::fprintf(
             stderr,
             "poseidon-synth: layer %u (%s) iteration %llu element %llu: got %g, expected %g\n", l,
             layer.name.c_str(), static_cast<unsigned long long>(t),
-            static_cast<unsigned long long>(i), layer.info.grad[i], expected);
+            static_cast<unsigned long long>(i), grad[i], expected);
       }
       ++bad;
     }
@@ -155,17 +166,102 @@ int main(int argc, char** argv) {
       Die("layer info", s);
     sfb += layers[l].info.scheme == PSD_SYNC_SFB;
   }
+  const bool cuda = absl::GetFlag(FLAGS_cuda);
+  void* stream = nullptr;  // cudaStream_t
+  if (cuda) {
+#ifdef POSEIDON_HAVE_CUDA
+    if (psd_status s = psd_cuda_enable(ctx, 0, timeout); s != PSD_OK) Die("cuda enable", s);
+    cudaStream_t st;
+    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) {
+      std::fprintf(stderr, "poseidon-synth: cannot create a CUDA stream\n");
+      return 1;
+    }
+    stream = st;
+    for (uint32_t l = 0; l < layers.size(); ++l) {
+      Layer& layer = layers[l];
+      if (psd_status s = psd_cuda_layer_buffers(ctx, l, &layer.dev_grad, &layer.dev_u, &layer.dev_v);
+          s != PSD_OK) {
+        Die("cuda buffers", s);
+      }
+      uint64_t floats = layer.info.elements;
+      if (layer.info.scheme == PSD_SYNC_SFB) {
+        floats = std::max<uint64_t>(floats, K * (layer.shape[0] + layer.shape[1]));
+      }
+      layer.staging.assign(floats, 0.0f);
+    }
+#else
+    std::fprintf(stderr, "poseidon-synth: built without CUDA\n");
+    return 2;
+#endif
+  }
   const uint64_t iterations = absl::GetFlag(FLAGS_iterations);
   const bool verify = absl::GetFlag(FLAGS_verify);
   const bool wfbp = absl::GetFlag(FLAGS_wfbp);
   uint64_t mismatches = 0, verified = 0;
   const auto L = static_cast<uint32_t>(layers.size());
   auto wait_and_check = [&](uint32_t l, uint64_t t) {
-    if (psd_status s = psd_wait_layer(ctx, l, t, timeout); s != PSD_OK) Die("wait", s);
+    const float* result = layers[l].info.grad;
+    if (cuda) {
+#ifdef POSEIDON_HAVE_CUDA
+      if (psd_status s = psd_cuda_wait_layer(ctx, l, t, timeout, stream); s != PSD_OK) {
+        Die("wait", s);
+      }
+      if (verify) {  // read the result back on the stream, after the agent's copy
+        Layer& layer = layers[l];
+        auto st = static_cast<cudaStream_t>(stream);
+        cudaMemcpyAsync(layer.staging.data(), layer.dev_grad, layer.info.elements * 4,
+                        cudaMemcpyDeviceToHost, st);
+        if (cudaStreamSynchronize(st) != cudaSuccess) {
+          std::fprintf(stderr, "poseidon-synth: reading layer %u back failed\n", l);
+          std::exit(1);
+        }
+        result = layer.staging.data();
+      }
+#endif
+    } else if (psd_status s = psd_wait_layer(ctx, l, t, timeout); s != PSD_OK) {
+      Die("wait", s);
+    }
     if (verify) {
-      mismatches += Verify(layers[l], l, t, world);
+      mismatches += Verify(layers[l], result, l, t, world);
       ++verified;
     }
+  };
+  // Writes layer l's input of iteration t: into the shared buffers, or with --cuda onto the GPU.
+  auto write_layer = [&](uint32_t l, uint64_t t) {
+    Layer& layer = layers[l];
+    float* grad = cuda ? layer.staging.data() : layer.info.grad;
+    if (layer.info.scheme == PSD_SYNC_SFB) {
+      const uint64_t M = layer.shape[0], N = layer.shape[1];
+      float* u = cuda ? layer.staging.data() : layer.info.u;
+      float* v = cuda ? layer.staging.data() + K * M : layer.info.v;
+      for (uint64_t k = 0; k < K; ++k) {
+        for (uint64_t m = 0; m < M; ++m) u[k * M + m] = UValue(rank, t, l, k, m);
+        for (uint64_t n = 0; n < N; ++n) v[k * N + n] = VValue(rank, t, l, k, n);
+      }
+#ifdef POSEIDON_HAVE_CUDA
+      if (cuda) {
+        auto st = static_cast<cudaStream_t>(stream);
+        cudaMemcpyAsync(layer.dev_u, u, K * M * 4, cudaMemcpyHostToDevice, st);
+        cudaMemcpyAsync(layer.dev_v, v, K * N * 4, cudaMemcpyHostToDevice, st);
+        cudaStreamSynchronize(st);  // the staging vector is reused next iteration
+      }
+#endif
+    } else {
+      for (uint64_t i = 0; i < layer.info.elements; ++i) grad[i] = GradValue(rank, t, l, i);
+#ifdef POSEIDON_HAVE_CUDA
+      if (cuda) {
+        auto st = static_cast<cudaStream_t>(stream);
+        cudaMemcpyAsync(layer.dev_grad, grad, layer.info.elements * 4, cudaMemcpyHostToDevice,
+                        st);
+        cudaStreamSynchronize(st);
+      }
+#endif
+    }
+  };
+  auto post = [&](uint32_t l, uint64_t t) {
+    const psd_status s =
+        cuda ? psd_cuda_layer_ready(ctx, l, t, stream) : psd_layer_ready(ctx, l, t);
+    if (s != PSD_OK) Die("ready", s);
   };
   const auto start = Clock::now();
   auto first_iteration_end = start;
@@ -176,25 +272,11 @@ int main(int argc, char** argv) {
     }
     for (uint32_t l = L; l-- > 0;) {  // backward, top layer first
       Sleep(layers[l].backward_s);
-      Layer& layer = layers[l];
-      if (layer.info.scheme == PSD_SYNC_SFB) {
-        const uint64_t M = layer.shape[0], N = layer.shape[1];
-        for (uint64_t k = 0; k < K; ++k) {
-          for (uint64_t m = 0; m < M; ++m) layer.info.u[k * M + m] = UValue(rank, t, l, k, m);
-          for (uint64_t n = 0; n < N; ++n) layer.info.v[k * N + n] = VValue(rank, t, l, k, n);
-        }
-      } else {
-        for (uint64_t i = 0; i < layer.info.elements; ++i)
-          layer.info.grad[i] = GradValue(rank, t, l, i);
-      }
-      if (wfbp) {
-        if (psd_status s = psd_layer_ready(ctx, l, t); s != PSD_OK) Die("ready", s);
-      }
+      write_layer(l, t);
+      if (wfbp) post(l, t);
     }
     if (!wfbp) {
-      for (uint32_t l = L; l-- > 0;) {
-        if (psd_status s = psd_layer_ready(ctx, l, t); s != PSD_OK) Die("ready", s);
-      }
+      for (uint32_t l = L; l-- > 0;) post(l, t);
     }
     if (t == 1) first_iteration_end = Clock::now();
   }

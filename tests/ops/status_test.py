@@ -1,13 +1,17 @@
 #!/usr/bin/python3
 """`poseidon status` against a live coordinator with one poseidon-server registered: the table and
 --json list the server as alive with its endpoint; a wrong token and an unreachable coordinator
-each give exit code 2 and one line on stderr. Every process is killed on every path."""
+each give exit code 2 and one line on stderr. With --agent and --synth, two agents join through the
+coordinator (--telemetry_interval=200ms) and train the tiny model with poseidon-synth: status then
+shows non-zero bytes/s on their links and names a slowest rank and layer. Every process is killed
+(and every shared-memory segment removed) on every path."""
 
 import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,11 +34,79 @@ def run_status(cli, *args, env=None):
     return p
 
 
+def training_status(args, addr, jenv, daemons, segments):
+    """Two agents joined through the coordinator, each with a poseidon-synth training the tiny
+    model; their telemetry (every 200ms) must reach `poseidon status`."""
+    agents = []
+    for rank in range(2):
+        segment = f"/psd-ops-status-{os.getpid()}-{rank}"
+        segments.append(segment)
+        agent = Daemon(f"agent {rank}", [
+            args.agent, "--job_id=1", "--secret=ops-status-secret", f"--rank={rank}",
+            "--world_size=2", f"--coordinator={addr}", f"--listen=127.0.0.1:{free_port()}",
+            f"--segment={segment}", "--telemetry_interval=200ms", "--log_level=warn"])
+        daemons.append(agent)
+        agents.append(agent)
+    for agent in agents:
+        agent.wait_for(r"poseidon-agent ready")
+    for rank, segment in enumerate(segments):
+        # Long enough to outlast the polling below; killed at the end.
+        daemons.append(Daemon(f"synth {rank}", [
+            args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
+            "--iterations=1000000", "--compute_scale=0"]))
+
+    doc = None
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        p = subprocess.run([args.cli, "status", "--json"], capture_output=True, text=True,
+                           timeout=30, env=jenv)
+        if p.returncode == 0:
+            doc = json.loads(p.stdout)
+            agent_nodes = [n for n in doc["nodes"] if n["role"] == "agent"]
+            busy = [l for n in agent_nodes for l in n["links"] if l["bytes_per_second"] > 0]
+            jobs = [j for j in doc["jobs"] if j["job_id"] == "1"]
+            if (len(agent_nodes) == 2 and busy and jobs and jobs[0]["slowest_layer"]
+                    and jobs[0]["slowest_rank"] is not None
+                    and all(n["iteration"] > 0 and n["slowest_layer"] for n in agent_nodes)):
+                break
+        time.sleep(0.3)
+    else:
+        check(False, "status never showed busy links and a slowest rank and layer: "
+              + json.dumps(doc)[:3000])
+        return
+    print(json.dumps(doc, indent=1)[:4000])
+    agent_nodes = [n for n in doc["nodes"] if n["role"] == "agent"]
+    job = [j for j in doc["jobs"] if j["job_id"] == "1"][0]
+    layer_names = [l["name"] for l in job["layers"]]
+    check(job["slowest_layer"] in layer_names, "the slowest layer is one of the plan's layers")
+    check(job["slowest_rank"] in (0, 1), "the slowest rank is rank 0 or 1")
+    check(all(l["window_ns"] > 0 for n in agent_nodes for l in n["links"]),
+          "every link reports its window")
+    check(any(l["peer_role"] == "server" and l["bytes_per_second"] > 0
+              for n in agent_nodes for l in n["links"]) or
+          any(l["peer_role"] == "agent" and l["bytes_per_second"] > 0
+              for n in agent_nodes for l in n["links"]),
+          "some link to a server or a peer moved bytes")
+    check(all(n["sync_seconds"] > 0 for n in agent_nodes), "every agent reports its sync time")
+
+    p = run_status(args.cli, env=jenv)
+    check(p.returncode == 0, "status (table) exits 0 while training")
+    check("LINK FROM" in p.stdout and "BYTES/S" in p.stdout, "the table has the links")
+    check("slowest rank" in p.stdout and "slowest layer" in p.stdout,
+          "the table names the slowest rank and layer")
+    link_rows = [l for l in p.stdout.splitlines() if l.startswith("job 1 rank ")]
+    check(any(("kB/s" in l or "MB/s" in l) for l in link_rows),
+          "a link row shows a non-zero rate")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--server", required=True)
+    ap.add_argument("--agent")
+    ap.add_argument("--synth")
+    ap.add_argument("--model", help="model spec for poseidon-synth (tests/models/tiny.json)")
     args = ap.parse_args()
     env = dict(os.environ, POSEIDON_JOB_TOKEN=TOKEN, POSEIDON_COORDINATOR_TOKEN=TOKEN,
                POSEIDON_JOB_SECRET="ops-status-secret")
@@ -43,6 +115,7 @@ def main():
     os.environ.clear()
     os.environ.update(env)
     daemons = []
+    segments = []
     try:
         coord = Daemon("poseidon-coordinator", [args.coordinator, "--listen=127.0.0.1:0",
                                                 "--job_id=1", "--log_level=warn"])
@@ -78,11 +151,20 @@ def main():
         check(p.returncode == 2, "a wrong token exits 2")
         check(len(p.stderr.strip().splitlines()) == 1 and "UNAUTHENTICATED" in p.stderr,
               "a wrong token is one line naming UNAUTHENTICATED")
+
+        if args.agent and args.synth and args.model:
+            training_status(args, addr, jenv, daemons, segments)
     except RuntimeError as e:
         check(False, str(e))
     finally:
         for d in reversed(daemons):
             d.kill()
+        for segment in segments:
+            for name in (segment, segment + ".data"):
+                try:
+                    os.unlink("/dev/shm" + name)
+                except FileNotFoundError:
+                    pass
 
     # Nothing listens on a port just freed.
     dead = f"127.0.0.1:{free_port()}"

@@ -1,6 +1,13 @@
 #!/usr/bin/python3
 """One rank of the equivalence test: 30 SGD steps of a small MLP on fixed data through Poseidon.
-Rank r trains on rows [r*K, (r+1)*K) of each global batch of 4K; rank 0 writes the parameters."""
+Rank r trains on rows [r*K, (r+1)*K) of each global batch of P*K (P workers, 4 unless told);
+rank 0 writes the parameters (on the CPU).
+
+    equivalence_worker.py OUT [MODE[,MODE...]]
+
+modes: overlap (overlap_forward, SGD with momentum), server-adam (the servers run Adam),
+cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-accumulate (the
+PS gradient hook, instead of the default for this torch), workers=P (the expected world size)."""
 import sys
 
 import torch
@@ -11,28 +18,43 @@ import poseidon.torch
 K, STEPS = 8, 30
 
 
-def model_and_data(seed=0):
+def model_and_data(seed=0, workers=4, device="cpu"):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
     g = torch.Generator().manual_seed(99)
-    x = torch.randn(STEPS, 4 * K, 20, generator=g)
-    y = torch.randint(0, 5, (STEPS, 4 * K), generator=g)
-    return model, x, y
+    x = torch.randn(STEPS, workers * K, 20, generator=g)
+    y = torch.randint(0, 5, (STEPS, workers * K), generator=g)
+    return model.to(device), x.to(device), y.to(device)
 
 
-def main(out, overlap=False, server=False):
+def main(out, modes=()):
+    modes = set(modes)
+    workers = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("workers=")), 4)
+    overlap, server = "overlap" in modes, "server-adam" in modes
+    grad_hook = ("tensor" if "tensor-hook" in modes else
+                 "post_accumulate" if "post-accumulate" in modes else "auto")
+    device = "cpu"
+    if "cuda" in modes:
+        device = "cuda:0"  # every rank on the same GPU
+        torch.backends.cuda.matmul.allow_tf32 = False  # (the default) full float32 matmuls
     poseidon.init()
     rank, world = poseidon.rank(), poseidon.size()
-    assert world == 4
-    model, x, y = model_and_data(seed=rank)  # different seeds: the broadcast must fix it
+    assert world == workers, f"world {world}, expected {workers}"
+    # Different seeds on every rank: the initial broadcast must make the replicas equal.
+    model, x, y = model_and_data(seed=rank, workers=workers, device=device)
     if server:  # the KV servers run Adam; no local optimizer
         opt = poseidon.torch.distribute(model, None, batch_size=K,
-                                        server_optimizer=dict(rule="adam", lr=0.01))
+                                        server_optimizer=dict(rule="adam", lr=0.01),
+                                        grad_hook=grad_hook)
     else:
         opt = poseidon.torch.distribute(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             if overlap else torch.optim.SGD(model.parameters(), lr=0.1),
-            batch_size=K, overlap_forward=overlap)
+            batch_size=K, overlap_forward=overlap, grad_hook=grad_hook)
+    if device != "cpu":  # the buffers are views of the CUDA arena, not host memory
+        for layer in opt._layers:
+            for buf in (layer.grad, layer.u, layer.v):
+                assert buf is None or buf.device == torch.device(device), (layer.name, buf.device)
     for step in range(STEPS):
         mine = slice(rank * K, (rank + 1) * K)
         loss = torch.nn.functional.cross_entropy(model(x[step, mine]), y[step, mine])
@@ -41,11 +63,11 @@ def main(out, overlap=False, server=False):
         opt.step()
     opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
     if rank == 0:
-        torch.save([p.detach().clone() for p in model.parameters()], out)
+        torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
         print("schemes:", ",".join(s for _, s, _ in poseidon.torch.plan_summary(opt)))
+        print(f"device: {opt.device}, grad hook: {opt.grad_hook}, torch {torch.__version__}")
     poseidon.shutdown()
 
 
 if __name__ == "__main__":
-    mode = sys.argv[2] if len(sys.argv) > 2 else ""
-    main(sys.argv[1], overlap=mode == "overlap", server=mode == "server-adam")
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else ())

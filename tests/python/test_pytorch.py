@@ -6,6 +6,13 @@
 - The launcher: a rank that raises, a daemon that is killed: everything stops, the exit code is
   non-zero and the message names the process.
 - Misuse: calling before init, registering a model twice: clear Python exceptions.
+- CUDA (skipped without a GPU): 2 workers with the model on cuda:0 (one GPU shared), through the
+  CUDA arena, against one process on the 2x-larger batch on the same GPU, for PS, SFB, auto, the
+  tensor hook (PyTorch 1.13's) and the post-accumulate hook (PyTorch >= 2.1's), overlap_forward
+  and server-side Adam.
+
+Environment: PYTHONPATH with libclient/python, POSEIDON_BUILD_DIR (or POSEIDON_BIN_DIR and
+POSEIDON_LIB) naming the binaries. Child processes run with this interpreter (sys.executable).
 """
 import os
 import subprocess
@@ -24,7 +31,10 @@ sys.path.insert(0, HERE)
 import equivalence_worker  # noqa: E402
 import poseidon  # noqa: E402
 
-PY = "/usr/bin/python3"
+PY = sys.executable  # /usr/bin/python3 under ctest; whatever python has torch elsewhere
+HAS_CUDA = torch.cuda.is_available()
+NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False"
+HAS_POST_ACCUMULATE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
 def launch(args, timeout=300):
@@ -32,28 +42,35 @@ def launch(args, timeout=300):
                           timeout=timeout)
 
 
-def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1)):
-    """One process on the 4x-larger batch: what every scheme must reproduce."""
-    model, x, y = equivalence_worker.model_and_data(seed=0)
+def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), workers=4,
+              device="cpu"):
+    """One process on the P-times larger batch: what every scheme must reproduce."""
+    model, x, y = equivalence_worker.model_and_data(seed=0, workers=workers, device=device)
     opt = make_optimizer(model.parameters())
     for step in range(equivalence_worker.STEPS):
         loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return [p.detach() for p in model.parameters()]
+    return [p.detach().cpu() for p in model.parameters()]
 
 
-class Equivalence(unittest.TestCase):
-    def run_workers(self, launcher_args=(), worker_args=(), expect_schemes=None):
-        """4 ranks of equivalence_worker.py through the launcher; rank 0's parameters."""
+class WorkersTest(unittest.TestCase):
+    """Runs equivalence_worker.py ranks through the launcher and compares parameters."""
+
+    def run_workers(self, launcher_args=(), worker_args=(), expect_schemes=None, workers=4,
+                    expect_output=()):
+        """`workers` ranks of equivalence_worker.py through the launcher; rank 0's parameters."""
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "4", *launcher_args, "--", PY,
-                        os.path.join(HERE, "equivalence_worker.py"), out, *worker_args])
+            modes = ",".join([*worker_args, f"workers={workers}"])
+            r = launch(["-n", str(workers), *launcher_args, "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out, modes])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             if expect_schemes:
                 self.assertIn(f"schemes: {expect_schemes}", r.stdout)
+            for text in expect_output:
+                self.assertIn(text, r.stdout)
             return torch.load(out)
 
     def assert_close(self, got, want, what, per_element=True):
@@ -63,6 +80,10 @@ class Equivalence(unittest.TestCase):
             else:  # relative to the tensor's norm (see the momentum and Adam tests)
                 rel = ((g - w).norm() / w.norm()).item()
             self.assertLessEqual(rel, 1e-5, f"{what}: relative difference {rel:.2e}")
+
+
+class Equivalence(WorkersTest):
+    """4 CPU workers against one process on the 4x-larger batch."""
 
     def check_scheme(self, scheme, expect):
         got = self.run_workers(["--scheme", scheme], expect_schemes=expect)
@@ -107,6 +128,62 @@ class Equivalence(unittest.TestCase):
             self.assertEqual(r.returncode, 0, r.stderr[-2000:])
             ddp = torch.load(ddp_out)
         self.assert_close(self.run_workers(), ddp, "Poseidon vs DDP")
+
+
+@unittest.skipUnless(HAS_CUDA, NO_CUDA)
+class Cuda(WorkersTest):
+    """The model on cuda:0 (2 ranks share the GPU): gradients, factors and results go through
+    the CUDA arena (psd_cuda_*) on the current stream. Compared with one process on the doubled
+    batch on the same GPU, with the CPU tests' tolerance."""
+
+    WORKERS = 2
+
+    def run_cuda(self, scheme="auto", modes=(), expect_schemes=None, expect_output=()):
+        return self.run_workers(["--scheme", scheme], ["cuda", *modes], expect_schemes,
+                                workers=self.WORKERS,
+                                expect_output=("device: cuda:0", *expect_output))
+
+    def reference(self, make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1)):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        return reference(make_optimizer, workers=self.WORKERS, device="cuda:0")
+
+    def default_hook(self):
+        return "post_accumulate" if HAS_POST_ACCUMULATE else "tensor"
+
+    def test_cuda_ps(self):
+        got = self.run_cuda("ps", expect_schemes="PS,PS,PS,PS",
+                            expect_output=[f"grad hook: {self.default_hook()}"])
+        self.assert_close(got, self.reference(), "CUDA, PS")
+
+    def test_cuda_sfb(self):
+        got = self.run_cuda("sfb", expect_schemes="SFB,PS,SFB,PS")
+        self.assert_close(got, self.reference(), "CUDA, SFB")
+
+    def test_cuda_auto(self):
+        got = self.run_cuda("auto")
+        self.assert_close(got, self.reference(), "CUDA, auto")
+
+    def test_cuda_tensor_hook(self):
+        # PyTorch 1.13's mechanism, forced where the post-accumulate hook is the default.
+        got = self.run_cuda("ps", ["tensor-hook"], expect_output=["grad hook: tensor"])
+        self.assert_close(got, self.reference(), "CUDA, tensor hook")
+
+    @unittest.skipUnless(HAS_POST_ACCUMULATE, "needs torch.Tensor.register_post_accumulate_grad_hook "
+                                              f"(PyTorch >= 2.1; this is {torch.__version__})")
+    def test_cuda_post_accumulate_hook_with_sfb(self):
+        got = self.run_cuda("sfb", ["post-accumulate"], expect_schemes="SFB,PS,SFB,PS",
+                            expect_output=["grad hook: post_accumulate"])
+        self.assert_close(got, self.reference(), "CUDA, post-accumulate hook, SFB")
+
+    def test_cuda_overlap_forward(self):
+        got = self.run_cuda("auto", ["overlap"])
+        want = self.reference(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        self.assert_close(got, want, "CUDA, overlap_forward", per_element=False)
+
+    def test_cuda_server_side_adam(self):
+        got = self.run_cuda("auto", ["server-adam"], expect_schemes="PS,PS,PS,PS")
+        want = self.reference(lambda params: torch.optim.Adam(params, lr=0.01))
+        self.assert_close(got, want, "CUDA, server-side Adam", per_element=False)
 
 
 class Launcher(unittest.TestCase):

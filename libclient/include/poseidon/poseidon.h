@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define PSD_ABI_VERSION 1u
+#define PSD_ABI_VERSION 2u
 
 typedef enum psd_status {
   PSD_OK = 0,
@@ -113,6 +113,32 @@ psd_status psd_set_server_rule(psd_context* ctx, const psd_server_rule* rule);
 /* Posts "layer's input for iteration is written". Iterations start at 1 and increase by one per
  * layer. Does not block. */
 psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t iteration);
+
+/* ---- CUDA ----------------------------------------------------------------------------------
+ * Gradients born on a GPU stay there: after psd_register_layers, psd_cuda_enable allocates one
+ * device arena laid out like the host buffers (every layer's grad / u / v at the same offsets),
+ * and the agent opens it and the per-layer events through CUDA IPC. During backward, write a
+ * layer's input into its device buffers on `stream` and call psd_cuda_layer_ready: it records
+ * the layer's event on the stream and returns at once; the agent's copies wait for that event on
+ * the device, so the training thread never blocks. psd_cuda_wait_layer waits (bounded) until
+ * the agent has queued the result's copy back into the arena, then makes `stream` wait for it
+ * on the device. Host-buffer calls (psd_layer_ready / psd_wait_layer) stay valid for any layer.
+ *
+ * libposeidon loads the CUDA runtime (libcudart) only here, at run time: without it, or
+ * without a device, psd_cuda_enable fails with PSD_FAILED_PRECONDITION and a clear message.
+ * Streams are cudaStream_t values (NULL: the legacy default stream). Thread-safety as for the
+ * host calls; psd_cuda_enable: once, on the registering thread. */
+psd_status psd_cuda_enable(psd_context* ctx, int device, uint32_t timeout_ms);
+
+/* The layer's device buffers (NULL where the layer has none, e.g. u/v of a PS layer). */
+psd_status psd_cuda_layer_buffers(psd_context* ctx, uint32_t layer, float** grad, float** u,
+                                  float** v);
+
+psd_status psd_cuda_layer_ready(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                                void* stream);
+
+psd_status psd_cuda_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                               uint32_t timeout_ms, void* stream);
 
 /* Waits until the layer's iteration is synchronised, at most timeout_ms. */
 psd_status psd_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,

@@ -15,7 +15,7 @@ STATUS_NAMES = {
 PSD_LAYER_FC, PSD_LAYER_CONV, PSD_LAYER_BIAS, PSD_LAYER_OTHER = 1, 2, 3, 4
 PSD_FLOAT32 = 1
 PSD_SYNC_PS, PSD_SYNC_SFB = 1, 2
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class PoseidonError(RuntimeError):
@@ -98,6 +98,20 @@ def lib():
         _lib.psd_wait_layer.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
                                         ctypes.c_uint32]
         _lib.psd_wait_layer.restype = s
+        # CUDA: streams are cudaStream_t (c_void_p; None/0 is the legacy default stream).
+        _lib.psd_cuda_enable.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+        _lib.psd_cuda_enable.restype = s
+        _lib.psd_cuda_layer_buffers.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
+                                                ctypes.POINTER(ctypes.c_void_p),
+                                                ctypes.POINTER(ctypes.c_void_p),
+                                                ctypes.POINTER(ctypes.c_void_p)]
+        _lib.psd_cuda_layer_buffers.restype = s
+        _lib.psd_cuda_layer_ready.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                              ctypes.c_void_p]
+        _lib.psd_cuda_layer_ready.restype = s
+        _lib.psd_cuda_wait_layer.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                             ctypes.c_uint32, ctypes.c_void_p]
+        _lib.psd_cuda_wait_layer.restype = s
         _lib.psd_rank.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
                                   ctypes.POINTER(ctypes.c_uint32)]
         _lib.psd_rank.restype = s

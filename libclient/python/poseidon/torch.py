@@ -11,6 +11,11 @@ nn.Linear whose weight the plan syncs by SFB, the layer's input (forward hook) a
 the summed weight gradient. The returned optimizer's step() waits for each layer's summed
 gradient, averages it over the workers (the gradient of the P-times larger batch with a mean
 loss) and then runs your optimizer: its learning-rate schedule, momentum, etc. work unchanged.
+
+A model on a CUDA device keeps its gradients there: the agent shares a device arena laid out like
+the host buffers (psd_cuda_enable) and every buffer above is a torch tensor on that device (no
+copy). Writes, ready events (psd_cuda_layer_ready) and waits (psd_cuda_wait_layer) are ordered on
+the current CUDA stream, so neither backward nor step() synchronises the device.
 """
 import ctypes
 
@@ -31,11 +36,68 @@ def _view(pointer, count):
     return torch.from_numpy(array)
 
 
+class _DeviceArray:
+    """`count` float32s at a device address of libposeidon's CUDA arena, in the CUDA array
+    interface (version 2: no stream, the caller orders accesses) so that torch.as_tensor wraps it
+    without a copy; the tensor holds a reference to this object (and it to its owner)."""
+
+    def __init__(self, pointer, count, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"version": 2, "typestr": "<f4", "shape": (count,),
+                                         "strides": None, "data": (pointer, False)}
+
+
+def _device_view(pointer, count, device, owner):
+    if count == 0:
+        return torch.empty(0, device=device)
+    if not pointer:
+        raise PoseidonError(9, f"libposeidon returned no device buffer for {count} floats")
+    tensor = torch.as_tensor(_DeviceArray(pointer, count, owner), device=device)
+    if tensor.data_ptr() != pointer or tensor.device != device:  # a copy would break everything
+        raise PoseidonError(9, "torch copied the CUDA arena instead of viewing it")
+    return tensor
+
+
+class _HostSync:
+    """Ready and wait on the host buffers (psd_layer_ready / psd_wait_layer)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def ready(self, index, iteration, what):
+        check(lib().psd_layer_ready(self.ctx, index, iteration), what)
+
+    def wait(self, index, iteration, timeout_ms, what):
+        check(lib().psd_wait_layer(self.ctx, index, iteration, timeout_ms), what)
+
+
+class _CudaSync:
+    """Ready and wait on the device arena, ordered on the current stream of `device`: ready
+    records the layer's event on it and returns; wait returns once the agent's result copy is
+    queued and makes the stream wait for it on the device (no host synchronisation)."""
+
+    def __init__(self, ctx, device):
+        self.ctx, self.device = ctx, device
+
+    def _stream(self):
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream or None)
+
+    def ready(self, index, iteration, what):
+        # The current device matters for the legacy default stream (handle 0): make it ours.
+        with torch.cuda.device(self.device):
+            check(lib().psd_cuda_layer_ready(self.ctx, index, iteration, self._stream()), what)
+
+    def wait(self, index, iteration, timeout_ms, what):
+        with torch.cuda.device(self.device):
+            check(lib().psd_cuda_wait_layer(self.ctx, index, iteration, timeout_ms,
+                                            self._stream()), what)
+
+
 class _Layer:
     def __init__(self, index, name, param, kind, module):
         self.index, self.name, self.param, self.kind, self.module = index, name, param, kind, module
         self.scheme = None
-        self.grad = None  # flat view of the shared gradient buffer
+        self.grad = None  # flat view of the shared gradient buffer (host, or the CUDA arena)
         self.u = self.v = None
 
 
@@ -63,15 +125,23 @@ def _describe(model):
             layers.append(_Layer(len(layers), name, param, kind, module))
     if not layers:
         raise PoseidonError(1, "the model has no trainable parameters")
-    return layers
+    devices = {l.param.device for l in layers}
+    if len(devices) > 1:
+        raise PoseidonError(1, "the model's parameters are on several devices "
+                               f"({', '.join(sorted(str(d) for d in devices))}): put them on one")
+    device = devices.pop()
+    if device.type not in ("cpu", "cuda"):
+        raise PoseidonError(1, f"parameters on {device} are not supported (CPU or one CUDA device)")
+    return layers, device
 
 
 class DistributedOptimizer:
     """Wraps a torch.optim optimizer; see distribute()."""
 
     def __init__(self, optimizer, layers, ctx, world, timeout_ms, overlap_forward=False,
-                 server=False):
+                 server=False, sync=None):
         self._optimizer = optimizer
+        self._sync = sync or _HostSync(ctx)  # host buffers, or the CUDA arena
         self._server = server  # the servers apply the update: results are parameters
         self._layers = layers
         self._ctx = ctx
@@ -109,8 +179,7 @@ class DistributedOptimizer:
         self.posted.clear()
 
     def _install(self, layer, iteration):
-        check(lib().psd_wait_layer(self._ctx, layer.index, iteration, self._timeout_ms),
-              f"waiting for {layer.name}")
+        self._sync.wait(layer.index, iteration, self._timeout_ms, f"waiting for {layer.name}")
         if self._server:
             with torch.no_grad():
                 layer.param.copy_(layer.grad.view_as(layer.param))
@@ -168,7 +237,7 @@ SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
 
 
 def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=False,
-               server_optimizer=None):
+               server_optimizer=None, grad_hook="auto"):
     """Registers `model` with the agent and returns the optimizer to train with (see module doc).
 
     batch_size is the per-worker batch: SFB layers need every batch to have exactly this many
@@ -180,10 +249,27 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=
     server_optimizer, e.g. dict(rule="adam", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
     weight_decay=0) or dict(rule="momentum", lr=0.1, momentum=0.9, nesterov=False): the KV
     servers apply the update (torch.optim's definitions, gradients averaged over the workers),
-    every layer goes by PS, and step() installs the updated parameters; `optimizer` may be None."""
+    every layer goes by PS, and step() installs the updated parameters; `optimizer` may be None.
+
+    A model on a CUDA device (every parameter on the same one) is synchronised through a device
+    arena: no host copies, ordered on the current CUDA stream (see docs/pytorch.md).
+
+    grad_hook: how a PS layer's gradient is caught. "auto" (the default): "post_accumulate" where
+    torch.Tensor.register_post_accumulate_grad_hook exists (PyTorch >= 2.1; the hook sees the
+    parameter's complete .grad), else "tensor" (a hook on the parameter, which sees the gradient
+    autograd produces for it: PyTorch 1.13)."""
     ctx = poseidon._context()
     world = poseidon.size()
-    layers = _describe(model)
+    has_post_accumulate = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+    if grad_hook == "auto":
+        grad_hook = "post_accumulate" if has_post_accumulate else "tensor"
+    if grad_hook not in ("post_accumulate", "tensor"):
+        raise PoseidonError(1, f"grad_hook must be 'auto', 'post_accumulate' or 'tensor', "
+                               f"not {grad_hook!r}")
+    if grad_hook == "post_accumulate" and not has_post_accumulate:
+        raise PoseidonError(1, f"grad_hook='post_accumulate' needs PyTorch >= 2.1 "
+                               f"(this is {torch.__version__})")
+    layers, device = _describe(model)
     if server_optimizer is not None:
         if overlap_forward:
             raise PoseidonError(1, "overlap_forward is for local optimizers")
@@ -212,19 +298,46 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=
     descs[len(layers)] = LayerDesc(names[-1], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
                                    ctypes.cast(shapes[-1], ctypes.POINTER(ctypes.c_uint64)), 0)
     check(lib().psd_register_layers(ctx, descs, len(layers) + 1, timeout_ms), "register layers")
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        # psd_cuda_enable sets the thread's current device: the guard restores the caller's.
+        with torch.cuda.device(device):
+            check(lib().psd_cuda_enable(ctx, device.index, timeout_ms), f"enabling CUDA on {device}")
+        sync = _CudaSync(ctx, device)
+        # The arena belongs to the context (freed by poseidon.shutdown()); each view's wrapper
+        # holds the context handle as its owner.
+        arena = ctx
+
+        def views(index, info):
+            grad, u, v = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+            check(lib().psd_cuda_layer_buffers(ctx, index, ctypes.byref(grad), ctypes.byref(u),
+                                               ctypes.byref(v)), "CUDA layer buffers")
+            return lambda which, count: _device_view({"grad": grad, "u": u, "v": v}[which].value,
+                                                     count, device, arena)
+    else:
+        sync = _HostSync(ctx)
+
+        def views(index, info):
+            return lambda which, count: _view(getattr(info, which), count)
     for layer in layers:
         info = LayerInfo()
         check(lib().psd_get_layer_info(ctx, layer.index, ctypes.byref(info)), "layer info")
         layer.scheme = info.scheme
-        layer.grad = _view(info.grad, info.elements)
+        view = views(layer.index, info)
+        layer.grad = view("grad", info.elements)
         if info.scheme == PSD_SYNC_SFB:
             m, n = layer.param.shape
-            layer.u = _view(info.u, batch_size * m).view(batch_size, m)
-            layer.v = _view(info.v, batch_size * n).view(batch_size, n)
-    _broadcast(ctx, layers, len(layers), total, timeout_ms, server=server_optimizer is not None)
+            layer.u = view("u", batch_size * m).view(batch_size, m)
+            layer.v = view("v", batch_size * n).view(batch_size, n)
+    info = LayerInfo()
+    check(lib().psd_get_layer_info(ctx, len(layers), ctypes.byref(info)), "broadcast buffer")
+    broadcast = views(len(layers), info)("grad", total)
+    _broadcast(sync, layers, len(layers), broadcast, timeout_ms,
+               server=server_optimizer is not None)
     wrapped = DistributedOptimizer(optimizer, layers, ctx, world, timeout_ms, overlap_forward,
-                                   server=server_optimizer is not None)
-    _install_hooks(layers, wrapped, ctx, batch_size)
+                                   server=server_optimizer is not None, sync=sync)
+    _install_hooks(layers, wrapped, sync, batch_size, grad_hook)
     if overlap_forward:
         by_module = {}
         for layer in layers:
@@ -236,6 +349,8 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=
 
             module.register_forward_pre_hook(pre_hook)
     model._poseidon_layers = layers  # keep the views alive with the model
+    wrapped.device = device
+    wrapped.grad_hook = grad_hook
     return wrapped
 
 
@@ -245,16 +360,14 @@ def plan_summary(optimizer):
             for l in optimizer._layers]
 
 
-def _broadcast(ctx, layers, index, total, timeout_ms, server=False):
-    info = LayerInfo()
-    check(lib().psd_get_layer_info(ctx, index, ctypes.byref(info)), "broadcast buffer")
-    buffer = _view(info.grad, total)
+def _broadcast(sync, layers, index, buffer, timeout_ms, server=False):
+    """Iteration 1: rank 0's parameters through `buffer` (layer `index`), then every layer."""
     if poseidon.rank() == 0:
         buffer.copy_(torch.cat([l.param.detach().reshape(-1) for l in layers]))
     else:
         buffer.zero_()
-    check(lib().psd_layer_ready(ctx, index, 1), "broadcast")
-    check(lib().psd_wait_layer(ctx, index, 1, timeout_ms), "broadcast")
+    sync.ready(index, 1, "broadcast")
+    sync.wait(index, 1, timeout_ms, "broadcast")
     offset = 0
     with torch.no_grad():
         for layer in layers:
@@ -271,18 +384,20 @@ def _broadcast(ctx, layers, index, total, timeout_ms, server=False):
         if layer.u is not None:
             layer.u.zero_()
             layer.v.zero_()
-        check(lib().psd_layer_ready(ctx, layer.index, 1), "initial sync")
+        sync.ready(layer.index, 1, "initial sync")
     for layer in layers:
-        check(lib().psd_wait_layer(ctx, layer.index, 1, timeout_ms), "initial sync")
+        sync.wait(layer.index, 1, timeout_ms, "initial sync")
 
 
-def _install_hooks(layers, opt, ctx, batch_size):
+def _install_hooks(layers, opt, sync, batch_size, grad_hook):
+    """The ready hooks. Each writes the layer's input into its buffers (host, or the CUDA arena
+    on the current stream, the one autograd runs the layer's backward on) and posts it."""
     def post(layer):
         if layer.index in opt.posted:
             raise PoseidonError(5, f"{layer.name}: a second gradient in iteration {opt.iteration} "
                                    "(call optimizer.step() after every backward)")
         opt.posted.add(layer.index)
-        check(lib().psd_layer_ready(ctx, layer.index, opt.iteration), f"posting {layer.name}")
+        sync.ready(layer.index, opt.iteration, f"posting {layer.name}")
 
     for layer in layers:
         if layer.scheme == PSD_SYNC_SFB:
@@ -303,7 +418,7 @@ def _install_hooks(layers, opt, ctx, batch_size):
 
                 output.register_hook(output_grad_hook)
             layer.module.register_forward_hook(forward_hook)
-        elif hasattr(layer.param, "register_post_accumulate_grad_hook"):
+        elif grad_hook == "post_accumulate":
             # PyTorch >= 2.1: called once the parameter's .grad is complete for this backward.
             def accumulated_hook(param, layer=layer):
                 layer.grad.copy_(param.grad.reshape(-1))
@@ -311,10 +426,10 @@ def _install_hooks(layers, opt, ctx, batch_size):
 
             layer.param.register_post_accumulate_grad_hook(accumulated_hook)
         else:
-            # PyTorch 1.13: the tensor hook sees the parameter's gradient as autograd makes it
-            # (a parameter used once per forward gets exactly one).
-            def grad_hook(g, layer=layer):
+            # PyTorch 1.13 (or grad_hook="tensor"): the tensor hook sees the parameter's
+            # gradient as autograd makes it (a parameter used once per forward gets exactly one).
+            def tensor_hook(g, layer=layer):
                 layer.grad.copy_(g.reshape(-1))
                 post(layer)
 
-            layer.param.register_hook(grad_hook)
+            layer.param.register_hook(tensor_hook)

@@ -1,0 +1,94 @@
+// TelemetryReporter: what an agent tells the coordinator every --telemetry_interval
+// (ReportTelemetry): per link (each KV server, each SFB peer) the bytes sent and received in the
+// window and the achieved throughput; the iteration completed; per layer the synchronisations
+// completed in the window (count, mean and longest ready-to-done time) and the one still waiting,
+// if any. The coordinator shows it in `poseidon status` (docs/operations.md) and may use busy
+// windows as a lower bound of link bandwidth (docs/planner.md).
+// Thread-safety: the Add*/Layer* hooks are lock-free (relaxed atomics) and safe from any thread
+// (the data path, transport I/O threads); SetLayers, Start and Stop from the owner's thread.
+// Collect is for the reporter thread and tests.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "coordinator/client.h"
+#include "poseidon/v1/coordinator.pb.h"
+
+namespace poseidon::agent {
+
+class TelemetryReporter {
+ public:
+  // `server_node_ids` in plan order (server index), `peer_node_ids` by rank (our own entry is
+  // never reported). `client` (may be null: Collect only) must outlive the reporter.
+  TelemetryReporter(coordinator::CoordinatorClient* client, absl::Duration interval,
+                    std::vector<std::string> server_node_ids,
+                    std::vector<std::string> peer_node_ids, uint32_t rank,
+                    std::function<uint64_t()> iteration);
+  ~TelemetryReporter();
+  TelemetryReporter(const TelemetryReporter&) = delete;
+  TelemetryReporter& operator=(const TelemetryReporter&) = delete;
+
+  // Bytes moved on a link (data path; unknown indices are ignored).
+  void AddServerBytes(size_t server, uint64_t sent, uint64_t received);
+  void AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t received);
+
+  // The model's layers, once (before the first LayerReady).
+  void SetLayers(std::vector<std::string> names);
+  // A layer posted ready for `iteration`, and its synchronisation done after `took`.
+  void LayerReady(uint32_t layer, uint64_t iteration, absl::Time at);
+  void LayerSynced(uint32_t layer, uint64_t iteration, absl::Duration took);
+
+  // Reports every interval from a thread of its own until Stop (also called by the destructor).
+  // Each call has a deadline of min(interval, 2s), so Stop returns within about that long.
+  void Start();
+  void Stop();
+
+  // The report of the window since the previous Collect (or construction), ending at `now`.
+  poseidon::v1::ReportTelemetryRequest Collect(absl::Time now);
+
+ private:
+  struct LinkCounters {
+    std::atomic<uint64_t> sent{0};
+    std::atomic<uint64_t> received{0};
+  };
+  struct LayerCounters {
+    std::atomic<uint64_t> syncs{0};
+    std::atomic<uint64_t> sync_ns{0};
+    std::atomic<uint64_t> window_max_ns{0};  // reset by Collect
+    std::atomic<int64_t> ready_at_ns{0};     // Unix nanoseconds of the latest ready
+    std::atomic<uint64_t> ready_iteration{0};
+    std::atomic<uint64_t> synced_iteration{0};
+  };
+  void Run();
+
+  coordinator::CoordinatorClient* const client_;
+  const absl::Duration interval_;
+  const std::function<uint64_t()> iteration_;
+  // Links: servers first, then peers by rank; node ids, counters (fixed at construction).
+  const size_t servers_;
+  std::vector<std::string> link_ids_;
+  std::unique_ptr<LinkCounters[]> links_;
+
+  std::mutex mu_;  // the layers' publication and the previous window (Collect)
+  std::vector<std::string> layer_names_;
+  std::unique_ptr<LayerCounters[]> layers_;
+  std::atomic<size_t> layer_count_{0};  // set once, after layers_
+  absl::Time window_start_;
+  std::vector<uint64_t> prev_sent_, prev_received_, prev_syncs_, prev_sync_ns_;
+
+  std::mutex stop_mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;  // guarded by stop_mu_
+  std::thread thread_;
+};
+
+}  // namespace poseidon::agent

@@ -1,0 +1,73 @@
+// TelemetryReporter without a coordinator: what one window's report says about links and layers.
+#include "agent/telemetry_reporter.h"
+
+#include "gtest/gtest.h"
+
+namespace poseidon::agent {
+namespace {
+
+TEST(TelemetryReporterTest, OneWindowPerReport) {
+  uint64_t iteration = 7;
+  TelemetryReporter reporter(nullptr, absl::Seconds(5), {"server-0", "server-1"},
+                             {"agent-0", "agent-1", "agent-2"}, /*rank=*/1,
+                             [&] { return iteration; });
+  reporter.SetLayers({"conv.weight", "fc.weight", "fc.bias"});
+  const absl::Time start = absl::Now();
+  reporter.Collect(start);  // the first window starts here
+
+  reporter.AddServerBytes(0, 4000, 1000);
+  reporter.AddServerBytes(0, 4000, 3000);
+  reporter.AddPeerBytes(2, 500, 700);
+  reporter.AddServerBytes(9, 1, 1);  // unknown: ignored
+  reporter.LayerReady(0, 8, start);
+  reporter.LayerSynced(0, 8, absl::Milliseconds(10));
+  reporter.LayerReady(0, 9, start);
+  reporter.LayerSynced(0, 9, absl::Milliseconds(30));
+  reporter.LayerReady(2, 9, start + absl::Milliseconds(500));  // still waiting
+  v1::ReportTelemetryRequest report = reporter.Collect(start + absl::Seconds(2));
+
+  EXPECT_EQ(report.iteration(), 7u);
+  EXPECT_EQ(report.window_ns(), 2000000000u);
+  ASSERT_EQ(report.links_size(), 4);  // 2 servers, ranks 0 and 2 (not ourselves)
+  EXPECT_EQ(report.links(0).peer_node_id(), "server-0");
+  EXPECT_EQ(report.links(0).bytes(), 8000u);
+  EXPECT_EQ(report.links(0).received_bytes(), 4000u);
+  EXPECT_EQ(report.links(0).window_ns(), 2000000000u);
+  EXPECT_DOUBLE_EQ(report.links(0).bytes_per_second(), 4000);  // the busier direction
+  EXPECT_EQ(report.links(1).bytes(), 0u);
+  EXPECT_EQ(report.links(2).peer_node_id(), "agent-0");
+  EXPECT_EQ(report.links(3).peer_node_id(), "agent-2");
+  EXPECT_DOUBLE_EQ(report.links(3).bytes_per_second(), 350);
+  ASSERT_EQ(report.layers_size(), 2);  // fc.weight: nothing in the window
+  EXPECT_EQ(report.layers(0).index(), 0u);
+  EXPECT_EQ(report.layers(0).name(), "conv.weight");
+  EXPECT_EQ(report.layers(0).syncs(), 2u);
+  EXPECT_DOUBLE_EQ(report.layers(0).mean_sync_seconds(), 0.020);
+  EXPECT_DOUBLE_EQ(report.layers(0).max_sync_seconds(), 0.030);
+  EXPECT_EQ(report.layers(0).waiting_seconds(), 0);
+  EXPECT_EQ(report.layers(1).index(), 2u);
+  EXPECT_EQ(report.layers(1).syncs(), 0u);
+  EXPECT_EQ(report.layers(1).waiting_iteration(), 9u);
+  EXPECT_DOUBLE_EQ(report.layers(1).waiting_seconds(), 1.5);
+
+  // The next window starts empty.
+  reporter.LayerSynced(2, 9, absl::Milliseconds(1600));
+  report = reporter.Collect(start + absl::Seconds(3));
+  EXPECT_EQ(report.window_ns(), 1000000000u);
+  EXPECT_EQ(report.links(0).bytes(), 0u);
+  EXPECT_EQ(report.links(0).bytes_per_second(), 0);
+  ASSERT_EQ(report.layers_size(), 1);
+  EXPECT_EQ(report.layers(0).index(), 2u);
+  EXPECT_EQ(report.layers(0).syncs(), 1u);
+  EXPECT_EQ(report.layers(0).waiting_seconds(), 0);
+}
+
+TEST(TelemetryReporterTest, StartWithoutAClientAndStopAreHarmless) {
+  TelemetryReporter reporter(nullptr, absl::Milliseconds(10), {}, {}, 0, nullptr);
+  reporter.Start();  // no client: nothing to report to
+  reporter.Stop();
+  EXPECT_EQ(reporter.Collect(absl::Now()).links_size(), 0);
+}
+
+}  // namespace
+}  // namespace poseidon::agent
