@@ -3,6 +3,7 @@
 # unpacks .devpack/pack.tar.xz (scripts/gpu-pack.sh, built on Debian 12 with CUDA), then runs
 # the CUDA tests, the end-to-end tests on the GPU, the PyTorch CUDA test and the benchmarks,
 # writing each log under $OUT (default /tmp/gpu-out) and a summary at the end.
+# PYTORCH_TESTS picks the PyTorch cases (default: the whole Cuda class).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -34,12 +35,13 @@ step cuda_stager_test 45 "$B/agent/cuda_stager_test"
 step gpu_e2e 100 "$B/tests/agent_e2e_test" --gtest_filter='*Gpu*:CAbi.*'
 step cuda_bench 90 "$B/bench/cuda_bench"
 step pytorch_cuda 180 env PYTHONPATH=libclient/python POSEIDON_BUILD_DIR="$B" \
-  python3 tests/python/test_pytorch.py -v Cuda
+  python3 tests/python/test_pytorch.py -v ${PYTORCH_TESTS:-Cuda}
 step iteration_split 100 python3 bench/cuda/iteration_split.py --build "$B" --model vgg16 --workers 2
+step iteration_split_ps 100 python3 bench/cuda/iteration_split.py --build "$B" --model vgg16 --workers 2 --scheme ps
 step launcher_coordinator_gpu 45 env PYTHONPATH=libclient/python POSEIDON_BUILD_DIR="$B" \
   python3 -m poseidon.run -n 2 --scheme auto -- "$B/bench/poseidon-synth" --cuda --verify \
   --model=tests/models/tiny.json --batch=8 --iterations=20
 echo "=== summary"
-for k in cuda_stager_test gpu_e2e cuda_bench pytorch_cuda iteration_split launcher_coordinator_gpu; do
+for k in cuda_stager_test gpu_e2e cuda_bench pytorch_cuda iteration_split iteration_split_ps launcher_coordinator_gpu; do
   echo "$k: ${result[$k]:-not run}"
 done | tee "$OUT/summary.txt"

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-build/release}
 bins=(server/poseidon-server agent/poseidon-agent coordinator/poseidon-coordinator
-      bench/poseidon-synth bench/cuda_bench agent/cuda_stager_test tests/agent_e2e_test
+      agent/libposeidon_cuda_stager.so bench/poseidon-synth bench/cuda_bench
+      agent/cuda_stager_test tests/agent_e2e_test
       libclient/python/libposeidon.so tools/poseidon)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
