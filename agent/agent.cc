@@ -98,6 +98,34 @@ struct Task {
   }
 };
 
+// Refreshes the segment's agent heartbeat every 100 ms until destroyed.
+class ShmHeartbeat {
+ public:
+  explicit ShmHeartbeat(ShmEndpoint& shm)
+      : thread_([this, &shm] {
+          std::unique_lock<std::mutex> lock(mu_);
+          do {
+            shm.Heartbeat();
+          } while (!cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stop_; }));
+        }) {}
+  ~ShmHeartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  ShmHeartbeat(const ShmHeartbeat&) = delete;
+  ShmHeartbeat& operator=(const ShmHeartbeat&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 class Agent : public transport::FrameHandler, public std::enable_shared_from_this<Agent> {
  public:
   explicit Agent(AgentConfig config) : config_(std::move(config)) {}
@@ -198,6 +226,10 @@ int Agent::Run() {
     return 1;
   }
   shm_ = std::move(*shm);
+  // The heartbeat says "this agent process is alive" on its own thread: the main loop can be
+  // busy for seconds (connecting to servers and peers during registration on a loaded machine),
+  // and a training process must not take that for a dead agent.
+  ShmHeartbeat heartbeat(*shm_);
   peer_ready_.assign(config_.world_size, false);
   SetUpMetrics();
   if (!config_.metrics_listen.empty()) {
@@ -230,7 +262,7 @@ int Agent::Run() {
   }
   ctx_ = *ctx;
   // The SFB listener starts at once so that peers can connect while we wait for our framework.
-  const std::string listen =
+  std::string listen =
       !config_.listen.empty()
           ? config_.listen
           : (config_.rank < config_.peers.size() ? config_.peers[config_.rank] : "");
@@ -239,6 +271,11 @@ int Agent::Run() {
     if (!listener.ok()) {
       Fatal(absl::StrCat("cannot listen for peers on ", listen, ": ", listener.status().message()));
       return 1;
+    }
+    // With a coordinator, port 0 takes any free port: the address registered is the bound one
+    // (no window in which another process can take a port chosen in advance).
+    if (!config_.coordinator.empty() && absl::EndsWith(listen, ":0")) {
+      listen = (*listener)->Address();
     }
     auto secrets = std::make_shared<transport::SecretStore>();
     secrets->Set(config_.job_id, config_.secret);
@@ -346,8 +383,9 @@ int Agent::Run() {
 }
 
 absl::Status Agent::JoinCoordinator(const std::string& listen) {
-  if (listen.empty() || absl::EndsWith(listen, ":0")) {
-    return absl::InvalidArgumentError("--listen must be a concrete host:port the peers can reach");
+  if (listen.empty() || absl::StartsWith(listen, "0.0.0.0:") || absl::StartsWith(listen, "[::]:")) {
+    return absl::InvalidArgumentError(
+        "--listen must name a host the peers can reach (host:port, or host:0 for any port)");
   }
   ASSIGN_OR_RETURN(
       coord_, coordinator::CoordinatorClient::Connect(
@@ -514,6 +552,13 @@ absl::Status Agent::Register() {
     std::vector<std::string> names;
     for (const auto& d : descs) names.push_back(d.name);
     telemetry_->SetLayers(std::move(names));
+    // Latency of the links to the KV servers: a few pings per window from the reporter thread.
+    if (!servers_.empty()) {
+      telemetry_->SetServerPing([servers = servers_](size_t s, absl::Duration timeout) {
+        return s < servers.size() ? servers[s]->MeasureRoundTrip(timeout)
+                                  : absl::StatusOr<absl::Duration>(absl::NotFoundError("server"));
+      });
+    }
   }
   RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, std::max<uint64_t>(offset, kAlign)));
   plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));

@@ -28,17 +28,23 @@ using std::chrono::milliseconds;
 
 constexpr char kSecret[] = "e2e-secret";
 
-// A free loopback port (bound and released; the agent binds it right after).
+// A loopback port that is free now, below the ephemeral range (32768+), so that no outgoing
+// connection can take it before the agent binds it. Another test may still pick the same one:
+// Cluster retries with new ports when an agent cannot bind.
 int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  static std::mt19937 rng(static_cast<unsigned>(::getpid()) * 7919u +
+                          static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  while (true) {
+    const int port = 20000 + static_cast<int>(rng() % 12000);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (ok) return port;
+  }
 }
 
 std::string Join(const std::vector<std::string>& v) {
@@ -63,6 +69,24 @@ class Cluster {
         }
       }
     }
+    // An agent that cannot bind its port (taken since we chose it) exits at once: start the
+    // agents again on new ports.
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      if (StartAgents(workers, scheme, agent_extra)) break;
+      agents_.clear();
+      for (const auto& segment : segments_) {
+        shm_unlink(segment.c_str());
+        shm_unlink((segment + ".data").c_str());
+      }
+      peers_.clear();
+      segments_.clear();
+      early_.clear();
+    }
+  }
+
+  // Whether every agent came up.
+  bool StartAgents(int workers, const std::string& scheme,
+                   const std::vector<std::string>& agent_extra) {
     for (int r = 0; r < workers; ++r) peers_.push_back("127.0.0.1:" + std::to_string(FreePort()));
     // Unique per cluster: a killed agent leaves its segment behind.
     static int clusters = 0;
@@ -83,13 +107,22 @@ class Cluster {
       agents_.push_back(std::make_unique<Subprocess>(argv, /*merge_stderr=*/true));
     }
     // Training processes start once their agent has created its segment.
+    bool all_ready = true;
     for (auto& agent : agents_) {
       early_.emplace_back();
+      bool ready = false;
       while (auto line = agent->ReadLine(milliseconds(20000))) {
         early_.back() += *line + "\n";
-        if (line->find("poseidon-agent ready") != std::string::npos) break;
+        if (line->find("poseidon-agent ready") != std::string::npos) {
+          ready = true;
+          break;
+        }
+      }
+      if (!ready && early_.back().find("Address already in use") != std::string::npos) {
+        all_ready = false;
       }
     }
+    return all_ready;
   }
 
   std::unique_ptr<Subprocess> Synth(int rank, const std::string& model, int iterations,
@@ -136,9 +169,15 @@ TEST_P(EndToEnd, FourWorkersTwoServersTwentyIterationsVerified) {
   ASSERT_TRUE(cluster.ok());
   std::vector<std::unique_ptr<Subprocess>> synths;
   for (int r = 0; r < 4; ++r) synths.push_back(cluster.Synth(r, kTiny, 20));
-  // On a failure, what every agent said (its stall reports name what a layer waits for).
+  // On a failure, what every training process and agent said (the agents' stall reports name
+  // what a layer waits for).
   auto agents_said = [&] {
     std::string all;
+    for (int r = 0; r < 4; ++r) {
+      synths[r]->Signal(SIGTERM);
+      all += "--- training process " + std::to_string(r) + ":\n" +
+             synths[r]->ReadAll(milliseconds(5000));
+    }
     for (int r = 0; r < 4; ++r) {
       cluster.agent(r).Signal(SIGTERM);
       all += "--- agent " + std::to_string(r) + ":\n" + cluster.early_output(r) +

@@ -11,7 +11,6 @@ import argparse
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,12 +41,6 @@ def _die_with_parent():
     daemon outlives the job (Linux PR_SET_PDEATHSIG)."""
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -194,7 +187,7 @@ def main(argv=None):
             p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--secret={secret}", f"--rank={r}",
                                     f"--world_size={world}", f"--coordinator={coordinator}",
                                     f"--coordinator_token={secret}",
-                                    f"--listen={args.listen_host}:{free_port()}",
+                                    f"--listen={args.listen_host}:0",
                                     f"--scheme={args.scheme}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
                                     "--log_level=warn"], watch="poseidon-agent ready")
