@@ -67,6 +67,7 @@ struct LayerState {
   std::vector<uint8_t> chunk_pending;  // PS: chunks of in_progress not yet complete
   bool stall_reported = false;
   bool on_device = false;  // in_progress was posted on the GPU (its buffers are in the arena)
+  int bucket = -1;         // PS: the bucket this layer is fused into (its chunks are unused)
   prometheus::Histogram* sync_seconds = nullptr;
 };
 
@@ -85,14 +86,28 @@ struct SfbInbox {
   absl::Time started;           // when `sent` began (the watchdog's clock)
 };
 
+// Consecutive small PS layers fused into one key (DDP's bucketing): their gradients are adjacent
+// in the data segment, so the bucket's key covers [first layer's gradient, last one's end),
+// alignment padding included (zeros, which sum to zeros). Synchronised once every member of
+// the iteration is ready; each member completes with it.
+struct Bucket {
+  std::vector<uint32_t> members;  // layer indices, consecutive
+  PsChunk chunk;                  // offset relative to the first member's gradient
+  // Progress (guarded by Agent::layers_mu_).
+  uint64_t iteration = 0;  // the iteration being gathered
+  size_t waiting = 0;      // members of `iteration` not yet ready (or not yet on the host)
+  size_t staging = 0;      // on the GPU: members whose device->host copy is not done
+};
+
 struct Task {
   uint32_t priority = 0;
   uint64_t seq = 0;
   uint32_t layer = 0;
   uint64_t iteration = 0;
-  int chunk = -1;  // PS chunk index; -1 for an SFB layer
+  int chunk = -1;  // PS chunk index; -1 for an SFB layer, -2 for a member of a finished bucket
   uint64_t bytes = 0;
   bool rebuild = false;                  // SFB: false sends our factors, true rebuilds the sum
+  int bucket = -1;                       // a bucket's synchronisation (layer: its first member)
   bool operator<(const Task& o) const {  // for std::priority_queue (max-heap): invert
     return priority != o.priority ? priority > o.priority : seq > o.seq;
   }
@@ -143,6 +158,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Status ConnectServers();
   absl::Status ConnectPeers();
   void OnReady(uint32_t layer, uint64_t iteration, bool on_device);
+  void FormBuckets();
   void AttachCuda();
   void Worker();
   void RunTask(const Task& task);
@@ -192,6 +208,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
 
   std::mutex layers_mu_;
   std::vector<LayerState> layers_;
+  std::vector<Bucket> buckets_;  // fixed at registration
   bool registered_ = false;
   std::atomic<uint64_t> layers_count_{0};  // layers_.size() once registered (I/O threads read)
   ShmEndpoint::ServerRule server_rule_;    // rule 0: sum (the framework's optimizer steps)
@@ -531,6 +548,7 @@ absl::Status Agent::Register() {
         absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
                      " entries, got ", config_.peers.size(), ")"));
   }
+  FormBuckets();
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
   // Every layer's state and inbox exists now. Peers send factors as soon as they have our PING
   // below, so the inbound path (OnHeader checks layer ids against this) must be open first: a
@@ -583,6 +601,50 @@ absl::Status Agent::Register() {
   return absl::OkStatus();
 }
 
+void Agent::FormBuckets() {
+  buckets_.clear();
+  if (config_.bucket_bytes == 0) return;
+  std::vector<uint32_t> run;
+  uint64_t run_start = 0, run_end = 0;
+  auto close = [&] {
+    if (run.size() >= 2) {
+      Bucket b;
+      b.members = run;
+      b.chunk.key = (uint64_t{1} << 63) | (uint64_t{run.front()} << 32) | run.size();
+      b.chunk.offset = 0;
+      b.chunk.length = run_end - run_start;
+      b.chunk.server = layers_[run.front()].chunks[0].server;
+      for (uint32_t l : run) layers_[l].bucket = static_cast<int>(buckets_.size());
+      buckets_.push_back(std::move(b));
+    }
+    run.clear();
+  };
+  for (uint32_t i = 0; i < layers_.size(); ++i) {
+    const LayerState& st = layers_[i];
+    const uint64_t bytes = st.desc.elements * sizeof(float);
+    if (st.layout.scheme != PSD_SCHEME_PS || st.chunks.size() != 1 ||
+        bytes >= config_.bucket_bytes) {
+      close();
+      continue;
+    }
+    const uint64_t start = st.layout.grad_offset;
+    // Members must be adjacent in the data segment (nothing but alignment between them).
+    if (!run.empty() && (start != AlignUp(run_end) || start + bytes - run_start > config_.bucket_bytes)) {
+      close();
+    }
+    if (run.empty()) run_start = start;
+    run.push_back(i);
+    run_end = start + bytes;
+  }
+  close();
+  size_t fused = 0;
+  for (const Bucket& b : buckets_) fused += b.members.size();
+  if (!buckets_.empty()) {
+    PSD_LOG_INFO("{} small layers fused into {} buckets of at most {} bytes", fused,
+                 buckets_.size(), config_.bucket_bytes);
+  }
+}
+
 absl::Status Agent::ConnectServers() {
   // Each server gets the tables of the chunks it owns; every rank sends the same registration.
   std::vector<v1::RegisterTablesRequest> requests(config_.servers.size());
@@ -590,16 +652,30 @@ absl::Status Agent::ConnectServers() {
     r.set_num_workers(config_.world_size);
     r.set_average_gradients(server_rule_.rule != 0);
   }
+  // A table per layer (its chunks), or per bucket (one key).
+  struct TableSource {
+    std::string name;
+    std::vector<PsChunk> chunks;
+  };
+  std::vector<TableSource> sources;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerState& st = layers_[i];
-    if (st.layout.scheme != PSD_SCHEME_PS) continue;
+    if (st.layout.scheme != PSD_SCHEME_PS || st.bucket >= 0) continue;
+    sources.push_back({st.desc.name, st.chunks});
+  }
+  for (const Bucket& b : buckets_) {
+    sources.push_back({absl::StrCat("bucket ", layers_[b.members.front()].desc.name, " .. ",
+                                    layers_[b.members.back()].desc.name),
+                       {b.chunk}});
+  }
+  for (const TableSource& src : sources) {
     std::map<uint32_t, v1::KvTableSpec*> tables;
-    for (const auto& c : st.chunks) {
+    for (const auto& c : src.chunks) {
       if (c.server >= requests.size()) return absl::InternalError("chunk on an unknown server");
       auto*& t = tables[c.server];
       if (t == nullptr) {
         t = requests[c.server].add_tables();
-        t->set_name(st.desc.name);
+        t->set_name(src.name);
         t->set_element_type(v1::ELEMENT_TYPE_F32);
         auto* u = t->mutable_update_rule();
         if (server_rule_.rule == 0) {
@@ -674,6 +750,7 @@ absl::Status Agent::ConnectPeers() {
 void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
   std::vector<Task> tasks;
   std::vector<DeviceRange> ranges;  // on the device: what to copy to the host first
+  bool bucket_member = false;       // on the device: tasks[0] is the bucket's task
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
     if (!registered_ || layer >= layers_.size()) {
@@ -710,7 +787,32 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
     if (timeline_) timeline_->Instant("ready", layer, iteration, st.ready_at);
     if (telemetry_) telemetry_->LayerReady(layer, iteration, st.ready_at);
     const uint32_t priority = config_.priority ? st.layout.priority : 0;
-    if (st.layout.scheme == PSD_SCHEME_SFB) {
+    if (st.bucket >= 0) {
+      // A bucket member: the bucket goes when its last member is ready (on the GPU: once every
+      // member's copy is on the host).
+      Bucket& b = buckets_[static_cast<size_t>(st.bucket)];
+      st.remaining = 1;
+      if (b.iteration != iteration) {
+        b.iteration = iteration;
+        b.waiting = b.staging = b.members.size();
+      }
+      const uint32_t first = b.members.front();
+      Task bucket_task{config_.priority ? layers_[first].layout.priority : 0,
+                       0,
+                       first,
+                       iteration,
+                       0,
+                       b.chunk.length,
+                       false,
+                       st.bucket};
+      if (on_device) {
+        bucket_member = true;
+        tasks.push_back(bucket_task);
+        ranges.push_back({st.layout.grad_offset, st.desc.elements * sizeof(float)});
+      } else if (--b.waiting == 0) {
+        tasks.push_back(bucket_task);
+      }
+    } else if (st.layout.scheme == PSD_SCHEME_SFB) {
       st.remaining = 1;
       tasks.push_back({priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
       ranges.push_back({st.layout.u_offset, st.k * st.m * 4});
@@ -722,6 +824,29 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
         ranges.push_back({st.layout.grad_offset + st.chunks[c].offset, st.chunks[c].length});
       }
     }
+  }
+  if (on_device && bucket_member) {
+    const Task bucket_task = tasks[0];
+    const absl::Status s = stager_->StageOut(
+        layer, ranges, [self = shared_from_this(), bucket_task](size_t) {
+          bool go = false;
+          {
+            std::lock_guard<std::mutex> lock(self->layers_mu_);
+            Bucket& b = self->buckets_[static_cast<size_t>(bucket_task.bucket)];
+            go = b.iteration == bucket_task.iteration && --b.staging == 0;
+          }
+          if (go) self->Enqueue(bucket_task);
+        });
+    if (!s.ok()) {
+      // This member fails; the bucket then never goes, and the others are reported by the stall
+      // detector and time out in the training process's wait.
+      Task t = bucket_task;
+      t.layer = layer;
+      t.chunk = -2;
+      t.bucket = -1;
+      TaskFinished(t, s);
+    }
+    return;
   }
   if (on_device) {
     // Each PS chunk goes to the network as soon as its copy is on the host, while the next
@@ -800,6 +925,25 @@ void Agent::Enqueue(Task task) {
 }
 
 void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
+  if (task.bucket >= 0) {
+    // Every member completes (or fails) with its bucket; on the GPU each result goes back first.
+    absl::Status s = task_status;
+    const Bucket& b = buckets_[static_cast<size_t>(task.bucket)];
+    for (uint32_t m : b.members) {
+      const LayerState& ms = layers_[m];
+      if (s.ok() && ms.on_device) {
+        s = stager_->StageIn(m, {ms.layout.grad_offset, ms.desc.elements * sizeof(float)});
+      }
+    }
+    for (uint32_t m : b.members) {
+      Task t = task;
+      t.layer = m;
+      t.chunk = -2;
+      t.bucket = -1;
+      TaskFinished(t, s);
+    }
+    return;
+  }
   bool done = false, report_failure = false, on_device = false;
   std::string why;
   absl::Time ready_at;
@@ -874,7 +1018,9 @@ void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
 // deadlock two agents whose threads all wait on each other's next pushes.
 void Agent::SyncChunk(const Task& task) {
   const LayerState& st = layers_[task.layer];
-  const PsChunk& c = st.chunks[static_cast<size_t>(task.chunk)];
+  // A bucket's chunk is relative to its first member's gradient, which task.layer is.
+  const PsChunk& c = task.bucket >= 0 ? buckets_[static_cast<size_t>(task.bucket)].chunk
+                                      : st.chunks[static_cast<size_t>(task.chunk)];
   server::KvClient& kv = *servers_[c.server];
   std::span<float> values(shm_->Grad(task.layer) + c.offset / sizeof(float),
                           c.length / sizeof(float));
@@ -1169,6 +1315,22 @@ void Agent::CheckStalls() {
         continue;
       }
       st.stall_reported = true;
+      if (st.bucket >= 0) {
+        const Bucket& b = buckets_[static_cast<size_t>(st.bucket)];
+        std::vector<std::string> not_ready;
+        for (uint32_t m : b.members) {
+          if (layers_[m].posted < st.in_progress) not_ready.push_back(layers_[m].desc.name);
+        }
+        stalled.push_back(
+            {l, st.in_progress, now - st.ready_at,
+             absl::StrCat("chunks [key ", b.chunk.key, " on ", config_.servers[b.chunk.server],
+                          "] (bucket of layers ", b.members.front(), "..", b.members.back(),
+                          not_ready.empty()
+                              ? ""
+                              : absl::StrCat("; not yet ready: ", absl::StrJoin(not_ready, ", ")),
+                          ")")});
+        continue;
+      }
       std::vector<std::string> pending;
       for (size_t c = 0; c < st.chunk_pending.size() && pending.size() < 8; ++c) {
         if (st.chunk_pending[c]) {

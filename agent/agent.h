@@ -30,6 +30,9 @@ struct AgentConfig {
   bool colocated = true;
   uint64_t block_bytes = uint64_t{4} << 20;
   uint64_t credit_bytes = uint64_t{64} << 20;
+  // Consecutive small PS layers (each a single chunk) are fused into one key of at most this
+  // many bytes, synchronised once all of them are ready (0: off).
+  uint64_t bucket_bytes = uint64_t{512} << 10;
   int sync_threads = 8;
   // false: tasks run in the order layers become ready (no priority), for comparisons.
   bool priority = true;

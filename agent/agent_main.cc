@@ -24,6 +24,7 @@ struct Flags {
   bool colocated = true;
   uint64_t block_bytes = 4u << 20;
   uint64_t credit_bytes = 64u << 20;
+  uint64_t bucket_bytes = 512u << 10;
   int64_t sync_threads = 8;
   bool priority = true;
   absl::Duration sync_timeout = absl::Seconds(60);
@@ -58,6 +59,9 @@ poseidon::ConfigSchema<Flags> Schema() {
                      InRange<uint64_t>(4096, uint64_t{1} << 30))
       .ByteSizeField("credit_bytes", &Flags::credit_bytes, "bytes in flight before queueing",
                      AtLeast<uint64_t>(4096))
+      .ByteSizeField("bucket_bytes", &Flags::bucket_bytes,
+                     "fuse consecutive small PS layers into keys of at most this size (0: off)",
+                     InRange<uint64_t>(0, uint64_t{1} << 30))
       .Field("sync_threads", &Flags::sync_threads, "synchronisation threads",
              InRange<int64_t>(1, 256))
       .Field("priority", &Flags::priority,
@@ -115,6 +119,7 @@ int main(int argc, char** argv) {
   c.colocated = f.colocated;
   c.block_bytes = f.block_bytes;
   c.credit_bytes = f.credit_bytes;
+  c.bucket_bytes = f.bucket_bytes;
   c.sync_threads = static_cast<int>(f.sync_threads);
   c.priority = f.priority;
   c.sync_timeout = f.sync_timeout;

@@ -198,6 +198,29 @@ TEST_P(EndToEnd, FourWorkersTwoServersTwentyIterationsVerified) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, EndToEnd, ::testing::Values("ps", "sfb", "auto"));
 
+// Small PS layers fused into buckets (the default) and not fused give the same exact sums; the
+// agent says what it fused.
+TEST(Buckets, FusedAndUnfusedSmallLayersGiveTheExactSums) {
+  for (const char* bucket : {"--bucket_bytes=0", "--bucket_bytes=512KiB"}) {
+    Cluster cluster(1, 2, "ps", {bucket, "--log_level=info"});
+    ASSERT_TRUE(cluster.ok());
+    std::vector<std::unique_ptr<Subprocess>> synths;
+    for (int r = 0; r < 2; ++r) synths.push_back(cluster.Synth(r, kTiny, 10));
+    for (int r = 0; r < 2; ++r) {
+      const std::string out = synths[r]->ReadAll(milliseconds(120000));
+      ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << bucket << ": " << out;
+      EXPECT_NE(out.find("verified 80 results, 0 mismatches"), std::string::npos) << out;
+    }
+    const std::string log = cluster.agent(0).ReadAll(milliseconds(20000));
+    // tiny, all PS: conv1.weight + conv1.bias, then fc1.bias .. fc3.bias (fc1.weight is 1 MiB).
+    if (std::string(bucket) == "--bucket_bytes=0") {
+      EXPECT_EQ(log.find("fused"), std::string::npos) << log;
+    } else {
+      EXPECT_NE(log.find("7 small layers fused into 2 buckets"), std::string::npos) << log;
+    }
+  }
+}
+
 // The GPU path: two training processes share one GPU; each keeps its layers in a CUDA arena its
 // agent reaches by CUDA IPC (device->host staging, pinned buffers, results back by event, SFB
 // rebuilt with cuBLAS). Every result must equal the exact sum, as on the CPU path.
