@@ -622,7 +622,7 @@ void Agent::FormBuckets() {
   for (uint32_t i = 0; i < layers_.size(); ++i) {
     const LayerState& st = layers_[i];
     const uint64_t bytes = st.desc.elements * sizeof(float);
-    if (st.layout.scheme != PSD_SCHEME_PS || st.chunks.size() != 1 ||
+    if (!st.desc.fusable || st.layout.scheme != PSD_SCHEME_PS || st.chunks.size() != 1 ||
         bytes >= config_.bucket_bytes) {
       close();
       continue;

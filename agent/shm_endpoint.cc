@@ -219,6 +219,7 @@ absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
     }
     d.kind = l.kind;
     d.batch_k = l.batch_k;
+    d.fusable = (l.flags & 1u) != 0;  // PSD_LAYER_FUSABLE
     d.elements = 1;
     for (uint32_t k = 0; k < l.ndim; ++k) {
       if (l.shape[k] == 0 || l.shape[k] > (uint64_t{1} << 32)) {

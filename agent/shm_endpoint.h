@@ -27,6 +27,7 @@ struct LayerDesc {
   std::vector<uint64_t> shape;
   uint32_t batch_k = 0;
   uint64_t elements = 0;
+  bool fusable = false;  // the framework allows fusing it with neighbours (PSD_LAYER_FUSABLE)
 };
 
 struct LayerLayout {

@@ -21,6 +21,14 @@ void RaiseTo(std::atomic<uint64_t>& max, uint64_t value) {
   }
 }
 
+// Lowers `min` to `value`; 0 in `min` means none yet.
+void LowerTo(std::atomic<uint64_t>& min, uint64_t value) {
+  uint64_t seen = min.load(std::memory_order_relaxed);
+  while ((seen == 0 || value < seen) &&
+         !min.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
 }  // namespace
 
 TelemetryReporter::TelemetryReporter(coordinator::CoordinatorClient* client,
@@ -57,6 +65,41 @@ void TelemetryReporter::AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t rece
   if (link >= link_ids_.size()) return;
   links_[link].sent.fetch_add(sent, std::memory_order_relaxed);
   links_[link].received.fetch_add(received, std::memory_order_relaxed);
+}
+
+void TelemetryReporter::AddServerLatency(size_t server, absl::Duration round_trip) {
+  if (server >= servers_) return;
+  LowerTo(links_[server].min_rtt_ns, std::max<uint64_t>(1, Nanos(round_trip)));
+}
+
+void TelemetryReporter::SetServerPing(ServerPing ping, int pings) {
+  std::lock_guard<std::mutex> lock(ping_mu_);
+  ping_ = std::move(ping);
+  pings_ = std::max(pings, 0);
+}
+
+void TelemetryReporter::PingServers() {
+  ServerPing ping;
+  int pings = 0;
+  {
+    std::lock_guard<std::mutex> lock(ping_mu_);
+    ping = ping_;
+    pings = pings_;
+  }
+  if (!ping) return;
+  const absl::Time deadline = absl::Now() + std::min(interval_ / 2, absl::Seconds(1));
+  for (int i = 0; i < pings; ++i) {
+    for (size_t s = 0; s < servers_; ++s) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return;
+      const absl::StatusOr<absl::Duration> round_trip = ping(s, left);
+      if (round_trip.ok()) {
+        AddServerLatency(s, *round_trip);
+      } else {
+        PSD_LOG_DEBUG("ping of KV server {} for telemetry: {}", s, round_trip.status().message());
+      }
+    }
+  }
 }
 
 void TelemetryReporter::SetLayers(std::vector<std::string> names) {
@@ -110,6 +153,7 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
     link->set_window_ns(window_ns);
     link->set_bytes_per_second(static_cast<double>(std::max(sent_window, received_window)) /
                                seconds);
+    link->set_latency_ns(links_[i].min_rtt_ns.exchange(0, std::memory_order_relaxed));
   }
   const size_t layers = layer_count_.load(std::memory_order_acquire);
   const int64_t now_ns = absl::ToUnixNanos(now);
@@ -173,6 +217,7 @@ void TelemetryReporter::Run() {
         return;
       }
     }
+    PingServers();
     const absl::Status status = client_->ReportTelemetry(Collect(absl::Now()), timeout);
     if (!status.ok() && !failing) {
       PSD_LOG_WARN("telemetry to the coordinator failed (retrying every {}): {}",

@@ -1,12 +1,15 @@
 // TelemetryReporter: what an agent tells the coordinator every --telemetry_interval
 // (ReportTelemetry): per link (each KV server, each SFB peer) the bytes sent and received in the
-// window and the achieved throughput; the iteration completed; per layer the synchronisations
-// completed in the window (count, mean and longest ready-to-done time) and the one still waiting,
-// if any. The coordinator shows it in `poseidon status` (docs/operations.md) and may use busy
-// windows as a lower bound of link bandwidth (docs/planner.md).
+// window and the achieved throughput, and for KV servers the round-trip latency (the minimum of
+// a few pings at the end of each window: the network and server turnaround without the queueing
+// behind bulk data, which the throughput already shows; SFB peer links carry no latency); the
+// iteration completed; per layer the synchronisations completed in the window (count, mean and
+// longest ready-to-done time) and the one still waiting, if any. The coordinator shows it in
+// `poseidon status` (docs/operations.md) and may use busy windows as a lower bound of link
+// bandwidth (docs/planner.md).
 // Thread-safety: the Add*/Layer* hooks are lock-free (relaxed atomics) and safe from any thread
-// (the data path, transport I/O threads); SetLayers, Start and Stop from the owner's thread.
-// Collect is for the reporter thread and tests.
+// (the data path, transport I/O threads); SetServerPing from any thread; SetLayers, Start and
+// Stop from the owner's thread. Collect and PingServers are for the reporter thread and tests.
 #pragma once
 
 #include <atomic>
@@ -19,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "coordinator/client.h"
 #include "poseidon/v1/coordinator.pb.h"
@@ -40,6 +44,16 @@ class TelemetryReporter {
   // Bytes moved on a link (data path; unknown indices are ignored).
   void AddServerBytes(size_t server, uint64_t sent, uint64_t received);
   void AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t received);
+  // A round trip measured to KV server `server` in this window (the window keeps the minimum).
+  void AddServerLatency(size_t server, absl::Duration round_trip);
+
+  // Measures one round trip to KV server `server`, waiting at most `timeout`.
+  using ServerPing =
+      std::function<absl::StatusOr<absl::Duration>(size_t server, absl::Duration timeout)>;
+  // At the end of every window, before the report, the reporter thread pings each server
+  // `pings` times through `ping` (never on the data path), all within min(interval / 2, 1s);
+  // failures and timeouts are skipped. May be set after Start (once the servers are connected).
+  void SetServerPing(ServerPing ping, int pings = 3);
 
   // The model's layers, once (before the first LayerReady).
   void SetLayers(std::vector<std::string> names);
@@ -52,6 +66,9 @@ class TelemetryReporter {
   void Start();
   void Stop();
 
+  // Pings every server as SetServerPing says (the reporter thread calls it before each Collect).
+  void PingServers();
+
   // The report of the window since the previous Collect (or construction), ending at `now`.
   poseidon::v1::ReportTelemetryRequest Collect(absl::Time now);
 
@@ -59,6 +76,7 @@ class TelemetryReporter {
   struct LinkCounters {
     std::atomic<uint64_t> sent{0};
     std::atomic<uint64_t> received{0};
+    std::atomic<uint64_t> min_rtt_ns{0};  // 0: none in this window; reset by Collect
   };
   struct LayerCounters {
     std::atomic<uint64_t> syncs{0};
@@ -84,6 +102,10 @@ class TelemetryReporter {
   std::atomic<size_t> layer_count_{0};  // set once, after layers_
   absl::Time window_start_;
   std::vector<uint64_t> prev_sent_, prev_received_, prev_syncs_, prev_sync_ns_;
+
+  std::mutex ping_mu_;  // ping_, pings_
+  ServerPing ping_;
+  int pings_ = 0;
 
   std::mutex stop_mu_;
   std::condition_variable wake_;

@@ -62,6 +62,38 @@ TEST(TelemetryReporterTest, OneWindowPerReport) {
   EXPECT_EQ(report.layers(0).waiting_seconds(), 0);
 }
 
+TEST(TelemetryReporterTest, ServerLinksReportTheShortestPingOfTheWindow) {
+  TelemetryReporter reporter(nullptr, absl::Seconds(5), {"server-0", "server-1"},
+                             {"agent-0", "agent-1"}, /*rank=*/0, {});
+  const absl::Time start = absl::Now();
+  reporter.Collect(start);
+  std::vector<absl::Duration> round_trips = {absl::Microseconds(300), absl::Microseconds(100),
+                                             absl::Microseconds(200)};
+  size_t calls = 0;
+  reporter.SetServerPing(
+      [&](size_t server, absl::Duration timeout) -> absl::StatusOr<absl::Duration> {
+        EXPECT_GT(timeout, absl::ZeroDuration());
+        EXPECT_LE(timeout, absl::Seconds(1));
+        if (server == 1) return absl::DeadlineExceededError("no pong");
+        return round_trips[calls++ % round_trips.size()];
+      });
+  reporter.PingServers();
+  EXPECT_EQ(calls, 3u);                                 // three pings per server by default
+  reporter.AddServerLatency(9, absl::Microseconds(1));  // unknown: ignored
+  v1::ReportTelemetryRequest report = reporter.Collect(start + absl::Seconds(1));
+  ASSERT_EQ(report.links_size(), 3);
+  EXPECT_EQ(report.links(0).latency_ns(), 100000u);
+  EXPECT_EQ(report.links(1).latency_ns(), 0u);  // every ping failed: not measured
+  EXPECT_EQ(report.links(2).peer_node_id(), "agent-1");
+  EXPECT_EQ(report.links(2).latency_ns(), 0u);  // SFB peers are not pinged
+  // The next window starts without a measurement.
+  report = reporter.Collect(start + absl::Seconds(2));
+  EXPECT_EQ(report.links(0).latency_ns(), 0u);
+  reporter.AddServerLatency(0, absl::Microseconds(250));
+  report = reporter.Collect(start + absl::Seconds(3));
+  EXPECT_EQ(report.links(0).latency_ns(), 250000u);
+}
+
 TEST(TelemetryReporterTest, StartWithoutAClientAndStopAreHarmless) {
   TelemetryReporter reporter(nullptr, absl::Milliseconds(10), {}, {}, 0, nullptr);
   reporter.Start();  // no client: nothing to report to

@@ -829,9 +829,22 @@ absl::Status Registry::ReportTelemetry(const Caller& caller,
   ASSIGN_OR_RETURN(Node * node,
                    Member(caller, request.header().node_id(), v1::NODE_ROLE_UNSPECIFIED, now));
   node->telemetry_links.clear();
-  for (const v1::LinkTelemetry& link : request.links()) {
+  for (v1::LinkTelemetry link : request.links()) {
+    if (link.peer_node_id().empty()) {
+      // A peer named by job and rank (servers know agents from the data-plane handshake only):
+      // the node holding that rank now, if the reporter's scope covers the job.
+      if (!caller.job_id.empty() && link.peer_job_id() != caller.job_id) continue;
+      const Job* job = FindJob(link.peer_job_id());
+      if (job == nullptr || link.peer_rank() >= job->ranks.size()) continue;
+      link.set_peer_node_id(job->ranks[link.peer_rank()].node_id);
+      link.clear_peer_job_id();
+      link.clear_peer_rank();
+    }
     // Links to unknown nodes are dropped: the table only grows with real pairs of nodes.
-    if (link.peer_node_id() == node->id || FindNode(link.peer_node_id()) == nullptr) continue;
+    if (link.peer_node_id().empty() || link.peer_node_id() == node->id ||
+        FindNode(link.peer_node_id()) == nullptr) {
+      continue;
+    }
     links_.Record(node->id, link.peer_node_id(),
                   LinkSample{link.bytes_per_second(), link.latency_ns(), now, link.window_ns(),
                              std::max(link.bytes(), link.received_bytes())});
@@ -950,7 +963,10 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
       status->set_peer_node_id(peer->id);
       status->set_peer_role(peer->role);
       status->set_peer_host(peer->host);
-      if (peer->role == v1::NODE_ROLE_AGENT) status->set_peer_rank(peer->rank);
+      if (peer->role == v1::NODE_ROLE_AGENT) {
+        status->set_peer_rank(peer->rank);
+        status->set_peer_job_id(peer->job_id);
+      }
       status->set_transport(link.transport());
       status->set_sent_bytes(link.bytes());
       status->set_received_bytes(link.received_bytes());

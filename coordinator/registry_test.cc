@@ -3,6 +3,7 @@
 #include "coordinator/registry.h"
 
 #include "coordinator/test_util.h"
+#include "coordinator/validate.h"
 
 namespace poseidon::coordinator::testing {
 namespace {
@@ -295,6 +296,82 @@ TEST_F(RegistryTelemetryTest, ReportsShowPerLinkThroughputAndTheSlowestRankAndLa
   EXPECT_EQ(NodeOf(status, agents_[1])->sync_seconds(), 0);
 }
 
+// A server knows agents by job and rank only (the data-plane handshake): its links name them so,
+// and the status view shows them per link, resolved to the agents' nodes.
+v1::LinkTelemetry ServerWindow(const std::string& job, uint32_t rank, uint64_t sent,
+                               uint64_t received, absl::Duration window) {
+  v1::LinkTelemetry link = Window("", sent, received, window);
+  link.set_peer_job_id(job);
+  link.set_peer_rank(rank);
+  return link;
+}
+
+TEST_F(RegistryTelemetryTest, AServersReportShowsPerLinkAndAgentsLatencyToo) {
+  FormJob(TinyModel());
+  v1::ReportTelemetryRequest request;
+  request.mutable_header()->set_node_id(servers_[0]);
+  request.set_window_ns(1000000000);
+  *request.add_links() = ServerWindow("job", 0, 1000000, 3000000, absl::Seconds(1));
+  *request.add_links() = ServerWindow("job", 1, 2000000, 500000, absl::Seconds(1));
+  *request.add_links() = ServerWindow("job", 7, 1000, 1000, absl::Seconds(1));    // no such rank
+  *request.add_links() = ServerWindow("other", 0, 1000, 1000, absl::Seconds(1));  // no such job
+  ASSERT_TRUE(ValidateRequest(request).ok());
+  ASSERT_TRUE(registry_.ReportTelemetry(Caller{""}, request, now_).ok());
+  // Rank 0 measured a 120us round trip to server 0.
+  v1::LinkTelemetry pinged = Window(servers_[0], 3000000, 1000000, absl::Seconds(1));
+  pinged.set_latency_ns(120000);
+  Report(agents_[0], {pinged}, {}, 5);
+  now_ += absl::Seconds(1);
+
+  for (const Caller& caller : {Caller{""}, job_}) {
+    const v1::GetClusterStatusResponse status = [&] {
+      v1::GetClusterStatusResponse out;
+      EXPECT_TRUE(registry_.ClusterStatus(caller, now_, &out).ok());
+      return out;
+    }();
+    const v1::NodeStatus* server = NodeOf(status, servers_[0]);
+    ASSERT_NE(server, nullptr);
+    EXPECT_EQ(server->telemetry_age_ms(), 1000u);
+    ASSERT_EQ(server->links_size(), 2);
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      const v1::LinkStatus& link = server->links(static_cast<int>(rank));
+      EXPECT_EQ(link.peer_node_id(), agents_[rank]);
+      EXPECT_EQ(link.peer_role(), v1::NODE_ROLE_AGENT);
+      EXPECT_EQ(link.peer_job_id(), "job");
+      EXPECT_EQ(link.peer_rank(), rank);
+      EXPECT_EQ(link.window_ns(), 1000000000u);
+      EXPECT_TRUE(link.lower_bound());
+      EXPECT_EQ(link.latency_ns(), 0u);  // servers do not ping
+    }
+    EXPECT_EQ(server->links(0).sent_bytes(), 1000000u);
+    EXPECT_EQ(server->links(0).received_bytes(), 3000000u);
+    EXPECT_DOUBLE_EQ(server->links(0).bytes_per_second(), 3e6);
+    EXPECT_DOUBLE_EQ(server->links(1).bytes_per_second(), 2e6);
+    EXPECT_DOUBLE_EQ(server->bytes_per_second(), 2.5e6);
+    const v1::NodeStatus* rank0 = NodeOf(status, agents_[0]);
+    ASSERT_NE(rank0, nullptr);
+    ASSERT_EQ(rank0->links_size(), 1);
+    EXPECT_EQ(rank0->links(0).latency_ns(), 120000u);
+  }
+
+  // A server scoped to one job cannot name another job's ranks: those links are dropped.
+  v1::RegisterServerRequest join;
+  join.set_host("server-host");
+  *join.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.8:7100");
+  v1::RegisterServerResponse joined;
+  ASSERT_TRUE(registry_.RegisterServer(job_, join, now_, &joined).ok());
+  v1::ReportTelemetryRequest scoped;
+  scoped.mutable_header()->set_node_id(joined.node_id());
+  *scoped.add_links() = ServerWindow("other", 0, 1000, 1000, absl::Seconds(1));
+  *scoped.add_links() = ServerWindow("job", 1, 1000, 1000, absl::Seconds(1));
+  ASSERT_TRUE(registry_.ReportTelemetry(job_, scoped, now_).ok());
+  const v1::GetClusterStatusResponse status = Status();
+  const v1::NodeStatus* scoped_status = NodeOf(status, joined.node_id());
+  ASSERT_NE(scoped_status, nullptr);
+  ASSERT_EQ(scoped_status->links_size(), 1);
+  EXPECT_EQ(scoped_status->links(0).peer_node_id(), agents_[1]);
+}
+
 // A model whose FC layer sits near the SFB/PS boundary on 2 colocated machines: with 7us of
 // latency SFB is faster above 9.36 Gbit/s (service_test.cc explains).
 v1::ModelSpec BoundaryModel() {
@@ -356,6 +433,28 @@ TEST_F(PlannerTelemetryTest, AchievedThroughputNeverDragsTheBandwidthDown) {
   EXPECT_EQ(PlanEpoch(), 2u);
   EXPECT_EQ(registry_.CurrentPlan("job")->layers(0).scheme(), v1::SYNC_SCHEME_PS);
   EXPECT_FALSE(NodeOf(Status(), agents_[0])->links(0).lower_bound());
+}
+
+TEST_F(PlannerTelemetryTest, AServersAchievedThroughputIsALowerBoundToo) {
+  FormJob(BoundaryModel());
+  ASSERT_EQ(registry_.CurrentPlan("job")->layers(0).scheme(), v1::SYNC_SCHEME_SFB);
+  // Both servers report busy windows at 4 Gbit/s with both ranks: below the plan's 10 Gbit/s,
+  // a lower bound only, so the estimate and the plan stay.
+  for (const std::string& server : servers_) {
+    v1::ReportTelemetryRequest request;
+    request.mutable_header()->set_node_id(server);
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      *request.add_links() = ServerWindow("job", rank, 500000000, 0, absl::Seconds(1));
+    }
+    ASSERT_TRUE(registry_.ReportTelemetry(Caller{""}, request, now_).ok());
+  }
+  EXPECT_EQ(PlanEpoch(), 1u);
+  const v1::GetClusterStatusResponse status = Status();
+  const v1::NodeStatus* server = NodeOf(status, servers_[0]);
+  ASSERT_NE(server, nullptr);
+  ASSERT_EQ(server->links_size(), 2);
+  EXPECT_DOUBLE_EQ(server->links(0).bandwidth_bytes_per_second(), 5e8);
+  EXPECT_TRUE(server->links(0).lower_bound());
 }
 
 }  // namespace

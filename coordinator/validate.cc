@@ -268,7 +268,20 @@ absl::Status ValidateRequest(const v1::ReportTelemetryRequest& request) {
   for (int i = 0; i < request.links_size(); ++i) {
     const v1::LinkTelemetry& link = request.links(i);
     const std::string field = absl::StrCat("links[", i, "]");
-    RETURN_IF_ERROR(ValidateId(absl::StrCat(field, ".peer_node_id"), link.peer_node_id()));
+    // A peer by node id, or (servers) by job and rank: exactly one of the two.
+    if (!link.peer_node_id().empty() || link.peer_job_id().empty()) {
+      RETURN_IF_ERROR(ValidateId(absl::StrCat(field, ".peer_node_id"), link.peer_node_id()));
+      if (!link.peer_job_id().empty()) {
+        return Invalid(absl::StrCat(field, ".peer_job_id"),
+                       "name the peer by peer_node_id or by peer_job_id and peer_rank, not both");
+      }
+    } else {
+      RETURN_IF_ERROR(ValidateId(absl::StrCat(field, ".peer_job_id"), link.peer_job_id()));
+      if (link.peer_rank() >= kMaxWorldSize) {
+        return Invalid(absl::StrCat(field, ".peer_rank"),
+                       absl::StrCat("must be below ", kMaxWorldSize, ", got ", link.peer_rank()));
+      }
+    }
     if (!v1::TransportKind_IsValid(link.transport())) {
       return Invalid(
           absl::StrCat(field, ".transport"),

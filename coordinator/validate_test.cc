@@ -82,5 +82,23 @@ TEST(ValidateTest, ServerRegistration) {
   EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("endpoints: 17 entries; at most 16"));
 }
 
+TEST(ValidateTest, TelemetryLinksNameTheirPeerByNodeIdOrByJobAndRank) {
+  v1::ReportTelemetryRequest request;
+  request.mutable_header()->set_node_id("s-1");
+  v1::LinkTelemetry* link = request.add_links();
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("links[0].peer_node_id: must not be"));
+  link->set_peer_job_id("job-1");
+  link->set_peer_rank(3);
+  EXPECT_TRUE(ValidateRequest(request).ok());
+  link->set_peer_node_id("a-2");
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("links[0].peer_job_id: name the peer"));
+  link->clear_peer_node_id();
+  link->set_peer_job_id("bad job");
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("links[0].peer_job_id: may contain"));
+  link->set_peer_job_id("job-1");
+  link->set_peer_rank(kMaxWorldSize);
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("links[0].peer_rank: must be below"));
+}
+
 }  // namespace
 }  // namespace poseidon::coordinator::testing

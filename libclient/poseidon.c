@@ -317,6 +317,7 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
     l->dtype = d->dtype;
     l->ndim = d->ndim;
     l->batch_k = d->batch_k;
+    l->flags = d->flags & PSD_LAYER_FUSABLE;
     for (uint32_t k = 0; k < d->ndim; ++k) l->shape[k] = d->shape[k];
   }
   __atomic_store_n(&ctx->header->num_layers, count, __ATOMIC_RELEASE);

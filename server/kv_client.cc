@@ -109,6 +109,26 @@ absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
   return Wait(Start(0, h, {*bytes}, std::move(p), bytes), timeout);
 }
 
+Ticket KvClient::Ping(size_t connection) {
+  FrameHeader h;
+  h.type = FrameType::kPing;
+  Pending p;
+  p.what = absl::StrCat("ping of ", address_);
+  return Start(connection % conns_.size(), h, {}, std::move(p));
+}
+
+absl::StatusOr<absl::Duration> KvClient::MeasureRoundTrip(absl::Duration timeout,
+                                                          size_t connection) {
+  const absl::Time start = absl::Now();
+  const Ticket ticket = Ping(connection);
+  const absl::Status status = Wait(ticket, timeout);
+  if (absl::IsDeadlineExceeded(status)) {
+    OnDone(ticket, [](absl::Status) {});  // forget the ticket once the PONG (or failure) comes
+  }
+  if (!status.ok()) return status;
+  return absl::Now() - start;
+}
+
 absl::Status KvClient::Checkpoint(absl::Duration timeout) {
   FrameHeader h;
   h.type = FrameType::kCheckpoint;

@@ -54,6 +54,14 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   // `done` runs at once on the calling thread.
   void OnDone(Ticket ticket, std::function<void(absl::Status)> done);
 
+  // A PING the server answers with PONG at once (from its I/O thread, after whatever this
+  // connection has queued before it): Wait on the ticket for the round trip. On connection
+  // `connection` % connections (default the first).
+  Ticket Ping(size_t connection = 0);
+  // Ping and Wait: the round-trip time, or the error (DeadlineExceeded after `timeout`; a late
+  // PONG is then dropped).
+  absl::StatusOr<absl::Duration> MeasureRoundTrip(absl::Duration timeout, size_t connection = 0);
+
   // Asks the server to checkpoint this job now and waits for it.
   absl::Status Checkpoint(absl::Duration timeout);
 

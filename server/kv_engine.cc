@@ -480,6 +480,7 @@ void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
       k.IsSum() ? std::span<const float>(k.result) : std::span<const float>(k.params);
   stats_.pulls.fetch_add(1, std::memory_order_relaxed);
   stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
+  if (ctx.traffic) ctx.traffic->sent.fetch_add(value.size_bytes(), std::memory_order_relaxed);
   SendReply(ctx, FrameType::kPullResponse, value);
 }
 

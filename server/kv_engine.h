@@ -70,10 +70,19 @@ struct EngineStats {
   std::atomic<uint64_t> pull_timeouts{0};
 };
 
+// Data-plane bytes moved with one peer (a job's rank, over all its connections): push payloads
+// received and pull-response payloads sent. Relaxed atomics; poseidon-server reports them to the
+// coordinator as per-link telemetry.
+struct PeerTraffic {
+  std::atomic<uint64_t> received{0};
+  std::atomic<uint64_t> sent{0};
+};
+
 // Where a request came from and how to answer it.
 struct RequestContext {
   std::shared_ptr<transport::PeerSession> peer;
   transport::FrameHeader header;
+  std::shared_ptr<PeerTraffic> traffic;  // the peer's byte counters; may be null
 };
 
 struct JobState;  // kv_engine.cc

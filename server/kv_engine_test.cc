@@ -9,6 +9,7 @@
 
 #include "server/kv_client.h"
 #include "server/kv_service.h"
+#include "server/server_telemetry.h"
 #include "server/update_rules.h"
 #include "transport/tcp/tcp_context.h"
 
@@ -57,9 +58,9 @@ class KvServerTest : public ::testing::Test {
     secrets_->Set(2, "other-job");
     auto listener = ctx_->Listen("127.0.0.1:0");
     ASSERT_TRUE(listener.ok());
-    server_ = std::make_shared<transport::FrameServer>(
-        *listener, secrets_,
-        std::make_shared<KvService>(engine_, BufferPool::Create(64 << 20), KvServiceOptions{}));
+    service_ =
+        std::make_shared<KvService>(engine_, BufferPool::Create(64 << 20), KvServiceOptions{});
+    server_ = std::make_shared<transport::FrameServer>(*listener, secrets_, service_);
     server_->Start();
   }
   void TearDown() override {
@@ -77,6 +78,7 @@ class KvServerTest : public ::testing::Test {
   std::shared_ptr<transport::Context> ctx_;
   std::shared_ptr<KvEngine> engine_;
   std::shared_ptr<transport::SecretStore> secrets_;
+  std::shared_ptr<KvService> service_;
   std::shared_ptr<transport::FrameServer> server_;
 };
 
@@ -291,6 +293,95 @@ TEST_F(KvServerTest, SnapshotRestoresIntoAFreshEngineThatContinuesIdentically) {
     EXPECT_EQ(again->keys[i].optimizer_state, snap->keys[i].optimizer_state);
     EXPECT_EQ(again->keys[i].optimizer_steps, 3u);
   }
+}
+
+TEST_F(KvServerTest, PingMeasuresARoundTripOnEveryConnection) {
+  auto c = Client(0, 1, kSecret, /*connections=*/2);
+  ASSERT_NE(c, nullptr);
+  for (size_t conn = 0; conn < 2; ++conn) {
+    EXPECT_TRUE(c->Wait(c->Ping(conn), kWait).ok());
+    const absl::StatusOr<absl::Duration> rtt = c->MeasureRoundTrip(kWait, conn);
+    ASSERT_TRUE(rtt.ok()) << rtt.status();
+    EXPECT_GT(*rtt, absl::ZeroDuration());
+  }
+  // Pings interleave with data on the same connection; the service does not count them as data.
+  const std::vector<float> grad = Grad(0, 1, 100, 16);
+  ASSERT_TRUE(c->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {16}), kWait).ok());
+  const Ticket push = c->Push(100, 1, grad);
+  const Ticket ping = c->Ping();
+  EXPECT_TRUE(c->Wait(push, kWait).ok());
+  EXPECT_TRUE(c->Wait(ping, kWait).ok());
+  c->Close();
+  const absl::StatusOr<absl::Duration> closed = c->MeasureRoundTrip(kWait);
+  EXPECT_FALSE(closed.ok());
+}
+
+TEST_F(KvServerTest, TrafficIsCountedPerRankAndReportedPerWindow) {
+  constexpr uint64_t kElements = 1000;
+  ServerTelemetry telemetry([this] { return service_->TakeTraffic(); }, absl::Seconds(5));
+  std::vector<std::shared_ptr<KvClient>> clients = {Client(0), Client(1)};
+  ASSERT_NE(clients[0], nullptr);
+  ASSERT_NE(clients[1], nullptr);
+  for (auto& c : clients) {
+    ASSERT_TRUE(c->RegisterTables(Spec(2, v1::UPDATE_RULE_SUM, {kElements}), kWait).ok());
+  }
+  // Two clocks; rank 1 pulls only the first.
+  for (uint64_t clock = 1; clock <= 2; ++clock) {
+    std::vector<std::vector<float>> results(2, std::vector<float>(kElements));
+    std::vector<std::vector<float>> grads;
+    std::vector<Ticket> pushes, pulls;
+    for (uint32_t r = 0; r < 2; ++r) grads.push_back(Grad(r, clock, 100, kElements));
+    for (uint32_t r = 0; r < 2; ++r) pushes.push_back(clients[r]->Push(100, clock, grads[r]));
+    for (uint32_t r = 0; r < (clock == 1 ? 2u : 1u); ++r) {
+      pulls.push_back(clients[r]->Pull(100, clock, results[r]));
+    }
+    for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(clients[r]->Wait(pushes[r], kWait).ok());
+    for (size_t i = 0; i < pulls.size(); ++i) ASSERT_TRUE(clients[i]->Wait(pulls[i], kWait).ok());
+  }
+  constexpr uint64_t kBytes = kElements * sizeof(float);
+  const v1::ReportTelemetryRequest first = telemetry.Collect(absl::Now());
+  const double seconds = static_cast<double>(first.window_ns()) / 1e9;
+  ASSERT_EQ(first.links_size(), 2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    const v1::LinkTelemetry& link = first.links(static_cast<int>(r));
+    EXPECT_EQ(link.peer_node_id(), "");
+    EXPECT_EQ(link.peer_job_id(), "1");
+    EXPECT_EQ(link.peer_rank(), r);
+    EXPECT_EQ(link.received_bytes(), 2 * kBytes) << "rank " << r;
+    EXPECT_EQ(link.bytes(), (r == 0 ? 2 : 1) * kBytes) << "rank " << r;
+    EXPECT_EQ(link.window_ns(), first.window_ns());
+    EXPECT_DOUBLE_EQ(link.bytes_per_second(), static_cast<double>(2 * kBytes) / seconds);
+  }
+  // An idle window: the connected ranks are reported with zero bytes.
+  const v1::ReportTelemetryRequest idle = telemetry.Collect(absl::Now());
+  ASSERT_EQ(idle.links_size(), 2);
+  EXPECT_EQ(idle.links(0).bytes(), 0u);
+  EXPECT_EQ(idle.links(0).received_bytes(), 0u);
+  EXPECT_EQ(idle.links(0).bytes_per_second(), 0);
+  // Another job is a namespace of its own.
+  auto other = Client(0, 2, "other-job");
+  ASSERT_NE(other, nullptr);
+  ASSERT_TRUE(other->Wait(other->Ping(), kWait).ok());  // a frame: the peer is known
+  // Rank 1 leaves: reported once more (with zero bytes), then forgotten.
+  clients[1]->Close();
+  clients[1].reset();
+  const absl::Time deadline = absl::Now() + kWait;
+  std::vector<PeerTrafficTotals> totals;
+  while (absl::Now() < deadline) {
+    totals = service_->TakeTraffic();
+    if (totals.size() == 3 && totals[1].connections == 0) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(totals.size(), 3u);  // (1, 0), (1, 1) closed, (2, 0)
+  EXPECT_EQ(totals[0].connections, 1);
+  EXPECT_EQ(totals[1].rank, 1u);
+  EXPECT_EQ(totals[1].connections, 0);
+  EXPECT_EQ(totals[2].job_id, 2u);
+  EXPECT_EQ(totals[2].received, 0u);
+  const std::vector<PeerTrafficTotals> after = service_->TakeTraffic();
+  ASSERT_EQ(after.size(), 2u);
+  EXPECT_EQ(after[0].rank, 0u);
+  EXPECT_EQ(after[1].job_id, 2u);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "server/kv_service.h"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -19,8 +20,10 @@ struct KvService::PeerState {
   std::mutex mu;
   int in_flight = 0;
   bool paused = false;
-  PooledBuffer push_buffer;      // the push being received
-  std::vector<std::byte> small;  // pull / register payloads
+  PooledBuffer push_buffer;              // the push being received
+  std::vector<std::byte> small;          // pull / register payloads
+  std::shared_ptr<PeerTraffic> traffic;  // shared by the peer's (job, rank) connections
+  std::atomic<bool> closed{false};
 };
 
 namespace {
@@ -59,9 +62,41 @@ std::shared_ptr<KvService::PeerState> KvService::StateOf(const std::shared_ptr<P
   auto state = peer->handler_state<PeerState>();
   if (!state) {
     state = std::make_shared<PeerState>();
+    {
+      std::lock_guard<std::mutex> lock(traffic_mu_);
+      TrafficEntry& entry = traffic_[{peer->identity().job_id, peer->identity().rank}];
+      if (!entry.traffic) entry.traffic = std::make_shared<PeerTraffic>();
+      ++entry.connections;
+      state->traffic = entry.traffic;
+    }
     peer->set_handler_state(state);
   }
   return state;
+}
+
+void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::Status& /*reason*/) {
+  const auto state = peer->handler_state<PeerState>();
+  // Never sent a frame: never counted. Closed once only.
+  if (!state || state->closed.exchange(true)) return;
+  std::lock_guard<std::mutex> lock(traffic_mu_);
+  const auto it = traffic_.find({peer->identity().job_id, peer->identity().rank});
+  if (it != traffic_.end() && it->second.connections > 0) --it->second.connections;
+}
+
+std::vector<PeerTrafficTotals> KvService::TakeTraffic() {
+  std::vector<PeerTrafficTotals> out;
+  std::lock_guard<std::mutex> lock(traffic_mu_);
+  for (auto it = traffic_.begin(); it != traffic_.end();) {
+    PeerTrafficTotals totals;
+    totals.job_id = it->first.first;
+    totals.rank = it->first.second;
+    totals.received = it->second.traffic->received.load(std::memory_order_relaxed);
+    totals.sent = it->second.traffic->sent.load(std::memory_order_relaxed);
+    totals.connections = it->second.connections;
+    out.push_back(totals);
+    it = it->second.connections == 0 ? traffic_.erase(it) : std::next(it);
+  }
+  return out;
 }
 
 absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSession>& peer,
@@ -118,8 +153,9 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
           peer->PauseReading();
         }
       }
+      state->traffic->received.fetch_add(header.payload_length, std::memory_order_relaxed);
       const int max = options_.max_pushes_in_flight;
-      engine_->Push(RequestContext{peer, header}, std::move(state->push_buffer),
+      engine_->Push(RequestContext{peer, header, state->traffic}, std::move(state->push_buffer),
                     [state, peer, max] {
                       bool resume = false;
                       {
@@ -142,7 +178,7 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
         timeout = absl::Milliseconds(static_cast<int64_t>(std::min<uint64_t>(ms, 1ull << 40)));
       }
       if (timeout == absl::InfiniteDuration()) timeout = absl::Seconds(30);
-      engine_->Pull(RequestContext{peer, header}, timeout);
+      engine_->Pull(RequestContext{peer, header, state->traffic}, timeout);
       return;
     }
     case FrameType::kRegisterTables: {

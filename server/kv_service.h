@@ -4,8 +4,13 @@
 // Thread-safety: called by FrameServer on transport I/O threads; safe for concurrent peers.
 #pragma once
 
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "server/buffer_pool.h"
 #include "server/kv_engine.h"
@@ -20,6 +25,15 @@ struct KvServiceOptions {
   size_t max_register_bytes = 16 << 20;
 };
 
+// The bytes one peer (a job's rank) has moved with this server since it first sent a frame.
+struct PeerTrafficTotals {
+  uint64_t job_id = 0;
+  uint32_t rank = 0;
+  uint64_t received = 0;  // push payloads
+  uint64_t sent = 0;      // pull-response payloads
+  int connections = 0;    // open now
+};
+
 class KvService : public transport::FrameHandler {
  public:
   // `checkpoint` writes a checkpoint of one job now (for CHECKPOINT requests); may be empty.
@@ -31,15 +45,28 @@ class KvService : public transport::FrameHandler {
       const transport::FrameHeader& header) override;
   void OnFrame(const std::shared_ptr<transport::PeerSession>& peer,
                const transport::FrameHeader& header, transport::MutableBuffer payload) override;
+  void OnClose(const std::shared_ptr<transport::PeerSession>& peer,
+               const absl::Status& reason) override;
+
+  // Every peer's totals, ordered by (job, rank). A peer without an open connection is returned
+  // one last time and then forgotten (its counters start again from 0 if it comes back).
+  std::vector<PeerTrafficTotals> TakeTraffic();
 
  private:
   struct PeerState;
+  struct TrafficEntry {
+    std::shared_ptr<PeerTraffic> traffic;
+    int connections = 0;
+  };
   std::shared_ptr<PeerState> StateOf(const std::shared_ptr<transport::PeerSession>& peer);
 
   std::shared_ptr<KvEngine> engine_;
   std::shared_ptr<BufferPool> pool_;
   KvServiceOptions options_;
   std::function<absl::Status(uint64_t)> checkpoint_;
+
+  std::mutex traffic_mu_;  // a peer's first frame and close, TakeTraffic: never per frame
+  std::map<std::pair<uint64_t, uint32_t>, TrafficEntry> traffic_;  // (job, rank)
 };
 
 }  // namespace poseidon::server

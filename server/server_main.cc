@@ -21,6 +21,7 @@
 #include "server/checkpoint.h"
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
+#include "server/server_telemetry.h"
 #include "transport/frame_server.h"
 #include "transport/tcp/tcp_context.h"
 
@@ -45,6 +46,7 @@ struct ServerConfig {
   std::string coordinator;
   std::string coordinator_token;
   std::string advertise;
+  absl::Duration telemetry_interval = absl::Seconds(5);
 };
 
 ConfigSchema<ServerConfig> Schema() {
@@ -80,6 +82,15 @@ ConfigSchema<ServerConfig> Schema() {
                    "the job's coordinator token (with coordinator)")
       .Field("advertise", &ServerConfig::advertise,
              "the address peers reach this server at (default: the bound listen address)")
+      .Field(
+          "telemetry_interval", &ServerConfig::telemetry_interval,
+          "with a coordinator: report the bytes moved with each agent this often; 0: off",
+          [](const absl::Duration& d) {
+            if (d == absl::ZeroDuration() || (d >= absl::Milliseconds(10) && d <= absl::Hours(1))) {
+              return absl::OkStatus();
+            }
+            return absl::InvalidArgumentError("must be 0 (off) or in [10ms, 1h]");
+          })
       .Field("log_level", &ServerConfig::log_level, "trace, debug, info, warn, error",
              OneOf({"trace", "debug", "info", "warn", "error"}));
   return s;
@@ -267,6 +278,7 @@ int Main(int argc, char** argv) {
   // Join the coordinator's registry so agents learn this server from their plan.
   std::unique_ptr<coordinator::CoordinatorClient> coord;
   std::unique_ptr<coordinator::HeartbeatLoop> heartbeats;
+  std::unique_ptr<ServerTelemetry> telemetry;
   if (!config.coordinator.empty()) {
     auto client = coordinator::CoordinatorClient::Connect(
         config.coordinator, absl::StrCat(config.job_id), config.coordinator_token);
@@ -285,6 +297,15 @@ int Main(int argc, char** argv) {
     }
     coord = std::move(*client);
     heartbeats = coord->StartHeartbeats({});
+    if (config.telemetry_interval > absl::ZeroDuration()) {
+      telemetry = std::make_unique<ServerTelemetry>(
+          [service] { return service->TakeTraffic(); }, config.telemetry_interval,
+          [client = coord.get()](const v1::ReportTelemetryRequest& request,
+                                 absl::Duration timeout) {
+            return client->ReportTelemetry(request, timeout);
+          });
+      telemetry->Start();
+    }
   }
 
   PSD_LOG_INFO("serving on {} ({} engine threads{}{})", server->Address(), config.workers,
@@ -313,6 +334,7 @@ int Main(int argc, char** argv) {
       }
     }
   }
+  if (telemetry) telemetry->Stop();
   if (heartbeats) heartbeats->Stop();
   if (coord) (void)coord->Deregister("shutting down");
   server->Stop();

@@ -339,10 +339,10 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
   EXPECT_EQ(psd_layer_ready(ctx, 0, 1), PSD_FAILED_PRECONDITION) << "before registration";
 
   const uint64_t bad_shape[2] = {0, 4};
-  psd_layer_desc bad{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, bad_shape, 4};
+  psd_layer_desc bad{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, bad_shape, 4, 0};
   EXPECT_EQ(psd_register_layers(ctx, &bad, 1, 10000), PSD_INVALID_ARGUMENT);
   const uint64_t shape[2] = {8, 4};
-  psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4};
+  psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, 0};
   ASSERT_EQ(psd_register_layers(ctx, &good, 1, 30000), PSD_OK) << psd_last_error();
   EXPECT_EQ(psd_register_layers(ctx, &good, 1, 1000), PSD_FAILED_PRECONDITION) << "twice";
 
@@ -382,7 +382,7 @@ TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
   ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
   EXPECT_EQ(psd_cuda_enable(ctx, 0, 1000), PSD_FAILED_PRECONDITION) << "before registration";
   const uint64_t shape[2] = {8, 4};
-  psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4};
+  psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, 0};
   ASSERT_EQ(psd_register_layers(ctx, &good, 1, 30000), PSD_OK) << psd_last_error();
   float *g = nullptr, *u = nullptr, *v = nullptr;
   EXPECT_EQ(psd_cuda_layer_buffers(ctx, 0, &g, &u, &v), PSD_FAILED_PRECONDITION);
@@ -467,10 +467,10 @@ TEST(Scheduling, TheLayerTheNextForwardNeedsFirstIsSynchronisedFirst) {
   psd_context* ctx = nullptr;
   ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
   const uint64_t small[1] = {1024}, big[1] = {1u << 20};
-  psd_layer_desc layers[4] = {{"l0", PSD_LAYER_OTHER, PSD_FLOAT32, 1, small, 0},
-                              {"l1", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0},
-                              {"l2", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0},
-                              {"l3", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0}};
+  psd_layer_desc layers[4] = {{"l0", PSD_LAYER_OTHER, PSD_FLOAT32, 1, small, 0, 0},
+                              {"l1", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0, 0},
+                              {"l2", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0, 0},
+                              {"l3", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0, 0}};
   ASSERT_EQ(psd_register_layers(ctx, layers, 4, 30000), PSD_OK) << psd_last_error();
   for (uint32_t l = 4; l-- > 0;) ASSERT_EQ(psd_layer_ready(ctx, l, 1), PSD_OK);
   std::vector<uint32_t> order;

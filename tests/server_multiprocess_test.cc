@@ -233,6 +233,12 @@ TEST_F(ServerProcessTest, BadConfigurationIsRefusedWithAClearMessage) {
                   "--checkpoint_dir=" + (dir_ / "bad").string()});
     EXPECT_EQ(p.Wait(milliseconds(20000)), 2) << "a corrupt checkpoint must stop the start";
   }
+  for (const char* interval :
+       {"--telemetry_interval=5ms", "--telemetry_interval=2h", "--telemetry_interval=-1s"}) {
+    Subprocess p(
+        {POSEIDON_SERVER_BIN, "--listen=127.0.0.1:0", "--job_id=1", "--job_secret=x", interval});
+    EXPECT_EQ(p.Wait(milliseconds(20000)), 2) << interval << " must be refused";
+  }
 }
 
 }  // namespace

@@ -145,9 +145,15 @@ std::string Seconds(double seconds) {
   return absl::StrFormat("%.2f s", seconds);
 }
 
-// "rank 2", "server s-1", the node id of anything else.
-std::string Peer(const v1::LinkStatus& link) {
-  if (link.peer_role() == v1::NODE_ROLE_AGENT) return absl::StrCat("rank ", link.peer_rank());
+// "rank 2" (from an agent of the same job), "job 7 rank 2" (from a server), "server s-1", the
+// node id of anything else.
+std::string Peer(const v1::NodeStatus& from, const v1::LinkStatus& link) {
+  if (link.peer_role() == v1::NODE_ROLE_AGENT) {
+    if (from.role() == v1::NODE_ROLE_AGENT && from.job_id() == link.peer_job_id()) {
+      return absl::StrCat("rank ", link.peer_rank());
+    }
+    return absl::StrCat("job ", link.peer_job_id(), " rank ", link.peer_rank());
+  }
   if (link.peer_role() == v1::NODE_ROLE_SERVER) return absl::StrCat("server ", link.peer_node_id());
   return link.peer_node_id();
 }
@@ -157,6 +163,14 @@ std::string NodeName(const v1::NodeStatus& node) {
     return absl::StrCat("job ", node.job_id(), " rank ", node.rank());
   }
   return absl::StrCat(RoleName(node.role()), " ", node.node_id());
+}
+
+// A round trip: "-" when not measured.
+std::string Latency(uint64_t ns) {
+  if (ns == 0) return "-";
+  if (ns < 1000000) return absl::StrFormat("%.0f us", static_cast<double>(ns) / 1e3);
+  if (ns < 1000000000) return absl::StrFormat("%.2f ms", static_cast<double>(ns) / 1e6);
+  return absl::StrFormat("%.2f s", static_cast<double>(ns) / 1e9);
 }
 
 // The planner's bandwidth from a link's sample: ">= X" for achieved throughput (a lower bound).
@@ -218,13 +232,13 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
   }
   // Every node's links, from its latest telemetry (achieved throughput over its window).
   std::vector<std::vector<std::string>> links = {
-      {"LINK FROM", "TO", "SENT", "RECEIVED", "WINDOW", "BYTES/S", "BANDWIDTH"}};
+      {"LINK FROM", "TO", "SENT", "RECEIVED", "WINDOW", "BYTES/S", "BANDWIDTH", "LATENCY"}};
   for (const v1::NodeStatus& n : status.nodes()) {
     for (const v1::LinkStatus& link : n.links()) {
       links.push_back(
-          {NodeName(n), Peer(link), Bytes(link.sent_bytes()), Bytes(link.received_bytes()),
+          {NodeName(n), Peer(n, link), Bytes(link.sent_bytes()), Bytes(link.received_bytes()),
            link.window_ns() == 0 ? "-" : Seconds(static_cast<double>(link.window_ns()) / 1e9),
-           Throughput(link.bytes_per_second()), Bandwidth(link)});
+           Throughput(link.bytes_per_second()), Bandwidth(link), Latency(link.latency_ns())});
     }
   }
   if (links.size() == 1) {
@@ -337,6 +351,8 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.Key("peer_host");
       w.String(link.peer_host());
       if (link.peer_role() == v1::NODE_ROLE_AGENT) {
+        w.Key("peer_job_id");
+        w.String(link.peer_job_id());
         w.Key("peer_rank");
         w.Unsigned(link.peer_rank());
       }

@@ -101,7 +101,7 @@ int main() {
     return 1;
   }
   const uint64_t shape[1] = {256};
-  psd_layer_desc desc{"layer", PSD_LAYER_OTHER, PSD_FLOAT32, 1, shape, 0};
+  psd_layer_desc desc{"layer", PSD_LAYER_OTHER, PSD_FLOAT32, 1, shape, 0, 0};
   if (psd_register_layers(ctx, &desc, 1, 10000) != PSD_OK) {
     std::fprintf(stderr, "register: %s\n", psd_last_error());
     return 1;

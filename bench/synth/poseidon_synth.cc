@@ -150,7 +150,8 @@ int main(int argc, char** argv) {
                 PSD_FLOAT32,
                 static_cast<uint32_t>(layers[i].shape.size()),
                 layers[i].shape.data(),
-                layers[i].kind == PSD_LAYER_FC ? K : 0};
+                layers[i].kind == PSD_LAYER_FC ? K : 0,
+                PSD_LAYER_FUSABLE};  // every layer is posted during backward, no waits between
   }
   const uint32_t timeout = absl::GetFlag(FLAGS_timeout_ms);
   if (psd_status s =

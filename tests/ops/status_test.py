@@ -3,8 +3,10 @@
 --json list the server as alive with its endpoint; a wrong token and an unreachable coordinator
 each give exit code 2 and one line on stderr. With --agent and --synth, two agents join through the
 coordinator (--telemetry_interval=200ms) and train the tiny model with poseidon-synth: status then
-shows non-zero bytes/s on their links and names a slowest rank and layer. Every process is killed
-(and every shared-memory segment removed) on every path."""
+shows non-zero bytes/s on their links and names a slowest rank and layer; the server's own
+telemetry (--telemetry_interval=200ms) shows its links to both ranks with non-zero bytes/s, and the
+agents' links to the server a measured round-trip latency. Every process is killed (and every
+shared-memory segment removed) on every path."""
 
 import argparse
 import json
@@ -43,7 +45,7 @@ def training_status(args, addr, jenv, daemons, segments):
         segments.append(segment)
         agent = Daemon(f"agent {rank}", [
             args.agent, "--job_id=1", "--secret=ops-status-secret", f"--rank={rank}",
-            "--world_size=2", f"--coordinator={addr}", f"--listen=127.0.0.1:{free_port()}",
+            "--world_size=2", f"--coordinator={addr}", "--listen=127.0.0.1:0",
             f"--segment={segment}", "--telemetry_interval=200ms", "--log_level=warn"])
         daemons.append(agent)
         agents.append(agent)
@@ -63,16 +65,22 @@ def training_status(args, addr, jenv, daemons, segments):
         if p.returncode == 0:
             doc = json.loads(p.stdout)
             agent_nodes = [n for n in doc["nodes"] if n["role"] == "agent"]
+            server_nodes = [n for n in doc["nodes"] if n["role"] == "server"]
             busy = [l for n in agent_nodes for l in n["links"] if l["bytes_per_second"] > 0]
+            server_busy = {l.get("peer_rank") for n in server_nodes for l in n["links"]
+                           if l["peer_role"] == "agent" and l["bytes_per_second"] > 0}
+            pinged = [l for n in agent_nodes for l in n["links"]
+                      if l["peer_role"] == "server" and l["latency_ns"] > 0]
             jobs = [j for j in doc["jobs"] if j["job_id"] == "1"]
-            if (len(agent_nodes) == 2 and busy and jobs and jobs[0]["slowest_layer"]
+            if (len(agent_nodes) == 2 and busy and server_busy == {0, 1} and pinged
+                    and jobs and jobs[0]["slowest_layer"]
                     and jobs[0]["slowest_rank"] is not None
                     and all(n["iteration"] > 0 and n["slowest_layer"] for n in agent_nodes)):
                 break
         time.sleep(0.3)
     else:
-        check(False, "status never showed busy links and a slowest rank and layer: "
-              + json.dumps(doc)[:3000])
+        check(False, "status never showed busy links (agents' and the server's), a latency to "
+              "the server and a slowest rank and layer: " + json.dumps(doc)[:3000])
         return
     print(json.dumps(doc, indent=1)[:4000])
     agent_nodes = [n for n in doc["nodes"] if n["role"] == "agent"]
@@ -88,6 +96,15 @@ def training_status(args, addr, jenv, daemons, segments):
               for n in agent_nodes for l in n["links"]),
           "some link to a server or a peer moved bytes")
     check(all(n["sync_seconds"] > 0 for n in agent_nodes), "every agent reports its sync time")
+    server_links = [l for n in doc["nodes"] if n["role"] == "server" for l in n["links"]]
+    check(all(l["peer_role"] == "agent" and l["peer_job_id"] == "1" and l["window_ns"] > 0
+              and l["lower_bound"] for l in server_links),
+          "the server's links name job 1's ranks, with their window, as lower bounds")
+    check(all(n["bytes_per_second"] > 0 for n in doc["nodes"] if n["role"] == "server"),
+          "the server row has a non-zero bytes/s")
+    check(all(l["latency_ns"] > 0 for n in agent_nodes for l in n["links"]
+              if l["peer_role"] == "server"),
+          "every agent link to the server has a latency")
 
     p = run_status(args.cli, env=jenv)
     check(p.returncode == 0, "status (table) exits 0 while training")
@@ -97,6 +114,14 @@ def training_status(args, addr, jenv, daemons, segments):
     link_rows = [l for l in p.stdout.splitlines() if l.startswith("job 1 rank ")]
     check(any(("kB/s" in l or "MB/s" in l) for l in link_rows),
           "a link row shows a non-zero rate")
+    check("LATENCY" in p.stdout, "the link table has a LATENCY column")
+    # LATENCY is the last column: "-" when not measured, else "<n> us" / "<n> ms".
+    check(any(" server " in l and l.split()[-1] in ("us", "ms") for l in link_rows),
+          "an agent's link row to the server shows its latency")
+    server_rows = [l for l in p.stdout.splitlines()
+                   if l.startswith("server ") and "job 1 rank " in l]
+    check(len(server_rows) == 2 and all(("kB/s" in l or "MB/s" in l) for l in server_rows),
+          "the server's link rows to ranks 0 and 1 show non-zero rates")
 
 
 def main():
@@ -122,7 +147,8 @@ def main():
         daemons.append(coord)
         addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
         server = Daemon("poseidon-server", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
-                                            f"--coordinator={addr}"])
+                                            f"--coordinator={addr}",
+                                            "--telemetry_interval=200ms"])
         daemons.append(server)
         server_addr = server.wait_for(r"poseidon-server listening on (\S+)").group(1)
 

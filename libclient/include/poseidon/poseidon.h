@@ -69,7 +69,14 @@ typedef struct psd_layer_desc {
   uint32_t ndim;    /* 1..4; FC layers: 2, shape = {M outputs, N inputs} */
   const uint64_t* shape;
   uint32_t batch_k; /* FC layers: the per-worker batch K (rows of the SFB factors) */
+  uint32_t flags;   /* PSD_LAYER_FUSABLE or 0 */
 } psd_layer_desc;
+
+/* psd_layer_desc.flags. FUSABLE: the framework posts this layer in the same burst as its
+ * neighbours every iteration (as backward does), never waiting for one of them in between, so
+ * the agent may fuse it with adjacent small layers into one synchronisation. Do not set it on a
+ * layer the framework waits for before posting other layers of the same iteration. */
+#define PSD_LAYER_FUSABLE 1u
 
 typedef struct psd_layer_info {
   uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as planned */

@@ -13,6 +13,7 @@ STATUS_NAMES = {
     8: "version mismatch", 9: "internal error",
 }
 PSD_LAYER_FC, PSD_LAYER_CONV, PSD_LAYER_BIAS, PSD_LAYER_OTHER = 1, 2, 3, 4
+PSD_LAYER_FUSABLE = 1  # psd_layer_desc.flags
 PSD_FLOAT32 = 1
 PSD_SYNC_PS, PSD_SYNC_SFB = 1, 2
 ABI_VERSION = 2
@@ -35,7 +36,7 @@ class Config(ctypes.Structure):
 class LayerDesc(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("kind", ctypes.c_uint32), ("dtype", ctypes.c_uint32),
                 ("ndim", ctypes.c_uint32), ("shape", ctypes.POINTER(ctypes.c_uint64)),
-                ("batch_k", ctypes.c_uint32)]
+                ("batch_k", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
 
 
 class ServerRule(ctypes.Structure):

@@ -24,7 +24,8 @@ import torch
 
 import poseidon
 from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
-                    PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_OTHER, PSD_SYNC_SFB, check, lib)
+                    PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_FUSABLE, PSD_LAYER_OTHER, PSD_SYNC_SFB,
+                    check, lib)
 
 BROADCAST_LAYER = "__poseidon_broadcast__"
 
@@ -294,7 +295,9 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=
     for i, layer in enumerate(layers):
         descs[i] = LayerDesc(names[i], layer.kind, PSD_FLOAT32, max(1, layer.param.dim()),
                              ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)),
-                             batch_size if layer.kind == PSD_LAYER_FC else 0)
+                             batch_size if layer.kind == PSD_LAYER_FC else 0,
+                             PSD_LAYER_FUSABLE)  # every gradient is posted during backward
+    # Not fusable: it is posted alone at start-up and waited for before training starts.
     descs[len(layers)] = LayerDesc(names[-1], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
                                    ctypes.cast(shapes[-1], ctypes.POINTER(ctypes.c_uint64)), 0)
     check(lib().psd_register_layers(ctx, descs, len(layers) + 1, timeout_ms), "register layers")
