@@ -296,7 +296,9 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=
         descs[i] = LayerDesc(names[i], layer.kind, PSD_FLOAT32, max(1, layer.param.dim()),
                              ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)),
                              batch_size if layer.kind == PSD_LAYER_FC else 0,
-                             PSD_LAYER_FUSABLE)  # every gradient is posted during backward
+                             # Every gradient is posted during backward, so layers may be fused;
+                             # on the GPU they are not (fused device layers were never run on one).
+                             PSD_LAYER_FUSABLE if device.type == "cpu" else 0)
     # Not fusable: it is posted alone at start-up and waited for before training starts.
     descs[len(layers)] = LayerDesc(names[-1], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
                                    ctypes.cast(shapes[-1], ctypes.POINTER(ctypes.c_uint64)), 0)
