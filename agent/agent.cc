@@ -22,6 +22,7 @@
 #include "agent/timeline.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/periodic.h"
 #include "common/status.h"
 #include "coordinator/client.h"
 #include "coordinator/planner/planner.h"
@@ -113,33 +114,14 @@ struct Task {
   }
 };
 
-// Refreshes the segment's agent heartbeat every 100 ms until destroyed.
-class ShmHeartbeat {
- public:
-  explicit ShmHeartbeat(ShmEndpoint& shm)
-      : thread_([this, &shm] {
-          std::unique_lock<std::mutex> lock(mu_);
-          do {
-            shm.Heartbeat();
-          } while (!cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stop_; }));
-        }) {}
-  ~ShmHeartbeat() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  ShmHeartbeat(const ShmHeartbeat&) = delete;
-  ShmHeartbeat& operator=(const ShmHeartbeat&) = delete;
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts once the members above exist
-};
+// What completes one member of a bucket with the bucket's task.
+Task MemberTask(const Task& bucket_task, uint32_t layer) {
+  Task t = bucket_task;
+  t.layer = layer;
+  t.chunk = -2;
+  t.bucket = -1;
+  return t;
+}
 
 class Agent : public transport::FrameHandler, public std::enable_shared_from_this<Agent> {
  public:
@@ -246,7 +228,9 @@ int Agent::Run() {
   // The heartbeat says "this agent process is alive" on its own thread: the main loop can be
   // busy for seconds (connecting to servers and peers during registration on a loaded machine),
   // and a training process must not take that for a dead agent.
-  ShmHeartbeat heartbeat(*shm_);
+  PeriodicThread heartbeat;
+  heartbeat.Start(absl::Milliseconds(100), [shm = shm_.get()] { shm->Heartbeat(); },
+                  /*run_now=*/true);
   peer_ready_.assign(config_.world_size, false);
   SetUpMetrics();
   if (!config_.metrics_listen.empty()) {
@@ -840,11 +824,7 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
     if (!s.ok()) {
       // This member fails; the bucket then never goes, and the others are reported by the stall
       // detector and time out in the training process's wait.
-      Task t = bucket_task;
-      t.layer = layer;
-      t.chunk = -2;
-      t.bucket = -1;
-      TaskFinished(t, s);
+      TaskFinished(MemberTask(bucket_task, layer), s);
     }
     return;
   }
@@ -935,13 +915,7 @@ void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
         s = stager_->StageIn(m, {ms.layout.grad_offset, ms.desc.elements * sizeof(float)});
       }
     }
-    for (uint32_t m : b.members) {
-      Task t = task;
-      t.layer = m;
-      t.chunk = -2;
-      t.bucket = -1;
-      TaskFinished(t, s);
-    }
+    for (uint32_t m : b.members) TaskFinished(MemberTask(task, m), s);
     return;
   }
   bool done = false, report_failure = false, on_device = false;
@@ -1356,9 +1330,9 @@ void Agent::CheckStalls() {
         s.waiting = absl::StrCat("SFB factors from ranks [", absl::StrJoin(missing, ", "), "]");
       }
     }
+    CountError("stall");  // first: whoever reads the line below finds it counted
     PSD_LOG_WARN("stall: layer {} ({}) iteration {} has waited {} for {}", s.layer,
                  layers_[s.layer].desc.name, s.iteration, absl::FormatDuration(s.age), s.waiting);
-    CountError("stall");
   }
 }
 

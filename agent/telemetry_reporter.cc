@@ -190,43 +190,16 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
 }
 
 void TelemetryReporter::Start() {
-  if (client_ == nullptr || interval_ <= absl::ZeroDuration() || thread_.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lock(stop_mu_);
-    stop_ = false;
-  }
-  thread_ = std::thread([this] { Run(); });
+  if (client_ == nullptr || interval_ <= absl::ZeroDuration()) return;
+  periodic_.Start(interval_, [this] { Tick(); });
 }
 
-void TelemetryReporter::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(stop_mu_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void TelemetryReporter::Stop() { periodic_.Stop(); }
 
-void TelemetryReporter::Run() {
+void TelemetryReporter::Tick() {
+  PingServers();
   const absl::Duration timeout = std::min(interval_, absl::Seconds(2));
-  bool failing = false;
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(stop_mu_);
-      if (wake_.wait_for(lock, absl::ToChronoNanoseconds(interval_), [this] { return stop_; })) {
-        return;
-      }
-    }
-    PingServers();
-    const absl::Status status = client_->ReportTelemetry(Collect(absl::Now()), timeout);
-    if (!status.ok() && !failing) {
-      PSD_LOG_WARN("telemetry to the coordinator failed (retrying every {}): {}",
-                   absl::FormatDuration(interval_), status.message());
-    } else if (status.ok() && failing) {
-      PSD_LOG_INFO("telemetry to the coordinator works again");
-    }
-    failing = !status.ok();
-  }
+  outage_.Note(client_->ReportTelemetry(Collect(absl::Now()), timeout), interval_);
 }
 
 }  // namespace poseidon::agent

@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/periodic.h"
 #include "coordinator/client.h"
 #include "poseidon/v1/coordinator.pb.h"
 
@@ -86,7 +87,7 @@ class TelemetryReporter {
     std::atomic<uint64_t> ready_iteration{0};
     std::atomic<uint64_t> synced_iteration{0};
   };
-  void Run();
+  void Tick();  // one window: ping, collect, report
 
   coordinator::CoordinatorClient* const client_;
   const absl::Duration interval_;
@@ -107,10 +108,8 @@ class TelemetryReporter {
   ServerPing ping_;
   int pings_ = 0;
 
-  std::mutex stop_mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;  // guarded by stop_mu_
-  std::thread thread_;
+  OutageLog outage_{"telemetry to the coordinator"};  // the reporting thread's
+  PeriodicThread periodic_;  // last: stopped (by the destructor) before the rest goes
 };
 
 }  // namespace poseidon::agent

@@ -68,42 +68,13 @@ v1::ReportTelemetryRequest ServerTelemetry::Collect(absl::Time now) {
 }
 
 void ServerTelemetry::Start() {
-  if (!send_ || interval_ <= absl::ZeroDuration() || thread_.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lock(stop_mu_);
-    stop_ = false;
-  }
-  thread_ = std::thread([this] { Run(); });
+  if (!send_ || interval_ <= absl::ZeroDuration()) return;
+  periodic_.Start(interval_, [this] {
+    const absl::Duration timeout = std::min(interval_, absl::Seconds(2));
+    outage_.Note(send_(Collect(absl::Now()), timeout), interval_);
+  });
 }
 
-void ServerTelemetry::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(stop_mu_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
-
-void ServerTelemetry::Run() {
-  const absl::Duration timeout = std::min(interval_, absl::Seconds(2));
-  bool failing = false;
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(stop_mu_);
-      if (wake_.wait_for(lock, absl::ToChronoNanoseconds(interval_), [this] { return stop_; })) {
-        return;
-      }
-    }
-    const absl::Status status = send_(Collect(absl::Now()), timeout);
-    if (!status.ok() && !failing) {
-      PSD_LOG_WARN("telemetry to the coordinator failed (retrying every {}): {}",
-                   absl::FormatDuration(interval_), status.message());
-    } else if (status.ok() && failing) {
-      PSD_LOG_INFO("telemetry to the coordinator works again");
-    }
-    failing = !status.ok();
-  }
-}
+void ServerTelemetry::Stop() { periodic_.Stop(); }
 
 }  // namespace poseidon::server

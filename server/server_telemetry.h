@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/periodic.h"
 #include "poseidon/v1/coordinator.pb.h"
 #include "server/kv_service.h"
 
@@ -52,8 +53,6 @@ class ServerTelemetry {
   poseidon::v1::ReportTelemetryRequest Collect(absl::Time now);
 
  private:
-  void Run();
-
   const Source source_;
   const absl::Duration interval_;
   const Send send_;
@@ -62,10 +61,8 @@ class ServerTelemetry {
   absl::Time window_start_;
   std::map<std::pair<uint64_t, uint32_t>, std::pair<uint64_t, uint64_t>> prev_;  // received, sent
 
-  std::mutex stop_mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;  // guarded by stop_mu_
-  std::thread thread_;
+  OutageLog outage_{"telemetry to the coordinator"};  // the reporting thread's
+  PeriodicThread periodic_;  // last: stopped (by the destructor) before the rest goes
 };
 
 }  // namespace poseidon::server
