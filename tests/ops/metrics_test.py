@@ -8,6 +8,7 @@ prometheus is missing (Debian package prometheus)."""
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -78,9 +79,17 @@ class Daemon:
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the ephemeral range (32768+): no outgoing connection can
+    take it before the daemon we hand it to binds it (Prometheus cannot bind port 0 and say)."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def http_get(url, timeout=5):
