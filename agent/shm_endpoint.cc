@@ -59,10 +59,43 @@ absl::StatusOr<std::unique_ptr<ShmEndpoint>> ShmEndpoint::Create(const std::stri
     return absl::InvalidArgumentError(absl::StrCat(
         "segment name '", name, "' must be '/name' of at most ", PSD_SHM_NAME_BYTES - 7, " bytes"));
   }
+  // Before anything of ours exists (our destructor unlinks the name). A leftover of a crashed
+  // agent with the same name is replaced below (we own this name); a segment
+  // whose agent is alive is not: two agents (two jobs with the same id, a rank started twice)
+  // must not take each other's training processes.
+  if (const int old = shm_open(name.c_str(), O_RDONLY, 0); old >= 0) {
+    struct stat st;
+    void* p = MAP_FAILED;
+    if (fstat(old, &st) == 0 && static_cast<size_t>(st.st_size) >= sizeof(psd_shm_header)) {
+      p = mmap(nullptr, sizeof(psd_shm_header), PROT_READ, MAP_SHARED, old, 0);
+    }
+    close(old);
+    if (p != MAP_FAILED) {
+      const auto* h = static_cast<const psd_shm_header*>(p);
+      const bool ours = Load(&h->magic) == PSD_SHM_MAGIC;
+      const uint32_t pid = Load(&h->agent_pid);
+      const uint32_t state = Load(&h->agent_state);
+      const uint64_t owner_job = h->job_id;
+      const uint32_t owner_rank = h->rank;
+      const uint64_t beat = Load(&h->agent_heartbeat_ns);
+      munmap(p, sizeof(psd_shm_header));
+      // Alive: the process exists, has not said it ended, and beat within 2 s (every 100 ms it
+      // does; a recycled pid of a SIGKILLed agent does not).
+      const uint64_t now = NowNs();
+      const bool alive = ours && pid > 0 && static_cast<pid_t>(pid) != ::getpid() &&
+                         (kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) &&
+                         state != PSD_AGENT_EXITED && state != PSD_AGENT_FAILED &&
+                         beat <= now + 1000000000ull && now - beat < 2000000000ull;
+      if (alive) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "segment ", name, " is in use by poseidon-agent pid ", pid, " (job ", owner_job, ", rank ",
+            owner_rank, "); give this agent another --segment or stop that one"));
+      }
+    }
+  }
   std::unique_ptr<ShmEndpoint> ep(new ShmEndpoint());
   ep->name_ = name;
   ep->data_name_ = name + ".data";
-  // A leftover of a crashed agent with the same name is replaced (we own this name).
   shm_unlink(name.c_str());
   shm_unlink(ep->data_name_.c_str());
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);

@@ -291,6 +291,22 @@ TEST(Faults, AKilledServerFailsTheLayerNamingServerLayerAndClock) {
   EXPECT_NE(out.find("127.0.0.1:"), std::string::npos) << "names the server: " << out;
 }
 
+TEST(Faults, ASecondAgentOnALiveSegmentIsRefusedAndTheFirstServesOn) {
+  Cluster cluster(1, 1, "ps");
+  Subprocess second({POSEIDON_AGENT_BIN, std::string("--secret=") + kSecret, "--rank=0",
+                     "--world_size=1", "--scheme=ps", "--segment=" + cluster.segment(0),
+                     "--attach_timeout=5s", "--log_level=warn"},
+                    /*merge_stderr=*/true);
+  const std::string out = second.ReadAll(milliseconds(30000));
+  EXPECT_EQ(second.Wait(milliseconds(10000)), 1) << out;
+  EXPECT_NE(out.find("is in use by poseidon-agent pid"), std::string::npos) << out;
+  // The first agent still owns its segment: a training process attaches and synchronises.
+  auto synth = cluster.Synth(0, kTiny, 3);
+  const std::string synth_out = synth->ReadAll(milliseconds(60000));
+  EXPECT_EQ(synth->Wait(milliseconds(10000)), 0) << synth_out;
+  EXPECT_NE(synth_out.find("0 mismatches"), std::string::npos) << synth_out;
+}
+
 TEST(Faults, AHostileWriterOnTheSharedMemoryDoesNotCrashTheAgent) {
   Cluster cluster(1, 1, "ps");
   auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=200"});

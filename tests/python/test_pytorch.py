@@ -190,8 +190,11 @@ class Launcher(unittest.TestCase):
     def test_two_launchers_join_one_cluster_as_two_nodes(self):
         # A cluster started by hand (as systemd would), and one launcher per "machine".
         from poseidon import run as launcher
+        # The job id names the agents' shared-memory segments (/poseidon-<job>-<rank>): one of
+        # this process's own, so that a second copy of the suite on the machine cannot collide.
+        job = str(100000 + os.getpid())
         coord = subprocess.Popen([launcher.find_binary("poseidon-coordinator", "coordinator"),
-                                  "--listen=127.0.0.1:0", "--job_id=77", "--log_level=warn"],
+                                  "--listen=127.0.0.1:0", f"--job_id={job}", "--log_level=warn"],
                                  stdout=subprocess.PIPE, text=True,
                                  env=dict(os.environ, POSEIDON_JOB_TOKEN="tok"))
         procs = [coord]
@@ -199,7 +202,7 @@ class Launcher(unittest.TestCase):
             line = coord.stdout.readline()
             address = line.strip().split("listening on ")[1]
             server = subprocess.Popen([launcher.find_binary("poseidon-server", "server"),
-                                       "--listen=127.0.0.1:0", "--job_id=77", "--log_level=warn",
+                                       "--listen=127.0.0.1:0", f"--job_id={job}", "--log_level=warn",
                                        f"--coordinator={address}"], stdout=subprocess.PIPE,
                                       text=True, env=dict(os.environ, POSEIDON_JOB_SECRET="tok",
                                                           POSEIDON_COORDINATOR_TOKEN="tok"))
@@ -209,7 +212,7 @@ class Launcher(unittest.TestCase):
                 out = os.path.join(tmp, "params.pt")
                 nodes = [subprocess.Popen(
                     [PY, "-m", "poseidon.run", "-n", "2", "--coordinator", address, "--token",
-                     "tok", "--job", "77", "--node-rank", str(n), "--", PY,
+                     "tok", "--job", job, "--node-rank", str(n), "--", PY,
                      os.path.join(HERE, "equivalence_worker.py"), out],
                     env=dict(os.environ, SLURM_NNODES="2"),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
