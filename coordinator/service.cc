@@ -319,116 +319,109 @@ grpc::ServerUnaryReactor* CoordinatorService::GetClusterStatus(
 
 // ---- Calls that may wait ---------------------------------------------------------------------
 
-grpc::ServerUnaryReactor* CoordinatorService::Rendezvous(grpc::CallbackServerContext* context,
-                                                         const v1::RendezvousRequest* request,
-                                                         v1::RendezvousResponse* response) {
+template <typename Request, typename Prepare, typename Make>
+grpc::ServerUnaryReactor* CoordinatorService::Park(grpc::CallbackServerContext* context,
+                                                   Method method, const Request& request,
+                                                   absl::Duration bound, Prepare prepare,
+                                                   Make make) {
   auto* reactor = new WaitReactor(this);
   std::vector<Completion> done;
   const absl::Status admitted = Guarded([&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const Caller caller, Admit(*request));
+    ASSIGN_OR_RETURN(const Caller caller, Admit(request));
     std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
     const absl::Time now = MonotonicNow();
-    const std::string node_id = request->header().node_id();
+    RETURN_IF_ERROR(prepare(caller, now, done));
     Waiter waiter;
-    waiter.method = Method::kRendezvous;
-    waiter.node_id = node_id;
-    waiter.deadline = WaitDeadline(*context, options_.rendezvous_timeout, now);
-    waiter.poll = [this, caller, node_id, response](absl::Time at) {
-      return registry_.TryRendezvous(caller, node_id, at, response);
-    };
-    waiter.expire = [this, caller, started = now](absl::Time at) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "rendezvous of job '", caller.job_id, "' incomplete after ", Waited(at - started), ": ",
-          registry_.DescribeIncompleteWorld(caller.job_id, at)));
-    };
+    waiter.method = method;
+    waiter.node_id = request.header().node_id();
+    waiter.deadline = WaitDeadline(*context, bound, now);
+    make(caller, waiter.node_id, now, waiter);
     StartWaitLocked(reactor, std::move(waiter), now, done);
     return absl::OkStatus();
   });
-  if (!admitted.ok())
-    done.push_back(Completion{reactor, Method::kRendezvous, ToGrpcStatus(admitted)});
+  if (!admitted.ok()) done.push_back(Completion{reactor, method, ToGrpcStatus(admitted)});
   Complete(done);
   return reactor;
+}
+
+namespace {
+// For calls that only wait (nothing to register first).
+constexpr auto kNothingFirst = [](const Caller&, absl::Time, auto&) { return absl::OkStatus(); };
+}  // namespace
+
+grpc::ServerUnaryReactor* CoordinatorService::Rendezvous(grpc::CallbackServerContext* context,
+                                                         const v1::RendezvousRequest* request,
+                                                         v1::RendezvousResponse* response) {
+  return Park(
+      context, Method::kRendezvous, *request, options_.rendezvous_timeout, kNothingFirst,
+      [this, response](const Caller& caller, const std::string& node_id, absl::Time now,
+                       Waiter& waiter) {
+        waiter.poll = [this, caller, node_id, response](absl::Time at) {
+          return registry_.TryRendezvous(caller, node_id, at, response);
+        };
+        waiter.expire = [this, caller, started = now](absl::Time at) {
+          return absl::DeadlineExceededError(absl::StrCat(
+              "rendezvous of job '", caller.job_id, "' incomplete after ", Waited(at - started),
+              ": ", registry_.DescribeIncompleteWorld(caller.job_id, at)));
+        };
+      });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::RegisterModel(grpc::CallbackServerContext* context,
                                                             const v1::RegisterModelRequest* request,
                                                             v1::RegisterModelResponse* response) {
-  auto* reactor = new WaitReactor(this);
-  std::vector<Completion> done;
-  const absl::Status admitted = Guarded([&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const Caller caller, Admit(*request));
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
-    const absl::Time now = MonotonicNow();
-    const absl::Status registered = registry_.RegisterModel(caller, *request, now);
-    PollWaitersLocked(now, done);  // other ranks may have waited for this one
-    RETURN_IF_ERROR(registered);
-    const std::string node_id = request->header().node_id();
-    Waiter waiter;
-    waiter.method = Method::kRegisterModel;
-    waiter.node_id = node_id;
-    waiter.deadline = WaitDeadline(*context, options_.rendezvous_timeout, now);
-    waiter.poll = [this, caller, node_id, response](absl::Time at) -> absl::StatusOr<bool> {
-      ASSIGN_OR_RETURN(const bool ready,
-                       registry_.TryModelPlan(caller, node_id, at, response->mutable_plan()));
-      if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
-      return ready;
-    };
-    waiter.expire = [this, caller, started = now](absl::Time at) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
-                       registry_.DescribeMissingPlan(caller.job_id, at)));
-    };
-    StartWaitLocked(reactor, std::move(waiter), now, done);
-    return absl::OkStatus();
-  });
-  if (!admitted.ok()) {
-    done.push_back(Completion{reactor, Method::kRegisterModel, ToGrpcStatus(admitted)});
-  }
-  Complete(done);
-  return reactor;
+  return Park(
+      context, Method::kRegisterModel, *request, options_.rendezvous_timeout,
+      [this, request](const Caller& caller, absl::Time now, std::vector<Completion>& done) {
+        const absl::Status registered = registry_.RegisterModel(caller, *request, now);
+        PollWaitersLocked(now, done);  // other ranks may have waited for this one
+        return registered;
+      },
+      [this, response](const Caller& caller, const std::string& node_id, absl::Time now,
+                       Waiter& waiter) {
+        waiter.poll = [this, caller, node_id, response](absl::Time at) -> absl::StatusOr<bool> {
+          ASSIGN_OR_RETURN(const bool ready,
+                           registry_.TryModelPlan(caller, node_id, at, response->mutable_plan()));
+          if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
+          return ready;
+        };
+        waiter.expire = [this, caller, started = now](absl::Time at) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("job '", caller.job_id, "' has no plan after ", Waited(at - started),
+                           ": ", registry_.DescribeMissingPlan(caller.job_id, at)));
+        };
+      });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::GetPlan(grpc::CallbackServerContext* context,
                                                       const v1::GetPlanRequest* request,
                                                       v1::GetPlanResponse* response) {
-  auto* reactor = new WaitReactor(this);
-  std::vector<Completion> done;
-  const absl::Status admitted = Guarded([&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const Caller caller, Admit(*request));
-    std::lock_guard<std::mutex> lock(mu_);
-    const absl::Time now = MonotonicNow();
-    const std::string node_id = request->header().node_id();
-    std::optional<uint64_t> min_epoch;
-    if (request->has_min_plan_epoch()) min_epoch = request->min_plan_epoch();
-    Waiter waiter;
-    waiter.method = Method::kGetPlan;
-    waiter.node_id = node_id;
-    waiter.deadline = WaitDeadline(*context, options_.plan_wait_timeout, now);
-    waiter.poll = [this, caller, node_id, min_epoch,
-                   response](absl::Time at) -> absl::StatusOr<bool> {
-      ASSIGN_OR_RETURN(const bool ready, registry_.TryGetPlan(caller, node_id, min_epoch, at,
-                                                              response->mutable_plan()));
-      if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
-      return ready;
-    };
-    // A long poll that sees no newer plan in time answers the current one, if there is one.
-    waiter.expire = [this, caller, response, started = now](absl::Time at) -> absl::Status {
-      if (const v1::Plan* plan = registry_.CurrentPlan(caller.job_id)) {
-        *response->mutable_plan() = *plan;
-        registry_.FillHeader(caller.job_id, response->mutable_header());
-        return absl::OkStatus();
-      }
-      return absl::DeadlineExceededError(
-          absl::StrCat("job '", caller.job_id, "' has no plan after ", Waited(at - started), ": ",
-                       registry_.DescribeMissingPlan(caller.job_id, at)));
-    };
-    StartWaitLocked(reactor, std::move(waiter), now, done);
-    return absl::OkStatus();
-  });
-  if (!admitted.ok()) done.push_back(Completion{reactor, Method::kGetPlan, ToGrpcStatus(admitted)});
-  Complete(done);
-  return reactor;
+  std::optional<uint64_t> min_epoch;
+  if (request->has_min_plan_epoch()) min_epoch = request->min_plan_epoch();
+  return Park(
+      context, Method::kGetPlan, *request, options_.plan_wait_timeout, kNothingFirst,
+      [this, response, min_epoch](const Caller& caller, const std::string& node_id, absl::Time now,
+                                  Waiter& waiter) {
+        waiter.poll = [this, caller, node_id, min_epoch,
+                       response](absl::Time at) -> absl::StatusOr<bool> {
+          ASSIGN_OR_RETURN(const bool ready, registry_.TryGetPlan(caller, node_id, min_epoch, at,
+                                                                  response->mutable_plan()));
+          if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
+          return ready;
+        };
+        // A long poll that sees no newer plan in time answers the current one, if there is one.
+        waiter.expire = [this, caller, response, started = now](absl::Time at) -> absl::Status {
+          if (const v1::Plan* plan = registry_.CurrentPlan(caller.job_id)) {
+            *response->mutable_plan() = *plan;
+            registry_.FillHeader(caller.job_id, response->mutable_header());
+            return absl::OkStatus();
+          }
+          return absl::DeadlineExceededError(
+              absl::StrCat("job '", caller.job_id, "' has no plan after ", Waited(at - started),
+                           ": ", registry_.DescribeMissingPlan(caller.job_id, at)));
+        };
+      });
 }
 
 }  // namespace poseidon::coordinator

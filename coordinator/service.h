@@ -114,6 +114,13 @@ class CoordinatorService final : public poseidon::v1::Coordinator::CallbackServi
   template <typename Request, typename Body>
   grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, Method method,
                                    const Request& request, Body body);
+  // A call that may wait: admit, lock, `prepare` (under mu_; an error answers at once), then
+  // `make` fills the waiter's poll and expire, which is polled once and parked until it is
+  // answered, fails or reaches min(`bound`, the call's own deadline).
+  template <typename Request, typename Prepare, typename Make>
+  grpc::ServerUnaryReactor* Park(grpc::CallbackServerContext* context, Method method,
+                                 const Request& request, absl::Duration bound, Prepare prepare,
+                                 Make make);
   // Polls `waiter` once and parks it when it has to wait (under mu_).
   void StartWaitLocked(WaitReactor* reactor, Waiter waiter, absl::Time now,
                        std::vector<Completion>& done);
