@@ -372,24 +372,6 @@ TEST_F(RegistryTelemetryTest, AServersReportShowsPerLinkAndAgentsLatencyToo) {
   EXPECT_EQ(scoped_status->links(0).peer_node_id(), agents_[1]);
 }
 
-// A model whose FC layer sits near the SFB/PS boundary on 2 colocated machines: with 7us of
-// latency SFB is faster above 9.36 Gbit/s (service_test.cc explains).
-v1::ModelSpec BoundaryModel() {
-  v1::ModelSpec model;
-  model.set_name("boundary");
-  v1::LayerSpec* fc = model.add_layers();
-  fc->set_name("fc.weight");
-  fc->set_kind(v1::LAYER_KIND_FC);
-  fc->add_shape(1024);
-  fc->add_shape(1024);
-  fc->set_batch_per_worker(513);
-  v1::LayerSpec* bias = model.add_layers();
-  bias->set_name("fc.bias");
-  bias->set_kind(v1::LAYER_KIND_BIAS);
-  bias->add_shape(1024);
-  bias->set_batch_per_worker(513);
-  return model;
-}
 
 class PlannerTelemetryTest : public RegistryTelemetryTest {
  protected:

@@ -293,25 +293,6 @@ TEST_F(CoordinatorServiceTest, GetPlanBeforeAnyModelSaysWhy) {
 
 // ---- Plans and telemetry ---------------------------------------------------------------------
 
-// A model whose FC layer sits near the SFB/PS boundary on 2 colocated machines: SFB moves 16,384
-// bytes more than PS per iteration but saves one latency leg, so with 7us of latency SFB is
-// faster while 16,384 <= 2 * bandwidth * 7us, i.e. above 9.36 Gbit/s.
-v1::ModelSpec BoundaryModel() {
-  v1::ModelSpec model;
-  model.set_name("boundary");
-  v1::LayerSpec* fc = model.add_layers();
-  fc->set_name("fc.weight");
-  fc->set_kind(v1::LAYER_KIND_FC);
-  fc->add_shape(1024);
-  fc->add_shape(1024);
-  fc->set_batch_per_worker(513);
-  v1::LayerSpec* bias = model.add_layers();
-  bias->set_name("fc.bias");
-  bias->set_kind(v1::LAYER_KIND_BIAS);
-  bias->add_shape(1024);
-  bias->set_batch_per_worker(513);
-  return model;
-}
 
 v1::LinkTelemetry Link(const std::string& peer, double gigabits) {
   v1::LinkTelemetry link;
