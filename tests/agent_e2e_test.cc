@@ -386,6 +386,15 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
   EXPECT_EQ(cluster.agent(0).Wait(milliseconds(20000)), 0) << "detach ends the agent cleanly";
 }
 
+// Writes an event onto the framework-to-agent ring as a (misbehaving) framework would, behind
+// libposeidon's back (the agent polls the ring every 100 ms even without a wake-up).
+void ForgeEvent(psd_shm_ring& ring, const psd_shm_event& event) {
+  const uint64_t tail = __atomic_load_n(&ring.tail, __ATOMIC_ACQUIRE);
+  ring.events[tail % PSD_SHM_RING_CAPACITY] = event;
+  __atomic_store_n(&ring.tail, tail + 1, __ATOMIC_RELEASE);
+  __atomic_add_fetch(&ring.doorbell, 1, __ATOMIC_RELEASE);
+}
+
 // The CUDA calls fail clearly where CUDA cannot be used, and the agent refuses a layer posted on
 // the GPU by a framework that never attached an arena (a forged event on the ring).
 TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
@@ -430,11 +439,7 @@ TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
   auto* ring = reinterpret_cast<psd_shm_ring*>(control + PSD_SHM_TO_AGENT_OFFSET);
   auto* layer = reinterpret_cast<psd_shm_layer*>(control + PSD_SHM_LAYERS_OFFSET);
   __atomic_store_n(&layer->ready_iteration, 1, __ATOMIC_RELEASE);
-  const uint64_t tail = __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE);
-  psd_shm_event& e = ring->events[tail % PSD_SHM_RING_CAPACITY];
-  e = psd_shm_event{PSD_EVENT_LAYER_READY, 0, 1, 0, 0, PSD_READY_DEVICE};
-  __atomic_store_n(&ring->tail, tail + 1, __ATOMIC_RELEASE);
-  __atomic_add_fetch(&ring->doorbell, 1, __ATOMIC_RELEASE);
+  ForgeEvent(*ring, {PSD_EVENT_LAYER_READY, 0, 1, 0, 0, PSD_READY_DEVICE});
   EXPECT_EQ(psd_wait_layer(ctx, 0, 1, 30000), PSD_SYNC_FAILED);
   EXPECT_NE(std::string(psd_last_error()).find("no CUDA arena"), std::string::npos)
       << psd_last_error();
@@ -447,11 +452,7 @@ TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
                    __ATOMIC_RELEASE);
   std::memset(header->cuda_arena_handle, 0x5a, sizeof(header->cuda_arena_handle));
   __atomic_store_n(&header->cuda_state, PSD_CUDA_REQUESTED, __ATOMIC_RELEASE);
-  const uint64_t tail2 = __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE);
-  ring->events[tail2 % PSD_SHM_RING_CAPACITY] =
-      psd_shm_event{PSD_EVENT_CUDA_ATTACH, 0, 0, 0, 0, 0};
-  __atomic_store_n(&ring->tail, tail2 + 1, __ATOMIC_RELEASE);
-  __atomic_add_fetch(&ring->doorbell, 1, __ATOMIC_RELEASE);
+  ForgeEvent(*ring, {PSD_EVENT_CUDA_ATTACH, 0, 0, 0, 0, 0});
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (__atomic_load_n(&header->cuda_state, __ATOMIC_ACQUIRE) == PSD_CUDA_REQUESTED &&
          std::chrono::steady_clock::now() < until) {

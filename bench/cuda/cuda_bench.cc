@@ -76,7 +76,10 @@ void Staging(uint64_t bytes, uint64_t chunk, int reps) {
         }).ok()) {
       std::exit(1);
     }
-    all.get_future().wait();
+    if (all.get_future().wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+      std::fprintf(stderr, "cuda_bench: the staged copies did not complete within 60 s\n");
+      std::exit(1);
+    }
     const auto t1 = Clock::now();
     // Ours, host -> device.
     for (const auto& range : ranges) (void)(*stager)->StageIn(0, range);

@@ -19,6 +19,7 @@ Standard library only (runs with any python3).
 import argparse
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -33,16 +34,21 @@ def free_port():
 
 
 def wait_line(p, text, timeout):
+    """The first line of p's output containing `text`, within `timeout` seconds (a silent or
+    hung process does not block past it)."""
     deadline = time.time() + timeout
     lines = []
-    while time.time() < deadline:
+    while True:
+        left = deadline - time.time()
+        if left <= 0 or not select.select([p.stdout], [], [], left)[0]:
+            break
         line = p.stdout.readline()
         if not line:
             break
         lines.append(line)
         if text in line:
             return line
-    raise RuntimeError(f"no '{text}' from {p.args[0]}: {''.join(lines)}")
+    raise RuntimeError(f"no '{text}' from {p.args[0]} within {timeout} s: {''.join(lines)}")
 
 
 def union(spans):
