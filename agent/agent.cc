@@ -96,8 +96,7 @@ struct Bucket {
   PsChunk chunk;                  // offset relative to the first member's gradient
   // Progress (guarded by Agent::layers_mu_).
   uint64_t iteration = 0;  // the iteration being gathered
-  size_t waiting = 0;      // members of `iteration` not yet ready (or not yet on the host)
-  size_t staging = 0;      // on the GPU: members whose device->host copy is not done
+  size_t waiting = 0;      // members of `iteration` not yet ready
 };
 
 struct Task {
@@ -734,7 +733,6 @@ absl::Status Agent::ConnectPeers() {
 void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
   std::vector<Task> tasks;
   std::vector<DeviceRange> ranges;  // on the device: what to copy to the host first
-  bool bucket_member = false;       // on the device: tasks[0] is the bucket's task
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
     if (!registered_ || layer >= layers_.size()) {
@@ -751,6 +749,17 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
     if (st.in_progress != 0) {
       const std::string why = absl::StrCat("iteration ", iteration, " posted while ",
                                            st.in_progress, " is still being synchronised");
+      shm_->LayerFailed(layer, iteration, why);
+      return;
+    }
+    if (on_device && st.bucket >= 0) {
+      // Fused layers are synchronised from host memory only (the device path for them has
+      // never run on a GPU): a framework must not mark CUDA layers PSD_LAYER_FUSABLE.
+      const std::string why = absl::StrCat(
+          "iteration ", iteration,
+          " posted on the GPU, but the layer is fused with its neighbours (PSD_LAYER_FUSABLE); "
+          "fused layers must be posted from host memory");
+      PSD_LOG_WARN("layer {} ({}): {}", layer, st.desc.name, why);
       shm_->LayerFailed(layer, iteration, why);
       return;
     }
@@ -772,13 +781,12 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
     if (telemetry_) telemetry_->LayerReady(layer, iteration, st.ready_at);
     const uint32_t priority = config_.priority ? st.layout.priority : 0;
     if (st.bucket >= 0) {
-      // A bucket member: the bucket goes when its last member is ready (on the GPU: once every
-      // member's copy is on the host).
+      // A bucket member (host memory only): the bucket goes when its last member is ready.
       Bucket& b = buckets_[static_cast<size_t>(st.bucket)];
       st.remaining = 1;
       if (b.iteration != iteration) {
         b.iteration = iteration;
-        b.waiting = b.staging = b.members.size();
+        b.waiting = b.members.size();
       }
       const uint32_t first = b.members.front();
       Task bucket_task{config_.priority ? layers_[first].layout.priority : 0,
@@ -789,13 +797,7 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
                        b.chunk.length,
                        false,
                        st.bucket};
-      if (on_device) {
-        bucket_member = true;
-        tasks.push_back(bucket_task);
-        ranges.push_back({st.layout.grad_offset, st.desc.elements * sizeof(float)});
-      } else if (--b.waiting == 0) {
-        tasks.push_back(bucket_task);
-      }
+      if (--b.waiting == 0) tasks.push_back(bucket_task);
     } else if (st.layout.scheme == PSD_SCHEME_SFB) {
       st.remaining = 1;
       tasks.push_back({priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
@@ -808,25 +810,6 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
         ranges.push_back({st.layout.grad_offset + st.chunks[c].offset, st.chunks[c].length});
       }
     }
-  }
-  if (on_device && bucket_member) {
-    const Task bucket_task = tasks[0];
-    const absl::Status s = stager_->StageOut(
-        layer, ranges, [self = shared_from_this(), bucket_task](size_t) {
-          bool go = false;
-          {
-            std::lock_guard<std::mutex> lock(self->layers_mu_);
-            Bucket& b = self->buckets_[static_cast<size_t>(bucket_task.bucket)];
-            go = b.iteration == bucket_task.iteration && --b.staging == 0;
-          }
-          if (go) self->Enqueue(bucket_task);
-        });
-    if (!s.ok()) {
-      // This member fails; the bucket then never goes, and the others are reported by the stall
-      // detector and time out in the training process's wait.
-      TaskFinished(MemberTask(bucket_task, layer), s);
-    }
-    return;
   }
   if (on_device) {
     // Each PS chunk goes to the network as soon as its copy is on the host, while the next
@@ -906,16 +889,10 @@ void Agent::Enqueue(Task task) {
 
 void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
   if (task.bucket >= 0) {
-    // Every member completes (or fails) with its bucket; on the GPU each result goes back first.
-    absl::Status s = task_status;
-    const Bucket& b = buckets_[static_cast<size_t>(task.bucket)];
-    for (uint32_t m : b.members) {
-      const LayerState& ms = layers_[m];
-      if (s.ok() && ms.on_device) {
-        s = stager_->StageIn(m, {ms.layout.grad_offset, ms.desc.elements * sizeof(float)});
-      }
+    // Every member completes (or fails) with its bucket.
+    for (uint32_t m : buckets_[static_cast<size_t>(task.bucket)].members) {
+      TaskFinished(MemberTask(task, m), task_status);
     }
-    for (uint32_t m : b.members) TaskFinished(MemberTask(task, m), s);
     return;
   }
   bool done = false, report_failure = false, on_device = false;

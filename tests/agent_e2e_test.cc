@@ -475,6 +475,35 @@ namespace {
 
 // Layers posted top first (as backward does) are synchronised by priority: layer 0, which the
 // next forward needs first, overtakes the queued chunks of the larger layers posted before it.
+// Fused layers are synchronised from host memory only: one posted "on the GPU" fails clearly.
+TEST(Buckets, AFusedLayerPostedOnTheGpuIsRefused) {
+  Cluster cluster(1, 1, "ps");
+  psd_config config;
+  psd_config_init(&config);
+  const std::string segment = cluster.segment(0);
+  config.segment = segment.c_str();
+  psd_context* ctx = nullptr;
+  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  const uint64_t shape[1] = {16};
+  psd_layer_desc layers[2] = {{"a", PSD_LAYER_OTHER, PSD_FLOAT32, 1, shape, 0, PSD_LAYER_FUSABLE},
+                              {"b", PSD_LAYER_OTHER, PSD_FLOAT32, 1, shape, 0, PSD_LAYER_FUSABLE}};
+  ASSERT_EQ(psd_register_layers(ctx, layers, 2, 30000), PSD_OK) << psd_last_error();
+  const int fd = shm_open(segment.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  auto* control = static_cast<unsigned char*>(
+      mmap(nullptr, PSD_SHM_CONTROL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  ASSERT_NE(control, MAP_FAILED);
+  auto* layer = reinterpret_cast<psd_shm_layer*>(control + PSD_SHM_LAYERS_OFFSET);
+  __atomic_store_n(&layer->ready_iteration, 1, __ATOMIC_RELEASE);
+  ForgeEvent(*reinterpret_cast<psd_shm_ring*>(control + PSD_SHM_TO_AGENT_OFFSET),
+             {PSD_EVENT_LAYER_READY, 0, 1, 0, 0, PSD_READY_DEVICE});
+  EXPECT_EQ(psd_wait_layer(ctx, 0, 1, 30000), PSD_SYNC_FAILED);
+  EXPECT_NE(std::string(psd_last_error()).find("fused"), std::string::npos) << psd_last_error();
+  munmap(control, PSD_SHM_CONTROL_BYTES);
+  EXPECT_EQ(psd_detach(ctx), PSD_OK);
+}
+
 TEST(Scheduling, TheLayerTheNextForwardNeedsFirstIsSynchronisedFirst) {
   Cluster cluster(1, 1, "ps", {"--sync_threads=1", "--credit_bytes=4096", "--block_bytes=65536"});
   psd_config config;

@@ -151,8 +151,8 @@ int main(int argc, char** argv) {
                 static_cast<uint32_t>(layers[i].shape.size()),
                 layers[i].shape.data(),
                 layers[i].kind == PSD_LAYER_FC ? K : 0,
-                // Posted during backward with no waits between: fusable (not with --cuda: fused
-                // device layers have not been run on a GPU yet).
+                // Posted during backward with no waits between: fusable (host memory only: the
+                // agent refuses fused layers posted on the GPU).
                 absl::GetFlag(FLAGS_cuda) ? 0u : PSD_LAYER_FUSABLE};
   }
   const uint32_t timeout = absl::GetFlag(FLAGS_timeout_ms);

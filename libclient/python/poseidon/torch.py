@@ -297,7 +297,7 @@ def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=
                              ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)),
                              batch_size if layer.kind == PSD_LAYER_FC else 0,
                              # Every gradient is posted during backward, so layers may be fused;
-                             # on the GPU they are not (fused device layers were never run on one).
+                             # the agent fuses host-memory layers only.
                              PSD_LAYER_FUSABLE if device.type == "cpu" else 0)
     # Not fusable: it is posted alone at start-up and waited for before training starts.
     descs[len(layers)] = LayerDesc(names[-1], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
