@@ -11,7 +11,7 @@ PACKAGES=(
   libabsl-dev libspdlog-dev prometheus-cpp-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libibverbs-dev libopenblas-dev
-  python3 python3-torch python3-sklearn python3-tqdm python3-matplotlib
+  python3 python3-torch python3-torchvision python3-sklearn python3-tqdm python3-matplotlib
   iproute2 procps openssl
   prometheus systemd python3-yaml
 )

@@ -1,22 +1,46 @@
-"""PyTorch integration: wait-free backpropagation through the local poseidon-agent.
+"""PyTorch integration: torch DDP's contract, synchronised layer by layer through the local
+poseidon-agent (wait-free backpropagation).
 
-    optimizer = poseidon.torch.distribute(model, optimizer, batch_size=32)
+The form users know, a two-line change from torch's DistributedDataParallel:
 
-registers every parameter of `model` as a layer (in definition order: the order the forward pass
-needs them), broadcasts rank 0's initial parameters so every replica starts equal, and installs
-the hooks: as backward produces each parameter's gradient, it is written into the agent's shared
-buffer and posted ready at once (WFBP), so synchronisation overlaps the rest of backward. For an
-nn.Linear whose weight the plan syncs by SFB, the layer's input (forward hook) and output gradient
-(backward hook) are handed over instead: the agent broadcasts these sufficient factors and rebuilds
-the summed weight gradient. The returned optimizer's step() waits for each layer's summed
-gradient, averages it over the workers (the gradient of the P-times larger batch with a mean
-loss) and then runs your optimizer: its learning-rate schedule, momentum, etc. work unchanged.
+    poseidon.init()                                   # instead of dist.init_process_group(...)
+    model = poseidon.torch.DistributedDataParallel(model)   # instead of torch's DDP(model, ...)
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()          # returns with every .grad averaged over the workers
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees the averaged gradients
+        optimizer.step()
+
+The contract (docs/pytorch.md, "What each mode guarantees"): when `loss.backward()` returns, every
+parameter's `.grad` holds the gradient averaged over the workers, exactly what DDP leaves there,
+so clipping, GradScaler/autocast, any optimizer, LR schedulers and code that reads gradients work
+unchanged. As backward produces each parameter's gradient it is written into the agent's shared
+buffer and posted at once (WFBP): synchronisation overlaps the rest of backward, and a callback
+queued on the autograd engine (as DDP's own) waits for the layers when backward ends.
+
+The model is registered at its first forward: a probe forward (buffers and RNG state restored
+afterwards, so training is unchanged) measures every nn.Linear's rows (batch x tokens for a
+sequence model), the K of sufficient-factor broadcasting, and finds the Linear modules whose
+forward actually runs; then rank 0's parameters and buffers are broadcast. Only those Linear
+weights, used by exactly one module's forward once per iteration, may be planned SFB; every
+other parameter (shared/tied weights, MultiheadAttention's out_proj, F.linear(x, w)) goes by PS.
+
+`distribute(model, optimizer, ...)` is the older form: the same contract by default, returning
+the optimizer to step with; it also offers `overlap_forward=True` (each layer's step waits for
+the next forward to reach it, so synchronisation overlaps the next forward too) and server-side
+update rules (`server_optimizer=`).
 
 A model on a CUDA device keeps its gradients there: the agent shares a device arena laid out like
 the host buffers (psd_cuda_enable) and every buffer above is a torch tensor on that device (no
 copy). Writes, ready events (psd_cuda_layer_ready) and waits (psd_cuda_wait_layer) are ordered on
-the current CUDA stream, so neither backward nor step() synchronises the device.
+the current CUDA stream.
+
+Element types: float32, bfloat16 and float16 parameters and buffers; the shared buffers and the
+wire carry float32 (bf16/fp16 widen exactly, the sum is float32, the average is rounded once to
+the parameter's type).
 """
+import contextlib
 import ctypes
 
 import numpy as np
@@ -28,6 +52,11 @@ from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32
                     check, lib)
 
 BROADCAST_LAYER = "__poseidon_broadcast__"
+BUFFERS_LAYER = "__poseidon_buffers__"
+USED_LAYER = "__poseidon_used__"
+FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_DIMS = 4  # psd_layer_desc: 1..4 dimensions
+MAX_ROWS = 1 << 20  # the agent's limit on K
 
 
 def _view(pointer, count):
@@ -95,35 +124,63 @@ class _CudaSync:
 
 
 class _Layer:
-    def __init__(self, index, name, param, kind, module):
+    def __init__(self, index, name, param, kind, module, rows=0):
         self.index, self.name, self.param, self.kind, self.module = index, name, param, kind, module
+        self.rows = rows  # FC layers: K, the rows of the SFB factors
         self.scheme = None
-        self.grad = None  # flat view of the shared gradient buffer (host, or the CUDA arena)
+        self.grad = None  # flat float32 view of the shared gradient buffer (host, or CUDA arena)
         self.u = self.v = None
 
 
-def _describe(model):
-    layers = []
-    seen = set()
-    for module_name, module in model.named_modules():
+def _wire_shape(shape):
+    """The registered shape: 1..4 dimensions (a 0-d parameter is [1]; a 5-d Conv3d weight keeps
+    its first three dimensions and folds the rest into the fourth)."""
+    shape = tuple(int(s) for s in shape) or (1,)
+    if len(shape) > MAX_DIMS:
+        folded = 1
+        for s in shape[MAX_DIMS - 1:]:
+            folded *= s
+        shape = shape[:MAX_DIMS - 1] + (folded,)
+    return shape
+
+
+def _describe(model, rows=None, allow_sfb=True):
+    """The model's trainable parameters as layers, one per distinct tensor, in definition order.
+
+    rows: None (eager registration: every nn.Linear weight may go SFB, with K from the caller) or
+    {id(linear module): rows} from the probe forward (only those Linear modules may go SFB)."""
+    owners = {}  # id(param) -> [(module name, parameter name, module)]
+    order = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
         for pname, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                raise PoseidonError(1, f"parameter {module_name}.{pname} is shared between modules")
-            seen.add(id(param))
-            if not param.requires_grad:
-                continue
-            if param.dtype != torch.float32:
-                raise PoseidonError(1, f"{module_name}.{pname}: only float32 parameters are supported")
-            name = f"{module_name}.{pname}" if module_name else pname
-            if isinstance(module, torch.nn.Linear) and pname == "weight":
-                kind = PSD_LAYER_FC
-            elif pname == "bias":
-                kind = PSD_LAYER_BIAS
-            elif isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
-                kind = PSD_LAYER_CONV
-            else:
-                kind = PSD_LAYER_OTHER
-            layers.append(_Layer(len(layers), name, param, kind, module))
+            if id(param) not in owners:
+                owners[id(param)] = []
+                order.append(param)
+            owners[id(param)].append((module_name, pname, module))
+    layers = []
+    for param in order:
+        if not param.requires_grad or param.numel() == 0:
+            continue
+        uses = owners[id(param)]
+        module_name, pname, module = uses[0]
+        name = f"{module_name}.{pname}" if module_name else pname
+        if param.dtype not in FLOAT_TYPES:
+            raise PoseidonError(1, f"{name}: parameters of type {param.dtype} are not supported "
+                                   "(float32, bfloat16 or float16)")
+        shared = len({id(m) for _, _, m in uses}) > 1 or len(uses) > 1
+        k = 0
+        if (allow_sfb and not shared and pname == "weight" and isinstance(module, torch.nn.Linear)
+                and param.dim() == 2):
+            k = -1 if rows is None else rows.get(id(module), 0)
+        if k != 0:
+            kind = PSD_LAYER_FC
+        elif pname == "bias" and not shared:
+            kind = PSD_LAYER_BIAS
+        elif isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and not shared:
+            kind = PSD_LAYER_CONV
+        else:
+            kind = PSD_LAYER_OTHER
+        layers.append(_Layer(len(layers), name, param, kind, module, rows=k))
     if not layers:
         raise PoseidonError(1, "the model has no trainable parameters")
     devices = {l.param.device for l in layers}
@@ -136,98 +193,622 @@ def _describe(model):
     return layers, device
 
 
-class DistributedOptimizer:
-    """Wraps a torch.optim optimizer; see distribute()."""
+def _float_buffers(model):
+    """The buffers broadcast from rank 0 (DDP's broadcast_buffers): floating ones, e.g.
+    BatchNorm's running statistics. Integer buffers (num_batches_tracked) count forwards, the same
+    on every rank by construction."""
+    seen, out = set(), []
+    for b in model.buffers():
+        if b.dtype in FLOAT_TYPES and id(b) not in seen and b.numel() > 0:
+            seen.add(id(b))
+            out.append(b)
+    return out
 
-    def __init__(self, optimizer, layers, ctx, world, timeout_ms, overlap_forward=False,
-                 server=False, sync=None):
-        self._optimizer = optimizer
-        self._sync = sync or _HostSync(ctx)  # host buffers, or the CUDA arena
-        self._server = server  # the servers apply the update: results are parameters
-        self._layers = layers
-        self._ctx = ctx
-        self._world = world
-        self._timeout_ms = timeout_ms
+
+class _Probe:
+    """The probe forward: which nn.Linear modules run, how often, and with how many rows."""
+
+    def __init__(self, model):
+        self.calls = {}
+        self.rows = {}
+        self.handles = []
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                self.handles.append(module.register_forward_hook(self._record))
+
+    def _record(self, module, inputs, output):
+        self.calls[id(module)] = self.calls.get(id(module), 0) + 1
+        x = inputs[0] if inputs else None
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == module.in_features:
+            self.rows[id(module)] = x.numel() // max(1, x.shape[-1])
+
+    def result(self):
+        for h in self.handles:
+            h.remove()
+        # Only a Linear whose forward ran exactly once may go SFB: its factors then capture the
+        # weight's whole gradient (a second call would need both calls' rows).
+        return {m: r for m, r in self.rows.items() if self.calls.get(m) == 1 and 0 < r <= MAX_ROWS}
+
+
+class _Engine:
+    """One registered model: its layers, the hooks, and the iteration state. Modes:
+    "ddp" (the default: backward ends with every .grad averaged), "overlap" (step() returns at
+    once, each layer steps when the next forward reaches it) and "server" (the KV servers apply
+    the update; step() installs the parameters)."""
+
+    def __init__(self, model, *, mode, batch_size=None, timeout_ms=120000, broadcast_buffers=True,
+                 find_unused_parameters=False, server_rule=None, grad_hook="auto", sfb=True):
+        poseidon._context()  # raises before anything else if init() was not called
+        has_post_accumulate = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+        if grad_hook == "auto":
+            grad_hook = "post_accumulate" if has_post_accumulate else "tensor"
+        if grad_hook not in ("post_accumulate", "tensor"):
+            raise PoseidonError(1, f"grad_hook must be 'auto', 'post_accumulate' or 'tensor', "
+                                   f"not {grad_hook!r}")
+        if grad_hook == "post_accumulate" and not has_post_accumulate:
+            raise PoseidonError(1, f"grad_hook='post_accumulate' needs PyTorch >= 2.1 "
+                                   f"(this is {torch.__version__})")
+        if batch_size is not None and not 0 < int(batch_size) <= MAX_ROWS:
+            raise PoseidonError(1, f"batch_size must be in [1, {MAX_ROWS}], not {batch_size}")
+        self.model = model
+        self.mode = mode
+        self.batch_size = batch_size
+        self.timeout_ms = timeout_ms
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused = find_unused_parameters
+        self.server_rule = server_rule
+        self.grad_hook = grad_hook
+        self.allow_sfb = sfb
+        self.world = poseidon.size()
+        self.rank = poseidon.rank()
+        self.layers = None
+        self.device = None
+        self.sync = None
+        self.buffers = []
+        self.buffers_layer = self.used_layer = None
         self.iteration = 2  # 1 was the initial broadcast
-        self.posted = set()
-        self._overlap = overlap_forward
-        self._pending = {}  # layer index -> iteration whose step waits for the next forward
-        if overlap_forward:
-            # One optimizer per parameter with its group's hyperparameters, so that each layer
-            # can step on its own when the next forward reaches it. Per-element rules (SGD,
-            # momentum, Adam, ...) give exactly the same result as one step over all parameters.
-            self._per_param = {}
-            for group in optimizer.param_groups:
-                hyper = {k: v for k, v in group.items() if k != "params"}
-                for p in group["params"]:
-                    self._per_param[id(p)] = (type(optimizer)([dict(params=[p], **hyper)]), group)
+        self.buffer_iteration = 2
+        self.posted = {}  # layer index -> True, in posting order
+        self.zeroed = set()  # SFB weights whose local gradient the hook replaced by zeros
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True  # DDP: buffers sync in a forward after a sync one
+        self.sync_this_backward = False
+        self.callback_queued = False
+        self.pending = {}  # overlap: layer index -> iteration whose step waits for the forward
+        self.optimizer = None  # overlap: DistributedOptimizer
+        self.sfb_inputs = {}  # layer index -> this iteration's saved SFB input
 
-    def __getattr__(self, name):
-        return getattr(self._optimizer, name)
+    # ---- registration --------------------------------------------------------------------
+    @property
+    def registered(self):
+        return self.layers is not None
 
-    def zero_grad(self, set_to_none=True):
-        if self._optimizer is None:
-            for layer in self._layers:
-                layer.param.grad = None
+    def register(self, rows=None):
+        """rows: None (eager: K = batch_size for every Linear weight) or the probe's result."""
+        if self.registered:
+            raise PoseidonError(5, "the model is already registered")
+        ctx = poseidon._context()
+        allow_sfb = self.allow_sfb and self.server_rule is None
+        layers, device = _describe(self.model, rows, allow_sfb)
+        for layer in layers:
+            if layer.rows == -1:
+                layer.rows = int(self.batch_size)
+        self.buffers = _float_buffers(self.model) if self.broadcast_buffers else []
+        if self.server_rule is not None:
+            if self.find_unused:
+                raise PoseidonError(1, "find_unused_parameters is for local optimizers "
+                                       "(a server-side rule needs every gradient every iteration)")
+            if self.buffers and self.mode == "server":
+                names = [n for n, b in self.model.named_buffers() if b.dtype in FLOAT_TYPES]
+                raise PoseidonError(1, f"buffers ({', '.join(names[:3])}) cannot be broadcast "
+                                       "under a server-side rule: pass broadcast_buffers=False")
+            check(lib().psd_set_server_rule(ctx, ctypes.byref(self.server_rule)), "server rule")
+        total = sum(l.param.numel() for l in layers) + sum(b.numel() for b in self.buffers)
+        extra = [(BROADCAST_LAYER, total)]
+        if self.buffers and self.mode != "server":
+            extra.append((BUFFERS_LAYER, sum(b.numel() for b in self.buffers)))
+        if self.find_unused:
+            extra.append((USED_LAYER, len(layers)))
+        names = [l.name.encode() for l in layers] + [n.encode() for n, _ in extra]
+        shapes = [(ctypes.c_uint64 * len(_wire_shape(l.param.shape)))(*_wire_shape(l.param.shape))
+                  for l in layers]
+        shapes += [(ctypes.c_uint64 * 1)(n) for _, n in extra]
+        descs = (LayerDesc * len(names))()
+        for i, layer in enumerate(layers):
+            descs[i] = LayerDesc(names[i], layer.kind, PSD_FLOAT32, len(shapes[i]),
+                                 ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)),
+                                 layer.rows if layer.kind == PSD_LAYER_FC else 0,
+                                 # Every gradient is posted during backward, so layers may be
+                                 # fused; the agent fuses host-memory layers only.
+                                 PSD_LAYER_FUSABLE if device.type == "cpu" else 0)
+        # The extra layers are posted alone (and waited for before other layers are posted):
+        # not fusable.
+        for j in range(len(extra)):
+            i = len(layers) + j
+            descs[i] = LayerDesc(names[i], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
+                                 ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)), 0, 0)
+        check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
+        views = self._buffer_views(ctx, device)
+        for layer in layers:
+            info = LayerInfo()
+            check(lib().psd_get_layer_info(ctx, layer.index, ctypes.byref(info)), "layer info")
+            layer.scheme = info.scheme
+            view = views(layer.index, info)
+            layer.grad = view("grad", info.elements)
+            if info.scheme == PSD_SYNC_SFB:
+                m, n = layer.param.shape
+                layer.u = view("u", layer.rows * m).view(layer.rows, m)
+                layer.v = view("v", layer.rows * n).view(layer.rows, n)
+        extra_views = {}
+        for j, (name, count) in enumerate(extra):
+            info = LayerInfo()
+            check(lib().psd_get_layer_info(ctx, len(layers) + j, ctypes.byref(info)), name)
+            extra_views[name] = (len(layers) + j, views(len(layers) + j, info)("grad", count))
+        self.layers, self.device = layers, device
+        self.buffers_layer = extra_views.get(BUFFERS_LAYER)
+        self.used_layer = extra_views.get(USED_LAYER)
+        self._initial_broadcast(*extra_views[BROADCAST_LAYER], [v for n, v in extra_views.items()
+                                                                if n != BROADCAST_LAYER])
+        self._install_hooks()
+
+    def _buffer_views(self, ctx, device):
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            # psd_cuda_enable sets the thread's current device: the guard restores the caller's.
+            with torch.cuda.device(device):
+                check(lib().psd_cuda_enable(ctx, device.index, self.timeout_ms),
+                      f"enabling CUDA on {device}")
+            self.sync = _CudaSync(ctx, device)
+
+            def views(index, info):
+                grad, u, v = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+                check(lib().psd_cuda_layer_buffers(ctx, index, ctypes.byref(grad), ctypes.byref(u),
+                                                   ctypes.byref(v)), "CUDA layer buffers")
+                # The arena belongs to the context (freed by poseidon.shutdown()).
+                return lambda which, count: _device_view({"grad": grad, "u": u, "v": v}[which].value,
+                                                         count, device, ctx)
+        else:
+            self.sync = _HostSync(ctx)
+
+            def views(index, info):
+                return lambda which, count: _view(getattr(info, which), count)
+        return views
+
+    def _initial_broadcast(self, index, buffer, extra_views):
+        """Iteration 1: rank 0's parameters and buffers through `buffer` (layer `index`), then
+        every other layer takes iteration 1 too, so that training starts at 2 everywhere. With a
+        server-side rule iteration 1 is each table's initial value (rank 0's, as above)."""
+        tensors = [l.param for l in self.layers] + self.buffers
+        if self.rank == 0:
+            torch.cat([t.detach().reshape(-1).float() for t in tensors], out=buffer)
+        else:
+            buffer.zero_()
+        self.sync.ready(index, 1, "broadcast")
+        self.sync.wait(index, 1, self.timeout_ms, "broadcast")
+        self._unpack(buffer, tensors)
+        server = self.server_rule is not None
+        for layer in self.layers:
+            if server:
+                layer.grad.copy_(layer.param.detach().reshape(-1))
+            else:
+                layer.grad.zero_()
+            if layer.u is not None:
+                layer.u.zero_()
+                layer.v.zero_()
+            self.sync.ready(layer.index, 1, "initial sync")
+        extra = [x for x in (self.buffers_layer, self.used_layer) if x is not None]
+        for idx, view in extra:
+            view.zero_()
+            self.sync.ready(idx, 1, "initial sync")
+        for layer in self.layers:
+            self.sync.wait(layer.index, 1, self.timeout_ms, "initial sync")
+        for idx, _ in extra:
+            self.sync.wait(idx, 1, self.timeout_ms, "initial sync")
+
+    @staticmethod
+    def _unpack(flat, tensors):
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view(t.shape))
+                offset += n
+
+    def probe_and_register(self, run):
+        """The first forward: `run()` once with the Linear modules watched, buffers and RNG state
+        restored afterwards (as if it never ran), then registration and the initial broadcast."""
+        probe = _Probe(self.model)
+        saved = [b.detach().clone() for b in self.model.buffers()]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            run()
+        finally:
+            rows = probe.result()
+            with torch.no_grad():
+                for b, s in zip(self.model.buffers(), saved):
+                    b.copy_(s)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        if not self.require_backward_grad_sync:
+            # The first forward is inside no_sync(): the job accumulates gradients, which SFB
+            # cannot carry (its factors are one backward's). Plan without it.
+            self.allow_sfb = False
+        self.register(rows)
+
+    # ---- forward -------------------------------------------------------------------------
+    def before_forward(self, run):
+        if not self.registered:
+            if self.batch_size is not None:
+                self.register(None)
+            else:
+                self.probe_and_register(run)
+        grad = torch.is_grad_enabled()
+        if self.require_forward_param_sync and self.buffers_layer is not None:
+            self._sync_buffers()
+        self.sync_this_backward = grad and self.require_backward_grad_sync
+        if grad and not self.require_backward_grad_sync:
+            sfb = [l.name for l in self.layers if l.scheme == PSD_SYNC_SFB]
+            if sfb:
+                raise PoseidonError(5, f"no_sync(): {', '.join(sfb[:3])} is synchronised by SFB, "
+                                       "whose factors carry one backward's gradient, not an "
+                                       "accumulated one; start training inside no_sync() (the "
+                                       "first forward then plans without SFB) or pass sfb=False")
+        self.sfb_inputs.clear()
+
+    def after_forward(self):
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+
+    def _sync_buffers(self):
+        index, view = self.buffers_layer
+        if self.rank == 0:
+            torch.cat([b.detach().reshape(-1).float() for b in self.buffers], out=view)
+        else:
+            view.zero_()
+        it = self.buffer_iteration
+        self.sync.ready(index, it, "broadcasting buffers")
+        self.sync.wait(index, it, self.timeout_ms, f"waiting for rank 0's buffers (iteration {it})")
+        self._unpack(view, self.buffers)
+        self.buffer_iteration += 1
+
+    # ---- backward ------------------------------------------------------------------------
+    def _post(self, layer):
+        if layer.index in self.posted:
+            raise PoseidonError(5, f"{layer.name}: a second gradient in iteration {self.iteration} "
+                                   "(one backward per forward; accumulate with no_sync())")
+        self.posted[layer.index] = True
+        self.sync.ready(layer.index, self.iteration, f"posting {layer.name}")
+        if self.mode == "ddp" and not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _post_gradient(self, layer, before, g):
+        """A PS layer's input: the local gradient this backward adds to .grad (DDP reduces the
+        accumulated .grad: under no_sync() that is every micro-batch's)."""
+        if before is None:
+            layer.grad.copy_(g.reshape(-1))
+        else:
+            torch.add(before.reshape(-1), g.reshape(-1), out=layer.grad)
+        self._post(layer)
+
+    def _post_factors(self, layer, g, saved):
+        rows = saved.shape[0]
+        layer.u[:rows].copy_(g.reshape(rows, -1))
+        layer.v[:rows].copy_(saved)
+        if rows < layer.rows:  # a smaller batch: zero rows add nothing to sum U^T V
+            layer.u[rows:].zero_()
+            layer.v[rows:].zero_()
+        self._post(layer)
+
+    def _install_hooks(self):
+        for layer in self.layers:
+            if layer.scheme == PSD_SYNC_SFB:
+                layer.module.register_forward_hook(
+                    lambda module, inputs, output, layer=layer: self._sfb_forward(layer, inputs,
+                                                                                  output))
+                if self.mode == "ddp":
+                    # The factors carry this layer's gradient; the local one autograd computes
+                    # must not be added to .grad (which keeps what it held before backward).
+                    def zero_local(g, layer=layer):
+                        if not self.sync_this_backward:
+                            return None
+                        self.zeroed.add(layer.index)
+                        return torch.zeros_like(g)
+
+                    layer.param.register_hook(zero_local)
+            elif self.grad_hook == "post_accumulate":
+                # PyTorch >= 2.1: called once the parameter's .grad is complete for this backward.
+                def accumulated_hook(param, layer=layer):
+                    if self.sync_this_backward:
+                        self._post_gradient(layer, None, param.grad)
+
+                layer.param.register_post_accumulate_grad_hook(accumulated_hook)
+            else:
+                # PyTorch 1.13 (or grad_hook="tensor"): the hook sees the gradient autograd adds
+                # to the parameter's .grad (a leaf's incoming gradients are summed first, so a
+                # parameter used several times in one forward gets one call).
+                def tensor_hook(g, layer=layer):
+                    if self.sync_this_backward:
+                        self._post_gradient(layer, layer.param.grad, g)
+
+                layer.param.register_hook(tensor_hook)
+        if self.mode == "overlap":
+            by_module = {}
+            for layer in self.layers:
+                by_module.setdefault(id(layer.module), (layer.module, []))[1].append(layer)
+            for module, owned in by_module.values():
+                def pre_hook(module, inputs, owned=owned):
+                    for layer in owned:
+                        self.optimizer._step_layer(layer)
+
+                module.register_forward_pre_hook(pre_hook)
+
+    def _sfb_forward(self, layer, inputs, output):
+        if not (self.sync_this_backward and torch.is_grad_enabled()
+                and isinstance(output, torch.Tensor) and output.requires_grad):
             return
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        x = inputs[0]
+        m, n = layer.param.shape
+        if x.dim() < 1 or x.shape[-1] != n:
+            raise PoseidonError(1, f"{layer.name}: input of shape {tuple(x.shape)} for a {m}x{n} "
+                                   "weight")
+        rows = x.numel() // n
+        if rows > layer.rows:
+            raise PoseidonError(1, f"{layer.name} is synchronised by SFB with K = {layer.rows} "
+                                   f"rows (measured at the first forward), got input of shape "
+                                   f"{tuple(x.shape)} = {rows} rows; keep the first batch the "
+                                   "largest (or pass sfb=False)")
+        if layer.index in self.sfb_inputs:
+            raise PoseidonError(5, f"{layer.name} ran twice in one iteration; it is synchronised "
+                                   "by SFB, whose factors are one call's (pass sfb=False)")
+        saved = x.detach().reshape(rows, n)
+        self.sfb_inputs[layer.index] = True
+        output.register_hook(lambda g, layer=layer, saved=saved: self._post_factors(layer, g, saved))
 
-    def _check_posted(self):
-        missing = [l.name for l in self._layers if l.index not in self.posted]
+    def _finalize(self):
+        """End of backward (queued on the autograd engine by the first post, as DDP's reducer
+        does): post what got no gradient, wait for every layer, install the averages."""
+        self.callback_queued = False
+        it = self.iteration
+        missing = [l for l in self.layers if l.index not in self.posted]
+        for layer in missing:  # zeros keep every rank's iteration going, even before an error
+            if layer.u is not None:
+                layer.u.zero_()
+                layer.v.zero_()
+            else:
+                layer.grad.zero_()
+            self.posted[layer.index] = True
+            self.sync.ready(layer.index, it, f"posting {layer.name}")
+        lost = [l.name for l in self.layers if l.index in self.zeroed and l.index in
+                {m.index for m in missing}]
+        used = None
+        if self.used_layer is not None:
+            index, view = self.used_layer
+            flags = torch.ones(len(self.layers))
+            for layer in missing:
+                flags[layer.index] = 0.0
+            view.copy_(flags)
+            self.sync.ready(index, it, "posting the used-parameter map")
+            self.sync.wait(index, it, self.timeout_ms, "waiting for the used-parameter map")
+            used = view.detach().cpu().tolist()
+        try:
+            for index in list(self.posted):
+                layer = self.layers[index]
+                self.sync.wait(index, it, self.timeout_ms,
+                               f"waiting for {layer.name} (iteration {it})")
+                if used is not None and used[index] == 0:
+                    continue  # unused on every rank: .grad stays as it was (as DDP leaves it)
+                self._install_average(layer)
+        finally:
+            self.posted.clear()
+            self.zeroed.clear()
+            self.iteration += 1
+        if lost:
+            raise PoseidonError(5, f"iteration {it}: {', '.join(lost[:3])} got a gradient without "
+                                   "its module's forward; it is synchronised by SFB (pass sfb=False)")
+        if missing and not self.find_unused:
+            raise PoseidonError(5, f"iteration {it}: no gradient was produced for "
+                                   f"{', '.join(l.name for l in missing[:5])}: pass "
+                                   "find_unused_parameters=True if parameters may go unused")
+
+    def _install_average(self, layer):
+        p = layer.param
+        total = layer.grad.view(p.shape)
+        if layer.scheme == PSD_SYNC_SFB and self.mode == "ddp":
+            if p.grad is None:
+                p.grad = (total / self.world).to(p.dtype)
+            else:  # .grad kept what it held before backward (the local part was zeroed)
+                p.grad.add_((total / self.world).to(p.dtype))
+            return
+        if p.grad is None:
+            p.grad = (total / self.world).to(p.dtype)
+        elif p.grad.dtype == torch.float32 and p.grad.shape == p.shape:
+            torch.div(total, self.world, out=p.grad)
+        else:
+            p.grad.copy_(total / self.world)
+
+    def wait_all(self, install):
+        """overlap/server modes: waits for every layer of this iteration (forward order)."""
+        self.check_posted()
+        for layer in self.layers:
+            install(layer, self.iteration)
+        self.iteration += 1
+
+    def check_posted(self):
+        missing = [l.name for l in self.layers if l.index not in self.posted]
         if missing:
             raise PoseidonError(5, f"iteration {self.iteration}: no gradient was produced for "
                                    f"{', '.join(missing[:5])} (did backward run?)")
         self.posted.clear()
 
-    def _install(self, layer, iteration):
-        self._sync.wait(layer.index, iteration, self._timeout_ms, f"waiting for {layer.name}")
-        if self._server:
-            with torch.no_grad():
-                layer.param.copy_(layer.grad.view_as(layer.param))
+    def plan(self):
+        if not self.registered:
+            raise PoseidonError(5, "the plan is made at the first forward pass")
+        return [(l.name, "SFB" if l.scheme == PSD_SYNC_SFB else "PS", l.param.numel())
+                for l in self.layers]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """torch.nn.parallel.DistributedDataParallel's contract through Poseidon (module doc).
+
+    DDP's arguments are accepted: broadcast_buffers (rank 0's floating buffers, e.g. BatchNorm
+    statistics, before each forward that follows a synchronised one, as DDP), and
+    find_unused_parameters (parameters that get no gradient in an iteration are synchronised as
+    zeros; one unused on every rank keeps its .grad, as DDP leaves it). device_ids,
+    output_device, bucket_cap_mb, gradient_as_bucket_view and static_graph are accepted and do
+    not change anything (the agent plans fusion and placement). Poseidon's own: sfb (False:
+    every layer by PS), timeout_ms (every wait), grad_hook (see distribute)."""
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
+                 check_reduction=False, gradient_as_bucket_view=False, static_graph=False, *,
+                 sfb=True, timeout_ms=120000, grad_hook="auto"):
+        super().__init__()
+        if process_group is not None:
+            raise PoseidonError(1, "process_group: Poseidon synchronises over its own job "
+                                   "(poseidon.init()), not a torch.distributed group")
+        if dim != 0:
+            raise PoseidonError(1, "dim: only the batch dimension 0 is supported")
+        self.module = module
+        self._engine = _Engine(module, mode="ddp", timeout_ms=timeout_ms,
+                               broadcast_buffers=broadcast_buffers,
+                               find_unused_parameters=find_unused_parameters, grad_hook=grad_hook,
+                               sfb=sfb)
+
+    def forward(self, *inputs, **kwargs):
+        self._engine.before_forward(lambda: self.module(*inputs, **kwargs))
+        out = self.module(*inputs, **kwargs)
+        self._engine.after_forward()
+        return out
+
+    def no_sync(self):
+        """Gradient accumulation: backwards of forwards inside this context add to the local
+        .grad without synchronising; the first backward outside it averages the sum."""
+        return self._engine.no_sync()
+
+    @property
+    def plan(self):
+        """[(parameter name, 'SFB' or 'PS', elements)] as the agent planned them."""
+        return self._engine.plan()
+
+    @property
+    def device(self):
+        return self._engine.device
+
+
+class DistributedOptimizer:
+    """Wraps a torch.optim optimizer; see distribute()."""
+
+    def __init__(self, optimizer, engine):
+        self._optimizer = optimizer
+        self._engine = engine
+        engine.optimizer = self
+        self._per_param = None
+
+    @property
+    def _layers(self):
+        return self._engine.layers
+
+    @property
+    def iteration(self):
+        return self._engine.iteration
+
+    @property
+    def device(self):
+        return self._engine.device
+
+    @property
+    def grad_hook(self):
+        return self._engine.grad_hook
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_optimizer", "_engine", "_per_param"):
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    def zero_grad(self, set_to_none=True):
+        if self._optimizer is None:
+            for layer in self._engine.layers or ():
+                layer.param.grad = None
             return
-        layer.param.grad = (layer.grad / self._world).view_as(layer.param).clone()
+        self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def synchronize(self):
-        """Applies every step still waiting for a forward pass (overlap_forward); without
-        overlap_forward, step() has already waited and this does nothing."""
-        if self._overlap:
-            for layer in self._layers:
-                self._step_layer(layer)
+    def no_sync(self):
+        """See DistributedDataParallel.no_sync."""
+        return self._engine.no_sync()
 
-    def _wait_all(self):
-        """Waits for every layer of this iteration and installs the averaged gradients."""
-        self._check_posted()
-        for layer in self._layers:  # forward order: the next forward needs layer 0 first
-            self._install(layer, self.iteration)
-        self.iteration += 1
+    # overlap_forward: one optimizer per parameter, stepped by the forward pre-hooks ---------
+    def _per_param_optimizers(self):
+        if self._per_param is None:
+            # One optimizer per parameter with its group's hyperparameters, so that each layer
+            # can step on its own when the next forward reaches it. Per-element rules (SGD,
+            # momentum, Adam, ...) give exactly the same result as one step over all parameters.
+            # Their state is the wrapped optimizer's (one dict), so state_dict() has it all.
+            self._per_param = {}
+            for group in self._optimizer.param_groups:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                for p in group["params"]:
+                    opt = type(self._optimizer)([dict(params=[p], **hyper)])
+                    opt.state = self._optimizer.state
+                    self._per_param[id(p)] = (opt, group)
+        return self._per_param
+
+    def _install(self, layer, iteration):
+        e = self._engine
+        e.sync.wait(layer.index, iteration, e.timeout_ms, f"waiting for {layer.name}")
+        if e.mode == "server":
+            with torch.no_grad():
+                layer.param.copy_(layer.grad.view(layer.param.shape))
+            return
+        layer.param.grad = (layer.grad / e.world).view(layer.param.shape).to(layer.param.dtype)
 
     def _step_layer(self, layer):
-        iteration = self._pending.pop(layer.index, None)
+        iteration = self._engine.pending.pop(layer.index, None)
         if iteration is None:
             return
         self._install(layer, iteration)
-        opt, group = self._per_param[id(layer.param)]
+        opt, group = self._per_param_optimizers()[id(layer.param)]
         for k, v in group.items():  # the user's LR schedule (or any change) applies
             if k != "params":
                 opt.param_groups[0][k] = v
+        opt.state = self._optimizer.state  # load_state_dict replaces the dict
         opt.step()
 
+    def synchronize(self):
+        """Applies every step still waiting for a forward pass (overlap_forward); in the other
+        modes the gradients are in place already and this does nothing."""
+        if self._engine.mode == "overlap" and self._engine.registered:
+            for layer in self._engine.layers:
+                self._step_layer(layer)
+
     def step(self, closure=None):
-        if self._server:
-            self._wait_all()  # the servers stepped: the parameters are installed
+        e = self._engine
+        if e.mode == "server":
+            e.wait_all(self._install)  # the servers stepped: the parameters are installed
             return None
-        if not self._overlap:
-            self._wait_all()
-            return self._optimizer.step(closure)
+        if e.mode == "ddp":
+            return self._optimizer.step(closure)  # backward left the averages in .grad
         if closure is not None:
             raise PoseidonError(1, "closures are not supported with overlap_forward")
-        self._check_posted()
-        for layer in self._layers:  # each layer steps when the next forward reaches it
-            self._pending[layer.index] = self.iteration
-        self.iteration += 1
+        e.check_posted()
+        for layer in e.layers:  # each layer steps when the next forward reaches it
+            e.pending[layer.index] = e.iteration
+        e.iteration += 1
         return None
 
     def state_dict(self):
+        self.synchronize()  # overlap: the pending steps belong to the state
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state):
@@ -237,204 +818,77 @@ class DistributedOptimizer:
 SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
 
 
-def distribute(model, optimizer, batch_size, timeout_ms=120000, overlap_forward=False,
-               server_optimizer=None, grad_hook="auto"):
-    """Registers `model` with the agent and returns the optimizer to train with (see module doc).
+def _server_rule(server_optimizer):
+    cfg = dict(server_optimizer)
+    name = cfg.pop("rule", None)
+    if name not in SERVER_RULES:
+        raise PoseidonError(1, f"server rule must be one of {sorted(SERVER_RULES)}, not {name!r}")
+    betas = cfg.pop("betas", (0.9, 0.999))
+    rule = ServerRule(ctypes.sizeof(ServerRule), SERVER_RULES[name], float(cfg.pop("lr")),
+                      float(cfg.pop("momentum", 0.0)), float(cfg.pop("dampening", 0.0)),
+                      float(betas[0]), float(betas[1]), float(cfg.pop("eps", 1e-8)),
+                      float(cfg.pop("weight_decay", 0.0)), int(bool(cfg.pop("nesterov", False))))
+    if cfg:
+        raise PoseidonError(1, f"unknown server_optimizer settings: {sorted(cfg)}")
+    return rule
 
-    batch_size is the per-worker batch: SFB layers need every batch to have exactly this many
-    rows (use drop_last=True in the DataLoader). With overlap_forward, step() returns at once and
-    each module's parameters are updated by a forward pre-hook when the next forward pass reaches
-    it, so synchronisation also overlaps the next forward (call optimizer.synchronize() before
-    reading the parameters outside a forward pass, e.g. to save them).
+
+def distribute(model, optimizer, batch_size=None, timeout_ms=120000, overlap_forward=False,
+               server_optimizer=None, grad_hook="auto", broadcast_buffers=True,
+               find_unused_parameters=False, sfb=True):
+    """Registers `model` with the agent and returns the optimizer to train with.
+
+    By default the contract is DDP's (module doc): backward() returns with every .grad averaged
+    over the workers, and step() is your optimizer's step. batch_size: the per-worker rows of
+    every nn.Linear input (K for SFB layers; a smaller batch is padded with zero rows); then the
+    model is registered now. Without it (None) the model is registered at its first forward,
+    which measures the rows (batch x tokens for sequence models) and which Linear modules run.
+
+    overlap_forward=True: step() returns at once and each module's parameters are updated by a
+    forward pre-hook when the next forward pass reaches it, so synchronisation also overlaps the
+    next forward; .grad is not averaged when backward returns (call optimizer.synchronize()
+    before reading the parameters outside a forward pass; state_dict() does it).
 
     server_optimizer, e.g. dict(rule="adam", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
     weight_decay=0) or dict(rule="momentum", lr=0.1, momentum=0.9, nesterov=False): the KV
     servers apply the update (torch.optim's definitions, gradients averaged over the workers),
     every layer goes by PS, and step() installs the updated parameters; `optimizer` may be None.
 
-    A model on a CUDA device (every parameter on the same one) is synchronised through a device
-    arena: no host copies, ordered on the current CUDA stream (see docs/pytorch.md).
-
     grad_hook: how a PS layer's gradient is caught. "auto" (the default): "post_accumulate" where
     torch.Tensor.register_post_accumulate_grad_hook exists (PyTorch >= 2.1; the hook sees the
     parameter's complete .grad), else "tensor" (a hook on the parameter, which sees the gradient
-    autograd produces for it: PyTorch 1.13)."""
-    ctx = poseidon._context()
-    world = poseidon.size()
-    has_post_accumulate = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
-    if grad_hook == "auto":
-        grad_hook = "post_accumulate" if has_post_accumulate else "tensor"
-    if grad_hook not in ("post_accumulate", "tensor"):
-        raise PoseidonError(1, f"grad_hook must be 'auto', 'post_accumulate' or 'tensor', "
-                               f"not {grad_hook!r}")
-    if grad_hook == "post_accumulate" and not has_post_accumulate:
-        raise PoseidonError(1, f"grad_hook='post_accumulate' needs PyTorch >= 2.1 "
-                               f"(this is {torch.__version__})")
-    layers, device = _describe(model)
-    if server_optimizer is not None:
-        if overlap_forward:
-            raise PoseidonError(1, "overlap_forward is for local optimizers")
-        cfg = dict(server_optimizer)
-        name = cfg.pop("rule", None)
-        if name not in SERVER_RULES:
-            raise PoseidonError(1, f"server rule must be one of {sorted(SERVER_RULES)}, not {name!r}")
-        betas = cfg.pop("betas", (0.9, 0.999))
-        rule = ServerRule(ctypes.sizeof(ServerRule), SERVER_RULES[name], float(cfg.pop("lr")),
-                          float(cfg.pop("momentum", 0.0)), float(cfg.pop("dampening", 0.0)),
-                          float(betas[0]), float(betas[1]), float(cfg.pop("eps", 1e-8)),
-                          float(cfg.pop("weight_decay", 0.0)), int(bool(cfg.pop("nesterov", False))))
-        if cfg:
-            raise PoseidonError(1, f"unknown server_optimizer settings: {sorted(cfg)}")
-        check(lib().psd_set_server_rule(ctx, ctypes.byref(rule)), "server rule")
-    total = sum(l.param.numel() for l in layers)
-    # The last layer is the broadcast buffer: every parameter, sent by rank 0 once.
-    names = [l.name.encode() for l in layers] + [BROADCAST_LAYER.encode()]
-    shapes = [(ctypes.c_uint64 * max(1, l.param.dim()))(*(l.param.shape or (1,))) for l in layers]
-    shapes.append((ctypes.c_uint64 * 1)(total))
-    descs = (LayerDesc * (len(layers) + 1))()
-    for i, layer in enumerate(layers):
-        descs[i] = LayerDesc(names[i], layer.kind, PSD_FLOAT32, max(1, layer.param.dim()),
-                             ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)),
-                             batch_size if layer.kind == PSD_LAYER_FC else 0,
-                             # Every gradient is posted during backward, so layers may be fused;
-                             # the agent fuses host-memory layers only.
-                             PSD_LAYER_FUSABLE if device.type == "cpu" else 0)
-    # Not fusable: it is posted alone at start-up and waited for before training starts.
-    descs[len(layers)] = LayerDesc(names[-1], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
-                                   ctypes.cast(shapes[-1], ctypes.POINTER(ctypes.c_uint64)), 0)
-    check(lib().psd_register_layers(ctx, descs, len(layers) + 1, timeout_ms), "register layers")
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        # psd_cuda_enable sets the thread's current device: the guard restores the caller's.
-        with torch.cuda.device(device):
-            check(lib().psd_cuda_enable(ctx, device.index, timeout_ms), f"enabling CUDA on {device}")
-        sync = _CudaSync(ctx, device)
-        # The arena belongs to the context (freed by poseidon.shutdown()); each view's wrapper
-        # holds the context handle as its owner.
-        arena = ctx
+    autograd adds: PyTorch 1.13). broadcast_buffers, find_unused_parameters, sfb: as for
+    DistributedDataParallel."""
+    if server_optimizer is not None and overlap_forward:
+        raise PoseidonError(1, "overlap_forward is for local optimizers")
+    mode = "server" if server_optimizer is not None else "overlap" if overlap_forward else "ddp"
+    rule = _server_rule(server_optimizer) if server_optimizer is not None else None
+    if getattr(model, "_poseidon_engine", None) is not None:
+        raise PoseidonError(5, "this model is already distributed")
+    engine = _Engine(model, mode=mode, batch_size=batch_size, timeout_ms=timeout_ms,
+                     broadcast_buffers=broadcast_buffers,
+                     find_unused_parameters=find_unused_parameters, server_rule=rule,
+                     grad_hook=grad_hook, sfb=sfb)
+    wrapped = DistributedOptimizer(optimizer, engine)
+    if batch_size is not None:
+        engine.register(None)
+    original = model.forward
 
-        def views(index, info):
-            grad, u, v = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-            check(lib().psd_cuda_layer_buffers(ctx, index, ctypes.byref(grad), ctypes.byref(u),
-                                               ctypes.byref(v)), "CUDA layer buffers")
-            return lambda which, count: _device_view({"grad": grad, "u": u, "v": v}[which].value,
-                                                     count, device, arena)
-    else:
-        sync = _HostSync(ctx)
+    def forward(*inputs, **kwargs):
+        engine.before_forward(lambda: original(*inputs, **kwargs))
+        out = original(*inputs, **kwargs)
+        engine.after_forward()
+        return out
 
-        def views(index, info):
-            return lambda which, count: _view(getattr(info, which), count)
-    for layer in layers:
-        info = LayerInfo()
-        check(lib().psd_get_layer_info(ctx, layer.index, ctypes.byref(info)), "layer info")
-        layer.scheme = info.scheme
-        view = views(layer.index, info)
-        layer.grad = view("grad", info.elements)
-        if info.scheme == PSD_SYNC_SFB:
-            m, n = layer.param.shape
-            layer.u = view("u", batch_size * m).view(batch_size, m)
-            layer.v = view("v", batch_size * n).view(batch_size, n)
-    info = LayerInfo()
-    check(lib().psd_get_layer_info(ctx, len(layers), ctypes.byref(info)), "broadcast buffer")
-    broadcast = views(len(layers), info)("grad", total)
-    _broadcast(sync, layers, len(layers), broadcast, timeout_ms,
-               server=server_optimizer is not None)
-    wrapped = DistributedOptimizer(optimizer, layers, ctx, world, timeout_ms, overlap_forward,
-                                   server=server_optimizer is not None, sync=sync)
-    _install_hooks(layers, wrapped, sync, batch_size, grad_hook)
-    if overlap_forward:
-        by_module = {}
-        for layer in layers:
-            by_module.setdefault(id(layer.module), (layer.module, []))[1].append(layer)
-        for module, owned in by_module.values():
-            def pre_hook(module, inputs, owned=owned):
-                for layer in owned:
-                    wrapped._step_layer(layer)
-
-            module.register_forward_pre_hook(pre_hook)
-    model._poseidon_layers = layers  # keep the views alive with the model
-    wrapped.device = device
-    wrapped.grad_hook = grad_hook
+    model.forward = forward  # every call of the model goes through the engine
+    model._poseidon_engine = engine
+    if mode == "overlap":
+        # The model's state dict is read after the pending steps are applied.
+        model._register_state_dict_hook(lambda module, state, prefix, meta: wrapped.synchronize())
     return wrapped
 
 
-def plan_summary(optimizer):
-    """[(layer name, 'SFB' or 'PS', parameters)] as the agent planned them."""
-    return [(l.name, "SFB" if l.scheme == PSD_SYNC_SFB else "PS", l.param.numel())
-            for l in optimizer._layers]
-
-
-def _broadcast(sync, layers, index, buffer, timeout_ms, server=False):
-    """Iteration 1: rank 0's parameters through `buffer` (layer `index`), then every layer."""
-    if poseidon.rank() == 0:
-        buffer.copy_(torch.cat([l.param.detach().reshape(-1) for l in layers]))
-    else:
-        buffer.zero_()
-    sync.ready(index, 1, "broadcast")
-    sync.wait(index, 1, timeout_ms, "broadcast")
-    offset = 0
-    with torch.no_grad():
-        for layer in layers:
-            n = layer.param.numel()
-            layer.param.copy_(buffer[offset:offset + n].view_as(layer.param))
-            offset += n
-    # Every other layer takes iteration 1 as well, so that training starts at 2 everywhere.
-    # With a server-side rule iteration 1 is each table's initial value (rank 0's, as above).
-    for layer in layers:
-        if server:
-            layer.grad.copy_(layer.param.detach().reshape(-1))
-        else:
-            layer.grad.zero_()
-        if layer.u is not None:
-            layer.u.zero_()
-            layer.v.zero_()
-        sync.ready(layer.index, 1, "initial sync")
-    for layer in layers:
-        sync.wait(layer.index, 1, timeout_ms, "initial sync")
-
-
-def _install_hooks(layers, opt, sync, batch_size, grad_hook):
-    """The ready hooks. Each writes the layer's input into its buffers (host, or the CUDA arena
-    on the current stream, the one autograd runs the layer's backward on) and posts it."""
-    def post(layer):
-        if layer.index in opt.posted:
-            raise PoseidonError(5, f"{layer.name}: a second gradient in iteration {opt.iteration} "
-                                   "(call optimizer.step() after every backward)")
-        opt.posted.add(layer.index)
-        sync.ready(layer.index, opt.iteration, f"posting {layer.name}")
-
-    for layer in layers:
-        if layer.scheme == PSD_SYNC_SFB:
-            def forward_hook(module, inputs, output, layer=layer):
-                x = inputs[0]
-                if not torch.is_grad_enabled() or not output.requires_grad:
-                    return
-                if x.dim() != 2 or x.shape[0] != batch_size:
-                    raise PoseidonError(1, f"{layer.name} is synchronised by SFB with K = {batch_size}"
-                                           f" rows, got input of shape {tuple(x.shape)} "
-                                           "(use drop_last=True)")
-                saved = x.detach()
-
-                def output_grad_hook(g, layer=layer, saved=saved):
-                    layer.u.copy_(g)
-                    layer.v.copy_(saved)
-                    post(layer)
-
-                output.register_hook(output_grad_hook)
-            layer.module.register_forward_hook(forward_hook)
-        elif grad_hook == "post_accumulate":
-            # PyTorch >= 2.1: called once the parameter's .grad is complete for this backward.
-            def accumulated_hook(param, layer=layer):
-                layer.grad.copy_(param.grad.reshape(-1))
-                post(layer)
-
-            layer.param.register_post_accumulate_grad_hook(accumulated_hook)
-        else:
-            # PyTorch 1.13 (or grad_hook="tensor"): the tensor hook sees the parameter's
-            # gradient as autograd makes it (a parameter used once per forward gets exactly one).
-            def tensor_hook(g, layer=layer):
-                layer.grad.copy_(g.reshape(-1))
-                post(layer)
-
-            layer.param.register_hook(tensor_hook)
+def plan_summary(obj):
+    """[(layer name, 'SFB' or 'PS', parameters)] as the agent planned them, for the optimizer
+    distribute() returned or a DistributedDataParallel model."""
+    return obj._engine.plan()
