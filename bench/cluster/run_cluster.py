@@ -9,6 +9,12 @@ the unscaled cluster.
 
     bench/cluster/run_cluster.py --quick [--build build/release]      # <= 3 minutes, smoke test
     bench/cluster/run_cluster.py [--models vgg19,...] [--hosts 1,2,4] [--modes poseidon,ps,no-wfbp,ddp]
+    bench/cluster/run_cluster.py --compare bench/cluster/baseline.json  # the recorded set, against
+                                                                        # the record
+    bench/cluster/run_cluster.py --baseline_set --record bench/cluster/baseline.json  # re-record
+
+Sizes the agents get (--bucket_bytes, --block_bytes, --credit_bytes) are the unscaled cluster's and
+are passed divided by s^2, like the bytes they bound.
 
 Modes: poseidon (--scheme auto), ps (--scheme ps), no-wfbp (synth --wfbp=false), no-priority
 (agents synchronise layers in the order they become ready: --priority=false), sep-servers
@@ -25,6 +31,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -46,6 +53,13 @@ MODES = {
     "ddp": (None, True, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py, no Poseidon
 }
 DDP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_worker.py")
+# The agent's defaults (agent/agent.h, AgentConfig) for the unscaled cluster; the harness passes
+# each divided by s^2 (a byte size bounds bytes, which scale by 1/s^2).
+AGENT_SIZE_DEFAULTS = {"bucket_bytes": 512 << 10, "block_bytes": 4 << 20, "credit_bytes": 64 << 20}
+AGENT_SIZE_FLOORS = {"bucket_bytes": 0, "block_bytes": 4096, "credit_bytes": 4096}  # agent's limits
+# The quick set recorded in bench/cluster/baseline.json (--baseline_set, --compare).
+BASELINE_SET = {"models": "inception-v3,vgg19-22k", "hosts": "1,4", "modes": "poseidon,ddp",
+                "iterations": 10}
 SKIP = 77
 PREFIX = f"psd-{os.getpid()}"
 
@@ -139,6 +153,25 @@ def comm_bound_seconds(spec, batch, n, rate_bps, colocated=True):
 
 def compute_seconds(spec, batch, gpu_rate):
     return total_flops(spec) * batch / gpu_rate
+
+
+def parse_bytes(text):
+    """'512KiB', '4MiB', '32768' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([kKmMgG]?)(i?[bB])?\s*", str(text))
+    if not m:
+        raise ValueError(f"bad byte size {text!r}")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
+def scaled_sizes(args, s):
+    """The agent's byte-size flags for the emulated cluster: the unscaled sizes / s^2 (0 stays 0,
+    never below the agent's floor)."""
+    out = {}
+    for name, default in AGENT_SIZE_DEFAULTS.items():
+        given = getattr(args, name)
+        unscaled = default if given is None else parse_bytes(given)
+        out[name] = 0 if unscaled == 0 else max(AGENT_SIZE_FLOORS[name] or 1, unscaled // (s * s))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,6 +374,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 f"--listen={cluster.addr(r)}:7200", f"--scheme={scheme}",
                 f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
                 f"--priority={'false' if mode == 'no-priority' else 'true'}",
+                *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
                 f"--segment={seg}", "--log_level=warn"], logdir)
             agents.append((p, seg))
         for p, _ in agents:
@@ -426,6 +460,113 @@ def table(results):
     return "\n".join(lines)
 
 
+FIGURES = ("seconds_per_iteration", "samples_per_second", "efficiency")
+
+
+def git_commit():
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no",
+                                "--", "agent", "server", "transport", "common", "coordinator",
+                                "libclient", "bench"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return head, bool(dirty)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown", True
+
+
+def ddp_ratio(results, model, n):
+    """Poseidon's throughput over DDP-gloo's, both measured in this run."""
+    rows = {r["mode"]: r for r in results if r["model"] == model and r["n"] == n
+            and not r.get("error")}
+    if "poseidon" in rows and "ddp" in rows:
+        return rows["poseidon"]["samples_per_second"] / rows["ddp"]["samples_per_second"]
+    return None
+
+
+def record(args, results, path):
+    """A small baseline: the settings of this run, the commit, every figure of every row."""
+    head, dirty = git_commit()
+    rows = []
+    for r in results:
+        if r.get("error"):
+            continue
+        row = {"model": r["model"], "mode": r["mode"], "n": r["n"]}
+        for k in FIGURES:
+            if r.get(k) is not None:
+                row[k] = round(r[k], 4)
+        rows.append(row)
+    ratios = []
+    for model in sorted({r["model"] for r in results}):
+        for n in sorted({r["n"] for r in results}):
+            q = ddp_ratio(results, model, n)
+            if q is not None:
+                ratios.append({"model": model, "n": n, "poseidon_over_ddp": round(q, 3)})
+    settings = {k: getattr(args, k) for k in ("models", "hosts", "modes", "iterations", "scale",
+                                               "bandwidth", "batch", "gpu")}
+    for k in AGENT_SIZE_DEFAULTS:
+        if getattr(args, k) is not None:
+            settings[k] = getattr(args, k)
+    doc = {"commit": head, "uncommitted_data_path_changes": dirty,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+           "machine": f"{os.cpu_count()} CPUs, {os.uname().release}",
+           "command": "bench/cluster/run_cluster.py " + shlex.join(sys.argv[1:]),
+           "settings": settings, "agent_sizes_scaled": args.agent_sizes,
+           "figures": rows, "poseidon_over_ddp": ratios}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def compare(baseline, results, tolerance=0.10):
+    """Every figure of this run against the record; '!' marks a change beyond the tolerance in
+    the worse direction (slower, lower efficiency, a lower ratio to DDP)."""
+    rec = {(r["model"], r["mode"], r["n"]): r for r in baseline["figures"]}
+    lines = [f"Against {baseline.get('commit', '?')[:12]} ({baseline.get('date', '?')}), "
+             f"'!' = more than {tolerance:.0%} worse:",
+             "| model | mode | N | s/iter rec | s/iter now | now/rec | efficiency rec | "
+             "efficiency now | |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    worse = 0
+    for r in results:
+        key = (r["model"], r["mode"], r["n"])
+        b = rec.get(key)
+        if r.get("error"):
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | failed |||||| ! |")
+            worse += 1
+            continue
+        if b is None:
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | – | "
+                         f"{r['seconds_per_iteration']:.3f} | – | – | "
+                         f"{r.get('efficiency') or 0:.2f} | not recorded |")
+            continue
+        t_ratio = r["seconds_per_iteration"] / b["seconds_per_iteration"]
+        e_now, e_rec = r.get("efficiency"), b.get("efficiency")
+        bad = t_ratio > 1 + tolerance or (e_now is not None and e_rec is not None
+                                          and e_now < e_rec * (1 - tolerance))
+        worse += bad
+        fmt = lambda e: "–" if e is None else f"{e:.2f}"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {b['seconds_per_iteration']:.3f} | "
+                     f"{r['seconds_per_iteration']:.3f} | {t_ratio:.2f} | {fmt(e_rec)} | "
+                     f"{fmt(e_now)} | {'!' if bad else ''} |")
+    rec_q = {(q["model"], q["n"]): q["poseidon_over_ddp"] for q in baseline.get(
+        "poseidon_over_ddp", [])}
+    qlines = []
+    for (model, n), q_rec in sorted(rec_q.items()):
+        q = ddp_ratio(results, model, n)
+        if q is None:
+            continue
+        bad = q < q_rec * (1 - tolerance)
+        worse += bad
+        qlines.append(f"| {model} | {n} | {q_rec:.2f} | {q:.2f} | {'!' if bad else ''} |")
+    if qlines:
+        lines += ["", "Poseidon throughput / DDP-gloo throughput (both measured in the same run):",
+                  "| model | N | recorded | now | |", "|---|---:|---:|---:|---|"] + qlines
+    lines.append(f"{worse} figure(s) more than {tolerance:.0%} worse than the record")
+    return "\n".join(lines)
+
+
 def plot(results, path):
     try:
         import matplotlib
@@ -477,7 +618,36 @@ def main():
     ap.add_argument("--layer_timeout_ms", type=int, default=120000)
     ap.add_argument("--out", default=None, help="output directory (default bench/cluster/results/"
                                                 "<timestamp>)")
+    for name, default in AGENT_SIZE_DEFAULTS.items():
+        ap.add_argument(f"--{name}", default=None,
+                        help=f"the agents' --{name} on the unscaled cluster (default {default}, the "
+                             f"agent's); passed / s^2")
+    ap.add_argument("--baseline_set", action="store_true",
+                    help="the recorded quick set: " + ", ".join(f"{k} {v}" for k, v in
+                                                                BASELINE_SET.items()))
+    ap.add_argument("--compare", metavar="BASELINE_JSON", default=None,
+                    help="run the set recorded in this file (its models, hosts, modes, iterations, "
+                         "sizes, unless given) and print every figure against the record")
+    ap.add_argument("--record", metavar="BASELINE_JSON", default=None,
+                    help="write the figures of this run as a baseline (with the git commit)")
     args = ap.parse_args()
+    baseline = None
+    # Options given on the command line win over a recorded or the baseline set.
+    given = {a.split("=")[0].lstrip("-") for a in sys.argv[1:] if a.startswith("--")}
+    preset = None
+    if args.compare:
+        with open(args.compare) as f:
+            baseline = json.load(f)
+        preset = baseline["settings"]
+        args.quick = False
+    elif args.baseline_set:
+        preset = BASELINE_SET
+    if preset is not None:
+        for k, v in preset.items():
+            if k not in given and hasattr(args, k):
+                setattr(args, k, v)
+        if "sep_models" not in given:
+            args.sep_models = ""
     if args.quick:
         args.models, args.hosts, args.modes, args.sep_models = "alexnet", "1,2", "poseidon", ""
         args.iterations = min(args.iterations, 3)
@@ -499,6 +669,7 @@ def main():
     atexit.register(teardown_all)
 
     s = args.scale
+    args.agent_sizes = scaled_sizes(args, s)
     rate_unscaled = parse_rate(args.bandwidth)
     rate = rate_unscaled / (s * s)
     gpu_rate = GPU_RATES.get(args.gpu) or float(args.gpu)
@@ -540,6 +711,7 @@ def main():
     print(f"Emulated cluster: s = {s}, link {rate_unscaled / 1e9:g} Gbit/s -> {rate / 1e6:.1f} "
           f"Mbit/s per host and direction (tbf), K = {args.batch} -> {batch_scaled}, GPU "
           f"{args.gpu} ({gpu_rate / 1e12:g} TFLOP/s), {args.iterations} iterations per run; "
+          f"agents {' '.join(f'--{k}={v}' for k, v in sorted(args.agent_sizes.items()))}; "
           f"build {args.build}", flush=True)
     results = []
     specs = {}
@@ -604,7 +776,13 @@ def main():
         json.dump({"command": sys.argv, "scale": s, "bandwidth_bps": rate_unscaled,
                    "emulated_bandwidth_bps": rate, "batch": args.batch,
                    "emulated_batch": batch_scaled, "gpu": args.gpu, "gpu_flops": gpu_rate,
-                   "iterations": args.iterations, "results": results}, f, indent=1)
+                   "iterations": args.iterations, "agent_sizes": args.agent_sizes,
+                   "results": results}, f, indent=1)
+    if baseline is not None:
+        print(compare(baseline, results), flush=True)
+    if args.record:
+        record(args, results, args.record)
+        print(f"baseline written to {args.record}", flush=True)
     png = plot(results, os.path.join(out, "speedup.png"))
     print(f"results in {out} (results.md, results.json{', speedup.png' if png else ''})",
           flush=True)
