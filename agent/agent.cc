@@ -108,6 +108,7 @@ struct Task {
   uint64_t bytes = 0;
   bool rebuild = false;                  // SFB: false sends our factors, true rebuilds the sum
   int bucket = -1;                       // a bucket's synchronisation (layer: its first member)
+  absl::Time queued_at;                  // when it entered the queue (the timeline's "queue")
   bool operator<(const Task& o) const {  // for std::priority_queue (max-heap): invert
     return priority != o.priority ? priority > o.priority : seq > o.seq;
   }
@@ -796,17 +797,20 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
                        0,
                        b.chunk.length,
                        false,
-                       st.bucket};
+                       st.bucket,
+                       absl::Time()};
       if (--b.waiting == 0) tasks.push_back(bucket_task);
     } else if (st.layout.scheme == PSD_SCHEME_SFB) {
       st.remaining = 1;
-      tasks.push_back({priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4});
+      tasks.push_back({priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4, false, -1,
+                       absl::Time()});
       ranges.push_back({st.layout.u_offset, st.k * st.m * 4});
       ranges.push_back({st.layout.v_offset, st.k * st.n * 4});
     } else {
       st.remaining = static_cast<int>(st.chunks.size());
       for (size_t c = 0; c < st.chunks.size(); ++c) {
-        tasks.push_back({priority, 0, layer, iteration, static_cast<int>(c), st.chunks[c].length});
+        tasks.push_back({priority, 0, layer, iteration, static_cast<int>(c), st.chunks[c].length,
+                         false, -1, absl::Time()});
         ranges.push_back({st.layout.grad_offset + st.chunks[c].offset, st.chunks[c].length});
       }
     }
@@ -829,10 +833,12 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
     }
     return;
   }
+  const absl::Time queued_at = absl::Now();
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
     for (auto& t : tasks) {
       t.seq = next_seq_++;
+      t.queued_at = queued_at;
       queue_.push(t);
     }
   }
@@ -879,6 +885,7 @@ void Agent::RunTask(const Task& task) {
 }
 
 void Agent::Enqueue(Task task) {
+  task.queued_at = absl::Now();
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
     task.seq = next_seq_++;
@@ -978,6 +985,9 @@ void Agent::SyncChunk(const Task& task) {
   // The pull's answer overwrites the gradient in place: the server answers only once every
   // rank's push of this clock, ours included, has been received.
   const absl::Time start = absl::Now();
+  if (timeline_) {
+    timeline_->Span("queue", task.layer, st.desc.name, task.iteration, task.queued_at, start);
+  }
   // With a server-side rule, iteration 1 carries rank 0's initial parameters (clock 0) and
   // iteration t the gradient of clock t - 1; the answer is the updated parameters.
   const bool server_rule = server_rule_.rule != 0;
@@ -1013,6 +1023,10 @@ void Agent::SendFactors(const Task& task) {
   const uint32_t me = config_.rank;
   const uint32_t world = config_.world_size;
   SfbInbox& box = inbox_.at(task.layer);
+  if (timeline_) {
+    timeline_->Span("queue", task.layer, st.desc.name, task.iteration, task.queued_at,
+                    absl::Now());
+  }
   {
     // Every peer must have registered (its PING) before it can take our factors.
     std::unique_lock<std::mutex> lock(inbox_mu_);
@@ -1110,6 +1124,10 @@ void Agent::RebuildSfb(const Task& task) {
   const int m = static_cast<int>(st.m), n = static_cast<int>(st.n), k = static_cast<int>(st.k);
   const uint64_t ku = st.k * st.m;
   const absl::Time rebuild_start = absl::Now();
+  if (timeline_) {
+    timeline_->Span("rebuild queue", task.layer, st.desc.name, task.iteration, task.queued_at,
+                    rebuild_start);
+  }
   if (st.on_device) {
     // On the GPU: one cuBLAS GEMM over every rank's factors, straight into the arena.
     DeviceStager::SfbShape shape;

@@ -469,7 +469,7 @@ def git_commit():
                               text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no",
                                 "--", "agent", "server", "transport", "common", "coordinator",
-                                "libclient", "bench"], capture_output=True, text=True,
+                                "bench/synth", "bench/cluster"], capture_output=True, text=True,
                                timeout=10).stdout.strip()
         return head, bool(dirty)
     except (OSError, subprocess.TimeoutExpired):
