@@ -436,7 +436,15 @@ class _Engine:
             # The first forward is inside no_sync(): the job accumulates gradients, which SFB
             # cannot carry (its factors are one backward's). Plan without it.
             self.allow_sfb = False
+        if self.find_unused:
+            # The graph changes between iterations (or ranks): which Linear modules ran in this
+            # rank's probe says nothing of the others', and every rank must register the same
+            # model. Plan without SFB.
+            self.allow_sfb = False
         self.register(rows)
+        # Under autocast the probe cached low-precision casts of the parameters as they were
+        # before rank 0's were broadcast into them: the real forward must cast them anew.
+        torch.clear_autocast_cache()
 
     # ---- forward -------------------------------------------------------------------------
     def before_forward(self, run):
