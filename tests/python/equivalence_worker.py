@@ -64,6 +64,12 @@ def main(out, modes=()):
     opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
     if rank == 0:
         torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
+        if opt._optimizer is not None:  # overlap_forward's per-layer steps keep their state here
+            state = opt.state_dict()["state"]
+            buffers = [state.get(i, {}).get("momentum_buffer") for i in
+                       range(len(list(model.parameters())))]
+            torch.save([None if b is None else b.cpu().clone() for b in buffers],
+                       out + ".optimizer")
         print("schemes:", ",".join(s for _, s, _ in poseidon.torch.plan_summary(opt)))
         print(f"device: {opt.device}, grad hook: {opt.grad_hook}, torch {torch.__version__}")
     poseidon.shutdown()
