@@ -15,10 +15,15 @@ statistics then follow shard 0, as DDP's broadcast_buffers makes every rank foll
 """
 import contextlib
 import math
+import os
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from train_chargpt import TinyGpt, adamw_groups  # noqa: E402  (the example's model)
 
 
 class Spec:
@@ -76,54 +81,19 @@ class ResNet18(Spec):
                 torch.randint(0, 10, (world * self.batch,), generator=g))
 
 
-class TinyGpt(nn.Module):
-    """A GPT-style decoder: token and position embeddings, pre-norm TransformerEncoderLayers with
-    a causal mask (nn.MultiheadAttention: in_proj_weight, and out_proj, whose forward never runs),
-    a final LayerNorm and an nn.Linear head on [batch, tokens, features]."""
-
-    def __init__(self, vocab, width=64, heads=4, layers=2, context=16):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Parameter(torch.zeros(1, context, width))
-        nn.init.normal_(self.pos, std=0.02)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
-                                       norm_first=True) for _ in range(layers))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-        mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos[:, :t]
-        for block in self.blocks:
-            x = block(x, src_mask=self.mask[:t, :t])
-        return self.head(self.norm(x))
-
-
-def gpt_optimizer(model, lr=3e-3, weight_decay=0.1):
-    """AdamW with parameter groups: decay on matrices, none on biases, norms and embeddings."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and "tok" not in name and "pos" not in name else no_decay).append(p)
-    return torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay),
-                              dict(params=no_decay, weight_decay=0.0)], lr=lr, betas=(0.9, 0.95))
-
-
 class Gpt(Spec):
-    """TinyGpt with AdamW parameter groups and clip_grad_norm_ (which clips on every step here:
-    the gradient norm starts near 3 and stays above 0.5)."""
+    """examples/train_chargpt.py's TinyGpt, AdamW with parameter groups and clip_grad_norm_
+    (which clips on every step here: the gradient norm starts near 3 and stays above 0.5)."""
     name, batch, steps, clip = "gpt", 4, 20, 0.5
     vocab, context = 48, 16
     tolerance = 2e-4  # Adam divides by sqrt(v): rounding differences grow step by step
 
     def model(self, seed):
         torch.manual_seed(seed)
-        return TinyGpt(self.vocab, context=self.context)
+        return TinyGpt(self.vocab, width=64, heads=4, layers=2, context=self.context, ff=128)
 
     def optimizer(self, model):
-        return gpt_optimizer(model)
+        return adamw_groups(model, lr=3e-3)
 
     def data(self, step, world):
         g = _gen(step, 2)
