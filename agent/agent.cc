@@ -143,11 +143,17 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void FormBuckets();
   void AttachCuda();
   void Worker();
-  void RunTask(const Task& task);
-  void SyncChunk(const Task& task);
+  // Runs a task the scheduler started; false when its credit is returned later (asynchronously,
+  // by ReleaseCredit), true when the caller returns it now.
+  bool RunTask(const Task& task);
+  bool SyncChunk(const Task& task);
+  void ReleaseCredit(uint64_t bytes);
   void SendFactors(const Task& task);
   void RebuildSfb(const Task& task);
-  void MaybeRebuildLocked(uint32_t layer, uint64_t iteration);
+  // With inbox_mu_ held: the rebuild task once our sends are out and every peer's factors are
+  // in (at most once per iteration); StartRebuild runs it, after inbox_mu_ is released.
+  std::optional<Task> MaybeRebuildLocked(uint32_t layer, uint64_t iteration);
+  void StartRebuild(const Task& task);
   void CheckSfbDeadlines();
   void Enqueue(Task task);
   void TaskFinished(const Task& task, const absl::Status& status);
@@ -842,46 +848,61 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
       queue_.push(t);
     }
   }
-  queue_cv_.notify_all();
+  if (tasks.size() == 1) {
+    queue_cv_.notify_one();
+  } else if (!tasks.empty()) {
+    queue_cv_.notify_all();
+  }
 }
 
+// Wake-ups: one sync thread per task that can start (notify_one), never all of them: with eight
+// threads per agent and several agents on a machine, waking every thread for every layer costs
+// more CPU than the layer's synchronisation. A thread that takes a task wakes the next one when
+// another task can start too; returned credit wakes one.
 void Agent::Worker() {
+  auto fits = [&] {  // with queue_mu_ held
+    // Credit: a task goes when it fits, or when nothing else is in flight.
+    return !queue_.empty() && (in_flight_bytes_ == 0 ||
+                               in_flight_bytes_ + queue_.top().bytes <= config_.credit_bytes);
+  };
   while (true) {
     Task task;
+    bool more = false;
     {
       std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [&] {
-        if (stopping_) return true;
-        if (queue_.empty()) return false;
-        // Credit: a task goes when it fits, or when nothing else is in flight.
-        return in_flight_bytes_ == 0 ||
-               in_flight_bytes_ + queue_.top().bytes <= config_.credit_bytes;
-      });
+      queue_cv_.wait(lock, [&] { return stopping_ || fits(); });
       if (stopping_) return;
       task = queue_.top();
       queue_.pop();
       in_flight_bytes_ += task.bytes;
       queue_depth_->Set(static_cast<double>(queue_.size()));
       credit_in_use_->Set(static_cast<double>(in_flight_bytes_));
+      more = fits();
     }
-    RunTask(task);
-    {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      in_flight_bytes_ -= task.bytes;
-      credit_in_use_->Set(static_cast<double>(in_flight_bytes_));
-    }
-    queue_cv_.notify_all();
+    if (more) queue_cv_.notify_one();
+    if (RunTask(task)) ReleaseCredit(task.bytes);
   }
 }
 
-void Agent::RunTask(const Task& task) {
-  if (task.chunk >= 0) {
-    SyncChunk(task);
-  } else if (!task.rebuild) {
+void Agent::ReleaseCredit(uint64_t bytes) {
+  bool waiting;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    in_flight_bytes_ -= bytes;
+    credit_in_use_->Set(static_cast<double>(in_flight_bytes_));
+    waiting = !queue_.empty();
+  }
+  if (waiting) queue_cv_.notify_one();
+}
+
+bool Agent::RunTask(const Task& task) {
+  if (task.chunk >= 0) return SyncChunk(task);
+  if (!task.rebuild) {
     SendFactors(task);
   } else {
     RebuildSfb(task);
   }
+  return true;
 }
 
 void Agent::Enqueue(Task task) {
@@ -891,7 +912,7 @@ void Agent::Enqueue(Task task) {
     task.seq = next_seq_++;
     queue_.push(task);
   }
-  queue_cv_.notify_all();
+  queue_cv_.notify_one();
 }
 
 void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
@@ -970,11 +991,13 @@ void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
   }
 }
 
-// A PS chunk: push our gradient and pull the clock's sum into the same buffer. The worker waits
-// only for the server to take our push (that is what the credit limits); the pull completes
-// asynchronously, since it needs every other rank's push too. Holding a thread on it could
-// deadlock two agents whose threads all wait on each other's next pushes.
-void Agent::SyncChunk(const Task& task) {
+// A PS chunk: push our gradient and pull the clock's sum into the same buffer. Both complete
+// asynchronously on the transport's threads: the credit (bytes in flight) is returned when the
+// server has taken our push, the layer completes with the pull, which needs every other rank's
+// push too. No sync thread waits on the network (a thread held on a pull could deadlock two
+// agents whose threads all wait on each other's next pushes; one held on the push acknowledgement
+// costs a thread wake-up per chunk on the critical path of a small layer).
+bool Agent::SyncChunk(const Task& task) {
   const LayerState& st = layers_[task.layer];
   // A bucket's chunk is relative to its first member's gradient, which task.layer is.
   const PsChunk& c = task.bucket >= 0 ? buckets_[static_cast<size_t>(task.bucket)].chunk
@@ -1006,14 +1029,19 @@ void Agent::SyncChunk(const Task& task) {
     }
     self->TaskFinished(task, s);
   });
-  const absl::Status pushed = push ? kv.Wait(*push, config_.sync_timeout) : absl::OkStatus();
-  if (pushed.ok() && push_bytes_[c.server]) push_bytes_[c.server]->Increment(c.length);
-  if (pushed.ok() && push && telemetry_) telemetry_->AddServerBytes(c.server, c.length, 0);
-  if (!pushed.ok()) {
-    // The pull fails too (the server never gets our push); say why now.
-    PSD_LOG_ERROR("layer {} ({}) clock {}: {}", task.layer, st.desc.name, task.iteration,
-                  pushed.message());
-  }
+  if (!push) return true;  // nothing in flight: the caller returns the credit
+  kv.OnDone(*push, [self = shared_from_this(), task, server = c.server,
+                    bytes = c.length](absl::Status pushed) {
+    if (pushed.ok() && self->push_bytes_[server]) self->push_bytes_[server]->Increment(bytes);
+    if (pushed.ok() && self->telemetry_) self->telemetry_->AddServerBytes(server, bytes, 0);
+    if (!pushed.ok()) {
+      // The pull fails too (the server never gets our push); say why now.
+      PSD_LOG_ERROR("layer {} ({}) clock {}: {}", task.layer, self->layers_[task.layer].desc.name,
+                    task.iteration, pushed.message());
+    }
+    self->ReleaseCredit(task.bytes);
+  });
+  return false;
 }
 
 // SFB, first half: broadcast our factors (straight from shared memory) to every other agent.
@@ -1027,6 +1055,7 @@ void Agent::SendFactors(const Task& task) {
     timeline_->Span("queue", task.layer, st.desc.name, task.iteration, task.queued_at,
                     absl::Now());
   }
+  std::optional<Task> rebuild;
   {
     // Every peer must have registered (its PING) before it can take our factors.
     std::unique_lock<std::mutex> lock(inbox_mu_);
@@ -1054,7 +1083,7 @@ void Agent::SendFactors(const Task& task) {
     box.sends_pending = static_cast<int>(world) - 1;
     box.send_error = absl::OkStatus();
     box.started = absl::Now();
-    MaybeRebuildLocked(task.layer, task.iteration);  // world == 1: nothing to wait for
+    rebuild = MaybeRebuildLocked(task.layer, task.iteration);  // world == 1: nothing to wait for
   }
   const float* u = shm_->FactorU(task.layer);
   const float* v = shm_->FactorV(task.layer);
@@ -1074,27 +1103,32 @@ void Agent::SendFactors(const Task& task) {
     peers_[p]->Send(
         h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
         [self = shared_from_this(), layer = task.layer, it = task.iteration, p](absl::Status s) {
-          std::lock_guard<std::mutex> lock(self->inbox_mu_);
-          SfbInbox& b = self->inbox_.at(layer);
-          if (b.sent != it) return;
-          --b.sends_pending;
-          if (!s.ok() && b.send_error.ok()) {
-            b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
+          std::optional<Task> ready;
+          {
+            std::lock_guard<std::mutex> lock(self->inbox_mu_);
+            SfbInbox& b = self->inbox_.at(layer);
+            if (b.sent != it) return;
+            --b.sends_pending;
+            if (!s.ok() && b.send_error.ok()) {
+              b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
+            }
+            ready = self->MaybeRebuildLocked(layer, it);
           }
-          self->MaybeRebuildLocked(layer, it);
+          if (ready) self->StartRebuild(*ready);
         });
   }
+  if (rebuild) StartRebuild(*rebuild);
 }
 
-void Agent::MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
+std::optional<Task> Agent::MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
   SfbInbox& box = inbox_.at(layer);
   if (box.sent != iteration || box.sends_pending > 0 || box.rebuild_queued == iteration ||
       box.finished == iteration) {
-    return;
+    return std::nullopt;
   }
   const int slot = static_cast<int>(iteration % 2);
   for (uint32_t p = 0; p < config_.world_size; ++p) {
-    if (p != config_.rank && box.tag[slot][p] != iteration) return;
+    if (p != config_.rank && box.tag[slot][p] != iteration) return std::nullopt;
   }
   box.rebuild_queued = iteration;
   Task t;
@@ -1103,7 +1137,22 @@ void Agent::MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
   t.iteration = iteration;
   t.rebuild = true;
   t.bytes = 0;  // computation, not network: never held back by the credit
-  Enqueue(t);
+  t.queued_at = absl::Now();
+  return t;
+}
+
+// A small host rebuild (at most kInlineRebuildMacs multiply-adds: ~1 ms on one core) runs at
+// once on the thread that completed its inputs (the last factors' receive or our last send):
+// handing it to a sync thread costs a wake-up, which on a loaded machine is longer than the GEMMs.
+// Larger ones, and the GPU's, go through the queue in priority order.
+void Agent::StartRebuild(const Task& task) {
+  constexpr uint64_t kInlineRebuildMacs = uint64_t{1} << 22;
+  const LayerState& st = layers_[task.layer];
+  if (!st.on_device && st.k * st.m * st.n * config_.world_size <= kInlineRebuildMacs) {
+    RebuildSfb(task);
+  } else {
+    Enqueue(task);
+  }
 }
 
 // SFB, second half: sum_p U_p^T V_p (M x N, row-major) into the gradient buffer, ranks in order.
@@ -1405,14 +1454,16 @@ void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const F
                    from, s.message());
     }
   }
+  std::optional<Task> rebuild;
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
     inbox_.at(layer).tag[h.clock % 2][from] = h.clock;
     sfb_received_bytes_->Increment(static_cast<double>(h.payload_length));
     if (telemetry_) telemetry_->AddPeerBytes(peer->identity().rank, 0, h.payload_length);
-    MaybeRebuildLocked(static_cast<uint32_t>(h.key), h.clock);
+    rebuild = MaybeRebuildLocked(static_cast<uint32_t>(h.key), h.clock);
   }
   inbox_cv_.notify_all();
+  if (rebuild) StartRebuild(*rebuild);
 }
 
 }  // namespace
