@@ -166,6 +166,32 @@ class Zoo(ZooTest):
         self.check("bf16-params", 4, "sfb", expect=["fc2.weight=SFB"])
 
 
+@unittest.skipUnless(torch.cuda.is_available(),
+                     "needs a CUDA device: torch.cuda.is_available() is False")
+class CudaZoo(ZooTest):
+    """The DDP contract on cuda:0 (2 ranks share the GPU): the end-of-backward callback's waits on
+    the current stream, the probe with CUDA tensors, SFB on 3-D inputs, no_sync and unused
+    parameters, against one process on the same GPU."""
+
+    def check_cuda(self, model, scheme, expect=()):
+        spec = zoo.SPECS[model]
+        with tempfile.TemporaryDirectory() as tmp:
+            got, out = self.poseidon(model, 2, scheme, tmp, extra=["--device", "cuda:0"])
+        for text in expect:
+            self.assertIn(text, out)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        want = zoo.state(zoo.reference(spec, 2, device="cuda:0"))
+        err, where = zoo.difference(got, want)
+        self.assertLessEqual(err, max(spec.tolerance, 1e-4), f"{model} on CUDA: {err:.2e} at {where}")
+
+    def test_cuda_gpt_sfb(self):
+        self.check_cuda("gpt", "sfb", expect=["head.weight=SFB", "clipped on 20 of 20"])
+
+    def test_cuda_accumulate_and_branch(self):
+        self.check_cuda("accumulate", "auto")
+        self.check_cuda("branch", "ps")
+
+
 class Planning(ZooTest):
     def test_k_is_the_rows_of_the_flattened_input(self):
         # 4 sequences x 256 tokens = 1,024 rows per worker: SFB would move 2*1024*(P-1)*(M+N)

@@ -267,7 +267,8 @@ def train(spec, model, wrapped, opt, rank, world, steps=None, on_step=None, star
     steps = spec.steps if steps is None else steps
     k = spec.batch
     for step in range(start, steps):
-        xg, yg = spec.data(step, world)
+        device = next(model.parameters()).device
+        xg, yg = (t.to(device) for t in spec.data(step, world))
         x, y = xg[rank * k:(rank + 1) * k], yg[rank * k:(rank + 1) * k]
         before = ({n: t.detach().clone() for n, t in model.state_dict().items()}
                   if on_backward else None)
@@ -290,13 +291,13 @@ def train(spec, model, wrapped, opt, rank, world, steps=None, on_step=None, star
             on_step(step, norm)
 
 
-def reference(spec, world, steps=None, seed=0):
+def reference(spec, world, steps=None, seed=0, device="cpu"):
     """One process on the whole global batch (see the module doc); returns the model."""
-    model = spec.model(seed)
+    model = spec.model(seed).to(device)
     opt = spec.optimizer(model)
     steps = spec.steps if steps is None else steps
     for step in range(steps):
-        x, y = spec.data(step, world)
+        x, y = (t.to(device) for t in spec.data(step, world))
         opt.zero_grad(set_to_none=True)
         _backward(spec, model, x, y, step, world)
         if spec.clip is not None:
@@ -329,7 +330,7 @@ def _backward(spec, model, x, y, step, world):
 def gradient_error(spec, model, before, x, y, step, world):
     """Teacher forcing: the largest relative difference (to each tensor's norm) between
     `model`'s averaged gradients and one process's on the same parameters and global batch."""
-    ref = spec.model(0)
+    ref = spec.model(0).to(x.device)
     ref.load_state_dict(before)
     _backward(spec, ref, x, y, step, world)
     worst, where = 0.0, None

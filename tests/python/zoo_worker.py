@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """One training run of a zoo model (tests/python/zoo.py), written to OUT by rank 0.
 
-    zoo_worker.py poseidon MODEL OUT [STEPS] [--save CKPT | --resume CKPT]   # under poseidon run
+    zoo_worker.py poseidon MODEL OUT [STEPS] [--save CKPT | --resume CKPT] [--device cuda:0]
     zoo_worker.py ddp MODEL OUT WORLD PORT [STEPS]   # torch DDP over gloo, WORLD processes
 
 Poseidon's run uses the two-line change a DDP script needs: poseidon.init() instead of
@@ -67,12 +67,14 @@ def run_poseidon(args):
     spec = zoo.SPECS[args.model]
     poseidon.init()
     rank, world = poseidon.rank(), poseidon.size()
-    model = spec.model(seed=rank)
+    model = spec.model(seed=rank).to(args.device)
+    if args.device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False  # (the default) full float32 matmuls
     ddp = poseidon.torch.DistributedDataParallel(model, **spec.ddp_kwargs)
     opt = spec.optimizer(model)
     start = 0
     if args.resume:
-        ckpt = torch.load(args.resume)
+        ckpt = torch.load(args.resume, map_location=args.device)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         start = ckpt["step"]
@@ -118,6 +120,7 @@ if __name__ == "__main__":
         ap.add_argument("steps", type=int, nargs="?")
         ap.add_argument("--save")
         ap.add_argument("--resume")
+        ap.add_argument("--device", default="cpu")
         run_poseidon(ap.parse_args())
     else:
         name, out, world, port = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
