@@ -36,6 +36,8 @@ step gpu_e2e 100 "$B/tests/agent_e2e_test" --gtest_filter='*Gpu*:CAbi.*'
 step cuda_bench 90 "$B/bench/cuda_bench"
 step pytorch_cuda 180 env PYTHONPATH=libclient/python POSEIDON_BUILD_DIR="$B" \
   python3 tests/python/test_pytorch.py -v ${PYTORCH_TESTS:-Cuda}
+step pytorch_cuda_zoo 180 env PYTHONPATH=libclient/python POSEIDON_BUILD_DIR="$B" \
+  python3 tests/python/test_zoo.py -v CudaZoo
 step iteration_split 100 python3 bench/cuda/iteration_split.py --build "$B" --model vgg16 --workers 2
 step iteration_split_ps 100 python3 bench/cuda/iteration_split.py --build "$B" --model vgg16 --workers 2 --scheme ps
 step launcher_coordinator_gpu 45 env PYTHONPATH=libclient/python POSEIDON_BUILD_DIR="$B" \
