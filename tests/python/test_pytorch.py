@@ -268,6 +268,24 @@ class Launcher(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("agent 1 died", r.stderr)
 
+    def test_no_secret_on_any_command_line(self):
+        # /proc/<pid>/cmdline is world-readable: the launcher hands secrets over in the daemons'
+        # environments (readable by their owner only), and the rank sees none of them.
+        code = ("import os, poseidon; poseidon.init(); "
+                "job = os.environ['POSEIDON_SEGMENT'].split('-')[1]; "
+                "argvs = [open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0') "
+                "for p in os.listdir('/proc') if p.isdigit()]; "
+                "mine = [[a.decode() for a in v] for v in argvs if v and "
+                "os.path.basename(v[0]).startswith(b'poseidon-') and f'--job_id={job}'.encode() in v]; "
+                "print('daemons:', len(mine)); "
+                "print('leaks:', [v for v in mine if any('secret' in a or 'token' in a for a in v)]); "
+                "print('rank env:', sorted(k for k in os.environ if 'SECRET' in k or 'TOKEN' in k))")
+        r = launch(["-n", "2", "--", PY, "-c", code], timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("[rank 0] daemons: 4", r.stdout)  # coordinator, server, 2 agents
+        self.assertIn("[rank 0] leaks: []", r.stdout)
+        self.assertIn("[rank 0] rank env: []", r.stdout)
+
     def test_no_command_is_a_usage_error(self):
         r = launch(["-n", "2"])
         self.assertNotEqual(r.returncode, 0)

@@ -124,7 +124,15 @@ def main(argv=None):
         ap.error("several nodes share one cluster: give its --coordinator (and --token, --job)")
     world = args.nodes * args.workers
     first_rank = args.node_rank * args.workers
-    secret = args.token if joining else secrets.token_hex(16)
+    # Secrets travel in the daemons' environments (POSEIDON_<FLAG>, readable by the owner only),
+    # never on command lines (/proc/<pid>/cmdline is world-readable). A local cluster has one
+    # token for the control plane and another secret for the data plane; joining, the data-plane
+    # secret is $POSEIDON_SECRET, else the token (the servers' job secret on that cluster).
+    token = args.token if joining else secrets.token_hex(16)
+    secret = os.environ.get("POSEIDON_SECRET") or token if joining else secrets.token_hex(16)
+
+    def env_with(**values):
+        return dict(os.environ, **{f"POSEIDON_{k.upper()}": v for k, v in values.items()})
     job = args.job if joining else os.getpid()
     procs = []
     failed = None
@@ -166,15 +174,16 @@ def main(argv=None):
             # A whole local cluster: the coordinator, then the servers registering with it.
             coord_bin = find_binary("poseidon-coordinator", "coordinator")
             p = Proc("coordinator", [coord_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
-                                     f"--job_token={secret}", f"--min_servers={args.servers}",
-                                     f"--bandwidth={args.bandwidth}", "--log_level=warn"])
+                                     f"--min_servers={args.servers}",
+                                     f"--bandwidth={args.bandwidth}", "--log_level=warn"],
+                     env=env_with(job_token=token))
             procs.append(p)
             servers.append(p)
             coordinator = address_of(p)
             for s in range(args.servers):
                 p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
-                                         f"--job_secret={secret}", f"--coordinator={coordinator}",
-                                         f"--coordinator_token={secret}", "--log_level=warn"])
+                                         f"--coordinator={coordinator}", "--log_level=warn"],
+                         env=env_with(job_secret=secret, coordinator_token=token))
                 procs.append(p)
                 servers.append(p)
             for p in servers[1:]:
@@ -184,13 +193,13 @@ def main(argv=None):
             r = first_rank + local
             segment = f"/poseidon-{job}-{r}"
             segments.append(segment)
-            p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--secret={secret}", f"--rank={r}",
+            p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--rank={r}",
                                     f"--world_size={world}", f"--coordinator={coordinator}",
-                                    f"--coordinator_token={secret}",
                                     f"--listen={args.listen_host}:0",
                                     f"--scheme={args.scheme}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
-                                    "--log_level=warn"], watch="poseidon-agent ready")
+                                    "--log_level=warn"], watch="poseidon-agent ready",
+                     env=env_with(secret=secret, coordinator_token=token))
             procs.append(p)
             agents.append((p, segment))
         for p, _ in agents:
