@@ -1,7 +1,7 @@
 #!/bin/bash
 # Checks deploy/systemd/*.service with `systemd-analyze verify`: syntax, known options, and that
 # ExecStart names an executable. ExecStart is rewritten to stub executables in a temp dir (the
-# units point at /usr/local/bin, which need not exist here). Exit 77 (skip) without systemd-analyze.
+# units point at /usr/bin, where the packages install them). Exit 77 (skip) without systemd-analyze.
 set -euo pipefail
 
 units_dir=${1:?usage: systemd_verify_test.sh DEPLOY_SYSTEMD_DIR}
@@ -23,8 +23,8 @@ count=0
 for unit in "$units_dir"/*.service; do
   name=$(basename "$unit")
   count=$((count + 1))
-  if ! grep -q '^ExecStart=/usr/local/bin/poseidon-' "$unit"; then
-    echo "FAIL: $name: ExecStart does not run /usr/local/bin/poseidon-*"
+  if ! grep -q '^ExecStart=/usr/bin/poseidon-' "$unit"; then
+    echo "FAIL: $name: ExecStart does not run /usr/bin/poseidon-*"
     fail=1
   fi
   for key in ProtectSystem=strict ProtectHome=yes PrivateTmp=yes NoNewPrivileges=yes \
@@ -34,7 +34,7 @@ for unit in "$units_dir"/*.service; do
       fail=1
     fi
   done
-  sed "s|/usr/local/bin/|$tmp/bin/|" "$unit" > "$tmp/units/$name"
+  sed "s|/usr/bin/|$tmp/bin/|" "$unit" > "$tmp/units/$name"
 done
 if ! grep -q '^ReadWritePaths=/dev/shm' "$units_dir/poseidon-agent@.service"; then
   echo "FAIL: poseidon-agent@.service: the agent needs ReadWritePaths=/dev/shm"

@@ -1,7 +1,8 @@
 """ctypes bindings to libposeidon (libclient/include/poseidon/poseidon.h).
 
 The library is found through $POSEIDON_LIB, else next to this package in a build tree
-(<build>/libclient/python/libposeidon.so), else by the loader's search path.
+(<build>/libclient/python/libposeidon.so), else by the loader's search path (libposeidon.so.1, as
+the libposeidon1 package installs it).
 """
 import ctypes
 import os
@@ -67,7 +68,7 @@ def _find_library():
     for c in candidates:
         if os.path.exists(c):
             return c
-    return "libposeidon.so"
+    return "libposeidon.so.1"  # installed (libposeidon1): the loader's search path
 
 
 _lib = None

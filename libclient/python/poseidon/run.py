@@ -32,6 +32,10 @@ def find_binary(name, subdir):
         path = os.path.join(d, name)
         if os.access(path, os.X_OK):
             return path
+    import shutil
+    installed = shutil.which(name)  # the packages' /usr/bin
+    if installed:
+        return installed
     sys.exit(f"poseidon run: cannot find {name} (build with ./scripts/demo.sh, or set "
              "POSEIDON_BUILD_DIR / POSEIDON_BIN_DIR)")
 
