@@ -274,6 +274,18 @@ int Main(int argc, char** argv) {
       absl::SleepFor(absl::Milliseconds(500));
     }
   });
+  // Every exit path from here on (a failed registration too) stops and joins the metrics thread:
+  // a joinable std::thread destroyed on return would abort the process (exit 134).
+  struct StopOnExit {
+    std::atomic<bool>& stop;
+    std::thread& thread;
+    std::shared_ptr<transport::FrameServer>& server;
+    ~StopOnExit() {
+      stop = true;
+      if (thread.joinable()) thread.join();
+      server->Stop();
+    }
+  } stop_on_exit{stop_metrics, metrics_thread, server};
 
   // Join the coordinator's registry so agents learn this server from their plan.
   std::unique_ptr<coordinator::CoordinatorClient> coord;

@@ -241,5 +241,19 @@ TEST_F(ServerProcessTest, BadConfigurationIsRefusedWithAClearMessage) {
   }
 }
 
+TEST_F(ServerProcessTest, AFailedRegistrationWithTheCoordinatorIsOneLineAndExitCode2) {
+  // Nothing listens on port 1: the registration fails at once. It used to abort (exit 134,
+  // "terminate called without an active exception": the metrics thread was never joined).
+  Subprocess p({POSEIDON_SERVER_BIN, "--listen=127.0.0.1:0", "--job_id=1", "--job_secret=x",
+                "--coordinator=127.0.0.1:1", "--coordinator_token=t", "--log_level=warn"},
+               /*merge_stderr=*/true);
+  const std::string out = p.ReadAll(milliseconds(30000));
+  EXPECT_EQ(p.Wait(milliseconds(20000)), 2) << out;
+  EXPECT_NE(out.find("refusing to start: registering with the coordinator 127.0.0.1:1"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+}
+
 }  // namespace
 }  // namespace poseidon::testing
