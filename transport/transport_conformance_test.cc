@@ -201,6 +201,55 @@ TEST_P(TransportConformance, ConcurrentSendersNeverInterleaveFrames) {
   EXPECT_EQ(failures.load(), 0);
 }
 
+// Small and large frames from two threads into a peer that reads only once everything is sent:
+// the socket buffers fill up, so small frames are cut by partial writes and large ones queue
+// behind them (TCP: the direct write of small frames and its hand-over to the I/O thread).
+TEST_P(TransportConformance, FramesIntoAPeerThatIsNotReadingArriveIntactAndInOrder) {
+  auto conns = Pair();
+  auto client = conns.first;
+  auto server = conns.second;
+  ASSERT_TRUE(client && server);
+  constexpr int kThreads = 2, kFrames = 300;  // ~20 MB: more than the socket buffers hold
+  std::vector<std::vector<std::vector<std::byte>>> data(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kFrames; ++i) {
+      const size_t size = i > kFrames / 2 && i % 10 == 9 ? 200000 : 1000 + (i * 7919) % 64000;
+      data[t].push_back(Pattern(size, t * 1000 + i));
+    }
+  }
+  std::atomic<int> failures{0}, completed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kFrames; ++i) {
+        FrameHeader h = DataHeader(t * 1000 + i, data[t][i].size());
+        h.sender_rank = t;
+        client->Send(h, {data[t][i]}, [&](absl::Status s) {
+          if (!s.ok()) ++failures;
+          ++completed;
+        });
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  std::vector<int> next(kThreads, 0);
+  for (int n = 0; n < kThreads * kFrames; ++n) {
+    auto frame = SyncReadFrame(*server);
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    const int t = static_cast<int>(frame->header.sender_rank);
+    ASSERT_LT(t, kThreads);
+    const int i = next[t]++;
+    ASSERT_EQ(frame->header.key, static_cast<uint64_t>(t * 1000 + i)) << "order of thread " << t;
+    ASSERT_EQ(frame->payload, data[t][i]) << "frame " << i << " of thread " << t;
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (completed.load() < kThreads * kFrames && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(completed.load(), kThreads * kFrames);
+  EXPECT_EQ(failures.load(), 0);
+}
+
 TEST_P(TransportConformance, SendRejectsALengthThatDoesNotMatchTheBuffers) {
   auto conns = Pair();
   auto client = conns.first;
