@@ -1,6 +1,7 @@
 #include "agent/agent.h"
 
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -395,10 +396,13 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
         "--listen must name a host the peers can reach (host:port, or host:0 for any port)");
   }
   ASSIGN_OR_RETURN(
-      coord_, coordinator::CoordinatorClient::Connect(
-                  config_.coordinator, absl::StrCat(config_.job_id), config_.coordinator_token));
+      coord_, coordinator::CoordinatorClient::Connect(config_.coordinator,
+                                                      absl::StrCat(config_.job_id),
+                                                      config_.coordinator_token,
+                                                      config_.coordinator_tls));
   coordinator::AgentRegistration reg;
-  reg.host = "localhost";
+  char host[256] = {};
+  reg.host = gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "unknown-host";
   reg.gpu_index = config_.rank;
   reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, listen));
   reg.world_size = config_.world_size;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "coordinator/tls.h"
 
 namespace poseidon::agent {
 
@@ -43,6 +44,7 @@ struct AgentConfig {
   // registration); `listen` must then be a concrete address the peers can reach.
   std::string coordinator;
   std::string coordinator_token;
+  coordinator::ClientTlsOptions coordinator_tls;  // the coordinator_tls* settings
   // Observability: Prometheus /metrics address (empty: not served), Chrome-trace timeline file
   // (empty: off), and how long a layer may take before the stall detector reports what it waits
   // for.

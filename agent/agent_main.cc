@@ -33,6 +33,11 @@ struct Flags {
   std::string log_level = "info";
   std::string coordinator;
   std::string coordinator_token;
+  bool coordinator_tls = false;
+  std::string coordinator_tls_ca;
+  std::string coordinator_tls_cert;
+  std::string coordinator_tls_key;
+  std::string coordinator_tls_server_name;
   std::string metrics_listen;
   std::string timeline;
   absl::Duration stall_timeout = absl::Seconds(10);
@@ -88,6 +93,7 @@ poseidon::ConfigSchema<Flags> Schema() {
           })
       .Field("log_level", &Flags::log_level, "trace, debug, info, warn, error",
              poseidon::OneOf({"trace", "debug", "info", "warn", "error"}));
+  poseidon::coordinator::AddCoordinatorTlsFields(s);
   return s;
 }
 
@@ -127,6 +133,7 @@ int main(int argc, char** argv) {
   c.connect_timeout = f.connect_timeout;
   c.coordinator = f.coordinator;
   c.coordinator_token = f.coordinator_token;
+  c.coordinator_tls = poseidon::coordinator::CoordinatorTls(f);
   c.metrics_listen = f.metrics_listen;
   c.timeline = f.timeline;
   c.stall_timeout = f.stall_timeout;

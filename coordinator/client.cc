@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
   if (options.address.empty()) {
     return absl::InvalidArgumentError("coordinator address is empty");
   }
+  RouteGrpcLogs();
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    MakeChannelCredentials(options.tls));
   grpc::ChannelArguments args;

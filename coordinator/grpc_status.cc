@@ -1,6 +1,11 @@
 #include "coordinator/grpc_status.h"
 
+#include <grpc/support/log.h>
+
+#include <mutex>
 #include <string>
+
+#include "common/log.h"
 
 namespace poseidon::coordinator {
 
@@ -22,6 +27,16 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
           ? static_cast<absl::StatusCode>(code)
           : absl::StatusCode::kUnknown;
   return absl::Status(absl_code, status.error_message());
+}
+
+void RouteGrpcLogs() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    gpr_set_log_function([](gpr_log_func_args* args) {
+      PSD_LOG_DEBUG("grpc {}:{}: {}", args->file ? args->file : "?", args->line,
+                    args->message ? args->message : "");
+    });
+  });
 }
 
 }  // namespace poseidon::coordinator

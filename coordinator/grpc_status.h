@@ -14,4 +14,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // The same code and message; a code outside Abseil's range becomes kUnknown.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+// gRPC's own log lines (its C core writes them to stderr) go to this process's log at debug
+// level instead: every failure a daemon reports is one line of its own, with gRPC's reason in
+// it. Idempotent; called by the coordinator client and server before they create a channel.
+void RouteGrpcLogs();
+
 }  // namespace poseidon::coordinator

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "coordinator/grpc_status.h"
 #include "coordinator/validate.h"
 #include "grpcpp/server_builder.h"
 
@@ -25,6 +26,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->service_ =
       std::make_unique<CoordinatorService>(std::move(tokens), std::move(options.service));
 
+  RouteGrpcLogs();
   grpc::ServerBuilder builder;
   // Two coordinators must not share a port silently.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

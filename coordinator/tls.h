@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/config.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 
@@ -38,6 +39,34 @@ struct ClientTlsOptions {
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientTlsOptions& options);
+
+// The settings of a daemon's TLS client to the coordinator, the same in every daemon that calls
+// it (poseidon-server, poseidon-agent): coordinator_tls, coordinator_tls_ca, coordinator_tls_cert,
+// coordinator_tls_key, coordinator_tls_server_name (env POSEIDON_COORDINATOR_TLS_CA, ...). T has
+// members of those names (bool, then strings).
+template <typename T>
+void AddCoordinatorTlsFields(ConfigSchema<T>& s) {
+  s.Field("coordinator_tls", &T::coordinator_tls,
+          "reach the coordinator over TLS (implied by coordinator_tls_ca)")
+      .Field("coordinator_tls_ca", &T::coordinator_tls_ca,
+             "PEM CA of the coordinator's certificate (empty: the system's roots)")
+      .Field("coordinator_tls_cert", &T::coordinator_tls_cert,
+             "client certificate, for a coordinator that requires one (mutual TLS)")
+      .Field("coordinator_tls_key", &T::coordinator_tls_key, "the client certificate's key")
+      .Field("coordinator_tls_server_name", &T::coordinator_tls_server_name,
+             "the name to verify in the coordinator's certificate, if not its address's host");
+}
+
+template <typename T>
+ClientTlsOptions CoordinatorTls(const T& c) {
+  ClientTlsOptions tls;
+  tls.enabled = c.coordinator_tls || !c.coordinator_tls_ca.empty();
+  tls.ca_file = c.coordinator_tls_ca;
+  tls.cert_file = c.coordinator_tls_cert;
+  tls.key_file = c.coordinator_tls_key;
+  tls.server_name = c.coordinator_tls_server_name;
+  return tls;
+}
 
 // The contents of a PEM file (at most 1 MiB, must contain "-----BEGIN "); `what` names it in
 // errors.

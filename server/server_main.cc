@@ -3,6 +3,7 @@
 // SIGTERM/SIGINT finish the clock in flight, write checkpoints if configured, and exit 0.
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <fstream>
@@ -47,6 +48,11 @@ struct ServerConfig {
   std::string coordinator_token;
   std::string advertise;
   absl::Duration telemetry_interval = absl::Seconds(5);
+  bool coordinator_tls = false;
+  std::string coordinator_tls_ca;
+  std::string coordinator_tls_cert;
+  std::string coordinator_tls_key;
+  std::string coordinator_tls_server_name;
 };
 
 ConfigSchema<ServerConfig> Schema() {
@@ -93,6 +99,7 @@ ConfigSchema<ServerConfig> Schema() {
           })
       .Field("log_level", &ServerConfig::log_level, "trace, debug, info, warn, error",
              OneOf({"trace", "debug", "info", "warn", "error"}));
+  coordinator::AddCoordinatorTlsFields(s);
   return s;
 }
 
@@ -293,13 +300,15 @@ int Main(int argc, char** argv) {
   std::unique_ptr<ServerTelemetry> telemetry;
   if (!config.coordinator.empty()) {
     auto client = coordinator::CoordinatorClient::Connect(
-        config.coordinator, absl::StrCat(config.job_id), config.coordinator_token);
+        config.coordinator, absl::StrCat(config.job_id), config.coordinator_token,
+        coordinator::CoordinatorTls(config));
     if (!client.ok()) {
       PSD_LOG_ERROR("refusing to start: coordinator: {}", client.status().message());
       return 2;
     }
     coordinator::ServerRegistration reg;
-    reg.host = "localhost";
+    char host[256] = {};
+    reg.host = gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "unknown-host";
     const std::string advertise = config.advertise.empty() ? server->Address() : config.advertise;
     reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, advertise));
     if (auto r = (*client)->RegisterServer(reg); !r.ok()) {
