@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "transport/checksum.h"
@@ -235,8 +237,18 @@ absl::StatusOr<std::vector<JobSnapshot>> LoadCheckpoints(const std::string& dir)
   std::sort(names.begin(), names.end());
   for (const auto& name : names) {
     if (!absl::StartsWith(name, "job-")) continue;
-    if (absl::StrContains(name, ".tmp.")) {
-      PSD_LOG_WARN("ignoring {}/{}: an interrupted checkpoint write", dir, name);
+    if (const size_t at = name.find(".tmp."); at != std::string::npos) {
+      // <checkpoint>.tmp.<pid of the writer>: a save that was killed midway leaves it. Removed
+      // once its writer is gone (a live writer, e.g. a second server on the directory, keeps it).
+      int pid = 0;
+      const bool parsed = absl::SimpleAtoi(name.substr(at + 5), &pid) && pid > 0;
+      const bool writer_gone = parsed && ::kill(pid, 0) != 0 && errno == ESRCH;
+      const std::string path = absl::StrCat(dir, "/", name);
+      if (writer_gone && ::unlink(path.c_str()) == 0) {
+        PSD_LOG_WARN("removed {}: an interrupted checkpoint write of process {}", path, pid);
+      } else {
+        PSD_LOG_WARN("ignoring {}: an interrupted checkpoint write", path);
+      }
       continue;
     }
     if (!absl::EndsWith(name, ".ckpt")) continue;

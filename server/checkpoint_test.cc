@@ -1,6 +1,7 @@
 #include "server/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -87,6 +88,24 @@ TEST_F(CheckpointTest, LeftoverTemporaryFilesAreIgnoredAndACorruptFileFailsTheLo
   auto bad = LoadCheckpoints(dir_);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(bad.status().message().find("job-9.ckpt"), std::string::npos);
+}
+
+TEST_F(CheckpointTest, TemporaryFilesOfDeadWritersAreRemovedLiveOnesKept) {
+  // A writer that is gone: a child that has exited and been reaped.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  const auto dead = dir_ / ("job-3.ckpt.tmp." + std::to_string(child));
+  const auto live = dir_ / ("job-4.ckpt.tmp." + std::to_string(::getpid()));
+  const auto odd = dir_ / "job-5.ckpt.tmp.notapid";
+  for (const auto& p : {dead, live, odd}) std::ofstream(p) << "half written";
+  auto loaded = LoadCheckpoints(dir_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(loaded->empty());
+  EXPECT_FALSE(std::filesystem::exists(dead)) << "a dead writer's temporary file stays forever";
+  EXPECT_TRUE(std::filesystem::exists(live)) << "a live writer's file must not be removed";
+  EXPECT_TRUE(std::filesystem::exists(odd));
 }
 
 TEST_F(CheckpointTest, MissingDirectoryIsEmpty) {
