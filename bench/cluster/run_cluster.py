@@ -488,6 +488,8 @@ def ddp_ratio(results, model, n):
 def record(args, results, path):
     """A small baseline: the settings of this run, the commit, every figure of every row."""
     head, dirty = git_commit()
+    if args.build_commit:
+        head, dirty = args.build_commit, False
     rows = []
     for r in results:
         if r.get("error"):
@@ -630,6 +632,9 @@ def main():
                          "sizes, unless given) and print every figure against the record")
     ap.add_argument("--record", metavar="BASELINE_JSON", default=None,
                     help="write the figures of this run as a baseline (with the git commit)")
+    ap.add_argument("--build_commit", default=None,
+                    help="with --record: the commit --build was built from, when it is not this "
+                         "checkout's HEAD (e.g. a clean export: git archive HEAD)")
     args = ap.parse_args()
     baseline = None
     # Options given on the command line win over a recorded or the baseline set.
