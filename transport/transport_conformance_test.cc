@@ -201,7 +201,7 @@ TEST_P(TransportConformance, ConcurrentSendersNeverInterleaveFrames) {
   EXPECT_EQ(failures.load(), 0);
 }
 
-// Small and large frames from two threads into a peer that reads only once everything is sent:
+// Small and large frames from four threads into a peer that reads only once everything is sent:
 // the socket buffers fill up, so small frames are cut by partial writes and large ones queue
 // behind them (TCP: the direct write of small frames and its hand-over to the I/O thread).
 TEST_P(TransportConformance, FramesIntoAPeerThatIsNotReadingArriveIntactAndInOrder) {
@@ -209,7 +209,7 @@ TEST_P(TransportConformance, FramesIntoAPeerThatIsNotReadingArriveIntactAndInOrd
   auto client = conns.first;
   auto server = conns.second;
   ASSERT_TRUE(client && server);
-  constexpr int kThreads = 2, kFrames = 300;  // ~20 MB: more than the socket buffers hold
+  constexpr int kThreads = 4, kFrames = 150;  // ~20 MB: more than the socket buffers hold
   std::vector<std::vector<std::vector<std::byte>>> data(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     for (int i = 0; i < kFrames; ++i) {

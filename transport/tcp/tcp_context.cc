@@ -181,16 +181,19 @@ class TcpConnection final : public Connection,
         if (n > 0) KeepUnwritten(op, n);  // the strand writes the rest, before anything else
       }
       ++strand_frames_;
+      // Posted under the lock: the strand then takes frames in the order the lock was taken (a
+      // partial write's rest before any frame sent after it; posting after unlocking let another
+      // thread's frame overtake it and interleave its bytes).
+      asio::post(strand_, [self = shared_from_this(), op = std::move(op),
+                           invalid = std::move(invalid)]() mutable {
+        if (!invalid.ok()) {
+          self->FramesLeftStrand(1);
+          op.done(std::move(invalid));
+          return;
+        }
+        self->Enqueue(std::move(op));
+      });
     }
-    asio::post(strand_, [self = shared_from_this(), op = std::move(op),
-                         invalid = std::move(invalid)]() mutable {
-      if (!invalid.ok()) {
-        self->FramesLeftStrand(1);
-        op.done(std::move(invalid));
-        return;
-      }
-      self->Enqueue(std::move(op));
-    });
   }
 
   void ReadHeader(HeaderCallback done, absl::Duration timeout) override {
