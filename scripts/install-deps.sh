@@ -14,6 +14,7 @@ PACKAGES=(
   python3 python3-torch python3-torchvision python3-sklearn python3-tqdm python3-matplotlib
   iproute2 procps openssl
   prometheus systemd python3-yaml
+  slurmctld slurmd slurm-client munge
 )
 
 missing=()
