@@ -33,6 +33,7 @@ void RouteGrpcLogs() {
   static std::once_flag once;
   std::call_once(once, [] {
     gpr_set_log_function([](gpr_log_func_args* args) {
+      (void)args;  // PSD_LOG_DEBUG compiles to nothing below SPDLOG_ACTIVE_LEVEL (-Werror builds)
       PSD_LOG_DEBUG("grpc {}:{}: {}", args->file ? args->file : "?", args->line,
                     args->message ? args->message : "");
     });
