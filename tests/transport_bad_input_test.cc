@@ -335,6 +335,8 @@ TEST_F(BadInputTest, ListenerSurvivesGarbageAndKeepsServingTheGoodClient) {
                                                      .job_id = kJob,
                                                      .payload_length = kNonceBytes}
                                        : DataHeader(64);
+          // As the rank it authenticated as: a frame claiming another is dropped at its header.
+          if (variant >= 2) h.sender_rank = static_cast<uint32_t>(i);
           const EncodedHeader e = EncodeHeader(h);
           bytes.assign(e.begin(), e.end());
           const int flips = 1 + static_cast<int>(rng() % 3);
@@ -346,7 +348,9 @@ TEST_F(BadInputTest, ListenerSurvivesGarbageAndKeepsServingTheGoodClient) {
         }
         if (variant == 4) {
           // Truncated stream: a valid header, half of its payload, then hang up.
-          const EncodedHeader e = EncodeHeader(DataHeader(1000));
+          FrameHeader truncated = DataHeader(1000);
+          truncated.sender_rank = static_cast<uint32_t>(i);  // the rank it authenticated as
+          const EncodedHeader e = EncodeHeader(truncated);
           bytes.assign(e.begin(), e.end());
           bytes.resize(kFrameHeaderSize + 500);
           peer.Write(bytes.data(), bytes.size());

@@ -163,6 +163,16 @@ void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {
                  true);
       return;
     }
+    // The sender is who the handshake proved, not what the header says: a peer with the job's
+    // secret must not push as another rank (whose own push would then be dropped as a duplicate).
+    if (header->sender_rank != peer->identity().rank) {
+      self->Drop(peer, conn,
+                 absl::PermissionDeniedError(absl::StrCat(
+                     "frame from rank ", header->sender_rank,
+                     " on a connection authenticated as rank ", peer->identity().rank)),
+                 true);
+      return;
+    }
     switch (header->type) {
       case FrameType::kHello:
       case FrameType::kChallenge:

@@ -398,10 +398,15 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   auto server = std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>());
   server->Start();
 
+  // Frames carry the rank their connection authenticated as (2 here).
+  auto as_rank_2 = [](FrameHeader h) {
+    h.sender_rank = 2;
+    return h;
+  };
   auto good = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
   ASSERT_TRUE(good.ok()) << good.status();
   auto p = Pattern(5000, 9);
-  ASSERT_TRUE(SyncSend(**good, DataHeader(4, p.size()), {p}).ok());
+  ASSERT_TRUE(SyncSend(**good, as_rank_2(DataHeader(4, p.size())), {p}).ok());
   auto echoed = SyncReadFrame(**good, absl::Seconds(10));
   ASSERT_TRUE(echoed.ok()) << echoed.status();
   EXPECT_EQ(echoed->payload, p);
@@ -415,7 +420,7 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   EXPECT_NE(wrong_job.status().message().find("unknown job"), std::string::npos);
 
   // A data frame for another job on an authenticated connection disconnects that peer only.
-  FrameHeader other = DataHeader(5, 0);
+  FrameHeader other = as_rank_2(DataHeader(5, 0));
   other.job_id = 99;
   ASSERT_TRUE(SyncSend(**good, other, {}).ok());
   auto error = SyncReadFrame(**good, absl::Seconds(10));
@@ -424,8 +429,30 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
 
   auto again = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
   ASSERT_TRUE(again.ok()) << again.status();
-  ASSERT_TRUE(SyncSend(**again, DataHeader(6, p.size()), {p}).ok());
+  ASSERT_TRUE(SyncSend(**again, as_rank_2(DataHeader(6, p.size())), {p}).ok());
   EXPECT_TRUE(SyncReadFrame(**again, absl::Seconds(10)).ok());
+
+  // A frame claiming another rank than the one the handshake proved (a forged sender, which
+  // would make the real rank's push a "duplicate") disconnects that peer, naming both ranks.
+  auto forger = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
+  ASSERT_TRUE(forger.ok()) << forger.status();
+  FrameHeader forged = DataHeader(7, 0);
+  forged.sender_rank = 0;
+  ASSERT_TRUE(SyncSend(**forger, forged, {}).ok());
+  auto refused = SyncReadFrame(**forger, absl::Seconds(10));
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->header.type, FrameType::kError);
+  const std::string why(reinterpret_cast<const char*>(refused->payload.data()),
+                        refused->payload.size());
+  EXPECT_NE(why.find("frame from rank 0 on a connection authenticated as rank 2"),
+            std::string::npos)
+      << why;
+  // Dropped: only `again` is left (`good` went for its job-99 frame).
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (server->Stats().active != 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(server->Stats().active, 1u) << "the forger stays connected";
+  ASSERT_TRUE(SyncSend(**again, as_rank_2(DataHeader(8, p.size())), {p}).ok());
+  EXPECT_TRUE(SyncReadFrame(**again, absl::Seconds(10)).ok()) << "the others are served on";
   EXPECT_EQ(server->Stats().handshake_failures, 2u);
   server->Stop();
 }
