@@ -62,9 +62,11 @@ FrameServerStats FrameServer::Stats() const {
   s.handshake_failures = handshake_failures_.load();
   s.protocol_errors = protocol_errors_.load();
   s.frames = frames_.load();
+  s.refused = refused_.load();
   {
     std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
     s.active = connections_.size();
+    s.handshaking = handshaking_;
   }
   return s;
 }
@@ -88,24 +90,59 @@ void FrameServer::AcceptNext() {
   });
 }
 
+namespace {
+
+// The host part of "host:port" and "[v6]:port"; an address without a port is its own host.
+std::string HostOf(const std::string& address) {
+  if (!address.empty() && address[0] == '[') {
+    const size_t close = address.find(']');
+    return close == std::string::npos ? address : address.substr(0, close + 1);
+  }
+  const size_t colon = address.find(':');
+  if (colon == std::string::npos || address.find(':', colon + 1) != std::string::npos) {
+    return address;
+  }
+  return address.substr(0, colon);
+}
+
+}  // namespace
+
+void FrameServer::EndHandshakeLocked(const std::string& host) {
+  --handshaking_;
+  auto it = handshaking_by_host_.find(host);
+  if (it != handshaking_by_host_.end() && --it->second == 0) handshaking_by_host_.erase(it);
+}
+
 void FrameServer::OnAccepted(std::shared_ptr<Connection> conn) {
   accepted_.fetch_add(1);
+  const std::string host = HostOf(conn->PeerAddress());
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) {
       conn->Close();
       return;
     }
-    if (connections_.size() >= options_.max_connections) {
-      conn->Abort(absl::ResourceExhaustedError(absl::StrCat(
-          "server has reached its limit of ", options_.max_connections, " connections")));
+    std::string refusal;
+    if (handshaking_ >= options_.max_handshakes) {
+      refusal = absl::StrCat("server has ", handshaking_,
+                             " connections in their handshake, its limit");
+    } else if (handshaking_by_host_[host] >= options_.max_handshakes_per_address) {
+      refusal = absl::StrCat("server has ", handshaking_by_host_[host], " connections from ", host,
+                             " in their handshake, its limit per address");
+    }
+    if (!refusal.empty()) {
+      if (handshaking_by_host_[host] == 0) handshaking_by_host_.erase(host);
+      refused_.fetch_add(1);
+      conn->Abort(absl::ResourceExhaustedError(refusal));
       return;
     }
+    ++handshaking_;
+    ++handshaking_by_host_[host];
     connections_.insert(conn);
   }
   std::weak_ptr<FrameServer> weak = weak_from_this();
   AcceptHandshake(conn, secrets_, options_.handshake_timeout,
-                  [weak, conn](absl::StatusOr<PeerIdentity> identity) {
+                  [weak, conn, host](absl::StatusOr<PeerIdentity> identity) {
                     auto self = weak.lock();
                     if (!self) return;
                     if (!identity.ok()) {
@@ -113,8 +150,23 @@ void FrameServer::OnAccepted(std::shared_ptr<Connection> conn) {
                       PSD_LOG_WARN("rejected connection from {}: {}", conn->PeerAddress(),
                                    identity.status().message());
                       std::lock_guard<std::mutex> lock(self->mu_);
+                      self->EndHandshakeLocked(host);
                       self->connections_.erase(conn);
                       return;
+                    }
+                    {
+                      std::lock_guard<std::mutex> lock(self->mu_);
+                      self->EndHandshakeLocked(host);
+                      const size_t authenticated =
+                          self->connections_.size() - self->handshaking_;
+                      if (authenticated > self->options_.max_connections) {
+                        self->connections_.erase(conn);
+                        self->refused_.fetch_add(1);
+                        conn->Abort(absl::ResourceExhaustedError(absl::StrCat(
+                            "server has reached its limit of ", self->options_.max_connections,
+                            " connections")));
+                        return;
+                      }
                     }
                     self->authenticated_.fetch_add(1);
                     auto peer = std::make_shared<PeerSession>(conn, *identity, weak);

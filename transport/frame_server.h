@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -86,7 +87,14 @@ class FrameHandler {
 
 struct FrameServerOptions {
   absl::Duration handshake_timeout = absl::Seconds(10);
+  // Authenticated connections.
   size_t max_connections = 4096;
+  // Connections still in their handshake have slots of their own, fewer, and at most
+  // max_handshakes_per_address from one address (its host part), so that idle unauthenticated
+  // connections can neither take the authenticated peers' slots nor all the handshake slots
+  // from one host. A connection beyond a limit is refused at once, naming the limit.
+  size_t max_handshakes = 512;
+  size_t max_handshakes_per_address = 256;  // poseidon run starts up to 256 agents on one host
 };
 
 struct FrameServerStats {
@@ -95,7 +103,9 @@ struct FrameServerStats {
   uint64_t handshake_failures = 0;
   uint64_t protocol_errors = 0;  // disconnected for a bad frame or a handler error
   uint64_t frames = 0;
-  uint64_t active = 0;
+  uint64_t active = 0;       // every open connection, authenticated or in its handshake
+  uint64_t handshaking = 0;  // of which still in their handshake
+  uint64_t refused = 0;      // refused at accept for a limit
 };
 
 class FrameServer : public std::enable_shared_from_this<FrameServer> {
@@ -123,12 +133,17 @@ class FrameServer : public std::enable_shared_from_this<FrameServer> {
   std::shared_ptr<FrameHandler> handler_;
   FrameServerOptions options_;
 
+  // Frees a connection's handshake slot (once its handshake ended either way). Under mu_.
+  void EndHandshakeLocked(const std::string& host);
+
   std::mutex mu_;
   bool stopped_ = false;
   std::set<std::shared_ptr<Connection>> connections_;
+  size_t handshaking_ = 0;                      // connections in their handshake
+  std::map<std::string, size_t> handshaking_by_host_;
 
   std::atomic<uint64_t> accepted_{0}, authenticated_{0}, handshake_failures_{0},
-      protocol_errors_{0}, frames_{0};
+      protocol_errors_{0}, frames_{0}, refused_{0};
 };
 
 }  // namespace poseidon::transport

@@ -474,6 +474,96 @@ TEST_P(TransportConformance, SilentClientIsDroppedAfterTheHandshakeTimeout) {
   server->Stop();
 }
 
+TEST_P(TransportConformance, IdleUnauthenticatedConnectionsCannotLockPeersOut) {
+  // Handshake slots are separate from authenticated ones and fewer: idle connections that never
+  // authenticate fill them and are refused beyond, while authenticated peers are served on and
+  // a slot frees when its silent holder times out.
+  auto secrets = std::make_shared<SecretStore>();
+  secrets->Set(1, "right");
+  FrameServerOptions options;
+  options.handshake_timeout = absl::Seconds(2);
+  options.max_handshakes = 3;
+  options.max_connections = 8;
+  auto server =
+      std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(), options);
+  server->Start();
+  auto member = ConnectAuthenticated(*ctx_, server->Address(), 1, 0, "right", absl::Seconds(10));
+  ASSERT_TRUE(member.ok()) << member.status();
+
+  std::vector<std::shared_ptr<Connection>> silent;
+  for (int i = 0; i < 3; ++i) {
+    auto c = ctx_->Connect(server->Address(), absl::Seconds(10));
+    ASSERT_TRUE(c.ok()) << c.status();
+    silent.push_back(*c);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (server->Stats().handshaking < 3 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(server->Stats().handshaking, 3u);
+  // A fourth is refused at once, told why (an error frame), well before the timeout.
+  auto fourth = ctx_->Connect(server->Address(), absl::Seconds(10));
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  const absl::Time before = absl::Now();
+  auto refusal = SyncReadFrame(**fourth, absl::Seconds(30));
+  ASSERT_TRUE(refusal.ok()) << refusal.status();
+  EXPECT_EQ(refusal->header.type, FrameType::kError);
+  const std::string why(reinterpret_cast<const char*>(refusal->payload.data()),
+                        refusal->payload.size());
+  EXPECT_NE(why.find("connections in their handshake"), std::string::npos) << why;
+  EXPECT_LT(absl::Now() - before, absl::Seconds(1)) << "refused only by the handshake timeout";
+  EXPECT_GE(server->Stats().refused, 1u);
+
+  // The authenticated member is served all along.
+  auto p = Pattern(100, 3);
+  ASSERT_TRUE(SyncSend(**member, DataHeader(1, p.size()), {p}).ok());
+  auto echoed = SyncReadFrame(**member, absl::Seconds(10));
+  ASSERT_TRUE(echoed.ok()) << echoed.status();
+  EXPECT_EQ(echoed->payload, p);
+
+  // The silent ones time out (2 s); then a new peer authenticates.
+  for (auto& c : silent) EXPECT_FALSE(SyncReadHeader(*c, absl::Seconds(30)).ok());
+  auto later = ConnectAuthenticated(*ctx_, server->Address(), 1, 1, "right", absl::Seconds(10));
+  EXPECT_TRUE(later.ok()) << later.status();
+  EXPECT_EQ(server->Stats().handshaking, 0u);
+  server->Stop();
+}
+
+TEST_P(TransportConformance, OneAddressCannotTakeEveryHandshakeSlot) {
+  if (GetParam().name == "inproc") GTEST_SKIP() << "in-process peers have no shared address";
+  auto secrets = std::make_shared<SecretStore>();
+  secrets->Set(1, "right");
+  FrameServerOptions options;
+  options.max_handshakes_per_address = 2;
+  auto server =
+      std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(), options);
+  server->Start();
+  std::vector<std::shared_ptr<Connection>> silent;
+  for (int i = 0; i < 2; ++i) {
+    auto c = ctx_->Connect(server->Address(), absl::Seconds(10));
+    ASSERT_TRUE(c.ok()) << c.status();
+    silent.push_back(*c);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (server->Stats().handshaking < 2 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  auto third = ctx_->Connect(server->Address(), absl::Seconds(10));
+  ASSERT_TRUE(third.ok()) << third.status();
+  auto refusal = SyncReadFrame(**third, absl::Seconds(30));
+  ASSERT_TRUE(refusal.ok()) << refusal.status();
+  const std::string why(reinterpret_cast<const char*>(refusal->payload.data()),
+                        refusal->payload.size());
+  EXPECT_NE(why.find("connections from 127.0.0.1 in their handshake"), std::string::npos) << why;
+  silent.clear();  // their holders leave: the address may handshake again
+  const absl::Time again = absl::Now() + absl::Seconds(10);
+  while (server->Stats().handshaking > 0 && absl::Now() < again) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(ConnectAuthenticated(*ctx_, server->Address(), 1, 0, "right", absl::Seconds(10)).ok());
+  server->Stop();
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, TransportConformance, ::testing::ValuesIn(Backends()),
                          [](const auto& info) { return info.param.name; });
 
