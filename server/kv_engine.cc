@@ -356,8 +356,29 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
     }
   }
   created.wait();
+  auto sizes = std::make_shared<KeySizes>(*key_sizes_.load());
+  for (const auto& t : spec.tables()) {
+    for (const auto& kspec : t.keys()) {
+      (*sizes)[{job_id, kspec.key()}] = kspec.elements() * sizeof(float);
+    }
+  }
+  key_sizes_.store(std::shared_ptr<const KeySizes>(std::move(sizes)));
   PSD_LOG_INFO("job {} registered: {} tables, {} keys, {} workers", job_id, spec.tables_size(),
                job->total_keys, spec.num_workers());
+  return absl::OkStatus();
+}
+
+absl::Status KvEngine::CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes) const {
+  const std::shared_ptr<const KeySizes> sizes = key_sizes_.load();
+  const auto it = sizes->find({job_id, key});
+  if (it == sizes->end()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no key ", key, " on this server"));
+  }
+  if (bytes != it->second) {
+    return absl::InvalidArgumentError(absl::StrCat("push for key ", key, " of job ", job_id,
+                                                   " declares ", bytes, " bytes, expected ",
+                                                   it->second));
+  }
   return absl::OkStatus();
 }
 

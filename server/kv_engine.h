@@ -103,6 +103,10 @@ class KvEngine {
   // engine answers the peer (PUSH_ACK or ERROR) and then runs `done` (on the worker thread).
   void Push(RequestContext ctx, PooledBuffer data, std::function<void()> done);
 
+  // Before a push's payload is received (and memory taken for it): the key must exist and
+  // `bytes` be its registered size. Any thread; lock-free (reads a snapshot of the key sizes).
+  absl::Status CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes) const;
+
   // A pull for the key/clock in ctx.header, answered with PULL_RESPONSE once the clock is
   // complete, or ERROR after `timeout` naming the ranks that have not pushed.
   void Pull(RequestContext ctx, absl::Duration timeout);
@@ -139,6 +143,10 @@ class KvEngine {
   mutable std::mutex jobs_mu_;                          // registration only, never on the data path
   std::map<uint64_t, std::shared_ptr<JobState>> jobs_;  // JobState holds the registered spec
   uint64_t registered_bytes_ = 0;                       // guarded by jobs_mu_
+  // (job, key) -> registered bytes; replaced (copy on write, under jobs_mu_) by RegisterJob and
+  // read without a lock by CheckPushSize.
+  using KeySizes = std::map<std::pair<uint64_t, uint64_t>, uint64_t>;
+  std::atomic<std::shared_ptr<const KeySizes>> key_sizes_{std::make_shared<const KeySizes>()};
 };
 
 }  // namespace poseidon::server

@@ -58,8 +58,8 @@ class KvServerTest : public ::testing::Test {
     secrets_->Set(2, "other-job");
     auto listener = ctx_->Listen("127.0.0.1:0");
     ASSERT_TRUE(listener.ok());
-    service_ =
-        std::make_shared<KvService>(engine_, BufferPool::Create(64 << 20), KvServiceOptions{});
+    pool_ = BufferPool::Create(64 << 20);
+    service_ = std::make_shared<KvService>(engine_, pool_, KvServiceOptions{});
     server_ = std::make_shared<transport::FrameServer>(*listener, secrets_, service_);
     server_->Start();
   }
@@ -79,6 +79,7 @@ class KvServerTest : public ::testing::Test {
   std::shared_ptr<KvEngine> engine_;
   std::shared_ptr<transport::SecretStore> secrets_;
   std::shared_ptr<KvService> service_;
+  std::shared_ptr<BufferPool> pool_;
   std::shared_ptr<transport::FrameServer> server_;
 };
 
@@ -217,6 +218,26 @@ TEST_F(KvServerTest, LateUnknownAheadAndMisSizedPushesGetErrorsAndTheConnectionL
   // Still served.
   ASSERT_TRUE(c0->Wait(c0->Push(100, 4, g), kWait).ok());
   ASSERT_TRUE(c0->Wait(c0->Pull(100, 4, out), kWait).ok());
+  EXPECT_EQ(out, g);
+}
+
+TEST_F(KvServerTest, APushIsCheckedAgainstItsKeyBeforeAnyMemoryIsTakenForIt) {
+  // A 48 MiB push for a 32-byte key, and one for a key the job does not have: refused with the
+  // sizes, read into nothing (no buffer allocated for them), and the connection lives.
+  auto c0 = Client(0);
+  ASSERT_TRUE(c0->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {8}), kWait).ok());
+  std::vector<float> g(8, 1.0f), huge(12u << 20, 1.0f), out(8);
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g), kWait).ok());
+  const size_t allocations = pool_->allocations();
+  auto sized = c0->Wait(c0->Push(100, 2, huge), kWait);
+  EXPECT_EQ(sized.code(), absl::StatusCode::kInvalidArgument) << sized;
+  EXPECT_NE(sized.message().find("declares 50331648 bytes, expected 32"), std::string::npos)
+      << sized;
+  auto unknown = c0->Wait(c0->Push(555, 2, huge), kWait);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+  EXPECT_EQ(pool_->allocations(), allocations) << "memory was taken for a refused push";
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 2, out), kWait).ok());
   EXPECT_EQ(out, g);
 }
 

@@ -21,6 +21,7 @@ struct KvService::PeerState {
   int in_flight = 0;
   bool paused = false;
   PooledBuffer push_buffer;              // the push being received
+  absl::Status push_error;               // its refusal, found at its header (reading thread)
   std::vector<std::byte> small;          // pull / register payloads
   std::shared_ptr<PeerTraffic> traffic;  // shared by the peer's (job, rank) connections
   std::atomic<bool> closed{false};
@@ -108,6 +109,14 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
         return absl::InvalidArgumentError(absl::StrCat("push payload of ", header.payload_length,
                                                        " bytes is not a whole number of floats"));
       }
+      // The declared length against the key's registered size before any memory is taken: a
+      // wrong one is read off the wire into nothing and answered with an error (the connection
+      // lives, as for any refused push).
+      if (absl::Status s = engine_->CheckPushSize(header.job_id, header.key, header.payload_length);
+          !s.ok()) {
+        state->push_error = std::move(s);
+        return PayloadTarget::Discard();
+      }
       state->push_buffer = pool_->Get(header.payload_length);
       if (state->push_buffer.size() != header.payload_length) {
         return absl::ResourceExhaustedError("server is out of memory for push buffers");
@@ -146,6 +155,11 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
   auto state = StateOf(peer);
   switch (header.type) {
     case FrameType::kPush: {
+      if (!state->push_error.ok()) {
+        ReplyError(peer, header, state->push_error);
+        state->push_error = absl::OkStatus();
+        return;
+      }
       {
         std::lock_guard<std::mutex> lock(state->mu);
         if (++state->in_flight >= options_.max_pushes_in_flight && !state->paused) {
