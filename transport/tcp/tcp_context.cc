@@ -765,23 +765,69 @@ class TcpListener final : public Listener,
         done(absl::CancelledError("listener closed"));
         return;
       }
-      self->acceptor_.async_accept(
-          asio::make_strand(self->service_->io()),
-          asio::bind_executor(self->strand_, [self, done = std::move(done)](
-                                                 const ErrorCode& ec, tcp::socket socket) mutable {
-            if (ec) {
-              done(self->closed_ || ec == asio::error::operation_aborted
-                       ? absl::CancelledError("listener closed")
-                       : absl::UnavailableError(absl::StrCat("accept on ", self->address_,
-                                                             " failed: ", ec.message())));
-              return;
-            }
-            ConfigureSocket(socket, self->service_->options());
-            auto conn = std::make_shared<TcpConnection>(self->service_, std::move(socket));
-            self->service_->Register(conn);
-            done(std::shared_ptr<Connection>(conn));
-          }));
+      self->AcceptOnStrand(std::move(done));
     });
+  }
+
+  // On the strand. Running out of descriptors (or kernel memory) is transient: the listener backs
+  // off (10 ms doubling to 1 s) and tries again, logging once per 10 s with the count, instead of
+  // reporting each failure (the accept loop above it would retry at once: a spinning core and
+  // hundreds of thousands of log lines a second).
+  void AcceptOnStrand(AcceptCallback done) {
+    if (closed_) {
+      done(absl::CancelledError("listener closed"));
+      return;
+    }
+    acceptor_.async_accept(
+        asio::make_strand(service_->io()),
+        asio::bind_executor(strand_, [self = shared_from_this(), done = std::move(done)](
+                                         const ErrorCode& ec, tcp::socket socket) mutable {
+          if (ec && !self->closed_ && ec != asio::error::operation_aborted &&
+              IsTransientAcceptError(ec)) {
+            self->BackOff(ec, std::move(done));
+            return;
+          }
+          if (ec) {
+            done(self->closed_ || ec == asio::error::operation_aborted
+                     ? absl::CancelledError("listener closed")
+                     : absl::UnavailableError(
+                           absl::StrCat("accept on ", self->address_, " failed: ", ec.message())));
+            return;
+          }
+          if (self->failures_ > 0) {
+            PSD_LOG_INFO("accept on {} works again after {} failures", self->address_,
+                         self->failures_);
+            self->failures_ = 0;
+            self->delay_ = absl::ZeroDuration();
+          }
+          ConfigureSocket(socket, self->service_->options());
+          auto conn = std::make_shared<TcpConnection>(self->service_, std::move(socket));
+          self->service_->Register(conn);
+          done(std::shared_ptr<Connection>(conn));
+        }));
+  }
+
+  static bool IsTransientAcceptError(const ErrorCode& ec) {
+    const int e = ec.value();
+    return ec.category() == asio::error::get_system_category() &&
+           (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM);
+  }
+
+  void BackOff(const ErrorCode& ec, AcceptCallback done) {
+    ++failures_;
+    delay_ = delay_ == absl::ZeroDuration() ? absl::Milliseconds(10)
+                                            : std::min(delay_ * 2, absl::Seconds(1));
+    const absl::Time now = absl::Now();
+    if (now - last_log_ >= absl::Seconds(10)) {
+      last_log_ = now;
+      PSD_LOG_WARN("accept on {} failed: {} ({} failures so far); retrying every {}", address_,
+                   ec.message(), failures_, absl::FormatDuration(delay_));
+    }
+    backoff_timer_.expires_after(absl::ToChronoNanoseconds(delay_));
+    backoff_timer_.async_wait(asio::bind_executor(
+        strand_, [self = shared_from_this(), done = std::move(done)](const ErrorCode&) mutable {
+          self->AcceptOnStrand(std::move(done));
+        }));
   }
 
   void Close() override {
@@ -794,6 +840,7 @@ class TcpListener final : public Listener,
       self->closed_ = true;
       ErrorCode ignored;
       self->acceptor_.close(ignored);
+      self->backoff_timer_.cancel();
     });
   }
 
@@ -801,6 +848,10 @@ class TcpListener final : public Listener,
   std::shared_ptr<IoService> service_;
   asio::strand<asio::io_context::executor_type> strand_;
   tcp::acceptor acceptor_;
+  asio::steady_timer backoff_timer_{strand_};
+  uint64_t failures_ = 0;                        // transient accept failures in a row (strand)
+  absl::Duration delay_ = absl::ZeroDuration();  // the back-off now (strand)
+  absl::Time last_log_ = absl::InfinitePast();   // (strand)
   std::string address_;
   bool closed_ = false;
 };
