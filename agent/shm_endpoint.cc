@@ -164,6 +164,10 @@ bool ShmEndpoint::attached() const {
 
 absl::Status ShmEndpoint::CheckFramework() const {
   if (!attached()) return absl::OkStatus();
+  // Events still unread come first: a process that posted DETACH and exited at once has left,
+  // not died (reading the ring drains it; a death without DETACH shows on the next check).
+  const psd_shm_ring* ring = to_agent();
+  if (Load(&ring->head) != Load(&ring->tail)) return absl::OkStatus();
   const auto pid = static_cast<pid_t>(Load(&header()->framework_pid));
   if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
     return absl::UnavailableError(absl::StrCat("the training process (pid ", pid, ") died"));
