@@ -34,8 +34,10 @@ void RouteGrpcLogs() {
   std::call_once(once, [] {
     gpr_set_log_function([](gpr_log_func_args* args) {
       (void)args;  // PSD_LOG_DEBUG compiles to nothing below SPDLOG_ACTIVE_LEVEL (-Werror builds)
-      PSD_LOG_DEBUG("grpc {}:{}: {}", args->file ? args->file : "?", args->line,
-                    args->message ? args->message : "");
+      // Logger().debug, not PSD_LOG_DEBUG (compiled out below spdlog's active level): shown
+      // with --log_level=debug.
+      ::poseidon::Logger().debug("grpc {}:{}: {}", args->file ? args->file : "?", args->line,
+                                 args->message ? args->message : "");
     });
   });
 }
