@@ -116,7 +116,10 @@ with tempfile.TemporaryDirectory() as tmp:
                       PKG_CONFIG_SYSROOT_DIR=root))
     check(pc.returncode == 0 and "-lposeidon" in pc.stdout, f"pkg-config poseidon: {pc.stdout}")
     exe = os.path.join(tmp, "abi")
-    r = run(["sh", "-c", f"cc {prog} -o {exe} {pc.stdout.strip()}"])
+    # A sanitized build's library needs the sanitizer runtime of the compiler that built it.
+    sanitized = args.sanitized.upper() in ("ON", "1", "TRUE", "YES")
+    cc = "clang-14 -fsanitize=address,undefined" if sanitized else "cc"
+    r = run(["sh", "-c", f"{cc} {prog} -o {exe} {pc.stdout.strip()}"])
     check(r.returncode == 0, f"a C program compiles and links against libposeidon {r.stderr[-800:]}")
     r = run([exe], env=dict(os.environ, LD_LIBRARY_PATH=os.path.join(usr, "lib")))
     check(r.stdout.strip() == "abi 2", f"and runs: {r.stdout.strip()!r} {r.stderr[-800:]}")
@@ -138,7 +141,7 @@ with tempfile.TemporaryDirectory() as tmp:
     env.update(PATH=os.path.join(usr, "bin") + os.pathsep + env.get("PATH", ""),
                PYTHONPATH=os.path.join(usr, "lib", "python3", "dist-packages"),
                LD_LIBRARY_PATH=os.path.join(usr, "lib"))
-    if args.sanitized.upper() in ("ON", "1", "TRUE", "YES"):
+    if sanitized:
         env["POSEIDON_LIB"] = os.path.join(args.build, "libclient", "python", "libposeidon.so")
         print("note: sanitized build: the rank loads the build's uninstrumented libposeidon")
     r = run([os.path.join(usr, "bin", "poseidon"), "run", "-n", "2", "--", "/usr/bin/python3", "-c",

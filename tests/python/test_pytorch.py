@@ -260,10 +260,12 @@ class Launcher(unittest.TestCase):
 
     def test_a_killed_daemon_stops_everything_and_is_named(self):
         # The pattern is assembled at run time so that it matches no command line but the agent's.
-        code = ("import subprocess, time, poseidon; poseidon.init(); "
-                "r = poseidon.rank(); time.sleep(0.5); "
-                "subprocess.run(['pkill', '-9', '-f', 'poseidon-' + 'agent.*--rank' + '=1 ']) "
-                "if r == 0 else None; time.sleep(60)")
+        # Only this job's agent: the job id is in the segment name (/poseidon-<job>-<rank>).
+        code = ("import os, subprocess, time, poseidon; poseidon.init(); "
+                "r = poseidon.rank(); job = os.environ['POSEIDON_SEGMENT'].split('-')[1]; "
+                "time.sleep(0.5); "
+                "subprocess.run(['pkill', '-9', '-f', 'poseidon-' + 'agent --job_id=' + job + "
+                "' --rank' + '=1 ']) if r == 0 else None; time.sleep(60)")
         r = launch(["-n", "2", "--", PY, "-c", code], timeout=120)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("agent 1 died", r.stderr)
@@ -279,7 +281,8 @@ class Launcher(unittest.TestCase):
                 "os.path.basename(v[0]).startswith(b'poseidon-') and f'--job_id={job}'.encode() in v]; "
                 "print('daemons:', len(mine)); "
                 "print('leaks:', [v for v in mine if any('secret' in a or 'token' in a for a in v)]); "
-                "print('rank env:', sorted(k for k in os.environ if 'SECRET' in k or 'TOKEN' in k))")
+                "print('rank env:', sorted(k for k in os.environ if 'SECRET' in k or 'TOKEN' in k)); "
+                "poseidon.shutdown()")
         r = launch(["-n", "2", "--", PY, "-c", code], timeout=120)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertIn("[rank 0] daemons: 4", r.stdout)  # coordinator, server, 2 agents
