@@ -84,6 +84,7 @@ finally:
     except subprocess.TimeoutExpired:
         server.kill()
 if failures:
+    print("the server's last lines:\n" + "".join(lines[-15:]))
     print(f"{len(failures)} check(s) failed")
     sys.exit(1)
 print("all EMFILE checks passed")

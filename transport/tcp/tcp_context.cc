@@ -778,10 +778,15 @@ class TcpListener final : public Listener,
       done(absl::CancelledError("listener closed"));
       return;
     }
+    // The peer's socket (on a strand of its own) exists before the accept and outlives a failed
+    // one: Boost.Asio's accept-with-executor overload, which makes it inside the operation,
+    // crashes destroying it after a failed accept (UBSan: invalid vptr of its strand, then
+    // SIGSEGV; found by ops_emfile_backoff: out of descriptors, the server died).
+    auto peer = std::make_shared<tcp::socket>(asio::make_strand(service_->io()));
     acceptor_.async_accept(
-        asio::make_strand(service_->io()),
-        asio::bind_executor(strand_, [self = shared_from_this(), done = std::move(done)](
-                                         const ErrorCode& ec, tcp::socket socket) mutable {
+        *peer, asio::bind_executor(strand_, [self = shared_from_this(), peer,
+                                             done = std::move(done)](const ErrorCode& ec) mutable {
+          tcp::socket& socket = *peer;
           if (ec && !self->closed_ && ec != asio::error::operation_aborted &&
               IsTransientAcceptError(ec)) {
             self->BackOff(ec, std::move(done));
