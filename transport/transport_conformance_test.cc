@@ -94,6 +94,17 @@ class TransportConformance : public ::testing::TestWithParam<Backend> {
   std::shared_ptr<Listener> listener_;
 };
 
+// Polls `done` until it holds, at most 10 s; whether it did.
+template <typename Done>
+bool Eventually(Done done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
 FrameHeader DataHeader(uint64_t key, uint64_t length) {
   FrameHeader h;
   h.type = FrameType::kData;
@@ -448,9 +459,8 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
             std::string::npos)
       << why;
   // Dropped: only `again` is left (`good` went for its job-99 frame).
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (server->Stats().active != 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
-  EXPECT_EQ(server->Stats().active, 1u) << "the forger stays connected";
+  EXPECT_TRUE(Eventually([&] { return server->Stats().active == 1; }))
+      << "the forger stays connected";
   ASSERT_TRUE(SyncSend(**again, as_rank_2(DataHeader(8, p.size())), {p}).ok());
   EXPECT_TRUE(SyncReadFrame(**again, absl::Seconds(10)).ok()) << "the others are served on";
   EXPECT_EQ(server->Stats().handshake_failures, 2u);
@@ -496,11 +506,7 @@ TEST_P(TransportConformance, IdleUnauthenticatedConnectionsCannotLockPeersOut) {
     ASSERT_TRUE(c.ok()) << c.status();
     silent.push_back(*c);
   }
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (server->Stats().handshaking < 3 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(server->Stats().handshaking, 3u);
+  ASSERT_TRUE(Eventually([&] { return server->Stats().handshaking == 3; }));
   // A fourth is refused at once, told why (an error frame), well before the timeout.
   auto fourth = ctx_->Connect(server->Address(), absl::Seconds(10));
   ASSERT_TRUE(fourth.ok()) << fourth.status();
@@ -544,10 +550,7 @@ TEST_P(TransportConformance, OneAddressCannotTakeEveryHandshakeSlot) {
     ASSERT_TRUE(c.ok()) << c.status();
     silent.push_back(*c);
   }
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (server->Stats().handshaking < 2 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  ASSERT_TRUE(Eventually([&] { return server->Stats().handshaking == 2; }));
   auto third = ctx_->Connect(server->Address(), absl::Seconds(10));
   ASSERT_TRUE(third.ok()) << third.status();
   auto refusal = SyncReadFrame(**third, absl::Seconds(30));
@@ -556,11 +559,9 @@ TEST_P(TransportConformance, OneAddressCannotTakeEveryHandshakeSlot) {
                         refusal->payload.size());
   EXPECT_NE(why.find("connections from 127.0.0.1 in their handshake"), std::string::npos) << why;
   silent.clear();  // their holders leave: the address may handshake again
-  const absl::Time again = absl::Now() + absl::Seconds(10);
-  while (server->Stats().handshaking > 0 && absl::Now() < again) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_TRUE(ConnectAuthenticated(*ctx_, server->Address(), 1, 0, "right", absl::Seconds(10)).ok());
+  EXPECT_TRUE(Eventually([&] { return server->Stats().handshaking == 0; }));
+  EXPECT_TRUE(
+      ConnectAuthenticated(*ctx_, server->Address(), 1, 0, "right", absl::Seconds(10)).ok());
   server->Stop();
 }
 

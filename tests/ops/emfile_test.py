@@ -15,17 +15,14 @@ import sys
 import threading
 import time
 
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--server", required=True)
 ap.add_argument("--client", required=True)
 args = ap.parse_args()
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
 
 
 def cpu_seconds(pid):
@@ -83,8 +80,4 @@ finally:
         server.wait(timeout=30)
     except subprocess.TimeoutExpired:
         server.kill()
-if failures:
-    print("the server's last lines:\n" + "".join(lines[-15:]))
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("all EMFILE checks passed")
+finish("all EMFILE checks passed", on_failure="the server's last lines:\n" + "".join(lines[-15:]))

@@ -20,18 +20,15 @@ import subprocess
 import sys
 import tempfile
 
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--build", required=True)
 ap.add_argument("--source", required=True)
 ap.add_argument("--sanitized", default="OFF")
 args = ap.parse_args()
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
 
 
 def run(cmd, **kw):
@@ -154,7 +151,4 @@ with tempfile.TemporaryDirectory() as tmp:
     sums = {line.split()[-1] for line in text.splitlines() if "] checksum " in line}
     check(len(sums) == 1, f"both ranks hold the same parameters: {sums}")
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("all package checks passed")
+finish("all package checks passed")

@@ -18,19 +18,13 @@ import tempfile
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
 from metrics_test import Daemon  # noqa: E402
 
 ap = argparse.ArgumentParser()
 for flag in ("cli", "coordinator", "server", "agent", "synth", "model"):
     ap.add_argument(f"--{flag}", required=True)
 args = ap.parse_args()
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
 
 
 if subprocess.run(["sh", "-c", "command -v openssl"], capture_output=True).returncode != 0:
@@ -121,7 +115,4 @@ with tempfile.TemporaryDirectory() as tmp:
                 except FileNotFoundError:
                     pass
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("all TLS checks passed")
+finish("all TLS checks passed")
