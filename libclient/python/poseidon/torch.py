@@ -276,7 +276,7 @@ class _Engine:
         self.callback_queued = False
         self.pending = {}  # overlap: layer index -> iteration whose step waits for the forward
         self.optimizer = None  # overlap: DistributedOptimizer
-        self.sfb_inputs = {}  # layer index -> this iteration's saved SFB input
+        self.sfb_inputs = set()  # SFB layers whose input this forward has saved
 
     # ---- registration --------------------------------------------------------------------
     @property
@@ -347,8 +347,7 @@ class _Engine:
         self.layers, self.device = layers, device
         self.buffers_layer = extra_views.get(BUFFERS_LAYER)
         self.used_layer = extra_views.get(USED_LAYER)
-        self._initial_broadcast(*extra_views[BROADCAST_LAYER], [v for n, v in extra_views.items()
-                                                                if n != BROADCAST_LAYER])
+        self._initial_broadcast(*extra_views[BROADCAST_LAYER])
         self._install_hooks()
 
     def _buffer_views(self, ctx, device):
@@ -375,7 +374,7 @@ class _Engine:
                 return lambda which, count: _view(getattr(info, which), count)
         return views
 
-    def _initial_broadcast(self, index, buffer, extra_views):
+    def _initial_broadcast(self, index, buffer):
         """Iteration 1: rank 0's parameters and buffers through `buffer` (layer `index`), then
         every other layer takes iteration 1 too, so that training starts at 2 everywhere. With a
         server-side rule iteration 1 is each table's initial value (rank 0's, as above)."""
@@ -572,7 +571,7 @@ class _Engine:
             raise PoseidonError(5, f"{layer.name} ran twice in one iteration; it is synchronised "
                                    "by SFB, whose factors are one call's (pass sfb=False)")
         saved = x.detach().reshape(rows, n)
-        self.sfb_inputs[layer.index] = True
+        self.sfb_inputs.add(layer.index)
         output.register_hook(lambda g, layer=layer, saved=saved: self._post_factors(layer, g, saved))
 
     def _finalize(self):
@@ -589,8 +588,9 @@ class _Engine:
                 layer.grad.zero_()
             self.posted[layer.index] = True
             self.sync.ready(layer.index, it, f"posting {layer.name}")
-        lost = [l.name for l in self.layers if l.index in self.zeroed and l.index in
-                {m.index for m in missing}]
+        # An SFB weight that got a gradient (its hook zeroed the local part) but no factors: it
+        # was used without its module's forward.
+        lost = [l.name for l in missing if l.index in self.zeroed]
         used = None
         if self.used_layer is not None:
             index, view = self.used_layer
@@ -622,18 +622,16 @@ class _Engine:
                                    "find_unused_parameters=True if parameters may go unused")
 
     def _install_average(self, layer):
+        """.grad = the summed result / world (in DDP mode an SFB weight's .grad kept what it held
+        before backward, its local part zeroed by the hook: the average is added to it)."""
         p = layer.param
         total = layer.grad.view(p.shape)
-        if layer.scheme == PSD_SYNC_SFB and self.mode == "ddp":
-            if p.grad is None:
-                p.grad = (total / self.world).to(p.dtype)
-            else:  # .grad kept what it held before backward (the local part was zeroed)
-                p.grad.add_((total / self.world).to(p.dtype))
-            return
         if p.grad is None:
             p.grad = (total / self.world).to(p.dtype)
+        elif layer.scheme == PSD_SYNC_SFB and self.mode == "ddp":
+            p.grad.add_(total, alpha=1.0 / self.world)
         elif p.grad.dtype == torch.float32 and p.grad.shape == p.shape:
-            torch.div(total, self.world, out=p.grad)
+            torch.div(total, self.world, out=p.grad)  # no allocation on the common path
         else:
             p.grad.copy_(total / self.world)
 
@@ -779,7 +777,7 @@ class DistributedOptimizer:
             with torch.no_grad():
                 layer.param.copy_(layer.grad.view(layer.param.shape))
             return
-        layer.param.grad = (layer.grad / e.world).view(layer.param.shape).to(layer.param.dtype)
+        e._install_average(layer)  # overlap mode: replaces the local .grad
 
     def _step_layer(self, layer):
         iteration = self._engine.pending.pop(layer.index, None)
