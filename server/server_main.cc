@@ -360,9 +360,7 @@ int Main(int argc, char** argv) {
   if (coord) (void)coord->Deregister("shutting down");
   server->Stop();
   (*ctx)->Close();
-  stop_metrics = true;
-  metrics_thread.join();
-  PSD_LOG_INFO("stopped");
+  PSD_LOG_INFO("stopped");  // stop_on_exit joins the metrics thread
   return rc;
 }
 
