@@ -15,6 +15,7 @@ Environment: PYTHONPATH with libclient/python, POSEIDON_BUILD_DIR (or POSEIDON_B
 POSEIDON_LIB) naming the binaries. Child processes run with this interpreter (sys.executable).
 """
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,13 @@ HAS_POST_ACCUMULATE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook"
 def launch(args, timeout=300):
     return subprocess.run([PY, "-m", "poseidon.run"] + args, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def free_port():
+    """A port free now (a lost race shows as the listener's error; callers retry)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), workers=4,
@@ -127,11 +135,8 @@ class Equivalence(WorkersTest):
         self.assert_close(got, want, "server-side Adam")
 
     def test_poseidon_equals_torch_ddp_over_gloo(self):
-        import socket
         with tempfile.TemporaryDirectory() as tmp:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
+            port = free_port()
             ddp_out = os.path.join(tmp, "ddp.pt")
             r = subprocess.run([PY, os.path.join(HERE, "ddp_worker.py"), str(port), ddp_out],
                                capture_output=True, text=True, timeout=300,

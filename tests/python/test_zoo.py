@@ -20,35 +20,23 @@ uninterrupted run, and misuse gets one clear error naming the layer.
 Environment: as tests/python/test_pytorch.py (PYTHONPATH, POSEIDON_BUILD_DIR).
 """
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import unittest
 
-try:
-    import torch
-except ImportError:
-    print("torch is not installed: skipping")
-    sys.exit(77)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# The launcher helpers (and torch, or the skip without it) of the PyTorch tests.
+from test_pytorch import PY, free_port, launch as launch_cluster, torch  # noqa: E402
 import zoo  # noqa: E402
 
-PY = sys.executable
 WORKER = os.path.join(HERE, "zoo_worker.py")
 
 
 def launch(workers, args, scheme="auto", timeout=600):
-    return subprocess.run([PY, "-m", "poseidon.run", "-n", str(workers), "--scheme", scheme, "--",
-                           PY, WORKER, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return launch_cluster(["-n", str(workers), "--scheme", scheme, "--", PY, WORKER, *args],
+                          timeout=timeout)
 
 
 class ZooTest(unittest.TestCase):
@@ -219,8 +207,7 @@ class Planning(ZooTest):
 
 class Misuse(unittest.TestCase):
     def run_code(self, code, workers=2):
-        return subprocess.run([PY, "-m", "poseidon.run", "-n", str(workers), "--scheme", "sfb",
-                               "--", PY, "-c", code], capture_output=True, text=True, timeout=300)
+        return launch_cluster(["-n", str(workers), "--scheme", "sfb", "--", PY, "-c", code])
 
     def test_a_batch_larger_than_the_first_on_an_sfb_layer_names_the_layer(self):
         code = ("import torch, poseidon, poseidon.torch; poseidon.init(); "
