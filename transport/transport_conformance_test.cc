@@ -19,6 +19,7 @@ namespace poseidon::transport {
 namespace {
 
 using testing::Pattern;
+using testing::ReceivedFrame;
 using testing::SyncAccept;
 using testing::SyncDiscardPayload;
 using testing::SyncReadFrame;
@@ -60,6 +61,40 @@ std::vector<Backend> Backends() {
   };
 }
 
+// Answers every data frame with the same frame (the frame server tests).
+class EchoHandler : public FrameHandler {
+ public:
+  absl::StatusOr<PayloadTarget> OnHeader(const std::shared_ptr<PeerSession>&,
+                                         const FrameHeader& header) override {
+    if (header.type != FrameType::kData) {
+      return absl::InvalidArgumentError("echo handler only takes data frames");
+    }
+    buffer_.resize(header.payload_length);
+    return PayloadTarget::Into(buffer_);
+  }
+  void OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
+               MutableBuffer payload) override {
+    auto copy = std::make_shared<std::vector<std::byte>>(payload.begin(), payload.end());
+    FrameHeader reply = header;
+    reply.sender_rank = 0;
+    peer->connection().Send(reply, {*copy}, [copy](absl::Status) {});
+  }
+
+ private:
+  std::vector<std::byte> buffer_;  // frames of one connection arrive one at a time
+};
+
+// Polls `done` until it holds, at most 10 s; whether it did.
+template <typename Done>
+bool Eventually(Done done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
 class TransportConformance : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override { Reset(ContextOptions{}); }
@@ -79,6 +114,28 @@ class TransportConformance : public ::testing::TestWithParam<Backend> {
     if (ctx_) ctx_->Close();
   }
 
+  // An echo FrameServer on listener_ for job 1 with secret "right".
+  std::shared_ptr<FrameServer> StartEchoServer(FrameServerOptions options = {}) {
+    auto secrets = std::make_shared<SecretStore>();
+    secrets->Set(1, "right");
+    auto server =
+        std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(), options);
+    server->Start();
+    return server;
+  }
+
+  // `n` connections that never say a word, once the server counts them in their handshake.
+  std::vector<std::shared_ptr<Connection>> OpenSilent(FrameServer& server, int n) {
+    std::vector<std::shared_ptr<Connection>> silent;
+    for (int i = 0; i < n; ++i) {
+      auto c = ctx_->Connect(server.Address(), absl::Seconds(10));
+      EXPECT_TRUE(c.ok()) << c.status();
+      if (c.ok()) silent.push_back(*c);
+    }
+    EXPECT_TRUE(Eventually([&] { return server.Stats().handshaking == static_cast<uint64_t>(n); }));
+    return silent;
+  }
+
   // A connected pair: (client end, server end).
   std::pair<std::shared_ptr<Connection>, std::shared_ptr<Connection>> Pair() {
     auto accepted = std::async(std::launch::async, [&] { return SyncAccept(*listener_); });
@@ -94,15 +151,9 @@ class TransportConformance : public ::testing::TestWithParam<Backend> {
   std::shared_ptr<Listener> listener_;
 };
 
-// Polls `done` until it holds, at most 10 s; whether it did.
-template <typename Done>
-bool Eventually(Done done) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!done()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
+// An ERROR frame's reason.
+std::string ErrorText(const ReceivedFrame& frame) {
+  return std::string(reinterpret_cast<const char*>(frame.payload.data()), frame.payload.size());
 }
 
 FrameHeader DataHeader(uint64_t key, uint64_t length) {
@@ -381,28 +432,6 @@ TEST_P(TransportConformance, ClosingTheListenerCancelsAccept) {
 
 // ---- the handshake and the frame server over each backend ----
 
-class EchoHandler : public FrameHandler {
- public:
-  absl::StatusOr<PayloadTarget> OnHeader(const std::shared_ptr<PeerSession>&,
-                                         const FrameHeader& header) override {
-    if (header.type != FrameType::kData) {
-      return absl::InvalidArgumentError("echo handler only takes data frames");
-    }
-    buffer_.resize(header.payload_length);
-    return PayloadTarget::Into(buffer_);
-  }
-  void OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
-               MutableBuffer payload) override {
-    auto copy = std::make_shared<std::vector<std::byte>>(payload.begin(), payload.end());
-    FrameHeader reply = header;
-    reply.sender_rank = 0;
-    peer->connection().Send(reply, {*copy}, [copy](absl::Status) {});
-  }
-
- private:
-  std::vector<std::byte> buffer_;  // frames of one connection arrive one at a time
-};
-
 TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   auto secrets = std::make_shared<SecretStore>();
   secrets->Set(1, "right");
@@ -453,8 +482,7 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   auto refused = SyncReadFrame(**forger, absl::Seconds(10));
   ASSERT_TRUE(refused.ok()) << refused.status();
   EXPECT_EQ(refused->header.type, FrameType::kError);
-  const std::string why(reinterpret_cast<const char*>(refused->payload.data()),
-                        refused->payload.size());
+  const std::string why = ErrorText(*refused);
   EXPECT_NE(why.find("frame from rank 0 on a connection authenticated as rank 2"),
             std::string::npos)
       << why;
@@ -488,25 +516,15 @@ TEST_P(TransportConformance, IdleUnauthenticatedConnectionsCannotLockPeersOut) {
   // Handshake slots are separate from authenticated ones and fewer: idle connections that never
   // authenticate fill them and are refused beyond, while authenticated peers are served on and
   // a slot frees when its silent holder times out.
-  auto secrets = std::make_shared<SecretStore>();
-  secrets->Set(1, "right");
   FrameServerOptions options;
   options.handshake_timeout = absl::Seconds(2);
   options.max_handshakes = 3;
   options.max_connections = 8;
-  auto server =
-      std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(), options);
-  server->Start();
+  auto server = StartEchoServer(options);
   auto member = ConnectAuthenticated(*ctx_, server->Address(), 1, 0, "right", absl::Seconds(10));
   ASSERT_TRUE(member.ok()) << member.status();
-
-  std::vector<std::shared_ptr<Connection>> silent;
-  for (int i = 0; i < 3; ++i) {
-    auto c = ctx_->Connect(server->Address(), absl::Seconds(10));
-    ASSERT_TRUE(c.ok()) << c.status();
-    silent.push_back(*c);
-  }
-  ASSERT_TRUE(Eventually([&] { return server->Stats().handshaking == 3; }));
+  auto silent = OpenSilent(*server, 3);
+  ASSERT_EQ(silent.size(), 3u);
   // A fourth is refused and told why (an error frame naming the limit; the handshake timeout
   // would only close the connection).
   auto fourth = ctx_->Connect(server->Address(), absl::Seconds(10));
@@ -514,8 +532,7 @@ TEST_P(TransportConformance, IdleUnauthenticatedConnectionsCannotLockPeersOut) {
   auto refusal = SyncReadFrame(**fourth, absl::Seconds(30));
   ASSERT_TRUE(refusal.ok()) << refusal.status();
   EXPECT_EQ(refusal->header.type, FrameType::kError);
-  const std::string why(reinterpret_cast<const char*>(refusal->payload.data()),
-                        refusal->payload.size());
+  const std::string why = ErrorText(*refusal);
   EXPECT_NE(why.find("connections in their handshake"), std::string::npos) << why;
   EXPECT_GE(server->Stats().refused, 1u);
 
@@ -536,26 +553,16 @@ TEST_P(TransportConformance, IdleUnauthenticatedConnectionsCannotLockPeersOut) {
 
 TEST_P(TransportConformance, OneAddressCannotTakeEveryHandshakeSlot) {
   if (GetParam().name == "inproc") GTEST_SKIP() << "in-process peers have no shared address";
-  auto secrets = std::make_shared<SecretStore>();
-  secrets->Set(1, "right");
   FrameServerOptions options;
   options.max_handshakes_per_address = 2;
-  auto server =
-      std::make_shared<FrameServer>(listener_, secrets, std::make_shared<EchoHandler>(), options);
-  server->Start();
-  std::vector<std::shared_ptr<Connection>> silent;
-  for (int i = 0; i < 2; ++i) {
-    auto c = ctx_->Connect(server->Address(), absl::Seconds(10));
-    ASSERT_TRUE(c.ok()) << c.status();
-    silent.push_back(*c);
-  }
-  ASSERT_TRUE(Eventually([&] { return server->Stats().handshaking == 2; }));
+  auto server = StartEchoServer(options);
+  auto silent = OpenSilent(*server, 2);
+  ASSERT_EQ(silent.size(), 2u);
   auto third = ctx_->Connect(server->Address(), absl::Seconds(10));
   ASSERT_TRUE(third.ok()) << third.status();
   auto refusal = SyncReadFrame(**third, absl::Seconds(30));
   ASSERT_TRUE(refusal.ok()) << refusal.status();
-  const std::string why(reinterpret_cast<const char*>(refusal->payload.data()),
-                        refusal->payload.size());
+  const std::string why = ErrorText(*refusal);
   EXPECT_NE(why.find("connections from 127.0.0.1 in their handshake"), std::string::npos) << why;
   silent.clear();  // their holders leave: the address may handshake again
   EXPECT_TRUE(Eventually([&] { return server->Stats().handshaking == 0; }));
