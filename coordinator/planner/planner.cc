@@ -100,12 +100,32 @@ void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t wor
 absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig& config) {
   RETURN_IF_ERROR(ValidatePlannerConfig(config));
   RETURN_IF_ERROR(ValidateModelSpec(model));
+  for (const auto& override_entry : config.scheme_overrides) {
+    const std::string& name = override_entry.first;
+    const poseidon::v1::SyncScheme scheme = override_entry.second;
+    const auto layer = std::find_if(model.layers().begin(), model.layers().end(),
+                                    [&](const LayerSpec& spec) { return spec.name() == name; });
+    if (layer == model.layers().end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scheme override for layer '", name, "': the model has no such layer"));
+    }
+    if (scheme != poseidon::v1::SYNC_SCHEME_PS && scheme != poseidon::v1::SYNC_SCHEME_SFB) {
+      return absl::InvalidArgumentError(absl::StrCat("scheme override for layer '", name,
+                                                     "': scheme must be PS or SFB, got ",
+                                                     static_cast<int>(scheme)));
+    }
+    if (scheme == poseidon::v1::SYNC_SCHEME_SFB && layer->kind() != poseidon::v1::LAYER_KIND_FC) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scheme override for layer '", name, "': SFB needs an FC layer, this one is ",
+                       poseidon::v1::LayerKind_Name(layer->kind())));
+    }
+  }
 
   const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
   const GpuRate* gpu = config.gpu.has_value() ? &*config.gpu : nullptr;
   PlanResult result;
   PlanReport& report = result.report;
-  std::vector<PartitionInput> ps_layers;
+  std::vector<PartitionInput> partitioned;  // every layer, whatever its scheme
 
   for (int i = 0; i < model.layers_size(); ++i) {
     const LayerSpec& spec = model.layers(i);
@@ -135,6 +155,11 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
                                                                    : poseidon::v1::SYNC_SCHEME_PS;
       }
     }
+    if (const auto forced = config.scheme_overrides.find(spec.name());
+        forced != config.scheme_overrides.end()) {
+      layer.cost.scheme = forced->second;  // checked above: PS, or SFB for an FC layer
+      layer.overridden = true;
+    }
     layer.seconds =
         layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds : layer.ps_seconds;
     layer.compute = LayerComputeSeconds(spec, layer.batch_per_worker, gpu);
@@ -144,11 +169,9 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
                        gpu == nullptr ? " and no GPU rate was given" : " and no FLOPs");
     }
     layer.ps_chunks = ChunkCount(layer.cost.parameters, element_bytes, config.block_bytes);
-    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) {
-      ps_layers.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
-    } else {
-      ++report.sfb_layers;
-    }
+    // Every layer is partitioned, so its chunks do not depend on the schemes (planner.h, 3.).
+    partitioned.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
     Accumulate(layer.cost, layer.cost.scheme, layer.seconds, config.colocated, report.plan);
     Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, layer.ps_seconds, config.colocated,
                report.ps_only);
@@ -156,7 +179,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
   }
 
   ASSIGN_OR_RETURN(const std::vector<ChunkAssignment> chunks,
-                   PartitionLayers(ps_layers, config.servers, config.block_bytes));
+                   PartitionLayers(partitioned, config.servers, config.block_bytes));
   report.server_bytes = ServerLoads(chunks, config.servers);
 
   poseidon::v1::Plan& plan = result.plan;

@@ -7,7 +7,11 @@
 //   1. Validates the cluster (ValidatePlannerConfig) and the model (ValidateModelSpec).
 //   2. Per layer: the cost model's bytes under PS and SFB and the scheme (cost_model.h), the
 //      communication time of each (time_model.h), the compute time when known.
-//   3. Cuts the PS layers into chunks and spreads them over the servers (partition.h).
+//   3. Cuts EVERY layer into chunks and spreads them over the servers (partition.h): a PS layer's
+//      chunks are what it pushes and pulls, an SFB layer's the chunks it would use under PS. The
+//      partition depends only on the model, the number of servers and the block size, never on
+//      the schemes or the network, so every re-plan of one world gives every layer the same
+//      chunks and a later epoch can move a layer between SFB and PS without moving bytes.
 //   4. Priority = layer index: the proto's convention is "lower is sooner; layers the next
 //      forward pass needs first get 0", and layers are listed in forward order, so layer 0 (the
 //      first the next forward pass needs) gets 0 and the top layer, whose gradient is ready first,
@@ -17,6 +21,7 @@
 // SFB: 2·K·(P1−1)·(M+N), times the element size); predicted_seconds its synchronisation time.
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -63,6 +68,10 @@ struct PlannerConfig {
   // The rate that turns a spec's FLOPs into compute time; without it only measured times count.
   std::optional<GpuRate> gpu;
   SchemeRule scheme_rule = SchemeRule::kBytes;
+  // Layer name -> scheme forced instead of the rule's choice (an operator's override).
+  // SYNC_SCHEME_PS for any layer, SYNC_SCHEME_SFB only for FC layers; an unknown name, SFB for a
+  // non-FC layer or any other value is an error naming the layer.
+  std::map<std::string, poseidon::v1::SyncScheme, std::less<>> scheme_overrides;
 
   // Copied into the Plan.
   std::string job_id;
@@ -89,8 +98,9 @@ struct LayerReport {
   std::optional<double> sfb_seconds;
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;
-  uint32_t chunks = 0;     // PS chunks in the plan (0 for SFB)
-  uint64_t ps_chunks = 0;  // chunks the layer has on PS (the same as chunks unless it is SFB)
+  uint32_t chunks = 0;     // chunks of the layer in the plan (an SFB layer's are used under PS)
+  uint64_t ps_chunks = 0;  // chunks the layer has on PS (the same as chunks)
+  bool overridden = false;  // the scheme came from PlannerConfig::scheme_overrides
 };
 
 // Totals over all layers when every layer uses the given schemes (bytes per iteration).
@@ -112,7 +122,8 @@ struct PlanReport {
   uint32_t sfb_layers = 0;
   // Empty when every layer's compute time is known; else why not (names the first such layer).
   std::string compute_unknown_reason;
-  // Bytes stored on each server under the plan (the partition's balance).
+  // Bytes of the chunks placed on each server (every layer's, SFB layers' included: the
+  // partition's balance).
   std::vector<uint64_t> server_bytes;
   uint64_t largest_chunk_bytes = 0;
 };

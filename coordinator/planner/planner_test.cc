@@ -12,6 +12,7 @@
 namespace poseidon::planner {
 namespace {
 
+using poseidon::v1::LayerSpec;
 using poseidon::v1::ModelSpec;
 using poseidon::v1::Plan;
 
@@ -41,6 +42,13 @@ const poseidon::v1::LayerPlan* FindLayer(const Plan& plan, const std::string& na
   return nullptr;
 }
 
+// Every layer's chunks, without the rest of the plan.
+Plan ChunksOf(const Plan& plan) {
+  Plan chunks;
+  for (const auto& layer : plan.layers()) *chunks.add_layers()->mutable_chunks() = layer.chunks();
+  return chunks;
+}
+
 TEST(PlannerTest, Vgg19_22kAt16MachinesUsesSfbForFcWeightsOnly) {
   const ModelSpec model = Builtin("vgg19-22k");
   const absl::StatusOr<PlanResult> result = BuildPlan(model, PaperCluster());
@@ -56,20 +64,20 @@ TEST(PlannerTest, Vgg19_22kAt16MachinesUsesSfbForFcWeightsOnly) {
     EXPECT_EQ(layer.priority(), static_cast<uint32_t>(i));  // layer 0 first
     if (spec.kind() == poseidon::v1::LAYER_KIND_FC) {
       EXPECT_EQ(layer.scheme(), poseidon::v1::SYNC_SCHEME_SFB) << spec.name();
-      EXPECT_TRUE(layer.chunks().empty());
       ++sfb;
     } else {
       // Every conv layer and every bias, fc biases included.
       EXPECT_EQ(layer.scheme(), poseidon::v1::SYNC_SCHEME_PS) << spec.name();
-      uint64_t covered = 0;
-      for (const auto& chunk : layer.chunks()) {
-        EXPECT_EQ(chunk.offset(), covered);
-        EXPECT_LE(chunk.length(), kDefaultBlockBytes);
-        EXPECT_LT(chunk.server_index(), 16u);
-        covered += chunk.length();
-      }
-      EXPECT_EQ(covered, ParameterCount(spec) * 4) << spec.name();
     }
+    // Every layer has chunks covering it, SFB layers too (the chunks they would use on PS).
+    uint64_t covered = 0;
+    for (const auto& chunk : layer.chunks()) {
+      EXPECT_EQ(chunk.offset(), covered);
+      EXPECT_LE(chunk.length(), kDefaultBlockBytes);
+      EXPECT_LT(chunk.server_index(), 16u);
+      covered += chunk.length();
+    }
+    EXPECT_EQ(covered, ParameterCount(spec) * 4) << spec.name();
   }
   EXPECT_EQ(sfb, 3);  // fc6, fc7, fc8
   for (const char* name : {"fc6.weight", "fc7.weight", "fc8.weight"}) {
@@ -126,16 +134,16 @@ TEST(PlannerTest, ReportTotalsMatchTheLayers) {
   ASSERT_TRUE(report.plan.speedup.has_value());
   EXPECT_GT(*report.plan.speedup, *report.ps_only.speedup);
   EXPECT_LE(*report.plan.speedup, 16.0);
-  // Stored bytes: every PS layer's bytes, spread within one chunk of the mean.
+  // Placed bytes: every layer's, SFB layers' included (their chunks are placed too).
   const uint64_t stored =
       std::accumulate(report.server_bytes.begin(), report.server_bytes.end(), uint64_t{0});
-  uint64_t ps_layer_bytes = 0;
+  uint64_t layer_bytes = 0;
   for (const LayerReport& layer : report.layers) {
-    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) {
-      ps_layer_bytes += layer.cost.parameters * 4;
-    }
+    layer_bytes += layer.cost.parameters * 4;
+    EXPECT_EQ(layer.chunks, layer.ps_chunks) << layer.name;
   }
-  EXPECT_EQ(stored, ps_layer_bytes);
+  EXPECT_EQ(stored, layer_bytes);
+  EXPECT_EQ(stored, uint64_t{229052817} * 4);
 }
 
 TEST(PlannerTest, PartitionIsBalancedForEveryModelAndServerCount) {
@@ -322,14 +330,93 @@ TEST(PlannerTest, TimeRuleDependsOnBandwidthNearTheBoundary) {
   result = BuildPlan(model, config);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_SFB);
-  EXPECT_TRUE(result->plan.layers(0).chunks().empty());
+  EXPECT_FALSE(result->plan.layers(0).chunks().empty());  // the chunks it would use on PS
   EXPECT_EQ(result->report.sfb_layers, 1u);
+  const Plan sfb_plan = result->plan;
 
   config.bandwidth_bytes_per_second = 5e9 / 8;  // 62,500
   result = BuildPlan(model, config);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_PS);
-  EXPECT_FALSE(result->plan.layers(0).chunks().empty());
+  // The scheme moved; the chunks did not.
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(
+      ChunksOf(sfb_plan), ChunksOf(result->plan)));
+}
+
+TEST(PlannerTest, ChunksDoNotDependOnSchemesOrTheNetwork) {
+  // Whatever the schemes (rule, bandwidth, latency, overrides), one world's chunks are the same.
+  for (const char* name : {"vgg19-22k", "alexnet", "resnet-50"}) {
+    const ModelSpec model = Builtin(name);
+    PlannerConfig base = PaperCluster(16);
+    base.servers = 5;
+    const absl::StatusOr<PlanResult> reference = BuildPlan(model, base);
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    std::vector<PlannerConfig> variants;
+    for (const double bandwidth : {1e6, 1e8, 1e11}) {
+      PlannerConfig config = base;
+      config.bandwidth_bytes_per_second = bandwidth;
+      config.scheme_rule = SchemeRule::kTime;
+      variants.push_back(config);
+    }
+    PlannerConfig many_workers = base;
+    many_workers.workers = 1024;  // every FC layer on PS
+    variants.push_back(many_workers);
+    PlannerConfig forced = base;
+    for (const LayerSpec& spec : model.layers()) {
+      forced.scheme_overrides[spec.name()] = poseidon::v1::SYNC_SCHEME_PS;
+    }
+    variants.push_back(forced);
+    for (const PlannerConfig& config : variants) {
+      const absl::StatusOr<PlanResult> result = BuildPlan(model, config);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(ChunksOf(reference->plan),
+                                                                     ChunksOf(result->plan)))
+          << name;
+      EXPECT_EQ(result->report.server_bytes, reference->report.server_bytes) << name;
+    }
+  }
+}
+
+TEST(PlannerTest, OverridesForceSchemesAndAreChecked) {
+  const ModelSpec model = Builtin("vgg19-22k");
+  PlannerConfig config = PaperCluster();
+  config.scheme_overrides["fc7.weight"] = poseidon::v1::SYNC_SCHEME_PS;
+  config.scheme_overrides["conv1_1.weight"] = poseidon::v1::SYNC_SCHEME_PS;
+  absl::StatusOr<PlanResult> result = BuildPlan(model, config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(FindLayer(result->plan, "fc7.weight")->scheme(), poseidon::v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(FindLayer(result->plan, "fc6.weight")->scheme(), poseidon::v1::SYNC_SCHEME_SFB);
+  EXPECT_EQ(result->report.sfb_layers, 2u);
+  // The prediction follows the forced scheme: fc7 under PS moves 2·S·4 bytes per worker.
+  EXPECT_EQ(FindLayer(result->plan, "fc7.weight")->predicted_bytes_per_worker(),
+            uint64_t{2} * 4096 * 4096 * 4);
+  EXPECT_TRUE(result->report.layers[34].overridden);
+  EXPECT_FALSE(result->report.layers[32].overridden);
+
+  // 256 machines: the rule picks PS for fc7; forced back to SFB.
+  config = PaperCluster(256);
+  config.scheme_overrides["fc7.weight"] = poseidon::v1::SYNC_SCHEME_SFB;
+  result = BuildPlan(model, config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(FindLayer(result->plan, "fc7.weight")->scheme(), poseidon::v1::SYNC_SCHEME_SFB);
+
+  const auto refused = [&](const char* layer, poseidon::v1::SyncScheme scheme) {
+    PlannerConfig bad = PaperCluster();
+    bad.scheme_overrides[layer] = scheme;
+    const absl::StatusOr<PlanResult> r = BuildPlan(model, bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << layer;
+    return std::string(r.status().message());
+  };
+  EXPECT_EQ(refused("fc9.weight", poseidon::v1::SYNC_SCHEME_PS),
+            "scheme override for layer 'fc9.weight': the model has no such layer");
+  EXPECT_EQ(refused("conv1_1.weight", poseidon::v1::SYNC_SCHEME_SFB),
+            "scheme override for layer 'conv1_1.weight': SFB needs an FC layer, this one is "
+            "LAYER_KIND_CONV");
+  EXPECT_EQ(refused("fc7.bias", poseidon::v1::SYNC_SCHEME_SFB),
+            "scheme override for layer 'fc7.bias': SFB needs an FC layer, this one is "
+            "LAYER_KIND_BIAS");
+  EXPECT_EQ(refused("fc7.weight", poseidon::v1::SYNC_SCHEME_UNSPECIFIED),
+            "scheme override for layer 'fc7.weight': scheme must be PS or SFB, got 0");
 }
 
 }  // namespace
