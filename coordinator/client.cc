@@ -258,6 +258,29 @@ absl::StatusOr<v1::GetClusterStatusResponse> CoordinatorClient::GetClusterStatus
   return response;
 }
 
+absl::StatusOr<v1::Plan> CoordinatorClient::SetLayerSchemes(
+    const std::map<std::string, v1::SyncScheme>& schemes) {
+  ASSIGN_OR_RETURN(v1::SetLayerSchemesResponse response, SetLayerSchemes(schemes, "", ""));
+  return std::move(*response.mutable_plan());
+}
+
+absl::StatusOr<v1::SetLayerSchemesResponse> CoordinatorClient::SetLayerSchemes(
+    const std::map<std::string, v1::SyncScheme>& schemes, absl::string_view job_id,
+    absl::string_view reason) {
+  v1::SetLayerSchemesRequest request;
+  FillHeader(request.mutable_header());
+  request.set_job_id(std::string(job_id));
+  for (const auto& [name, scheme] : schemes) (*request.mutable_schemes())[name] = scheme;
+  request.set_reason(std::string(reason));
+  v1::SetLayerSchemesResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(
+      CallStatus(stub_->SetLayerSchemes(&context, request, &response), "SetLayerSchemes"));
+  Observe(response.header());
+  return response;
+}
+
 std::unique_ptr<HeartbeatLoop> CoordinatorClient::StartHeartbeats(HeartbeatOptions options) {
   return std::make_unique<HeartbeatLoop>(this, std::move(options));
 }

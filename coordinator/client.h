@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -119,6 +120,16 @@ class CoordinatorClient {
                                                             uint64_t plan_epoch);
   absl::Status Deregister(absl::string_view reason);
   absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();
+  // Operator override (SetLayerSchemes): forces the schemes of the named layers of this client's
+  // job (SYNC_SCHEME_UNSPECIFIED: back to the cost model's choice) and returns the job's plan
+  // afterwards: a new epoch when a scheme changed, else the current one. A client with the
+  // cluster token (empty job id) names the job in `job_id`. INVALID_ARGUMENT names an unknown
+  // layer or a non-FC layer asked to use SFB.
+  absl::StatusOr<poseidon::v1::Plan> SetLayerSchemes(
+      const std::map<std::string, poseidon::v1::SyncScheme>& schemes);
+  absl::StatusOr<poseidon::v1::SetLayerSchemesResponse> SetLayerSchemes(
+      const std::map<std::string, poseidon::v1::SyncScheme>& schemes, absl::string_view job_id,
+      absl::string_view reason);
 
   // Heartbeats every heartbeat_interval() on a thread of its own until stopped.
   struct HeartbeatOptions {

@@ -38,7 +38,9 @@ struct CoordinatorConfig {
   int64_t batch_per_worker = 0;
   std::string scheme_rule = "time";
   double replan_threshold = 0.2;
+  absl::Duration replan_min_interval = absl::Seconds(10);
   int64_t plan_lead = 10;
+  absl::Duration plan_lead_time = absl::Seconds(2);
   absl::Duration telemetry_max_age = absl::Seconds(60);
   uint64_t telemetry_min_bytes = uint64_t{16} << 20;
   std::string tls_cert;
@@ -95,9 +97,18 @@ ConfigSchema<CoordinatorConfig> Schema() {
       .Field("replan_threshold", &C::replan_threshold,
              "re-plan only when the measured bandwidth moved by more than this fraction",
              InRange(0.0, 100.0))
+      .Field("replan_min_interval", &C::replan_min_interval,
+             "at least this long between a plan and the next re-plan from telemetry (a change "
+             "measured sooner is judged when it has passed)",
+             InRange(absl::ZeroDuration(), absl::Hours(24)))
       .Field("plan_lead", &C::plan_lead,
-             "a new plan takes effect this many iterations after the highest one reported",
+             "a re-plan takes effect this many iterations after the job's estimated iteration "
+             "(see plan_lead_time)",
              InRange<int64_t>(1, int64_t{1} << 32))
+      .Field("plan_lead_time", &C::plan_lead_time,
+             "a re-plan takes effect after the iterations the job is estimated to run in this "
+             "long (the time agents need to learn it), plus plan_lead",
+             InRange(absl::ZeroDuration(), absl::Hours(1)))
       .Field("telemetry_max_age", &C::telemetry_max_age, "link samples older than this are ignored",
              InRange(absl::Milliseconds(1), absl::Hours(24)))
       .ByteSizeField("telemetry_min_bytes", &C::telemetry_min_bytes,
@@ -202,6 +213,8 @@ int Main(int argc, char** argv) {
       config.scheme_rule == "bytes" ? planner::SchemeRule::kBytes : planner::SchemeRule::kTime;
   registry.replan_threshold = config.replan_threshold;
   registry.plan_lead_iterations = static_cast<uint64_t>(config.plan_lead);
+  registry.plan_lead_time = config.plan_lead_time;
+  registry.replan_min_interval = config.replan_min_interval;
   registry.telemetry_max_age = config.telemetry_max_age;
   registry.telemetry_min_bytes = config.telemetry_min_bytes;
 

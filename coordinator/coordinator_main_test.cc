@@ -280,6 +280,14 @@ TEST_F(CoordinatorDaemonTest, RefusesABadConfiguration) {
   ExpectRefusal({"--job_id=a", "--job_token=t", "--replan_threshold=-1"},
                 "replan_threshold: must be in [0, 100], got -1");
   ExpectRefusal({"--job_id=a", "--job_token=t", "--bandwidth=fast"}, "bandwidth");
+  ExpectRefusal({"--job_id=a", "--job_token=t", "--plan_lead_time=-1s"},
+                "plan_lead_time: invalid duration '-1s': must not be negative");
+  ExpectRefusal({"--job_id=a", "--job_token=t", "--plan_lead_time=2h"},
+                "plan_lead_time: must be in [0, 1h], got 2h");
+  ExpectRefusal({"--job_id=a", "--job_token=t", "--replan_min_interval=soon"},
+                "replan_min_interval: invalid duration 'soon'");
+  ExpectRefusal({"--job_id=a", "--job_token=t", "--replan_min_interval=25h"},
+                "replan_min_interval: must be in [0, 24h], got 25h");
   ExpectRefusal({"--job_id=a", "--job_token=t", "--scheme_rule=fastest"}, "scheme_rule");
   ExpectRefusal({"--job_id=a"}, "job_id is set but job_token is not");
   ExpectRefusal({"--job_id=a", "--job_token=t", "--listen=127.0.0.1:0", "--tls_key=/tmp/k"},

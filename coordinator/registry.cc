@@ -1,6 +1,8 @@
 #include "coordinator/registry.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <tuple>
 
@@ -566,6 +568,7 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
     }
     job->model =
         JobModel{request.model(), request.update_rule(), request.consistency(), node->rank};
+    job->scheme_overrides.clear();  // they named the old model's layers
     job->plan.reset();
     job->plan_error.clear();
     PSD_LOG_INFO("job {}: model '{}' ({} layers) registered by rank {}", job->id,
@@ -708,7 +711,8 @@ std::pair<double, double> Registry::Network(const Job& job, absl::Time now) cons
 }
 
 absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, double latency,
-                                         uint64_t epoch, uint64_t effective_iteration) const {
+                                         uint64_t epoch, uint64_t effective_iteration,
+                                         const SchemeOverrides& overrides) const {
   planner::PlannerConfig config;
   config.workers = job.world_size;
   config.servers = static_cast<uint32_t>(job.world_servers.size());
@@ -723,21 +727,52 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.effective_iteration = effective_iteration;
   config.membership_epoch = membership_epoch_;
   config.server_node_ids = job.world_servers;
+  config.scheme_overrides = overrides;
   ASSIGN_OR_RETURN(planner::PlanResult result, planner::BuildPlan(job.model->spec, config));
   const std::vector<v1::PlanServer> servers = PlanServers(job);
   for (size_t i = 0; i < servers.size(); ++i) {
     *result.plan.mutable_servers(static_cast<int>(i)) = servers[i];
   }
+  // A re-plan of the same world keeps every layer's chunks exactly (plan.proto, LayerPlan.chunks):
+  // the planner's partition does not depend on schemes, and carrying the current chunks over
+  // makes that a guarantee rather than a property of the planner.
+  if (job.plan.has_value() && job.plan->layers_size() == result.plan.layers_size() &&
+      job.plan->servers_size() == result.plan.servers_size()) {
+    bool same_servers = true;
+    for (int i = 0; same_servers && i < result.plan.servers_size(); ++i) {
+      same_servers = job.plan->servers(i).node_id() == result.plan.servers(i).node_id();
+    }
+    if (same_servers) {
+      bool moved = false;
+      for (int i = 0; i < result.plan.layers_size(); ++i) {
+        v1::LayerPlan* layer = result.plan.mutable_layers(i);
+        const v1::LayerPlan& previous = job.plan->layers(i);
+        if (!moved) {
+          moved = layer->chunks_size() != previous.chunks_size();
+          for (int c = 0; !moved && c < layer->chunks_size(); ++c) {
+            moved = !google::protobuf::util::MessageDifferencer::Equals(layer->chunks(c),
+                                                                        previous.chunks(c));
+          }
+        }
+        *layer->mutable_chunks() = previous.chunks();
+      }
+      if (moved) {
+        PSD_LOG_WARN("job {}: the planner moved chunks within one world; epoch {} keeps epoch {}'s",
+                     job.id, epoch, job.plan->plan_epoch());
+      }
+    }
+  }
   return std::move(result.plan);
 }
 
 void Registry::Install(Job& job, v1::Plan plan, double bandwidth, double latency,
-                       absl::string_view why) {
+                       absl::string_view why, absl::Time now) {
   job.last_plan_epoch = plan.plan_epoch();
   job.plan_bandwidth = bandwidth;
   job.plan_latency = latency;
   job.plan_error.clear();
   job.last_evaluated_bandwidth.reset();
+  job.plan_installed_at = now;
   int sfb = 0;
   for (const v1::LayerPlan& layer : plan.layers()) {
     if (layer.scheme() == v1::SYNC_SCHEME_SFB) ++sfb;
@@ -771,17 +806,16 @@ void Registry::MaybePlan(Job& job, absl::Time now) {
     why = "a server's endpoints changed";
   }
   if (!job.plan_error.empty()) return;  // cleared by the next model registration
-  const uint64_t effective =
-      job.plan.has_value() ? job.max_iteration + options_.plan_lead_iterations : 0;
-  absl::StatusOr<v1::Plan> plan =
-      Build(job, bandwidth, latency, job.last_plan_epoch + 1, effective);
+  const uint64_t effective = job.plan.has_value() ? EffectiveIteration(job, now) : 0;
+  absl::StatusOr<v1::Plan> plan = Build(job, bandwidth, latency, job.last_plan_epoch + 1,
+                                        effective, job.scheme_overrides);
   if (!plan.ok()) {
     job.plan_error = std::string(plan.status().message());
     ++version_;
     PSD_LOG_ERROR("job {}: cannot plan: {}", job.id, job.plan_error);
     return;
   }
-  Install(job, *std::move(plan), bandwidth, latency, why);
+  Install(job, *std::move(plan), bandwidth, latency, why, now);
 }
 
 void Registry::EvaluateReplan(Job& job, absl::Time now) {
@@ -794,19 +828,40 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
   const NetworkEstimate estimate =
       links_.Estimate(Members(job), now, options_.telemetry_max_age,
                       {options_.telemetry_min_bytes, job.plan_bandwidth});
-  if (!estimate.bandwidth_bytes_per_second.has_value()) return;
+  if (!estimate.bandwidth_bytes_per_second.has_value()) {
+    job.replan_deferred = false;
+    return;
+  }
   const double measured = *estimate.bandwidth_bytes_per_second;
   // Hysteresis: small moves never re-plan, so noise cannot make plans flap.
-  if (!MovedBeyond(job.plan_bandwidth, measured, options_.replan_threshold)) return;
+  if (!MovedBeyond(job.plan_bandwidth, measured, options_.replan_threshold)) {
+    job.replan_deferred = false;
+    return;
+  }
   // A move already judged (no change of scheme) is not re-judged until it moves on.
   if (job.last_evaluated_bandwidth.has_value() &&
       !MovedBeyond(*job.last_evaluated_bandwidth, measured, options_.replan_threshold / 4)) {
     return;
   }
+  // At most one re-plan per replan_min_interval: a move measured sooner is judged when the
+  // interval has passed (ReplanDue), on the estimate of that moment.
+  if (job.plan_installed_at.has_value() &&
+      now - *job.plan_installed_at < options_.replan_min_interval) {
+    if (!job.replan_deferred) {
+      PSD_LOG_DEBUG("job {}: bandwidth {} (plan: {}); re-planning deferred by {}", job.id,
+                    Bandwidth(measured), Bandwidth(job.plan_bandwidth),
+                    Ago(*job.plan_installed_at + options_.replan_min_interval - now));
+    }
+    job.replan_deferred = true;
+    job.replan_due = *job.plan_installed_at + options_.replan_min_interval;
+    return;
+  }
+  job.replan_deferred = false;
   job.last_evaluated_bandwidth = measured;
   const double latency = estimate.latency_seconds.value_or(options_.nominal_latency_seconds);
-  absl::StatusOr<v1::Plan> candidate = Build(job, measured, latency, job.last_plan_epoch + 1,
-                                             job.max_iteration + options_.plan_lead_iterations);
+  absl::StatusOr<v1::Plan> candidate =
+      Build(job, measured, latency, job.last_plan_epoch + 1, EffectiveIteration(job, now),
+            job.scheme_overrides);
   if (!candidate.ok()) {
     PSD_LOG_WARN("job {}: re-planning for {} failed: {}", job.id, Bandwidth(measured),
                  candidate.status().message());
@@ -819,7 +874,152 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
   }
   Install(job, *std::move(candidate), measured, latency,
           absl::StrCat("measured bandwidth moved from ", Bandwidth(job.plan_bandwidth), " to ",
-                       Bandwidth(measured)));
+                       Bandwidth(measured)),
+          now);
+}
+
+void Registry::ReplanDue(absl::Time now) {
+  for (auto& [id, job] : jobs_) {
+    if (job.replan_deferred && now >= job.replan_due) EvaluateReplan(job, now);
+  }
+}
+
+// ---- Progress and the effective iteration --------------------------------------------------------
+
+void Registry::ObserveIteration(Job& job, uint64_t iteration, absl::Time now) {
+  if (!job.progress.empty() && iteration <= job.max_iteration) return;
+  job.max_iteration = std::max(job.max_iteration, iteration);
+  // At most one sample per 100 ms: the newest replaces a sample taken less than that after the
+  // one before it, which bounds the samples to the window / 100 ms.
+  if (job.progress.size() >= 2 &&
+      now - job.progress[job.progress.size() - 2].first < absl::Milliseconds(100)) {
+    job.progress.back() = {now, job.max_iteration};
+  } else {
+    job.progress.emplace_back(now, job.max_iteration);
+  }
+  while (job.progress.size() > 1 &&
+         job.progress.front().first < now - options_.iteration_rate_window) {
+    job.progress.pop_front();
+  }
+}
+
+double Registry::Rate(const Job& job, absl::Time now) const {
+  // From the oldest and the newest samples inside the window; a stalled job (no new iteration
+  // within the window) or samples spanning less than a second give 0.
+  const absl::Time start = now - options_.iteration_rate_window;
+  const auto first = std::find_if(job.progress.begin(), job.progress.end(),
+                                  [&](const auto& sample) { return sample.first >= start; });
+  if (first == job.progress.end()) return 0;
+  const auto& last = job.progress.back();
+  const double span = absl::ToDoubleSeconds(last.first - first->first);
+  if (span < 1.0) return 0;
+  return static_cast<double>(last.second - first->second) / span;
+}
+
+uint64_t Registry::EffectiveIteration(const Job& job, absl::Time now) const {
+  const double rate = Rate(job, now);
+  const absl::Time last_at = job.progress.empty() ? now : job.progress.back().first;
+  const double ahead =
+      rate * (absl::ToDoubleSeconds(std::max(now - last_at, absl::ZeroDuration())) +
+              absl::ToDoubleSeconds(options_.plan_lead_time));
+  // Saturating: a plan 2^62 iterations ahead is as good as never, and never wraps around.
+  constexpr double kMax = 4611686018427387904.0;  // 2^62
+  const double estimate =
+      std::min(std::ceil(static_cast<double>(job.max_iteration) + ahead), kMax);
+  uint64_t effective = static_cast<uint64_t>(estimate);
+  effective += std::min<uint64_t>(options_.plan_lead_iterations,
+                                  std::numeric_limits<uint64_t>::max() - effective);
+  // Epochs take effect in order: after the current plan's iteration.
+  if (job.plan.has_value() && effective <= job.plan->effective_iteration()) {
+    effective = job.plan->effective_iteration() + 1;
+  }
+  return effective;
+}
+
+uint64_t Registry::NextEffectiveIteration(absl::string_view job_id, absl::Time now) const {
+  const Job* job = FindJob(job_id);
+  return job == nullptr ? 0 : EffectiveIteration(*job, now);
+}
+
+double Registry::IterationRate(absl::string_view job_id, absl::Time now) const {
+  const Job* job = FindJob(job_id);
+  return job == nullptr ? 0 : Rate(*job, now);
+}
+
+// ---- Operator overrides --------------------------------------------------------------------------
+
+absl::Status Registry::SetLayerSchemes(const Caller& caller,
+                                       const v1::SetLayerSchemesRequest& request, absl::Time now,
+                                       v1::SetLayerSchemesResponse* response) {
+  if (!caller.job_id.empty() && !request.job_id().empty() && request.job_id() != caller.job_id) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("job_id: the token of job '", caller.job_id,
+                     "' may only change that job's plan, not job '", request.job_id(),
+                     "'s (use that job's token or the cluster token)"));
+  }
+  const std::string job_id = caller.job_id.empty() ? request.job_id() : caller.job_id;
+  const auto found = jobs_.find(job_id);
+  if (found == jobs_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("job '", job_id, "' is unknown to this coordinator (no agent has registered)"));
+  }
+  Job& job = found->second;
+  if (!job.plan.has_value() || !job.model.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' has no plan yet: ",
+                                                      DescribeMissingPlan(job_id, now)));
+  }
+  // Checked in name order, all before anything changes.
+  const std::map<std::string, v1::SyncScheme> requested(request.schemes().begin(),
+                                                        request.schemes().end());
+  SchemeOverrides overrides = job.scheme_overrides;
+  for (const auto& [name, scheme] : requested) {
+    const auto layer =
+        std::find_if(job.model->spec.layers().begin(), job.model->spec.layers().end(),
+                     [&name = name](const v1::LayerSpec& spec) { return spec.name() == name; });
+    if (layer == job.model->spec.layers().end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "schemes['", name, "']: job '", job_id, "''s model '", job.model->spec.name(),
+          "' has no layer '", name, "'"));
+    }
+    if (scheme == v1::SYNC_SCHEME_SFB && layer->kind() != v1::LAYER_KIND_FC) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "schemes['", name, "']: layer '", name, "' is ", v1::LayerKind_Name(layer->kind()),
+          ": only FC layers can use SFB"));
+    }
+    if (scheme == v1::SYNC_SCHEME_UNSPECIFIED) {
+      overrides.erase(name);
+    } else {
+      overrides[name] = scheme;
+    }
+  }
+  absl::StatusOr<v1::Plan> candidate =
+      Build(job, job.plan_bandwidth, job.plan_latency, job.last_plan_epoch + 1,
+            EffectiveIteration(job, now), overrides);
+  if (!candidate.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("schemes: the job cannot be planned so: ", candidate.status().message()));
+  }
+  job.scheme_overrides = std::move(overrides);
+  std::vector<std::string> listed;
+  for (const auto& [name, scheme] : job.scheme_overrides) {
+    listed.push_back(absl::StrCat(name, "=", v1::SyncScheme_Name(scheme)));
+    (*response->mutable_overrides())[name] = scheme;
+  }
+  const bool changed = Schemes(*candidate) != Schemes(*job.plan);
+  if (changed) {
+    std::string why = "operator override";
+    if (!request.reason().empty()) absl::StrAppend(&why, " (", request.reason(), ")");
+    absl::StrAppend(&why, ": ", listed.empty() ? "none, back to the cost model" : Listed(listed));
+    Install(job, *std::move(candidate), job.plan_bandwidth, job.plan_latency, why, now);
+  } else {
+    ++version_;
+    PSD_LOG_INFO("job {}: operator override ({}) changes no scheme; plan epoch {} kept", job.id,
+                 listed.empty() ? "none" : Listed(listed), job.plan->plan_epoch());
+  }
+  response->set_installed(changed);
+  *response->mutable_plan() = *job.plan;
+  FillHeader(job.id, response->mutable_header());
+  return absl::OkStatus();
 }
 
 // ---- Telemetry, liveness, status ---------------------------------------------------------------
@@ -845,9 +1045,10 @@ absl::Status Registry::ReportTelemetry(const Caller& caller,
         FindNode(link.peer_node_id()) == nullptr) {
       continue;
     }
-    links_.Record(node->id, link.peer_node_id(),
-                  LinkSample{link.bytes_per_second(), link.latency_ns(), now, link.window_ns(),
-                             std::max(link.bytes(), link.received_bytes())});
+    LinkSample sample{link.bytes_per_second(), link.latency_ns(), now, link.window_ns(),
+                      std::max(link.bytes(), link.received_bytes())};
+    sample.capacity_bytes_per_second = link.capacity_bytes_per_second();
+    links_.Record(node->id, link.peer_node_id(), sample);
     node->telemetry_links.push_back(link);
   }
   node->telemetry_layers.assign(request.layers().begin(), request.layers().end());
@@ -855,7 +1056,7 @@ absl::Status Registry::ReportTelemetry(const Caller& caller,
   if (node->role == v1::NODE_ROLE_AGENT) {
     node->iteration = std::max(node->iteration, request.iteration());
     ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
-    job->max_iteration = std::max(job->max_iteration, request.iteration());
+    ObserveIteration(*job, request.iteration(), now);
     EvaluateReplan(*job, now);
   } else {
     for (auto& [id, job] : jobs_) {
@@ -895,7 +1096,7 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
   node->plan_epoch = request.plan_epoch();
   if (node->role == v1::NODE_ROLE_AGENT) {
     if (auto job = jobs_.find(node->job_id); job != jobs_.end()) {
-      job->second.max_iteration = std::max(job->second.max_iteration, request.iteration());
+      ObserveIteration(job->second, request.iteration(), now);
     }
   }
   response->set_lease_ms(Millis(options_.lease));
@@ -947,6 +1148,7 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
       out->set_job_id(node->job_id);
       out->set_rank(node->rank);
       out->set_gpu_index(node->gpu_index);
+      out->set_plan_epoch(node->plan_epoch);
     }
     out->set_iteration(node->iteration);
     out->set_bytes_per_second(links_.MeanOutgoing(node->id, now, options_.telemetry_max_age));
@@ -974,7 +1176,8 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
       status->set_bytes_per_second(link.bytes_per_second());
       status->set_bandwidth_bytes_per_second(
           SampleBandwidth(*sample, options_.telemetry_min_bytes).value_or(0));
-      status->set_lower_bound(link.window_ns() != 0);
+      status->set_lower_bound(IsLowerBound(*sample));
+      status->set_capacity_bytes_per_second(link.capacity_bytes_per_second());
       status->set_latency_ns(link.latency_ns());
     }
     if (node->role == v1::NODE_ROLE_AGENT) {

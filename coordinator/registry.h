@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
@@ -50,8 +51,19 @@ struct RegistryOptions {
   // Re-plan only when the measured bandwidth differs from the current plan's by more than this
   // fraction (and the new plan's schemes differ).
   double replan_threshold = 0.2;
-  // A re-plan takes effect at (the highest iteration any agent of the job reported) + this.
+  // At least this long between a plan's installation and the next re-plan from telemetry: a
+  // change measured sooner is re-evaluated once the interval has passed (ReplanDue), not lost.
+  absl::Duration replan_min_interval = absl::Seconds(10);
+  // A re-plan takes effect at
+  //   ceil(last + rate * (now - last_at) + rate * plan_lead_time) + plan_lead_iterations
+  // where last is the highest iteration any agent of the job reported (heartbeat or telemetry),
+  // last_at when it was first reported, and rate the job's iterations per second over
+  // iteration_rate_window (0 until the samples span at least a second): the estimate of where
+  // the job is now, plus the time the agents need to learn the plan, plus a margin. It is always
+  // above the current plan's effective iteration.
   uint64_t plan_lead_iterations = 10;
+  absl::Duration plan_lead_time = absl::Seconds(2);
+  absl::Duration iteration_rate_window = absl::Seconds(30);
   // Link samples and agents' reports older than this are ignored.
   absl::Duration telemetry_max_age = absl::Seconds(60);
   // An achieved-throughput sample counts for the planner only if its window moved at least this
@@ -122,6 +134,25 @@ class Registry {
   absl::Status ClusterStatus(const Caller& caller, absl::Time now,
                              poseidon::v1::GetClusterStatusResponse* response) const;
 
+  // The operator's override of layer schemes (SetLayerSchemes): checks every named layer
+  // (unknown: INVALID_ARGUMENT naming it; SFB for a non-FC layer: INVALID_ARGUMENT naming it),
+  // merges the overrides into the job's (SYNC_SCHEME_UNSPECIFIED removes one) and, when the
+  // schemes change, installs a new epoch (same chunks, effective iteration as for any re-plan).
+  // The overrides stay in force for every later plan of the job until its world or model changes.
+  absl::Status SetLayerSchemes(const Caller& caller,
+                               const poseidon::v1::SetLayerSchemesRequest& request, absl::Time now,
+                               poseidon::v1::SetLayerSchemesResponse* response);
+
+  // Re-evaluates the re-plans that replan_min_interval deferred and whose time has come. The
+  // housekeeping thread calls it.
+  void ReplanDue(absl::Time now);
+
+  // The iteration a plan installed at `now` would take effect at (RegistryOptions,
+  // plan_lead_iterations); 0 for an unknown job. For tests and status.
+  uint64_t NextEffectiveIteration(absl::string_view job_id, absl::Time now) const;
+  // The job's measured iterations per second (0 without enough samples).
+  double IterationRate(absl::string_view job_id, absl::Time now) const;
+
   // A node with a parked call (Rendezvous, RegisterModel, GetPlan) counts as alive while it
   // waits: the open call is proof of life. Unknown ids are ignored.
   void BeginWait(absl::string_view node_id, absl::Time now);
@@ -171,6 +202,7 @@ class Registry {
     bool model_ok = false;
     std::string model_refusal;  // why this rank's model was refused
   };
+  using SchemeOverrides = std::map<std::string, poseidon::v1::SyncScheme, std::less<>>;
   struct JobModel {
     poseidon::v1::ModelSpec spec;
     poseidon::v1::UpdateRuleSpec update_rule;
@@ -193,7 +225,16 @@ class Registry {
     std::string plan_error;
     uint64_t last_plan_epoch = 0;
     uint64_t max_iteration = 0;
+    // (when first reported, iteration) each time max_iteration rose, over the rate window; at
+    // most one entry per 100 ms.
+    std::deque<std::pair<absl::Time, uint64_t>> progress;
     std::optional<double> last_evaluated_bandwidth;
+    std::optional<absl::Time> plan_installed_at;
+    // A re-plan from telemetry that replan_min_interval held back, due at replan_due.
+    bool replan_deferred = false;
+    absl::Time replan_due;
+    // The operator's overrides (layer name -> scheme), applied to every plan of the job.
+    SchemeOverrides scheme_overrides;
   };
 
   std::string NewId(absl::string_view prefix);
@@ -225,10 +266,17 @@ class Registry {
   // Re-plans when telemetry moved the bandwidth beyond the threshold and the schemes change.
   void EvaluateReplan(Job& job, absl::Time now);
   std::vector<poseidon::v1::PlanServer> PlanServers(const Job& job) const;
+  // A plan of the job's world with `overrides`; a re-plan of the same world (same servers)
+  // carries the current plan's chunks over unchanged.
   absl::StatusOr<poseidon::v1::Plan> Build(const Job& job, double bandwidth, double latency,
-                                           uint64_t epoch, uint64_t effective_iteration) const;
+                                           uint64_t epoch, uint64_t effective_iteration,
+                                           const SchemeOverrides& overrides) const;
   void Install(Job& job, poseidon::v1::Plan plan, double bandwidth, double latency,
-               absl::string_view why);
+               absl::string_view why, absl::Time now);
+  // An agent's (heartbeat or telemetry) iteration, for max_iteration and the rate estimate.
+  void ObserveIteration(Job& job, uint64_t iteration, absl::Time now);
+  double Rate(const Job& job, absl::Time now) const;
+  uint64_t EffectiveIteration(const Job& job, absl::Time now) const;
   std::pair<double, double> Network(const Job& job, absl::Time now) const;
   // The node's latest telemetry if it is at most telemetry_max_age old.
   bool FreshTelemetry(const Node& node, absl::Time now) const;

@@ -2,6 +2,9 @@
 // what a waiting call lacks.
 #include "coordinator/registry.h"
 
+#include <map>
+
+#include "common/status.h"
 #include "coordinator/test_util.h"
 #include "coordinator/validate.h"
 
@@ -411,6 +414,7 @@ TEST_F(PlannerTelemetryTest, AchievedThroughputNeverDragsTheBandwidthDown) {
   measured.set_peer_node_id(agents_[1]);
   measured.set_transport(v1::TRANSPORT_KIND_TCP);
   measured.set_bytes_per_second(7e9 / 8);
+  now_ += absl::Seconds(11);  // past replan_min_interval (10s) since the first plan
   Report(agents_[0], {measured}, {}, 30);
   EXPECT_EQ(PlanEpoch(), 2u);
   EXPECT_EQ(registry_.CurrentPlan("job")->layers(0).scheme(), v1::SYNC_SCHEME_PS);
@@ -437,6 +441,309 @@ TEST_F(PlannerTelemetryTest, AServersAchievedThroughputIsALowerBoundToo) {
   ASSERT_EQ(server->links_size(), 2);
   EXPECT_DOUBLE_EQ(server->links(0).bandwidth_bytes_per_second(), 5e8);
   EXPECT_TRUE(server->links(0).lower_bound());
+}
+
+// ---- Plans that change while training runs: chunks, the effective iteration, the re-plan policy,
+// capacity samples, operator overrides -------------------------------------------------------------
+
+// A capacity sample (bytes over busy time) of `gigabits` in a report that also carries achieved
+// throughput of 1 Gbit/s over a busy 1s window.
+v1::LinkTelemetry Capacity(const std::string& peer, double gigabits) {
+  v1::LinkTelemetry link = Window(peer, 125000000, 125000000, absl::Seconds(1));
+  link.set_capacity_bytes_per_second(gigabits * 1e9 / 8);
+  return link;
+}
+
+class PlanChangeTest : public PlannerTelemetryTest {
+ protected:
+  void Beat(const std::string& agent, uint64_t iteration, uint64_t plan_epoch = 1) {
+    v1::HeartbeatRequest beat;
+    beat.mutable_header()->set_node_id(agent);
+    beat.set_role(v1::NODE_ROLE_AGENT);
+    beat.set_iteration(iteration);
+    beat.set_plan_epoch(plan_epoch);
+    v1::HeartbeatResponse response;
+    ASSERT_TRUE(registry_.Heartbeat(job_, beat, now_, &response).ok());
+  }
+
+  v1::SyncScheme Scheme(int layer = 0) {
+    return registry_.CurrentPlan("job")->layers(layer).scheme();
+  }
+
+  absl::StatusOr<v1::SetLayerSchemesResponse> Override(
+      const std::map<std::string, v1::SyncScheme>& schemes, const Caller& caller,
+      const std::string& job_id = "") {
+    v1::SetLayerSchemesRequest request;
+    request.set_job_id(job_id);
+    for (const auto& [name, scheme] : schemes) (*request.mutable_schemes())[name] = scheme;
+    v1::SetLayerSchemesResponse response;
+    RETURN_IF_ERROR(registry_.SetLayerSchemes(caller, request, now_, &response));
+    return response;
+  }
+};
+
+// Every layer's chunks of a plan.
+std::vector<std::string> ChunksOf(const v1::Plan& plan) {
+  std::vector<std::string> chunks;
+  for (const v1::LayerPlan& layer : plan.layers()) {
+    for (const v1::Chunk& chunk : layer.chunks()) chunks.push_back(chunk.SerializeAsString());
+    chunks.push_back("|");
+  }
+  return chunks;
+}
+
+TEST_F(PlanChangeTest, EveryEpochOfAWorldKeepsTheFirstPlansChunks) {
+  FormJob(BoundaryModel());
+  const v1::Plan first = *registry_.CurrentPlan("job");
+  ASSERT_EQ(first.layers(0).scheme(), v1::SYNC_SCHEME_SFB);
+  ASSERT_FALSE(first.layers(0).chunks().empty());  // the SFB layer's chunks for PS
+  ASSERT_FALSE(first.layers(1).chunks().empty());
+
+  // Telemetry moves fc.weight to PS: the same chunks.
+  now_ += absl::Seconds(11);
+  Report(agents_[0], {Capacity(agents_[1], 7)}, {}, 50);
+  ASSERT_EQ(PlanEpoch(), 2u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(ChunksOf(*registry_.CurrentPlan("job")), ChunksOf(first));
+
+  // A server re-joins with new endpoints: a new epoch, the same chunks.
+  v1::RegisterServerRequest rejoin;
+  rejoin.set_host("server-host");
+  rejoin.set_previous_node_id(servers_[1]);
+  *rejoin.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.9:7999");
+  v1::RegisterServerResponse response;
+  ASSERT_TRUE(registry_.RegisterServer(Caller{""}, rejoin, now_, &response).ok());
+  ASSERT_EQ(PlanEpoch(), 3u);
+  EXPECT_EQ(registry_.CurrentPlan("job")->servers(1).endpoints(0).address(), "10.0.0.9:7999");
+  EXPECT_EQ(ChunksOf(*registry_.CurrentPlan("job")), ChunksOf(first));
+
+  // An operator override: the same chunks.
+  ASSERT_TRUE(Override({{"fc.weight", v1::SYNC_SCHEME_SFB}}, job_).ok());
+  ASSERT_EQ(PlanEpoch(), 4u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_SFB);
+  EXPECT_EQ(ChunksOf(*registry_.CurrentPlan("job")), ChunksOf(first));
+}
+
+TEST_F(PlanChangeTest, TheEffectiveIterationAccountsForTheStalenessOfTheView) {
+  FormJob(BoundaryModel());
+  const absl::Time start = now_;
+  // No progress reported yet: the rate is unknown (0), so lead iterations only; and above the
+  // first plan's iteration 0.
+  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 10u);
+  // 10 iterations per second for 10 seconds, reported by both agents' heartbeats.
+  for (int second = 0; second <= 10; ++second) {
+    now_ = start + absl::Seconds(second);
+    Beat(agents_[0], static_cast<uint64_t>(second) * 10);
+    Beat(agents_[1], static_cast<uint64_t>(second) * 10);
+  }
+  EXPECT_DOUBLE_EQ(registry_.IterationRate("job", now_), 10.0);
+  // Reported just now: 100 + 10/s * 2s of plan lead time + 10 lead iterations.
+  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 130u);
+  // 3 seconds later with no newer report: the job has moved on by about 30 iterations.
+  now_ += absl::Seconds(3);
+  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 160u);
+  // A fractional estimate is rounded up: 0.25s later, 162.5 -> 163.
+  now_ += absl::Milliseconds(250);
+  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 163u);
+
+  // The re-plan that telemetry causes now takes effect there (the report itself carries an older
+  // iteration, which changes nothing).
+  Report(agents_[0], {Capacity(agents_[1], 7)}, {}, 95);
+  ASSERT_EQ(PlanEpoch(), 2u);
+  EXPECT_EQ(registry_.CurrentPlan("job")->effective_iteration(), 163u);
+  // The next plan always comes after the current one's iteration, even when the estimate does
+  // not (here: the job stalls for longer than the rate window, so the rate falls to 0 and the
+  // estimate to 100 + 10).
+  now_ += absl::Seconds(31);
+  EXPECT_EQ(registry_.IterationRate("job", now_), 0);
+  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 164u);
+}
+
+TEST_F(PlanChangeTest, TheRateNeedsSamplesSpanningASecond) {
+  FormJob(BoundaryModel());
+  Beat(agents_[0], 0);
+  now_ += absl::Milliseconds(50);
+  Beat(agents_[1], 7);  // 140 iterations/s if it were believed
+  EXPECT_EQ(registry_.IterationRate("job", now_), 0);
+  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 17u);
+  // Telemetry carries the iteration too.
+  now_ += absl::Seconds(2);
+  Report(agents_[0], {}, {}, 27);
+  EXPECT_DOUBLE_EQ(registry_.IterationRate("job", now_), 27 / 2.05);
+  // The agents' plan epochs show in status.
+  Beat(agents_[1], 27, 1);
+  const v1::GetClusterStatusResponse status = Status();
+  EXPECT_EQ(NodeOf(status, agents_[1])->plan_epoch(), 1u);
+  EXPECT_EQ(NodeOf(status, agents_[1])->iteration(), 27u);
+}
+
+TEST_F(PlanChangeTest, ABandwidthOscillatingInsideTheBandNeverReplans) {
+  FormJob(BoundaryModel());
+  // 8.5 and 10 Gbit/s alternately, around the 9.36 Gbit/s boundary: each would change the
+  // scheme, but neither is 20% away from the plan's 10 Gbit/s.
+  for (int second = 1; second <= 60; ++second) {
+    now_ += absl::Seconds(1);
+    Report(agents_[0], {Capacity(agents_[1], second % 2 == 1 ? 8.5 : 10)}, {},
+           static_cast<uint64_t>(second) * 10);
+    registry_.ReplanDue(now_);
+  }
+  EXPECT_EQ(PlanEpoch(), 1u);
+  EXPECT_EQ(registry_.plans_installed(), 1u);
+}
+
+TEST_F(PlanChangeTest, ABandwidthOscillatingAcrossTheBandReplansAtMostOncePerInterval) {
+  FormJob(BoundaryModel());
+  // 7 and 10 Gbit/s alternately every second: every report is beyond the band of the plan before,
+  // and flips the scheme. Plans may change at most once per replan_min_interval (10s).
+  std::vector<absl::Time> installed;
+  uint64_t epoch = PlanEpoch();
+  for (int second = 1; second <= 60; ++second) {
+    now_ += absl::Seconds(1);
+    Report(agents_[0], {Capacity(agents_[1], second % 2 == 1 ? 7 : 10)}, {},
+           static_cast<uint64_t>(second) * 10);
+    registry_.ReplanDue(now_);
+    if (PlanEpoch() != epoch) {
+      epoch = PlanEpoch();
+      installed.push_back(now_);
+    }
+  }
+  EXPECT_GE(installed.size(), 1u);
+  EXPECT_LE(installed.size(), 6u);  // 60 reports, not 60 plans
+  for (size_t i = 1; i < installed.size(); ++i) {
+    EXPECT_GE(installed[i] - installed[i - 1], absl::Seconds(10));
+  }
+}
+
+TEST_F(PlanChangeTest, ARealDropReplansOnceAndBackUpOnceAfterTheInterval) {
+  FormJob(BoundaryModel());
+  const absl::Time start = now_;
+  ASSERT_EQ(Scheme(), v1::SYNC_SCHEME_SFB);
+  // One report of a 10x drop, 1s after the first plan: held back by the interval, not lost.
+  now_ = start + absl::Seconds(1);
+  Report(agents_[0], {Capacity(agents_[1], 1)}, {}, 10);
+  EXPECT_EQ(PlanEpoch(), 1u);
+  now_ = start + absl::Milliseconds(9900);
+  registry_.ReplanDue(now_);
+  EXPECT_EQ(PlanEpoch(), 1u);
+  // No newer report: the housekeeper's ReplanDue re-plans once the interval has passed.
+  now_ = start + absl::Seconds(10);
+  registry_.ReplanDue(now_);
+  ASSERT_EQ(PlanEpoch(), 2u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+  // The low bandwidth goes on being reported: no more plans.
+  for (int second = 11; second <= 15; ++second) {
+    now_ = start + absl::Seconds(second);
+    Report(agents_[0], {Capacity(agents_[1], 1)}, {}, static_cast<uint64_t>(second) * 10);
+    registry_.ReplanDue(now_);
+  }
+  EXPECT_EQ(PlanEpoch(), 2u);
+  // Back up to 10 Gbit/s at 16s: re-planned back once, at 20s (10s after epoch 2).
+  for (int second = 16; second <= 40; ++second) {
+    now_ = start + absl::Seconds(second);
+    Report(agents_[0], {Capacity(agents_[1], 10)}, {}, static_cast<uint64_t>(second) * 10);
+    registry_.ReplanDue(now_);
+    EXPECT_EQ(PlanEpoch(), second < 20 ? 2u : 3u) << second;
+  }
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_SFB);
+  EXPECT_EQ(registry_.plans_installed(), 3u);
+}
+
+TEST_F(PlanChangeTest, AchievedThroughputAloneCannotLowerButCapacityCan) {
+  FormJob(BoundaryModel());
+  now_ += absl::Seconds(11);
+  // Achieved 1 Gbit/s over a busy window, no capacity estimate: a lower bound, floored at the
+  // plan's 10 Gbit/s.
+  Report(agents_[0], {Window(agents_[1], 125000000, 125000000, absl::Seconds(1))}, {}, 10);
+  EXPECT_EQ(PlanEpoch(), 1u);
+  // The same report with a capacity estimate of 7 Gbit/s: taken as is.
+  Report(agents_[0], {Capacity(agents_[1], 7)}, {}, 20);
+  EXPECT_EQ(PlanEpoch(), 2u);
+  const v1::LinkStatus link = NodeOf(Status(), agents_[0])->links(0);
+  EXPECT_DOUBLE_EQ(link.capacity_bytes_per_second(), 7e9 / 8);
+  EXPECT_DOUBLE_EQ(link.bandwidth_bytes_per_second(), 7e9 / 8);
+  EXPECT_FALSE(link.lower_bound());
+  EXPECT_DOUBLE_EQ(link.bytes_per_second(), 125000000);
+}
+
+TEST_F(PlanChangeTest, TheFirstPlanUsesFreshCapacitySamples) {
+  servers_ = {AddServer(), AddServer()};
+  agents_ = {AddAgent(0, 2, 0), AddAgent(1, 2, 1)};
+  v1::RendezvousResponse world;
+  ASSERT_TRUE(*registry_.TryRendezvous(job_, agents_[0], now_, &world));
+  // Measured before the model is registered: 7 Gbit/s, below the nominal 10 Gbit/s.
+  Report(agents_[0], {Capacity(agents_[1], 7)}, {}, 0);
+  for (const std::string& agent : agents_) {
+    v1::RegisterModelRequest request;
+    request.mutable_header()->set_node_id(agent);
+    *request.mutable_model() = BoundaryModel();
+    ASSERT_TRUE(registry_.RegisterModel(job_, request, now_).ok());
+  }
+  ASSERT_EQ(PlanEpoch(), 1u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);  // nominally SFB
+}
+
+TEST_F(PlanChangeTest, OperatorOverridesAreCheckedInstalledAndPersist) {
+  FormJob(TinyModel());  // conv.weight, conv.bias, fc.weight, fc.bias
+  const v1::Plan first = *registry_.CurrentPlan("job");
+  const v1::SyncScheme fc = first.layers(2).scheme();
+  const v1::SyncScheme other =
+      fc == v1::SYNC_SCHEME_SFB ? v1::SYNC_SCHEME_PS : v1::SYNC_SCHEME_SFB;
+
+  // Refusals name the layer and change nothing.
+  auto refused = Override({{"fc.weight", other}, {"no.such", v1::SYNC_SCHEME_PS}}, job_);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("has no layer 'no.such'"));
+  refused = Override({{"conv.weight", v1::SYNC_SCHEME_SFB}}, job_);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "schemes['conv.weight']: layer 'conv.weight' is LAYER_KIND_CONV: only FC layers can "
+            "use SFB");
+  refused = Override({{"fc.weight", other}}, job_, "other-job");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  refused = Override({{"fc.weight", other}}, Caller{""}, "no-job");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(PlanEpoch(), 1u);
+
+  // Forcing fc.weight to the other scheme: a new epoch, effective ahead of the job.
+  Beat(agents_[0], 40);
+  auto set = Override({{"fc.weight", other}}, job_);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_TRUE(set->installed());
+  EXPECT_EQ(set->plan().plan_epoch(), 2u);
+  EXPECT_EQ(set->plan().effective_iteration(), 50u);
+  EXPECT_EQ(set->plan().layers(2).scheme(), other);
+  EXPECT_EQ(set->overrides().at("fc.weight"), other);
+  EXPECT_EQ(set->header().plan_epoch(), 2u);
+  EXPECT_EQ(ChunksOf(set->plan()), ChunksOf(first));
+
+  // The same again changes nothing: no new epoch. The cluster token may name the job.
+  set = Override({{"fc.weight", other}}, Caller{""}, "job");
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_FALSE(set->installed());
+  EXPECT_EQ(set->plan().plan_epoch(), 2u);
+
+  // The override persists across the cost model's re-plans: a bandwidth that would change
+  // nothing else keeps it; a new plan from a server's new endpoints keeps it too.
+  now_ += absl::Seconds(11);
+  Report(agents_[0], {Capacity(agents_[1], 0.5)}, {}, 60);
+  Report(agents_[0], {Capacity(agents_[1], 100)}, {}, 61);
+  EXPECT_EQ(Scheme(2), other);
+  v1::RegisterServerRequest rejoin;
+  rejoin.set_host("server-host");
+  rejoin.set_previous_node_id(servers_[0]);
+  *rejoin.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.9:7998");
+  v1::RegisterServerResponse response;
+  ASSERT_TRUE(registry_.RegisterServer(Caller{""}, rejoin, now_, &response).ok());
+  const uint64_t epoch = PlanEpoch();
+  EXPECT_GT(epoch, 2u);
+  EXPECT_EQ(Scheme(2), other);
+
+  // Cleared: back to the cost model's choice, a new epoch.
+  set = Override({{"fc.weight", v1::SYNC_SCHEME_UNSPECIFIED}}, job_);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_TRUE(set->overrides().empty());
+  EXPECT_EQ(set->plan().plan_epoch(), epoch + 1);
+  EXPECT_EQ(set->plan().layers(2).scheme(), fc);
 }
 
 }  // namespace

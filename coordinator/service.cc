@@ -243,6 +243,7 @@ void CoordinatorService::Housekeep() {
     std::vector<Completion> done;
     const absl::Time now = MonotonicNow();
     registry_.Expire(now);
+    registry_.ReplanDue(now);  // re-plans replan_min_interval held back
     PollWaitersLocked(now, done);
     ExpireWaitersLocked(now, done);
     metrics_.Update(registry_, now, waiters_.size());
@@ -314,6 +315,15 @@ grpc::ServerUnaryReactor* CoordinatorService::GetClusterStatus(
   return Answer(context, Method::kGetClusterStatus, *request,
                 [&](const Caller& caller, absl::Time now) {
                   return registry_.ClusterStatus(caller, now, response);
+                });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::SetLayerSchemes(
+    grpc::CallbackServerContext* context, const v1::SetLayerSchemesRequest* request,
+    v1::SetLayerSchemesResponse* response) {
+  return Answer(context, Method::kSetLayerSchemes, *request,
+                [&](const Caller& caller, absl::Time now) {
+                  return registry_.SetLayerSchemes(caller, *request, now, response);
                 });
 }
 

@@ -88,6 +88,9 @@ class CoordinatorService final : public poseidon::v1::Coordinator::CallbackServi
   grpc::ServerUnaryReactor* GetClusterStatus(
       grpc::CallbackServerContext* context, const poseidon::v1::GetClusterStatusRequest* request,
       poseidon::v1::GetClusterStatusResponse* response) override;
+  grpc::ServerUnaryReactor* SetLayerSchemes(
+      grpc::CallbackServerContext* context, const poseidon::v1::SetLayerSchemesRequest* request,
+      poseidon::v1::SetLayerSchemesResponse* response) override;
 
  private:
   class WaitReactor;

@@ -35,6 +35,8 @@ const char* MethodName(Method method) {
       return "Deregister";
     case Method::kGetClusterStatus:
       return "GetClusterStatus";
+    case Method::kSetLayerSchemes:
+      return "SetLayerSchemes";
   }
   return "unknown";
 }

@@ -177,6 +177,8 @@ TEST_F(CoordinatorServiceTest, WrongOrMissingTokenIsRefusedOnEveryCall) {
     EXPECT_STATUS(client->Heartbeat(0, 0).status(), kUnauthenticated, expected);
     EXPECT_STATUS(client->Deregister("bye"), kUnauthenticated, expected);
     EXPECT_STATUS(client->GetClusterStatus().status(), kUnauthenticated, expected);
+    EXPECT_STATUS(client->SetLayerSchemes({{"fc.weight", v1::SYNC_SCHEME_PS}}).status(),
+                  kUnauthenticated, expected);
   }
   // Cluster-wide calls need the cluster token.
   auto cluster = Client("", "not-the-cluster-token");
@@ -309,6 +311,10 @@ TEST_F(CoordinatorServiceTest, TelemetryBeyondTheThresholdSwitchesThePlanEpoch) 
   options.service.registry.nominal_latency_seconds = 7e-6;
   options.service.registry.replan_threshold = 0.2;
   options.service.registry.plan_lead_iterations = 10;
+  // Wall-clock time: no minimum interval and no lead time, so the epochs and iterations below do
+  // not depend on how fast the test runs (registry_test drives both with a fake clock).
+  options.service.registry.replan_min_interval = absl::ZeroDuration();
+  options.service.registry.plan_lead_time = absl::ZeroDuration();
   options.service.registry.min_servers = 2;
   StartServer(options);
   auto server0 = AddServer(7100);
@@ -364,6 +370,85 @@ TEST_F(CoordinatorServiceTest, TelemetryBeyondTheThresholdSwitchesThePlanEpoch) 
   auto unchanged = agent.WaitForPlan(4, absl::Milliseconds(500));
   ASSERT_TRUE(unchanged.ok()) << unchanged.status();
   EXPECT_EQ(unchanged->plan_epoch(), 3u);
+}
+
+// ---- Operator overrides --------------------------------------------------------------------------
+
+TEST_F(CoordinatorServiceTest, SetLayerSchemesInstallsAnEpochThatWakesLongPolls) {
+  StartServer();
+  auto server = AddServer(7100);
+  std::vector<Member> members = FormWorld(2);
+  std::vector<absl::StatusOr<v1::Plan>> plans = RegisterModels(members, TinyModel());
+  ASSERT_TRUE(plans[0].ok()) << plans[0].status();
+  const v1::Plan first = *plans[0];
+  ASSERT_EQ(first.layers(2).layer_name(), "fc.weight");
+  const v1::SyncScheme other = first.layers(2).scheme() == v1::SYNC_SCHEME_SFB
+                                   ? v1::SYNC_SCHEME_PS
+                                   : v1::SYNC_SCHEME_SFB;
+  ASSERT_TRUE(members[0].client->Heartbeat(200, 1).ok());
+
+  // An agent's watcher waits for epoch 2.
+  absl::StatusOr<v1::Plan> awaited = absl::UnknownError("");
+  std::thread waiter([&] { awaited = members[1].client->WaitForPlan(2, absl::Seconds(30)); });
+  while (server_->service().parked_calls() == 0) absl::SleepFor(absl::Milliseconds(5));
+
+  // A tool with the job's token (no node id) forces fc.weight to the other scheme.
+  auto tool = Client();
+  absl::StatusOr<v1::Plan> plan = tool->SetLayerSchemes({{"fc.weight", other}});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->plan_epoch(), 2u);
+  EXPECT_GE(plan->effective_iteration(), 210u);  // 200 + plan_lead 10 (+ the rate's share)
+  EXPECT_EQ(plan->layers(2).scheme(), other);
+  for (int i = 0; i < first.layers_size(); ++i) {  // the same chunks, SFB layers' included
+    ASSERT_EQ(plan->layers(i).chunks_size(), first.layers(i).chunks_size());
+    ASSERT_GT(plan->layers(i).chunks_size(), 0);
+    for (int c = 0; c < first.layers(i).chunks_size(); ++c) {
+      EXPECT_EQ(plan->layers(i).chunks(c).SerializeAsString(),
+                first.layers(i).chunks(c).SerializeAsString());
+    }
+  }
+  waiter.join();
+  ASSERT_TRUE(awaited.ok()) << awaited.status();
+  EXPECT_EQ(awaited->plan_epoch(), 2u);
+  EXPECT_EQ(awaited->layers(2).scheme(), other);
+
+  // Refusals name the layer.
+  EXPECT_STATUS(tool->SetLayerSchemes({{"no.such.layer", v1::SYNC_SCHEME_PS}}).status(),
+                kInvalidArgument, "has no layer 'no.such.layer'");
+  EXPECT_STATUS(tool->SetLayerSchemes({{"conv.bias", v1::SYNC_SCHEME_SFB}}).status(),
+                kInvalidArgument,
+                "schemes['conv.bias']: layer 'conv.bias' is LAYER_KIND_BIAS: only FC layers can "
+                "use SFB");
+  EXPECT_STATUS(tool->SetLayerSchemes({}).status(), kInvalidArgument,
+                "schemes: at least one layer -> scheme entry is required");
+  // Another job's token cannot change job-a's plan; a job without a plan has none to change.
+  auto other_job = Client(kJobB, kTokenB);
+  auto denied = other_job->SetLayerSchemes({{"fc.weight", other}}, kJobA, "");
+  EXPECT_STATUS(denied.status(), kPermissionDenied, "may only change that job's plan");
+  EXPECT_STATUS(other_job->SetLayerSchemes({{"fc.weight", other}}).status(), kNotFound,
+                "job 'job-b' is unknown");
+  // The cluster token names the job; clearing the override goes back to the cost model.
+  auto admin = Client("", kClusterToken);
+  EXPECT_STATUS(admin->SetLayerSchemes({{"fc.weight", other}}).status(), kInvalidArgument,
+                "job_id: must name the job");
+  auto cleared =
+      admin->SetLayerSchemes({{"fc.weight", v1::SYNC_SCHEME_UNSPECIFIED}}, kJobA, "test");
+  ASSERT_TRUE(cleared.ok()) << cleared.status();
+  EXPECT_TRUE(cleared->installed());
+  EXPECT_TRUE(cleared->overrides().empty());
+  EXPECT_EQ(cleared->plan().plan_epoch(), 3u);
+  EXPECT_EQ(cleared->plan().layers(2).scheme(), first.layers(2).scheme());
+  EXPECT_GT(cleared->plan().effective_iteration(), plan->effective_iteration());
+
+  // Status shows the epoch each agent says it runs, next to the job's.
+  ASSERT_TRUE(members[0].client->Heartbeat(205, 2).ok());
+  auto status = tool->GetClusterStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_EQ(status->jobs_size(), 1);
+  EXPECT_EQ(status->jobs(0).plan_epoch(), 3u);
+  for (const v1::NodeStatus& node : status->nodes()) {
+    if (node.node_id() == members[0].client->node_id()) EXPECT_EQ(node.plan_epoch(), 2u);
+  }
 }
 
 TEST_F(CoordinatorServiceTest, ServerRejoiningWithNewEndpointsGetsANewPlanEpoch) {

@@ -18,9 +18,14 @@ void LinkTable::EraseNode(const std::string& node) {
 }
 
 std::optional<double> SampleBandwidth(const LinkSample& sample, uint64_t min_bytes) {
+  if (sample.capacity_bytes_per_second > 0) return sample.capacity_bytes_per_second;
   if (!(sample.bytes_per_second > 0)) return std::nullopt;
   if (sample.window_ns != 0 && sample.bytes < min_bytes) return std::nullopt;
   return sample.bytes_per_second;
+}
+
+bool IsLowerBound(const LinkSample& sample) {
+  return !(sample.capacity_bytes_per_second > 0) && sample.window_ns != 0;
 }
 
 NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& members, absl::Time now,
@@ -36,7 +41,8 @@ NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& memb
       ++estimate.links;
       if (const std::optional<double> bandwidth = SampleBandwidth(sample, rule.min_bytes)) {
         // Achieved throughput is only a lower bound: it never drags the estimate below `floor`.
-        bandwidths.push_back(sample.window_ns == 0 ? *bandwidth : std::max(*bandwidth, rule.floor));
+        // A capacity sample (a measurement, or an estimate from busy time) is taken as is.
+        bandwidths.push_back(IsLowerBound(sample) ? std::max(*bandwidth, rule.floor) : *bandwidth);
       }
       if (sample.latency_ns > 0) latencies.push_back(static_cast<double>(sample.latency_ns) / 2e9);
     }

@@ -25,6 +25,10 @@ struct LinkSample {
   // capacity, since an idle or compute-bound link moves less than it could.
   uint64_t window_ns = 0;
   uint64_t bytes = 0;
+  // > 0: the reporter's capacity estimate of the link (bytes over the busy time of its large
+  // transfers, LinkTelemetry.capacity_bytes_per_second). It is preferred to bytes_per_second and
+  // taken as is: it can lower the estimate as well as raise it.
+  double capacity_bytes_per_second = 0;
 };
 
 // How achieved-throughput samples feed the planner (docs/planner.md, "Measured bandwidth").
@@ -36,9 +40,15 @@ struct ThroughputRule {
   double floor = 0;
 };
 
-// The bandwidth a sample tells about the link's capacity: a capacity measurement as is, the
-// achieved throughput of a window with at least min_bytes (a lower bound), nullopt otherwise.
+// The bandwidth a sample tells about the link's capacity: its capacity estimate
+// (capacity_bytes_per_second) when it has one; else a capacity measurement (window_ns == 0) as
+// is; else the achieved throughput of a window with at least min_bytes (a lower bound); nullopt
+// otherwise.
 std::optional<double> SampleBandwidth(const LinkSample& sample, uint64_t min_bytes);
+
+// Whether SampleBandwidth of the sample is only a lower bound of the capacity: achieved
+// throughput over a window, without a capacity estimate.
+bool IsLowerBound(const LinkSample& sample);
 
 // What the planner should assume for a set of nodes.
 struct NetworkEstimate {
@@ -56,7 +66,7 @@ class LinkTable {
   // Forgets every link from or to `node`.
   void EraseNode(const std::string& node);
   // Over the links whose both ends are in `members` and whose sample is at most `max_age` old;
-  // achieved-throughput samples count as `rule` says.
+  // achieved-throughput samples (IsLowerBound) count as `rule` says, capacity samples as they are.
   NetworkEstimate Estimate(const absl::flat_hash_set<std::string>& members, absl::Time now,
                            absl::Duration max_age, const ThroughputRule& rule = {}) const;
   // Mean bytes/s of `node`'s fresh outgoing links; 0 without any.

@@ -62,5 +62,48 @@ TEST(TelemetryTest, AchievedThroughputIsALowerBoundFromBusyWindowsOnly) {
   EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 2e9);
 }
 
+// A report of one link carrying both kinds: achieved throughput over a window and a capacity
+// estimate from the busy time of large transfers.
+LinkSample Both(double achieved, double capacity, absl::Time at) {
+  LinkSample sample{achieved, 0, at, 1000000000, 1u << 30};
+  sample.capacity_bytes_per_second = capacity;
+  return sample;
+}
+
+TEST(TelemetryTest, CapacitySamplesArePreferredAndCanLowerTheEstimate) {
+  const absl::Time now = absl::UnixEpoch() + absl::Hours(1);
+  const absl::flat_hash_set<std::string> members = {"a", "b"};
+  const ThroughputRule rule{/*min_bytes=*/1000, /*floor=*/5e9};
+  LinkTable links;
+  // Achieved 1 GB/s alone is floored at the plan's 5 GB/s: a slower link cannot show.
+  links.Record("a", "b", {1e9, 0, now, 1000000000, 1000000000});
+  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 5e9);
+  // With a capacity estimate of 0.5 GB/s in the same report: taken as is, below the floor.
+  links.Record("a", "b", Both(1e9, 0.5e9, now));
+  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 0.5e9);
+  EXPECT_EQ(SampleBandwidth(Both(1e9, 0.5e9, now), 1000), 0.5e9);
+  EXPECT_FALSE(IsLowerBound(Both(1e9, 0.5e9, now)));
+  EXPECT_TRUE(IsLowerBound({1e9, 0, now, 1000000000, 1000000000}));
+  EXPECT_FALSE(IsLowerBound({1e9, 0, now}));  // a capacity measurement without a window
+  // It rises as well: 9 GB/s of capacity while the window achieved only 1.
+  links.Record("a", "b", Both(1e9, 9e9, now));
+  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 9e9);
+  // The capacity estimate counts even from a window that moved less than min_bytes (it is a
+  // measurement of the busy time, not of the window).
+  LinkSample quiet = Both(10, 3e9, now);
+  quiet.bytes = 10;
+  EXPECT_EQ(SampleBandwidth(quiet, 1000), 3e9);
+  // Mixed links: the median over one floored achieved sample and two capacity samples.
+  links.Record("a", "b", {1e9, 0, now, 1000000000, 1000000000});  // stands for 5e9
+  links.Record("b", "a", Both(1e9, 2e9, now));
+  const absl::flat_hash_set<std::string> three = {"a", "b", "c"};
+  links.Record("c", "a", Both(1e9, 1e9, now));
+  EXPECT_EQ(links.Estimate(three, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 2e9);
+  // A stale capacity sample does not count.
+  links.Record("b", "a", Both(1e9, 2e9, now - absl::Minutes(2)));
+  links.Record("c", "a", Both(1e9, 1e9, now - absl::Minutes(2)));
+  EXPECT_EQ(links.Estimate(three, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 5e9);
+}
+
 }  // namespace
 }  // namespace poseidon::coordinator

@@ -1,6 +1,7 @@
 #include "coordinator/validate.h"
 
 #include <cmath>
+#include <map>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -289,6 +290,8 @@ absl::Status ValidateRequest(const v1::ReportTelemetryRequest& request) {
     }
     RETURN_IF_ERROR(
         CheckFinite(absl::StrCat(field, ".bytes_per_second"), link.bytes_per_second(), 0));
+    RETURN_IF_ERROR(CheckFinite(absl::StrCat(field, ".capacity_bytes_per_second"),
+                                link.capacity_bytes_per_second(), 0));
     if (link.latency_ns() > kMaxLatencyNs) {
       return Invalid(
           absl::StrCat(field, ".latency_ns"),
@@ -333,6 +336,34 @@ absl::Status ValidateRequest(const v1::DeregisterRequest& request) {
 
 absl::Status ValidateRequest(const v1::GetClusterStatusRequest& /*request*/) {
   return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::SetLayerSchemesRequest& request) {
+  if (request.header().job_id().empty() || !request.job_id().empty()) {
+    if (request.job_id().empty()) {
+      return Invalid("job_id", "must name the job when the cluster token is used (empty "
+                               "header.job_id)");
+    }
+    RETURN_IF_ERROR(ValidateId("job_id", request.job_id()));
+  }
+  if (request.schemes().empty()) {
+    return Invalid("schemes", "at least one layer -> scheme entry is required");
+  }
+  if (request.schemes_size() > kMaxLayers) {
+    return Invalid("schemes", absl::StrCat(request.schemes_size(), " entries; at most ",
+                                           kMaxLayers, " allowed"));
+  }
+  // In name order, so the error is the same for the same request.
+  const std::map<std::string, int> schemes(request.schemes().begin(), request.schemes().end());
+  for (const auto& [name, scheme] : schemes) {
+    const std::string field = absl::StrCat("schemes['", name.substr(0, 64), "']");
+    if (name.empty()) return Invalid("schemes", "a layer name is empty");
+    RETURN_IF_ERROR(CheckLength(field, name, kMaxLayerNameBytes));
+    if (!v1::SyncScheme_IsValid(scheme)) {
+      return Invalid(field, absl::StrCat(scheme, " is not a known SyncScheme"));
+    }
+  }
+  return CheckLength("reason", request.reason(), kMaxReasonBytes);
 }
 
 }  // namespace poseidon::coordinator

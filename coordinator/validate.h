@@ -54,6 +54,10 @@ absl::Status ValidateRequest(const poseidon::v1::ReportTelemetryRequest& request
 absl::Status ValidateRequest(const poseidon::v1::HeartbeatRequest& request);
 absl::Status ValidateRequest(const poseidon::v1::DeregisterRequest& request);
 absl::Status ValidateRequest(const poseidon::v1::GetClusterStatusRequest& request);
+// job_id: an id, required with the cluster token (empty header.job_id); schemes: 1..kMaxLayers
+// entries, names non-empty and at most kMaxLayerNameBytes, values known SyncSchemes; reason at
+// most kMaxReasonBytes.
+absl::Status ValidateRequest(const poseidon::v1::SetLayerSchemesRequest& request);
 
 // The model on its own ("model.layers[3].shape: ..."), including the planner's checks
 // (ValidateModelSpec: unique names, known kinds, FC shapes [M, N], element types).

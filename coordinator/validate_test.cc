@@ -1,5 +1,7 @@
 #include "coordinator/validate.h"
 
+#include <limits>
+
 #include "coordinator/test_util.h"
 
 namespace poseidon::coordinator::testing {
@@ -98,6 +100,44 @@ TEST(ValidateTest, TelemetryLinksNameTheirPeerByNodeIdOrByJobAndRank) {
   link->set_peer_job_id("job-1");
   link->set_peer_rank(kMaxWorldSize);
   EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("links[0].peer_rank: must be below"));
+  link->set_peer_rank(1);
+  link->set_capacity_bytes_per_second(-1);
+  EXPECT_THAT(Message(ValidateRequest(request)),
+              HasSubstr("links[0].capacity_bytes_per_second: must be a finite number >= 0"));
+  link->set_capacity_bytes_per_second(std::numeric_limits<double>::quiet_NaN());
+  EXPECT_THAT(Message(ValidateRequest(request)),
+              HasSubstr("links[0].capacity_bytes_per_second: must be a finite number"));
+  link->set_capacity_bytes_per_second(1e9);
+  EXPECT_TRUE(ValidateRequest(request).ok());
+}
+
+TEST(ValidateTest, SetLayerSchemesChecksEveryEntry) {
+  v1::SetLayerSchemesRequest request;
+  request.mutable_header()->set_job_id("job-1");
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("schemes: at least one"));
+  (*request.mutable_schemes())["fc.weight"] = v1::SYNC_SCHEME_SFB;
+  (*request.mutable_schemes())["conv.weight"] = v1::SYNC_SCHEME_UNSPECIFIED;
+  EXPECT_TRUE(ValidateRequest(request).ok());
+  (*request.mutable_schemes())["x"] = static_cast<v1::SyncScheme>(7);
+  EXPECT_THAT(Message(ValidateRequest(request)),
+              HasSubstr("schemes['x']: 7 is not a known SyncScheme"));
+  request.mutable_schemes()->erase("x");
+  (*request.mutable_schemes())[""] = v1::SYNC_SCHEME_PS;
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("schemes: a layer name is empty"));
+  request.mutable_schemes()->erase("");
+  (*request.mutable_schemes())[std::string(kMaxLayerNameBytes + 1, 'a')] = v1::SYNC_SCHEME_PS;
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("bytes; at most 1024 allowed"));
+  request.mutable_schemes()->erase(std::string(kMaxLayerNameBytes + 1, 'a'));
+  request.set_reason(std::string(kMaxReasonBytes + 1, 'r'));
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("reason: is 1025 bytes"));
+  request.clear_reason();
+  // With the cluster token the job is named in the request.
+  request.mutable_header()->clear_job_id();
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("job_id: must name the job"));
+  request.set_job_id("bad job");
+  EXPECT_THAT(Message(ValidateRequest(request)), HasSubstr("job_id: may contain"));
+  request.set_job_id("job-1");
+  EXPECT_TRUE(ValidateRequest(request).ok());
 }
 
 }  // namespace
