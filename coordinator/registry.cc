@@ -807,8 +807,8 @@ void Registry::MaybePlan(Job& job, absl::Time now) {
   }
   if (!job.plan_error.empty()) return;  // cleared by the next model registration
   const uint64_t effective = job.plan.has_value() ? EffectiveIteration(job, now) : 0;
-  absl::StatusOr<v1::Plan> plan = Build(job, bandwidth, latency, job.last_plan_epoch + 1,
-                                        effective, job.scheme_overrides);
+  absl::StatusOr<v1::Plan> plan =
+      Build(job, bandwidth, latency, job.last_plan_epoch + 1, effective, job.scheme_overrides);
   if (!plan.ok()) {
     job.plan_error = std::string(plan.status().message());
     ++version_;
@@ -859,9 +859,8 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
   job.replan_deferred = false;
   job.last_evaluated_bandwidth = measured;
   const double latency = estimate.latency_seconds.value_or(options_.nominal_latency_seconds);
-  absl::StatusOr<v1::Plan> candidate =
-      Build(job, measured, latency, job.last_plan_epoch + 1, EffectiveIteration(job, now),
-            job.scheme_overrides);
+  absl::StatusOr<v1::Plan> candidate = Build(job, measured, latency, job.last_plan_epoch + 1,
+                                             EffectiveIteration(job, now), job.scheme_overrides);
   if (!candidate.ok()) {
     PSD_LOG_WARN("job {}: re-planning for {} failed: {}", job.id, Bandwidth(measured),
                  candidate.status().message());
@@ -884,7 +883,8 @@ void Registry::ReplanDue(absl::Time now) {
   }
 }
 
-// ---- Progress and the effective iteration --------------------------------------------------------
+// ---- Progress and the effective iteration
+// --------------------------------------------------------
 
 void Registry::ObserveIteration(Job& job, uint64_t iteration, absl::Time now) {
   if (!job.progress.empty() && iteration <= job.max_iteration) return;
@@ -924,8 +924,7 @@ uint64_t Registry::EffectiveIteration(const Job& job, absl::Time now) const {
               absl::ToDoubleSeconds(options_.plan_lead_time));
   // Saturating: a plan 2^62 iterations ahead is as good as never, and never wraps around.
   constexpr double kMax = 4611686018427387904.0;  // 2^62
-  const double estimate =
-      std::min(std::ceil(static_cast<double>(job.max_iteration) + ahead), kMax);
+  const double estimate = std::min(std::ceil(static_cast<double>(job.max_iteration) + ahead), kMax);
   uint64_t effective = static_cast<uint64_t>(estimate);
   effective += std::min<uint64_t>(options_.plan_lead_iterations,
                                   std::numeric_limits<uint64_t>::max() - effective);
@@ -946,27 +945,27 @@ double Registry::IterationRate(absl::string_view job_id, absl::Time now) const {
   return job == nullptr ? 0 : Rate(*job, now);
 }
 
-// ---- Operator overrides --------------------------------------------------------------------------
+// ---- Operator overrides
+// --------------------------------------------------------------------------
 
 absl::Status Registry::SetLayerSchemes(const Caller& caller,
                                        const v1::SetLayerSchemesRequest& request, absl::Time now,
                                        v1::SetLayerSchemesResponse* response) {
   if (!caller.job_id.empty() && !request.job_id().empty() && request.job_id() != caller.job_id) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("job_id: the token of job '", caller.job_id,
-                     "' may only change that job's plan, not job '", request.job_id(),
-                     "'s (use that job's token or the cluster token)"));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "job_id: the token of job '", caller.job_id, "' may only change that job's plan, not job '",
+        request.job_id(), "'s (use that job's token or the cluster token)"));
   }
   const std::string job_id = caller.job_id.empty() ? request.job_id() : caller.job_id;
   const auto found = jobs_.find(job_id);
   if (found == jobs_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("job '", job_id, "' is unknown to this coordinator (no agent has registered)"));
+    return absl::NotFoundError(absl::StrCat(
+        "job '", job_id, "' is unknown to this coordinator (no agent has registered)"));
   }
   Job& job = found->second;
   if (!job.plan.has_value() || !job.model.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' has no plan yet: ",
-                                                      DescribeMissingPlan(job_id, now)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job_id, "' has no plan yet: ", DescribeMissingPlan(job_id, now)));
   }
   // Checked in name order, all before anything changes.
   const std::map<std::string, v1::SyncScheme> requested(request.schemes().begin(),
@@ -977,14 +976,14 @@ absl::Status Registry::SetLayerSchemes(const Caller& caller,
         std::find_if(job.model->spec.layers().begin(), job.model->spec.layers().end(),
                      [&name = name](const v1::LayerSpec& spec) { return spec.name() == name; });
     if (layer == job.model->spec.layers().end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "schemes['", name, "']: job '", job_id, "''s model '", job.model->spec.name(),
-          "' has no layer '", name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("schemes['", name, "']: job '", job_id,
+                                                     "''s model '", job.model->spec.name(),
+                                                     "' has no layer '", name, "'"));
     }
     if (scheme == v1::SYNC_SCHEME_SFB && layer->kind() != v1::LAYER_KIND_FC) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "schemes['", name, "']: layer '", name, "' is ", v1::LayerKind_Name(layer->kind()),
-          ": only FC layers can use SFB"));
+      return absl::InvalidArgumentError(absl::StrCat("schemes['", name, "']: layer '", name,
+                                                     "' is ", v1::LayerKind_Name(layer->kind()),
+                                                     ": only FC layers can use SFB"));
     }
     if (scheme == v1::SYNC_SCHEME_UNSPECIFIED) {
       overrides.erase(name);

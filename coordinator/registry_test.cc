@@ -375,7 +375,6 @@ TEST_F(RegistryTelemetryTest, AServersReportShowsPerLinkAndAgentsLatencyToo) {
   EXPECT_EQ(scoped_status->links(0).peer_node_id(), agents_[1]);
 }
 
-
 class PlannerTelemetryTest : public RegistryTelemetryTest {
  protected:
   PlannerTelemetryTest() : RegistryTelemetryTest(PlannerOptions()) {}
@@ -444,7 +443,8 @@ TEST_F(PlannerTelemetryTest, AServersAchievedThroughputIsALowerBoundToo) {
 }
 
 // ---- Plans that change while training runs: chunks, the effective iteration, the re-plan policy,
-// capacity samples, operator overrides -------------------------------------------------------------
+// capacity samples, operator overrides
+// -------------------------------------------------------------
 
 // A capacity sample (bytes over busy time) of `gigabits` in a report that also carries achieved
 // throughput of 1 Gbit/s over a busy 1s window.
@@ -686,8 +686,7 @@ TEST_F(PlanChangeTest, OperatorOverridesAreCheckedInstalledAndPersist) {
   FormJob(TinyModel());  // conv.weight, conv.bias, fc.weight, fc.bias
   const v1::Plan first = *registry_.CurrentPlan("job");
   const v1::SyncScheme fc = first.layers(2).scheme();
-  const v1::SyncScheme other =
-      fc == v1::SYNC_SCHEME_SFB ? v1::SYNC_SCHEME_PS : v1::SYNC_SCHEME_SFB;
+  const v1::SyncScheme other = fc == v1::SYNC_SCHEME_SFB ? v1::SYNC_SCHEME_PS : v1::SYNC_SCHEME_SFB;
 
   // Refusals name the layer and change nothing.
   auto refused = Override({{"fc.weight", other}, {"no.such", v1::SYNC_SCHEME_PS}}, job_);

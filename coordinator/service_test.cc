@@ -372,7 +372,8 @@ TEST_F(CoordinatorServiceTest, TelemetryBeyondTheThresholdSwitchesThePlanEpoch) 
   EXPECT_EQ(unchanged->plan_epoch(), 3u);
 }
 
-// ---- Operator overrides --------------------------------------------------------------------------
+// ---- Operator overrides
+// --------------------------------------------------------------------------
 
 TEST_F(CoordinatorServiceTest, SetLayerSchemesInstallsAnEpochThatWakesLongPolls) {
   StartServer();
@@ -382,9 +383,8 @@ TEST_F(CoordinatorServiceTest, SetLayerSchemesInstallsAnEpochThatWakesLongPolls)
   ASSERT_TRUE(plans[0].ok()) << plans[0].status();
   const v1::Plan first = *plans[0];
   ASSERT_EQ(first.layers(2).layer_name(), "fc.weight");
-  const v1::SyncScheme other = first.layers(2).scheme() == v1::SYNC_SCHEME_SFB
-                                   ? v1::SYNC_SCHEME_PS
-                                   : v1::SYNC_SCHEME_SFB;
+  const v1::SyncScheme other =
+      first.layers(2).scheme() == v1::SYNC_SCHEME_SFB ? v1::SYNC_SCHEME_PS : v1::SYNC_SCHEME_SFB;
   ASSERT_TRUE(members[0].client->Heartbeat(200, 1).ok());
 
   // An agent's watcher waits for epoch 2.

@@ -341,8 +341,9 @@ absl::Status ValidateRequest(const v1::GetClusterStatusRequest& /*request*/) {
 absl::Status ValidateRequest(const v1::SetLayerSchemesRequest& request) {
   if (request.header().job_id().empty() || !request.job_id().empty()) {
     if (request.job_id().empty()) {
-      return Invalid("job_id", "must name the job when the cluster token is used (empty "
-                               "header.job_id)");
+      return Invalid("job_id",
+                     "must name the job when the cluster token is used (empty "
+                     "header.job_id)");
     }
     RETURN_IF_ERROR(ValidateId("job_id", request.job_id()));
   }
@@ -350,8 +351,8 @@ absl::Status ValidateRequest(const v1::SetLayerSchemesRequest& request) {
     return Invalid("schemes", "at least one layer -> scheme entry is required");
   }
   if (request.schemes_size() > kMaxLayers) {
-    return Invalid("schemes", absl::StrCat(request.schemes_size(), " entries; at most ",
-                                           kMaxLayers, " allowed"));
+    return Invalid("schemes", absl::StrCat(request.schemes_size(), " entries; at most ", kMaxLayers,
+                                           " allowed"));
   }
   // In name order, so the error is the same for the same request.
   const std::map<std::string, int> schemes(request.schemes().begin(), request.schemes().end());

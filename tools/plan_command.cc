@@ -11,6 +11,7 @@
 #include "common/config.h"
 #include "coordinator/planner/model_spec.h"
 #include "coordinator/planner/planner.h"
+#include "tools/plan_live_command.h"
 #include "tools/plan_output.h"
 
 namespace poseidon::tools {
@@ -68,6 +69,8 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int RunPlanCommand(const std::vector<std::string>& args) {
+  // Against a running coordinator: its plan, or an operator's override (plan_live_command.h).
+  if (IsLivePlanCommand(args)) return RunLivePlanCommand(args);
   const ConfigSchema<PlanFlags> schema = PlanFlagsSchema();
   ConfigInput input;
   input.args = args;
@@ -75,6 +78,13 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   if (!loaded.ok()) return Fail(loaded.status());
   if (loaded->help_requested) {
     std::fputs(schema.Usage().c_str(), stdout);
+    std::fputs(
+        "\nA running job's plan, and an operator's override of layer schemes:\n"
+        "  poseidon plan --coordinator ADDR --job J --token T [--set "
+        "'fc1.weight=ps,fc2.weight=sfb']\n"
+        "  (auto instead of ps/sfb: back to the cost model; poseidon plan --coordinator ADDR "
+        "--help)\n",
+        stdout);
     return 0;
   }
   for (const std::string& arg : loaded->unparsed_args) {

@@ -10,7 +10,7 @@ namespace poseidon::tools {
 
 // Runs the subcommand with the arguments after "plan". Returns the exit code: 0 on success (or
 // --help), 2 on bad flags, an unknown or malformed model, or an impossible cluster (one line on
-// stderr).
+// stderr). With --coordinator or --set: the live form (plan_live_command.h).
 int RunPlanCommand(const std::vector<std::string>& args);
 
 }  // namespace poseidon::tools

@@ -245,8 +245,9 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
   if (!report.server_bytes.empty()) {
     const auto [min, max] =
         std::minmax_element(report.server_bytes.begin(), report.server_bytes.end());
-    absl::StrAppend(&out, "servers  stored bytes per server: min ", HumanBytes(*min), ", mean ",
-                    HumanBytes(Mean(report.server_bytes)), ", max ", HumanBytes(*max),
+    // Every layer's chunks are placed, SFB layers' too (a later epoch may move them to PS).
+    absl::StrAppend(&out, "servers  chunk bytes placed per server: min ", HumanBytes(*min),
+                    ", mean ", HumanBytes(Mean(report.server_bytes)), ", max ", HumanBytes(*max),
                     " (largest chunk ", HumanBytes(report.largest_chunk_bytes), ")\n");
   }
   return out;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -179,6 +180,50 @@ std::string Bandwidth(const v1::LinkStatus& link) {
   return absl::StrCat(link.lower_bound() ? ">=" : "", Rate(link.bandwidth_bytes_per_second()));
 }
 
+// The job of an agent, or null.
+const v1::JobStatus* JobOf(const v1::NodeStatus& agent,
+                           const v1::GetClusterStatusResponse& status) {
+  for (const v1::JobStatus& job : status.jobs()) {
+    if (job.job_id() == agent.job_id()) return &job;
+  }
+  return nullptr;
+}
+
+// The epoch an agent runs, next to its job's newest: "3", "2 (job: 3)", "-" before it said.
+std::string AgentEpoch(const v1::NodeStatus& agent, const v1::GetClusterStatusResponse& status) {
+  if (agent.plan_epoch() == 0) return "-";
+  const v1::JobStatus* job = JobOf(agent, status);
+  if (job == nullptr || job->plan_epoch() == agent.plan_epoch()) {
+    return absl::StrCat(agent.plan_epoch());
+  }
+  return absl::StrCat(agent.plan_epoch(), " (job: ", job->plan_epoch(), ")");
+}
+
+// The epochs the job's live agents run, when not all on the job's newest: "; agents on epoch
+// 2: 3 of 4".
+std::string AgentEpochs(const v1::JobStatus& job, const v1::GetClusterStatusResponse& status) {
+  std::map<uint64_t, int> counts;
+  int agents = 0;
+  for (const v1::NodeStatus& n : status.nodes()) {
+    if (n.role() != v1::NODE_ROLE_AGENT || n.job_id() != job.job_id() ||
+        (n.state() != v1::NODE_STATE_ALIVE && n.state() != v1::NODE_STATE_SUSPECT)) {
+      continue;
+    }
+    ++agents;
+    ++counts[n.plan_epoch()];
+  }
+  if (agents == 0) return "";
+  if (counts.size() == 1 && counts.begin()->first == job.plan_epoch()) {
+    return absl::StrCat("; every agent on epoch ", job.plan_epoch());
+  }
+  std::vector<std::string> parts;
+  for (const auto& [epoch, count] : counts) {
+    parts.push_back(absl::StrCat(epoch == 0 ? std::string("none yet") : absl::StrCat(epoch), ": ",
+                                 count, " of ", agents));
+  }
+  return absl::StrCat("; agents on epoch ", absl::StrJoin(parts, ", "));
+}
+
 // Left-aligned columns, widths from the content.
 void PrintTable(const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> widths;
@@ -205,7 +250,7 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       rows.push_back({"SERVER", "STATE", "HOST", "ENDPOINTS", "SENDING", "LAST SEEN"});
     } else {
       rows.push_back({"AGENT", "JOB", "RANK", "STATE", "HOST", "GPU", "ENDPOINTS", "ITERATION",
-                      "SENDING", "SYNC/ITER", "SLOWEST LAYER", "LAST SEEN"});
+                      "PLAN EPOCH", "SENDING", "SYNC/ITER", "SLOWEST LAYER", "LAST SEEN"});
     }
     for (const v1::NodeStatus& n : status.nodes()) {
       if (n.role() != role) continue;
@@ -216,7 +261,7 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
         rows.push_back(
             {n.node_id(), n.job_id(), absl::StrCat(n.rank()), StateName(n.state()), n.host(),
              absl::StrCat(n.gpu_index()), Endpoints(n), absl::StrCat(n.iteration()),
-             Rate(n.bytes_per_second()), Seconds(n.sync_seconds()),
+             AgentEpoch(n, status), Rate(n.bytes_per_second()), Seconds(n.sync_seconds()),
              n.slowest_layer().empty() ? "-"
                                        : absl::StrCat(n.slowest_layer(), " (",
                                                       Seconds(n.slowest_layer_sync_seconds()), ")"),
@@ -249,10 +294,11 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
   }
   if (status.jobs().empty()) std::printf("no jobs\n");
   for (const v1::JobStatus& job : status.jobs()) {
-    std::printf("job %s: model %s, world size %u, plan epoch %llu (from iteration %llu)\n",
+    std::printf("job %s: model %s, world size %u, plan epoch %llu (from iteration %llu)%s\n",
                 job.job_id().c_str(), job.model_name().empty() ? "-" : job.model_name().c_str(),
                 job.world_size(), static_cast<unsigned long long>(job.plan_epoch()),
-                static_cast<unsigned long long>(job.effective_iteration()));
+                static_cast<unsigned long long>(job.effective_iteration()),
+                AgentEpochs(job, status).c_str());
     if (job.has_slowest_rank()) {
       std::printf(
           "  slowest rank %u (%s of synchronisation per iteration), slowest layer %s (%s)\n",
@@ -321,6 +367,8 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.Unsigned(n.gpu_index());
       w.Key("iteration");
       w.Unsigned(n.iteration());
+      w.Key("plan_epoch");
+      w.Unsigned(n.plan_epoch());
     }
     w.Key("bytes_per_second");
     w.Number(n.bytes_per_second());

@@ -115,9 +115,9 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
                                                      static_cast<int>(scheme)));
     }
     if (scheme == poseidon::v1::SYNC_SCHEME_SFB && layer->kind() != poseidon::v1::LAYER_KIND_FC) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("scheme override for layer '", name, "': SFB needs an FC layer, this one is ",
-                       poseidon::v1::LayerKind_Name(layer->kind())));
+      return absl::InvalidArgumentError(absl::StrCat("scheme override for layer '", name,
+                                                     "': SFB needs an FC layer, this one is ",
+                                                     poseidon::v1::LayerKind_Name(layer->kind())));
     }
   }
 

@@ -98,8 +98,8 @@ struct LayerReport {
   std::optional<double> sfb_seconds;
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;
-  uint32_t chunks = 0;     // chunks of the layer in the plan (an SFB layer's are used under PS)
-  uint64_t ps_chunks = 0;  // chunks the layer has on PS (the same as chunks)
+  uint32_t chunks = 0;      // chunks of the layer in the plan (an SFB layer's are used under PS)
+  uint64_t ps_chunks = 0;   // chunks the layer has on PS (the same as chunks)
   bool overridden = false;  // the scheme came from PlannerConfig::scheme_overrides
 };
 

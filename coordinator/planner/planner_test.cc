@@ -339,8 +339,8 @@ TEST(PlannerTest, TimeRuleDependsOnBandwidthNearTheBoundary) {
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_PS);
   // The scheme moved; the chunks did not.
-  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(
-      ChunksOf(sfb_plan), ChunksOf(result->plan)));
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(ChunksOf(sfb_plan),
+                                                                 ChunksOf(result->plan)));
 }
 
 TEST(PlannerTest, ChunksDoNotDependOnSchemesOrTheNetwork) {

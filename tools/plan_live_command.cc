@@ -1,0 +1,304 @@
+#include "tools/plan_live_command.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "common/config.h"
+#include "coordinator/client.h"
+#include "tools/json_writer.h"
+
+namespace poseidon::tools {
+namespace {
+
+namespace v1 = poseidon::v1;
+
+// The flags of the live form (environment: POSEIDON_PLAN_<NAME>; file: --config).
+struct LivePlanFlags {
+  std::string coordinator;
+  std::string job_id;
+  std::string token;
+  std::string set;
+  std::string reason;
+  absl::Duration timeout = absl::Seconds(10);
+  std::string tls_ca;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_server_name;
+  bool tls = false;
+  bool json = false;
+};
+
+ConfigSchema<LivePlanFlags> LivePlanFlagsSchema() {
+  using F = LivePlanFlags;
+  ConfigSchema<F> schema("poseidon plan --coordinator", "POSEIDON_PLAN_");
+  schema.Field("coordinator", &F::coordinator, "the coordinator (host:port)", NonEmpty())
+      .Field("job_id", &F::job_id, "the job (--job also works)", NonEmpty())
+      .SecretField("token", &F::token, "the job's coordinator token", NonEmpty())
+      .Field("set", &F::set,
+             "override layer schemes: 'fc1.weight=ps,fc2.weight=sfb' (auto: back to the cost "
+             "model's choice); empty: only show the plan")
+      .Field("reason", &F::reason, "why, for the coordinator's log (with --set)")
+      .Field("timeout", &F::timeout, "give up on the coordinator after this long",
+             InRange(absl::Milliseconds(1), absl::Hours(1)))
+      .Field("tls", &F::tls, "connect with TLS (implied by tls_ca)")
+      .Field("tls_ca", &F::tls_ca, "PEM CA of the coordinator's certificate")
+      .Field("tls_cert", &F::tls_cert, "client certificate (mutual TLS)")
+      .Field("tls_key", &F::tls_key, "client key (mutual TLS)")
+      .Field("tls_server_name", &F::tls_server_name,
+             "name to verify in the coordinator's certificate")
+      .Field("json", &F::json, "print JSON instead of a table");
+  return schema;
+}
+
+int Fail(absl::string_view message) {
+  std::fprintf(stderr, "poseidon plan: %s\n", std::string(message).c_str());
+  return 2;
+}
+
+std::string SchemeName(v1::SyncScheme scheme) {
+  switch (scheme) {
+    case v1::SYNC_SCHEME_PS:
+      return "ps";
+    case v1::SYNC_SCHEME_SFB:
+      return "sfb";
+    default:
+      return "auto";
+  }
+}
+
+bool NamesFlag(const std::string& arg, absl::string_view name) {
+  const std::string flag = absl::StrCat("--", name);
+  return arg == flag || absl::StartsWith(arg, absl::StrCat(flag, "="));
+}
+
+// What the coordinator answered, printed.
+struct Shown {
+  v1::Plan plan;
+  bool overriding = false;  // --set was given
+  bool installed = false;
+  std::map<std::string, v1::SyncScheme> overrides;  // known only after --set
+};
+
+void PrintText(const Shown& shown) {
+  const v1::Plan& plan = shown.plan;
+  if (!shown.overriding) {
+    std::printf("job %s: plan epoch %llu, effective from iteration %llu\n", plan.job_id().c_str(),
+                static_cast<unsigned long long>(plan.plan_epoch()),
+                static_cast<unsigned long long>(plan.effective_iteration()));
+  } else if (shown.installed) {
+    std::printf("job %s: new plan epoch %llu, effective from iteration %llu\n",
+                plan.job_id().c_str(), static_cast<unsigned long long>(plan.plan_epoch()),
+                static_cast<unsigned long long>(plan.effective_iteration()));
+  } else {
+    std::printf(
+        "job %s: the override changes no scheme; plan epoch %llu kept, effective from iteration "
+        "%llu\n",
+        plan.job_id().c_str(), static_cast<unsigned long long>(plan.plan_epoch()),
+        static_cast<unsigned long long>(plan.effective_iteration()));
+  }
+  if (shown.overriding) {
+    std::vector<std::string> listed;
+    for (const auto& [name, scheme] : shown.overrides) {
+      listed.push_back(absl::StrCat(name, "=", SchemeName(scheme)));
+    }
+    std::printf("overrides in force: %s\n",
+                listed.empty() ? "none" : absl::StrJoin(listed, ",").c_str());
+  }
+  size_t width = 5;
+  for (const v1::LayerPlan& layer : plan.layers())
+    width = std::max(width, layer.layer_name().size());
+  std::printf("%-*s  SCHEME%s\n", static_cast<int>(width), "LAYER",
+              shown.overriding ? "  OVERRIDDEN" : "");
+  for (const v1::LayerPlan& layer : plan.layers()) {
+    const bool forced = shown.overrides.contains(layer.layer_name());
+    std::printf("%-*s  %-6s%s\n", static_cast<int>(width), layer.layer_name().c_str(),
+                SchemeName(layer.scheme()).c_str(),
+                shown.overriding ? (forced ? "  yes" : "  -") : "");
+  }
+}
+
+void PrintJson(const Shown& shown) {
+  const v1::Plan& plan = shown.plan;
+  JsonWriter w;
+  w.BeginObject();
+  w.Key("job_id");
+  w.String(plan.job_id());
+  w.Key("plan_epoch");
+  w.Unsigned(plan.plan_epoch());
+  w.Key("effective_iteration");
+  w.Unsigned(plan.effective_iteration());
+  w.Key("installed");
+  if (shown.overriding) {
+    w.Bool(shown.installed);
+  } else {
+    w.Null();
+  }
+  w.Key("overrides");
+  if (shown.overriding) {
+    w.BeginObject();
+    for (const auto& [name, scheme] : shown.overrides) {
+      w.Key(name);
+      w.String(SchemeName(scheme));
+    }
+    w.EndObject();
+  } else {
+    w.Null();
+  }
+  w.Key("layers");
+  w.BeginArray();
+  for (const v1::LayerPlan& layer : plan.layers()) {
+    w.BeginObject();
+    w.Key("index");
+    w.Unsigned(layer.layer_index());
+    w.Key("name");
+    w.String(layer.layer_name());
+    w.Key("scheme");
+    w.String(SchemeName(layer.scheme()));
+    w.Key("chunks");
+    w.Unsigned(static_cast<uint64_t>(layer.chunks_size()));
+    w.EndObject();
+  }
+  w.EndArray();
+  w.EndObject();
+  std::printf("%s\n", w.str().c_str());
+}
+
+}  // namespace
+
+bool IsLivePlanCommand(const std::vector<std::string>& args) {
+  return std::any_of(args.begin(), args.end(), [](const std::string& arg) {
+    return NamesFlag(arg, "coordinator") || NamesFlag(arg, "set");
+  });
+}
+
+absl::StatusOr<std::map<std::string, v1::SyncScheme>> ParseSchemeOverrides(absl::string_view text) {
+  std::map<std::string, v1::SyncScheme> schemes;
+  for (absl::string_view entry : absl::StrSplit(text, ',')) {
+    entry = absl::StripAsciiWhitespace(entry);
+    if (entry.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--set '", text, "': an empty entry (expected layer=ps|sfb|auto,...)"));
+    }
+    const size_t equals = entry.rfind('=');
+    if (equals == absl::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--set: '", entry, "' needs =ps, =sfb or =auto"));
+    }
+    const std::string name(absl::StripAsciiWhitespace(entry.substr(0, equals)));
+    const std::string value =
+        absl::AsciiStrToLower(absl::StripAsciiWhitespace(entry.substr(equals + 1)));
+    if (name.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--set: '", entry, "' names no layer"));
+    }
+    v1::SyncScheme scheme = v1::SYNC_SCHEME_UNSPECIFIED;
+    if (value == "ps") {
+      scheme = v1::SYNC_SCHEME_PS;
+    } else if (value == "sfb") {
+      scheme = v1::SYNC_SCHEME_SFB;
+    } else if (value != "auto" && value != "default" && value != "unset") {
+      return absl::InvalidArgumentError(absl::StrCat("--set: layer '", name, "': unknown scheme '",
+                                                     value, "' (ps, sfb or auto)"));
+    }
+    if (!schemes.emplace(name, scheme).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--set: layer '", name, "' is named more than once"));
+    }
+  }
+  return schemes;
+}
+
+int RunLivePlanCommand(const std::vector<std::string>& args) {
+  // --job is the short form of --job_id, as in `poseidon status`.
+  std::vector<std::string> normalized;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--job" && i + 1 < args.size()) {
+      normalized.push_back(absl::StrCat("--job_id=", args[++i]));
+    } else if (absl::StartsWith(args[i], "--job=")) {
+      normalized.push_back(absl::StrCat("--job_id=", args[i].substr(6)));
+    } else {
+      normalized.push_back(args[i]);
+    }
+  }
+  const ConfigSchema<LivePlanFlags> schema = LivePlanFlagsSchema();
+  ConfigInput input;
+  input.args = normalized;
+  absl::StatusOr<LoadedConfig<LivePlanFlags>> loaded = schema.Parse(input);
+  if (!loaded.ok()) return Fail(loaded.status().message());
+  if (loaded->help_requested) {
+    std::fputs(schema.Usage().c_str(), stdout);
+    return 0;
+  }
+  for (const std::string& arg : loaded->unparsed_args) {
+    if (arg != "--") return Fail(absl::StrCat("unexpected argument '", arg, "'"));
+  }
+  const LivePlanFlags& flags = loaded->value;
+  const bool overriding = std::any_of(normalized.begin(), normalized.end(),
+                                      [](const std::string& a) { return NamesFlag(a, "set"); }) ||
+                          !flags.set.empty();
+  std::map<std::string, v1::SyncScheme> schemes;
+  if (overriding) {
+    absl::StatusOr<std::map<std::string, v1::SyncScheme>> parsed = ParseSchemeOverrides(flags.set);
+    if (!parsed.ok()) return Fail(parsed.status().message());
+    schemes = *std::move(parsed);
+  } else if (!flags.reason.empty()) {
+    return Fail("--reason needs --set");
+  }
+
+  coordinator::CoordinatorClientOptions options;
+  options.address = flags.coordinator;
+  options.job_id = flags.job_id;
+  options.token = flags.token;
+  options.call_timeout = flags.timeout;
+  options.tls.enabled = flags.tls || !flags.tls_ca.empty();
+  options.tls.ca_file = flags.tls_ca;
+  options.tls.cert_file = flags.tls_cert;
+  options.tls.key_file = flags.tls_key;
+  options.tls.server_name = flags.tls_server_name;
+  absl::StatusOr<std::unique_ptr<coordinator::CoordinatorClient>> client =
+      coordinator::CoordinatorClient::Connect(options);
+  if (!client.ok()) return Fail(client.status().message());
+
+  Shown shown;
+  shown.overriding = overriding;
+  absl::Status status;
+  if (overriding) {
+    absl::StatusOr<v1::SetLayerSchemesResponse> response =
+        (*client)->SetLayerSchemes(schemes, "", flags.reason);
+    status = response.status();
+    if (response.ok()) {
+      shown.plan = std::move(*response->mutable_plan());
+      shown.installed = response->installed();
+      shown.overrides.insert(response->overrides().begin(), response->overrides().end());
+    }
+  } else {
+    absl::StatusOr<v1::Plan> plan = (*client)->GetPlan();
+    status = plan.status();
+    if (plan.ok()) shown.plan = *std::move(plan);
+  }
+  if (!status.ok()) {
+    if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) {
+      return Fail(
+          absl::StrCat("coordinator ", flags.coordinator, " unreachable: ", status.message()));
+    }
+    return Fail(absl::StrCat("coordinator ", flags.coordinator, ": ",
+                             absl::StatusCodeToString(status.code()), ": ", status.message()));
+  }
+  if (flags.json) {
+    PrintJson(shown);
+  } else {
+    PrintText(shown);
+  }
+  return std::fflush(stdout) == 0 ? 0 : 1;
+}
+
+}  // namespace poseidon::tools
