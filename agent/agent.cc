@@ -1,24 +1,27 @@
+// The agent: lifecycle, the framework's events, registration (plan, layer table, connections),
+// each layer's progress through its iteration, plan changes, and the watchdogs. The work of
+// synchronising is the syncers' (agent/syncer.h), the order and the credit the scheduler's
+// (agent/scheduler.h). Thread model: docs/thread_model.md, "agent/".
 #include "agent/agent.h"
 
-#include <cblas.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <queue>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/device_stager.h"
+#include "agent/layer_table.h"
+#include "agent/scheduler.h"
 #include "agent/shm_endpoint.h"
+#include "agent/syncer.h"
 #include "agent/telemetry_reporter.h"
 #include "agent/timeline.h"
 #include "common/log.h"
@@ -41,88 +44,36 @@ std::atomic<bool> stop_requested{false};
 using transport::FrameHeader;
 using transport::FrameType;
 
-constexpr uint64_t kAlign = 64;
-constexpr uint64_t kMaxDataBytes = uint64_t{1} << 40;  // shared buffers of one worker
-uint64_t AlignUp(uint64_t x) {
-  return (x + kAlign - 1) / kAlign * kAlign;
+// Pull responses at least this large feed the links' capacity estimates (smaller ones measure
+// latency more than rate).
+constexpr uint64_t kCapacityTransferBytes = uint64_t{32} << 10;
+
+const char* SchemeName(uint32_t scheme) {
+  return scheme == PSD_SCHEME_SFB ? "SFB" : "PS";
 }
 
-struct PsChunk {
-  uint64_t key = 0;
-  uint64_t offset = 0;  // bytes
-  uint64_t length = 0;  // bytes
-  uint32_t server = 0;
-};
-
-struct LayerState {
-  LayerDesc desc;
-  LayerLayout layout;
-  std::vector<PsChunk> chunks;   // PS
-  uint64_t m = 0, n = 0, k = 0;  // SFB: U is k x m, V is k x n
-  // Progress (guarded by Agent::layers_mu_).
+// One layer's progress through the iteration being synchronised (guarded by Agent::layers_mu_).
+struct LayerProgress {
   uint64_t posted = 0;       // last iteration posted ready
   uint64_t in_progress = 0;  // iteration being synchronised (0: none)
-  int remaining = 0;         // tasks left of in_progress
+  int remaining = 0;         // parts left of in_progress
   bool failed = false;
   std::string failure;
-  absl::Time ready_at;                 // when in_progress was posted
-  std::vector<uint8_t> chunk_pending;  // PS: chunks of in_progress not yet complete
+  absl::Time ready_at;           // when in_progress was posted
+  std::vector<uint8_t> pending;  // parts of in_progress not yet complete
   bool stall_reported = false;
-  bool on_device = false;  // in_progress was posted on the GPU (its buffers are in the arena)
-  int bucket = -1;         // PS: the bucket this layer is fused into (its chunks are unused)
+  bool on_device = false;     // in_progress was posted on the GPU (its buffers are in the arena)
+  Syncer* syncer = nullptr;   // of in_progress
   prometheus::Histogram* sync_seconds = nullptr;
+  prometheus::Gauge* scheme_gauge = nullptr;
 };
 
-// Factors received from the other agents for one SFB layer, in two slots (iteration parity): a
-// peer can be at most one iteration ahead of us on a layer.
-struct SfbInbox {
-  uint64_t floats = 0;           // k * (m + n)
-  std::vector<float> data[2];    // world_size * floats each
-  std::vector<uint64_t> tag[2];  // per peer: the iteration held, 0 if none
-  // Progress of the current iteration (guarded by Agent::inbox_mu_).
-  uint64_t sent = 0;      // iteration whose factors we have started sending
-  int sends_pending = 0;  // our sends of `sent` not yet handed to the network
-  absl::Status send_error;
-  uint64_t rebuild_queued = 0;  // iteration whose rebuild is queued
-  uint64_t finished = 0;        // iteration completed or failed
-  absl::Time started;           // when `sent` began (the watchdog's clock)
+// A plan change not yet written into a layer's schedule (ComposeSchedule deferred it).
+struct DeferredChange {
+  uint32_t scheme;
+  uint64_t switch_at;
+  uint64_t epoch;
 };
-
-// Consecutive small PS layers fused into one key (DDP's bucketing): their gradients are adjacent
-// in the data segment, so the bucket's key covers [first layer's gradient, last one's end),
-// alignment padding included (zeros, which sum to zeros). Synchronised once every member of
-// the iteration is ready; each member completes with it.
-struct Bucket {
-  std::vector<uint32_t> members;  // layer indices, consecutive
-  PsChunk chunk;                  // offset relative to the first member's gradient
-  // Progress (guarded by Agent::layers_mu_).
-  uint64_t iteration = 0;  // the iteration being gathered
-  size_t waiting = 0;      // members of `iteration` not yet ready
-};
-
-struct Task {
-  uint32_t priority = 0;
-  uint64_t seq = 0;
-  uint32_t layer = 0;
-  uint64_t iteration = 0;
-  int chunk = -1;  // PS chunk index; -1 for an SFB layer, -2 for a member of a finished bucket
-  uint64_t bytes = 0;
-  bool rebuild = false;                  // SFB: false sends our factors, true rebuilds the sum
-  int bucket = -1;                       // a bucket's synchronisation (layer: its first member)
-  absl::Time queued_at;                  // when it entered the queue (the timeline's "queue")
-  bool operator<(const Task& o) const {  // for std::priority_queue (max-heap): invert
-    return priority != o.priority ? priority > o.priority : seq > o.seq;
-  }
-};
-
-// What completes one member of a bucket with the bucket's task.
-Task MemberTask(const Task& bucket_task, uint32_t layer) {
-  Task t = bucket_task;
-  t.layer = layer;
-  t.chunk = -2;
-  t.bucket = -1;
-  return t;
-}
 
 class Agent : public transport::FrameHandler, public std::enable_shared_from_this<Agent> {
  public:
@@ -130,40 +81,32 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
 
   int Run();
 
-  // SFB inbound factors (transport I/O threads).
+  // Frames from the other agents (transport I/O threads): handed to the syncer that uses them.
   absl::StatusOr<transport::PayloadTarget> OnHeader(
       const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& header) override;
   void OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& header,
                transport::MutableBuffer payload) override;
 
  private:
+  absl::Status JoinCoordinator(const std::string& listen);
   absl::Status Register();
   absl::Status ConnectServers();
   absl::Status ConnectPeers();
-  void OnReady(uint32_t layer, uint64_t iteration, bool on_device);
-  void FormBuckets();
+  void OnReady(const Event& event);
+  void Finished(uint32_t layer, uint64_t iteration, int part, const absl::Status& status);
   void AttachCuda();
-  void Worker();
-  // Runs a task the scheduler started; false when its credit is returned later (asynchronously,
-  // by ReleaseCredit), true when the caller returns it now.
-  bool RunTask(const Task& task);
-  bool SyncChunk(const Task& task);
-  void ReleaseCredit(uint64_t bytes);
-  void SendFactors(const Task& task);
-  void RebuildSfb(const Task& task);
-  // With inbox_mu_ held: the rebuild task once our sends are out and every peer's factors are
-  // in (at most once per iteration); StartRebuild runs it, after inbox_mu_ is released.
-  std::optional<Task> MaybeRebuildLocked(uint32_t layer, uint64_t iteration);
-  void StartRebuild(const Task& task);
-  void CheckSfbDeadlines();
-  void Enqueue(Task task);
-  void TaskFinished(const Task& task, const absl::Status& status);
   void Fatal(const std::string& why);
-
-  absl::Status JoinCoordinator(const std::string& listen);
   void SetUpMetrics();
   void CheckStalls();
   void CountError(const std::string& kind);
+  // Plan changes (main thread): the watcher thread hands new epochs over, ApplyPlan writes the
+  // layers' schedules.
+  void WatchPlans();
+  void ApplyPendingPlan();
+  absl::Status ApplyPlan(const v1::Plan& plan);
+  void ApplyChange(uint32_t layer, uint32_t scheme, uint64_t switch_at, uint64_t epoch);
+  uint32_t PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const;
+  uint64_t RunningEpoch() const;
 
   AgentConfig config_;
   std::unique_ptr<coordinator::CoordinatorClient> coord_;
@@ -173,15 +116,15 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::unique_ptr<TelemetryReporter> telemetry_;
   std::atomic<uint64_t> last_iteration_{0};
   std::unique_ptr<ShmEndpoint> shm_;
-  // The GPU path, once the training process has attached its CUDA arena (null otherwise).
-  std::unique_ptr<DeviceStager> stager_;
+  // The GPU path, once the training process has attached its CUDA arena. Owned here (main
+  // thread); the syncers read the pointer (set once, before any layer is posted on the device;
+  // destroyed after the workers and the transport stopped).
+  std::unique_ptr<DeviceStager> stager_owner_;
+  std::atomic<DeviceStager*> stager_{nullptr};
   // Observability: metrics (always collected; served when metrics_listen is set), timeline.
   MetricsRegistry metrics_;
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Timeline> timeline_;
-  std::vector<prometheus::Counter*> push_bytes_, pull_bytes_;  // by server index
-  prometheus::Counter* sfb_sent_bytes_ = nullptr;
-  prometheus::Counter* sfb_received_bytes_ = nullptr;
   prometheus::Histogram* iteration_seconds_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* credit_in_use_ = nullptr;
@@ -192,29 +135,32 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Time last_iteration_end_;
   std::shared_ptr<transport::Context> ctx_;
   std::shared_ptr<transport::FrameServer> sfb_server_;
-  std::vector<std::shared_ptr<server::KvClient>> servers_;
-  std::vector<std::shared_ptr<transport::Connection>> peers_;  // [rank], null for ourselves
+
+  // Fixed at registration (before any data-path thread reads them).
+  LayerTable table_;
+  std::unique_ptr<LayerSchedules> schedules_;
+  std::unique_ptr<Scheduler> scheduler_;
+  SyncEnv env_;
+  std::map<SyncerKind, std::unique_ptr<Syncer>> syncers_;
+  std::unique_ptr<PeerGate> peer_gate_;
+  // The syncer taking the other agents' frames, published before our PING tells them to send.
+  std::atomic<transport::FrameHandler*> peer_handler_{nullptr};
+  std::atomic<bool> registered_{false};
+  ShmEndpoint::ServerRule server_rule_;  // rule 0: sum (the framework's optimizer steps)
 
   std::mutex layers_mu_;
-  std::vector<LayerState> layers_;
-  std::vector<Bucket> buckets_;  // fixed at registration
-  bool registered_ = false;
-  std::atomic<uint64_t> layers_count_{0};  // layers_.size() once registered (I/O threads read)
-  ShmEndpoint::ServerRule server_rule_;    // rule 0: sum (the framework's optimizer steps)
+  std::vector<LayerProgress> progress_;
 
-  std::mutex inbox_mu_;
-  std::condition_variable inbox_cv_;
-  std::map<uint32_t, SfbInbox> inbox_;  // by layer; created at registration, then fixed
-  // A peer announces (PING) that it has registered and can take our factors.
-  std::vector<bool> peer_ready_;
-
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::priority_queue<Task> queue_;
-  uint64_t in_flight_bytes_ = 0;
-  uint64_t next_seq_ = 0;
-  bool stopping_ = false;
-  std::vector<std::thread> workers_;
+  // Plan epochs. The watcher thread puts the newest plan in pending_plan_ (under plan_mu_); the
+  // main thread applies it. applied_* and deferred_ are the main thread's.
+  std::mutex plan_mu_;
+  std::optional<v1::Plan> pending_plan_;
+  bool watcher_stop_ = false;
+  std::thread watcher_;
+  std::atomic<uint64_t> applied_epoch_{0};
+  std::atomic<uint64_t> previous_epoch_{0};
+  std::atomic<uint64_t> applied_at_{0};  // the applied epoch's effective iteration
+  std::vector<std::vector<DeferredChange>> deferred_;  // by layer
 };
 
 void Agent::Fatal(const std::string& why) {
@@ -238,8 +184,16 @@ int Agent::Run() {
   PeriodicThread heartbeat;
   heartbeat.Start(absl::Milliseconds(100), [shm = shm_.get()] { shm->Heartbeat(); },
                   /*run_now=*/true);
-  peer_ready_.assign(config_.world_size, false);
   SetUpMetrics();
+  peer_gate_ = std::make_unique<PeerGate>(config_.world_size);
+  SchedulerOptions so;
+  so.credit_bytes = config_.credit_bytes;
+  so.priority = config_.priority;
+  so.threads = config_.sync_threads;
+  scheduler_ = std::make_unique<Scheduler>(
+      so, Scheduler::Observers{
+              [g = queue_depth_](size_t n) { g->Set(static_cast<double>(n)); },
+              [g = credit_in_use_](uint64_t n) { g->Set(static_cast<double>(n)); }});
   if (!config_.metrics_listen.empty()) {
     auto exposer = MetricsExposer::Start(config_.metrics_listen, metrics_);
     if (!exposer.ok()) {
@@ -305,29 +259,31 @@ int Agent::Run() {
   std::printf("poseidon-agent ready on %s\n", config_.segment.c_str());
   std::fflush(stdout);
 
-  for (int i = 0; i < config_.sync_threads; ++i) workers_.emplace_back([this] { Worker(); });
+  scheduler_->Start();
   auto stop = [&](int code) {
+    peer_gate_->Stop();
+    for (auto& [kind, syncer] : syncers_) syncer->Stop();
+    scheduler_->Stop();
     {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      stopping_ = true;
+      std::lock_guard<std::mutex> lock(plan_mu_);
+      watcher_stop_ = true;
     }
-    queue_cv_.notify_all();
-    inbox_cv_.notify_all();
-    for (auto& w : workers_) w.join();
+    if (watcher_.joinable()) watcher_.join();
     if (telemetry_) telemetry_->Stop();
     if (heartbeats_) heartbeats_->Stop();
     if (coord_) (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting");
     if (sfb_server_) sfb_server_->Stop();
-    for (auto& s : servers_) s->Close();
+    for (auto& s : env_.servers) s->Close();
     ctx_->Close();
     // Drains the device streams (their callbacks use the timeline) and unpins the segment.
-    stager_.reset();
+    stager_.store(nullptr);
+    stager_owner_.reset();
     timeline_.reset();  // closes the JSON
     exposer_.reset();
     // Break the ownership cycle agent -> frame server -> handler (this agent).
     sfb_server_.reset();
-    servers_.clear();
-    peers_.clear();
+    env_.servers.clear();
+    env_.peers.clear();
     return code;
   };
 
@@ -344,14 +300,16 @@ int Agent::Run() {
       shm_->SetState(PSD_AGENT_EXITED, std::string(s.message()));
       return stop(3);
     }
-    if (!shm_->attached() && !registered_ && absl::Now() > attach_deadline) {
+    if (!shm_->attached() && !registered_.load() && absl::Now() > attach_deadline) {
       Fatal(absl::StrCat("no training process attached to ", config_.segment, " within ",
                          absl::FormatDuration(config_.attach_timeout)));
       return stop(1);
     }
-    if (registered_) {
-      CheckSfbDeadlines();
+    if (registered_.load()) {
+      const absl::Time now = absl::Now();
+      for (auto& [kind, syncer] : syncers_) syncer->CheckDeadlines(now);
       CheckStalls();
+      ApplyPendingPlan();
     }
     auto event = shm_->NextEvent(absl::Milliseconds(100));
     if (!event.ok()) {
@@ -363,7 +321,7 @@ int Agent::Run() {
     const Event e = **event;
     switch (e.type) {
       case PSD_EVENT_REGISTER:
-        if (registered_) {
+        if (registered_.load()) {
           PSD_LOG_WARN("a second registration was ignored");
           break;
         }
@@ -373,10 +331,11 @@ int Agent::Run() {
           Fatal(why);
           return stop(1);
         }
-        registered_ = true;
+        registered_.store(true);
+        if (coord_) watcher_ = std::thread([this] { WatchPlans(); });
         break;
       case PSD_EVENT_LAYER_READY:
-        OnReady(e.layer, e.iteration, e.aux == PSD_READY_DEVICE);
+        OnReady(e);
         break;
       case PSD_EVENT_CUDA_ATTACH:
         AttachCuda();
@@ -420,6 +379,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   }
   coordinator::CoordinatorClient::HeartbeatOptions hb;
   hb.iteration = [this] { return last_iteration_.load(); };
+  hb.plan_epoch = [this] { return RunningEpoch(); };
   heartbeats_ = coord_->StartHeartbeats(hb);
   if (config_.telemetry_interval > absl::ZeroDuration()) {
     std::vector<std::string> servers, peers;
@@ -453,13 +413,6 @@ absl::Status Agent::Register() {
     l->set_element_type(v1::ELEMENT_TYPE_F32);
     l->set_batch_per_worker(d.kind == PSD_KIND_FC ? d.batch_k : 1);
   }
-  planner::PlannerConfig pc;
-  pc.workers = config_.world_size;
-  pc.servers = std::max<uint32_t>(1, static_cast<uint32_t>(config_.servers.size()));
-  pc.colocated = config_.colocated;
-  pc.bandwidth_bytes_per_second = config_.bandwidth_bytes_per_second;
-  pc.block_bytes = config_.block_bytes;
-  pc.job_id = absl::StrCat(config_.job_id);
   v1::Plan plan;
   if (coord_) {
     // Every rank registers its model; the coordinator answers with the job's plan once all of
@@ -476,88 +429,93 @@ absl::Status Agent::Register() {
       config_.servers.push_back(server.endpoints(0).address());
     }
   } else {
+    planner::PlannerConfig pc;
+    pc.workers = config_.world_size;
+    pc.servers = std::max<uint32_t>(1, static_cast<uint32_t>(config_.servers.size()));
+    pc.colocated = config_.colocated;
+    pc.bandwidth_bytes_per_second = config_.bandwidth_bytes_per_second;
+    pc.block_bytes = config_.block_bytes;
+    pc.job_id = absl::StrCat(config_.job_id);
     ASSIGN_OR_RETURN(planner::PlanResult planned, planner::BuildPlan(model, pc));
     plan = std::move(planned.plan);
   }
-  if (plan.layers_size() != static_cast<int>(descs.size())) {
-    return absl::InternalError("the plan does not cover every layer");
-  }
-  std::vector<LayerLayout> layout(descs.size());
-  uint64_t offset = 0;
-  layers_.resize(descs.size());
-  bool any_sfb = false, any_ps = false;
-  for (size_t i = 0; i < descs.size(); ++i) {
-    const v1::LayerPlan& lp = plan.layers(static_cast<int>(i));
-    LayerState& st = layers_[i];
-    st.desc = descs[i];
-    bool sfb = lp.scheme() == v1::SYNC_SCHEME_SFB;
-    if (config_.scheme == "sfb" && descs[i].kind == PSD_KIND_FC) sfb = true;
-    LayerLayout& lay = layout[i];
-    lay.scheme = sfb ? PSD_SCHEME_SFB : PSD_SCHEME_PS;
-    lay.priority = lp.priority();
-    lay.grad_offset = offset;
-    offset = AlignUp(offset + descs[i].elements * sizeof(float));
-    if (sfb) {
-      any_sfb = true;
-      st.m = descs[i].shape[0];
-      st.n = descs[i].shape[1];
-      st.k = descs[i].batch_k;
-      lay.u_offset = offset;
-      offset = AlignUp(offset + st.k * st.m * sizeof(float));
-      lay.v_offset = offset;
-      offset = AlignUp(offset + st.k * st.n * sizeof(float));
-      std::lock_guard<std::mutex> lock(inbox_mu_);  // peers' frames may already arrive
-      SfbInbox& box = inbox_[static_cast<uint32_t>(i)];
-      box.floats = st.k * (st.m + st.n);
-      for (int s = 0; s < 2; ++s) {
-        box.data[s].assign(box.floats * config_.world_size, 0.0f);
-        box.tag[s].assign(config_.world_size, 0);
-      }
-    } else {
-      any_ps = true;
-      if (lp.chunks_size() == 0) {
-        return absl::InternalError(absl::StrCat("layer ", descs[i].name, " has no PS chunks"));
-      }
-      for (const auto& c : lp.chunks()) {
-        if (c.length() % sizeof(float) != 0 || c.offset() + c.length() > descs[i].elements * 4) {
-          return absl::InternalError(absl::StrCat("bad chunk of layer ", descs[i].name));
-        }
-        st.chunks.push_back({c.key(), c.offset(), c.length(), c.server_index()});
-      }
-    }
-    st.layout = lay;
-    // Sizes come from the training process: refuse a layout that cannot be mapped rather than
-    // let offsets wrap around (a layer adds at most ~2^55 bytes: this check cannot overflow).
-    if (offset > kMaxDataBytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("the layers' buffers need more than ",
-                                                       kMaxDataBytes, " bytes (at layer ", i, ", ",
-                                                       descs[i].name, ")"));
-    }
-  }
-  if (any_ps && config_.servers.empty()) {
-    return absl::FailedPreconditionError("PS layers need KV servers (--servers)");
-  }
-  if (any_sfb && config_.world_size > 1 && config_.peers.size() != config_.world_size) {
+  LayerTableOptions to;
+  to.world_size = config_.world_size;
+  to.force_sfb = config_.scheme == "sfb";
+  to.sfb_possible = config_.scheme != "ps" &&
+                    (config_.world_size == 1 || config_.peers.size() == config_.world_size);
+  to.bucket_bytes = config_.bucket_bytes;
+  if (config_.scheme == "sfb" && !to.sfb_possible) {
     return absl::FailedPreconditionError(
         absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
                      " entries, got ", config_.peers.size(), ")"));
   }
-  FormBuckets();
+  auto table = BuildLayerTable(descs, plan, to);
+  if (!table.ok()) {
+    // The plan chose SFB where this agent cannot run it (no peer addresses): say what to pass.
+    if (!to.sfb_possible && absl::StrContains(table.status().message(), "SFB")) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
+                       " entries, got ", config_.peers.size(), ")"));
+    }
+    return table.status();
+  }
+  table_ = *std::move(table);
+  bool any_ps = false, any_sfb_capable = false;
+  for (LayerSpec& st : table_.layers) {
+    // Without servers an SFB layer's chunks are of no use: it stays on SFB.
+    if (config_.servers.empty() && st.layout.scheme == PSD_SCHEME_SFB) st.chunks.clear();
+    any_ps |= !st.chunks.empty();
+    any_sfb_capable |= st.sfb_capable;
+  }
+  if (any_ps && config_.servers.empty()) {
+    return absl::FailedPreconditionError("PS layers need KV servers (--servers)");
+  }
+  schedules_ = std::make_unique<LayerSchedules>(table_.layers.size());
+  progress_.resize(table_.layers.size());
+  deferred_.resize(table_.layers.size());
+  for (uint32_t i = 0; i < table_.layers.size(); ++i) {
+    schedules_->Set(i, Schedule::Fixed(table_.layers[i].layout.scheme));
+  }
+  applied_epoch_.store(plan.plan_epoch());
+  previous_epoch_.store(plan.plan_epoch());
+
+  env_.config = &config_;
+  env_.table = &table_;
+  env_.shm = shm_.get();
+  env_.scheduler = scheduler_.get();
+  env_.timeline = timeline_.get();
+  env_.telemetry = telemetry_.get();
+  env_.stager = &stager_;
+  env_.peer_gate = peer_gate_.get();
+  env_.server_rule = server_rule_.rule;
+  env_.finished = [this](uint32_t layer, uint64_t iteration, int part, const absl::Status& s) {
+    Finished(layer, iteration, part, s);
+  };
+  for (const SyncerRow& row : SyncerTable()) {
+    std::unique_ptr<Syncer> syncer = row.make(env_);
+    if (transport::FrameHandler* h = syncer->peer_handler()) peer_handler_.store(h);
+    syncers_[row.kind] = std::move(syncer);
+  }
+  if (!table_.buckets.empty()) {
+    size_t fused = 0;
+    for (const BucketSpec& b : table_.buckets) fused += b.members.size();
+    PSD_LOG_INFO("{} small layers fused into {} buckets of at most {} bytes", fused,
+                 table_.buckets.size(), config_.bucket_bytes);
+  }
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
-  // Every layer's state and inbox exists now. Peers send factors as soon as they have our PING
-  // below, so the inbound path (OnHeader checks layer ids against this) must be open first: a
-  // frame refused here would cost that peer's connection and leave this layer waiting forever.
-  layers_count_.store(layers_.size());
-  if (any_sfb) {
+  if (any_sfb_capable && config_.world_size > 1) {
+    // Every layer's syncer and inbox exist now: peers send factors as soon as they have our
+    // PING below, so the inbound path must be open first (a frame refused here would cost that
+    // peer's connection and leave this layer waiting forever).
     RETURN_IF_ERROR(ConnectPeers());
-    // Our inbox exists now: tell every peer it may send us factors.
     for (uint32_t p = 0; p < config_.world_size; ++p) {
       if (p == config_.rank) continue;
       FrameHeader ping;
       ping.type = FrameType::kPing;
       ping.job_id = config_.job_id;
       ping.sender_rank = config_.rank;
-      peers_[p]->Send(ping, {}, [](absl::Status) {});
+      env_.peers[p]->Send(ping, {}, [](absl::Status) {});
     }
   }
   if (telemetry_) {
@@ -565,78 +523,37 @@ absl::Status Agent::Register() {
     for (const auto& d : descs) names.push_back(d.name);
     telemetry_->SetLayers(std::move(names));
     // Latency of the links to the KV servers: a few pings per window from the reporter thread.
-    if (!servers_.empty()) {
-      telemetry_->SetServerPing([servers = servers_](size_t s, absl::Duration timeout) {
+    if (!env_.servers.empty()) {
+      telemetry_->SetServerPing([servers = env_.servers](size_t s, absl::Duration timeout) {
         return s < servers.size() ? servers[s]->MeasureRoundTrip(timeout)
                                   : absl::StatusOr<absl::Duration>(absl::NotFoundError("server"));
       });
     }
   }
-  RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, std::max<uint64_t>(offset, kAlign)));
+  std::vector<LayerLayout> layout;
+  for (const LayerSpec& st : table_.layers) layout.push_back(st.layout);
+  RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, table_.data_bytes));
   plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const MetricLabels labels = {{"layer", layers_[i].desc.name}};
+  int sfb_layers = 0;
+  for (size_t i = 0; i < table_.layers.size(); ++i) {
+    const MetricLabels labels = {{"layer", table_.layers[i].desc.name}};
     if (auto g = metrics_.GetGauge("poseidon_agent_layer_scheme",
                                    "Scheme of each layer: 1 parameter server, 2 SFB", labels);
         g.ok()) {
       (*g)->Set(layout[i].scheme);
+      progress_[i].scheme_gauge = *g;
     }
     if (auto h = metrics_.GetHistogram("poseidon_agent_layer_sync_seconds",
                                        "Time from a layer's ready to its done", labels,
                                        ExponentialBuckets(1e-4, 2, 18));
         h.ok()) {
-      layers_[i].sync_seconds = *h;
+      progress_[i].sync_seconds = *h;
     }
+    sfb_layers += layout[i].scheme == PSD_SCHEME_SFB;
   }
-  int sfb_layers = 0;
-  for (const auto& l : layout) sfb_layers += l.scheme == PSD_SCHEME_SFB;
-  PSD_LOG_INFO("registered {} layers ({} on SFB), {} bytes of buffers", descs.size(), sfb_layers,
-               offset);
+  PSD_LOG_INFO("registered {} layers ({} on SFB), {} bytes of buffers, plan epoch {}",
+               descs.size(), sfb_layers, table_.data_bytes, plan.plan_epoch());
   return absl::OkStatus();
-}
-
-void Agent::FormBuckets() {
-  buckets_.clear();
-  if (config_.bucket_bytes == 0) return;
-  std::vector<uint32_t> run;
-  uint64_t run_start = 0, run_end = 0;
-  auto close = [&] {
-    if (run.size() >= 2) {
-      Bucket b;
-      b.members = run;
-      b.chunk.key = (uint64_t{1} << 63) | (uint64_t{run.front()} << 32) | run.size();
-      b.chunk.offset = 0;
-      b.chunk.length = run_end - run_start;
-      b.chunk.server = layers_[run.front()].chunks[0].server;
-      for (uint32_t l : run) layers_[l].bucket = static_cast<int>(buckets_.size());
-      buckets_.push_back(std::move(b));
-    }
-    run.clear();
-  };
-  for (uint32_t i = 0; i < layers_.size(); ++i) {
-    const LayerState& st = layers_[i];
-    const uint64_t bytes = st.desc.elements * sizeof(float);
-    if (!st.desc.fusable || st.layout.scheme != PSD_SCHEME_PS || st.chunks.size() != 1 ||
-        bytes >= config_.bucket_bytes) {
-      close();
-      continue;
-    }
-    const uint64_t start = st.layout.grad_offset;
-    // Members must be adjacent in the data segment (nothing but alignment between them).
-    if (!run.empty() && (start != AlignUp(run_end) || start + bytes - run_start > config_.bucket_bytes)) {
-      close();
-    }
-    if (run.empty()) run_start = start;
-    run.push_back(i);
-    run_end = start + bytes;
-  }
-  close();
-  size_t fused = 0;
-  for (const Bucket& b : buckets_) fused += b.members.size();
-  if (!buckets_.empty()) {
-    PSD_LOG_INFO("{} small layers fused into {} buckets of at most {} bytes", fused,
-                 buckets_.size(), config_.bucket_bytes);
-  }
 }
 
 absl::Status Agent::ConnectServers() {
@@ -646,22 +563,18 @@ absl::Status Agent::ConnectServers() {
     r.set_num_workers(config_.world_size);
     r.set_average_gradients(server_rule_.rule != 0);
   }
-  // A table per layer (its chunks), or per bucket (one key).
+  // A table per layer (its chunks: SFB layers' too, used when a plan change makes them PS), or
+  // per bucket (one key).
   struct TableSource {
     std::string name;
     std::vector<PsChunk> chunks;
   };
   std::vector<TableSource> sources;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const LayerState& st = layers_[i];
-    if (st.layout.scheme != PSD_SCHEME_PS || st.bucket >= 0) continue;
+  for (const LayerSpec& st : table_.layers) {
+    if (st.chunks.empty() || st.bucket >= 0) continue;
     sources.push_back({st.desc.name, st.chunks});
   }
-  for (const Bucket& b : buckets_) {
-    sources.push_back({absl::StrCat("bucket ", layers_[b.members.front()].desc.name, " .. ",
-                                    layers_[b.members.back()].desc.name),
-                       {b.chunk}});
-  }
+  for (const BucketSpec& b : table_.buckets) sources.push_back({b.name, {b.chunk}});
   for (const TableSource& src : sources) {
     std::map<uint32_t, v1::KvTableSpec*> tables;
     for (const auto& c : src.chunks) {
@@ -704,15 +617,23 @@ absl::Status Agent::ConnectServers() {
     if (!client.ok()) {
       return Annotate(client.status(), absl::StrCat("KV server ", config_.servers[s]));
     }
+    if (telemetry_) {
+      // The capacity estimate of this link: large pull responses, from header to last byte.
+      (*client)->SetPullObserver(kCapacityTransferBytes,
+                                 [telemetry = telemetry_.get(), s](uint64_t bytes,
+                                                                   absl::Duration busy) {
+                                   telemetry->AddServerTransfer(s, bytes, busy);
+                                 });
+    }
     if (requests[s].tables_size() > 0) {
       RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30)));
     }
-    servers_.push_back(*client);
+    env_.servers.push_back(*client);
     const MetricLabels labels = {{"server", std::to_string(s)}};
-    push_bytes_.push_back(
+    env_.metrics.push_bytes.push_back(
         metrics_.GetCounter("poseidon_agent_push_bytes_total", "Gradient bytes pushed", labels)
             .value_or(nullptr));
-    pull_bytes_.push_back(
+    env_.metrics.pull_bytes.push_back(
         metrics_.GetCounter("poseidon_agent_pull_bytes_total", "Result bytes pulled", labels)
             .value_or(nullptr));
   }
@@ -720,7 +641,7 @@ absl::Status Agent::ConnectServers() {
 }
 
 absl::Status Agent::ConnectPeers() {
-  peers_.assign(config_.world_size, nullptr);
+  env_.peers.assign(config_.world_size, nullptr);
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
   for (uint32_t p = 0; p < config_.world_size; ++p) {
     if (p == config_.rank) continue;
@@ -735,51 +656,61 @@ absl::Status Agent::ConnectPeers() {
       return Annotate(conn.status(),
                       absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]));
     }
-    peers_[p] = *conn;
+    env_.peers[p] = *conn;
   }
   peers_alive_->Set(static_cast<double>(config_.world_size - 1));
   return absl::OkStatus();
 }
 
-void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
-  std::vector<Task> tasks;
-  std::vector<DeviceRange> ranges;  // on the device: what to copy to the host first
+void Agent::OnReady(const Event& e) {
+  const uint32_t layer = e.layer;
+  const uint64_t iteration = e.iteration;
+  const bool on_device = e.location == PSD_READY_DEVICE;
+  if (!registered_.load() || layer >= table_.layers.size()) {
+    PSD_LOG_WARN("ready event for unknown layer {} ignored", layer);
+    return;
+  }
+  const LayerSpec& spec = table_.layers[layer];
+  const uint32_t scheme = schedules_->At(layer, iteration);
+  Post post;
+  post.layer = layer;
+  post.iteration = iteration;
+  post.on_device = on_device;
+  Syncer* syncer = syncers_
+                       .at(spec.bucket >= 0             ? SyncerKind::kBucket
+                           : scheme == PSD_SCHEME_SFB ? SyncerKind::kSfb
+                                                      : SyncerKind::kPs)
+                       .get();
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
-    if (!registered_ || layer >= layers_.size()) {
-      PSD_LOG_WARN("ready event for unknown layer {} ignored", layer);
-      return;
-    }
-    LayerState& st = layers_[layer];
-    if (iteration != st.posted + 1) {
-      const std::string why = absl::StrCat("iteration ", iteration, " posted after ", st.posted);
-      PSD_LOG_WARN("layer {} ({}): {}", layer, st.desc.name, why);
+    LayerProgress& st = progress_[layer];
+    auto refuse = [&](const std::string& why) {
+      PSD_LOG_WARN("layer {} ({}): {}", layer, spec.desc.name, why);
       shm_->LayerFailed(layer, iteration, why);
-      return;
+    };
+    if (iteration != st.posted + 1) {
+      return refuse(absl::StrCat("iteration ", iteration, " posted after ", st.posted));
     }
     if (st.in_progress != 0) {
-      const std::string why = absl::StrCat("iteration ", iteration, " posted while ",
-                                           st.in_progress, " is still being synchronised");
-      shm_->LayerFailed(layer, iteration, why);
-      return;
+      return refuse(absl::StrCat("iteration ", iteration, " posted while ", st.in_progress,
+                                 " is still being synchronised"));
     }
-    if (on_device && st.bucket >= 0) {
+    if (e.scheme != 0 && e.scheme != scheme) {
+      return refuse(absl::StrCat("iteration ", iteration, " posted as ", SchemeName(e.scheme),
+                                 " input, but the plan runs the layer by ", SchemeName(scheme),
+                                 " at that iteration"));
+    }
+    if (on_device && spec.bucket >= 0) {
       // Fused layers are synchronised from host memory only (the device path for them has
       // never run on a GPU): a framework must not mark CUDA layers PSD_LAYER_FUSABLE.
-      const std::string why = absl::StrCat(
+      return refuse(absl::StrCat(
           "iteration ", iteration,
           " posted on the GPU, but the layer is fused with its neighbours (PSD_LAYER_FUSABLE); "
-          "fused layers must be posted from host memory");
-      PSD_LOG_WARN("layer {} ({}): {}", layer, st.desc.name, why);
-      shm_->LayerFailed(layer, iteration, why);
-      return;
+          "fused layers must be posted from host memory"));
     }
-    if (on_device && !stager_) {
-      const std::string why = absl::StrCat(
-          "iteration ", iteration, " posted on the GPU, but no CUDA arena is attached");
-      PSD_LOG_WARN("layer {} ({}): {}", layer, st.desc.name, why);
-      shm_->LayerFailed(layer, iteration, why);
-      return;
+    if (on_device && stager_.load() == nullptr) {
+      return refuse(absl::StrCat("iteration ", iteration,
+                                 " posted on the GPU, but no CUDA arena is attached"));
     }
     st.on_device = on_device;
     st.posted = iteration;
@@ -787,179 +718,50 @@ void Agent::OnReady(uint32_t layer, uint64_t iteration, bool on_device) {
     st.failed = false;
     st.ready_at = absl::Now();
     st.stall_reported = false;
-    st.chunk_pending.assign(st.chunks.size(), 1);
-    if (timeline_) timeline_->Instant("ready", layer, iteration, st.ready_at);
-    if (telemetry_) telemetry_->LayerReady(layer, iteration, st.ready_at);
-    const uint32_t priority = config_.priority ? st.layout.priority : 0;
-    if (st.bucket >= 0) {
-      // A bucket member (host memory only): the bucket goes when its last member is ready.
-      Bucket& b = buckets_[static_cast<size_t>(st.bucket)];
-      st.remaining = 1;
-      if (b.iteration != iteration) {
-        b.iteration = iteration;
-        b.waiting = b.members.size();
-      }
-      const uint32_t first = b.members.front();
-      Task bucket_task{config_.priority ? layers_[first].layout.priority : 0,
-                       0,
-                       first,
-                       iteration,
-                       0,
-                       b.chunk.length,
-                       false,
-                       st.bucket,
-                       absl::Time()};
-      if (--b.waiting == 0) tasks.push_back(bucket_task);
-    } else if (st.layout.scheme == PSD_SCHEME_SFB) {
-      st.remaining = 1;
-      tasks.push_back({priority, 0, layer, iteration, -1, st.k * (st.m + st.n) * 4, false, -1,
-                       absl::Time()});
-      ranges.push_back({st.layout.u_offset, st.k * st.m * 4});
-      ranges.push_back({st.layout.v_offset, st.k * st.n * 4});
-    } else {
-      st.remaining = static_cast<int>(st.chunks.size());
-      for (size_t c = 0; c < st.chunks.size(); ++c) {
-        tasks.push_back({priority, 0, layer, iteration, static_cast<int>(c), st.chunks[c].length,
-                         false, -1, absl::Time()});
-        ranges.push_back({st.layout.grad_offset + st.chunks[c].offset, st.chunks[c].length});
-      }
-    }
+    st.syncer = syncer;
+    st.remaining = syncer->Parts(layer);
+    st.pending.assign(static_cast<size_t>(st.remaining), 1);
+    post.ready_at = st.ready_at;
   }
-  if (on_device) {
-    // Each PS chunk goes to the network as soon as its copy is on the host, while the next
-    // chunk is being copied; an SFB layer once both factors are.
-    const bool sfb = tasks.size() == 1 && tasks[0].chunk < 0;
-    auto staged = std::make_shared<std::vector<Task>>(tasks);
-    const absl::Status s = stager_->StageOut(
-        layer, ranges, [self = shared_from_this(), staged, sfb](size_t i) {
-          if (!sfb) {
-            self->Enqueue((*staged)[i]);
-          } else if (i == 1) {
-            self->Enqueue((*staged)[0]);
-          }
-        });
-    if (!s.ok()) {
-      for (const Task& t : tasks) TaskFinished(t, s);
-    }
-    return;
-  }
-  const absl::Time queued_at = absl::Now();
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    for (auto& t : tasks) {
-      t.seq = next_seq_++;
-      t.queued_at = queued_at;
-      queue_.push(t);
-    }
-  }
-  if (tasks.size() == 1) {
-    queue_cv_.notify_one();
-  } else if (!tasks.empty()) {
-    queue_cv_.notify_all();
+  post.priority = config_.priority ? spec.layout.priority : 0;
+  if (timeline_) timeline_->Instant("ready", layer, iteration, post.ready_at);
+  if (telemetry_) telemetry_->LayerReady(layer, iteration, post.ready_at);
+  syncer->Start(post);
+  // A plan change deferred until this layer passed a pending switch.
+  if (!deferred_[layer].empty()) {
+    std::vector<DeferredChange> changes;
+    changes.swap(deferred_[layer]);
+    for (const DeferredChange& c : changes) ApplyChange(layer, c.scheme, c.switch_at, c.epoch);
   }
 }
 
-// Wake-ups: one sync thread per task that can start (notify_one), never all of them: with eight
-// threads per agent and several agents on a machine, waking every thread for every layer costs
-// more CPU than the layer's synchronisation. A thread that takes a task wakes the next one when
-// another task can start too; returned credit wakes one.
-void Agent::Worker() {
-  auto fits = [&] {  // with queue_mu_ held
-    // Credit: a task goes when it fits, or when nothing else is in flight.
-    return !queue_.empty() && (in_flight_bytes_ == 0 ||
-                               in_flight_bytes_ + queue_.top().bytes <= config_.credit_bytes);
-  };
-  while (true) {
-    Task task;
-    bool more = false;
-    {
-      std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [&] { return stopping_ || fits(); });
-      if (stopping_) return;
-      task = queue_.top();
-      queue_.pop();
-      in_flight_bytes_ += task.bytes;
-      queue_depth_->Set(static_cast<double>(queue_.size()));
-      credit_in_use_->Set(static_cast<double>(in_flight_bytes_));
-      more = fits();
-    }
-    if (more) queue_cv_.notify_one();
-    if (RunTask(task)) ReleaseCredit(task.bytes);
-  }
-}
-
-void Agent::ReleaseCredit(uint64_t bytes) {
-  bool waiting;
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    in_flight_bytes_ -= bytes;
-    credit_in_use_->Set(static_cast<double>(in_flight_bytes_));
-    waiting = !queue_.empty();
-  }
-  if (waiting) queue_cv_.notify_one();
-}
-
-bool Agent::RunTask(const Task& task) {
-  if (task.chunk >= 0) return SyncChunk(task);
-  if (!task.rebuild) {
-    SendFactors(task);
-  } else {
-    RebuildSfb(task);
-  }
-  return true;
-}
-
-void Agent::Enqueue(Task task) {
-  task.queued_at = absl::Now();
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    task.seq = next_seq_++;
-    queue_.push(task);
-  }
-  queue_cv_.notify_one();
-}
-
-void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
-  if (task.bucket >= 0) {
-    // Every member completes (or fails) with its bucket.
-    for (uint32_t m : buckets_[static_cast<size_t>(task.bucket)].members) {
-      TaskFinished(MemberTask(task, m), task_status);
-    }
-    return;
-  }
-  bool done = false, report_failure = false, on_device = false;
+void Agent::Finished(uint32_t layer, uint64_t iteration, int part, const absl::Status& status) {
+  bool done = false, report_failure = false;
   std::string why;
   absl::Time ready_at;
-  absl::Status status = task_status;
-  const LayerState& lst = layers_[task.layer];
-  if (status.ok() && task.chunk >= 0 && lst.on_device) {
-    // This chunk's result goes back to the GPU now (before the count below, so that the done
-    // event is recorded after every chunk's copy).
-    const PsChunk& c = lst.chunks[static_cast<size_t>(task.chunk)];
-    status = stager_->StageIn(task.layer, {lst.layout.grad_offset + c.offset, c.length});
-  }
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
-    LayerState& st = layers_[task.layer];
-    if (task.chunk >= 0 && static_cast<size_t>(task.chunk) < st.chunk_pending.size()) {
-      st.chunk_pending[static_cast<size_t>(task.chunk)] = 0;
+    LayerProgress& st = progress_[layer];
+    if (st.in_progress != iteration) return;  // failed (and counted) already
+    if (part >= 0 && static_cast<size_t>(part) < st.pending.size()) {
+      if (!st.pending[static_cast<size_t>(part)]) return;  // reported twice
+      st.pending[static_cast<size_t>(part)] = 0;
     }
     ready_at = st.ready_at;
     if (!status.ok() && !st.failed) {
       st.failed = true;
-      st.failure = absl::StrCat("clock ", task.iteration, ": ", status.message());
+      st.failure = absl::StrCat("clock ", iteration, ": ", status.message());
       report_failure = true;
       why = st.failure;
     }
-    on_device = st.on_device;
     if (--st.remaining == 0) {
       done = !st.failed;
       // The framework's stream waits for this event: record it before saying done.
-      if (done && on_device) {
-        if (absl::Status s = stager_->MarkDone(task.layer); !s.ok()) {
+      if (done && st.on_device) {
+        if (absl::Status s = stager_.load()->MarkDone(layer); !s.ok()) {
           done = false;
           st.failed = true;
-          st.failure = absl::StrCat("clock ", task.iteration, ": ", s.message());
+          st.failure = absl::StrCat("clock ", iteration, ": ", s.message());
           report_failure = true;
           why = st.failure;
         }
@@ -967,253 +769,33 @@ void Agent::TaskFinished(const Task& task, const absl::Status& task_status) {
       st.in_progress = 0;
     }
   }
+  const LayerSpec& spec = table_.layers[layer];
   if (report_failure) {
-    PSD_LOG_ERROR("layer {} ({}) {}", task.layer, layers_[task.layer].desc.name, why);
-    shm_->LayerFailed(task.layer, task.iteration, why);
+    PSD_LOG_ERROR("layer {} ({}) {}", layer, spec.desc.name, why);
+    shm_->LayerFailed(layer, iteration, why);
     CountError("sync_failed");
   }
-  if (done) {
-    const absl::Time now = absl::Now();
-    const LayerState& st = layers_[task.layer];
-    if (st.sync_seconds) st.sync_seconds->Observe(absl::ToDoubleSeconds(now - ready_at));
-    if (telemetry_) telemetry_->LayerSynced(task.layer, task.iteration, now - ready_at);
-    if (timeline_) timeline_->Span("sync", task.layer, st.desc.name, task.iteration, ready_at, now);
+  if (!done) return;
+  const absl::Time now = absl::Now();
+  if (progress_[layer].sync_seconds) {
+    progress_[layer].sync_seconds->Observe(absl::ToDoubleSeconds(now - ready_at));
+  }
+  if (telemetry_) telemetry_->LayerSynced(layer, iteration, now - ready_at);
+  if (timeline_) timeline_->Span("sync", layer, spec.desc.name, iteration, ready_at, now);
+  {
     std::lock_guard<std::mutex> lock(iteration_mu_);
-    if (++layers_done_[task.iteration] == layers_.size()) {
-      layers_done_.erase(task.iteration);
+    if (++layers_done_[iteration] == table_.layers.size()) {
+      layers_done_.erase(iteration);
       if (last_iteration_end_ != absl::Time()) {
         iteration_seconds_->Observe(absl::ToDoubleSeconds(now - last_iteration_end_));
       }
       last_iteration_end_ = now;
     }
   }
-  if (done) {
-    shm_->LayerDone(task.layer, task.iteration);
-    uint64_t seen = last_iteration_.load();
-    while (task.iteration > seen && !last_iteration_.compare_exchange_weak(seen, task.iteration)) {
-    }
+  shm_->LayerDone(layer, iteration);
+  uint64_t seen = last_iteration_.load();
+  while (iteration > seen && !last_iteration_.compare_exchange_weak(seen, iteration)) {
   }
-}
-
-// A PS chunk: push our gradient and pull the clock's sum into the same buffer. Both complete
-// asynchronously on the transport's threads: the credit (bytes in flight) is returned when the
-// server has taken our push, the layer completes with the pull, which needs every other rank's
-// push too. No sync thread waits on the network (a thread held on a pull could deadlock two
-// agents whose threads all wait on each other's next pushes; one held on the push acknowledgement
-// costs a thread wake-up per chunk on the critical path of a small layer).
-bool Agent::SyncChunk(const Task& task) {
-  const LayerState& st = layers_[task.layer];
-  // A bucket's chunk is relative to its first member's gradient, which task.layer is.
-  const PsChunk& c = task.bucket >= 0 ? buckets_[static_cast<size_t>(task.bucket)].chunk
-                                      : st.chunks[static_cast<size_t>(task.chunk)];
-  server::KvClient& kv = *servers_[c.server];
-  std::span<float> values(shm_->Grad(task.layer) + c.offset / sizeof(float),
-                          c.length / sizeof(float));
-  // The pull's answer overwrites the gradient in place: the server answers only once every
-  // rank's push of this clock, ours included, has been received.
-  const absl::Time start = absl::Now();
-  if (timeline_) {
-    timeline_->Span("queue", task.layer, st.desc.name, task.iteration, task.queued_at, start);
-  }
-  // With a server-side rule, iteration 1 carries rank 0's initial parameters (clock 0) and
-  // iteration t the gradient of clock t - 1; the answer is the updated parameters.
-  const bool server_rule = server_rule_.rule != 0;
-  const uint64_t clock = server_rule ? task.iteration - 1 : task.iteration;
-  const bool init = server_rule && clock == 0;
-  std::optional<server::Ticket> push;
-  if (!init || config_.rank == 0) push = kv.Push(c.key, clock, values, init);
-  const server::Ticket pull = kv.Pull(c.key, clock, values, config_.sync_timeout);
-  kv.OnDone(pull, [self = shared_from_this(), task, start, server = c.server,
-                   bytes = c.length](absl::Status s) {
-    if (s.ok() && self->pull_bytes_[server]) self->pull_bytes_[server]->Increment(bytes);
-    if (s.ok() && self->telemetry_) self->telemetry_->AddServerBytes(server, 0, bytes);
-    if (self->timeline_) {
-      self->timeline_->Span("push+pull", task.layer, self->layers_[task.layer].desc.name,
-                            task.iteration, start, absl::Now());
-    }
-    self->TaskFinished(task, s);
-  });
-  if (!push) return true;  // nothing in flight: the caller returns the credit
-  kv.OnDone(*push, [self = shared_from_this(), task, server = c.server,
-                    bytes = c.length](absl::Status pushed) {
-    if (pushed.ok() && self->push_bytes_[server]) self->push_bytes_[server]->Increment(bytes);
-    if (pushed.ok() && self->telemetry_) self->telemetry_->AddServerBytes(server, bytes, 0);
-    if (!pushed.ok()) {
-      // The pull fails too (the server never gets our push); say why now.
-      PSD_LOG_ERROR("layer {} ({}) clock {}: {}", task.layer, self->layers_[task.layer].desc.name,
-                    task.iteration, pushed.message());
-    }
-    self->ReleaseCredit(task.bytes);
-  });
-  return false;
-}
-
-// SFB, first half: broadcast our factors (straight from shared memory) to every other agent.
-// The rebuild is queued once our sends are out and every peer's factors are in.
-void Agent::SendFactors(const Task& task) {
-  const LayerState& st = layers_[task.layer];
-  const uint32_t me = config_.rank;
-  const uint32_t world = config_.world_size;
-  SfbInbox& box = inbox_.at(task.layer);
-  if (timeline_) {
-    timeline_->Span("queue", task.layer, st.desc.name, task.iteration, task.queued_at,
-                    absl::Now());
-  }
-  std::optional<Task> rebuild;
-  {
-    // Every peer must have registered (its PING) before it can take our factors.
-    std::unique_lock<std::mutex> lock(inbox_mu_);
-    const bool ready =
-        inbox_cv_.wait_for(lock, absl::ToChronoNanoseconds(config_.sync_timeout), [&] {
-          if (stopping_) return true;
-          for (uint32_t p = 0; p < world; ++p) {
-            if (p != me && !peer_ready_[p]) return false;
-          }
-          return true;
-        });
-    if (!ready || stopping_) {
-      std::vector<uint32_t> missing;
-      for (uint32_t p = 0; p < world; ++p) {
-        if (p != me && !peer_ready_[p]) missing.push_back(p);
-      }
-      box.finished = task.iteration;
-      lock.unlock();
-      TaskFinished(task, absl::DeadlineExceededError(
-                             absl::StrCat("peer agents of ranks [", absl::StrJoin(missing, ", "),
-                                          "] never registered their model")));
-      return;
-    }
-    box.sent = task.iteration;
-    box.sends_pending = static_cast<int>(world) - 1;
-    box.send_error = absl::OkStatus();
-    box.started = absl::Now();
-    rebuild = MaybeRebuildLocked(task.layer, task.iteration);  // world == 1: nothing to wait for
-  }
-  const float* u = shm_->FactorU(task.layer);
-  const float* v = shm_->FactorV(task.layer);
-  const uint64_t ku = st.k * st.m, kv = st.k * st.n;
-  sfb_sent_bytes_->Increment(static_cast<double>((ku + kv) * sizeof(float) * (world - 1)));
-  if (timeline_) timeline_->Instant("send factors", task.layer, task.iteration, absl::Now());
-  for (uint32_t p = 0; p < world; ++p) {
-    if (p == me) continue;
-    FrameHeader h;
-    h.type = FrameType::kFactors;
-    h.job_id = config_.job_id;
-    h.sender_rank = me;
-    h.key = task.layer;
-    h.clock = task.iteration;
-    h.payload_length = (ku + kv) * sizeof(float);
-    if (telemetry_) telemetry_->AddPeerBytes(p, h.payload_length, 0);
-    peers_[p]->Send(
-        h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
-        [self = shared_from_this(), layer = task.layer, it = task.iteration, p](absl::Status s) {
-          std::optional<Task> ready;
-          {
-            std::lock_guard<std::mutex> lock(self->inbox_mu_);
-            SfbInbox& b = self->inbox_.at(layer);
-            if (b.sent != it) return;
-            --b.sends_pending;
-            if (!s.ok() && b.send_error.ok()) {
-              b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
-            }
-            ready = self->MaybeRebuildLocked(layer, it);
-          }
-          if (ready) self->StartRebuild(*ready);
-        });
-  }
-  if (rebuild) StartRebuild(*rebuild);
-}
-
-std::optional<Task> Agent::MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
-  SfbInbox& box = inbox_.at(layer);
-  if (box.sent != iteration || box.sends_pending > 0 || box.rebuild_queued == iteration ||
-      box.finished == iteration) {
-    return std::nullopt;
-  }
-  const int slot = static_cast<int>(iteration % 2);
-  for (uint32_t p = 0; p < config_.world_size; ++p) {
-    if (p != config_.rank && box.tag[slot][p] != iteration) return std::nullopt;
-  }
-  box.rebuild_queued = iteration;
-  Task t;
-  t.priority = config_.priority ? layers_[layer].layout.priority : 0;
-  t.layer = layer;
-  t.iteration = iteration;
-  t.rebuild = true;
-  t.bytes = 0;  // computation, not network: never held back by the credit
-  t.queued_at = absl::Now();
-  return t;
-}
-
-// A small host rebuild (at most kInlineRebuildMacs multiply-adds: ~1 ms on one core) runs at
-// once on the thread that completed its inputs (the last factors' receive or our last send):
-// handing it to a sync thread costs a wake-up, which on a loaded machine is longer than the GEMMs.
-// Larger ones, and the GPU's, go through the queue in priority order.
-void Agent::StartRebuild(const Task& task) {
-  constexpr uint64_t kInlineRebuildMacs = uint64_t{1} << 22;
-  const LayerState& st = layers_[task.layer];
-  if (!st.on_device && st.k * st.m * st.n * config_.world_size <= kInlineRebuildMacs) {
-    RebuildSfb(task);
-  } else {
-    Enqueue(task);
-  }
-}
-
-// SFB, second half: sum_p U_p^T V_p (M x N, row-major) into the gradient buffer, ranks in order.
-void Agent::RebuildSfb(const Task& task) {
-  const LayerState& st = layers_[task.layer];
-  SfbInbox& box = inbox_.at(task.layer);
-  absl::Status status;
-  {
-    std::lock_guard<std::mutex> lock(inbox_mu_);
-    if (box.finished == task.iteration) return;  // the watchdog failed it already
-    status = box.send_error;
-  }
-  const uint32_t me = config_.rank;
-  const int slot = static_cast<int>(task.iteration % 2);
-  const float* u = shm_->FactorU(task.layer);
-  const float* v = shm_->FactorV(task.layer);
-  float* grad = shm_->Grad(task.layer);
-  const int m = static_cast<int>(st.m), n = static_cast<int>(st.n), k = static_cast<int>(st.k);
-  const uint64_t ku = st.k * st.m;
-  const absl::Time rebuild_start = absl::Now();
-  if (timeline_) {
-    timeline_->Span("rebuild queue", task.layer, st.desc.name, task.iteration, task.queued_at,
-                    rebuild_start);
-  }
-  if (st.on_device) {
-    // On the GPU: one cuBLAS GEMM over every rank's factors, straight into the arena.
-    DeviceStager::SfbShape shape;
-    shape.m = st.m;
-    shape.n = st.n;
-    shape.k = st.k;
-    shape.world = config_.world_size;
-    shape.me = me;
-    shape.grad_offset = st.layout.grad_offset;
-    shape.u_offset = st.layout.u_offset;
-    shape.v_offset = st.layout.v_offset;
-    if (absl::Status s = stager_->Rebuild(task.layer, shape, task.iteration, box.data[slot].data());
-        !s.ok() && status.ok()) {
-      status = s;
-    }
-  } else {
-    for (uint32_t p = 0; p < config_.world_size; ++p) {
-      const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
-      const float* vp = p == me ? v : up + ku;
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
-                  p == 0 ? 0.0f : 1.0f, grad, n);
-    }
-  }
-  if (timeline_) {
-    timeline_->Span("rebuild", task.layer, st.desc.name, task.iteration, rebuild_start,
-                    absl::Now());
-  }
-  {
-    std::lock_guard<std::mutex> lock(inbox_mu_);
-    if (box.finished == task.iteration) return;
-    box.finished = task.iteration;
-  }
-  TaskFinished(task, status);
 }
 
 // The training process shared its CUDA arena and per-layer events: open them (or say why not).
@@ -1222,24 +804,13 @@ void Agent::AttachCuda() {
     PSD_LOG_WARN("CUDA attach refused: {}", why);
     shm_->FailCuda(why);
   };
-  if (!registered_) return refuse("register the layers before attaching CUDA");
-  if (stager_) return refuse("a CUDA arena is already attached");
+  if (!registered_.load()) return refuse("register the layers before attaching CUDA");
+  if (stager_owner_) return refuse("a CUDA arena is already attached");
   auto attach = shm_->ReadCudaAttach();
   if (!attach.ok()) return refuse(std::string(attach.status().message()));
   auto stager = OpenDeviceStager(*attach, shm_->data(), shm_->data_bytes());
   if (!stager.ok()) return refuse(std::string(stager.status().message()));
-  {
-    // Peers' factors are copied to the GPU from the inboxes: pin them too (fixed since
-    // registration). Pageable memory still works, only slower: a failure is not fatal.
-    std::lock_guard<std::mutex> lock(inbox_mu_);
-    for (auto& [layer, box] : inbox_) {
-      for (auto& d : box.data) {
-        if (absl::Status s = (*stager)->PinHost(d.data(), d.size() * sizeof(float)); !s.ok()) {
-          PSD_LOG_WARN("layer {}: SFB inbox stays pageable: {}", layer, s.message());
-        }
-      }
-    }
-  }
+  for (auto& [kind, syncer] : syncers_) syncer->AttachDevice(**stager);
   if (timeline_) {
     (*stager)->SetObserver([self = shared_from_this()](const char* what, uint32_t layer,
                                                        absl::Time start, absl::Time end,
@@ -1247,43 +818,17 @@ void Agent::AttachCuda() {
       uint64_t iteration;
       {
         std::lock_guard<std::mutex> lock(self->layers_mu_);
-        iteration = self->layers_[layer].posted;
+        iteration = self->progress_[layer].posted;
       }
-      self->timeline_->Span(what, layer, self->layers_[layer].desc.name, iteration, start, end);
+      self->timeline_->Span(what, layer, self->table_.layers[layer].desc.name, iteration, start,
+                            end);
     });
   }
-  stager_ = std::move(*stager);
-  shm_->AnswerCuda(stager_->DoneEvents());
+  stager_owner_ = std::move(*stager);
+  stager_.store(stager_owner_.get(), std::memory_order_release);
+  shm_->AnswerCuda(stager_owner_->DoneEvents());
   PSD_LOG_INFO("CUDA arena of {} bytes on device {} attached", attach->arena_bytes,
                attach->device);
-}
-
-// The main thread's watchdog: SFB layers whose peers' factors did not all arrive in time fail,
-// naming the ranks that are missing.
-void Agent::CheckSfbDeadlines() {
-  std::vector<std::pair<Task, absl::Status>> expired;
-  {
-    std::lock_guard<std::mutex> lock(inbox_mu_);
-    const absl::Time now = absl::Now();
-    for (auto& [layer, box] : inbox_) {
-      if (box.sent == 0 || box.finished == box.sent || box.rebuild_queued == box.sent) continue;
-      if (now - box.started < config_.sync_timeout) continue;
-      const int slot = static_cast<int>(box.sent % 2);
-      std::vector<uint32_t> missing;
-      for (uint32_t p = 0; p < config_.world_size; ++p) {
-        if (p != config_.rank && box.tag[slot][p] != box.sent) missing.push_back(p);
-      }
-      box.finished = box.sent;
-      Task t;
-      t.layer = layer;
-      t.iteration = box.sent;
-      expired.emplace_back(t, absl::DeadlineExceededError(absl::StrCat(
-                                  "SFB factors of clock ", box.sent, " not received from ranks [",
-                                  absl::StrJoin(missing, ", "), "] within ",
-                                  absl::FormatDuration(config_.sync_timeout))));
-    }
-  }
-  for (auto& [task, status] : expired) TaskFinished(task, status);
 }
 
 void Agent::SetUpMetrics() {
@@ -1293,8 +838,9 @@ void Agent::SetUpMetrics() {
   auto counter = [&](const char* name, const char* help) {
     return metrics_.GetCounter(name, help).value_or(nullptr);
   };
-  sfb_sent_bytes_ = counter("poseidon_agent_sfb_sent_bytes_total", "SFB factor bytes sent");
-  sfb_received_bytes_ =
+  env_.metrics.sfb_sent_bytes =
+      counter("poseidon_agent_sfb_sent_bytes_total", "SFB factor bytes sent");
+  env_.metrics.sfb_received_bytes =
       counter("poseidon_agent_sfb_received_bytes_total", "SFB factor bytes received");
   queue_depth_ = gauge("poseidon_agent_queue_depth", "Synchronisation tasks waiting");
   credit_in_use_ = gauge("poseidon_agent_credit_in_use_bytes", "Bytes in flight (the credit)");
@@ -1319,155 +865,214 @@ void Agent::CountError(const std::string& kind) {
 }
 
 // The stall detector: a layer in progress for longer than stall_timeout is reported once, with
-// what it waits for (PS: its pending chunks and their servers; SFB: the missing ranks).
+// what it waits for (its syncer says: PS its pending chunks and their servers, SFB the missing
+// ranks).
 void Agent::CheckStalls() {
   struct Stalled {
     uint32_t layer;
     uint64_t iteration;
     absl::Duration age;
-    std::string waiting;
+    Syncer* syncer;
+    std::vector<uint8_t> pending;
   };
   std::vector<Stalled> stalled;
   const absl::Time now = absl::Now();
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
-    for (uint32_t l = 0; l < layers_.size(); ++l) {
-      LayerState& st = layers_[l];
+    for (uint32_t l = 0; l < progress_.size(); ++l) {
+      LayerProgress& st = progress_[l];
       if (st.in_progress == 0 || st.stall_reported || now - st.ready_at < config_.stall_timeout) {
         continue;
       }
       st.stall_reported = true;
-      if (st.bucket >= 0) {
-        const Bucket& b = buckets_[static_cast<size_t>(st.bucket)];
-        std::vector<std::string> not_ready;
-        for (uint32_t m : b.members) {
-          if (layers_[m].posted < st.in_progress) not_ready.push_back(layers_[m].desc.name);
-        }
-        stalled.push_back(
-            {l, st.in_progress, now - st.ready_at,
-             absl::StrCat("chunks [key ", b.chunk.key, " on ", config_.servers[b.chunk.server],
-                          "] (bucket of layers ", b.members.front(), "..", b.members.back(),
-                          not_ready.empty()
-                              ? ""
-                              : absl::StrCat("; not yet ready: ", absl::StrJoin(not_ready, ", ")),
-                          ")")});
-        continue;
-      }
-      std::vector<std::string> pending;
-      for (size_t c = 0; c < st.chunk_pending.size() && pending.size() < 8; ++c) {
-        if (st.chunk_pending[c]) {
-          pending.push_back(
-              absl::StrCat("key ", st.chunks[c].key, " on ", config_.servers[st.chunks[c].server]));
-        }
-      }
-      stalled.push_back(
-          {l, st.in_progress, now - st.ready_at,
-           pending.empty() ? "" : absl::StrCat("chunks [", absl::StrJoin(pending, ", "), "]")});
+      stalled.push_back({l, st.in_progress, now - st.ready_at, st.syncer, st.pending});
     }
   }
   for (auto& s : stalled) {
-    if (s.waiting.empty()) {  // SFB: which ranks' factors are missing
-      std::lock_guard<std::mutex> lock(inbox_mu_);
-      auto it = inbox_.find(s.layer);
-      if (it != inbox_.end()) {
-        const int slot = static_cast<int>(s.iteration % 2);
-        std::vector<uint32_t> missing;
-        for (uint32_t p = 0; p < config_.world_size; ++p) {
-          if (p != config_.rank && it->second.tag[slot][p] != s.iteration) missing.push_back(p);
-        }
-        s.waiting = absl::StrCat("SFB factors from ranks [", absl::StrJoin(missing, ", "), "]");
-      }
-    }
+    const std::string waiting = s.syncer->Waiting(s.layer, s.iteration, s.pending);
     CountError("stall");  // first: whoever reads the line below finds it counted
     PSD_LOG_WARN("stall: layer {} ({}) iteration {} has waited {} for {}", s.layer,
-                 layers_[s.layer].desc.name, s.iteration, absl::FormatDuration(s.age), s.waiting);
+                 table_.layers[s.layer].desc.name, s.iteration, absl::FormatDuration(s.age),
+                 waiting);
   }
 }
+
+// ---- Plan changes ------------------------------------------------------------------------------
+
+// The watcher thread: a parked GetPlan that the coordinator answers as soon as it installs a
+// newer epoch (no polling per layer). Short waits, so that stopping never waits long.
+void Agent::WatchPlans() {
+  uint64_t seen = applied_epoch_.load();
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(plan_mu_);
+      if (watcher_stop_) return;
+    }
+    absl::StatusOr<v1::Plan> plan = coord_->WaitForPlan(seen + 1, absl::Seconds(1));
+    if (!plan.ok()) {
+      PSD_LOG_DEBUG("waiting for a new plan: {}", plan.status().message());
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Seconds(2));
+      continue;
+    }
+    backoff = absl::Milliseconds(100);
+    if (plan->plan_epoch() <= seen) continue;
+    seen = plan->plan_epoch();
+    std::lock_guard<std::mutex> lock(plan_mu_);
+    pending_plan_ = *std::move(plan);
+  }
+}
+
+void Agent::ApplyPendingPlan() {
+  std::optional<v1::Plan> plan;
+  {
+    std::lock_guard<std::mutex> lock(plan_mu_);
+    plan.swap(pending_plan_);
+  }
+  if (!plan || plan->plan_epoch() <= applied_epoch_.load()) return;
+  if (absl::Status s = ApplyPlan(*plan); !s.ok()) {
+    // Keeping the old plan while the other ranks switch would mix schemes within an iteration:
+    // stop with the reason instead.
+    Fatal(absl::StrCat("plan epoch ", plan->plan_epoch(), " cannot be applied: ", s.message()));
+    for (uint32_t l = 0; l < progress_.size(); ++l) {
+      shm_->LayerFailed(l, progress_[l].posted + 1,
+                        absl::StrCat("plan epoch ", plan->plan_epoch(), ": ", s.message()));
+    }
+  }
+}
+
+uint32_t Agent::PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const {
+  if (config_.scheme == "ps") return PSD_SCHEME_PS;
+  if (config_.scheme == "sfb" && spec.desc.kind == PSD_KIND_FC) return PSD_SCHEME_SFB;
+  return lp.scheme() == v1::SYNC_SCHEME_SFB ? PSD_SCHEME_SFB : PSD_SCHEME_PS;
+}
+
+// A new epoch changes schemes (and priorities) only: the layers, the servers and every layer's
+// chunks must be the ones this agent registered.
+absl::Status Agent::ApplyPlan(const v1::Plan& plan) {
+  if (plan.layers_size() != static_cast<int>(table_.layers.size())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "it covers ", plan.layers_size(), " layers, this agent has ", table_.layers.size()));
+  }
+  if (plan.servers_size() != static_cast<int>(config_.servers.size())) {
+    return absl::FailedPreconditionError(absl::StrCat("it names ", plan.servers_size(),
+                                                      " servers, this agent uses ",
+                                                      config_.servers.size()));
+  }
+  for (int s = 0; s < plan.servers_size(); ++s) {
+    const auto& server = plan.servers(s);
+    if (server.endpoints_size() == 0 ||
+        server.endpoints(0).address() != config_.servers[static_cast<size_t>(s)]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("server ", s, " moved (", config_.servers[static_cast<size_t>(s)], ")"));
+    }
+  }
+  const uint64_t at = plan.effective_iteration();
+  for (uint32_t l = 0; l < table_.layers.size(); ++l) {
+    const v1::LayerPlan& lp = plan.layers(static_cast<int>(l));
+    const LayerSpec& spec = table_.layers[l];
+    const uint32_t scheme = PlannedScheme(lp, spec);
+    // Chunks must not move (a layer that switches to PS uses the keys registered for it).
+    bool same = spec.chunks.size() == static_cast<size_t>(lp.chunks_size()) || lp.chunks_size() == 0;
+    for (int c = 0; same && c < lp.chunks_size(); ++c) {
+      const PsChunk& mine = spec.chunks[static_cast<size_t>(c)];
+      const v1::Chunk& theirs = lp.chunks(c);
+      same = mine.key == theirs.key() && mine.offset == theirs.offset() &&
+             mine.length == theirs.length() && mine.server == theirs.server_index();
+    }
+    if (!same) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the chunks of layer ", spec.desc.name, " changed"));
+    }
+    uint64_t next_post;
+    {
+      std::lock_guard<std::mutex> lock(layers_mu_);
+      next_post = progress_[l].posted + 1;
+    }
+    const ScheduleChange change =
+        ComposeSchedule(spec, schedules_->Get(l), scheme, std::max<uint64_t>(at, 1), next_post);
+    if (change.outcome == ScheduleChange::kRefused && absl::StartsWith(change.why, "too late")) {
+      return absl::FailedPreconditionError(absl::StrCat("layer ", spec.desc.name, ": ", change.why,
+                                                        " (the coordinator's lead was too short)"));
+    }
+  }
+  // Every layer can take it: write the schedules.
+  for (uint32_t l = 0; l < table_.layers.size(); ++l) {
+    ApplyChange(l, PlannedScheme(plan.layers(static_cast<int>(l)), table_.layers[l]),
+                std::max<uint64_t>(at, 1), plan.plan_epoch());
+  }
+  previous_epoch_.store(RunningEpoch());
+  applied_at_.store(at);
+  applied_epoch_.store(plan.plan_epoch());
+  plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
+  int sfb = 0;
+  for (uint32_t l = 0; l < table_.layers.size(); ++l) {
+    sfb += PlannedScheme(plan.layers(static_cast<int>(l)), table_.layers[l]) == PSD_SCHEME_SFB;
+  }
+  PSD_LOG_INFO("plan epoch {} from iteration {}: {} of {} layers on SFB", plan.plan_epoch(), at,
+               sfb, table_.layers.size());
+  return absl::OkStatus();
+}
+
+void Agent::ApplyChange(uint32_t layer, uint32_t scheme, uint64_t switch_at, uint64_t epoch) {
+  const LayerSpec& spec = table_.layers[layer];
+  uint64_t next_post;
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    next_post = progress_[layer].posted + 1;
+  }
+  const ScheduleChange change =
+      ComposeSchedule(spec, schedules_->Get(layer), scheme, switch_at, next_post);
+  switch (change.outcome) {
+    case ScheduleChange::kDefer:
+      deferred_[layer].push_back({scheme, switch_at, epoch});
+      return;
+    case ScheduleChange::kRefused:
+      // Every rank refuses alike (the same layer table): the layer keeps its scheme.
+      PSD_LOG_WARN("plan epoch {}: layer {} ({}) stays on {}: {}", epoch, layer, spec.desc.name,
+                   SchemeName(schedules_->At(layer, switch_at)), change.why);
+      return;
+    case ScheduleChange::kApply:
+      if (!change.changed) return;
+      schedules_->Set(layer, change.schedule);
+      shm_->PublishSchedule(layer, change.schedule.Pack());
+      if (progress_[layer].scheme_gauge) progress_[layer].scheme_gauge->Set(scheme);
+      PSD_LOG_INFO("plan epoch {}: layer {} ({}) runs {} from iteration {}", epoch, layer,
+                   spec.desc.name, SchemeName(scheme), switch_at);
+      return;
+  }
+}
+
+// The epoch whose schemes the iterations being run use: the applied one once its effective
+// iteration is reached.
+uint64_t Agent::RunningEpoch() const {
+  return last_iteration_.load() + 1 >= applied_at_.load() ? applied_epoch_.load()
+                                                          : previous_epoch_.load();
+}
+
+// ---- Frames from the other agents --------------------------------------------------------------
 
 absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
     const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
-  if (h.type == FrameType::kPing && h.payload_length == 0)
+  // A PING says the peer registered; it may come before we did (the gate remembers it).
+  if (h.type == FrameType::kPing && h.payload_length == 0) {
     return transport::PayloadTarget::Discard();
-  if (h.type != FrameType::kFactors) {
-    return absl::InvalidArgumentError("agents only exchange SFB factors");
   }
-  const uint32_t from = peer->identity().rank;
-  if (from >= config_.world_size || from == config_.rank || h.sender_rank != from) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("factors from rank ", h.sender_rank, " on a connection of rank ", from));
+  transport::FrameHandler* handler = peer_handler_.load();
+  if (handler == nullptr) {
+    return absl::FailedPreconditionError("this agent has not registered its model yet");
   }
-  if (h.key >= layers_count_.load()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("factors for layer ", h.key, " of ", layers_count_.load()));
-  }
-  std::lock_guard<std::mutex> lock(inbox_mu_);
-  auto it = inbox_.find(static_cast<uint32_t>(h.key));
-  if (it == inbox_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", h.key, " is not an SFB layer here"));
-  }
-  SfbInbox& box = it->second;
-  if (h.payload_length != box.floats * sizeof(float)) {
-    return absl::InvalidArgumentError(absl::StrCat("factors of layer ", h.key, " carry ",
-                                                   h.payload_length, " bytes, expected ",
-                                                   box.floats * sizeof(float)));
-  }
-  if (h.clock == 0) return absl::InvalidArgumentError("iterations start at 1");
-  const int slot = static_cast<int>(h.clock % 2);
-  const uint64_t held = box.tag[slot][from];
-  if (held != 0 && held + 2 != h.clock) {
-    return absl::FailedPreconditionError(absl::StrCat("factors of layer ", h.key, " clock ",
-                                                      h.clock, " from rank ", from,
-                                                      " arrive while the slot holds clock ", held));
-  }
-  box.tag[slot][from] = 0;  // being overwritten
-  return transport::PayloadTarget::Into(
-      std::as_writable_bytes(std::span(box.data[slot].data() + from * box.floats, box.floats)));
+  return handler->OnHeader(peer, h);
 }
 
 void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,
-                    transport::MutableBuffer) {
+                    transport::MutableBuffer payload) {
   if (h.type == FrameType::kPing) {
-    const uint32_t from = peer->identity().rank;
-    {
-      std::lock_guard<std::mutex> lock(inbox_mu_);
-      if (from < peer_ready_.size()) peer_ready_[from] = true;
-    }
-    inbox_cv_.notify_all();
+    peer_gate_->MarkReady(peer->identity().rank);
     return;
   }
-  const uint32_t from = peer->identity().rank;
-  const auto layer = static_cast<uint32_t>(h.key);
-  if (stager_ && layers_[layer].on_device) {
-    // The GPU rebuild needs every rank's factors on the device: copy these now, while the
-    // other ranks' are still on the network (pinned inbox, asynchronous).
-    const LayerState& st = layers_[layer];
-    DeviceStager::SfbShape shape;
-    shape.m = st.m;
-    shape.n = st.n;
-    shape.k = st.k;
-    shape.world = config_.world_size;
-    shape.me = config_.rank;
-    shape.grad_offset = st.layout.grad_offset;
-    shape.u_offset = st.layout.u_offset;
-    shape.v_offset = st.layout.v_offset;
-    const SfbInbox& box = inbox_.at(layer);
-    if (absl::Status s = stager_->StagePeerFactors(
-            layer, shape, h.clock, from, box.data[h.clock % 2].data() + from * box.floats);
-        !s.ok()) {
-      PSD_LOG_WARN("layer {}: staging rank {}'s factors: {} (the rebuild copies them)", layer,
-                   from, s.message());
-    }
-  }
-  std::optional<Task> rebuild;
-  {
-    std::lock_guard<std::mutex> lock(inbox_mu_);
-    inbox_.at(layer).tag[h.clock % 2][from] = h.clock;
-    sfb_received_bytes_->Increment(static_cast<double>(h.payload_length));
-    if (telemetry_) telemetry_->AddPeerBytes(peer->identity().rank, 0, h.payload_length);
-    rebuild = MaybeRebuildLocked(static_cast<uint32_t>(h.key), h.clock);
-  }
-  inbox_cv_.notify_all();
-  if (rebuild) StartRebuild(*rebuild);
+  if (transport::FrameHandler* handler = peer_handler_.load()) handler->OnFrame(peer, h, payload);
 }
 
 }  // namespace

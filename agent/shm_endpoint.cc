@@ -199,11 +199,16 @@ absl::StatusOr<std::optional<Event>> ShmEndpoint::NextEvent(absl::Duration timeo
       e.type != PSD_EVENT_DETACH && e.type != PSD_EVENT_CUDA_ATTACH) {
     return absl::InvalidArgumentError(absl::StrCat("unknown event type ", e.type));
   }
-  if (e.type == PSD_EVENT_LAYER_READY && e.aux != PSD_READY_HOST && e.aux != PSD_READY_DEVICE) {
+  Event event{e.type, e.layer, e.iteration, e.aux & 0xff, (e.aux >> 8) & 0xff};
+  if (e.type == PSD_EVENT_LAYER_READY &&
+      ((event.location != PSD_READY_HOST && event.location != PSD_READY_DEVICE) ||
+       (event.scheme != 0 && event.scheme != PSD_SCHEME_PS && event.scheme != PSD_SCHEME_SFB) ||
+       (e.aux >> 16) != 0)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("layer ", e.layer, " ready with an unknown location ", e.aux));
+        absl::StrCat("layer ", e.layer, " ready with an unknown location or scheme (aux ", e.aux,
+                     ")"));
   }
-  return std::optional<Event>(Event{e.type, e.layer, e.iteration, e.aux});
+  return std::optional<Event>(event);
 }
 
 absl::StatusOr<ShmEndpoint::ServerRule> ShmEndpoint::ReadServerRule() const {
@@ -308,6 +313,8 @@ absl::Status ShmEndpoint::PublishLayout(const std::vector<LayerDesc>& descs,
     l.grad_offset = layout[i].grad_offset;
     l.u_offset = layout[i].u_offset;
     l.v_offset = layout[i].v_offset;
+    l.agent_flags = layout[i].sfb_buffers ? PSD_LAYER_SFB_BUFFERS : 0;
+    Store(&l.schedule, PSD_SCHEDULE_PACK(layout[i].scheme, layout[i].scheme, 0));
     Store(&l.done_iteration, uint64_t{0});
     Store(&l.done_status, 0);
   }
@@ -380,6 +387,10 @@ float* ShmEndpoint::FactorU(uint32_t layer) const {
 }
 float* ShmEndpoint::FactorV(uint32_t layer) const {
   return reinterpret_cast<float*>(data_ + layout_[layer].v_offset);
+}
+
+void ShmEndpoint::PublishSchedule(uint32_t layer, uint64_t word) {
+  Store(&layers()[layer].schedule, word);
 }
 
 void ShmEndpoint::LayerDone(uint32_t layer, uint64_t iteration) {

@@ -36,13 +36,17 @@ struct LayerLayout {
   uint64_t grad_offset = 0;
   uint64_t u_offset = 0;
   uint64_t v_offset = 0;
+  bool sfb_buffers = false;  // u_offset / v_offset are laid out
 };
 
 struct Event {
   uint32_t type = 0;
   uint32_t layer = 0;
   uint64_t iteration = 0;
-  uint64_t aux = 0;  // LAYER_READY: PSD_READY_HOST or PSD_READY_DEVICE (validated)
+  // LAYER_READY (validated): PSD_READY_HOST or PSD_READY_DEVICE, and the scheme the input was
+  // written for (0: not said, an older framework library).
+  uint64_t location = 0;
+  uint64_t scheme = 0;
 };
 
 class ShmEndpoint {
@@ -89,6 +93,9 @@ class ShmEndpoint {
   float* Grad(uint32_t layer) const;
   float* FactorU(uint32_t layer) const;
   float* FactorV(uint32_t layer) const;
+
+  // A layer's scheme by iteration (PSD_SCHEDULE_PACK), for the framework.
+  void PublishSchedule(uint32_t layer, uint64_t word);
 
   void LayerDone(uint32_t layer, uint64_t iteration);
   void LayerFailed(uint32_t layer, uint64_t iteration, const std::string& why);

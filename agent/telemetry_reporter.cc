@@ -60,6 +60,19 @@ void TelemetryReporter::AddServerBytes(size_t server, uint64_t sent, uint64_t re
   links_[server].received.fetch_add(received, std::memory_order_relaxed);
 }
 
+void TelemetryReporter::AddServerTransfer(size_t server, uint64_t bytes, absl::Duration busy) {
+  if (server >= servers_ || busy <= absl::ZeroDuration()) return;
+  LinkCounters& link = links_[server];
+  const int64_t end = absl::ToUnixNanos(absl::Now());
+  const int64_t start = end - absl::ToInt64Nanoseconds(busy);
+  std::lock_guard<std::mutex> lock(link.capacity_mu);
+  // Busy time is the union of the transfers' intervals: concurrent pulls share the link.
+  const int64_t from = std::max(start, link.busy_until_ns);
+  if (end > from) link.busy_ns += static_cast<uint64_t>(end - from);
+  link.busy_until_ns = std::max(link.busy_until_ns, end);
+  link.capacity_bytes += bytes;
+}
+
 void TelemetryReporter::AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t received) {
   const size_t link = servers_ + rank;
   if (link >= link_ids_.size()) return;
@@ -129,6 +142,9 @@ void TelemetryReporter::LayerSynced(uint32_t layer, uint64_t iteration, absl::Du
   c.synced_iteration.store(iteration, std::memory_order_release);
 }
 
+// A window's capacity sample needs this many bytes of large transfers.
+constexpr uint64_t kMinCapacityBytes = uint64_t{1} << 20;
+
 v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
   std::lock_guard<std::mutex> lock(mu_);
   v1::ReportTelemetryRequest request;
@@ -154,6 +170,16 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
     link->set_bytes_per_second(static_cast<double>(std::max(sent_window, received_window)) /
                                seconds);
     link->set_latency_ns(links_[i].min_rtt_ns.exchange(0, std::memory_order_relaxed));
+    {
+      std::lock_guard<std::mutex> capacity_lock(links_[i].capacity_mu);
+      // At least a few large transfers' worth, or the window says nothing about the capacity.
+      if (links_[i].busy_ns > 0 && links_[i].capacity_bytes >= kMinCapacityBytes) {
+        link->set_capacity_bytes_per_second(static_cast<double>(links_[i].capacity_bytes) * 1e9 /
+                                            static_cast<double>(links_[i].busy_ns));
+      }
+      links_[i].capacity_bytes = 0;
+      links_[i].busy_ns = 0;
+    }
   }
   const size_t layers = layer_count_.load(std::memory_order_acquire);
   const int64_t now_ns = absl::ToUnixNanos(now);

@@ -45,6 +45,12 @@ class TelemetryReporter {
   // Bytes moved on a link (data path; unknown indices are ignored).
   void AddServerBytes(size_t server, uint64_t sent, uint64_t received);
   void AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t received);
+  // A large transfer from KV server `server` that took `busy` on the link (a pull response, from
+  // its header to its last byte): the window reports bytes over busy time as the link's
+  // capacity (LinkTelemetry.capacity_bytes_per_second), which falls when the link slows down,
+  // unlike achieved throughput. Busy time of overlapping transfers counts once. (The bytes are
+  // counted by AddServerBytes as well.)
+  void AddServerTransfer(size_t server, uint64_t bytes, absl::Duration busy);
   // A round trip measured to KV server `server` in this window (the window keeps the minimum).
   void AddServerLatency(size_t server, absl::Duration round_trip);
 
@@ -78,6 +84,12 @@ class TelemetryReporter {
     std::atomic<uint64_t> sent{0};
     std::atomic<uint64_t> received{0};
     std::atomic<uint64_t> min_rtt_ns{0};  // 0: none in this window; reset by Collect
+    // Capacity: bytes and busy nanoseconds of large transfers in this window (reset by Collect),
+    // and where the last counted busy interval ended (Unix ns), so overlaps count once.
+    std::mutex capacity_mu;
+    uint64_t capacity_bytes = 0;
+    uint64_t busy_ns = 0;
+    int64_t busy_until_ns = 0;
   };
   struct LayerCounters {
     std::atomic<uint64_t> syncs{0};

@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #define PSD_SHM_MAGIC 0x314D485344535050ull /* "PPSDSHM1" */
-#define PSD_SHM_ABI_VERSION 3u
+#define PSD_SHM_ABI_VERSION 4u
 #define PSD_SHM_MAX_LAYERS 4096u
 #define PSD_SHM_NAME_BYTES 64u
 #define PSD_SHM_MAX_DIMS 4u
@@ -31,9 +31,12 @@
 /* agent -> framework: */
 #define PSD_EVENT_LAYER_FAILED 16u /* layer/iteration failed; status + message in the layer */
 
-/* psd_shm_event.aux of PSD_EVENT_LAYER_READY: where the layer's input is. */
+/* psd_shm_event.aux of PSD_EVENT_LAYER_READY: where the layer's input is (bits 0-7), and the
+ * scheme the framework wrote it for (bits 8-15: the layer's schedule at that iteration; the
+ * agent refuses an input of the wrong form). */
 #define PSD_READY_HOST 0u   /* in the data segment */
 #define PSD_READY_DEVICE 1u /* in the CUDA arena, complete once the layer's ready event fires */
+#define PSD_READY_AUX(location, scheme) ((uint64_t)(location) | ((uint64_t)(scheme) << 8))
 /* header.cuda_state */
 #define PSD_CUDA_OFF 0u
 #define PSD_CUDA_REQUESTED 1u
@@ -51,6 +54,17 @@
 /* Schemes (poseidon.v1 SyncScheme). */
 #define PSD_SCHEME_PS 1u
 #define PSD_SCHEME_SFB 2u
+
+/* A layer's scheme by iteration (psd_shm_layer.schedule, written by the agent when a plan
+ * changes, read atomically by the framework): `before` for iterations < switch_at, `after`
+ * from switch_at on. The agent changes the word only for iterations later than the next one the
+ * framework will post, so the scheme of an iteration, once read, never changes. */
+#define PSD_SCHEDULE_PACK(before, after, switch_at) \
+  ((uint64_t)(before) | ((uint64_t)(after) << 8) | ((uint64_t)(switch_at) << 16))
+#define PSD_SCHEDULE_SCHEME(word, iteration) \
+  ((uint32_t)((uint64_t)(iteration) >= ((word) >> 16) ? (((word) >> 8) & 0xffu) : ((word) & 0xffu)))
+/* psd_shm_layer.agent_flags */
+#define PSD_LAYER_SFB_BUFFERS 1u /* u_offset / v_offset are laid out (the layer may run SFB) */
 
 /* header.agent_state */
 #define PSD_AGENT_STARTING 0u
@@ -100,12 +114,15 @@ typedef struct psd_shm_layer {
   uint32_t reserved0;
   uint64_t shape[PSD_SHM_MAX_DIMS];
   /* Written by the agent at registration. Offsets are into the data segment. */
-  uint32_t scheme;
+  uint32_t scheme; /* the first plan's (see schedule for later iterations) */
   uint32_t priority;
   uint64_t elements;
   uint64_t grad_offset; /* elements * 4 bytes: the gradient in, the synchronised result out */
-  uint64_t u_offset;    /* SFB: K x M factor U (0 bytes otherwise) */
-  uint64_t v_offset;    /* SFB: K x N factor V */
+  uint64_t u_offset;    /* PSD_LAYER_SFB_BUFFERS: K x M factor U (0 bytes otherwise) */
+  uint64_t v_offset;    /* PSD_LAYER_SFB_BUFFERS: K x N factor V */
+  uint32_t agent_flags; /* PSD_LAYER_SFB_BUFFERS */
+  uint32_t reserved1;
+  uint64_t schedule; /* PSD_SCHEDULE_PACK; updated by the agent when a plan changes (atomic) */
   /* Progress. ready_iteration: framework; done_*: agent. done_futex is bumped (and woken) by the
    * agent after every completion or failure of this layer. */
   uint64_t ready_iteration;

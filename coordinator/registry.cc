@@ -916,6 +916,16 @@ double Registry::Rate(const Job& job, absl::Time now) const {
   return static_cast<double>(last.second - first->second) / span;
 }
 
+// Whether the job is training but its rate is not known yet (samples of the window span less
+// than a second).
+bool Registry::RateUnknown(const Job& job, absl::Time now) const {
+  const absl::Time start = now - options_.iteration_rate_window;
+  const auto first = std::find_if(job.progress.begin(), job.progress.end(),
+                                  [&](const auto& sample) { return sample.first >= start; });
+  if (first == job.progress.end() || job.max_iteration == 0) return false;  // idle or stalled
+  return absl::ToDoubleSeconds(job.progress.back().first - first->first) < 1.0;
+}
+
 uint64_t Registry::EffectiveIteration(const Job& job, absl::Time now) const {
   const double rate = Rate(job, now);
   const absl::Time last_at = job.progress.empty() ? now : job.progress.back().first;
@@ -926,8 +936,11 @@ uint64_t Registry::EffectiveIteration(const Job& job, absl::Time now) const {
   constexpr double kMax = 4611686018427387904.0;  // 2^62
   const double estimate = std::min(std::ceil(static_cast<double>(job.max_iteration) + ahead), kMax);
   uint64_t effective = static_cast<uint64_t>(estimate);
-  effective += std::min<uint64_t>(options_.plan_lead_iterations,
-                                  std::numeric_limits<uint64_t>::max() - effective);
+  // A job that started less than a second ago may run fast: without a rate, a wide margin.
+  const uint64_t lead = RateUnknown(job, now) ? std::max(options_.plan_lead_iterations,
+                                                         options_.plan_unknown_rate_lead_iterations)
+                                              : options_.plan_lead_iterations;
+  effective += std::min<uint64_t>(lead, std::numeric_limits<uint64_t>::max() - effective);
   // Epochs take effect in order: after the current plan's iteration.
   if (job.plan.has_value() && effective <= job.plan->effective_iteration()) {
     effective = job.plan->effective_iteration() + 1;

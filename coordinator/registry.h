@@ -63,6 +63,10 @@ struct RegistryOptions {
   // above the current plan's effective iteration.
   uint64_t plan_lead_iterations = 10;
   absl::Duration plan_lead_time = absl::Seconds(2);
+  // Instead of plan_lead_iterations while the job trains but its rate is not known yet (its
+  // samples span less than a second): an agent that learns a plan after its effective iteration
+  // cannot switch exactly and stops, so without a rate the margin is wide.
+  uint64_t plan_unknown_rate_lead_iterations = 200;
   absl::Duration iteration_rate_window = absl::Seconds(30);
   // Link samples and agents' reports older than this are ignored.
   absl::Duration telemetry_max_age = absl::Seconds(60);
@@ -277,6 +281,7 @@ class Registry {
   void ObserveIteration(Job& job, uint64_t iteration, absl::Time now);
   double Rate(const Job& job, absl::Time now) const;
   uint64_t EffectiveIteration(const Job& job, absl::Time now) const;
+  bool RateUnknown(const Job& job, absl::Time now) const;
   std::pair<double, double> Network(const Job& job, absl::Time now) const;
   // The node's latest telemetry if it is at most telemetry_max_age old.
   bool FreshTelemetry(const Node& node, absl::Time now) const;

@@ -565,7 +565,8 @@ TEST_F(PlanChangeTest, TheRateNeedsSamplesSpanningASecond) {
   now_ += absl::Milliseconds(50);
   Beat(agents_[1], 7);  // 140 iterations/s if it were believed
   EXPECT_EQ(registry_.IterationRate("job", now_), 0);
-  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 17u);
+  // Without a rate: the wide margin (plan_unknown_rate_lead_iterations).
+  EXPECT_EQ(registry_.NextEffectiveIteration("job", now_), 207u);
   // Telemetry carries the iteration too.
   now_ += absl::Seconds(2);
   Report(agents_[0], {}, {}, 27);
@@ -703,13 +704,14 @@ TEST_F(PlanChangeTest, OperatorOverridesAreCheckedInstalledAndPersist) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(PlanEpoch(), 1u);
 
-  // Forcing fc.weight to the other scheme: a new epoch, effective ahead of the job.
+  // Forcing fc.weight to the other scheme: a new epoch, effective ahead of the job (one
+  // iteration report: no rate yet, so the wide margin).
   Beat(agents_[0], 40);
   auto set = Override({{"fc.weight", other}}, job_);
   ASSERT_TRUE(set.ok()) << set.status();
   EXPECT_TRUE(set->installed());
   EXPECT_EQ(set->plan().plan_epoch(), 2u);
-  EXPECT_EQ(set->plan().effective_iteration(), 50u);
+  EXPECT_EQ(set->plan().effective_iteration(), 240u);
   EXPECT_EQ(set->plan().layers(2).scheme(), other);
   EXPECT_EQ(set->overrides().at("fc.weight"), other);
   EXPECT_EQ(set->header().plan_epoch(), 2u);

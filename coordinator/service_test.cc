@@ -315,6 +315,7 @@ TEST_F(CoordinatorServiceTest, TelemetryBeyondTheThresholdSwitchesThePlanEpoch) 
   // not depend on how fast the test runs (registry_test drives both with a fake clock).
   options.service.registry.replan_min_interval = absl::ZeroDuration();
   options.service.registry.plan_lead_time = absl::ZeroDuration();
+  options.service.registry.plan_unknown_rate_lead_iterations = 0;  // wall clock: no rate
   options.service.registry.min_servers = 2;
   StartServer(options);
   auto server0 = AddServer(7100);
@@ -472,7 +473,8 @@ TEST_F(CoordinatorServiceTest, ServerRejoiningWithNewEndpointsGetsANewPlanEpoch)
   auto plan = members[0].client->GetPlan();
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->plan_epoch(), 2u);
-  EXPECT_EQ(plan->effective_iteration(), 52u);  // 42 + the default lead of 10
+  // 42 + the lead while the job's rate is unknown (one report)
+  EXPECT_EQ(plan->effective_iteration(), 242u);
   EXPECT_EQ(plan->servers(0).endpoints(0).address(), "127.0.0.1:7999");
 }
 

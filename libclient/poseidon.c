@@ -364,11 +364,20 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
     const psd_shm_layer* l = &ctx->layers[i];
     const uint64_t grad_end = l->grad_offset + l->elements * 4;
     int bad = l->elements == 0 || grad_end > data_bytes || grad_end < l->grad_offset;
-    if (l->scheme == PSD_SCHEME_SFB) {
+    const int buffers = (l->agent_flags & PSD_LAYER_SFB_BUFFERS) != 0;
+    if (buffers) {
       const uint64_t m = l->shape[0], n = l->shape[1], k = l->batch_k;
-      bad |= l->u_offset + k * m * 4 > data_bytes || l->v_offset + k * n * 4 > data_bytes;
-    } else if (l->scheme != PSD_SCHEME_PS) {
-      bad = 1;
+      bad |= l->kind != PSD_KIND_FC || l->u_offset + k * m * 4 > data_bytes ||
+             l->v_offset + k * n * 4 > data_bytes;
+    }
+    /* The first plan's scheme, and every scheme the schedule can name, must be runnable. */
+    const uint64_t word = load64(&l->schedule);
+    const uint32_t first = l->scheme, before = (uint32_t)(word & 0xff),
+                   after = (uint32_t)((word >> 8) & 0xff);
+    const uint32_t schemes[3] = {first, before, after};
+    for (int k = 0; k < 3; ++k) {
+      bad |= schemes[k] != PSD_SCHEME_PS && schemes[k] != PSD_SCHEME_SFB;
+      bad |= schemes[k] == PSD_SCHEME_SFB && !buffers;
     }
     if (bad) {
       munmap(data, data_bytes);
@@ -400,9 +409,41 @@ PSD_EXPORT psd_status psd_get_layer_info(psd_context* ctx, uint32_t layer, psd_l
   out->priority = l->priority;
   out->elements = l->elements;
   out->grad = (float*)(ctx->data + l->grad_offset);
-  out->u = l->scheme == PSD_SCHEME_SFB ? (float*)(ctx->data + l->u_offset) : NULL;
-  out->v = l->scheme == PSD_SCHEME_SFB ? (float*)(ctx->data + l->v_offset) : NULL;
+  const int buffers = (l->agent_flags & PSD_LAYER_SFB_BUFFERS) != 0;
+  out->u = buffers ? (float*)(ctx->data + l->u_offset) : NULL;
+  out->v = buffers ? (float*)(ctx->data + l->v_offset) : NULL;
   return PSD_OK;
+}
+
+/* The scheme of `iteration` from the layer's schedule word (the agent writes it atomically, and
+ * only for iterations after the next one to be posted). A scheme the layer cannot run means the
+ * segment is corrupt: refused. */
+static psd_status scheme_at(psd_context* ctx, uint32_t layer, uint64_t iteration, uint32_t* out) {
+  const psd_shm_layer* l = &ctx->layers[layer];
+  const uint64_t word = load64(&l->schedule);
+  const uint32_t scheme = PSD_SCHEDULE_SCHEME(word, iteration);
+  if (scheme != PSD_SCHEME_PS &&
+      !(scheme == PSD_SCHEME_SFB && (l->agent_flags & PSD_LAYER_SFB_BUFFERS) != 0)) {
+    return fail(PSD_INTERNAL, "layer %u (%s): the agent's schedule names scheme %u", layer,
+                l->name, scheme);
+  }
+  *out = scheme;
+  return PSD_OK;
+}
+
+PSD_EXPORT psd_status psd_layer_scheme(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                                       uint32_t* scheme) {
+  psd_error[0] = '\0';
+  psd_status s = check_layer(ctx, layer);
+  if (s != PSD_OK) return s;
+  if (scheme == NULL) return fail(PSD_INVALID_ARGUMENT, "scheme is NULL");
+  const uint64_t posted = load64(&ctx->layers[layer].ready_iteration);
+  if (iteration == 0 || iteration <= posted) {
+    return fail(PSD_INVALID_ARGUMENT,
+                "layer %u (%s): iteration %llu is posted already (ask before posting it)", layer,
+                ctx->layers[layer].name, (unsigned long long)iteration);
+  }
+  return scheme_at(ctx, layer, iteration, scheme);
 }
 
 static psd_status check_ready(psd_context* ctx, uint32_t layer, uint64_t iteration) {
@@ -426,8 +467,12 @@ PSD_EXPORT psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t
   psd_error[0] = '\0';
   psd_status s = check_ready(ctx, layer, iteration);
   if (s != PSD_OK) return s;
+  uint32_t scheme;
+  s = scheme_at(ctx, layer, iteration, &scheme);
+  if (s != PSD_OK) return s;
   __atomic_store_n(&ctx->layers[layer].ready_iteration, iteration, __ATOMIC_RELEASE);
-  return post_aux(ctx, PSD_EVENT_LAYER_READY, layer, iteration, PSD_READY_HOST);
+  return post_aux(ctx, PSD_EVENT_LAYER_READY, layer, iteration,
+                  PSD_READY_AUX(PSD_READY_HOST, scheme));
 }
 
 PSD_EXPORT psd_status psd_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,
@@ -668,7 +713,7 @@ PSD_EXPORT psd_status psd_cuda_layer_buffers(psd_context* ctx, uint32_t layer, f
   if (s != PSD_OK) return s;
   if (ctx->cuda_arena == NULL) return fail(PSD_FAILED_PRECONDITION, "CUDA is not enabled");
   const psd_shm_layer* l = &ctx->layers[layer];
-  const int sfb = l->scheme == PSD_SCHEME_SFB;
+  const int sfb = (l->agent_flags & PSD_LAYER_SFB_BUFFERS) != 0;
   if (grad) *grad = (float*)(ctx->cuda_arena + l->grad_offset);
   if (u) *u = sfb ? (float*)(ctx->cuda_arena + l->u_offset) : NULL;
   if (v) *v = sfb ? (float*)(ctx->cuda_arena + l->v_offset) : NULL;
@@ -686,8 +731,12 @@ PSD_EXPORT psd_status psd_cuda_layer_ready(psd_context* ctx, uint32_t layer, uin
     return fail(PSD_INTERNAL, "layer %u: cudaEventRecord on the training stream: %s", layer,
                 cuda_error(e));
   }
+  uint32_t scheme;
+  s = scheme_at(ctx, layer, iteration, &scheme);
+  if (s != PSD_OK) return s;
   __atomic_store_n(&ctx->layers[layer].ready_iteration, iteration, __ATOMIC_RELEASE);
-  return post_aux(ctx, PSD_EVENT_LAYER_READY, layer, iteration, PSD_READY_DEVICE);
+  return post_aux(ctx, PSD_EVENT_LAYER_READY, layer, iteration,
+                  PSD_READY_AUX(PSD_READY_DEVICE, scheme));
 }
 
 PSD_EXPORT psd_status psd_cuda_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,

@@ -222,6 +222,12 @@ void KvClient::FailAll(const absl::Status& status) {
   for (auto& [done, s] : callbacks) done(s);
 }
 
+void KvClient::SetPullObserver(uint64_t min_bytes,
+                               std::function<void(uint64_t, absl::Duration)> f) {
+  observe_min_bytes_ = min_bytes;
+  pull_observer_ = std::move(f);
+}
+
 void KvClient::ReadLoop(size_t conn) {
   std::weak_ptr<KvClient> weak = weak_from_this();
   conns_[conn]->ReadHeader([weak, conn](absl::StatusOr<FrameHeader> header) {
@@ -280,10 +286,15 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
         }
       }
       const bool fits = known && into.size_bytes() == h.payload_length;
-      auto after = [weak, h, fits, known, conn, size = into.size_bytes()](absl::Status s) {
+      const absl::Time header_at = absl::Now();
+      auto after = [weak, h, fits, known, conn, size = into.size_bytes(),
+                    header_at](absl::Status s) {
         auto self = weak.lock();
         if (!self) return;
         if (!s.ok()) return self->FailAll(s);
+        if (fits && self->pull_observer_ && h.payload_length >= self->observe_min_bytes_) {
+          self->pull_observer_(h.payload_length, absl::Now() - header_at);
+        }
         if (known) {
           self->Finish(h.sequence,
                        fits ? absl::OkStatus()

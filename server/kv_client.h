@@ -65,6 +65,11 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   // Asks the server to checkpoint this job now and waits for it.
   absl::Status Checkpoint(absl::Duration timeout);
 
+  // Called (on an I/O thread) for every pull response of at least `min_bytes` once its payload is
+  // in, with the time from its header's arrival: the rate the link delivered it at, for a
+  // capacity estimate (TelemetryReporter). Set before the first request.
+  void SetPullObserver(uint64_t min_bytes, std::function<void(uint64_t bytes, absl::Duration)> f);
+
   // Closes the connection; pending requests fail with Unavailable.
   void Close();
 
@@ -103,6 +108,8 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   std::map<uint64_t, Pending> pending_;
   absl::Status broken_;                                // set once the connection failed
   std::vector<std::vector<std::byte>> error_buffers_;  // one per connection (its read loop's)
+  uint64_t observe_min_bytes_ = 0;                     // set before use, then read-only
+  std::function<void(uint64_t, absl::Duration)> pull_observer_;
 };
 
 }  // namespace poseidon::server

@@ -425,7 +425,7 @@ def collect(args, cluster, workers):
     for w in workers:
         text = open(w.log, errors="replace").read()
         m = re.search(r"\(\d+ layers, (\d+) on SFB\).* ([0-9.]+) s per iteration after the first"
-                      r"(?:; verified \d+ results, (\d+) mismatches)?", text)
+                      r"(?:; \d+ scheme switches)?(?:; verified \d+ results, (\d+) mismatches)?", text)
         if w.returncode != 0 or not m:
             raise RuntimeError(f"{w.name} exit {w.returncode}: {text[-600:]}")
         sfb_layers = int(m.group(1))

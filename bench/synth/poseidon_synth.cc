@@ -31,6 +31,8 @@ ABSL_FLAG(uint64_t, iterations, 10, "iterations");
 ABSL_FLAG(std::string, gpu, "titanx", "GPU rate for compute time (name or FLOP/s)");
 ABSL_FLAG(double, compute_scale, 1.0, "multiply the emulated compute time (0: none)");
 ABSL_FLAG(bool, verify, false, "check every synchronised result against the exact sum");
+ABSL_FLAG(bool, print_switches, false,
+          "print a line whenever a plan change moves a layer to another scheme");
 ABSL_FLAG(uint32_t, timeout_ms, 60000, "per-layer wait timeout");
 ABSL_FLAG(bool, cuda, false,
           "keep the layers on the GPU (device 0): write them there, post with "
@@ -60,6 +62,7 @@ struct Layer {
   std::vector<uint64_t> shape;
   double forward_s = 0, backward_s = 0;
   psd_layer_info info{};
+  uint32_t scheme = 0;  // of the iteration written last (psd_layer_scheme: plans change)
   float* dev_grad = nullptr;  // --cuda: the layer's device buffers
   float* dev_u = nullptr;
   float* dev_v = nullptr;
@@ -83,7 +86,7 @@ uint64_t Verify(const Layer& layer, const float* grad, uint32_t l, uint64_t t, u
   uint64_t bad = 0;
   for (uint64_t i = 0; i < n; i += stride) {
     double expected = 0;
-    if (layer.info.scheme == PSD_SYNC_SFB) {
+    if (layer.scheme == PSD_SYNC_SFB) {
       const uint64_t M = layer.shape[0], N = layer.shape[1];
       const uint64_t row = i / N, col = i % N;
       (void)M;
@@ -187,7 +190,7 @@ int main(int argc, char** argv) {
         Die("cuda buffers", s);
       }
       uint64_t floats = layer.info.elements;
-      if (layer.info.scheme == PSD_SYNC_SFB) {
+      if (layer.info.u != nullptr) {  // the layer may run SFB (now or after a plan change)
         floats = std::max<uint64_t>(floats, K * (layer.shape[0] + layer.shape[1]));
       }
       layer.staging.assign(floats, 0.0f);
@@ -230,10 +233,23 @@ int main(int argc, char** argv) {
     }
   };
   // Writes layer l's input of iteration t: into the shared buffers, or with --cuda onto the GPU.
+  uint64_t switches = 0;
   auto write_layer = [&](uint32_t l, uint64_t t) {
     Layer& layer = layers[l];
+    uint32_t scheme = 0;
+    if (psd_status s = psd_layer_scheme(ctx, l, t, &scheme); s != PSD_OK) Die("scheme", s);
+    if (t > 1 && scheme != layer.scheme) {
+      ++switches;
+      if (absl::GetFlag(FLAGS_print_switches)) {
+        std::printf("poseidon-synth rank %u: layer %u (%s) runs %s from iteration %llu\n", rank,
+                    l, layer.name.c_str(), scheme == PSD_SYNC_SFB ? "SFB" : "PS",
+                    static_cast<unsigned long long>(t));
+        std::fflush(stdout);
+      }
+    }
+    layer.scheme = scheme;
     float* grad = cuda ? layer.staging.data() : layer.info.grad;
-    if (layer.info.scheme == PSD_SYNC_SFB) {
+    if (scheme == PSD_SYNC_SFB) {
       const uint64_t M = layer.shape[0], N = layer.shape[1];
       float* u = cuda ? layer.staging.data() : layer.info.u;
       float* v = cuda ? layer.staging.data() + K * M : layer.info.v;
@@ -291,9 +307,10 @@ int main(int argc, char** argv) {
                      : total;
   std::printf(
       "poseidon-synth rank %u/%u: %llu iterations of %s (%u layers, %d on SFB) in %.3f s, "
-      "%.4f s per iteration after the first; verified %llu results, %llu mismatches\n",
+      "%.4f s per iteration after the first; %llu scheme switches; verified %llu results, %llu "
+      "mismatches\n",
       rank, world, static_cast<unsigned long long>(iterations), spec->name().c_str(), L, sfb, total,
-      steady, static_cast<unsigned long long>(verified),
+      steady, static_cast<unsigned long long>(switches), static_cast<unsigned long long>(verified),
       static_cast<unsigned long long>(mismatches));
   psd_detach(ctx);
   return mismatches == 0 ? 0 : 1;

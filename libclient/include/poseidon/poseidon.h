@@ -7,14 +7,20 @@
  * Thread-safety, per call:
  *   psd_attach, psd_detach, psd_register_layers: one thread, not concurrently with other calls
  *     on the same context.
- *   psd_layer_ready, psd_wait_layer, psd_get_layer_info, psd_rank: any thread, concurrently.
+ *   psd_layer_ready, psd_wait_layer, psd_get_layer_info, psd_layer_scheme, psd_rank: any
+ *     thread, concurrently.
  *   psd_last_error: per thread (the message of this thread's last failed call).
  *
  * One iteration (WFBP): during backward, write each layer's gradient (or, for a layer the plan
- * syncs by SFB, its factors U and V) into the buffers psd_get_layer_info returns and call
- * psd_layer_ready(layer, t) at once; backward continues while the agent synchronises. Before
- * layer l runs in the next forward pass, psd_wait_layer(l, t) returns when its synchronised
- * result (the gradient summed over all workers) is in the gradient buffer. */
+ * syncs by SFB at that iteration, its factors U and V) into the buffers psd_get_layer_info
+ * returns and call psd_layer_ready(layer, t) at once; backward continues while the agent
+ * synchronises. Before layer l runs in the next forward pass, psd_wait_layer(l, t) returns when
+ * its synchronised result (the gradient summed over all workers) is in the gradient buffer.
+ *
+ * Plans change while training runs (the coordinator's new plan epochs): a layer's scheme is per
+ * iteration. Ask psd_layer_scheme(l, t) once layer l's iteration t - 1 has been posted (e.g. in
+ * the forward pass of t) and write that form; the answer for t never changes afterwards, and
+ * every worker gets the same one. */
 #ifndef POSEIDON_POSEIDON_H_
 #define POSEIDON_POSEIDON_H_
 
@@ -25,7 +31,7 @@
 extern "C" {
 #endif
 
-#define PSD_ABI_VERSION 2u
+#define PSD_ABI_VERSION 3u
 
 typedef enum psd_status {
   PSD_OK = 0,
@@ -79,12 +85,15 @@ typedef struct psd_layer_desc {
 #define PSD_LAYER_FUSABLE 1u
 
 typedef struct psd_layer_info {
-  uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as planned */
+  uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as the first plan says (psd_layer_scheme:
+                        per iteration) */
   uint32_t priority; /* lower is synchronised sooner */
   uint64_t elements;
   float* grad; /* elements floats: write the gradient here; the synchronised sum comes back */
-  float* u;    /* SFB: K x M (row-major), the per-sample output gradients; else NULL */
-  float* v;    /* SFB: K x N, the per-sample inputs; else NULL */
+  float* u;    /* K x M (row-major), the per-sample output gradients, for the iterations the
+                  layer runs by SFB; NULL if it never can (not an FC layer, or factors larger
+                  than the gradient) */
+  float* v;    /* K x N, the per-sample inputs; NULL likewise */
 } psd_layer_info;
 
 /* A server-side update rule: the KV servers apply the optimizer and the synchronised result of
@@ -110,6 +119,12 @@ psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc* layers, u
                                uint32_t timeout_ms);
 
 psd_status psd_get_layer_info(psd_context* ctx, uint32_t layer, psd_layer_info* out);
+
+/* The layer's scheme at `iteration` (PSD_SYNC_PS: write the gradient; PSD_SYNC_SFB: write U and
+ * V). Valid from the iteration after the last one posted; fails (PSD_INVALID_ARGUMENT) for an
+ * earlier one. */
+psd_status psd_layer_scheme(psd_context* ctx, uint32_t layer, uint64_t iteration,
+                            uint32_t* scheme);
 
 /* Before psd_register_layers: use a server-side update rule instead of the sum. Every layer then
  * goes by PS; iteration 1 carries rank 0's initial parameters (other ranks' buffers are ignored)

@@ -17,7 +17,7 @@ PSD_LAYER_FC, PSD_LAYER_CONV, PSD_LAYER_BIAS, PSD_LAYER_OTHER = 1, 2, 3, 4
 PSD_LAYER_FUSABLE = 1  # psd_layer_desc.flags
 PSD_FLOAT32 = 1
 PSD_SYNC_PS, PSD_SYNC_SFB = 1, 2
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class PoseidonError(RuntimeError):
@@ -93,6 +93,9 @@ def lib():
         _lib.psd_get_layer_info.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                             ctypes.POINTER(LayerInfo)]
         _lib.psd_get_layer_info.restype = s
+        _lib.psd_layer_scheme.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                          ctypes.POINTER(ctypes.c_uint32)]
+        _lib.psd_layer_scheme.restype = s
         _lib.psd_set_server_rule.argtypes = [ctypes.c_void_p, ctypes.POINTER(ServerRule)]
         _lib.psd_set_server_rule.restype = s
         _lib.psd_layer_ready.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]

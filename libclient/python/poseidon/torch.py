@@ -127,7 +127,8 @@ class _Layer:
     def __init__(self, index, name, param, kind, module, rows=0):
         self.index, self.name, self.param, self.kind, self.module = index, name, param, kind, module
         self.rows = rows  # FC layers: K, the rows of the SFB factors
-        self.scheme = None
+        self.scheme = None  # the first plan's; per iteration: _Engine.scheme(layer)
+        self.sfb_capable = False  # the agent laid out factor buffers: a plan may switch it to SFB
         self.grad = None  # flat float32 view of the shared gradient buffer (host, or CUDA arena)
         self.u = self.v = None
 
@@ -277,6 +278,7 @@ class _Engine:
         self.pending = {}  # overlap: layer index -> iteration whose step waits for the forward
         self.optimizer = None  # overlap: DistributedOptimizer
         self.sfb_inputs = set()  # SFB layers whose input this forward has saved
+        self.schemes = {}  # layer index -> (iteration, scheme): psd_layer_scheme's answers
 
     # ---- registration --------------------------------------------------------------------
     @property
@@ -335,7 +337,8 @@ class _Engine:
             layer.scheme = info.scheme
             view = views(layer.index, info)
             layer.grad = view("grad", info.elements)
-            if info.scheme == PSD_SYNC_SFB:
+            layer.sfb_capable = bool(info.u)
+            if layer.sfb_capable:
                 m, n = layer.param.shape
                 layer.u = view("u", layer.rows * m).view(layer.rows, m)
                 layer.v = view("v", layer.rows * n).view(layer.rows, n)
@@ -392,7 +395,7 @@ class _Engine:
                 layer.grad.copy_(layer.param.detach().reshape(-1))
             else:
                 layer.grad.zero_()
-            if layer.u is not None:
+            if self.scheme(layer, 1) == PSD_SYNC_SFB:
                 layer.u.zero_()
                 layer.v.zero_()
             self.sync.ready(layer.index, 1, "initial sync")
@@ -457,7 +460,7 @@ class _Engine:
             self._sync_buffers()
         self.sync_this_backward = grad and self.require_backward_grad_sync
         if grad and not self.require_backward_grad_sync:
-            sfb = [l.name for l in self.layers if l.scheme == PSD_SYNC_SFB]
+            sfb = [l.name for l in self.layers if self.scheme(l) == PSD_SYNC_SFB]
             if sfb:
                 raise PoseidonError(5, f"no_sync(): {', '.join(sfb[:3])} is synchronised by SFB, "
                                        "whose factors carry one backward's gradient, not an "
@@ -509,9 +512,27 @@ class _Engine:
             layer.v[rows:].zero_()
         self._post(layer)
 
+    def scheme(self, layer, iteration=None):
+        """The layer's scheme at `iteration` (default: the one being computed). A plan change
+        moves a layer between PS and SFB at an iteration every rank agrees on (the agent's
+        schedule); asked once per layer and iteration."""
+        if not layer.sfb_capable:
+            return layer.scheme
+        it = self.iteration if iteration is None else iteration
+        cached = self.schemes.get(layer.index)
+        if cached is not None and cached[0] == it:
+            return cached[1]
+        out = ctypes.c_uint32()
+        check(lib().psd_layer_scheme(self.sync.ctx, layer.index, it, ctypes.byref(out)),
+              f"scheme of {layer.name}")
+        self.schemes[layer.index] = (it, out.value)
+        return out.value
+
     def _install_hooks(self):
         for layer in self.layers:
-            if layer.scheme == PSD_SYNC_SFB:
+            if layer.sfb_capable:
+                # Iterations this layer runs by SFB save its input in forward and post the
+                # factors from the output's gradient; the others take the PS hooks below.
                 layer.module.register_forward_hook(
                     lambda module, inputs, output, layer=layer: self._sfb_forward(layer, inputs,
                                                                                   output))
@@ -519,28 +540,38 @@ class _Engine:
                     # The factors carry this layer's gradient; the local one autograd computes
                     # must not be added to .grad (which keeps what it held before backward).
                     def zero_local(g, layer=layer):
-                        if not self.sync_this_backward:
+                        if not self.sync_this_backward or self.scheme(layer) != PSD_SYNC_SFB:
                             return None
                         self.zeroed.add(layer.index)
                         return torch.zeros_like(g)
 
                     layer.param.register_hook(zero_local)
-            elif self.grad_hook == "post_accumulate":
-                # PyTorch >= 2.1: called once the parameter's .grad is complete for this backward.
-                def accumulated_hook(param, layer=layer):
-                    if self.sync_this_backward:
-                        self._post_gradient(layer, None, param.grad)
+            if layer.sfb_capable or layer.scheme != PSD_SYNC_SFB:
+                self._install_ps_hook(layer)
+        self._install_overlap_hooks()
 
-                layer.param.register_post_accumulate_grad_hook(accumulated_hook)
-            else:
-                # PyTorch 1.13 (or grad_hook="tensor"): the hook sees the gradient autograd adds
-                # to the parameter's .grad (a leaf's incoming gradients are summed first, so a
-                # parameter used several times in one forward gets one call).
-                def tensor_hook(g, layer=layer):
-                    if self.sync_this_backward:
-                        self._post_gradient(layer, layer.param.grad, g)
+    def _install_ps_hook(self, layer):
+        def posts(layer):
+            return self.sync_this_backward and (not layer.sfb_capable
+                                                or self.scheme(layer) != PSD_SYNC_SFB)
 
-                layer.param.register_hook(tensor_hook)
+        if self.grad_hook == "post_accumulate":
+            # PyTorch >= 2.1: called once the parameter's .grad is complete for this backward.
+            def accumulated_hook(param, layer=layer):
+                if posts(layer):
+                    self._post_gradient(layer, None, param.grad)
+
+            layer.param.register_post_accumulate_grad_hook(accumulated_hook)
+        else:
+            # PyTorch 1.13 (or grad_hook="tensor"): the hook sees the gradient autograd adds to
+            # the parameter's .grad (a leaf's incoming gradients are summed first, so a
+            # parameter used several times in one forward gets one call).
+            def tensor_hook(g, layer=layer):
+                if posts(layer):
+                    self._post_gradient(layer, layer.param.grad, g)
+
+            layer.param.register_hook(tensor_hook)
+    def _install_overlap_hooks(self):
         if self.mode == "overlap":
             by_module = {}
             for layer in self.layers:
@@ -554,7 +585,8 @@ class _Engine:
 
     def _sfb_forward(self, layer, inputs, output):
         if not (self.sync_this_backward and torch.is_grad_enabled()
-                and isinstance(output, torch.Tensor) and output.requires_grad):
+                and isinstance(output, torch.Tensor) and output.requires_grad
+                and self.scheme(layer) == PSD_SYNC_SFB):
             return
         x = inputs[0]
         m, n = layer.param.shape
@@ -581,7 +613,7 @@ class _Engine:
         it = self.iteration
         missing = [l for l in self.layers if l.index not in self.posted]
         for layer in missing:  # zeros keep every rank's iteration going, even before an error
-            if layer.u is not None:
+            if self.scheme(layer, it) == PSD_SYNC_SFB:
                 layer.u.zero_()
                 layer.v.zero_()
             else:
@@ -608,7 +640,7 @@ class _Engine:
                                f"waiting for {layer.name} (iteration {it})")
                 if used is not None and used[index] == 0:
                     continue  # unused on every rank: .grad stays as it was (as DDP leaves it)
-                self._install_average(layer)
+                self._install_average(layer, it)
         finally:
             self.posted.clear()
             self.zeroed.clear()
@@ -621,14 +653,14 @@ class _Engine:
                                    f"{', '.join(l.name for l in missing[:5])}: pass "
                                    "find_unused_parameters=True if parameters may go unused")
 
-    def _install_average(self, layer):
+    def _install_average(self, layer, iteration):
         """.grad = the summed result / world (in DDP mode an SFB weight's .grad kept what it held
         before backward, its local part zeroed by the hook: the average is added to it)."""
         p = layer.param
         total = layer.grad.view(p.shape)
         if p.grad is None:
             p.grad = (total / self.world).to(p.dtype)
-        elif layer.scheme == PSD_SYNC_SFB and self.mode == "ddp":
+        elif self.mode == "ddp" and self.scheme(layer, iteration) == PSD_SYNC_SFB:
             p.grad.add_(total, alpha=1.0 / self.world)
         elif p.grad.dtype == torch.float32 and p.grad.shape == p.shape:
             torch.div(total, self.world, out=p.grad)  # no allocation on the common path
@@ -652,7 +684,7 @@ class _Engine:
     def plan(self):
         if not self.registered:
             raise PoseidonError(5, "the plan is made at the first forward pass")
-        return [(l.name, "SFB" if l.scheme == PSD_SYNC_SFB else "PS", l.param.numel())
+        return [(l.name, "SFB" if self.scheme(l) == PSD_SYNC_SFB else "PS", l.param.numel())
                 for l in self.layers]
 
     @contextlib.contextmanager
@@ -777,7 +809,7 @@ class DistributedOptimizer:
             with torch.no_grad():
                 layer.param.copy_(layer.grad.view(layer.param.shape))
             return
-        e._install_average(layer)  # overlap mode: replaces the local .grad
+        e._install_average(layer, iteration)  # overlap mode: replaces the local .grad
 
     def _step_layer(self, layer):
         iteration = self._engine.pending.pop(layer.index, None)

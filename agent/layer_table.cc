@@ -1,0 +1,198 @@
+#include "agent/layer_table.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace poseidon::agent {
+namespace {
+
+uint64_t AlignUp(uint64_t x) {
+  return (x + kBufferAlign - 1) / kBufferAlign * kBufferAlign;
+}
+
+const char* SchemeName(uint32_t scheme) {
+  return scheme == PSD_SCHEME_SFB ? "SFB" : scheme == PSD_SCHEME_PS ? "PS" : "unknown";
+}
+
+}  // namespace
+
+bool SfbCapable(const LayerDesc& desc, bool planned_sfb) {
+  if (desc.kind != PSD_KIND_FC || desc.shape.size() != 2 || desc.batch_k == 0) return false;
+  if (planned_sfb) return true;
+  const uint64_t m = desc.shape[0], n = desc.shape[1], k = desc.batch_k;
+  return k * (m + n) <= m * n;
+}
+
+absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
+                                           const v1::Plan& plan, const LayerTableOptions& options) {
+  if (plan.layers_size() != static_cast<int>(descs.size())) {
+    return absl::InternalError(absl::StrCat("the plan covers ", plan.layers_size(), " layers, the ",
+                                            "framework registered ", descs.size()));
+  }
+  LayerTable table;
+  table.layers.resize(descs.size());
+  uint64_t offset = 0;
+  for (size_t i = 0; i < descs.size(); ++i) {
+    const v1::LayerPlan& lp = plan.layers(static_cast<int>(i));
+    LayerSpec& st = table.layers[i];
+    st.desc = descs[i];
+    bool sfb = lp.scheme() == v1::SYNC_SCHEME_SFB;
+    if (options.force_sfb && descs[i].kind == PSD_KIND_FC) sfb = true;
+    if (sfb && (descs[i].kind != PSD_KIND_FC || !options.sfb_possible)) {
+      return absl::InternalError(
+          absl::StrCat("the plan puts layer ", descs[i].name, " on SFB, which it cannot run"));
+    }
+    st.sfb_capable = options.sfb_possible && SfbCapable(descs[i], sfb);
+    LayerLayout& lay = st.layout;
+    lay.scheme = sfb ? PSD_SCHEME_SFB : PSD_SCHEME_PS;
+    lay.priority = lp.priority();
+    lay.grad_offset = offset;
+    offset = AlignUp(offset + descs[i].elements * sizeof(float));
+    if (st.sfb_capable) {
+      lay.sfb_buffers = true;
+      st.m = descs[i].shape[0];
+      st.n = descs[i].shape[1];
+      st.k = descs[i].batch_k;
+      lay.u_offset = offset;
+      offset = AlignUp(offset + st.k * st.m * sizeof(float));
+      lay.v_offset = offset;
+      offset = AlignUp(offset + st.k * st.n * sizeof(float));
+    }
+    for (const auto& c : lp.chunks()) {
+      if (c.length() == 0 || c.length() % sizeof(float) != 0 ||
+          c.offset() + c.length() > descs[i].elements * sizeof(float) ||
+          c.offset() + c.length() < c.offset()) {
+        return absl::InternalError(absl::StrCat("bad chunk of layer ", descs[i].name, ": [",
+                                                c.offset(), ", +", c.length(), ")"));
+      }
+      if (c.server_index() >= static_cast<uint32_t>(std::max(plan.servers_size(), 1))) {
+        return absl::InternalError(absl::StrCat("a chunk of layer ", descs[i].name,
+                                                " is on server ", c.server_index(), " of ",
+                                                plan.servers_size()));
+      }
+      st.chunks.push_back({c.key(), c.offset(), c.length(), c.server_index()});
+    }
+    if (!sfb && st.chunks.empty()) {
+      return absl::InternalError(absl::StrCat("layer ", descs[i].name, " has no PS chunks"));
+    }
+    // Sizes come from the training process: refuse a layout that cannot be mapped rather than
+    // let offsets wrap around (a layer adds at most ~2^55 bytes: this check cannot overflow).
+    if (offset > kMaxDataBytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("the layers' buffers need more than ",
+                                                       kMaxDataBytes, " bytes (at layer ", i, ", ",
+                                                       descs[i].name, ")"));
+    }
+  }
+  table.data_bytes = std::max<uint64_t>(offset, kBufferAlign);
+  table.buckets = FormBuckets(table.layers, options.bucket_bytes);
+  return table;
+}
+
+std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes) {
+  std::vector<BucketSpec> buckets;
+  if (bucket_bytes == 0) return buckets;
+  std::vector<uint32_t> run;
+  uint64_t run_start = 0, run_end = 0;
+  auto close = [&] {
+    if (run.size() >= 2) {
+      BucketSpec b;
+      b.members = run;
+      b.chunk.key = (uint64_t{1} << 63) | (uint64_t{run.front()} << 32) | run.size();
+      b.chunk.offset = 0;
+      b.chunk.length = run_end - run_start;
+      b.chunk.server = layers[run.front()].chunks[0].server;
+      b.name = absl::StrCat("bucket ", layers[run.front()].desc.name, " .. ",
+                            layers[run.back()].desc.name);
+      for (uint32_t l : run) layers[l].bucket = static_cast<int>(buckets.size());
+      buckets.push_back(std::move(b));
+    }
+    run.clear();
+  };
+  for (uint32_t i = 0; i < layers.size(); ++i) {
+    const LayerSpec& st = layers[i];
+    const uint64_t bytes = st.desc.elements * sizeof(float);
+    if (!st.desc.fusable || st.layout.scheme != PSD_SCHEME_PS || st.chunks.size() != 1 ||
+        bytes >= bucket_bytes) {
+      close();
+      continue;
+    }
+    const uint64_t start = st.layout.grad_offset;
+    // Members must be adjacent in the data segment (nothing but alignment between them): an
+    // SFB-capable layer's factors sit between it and the next gradient, so it ends a run.
+    if (!run.empty() && (start != AlignUp(run_end) || start + bytes - run_start > bucket_bytes)) {
+      close();
+    }
+    if (run.empty()) run_start = start;
+    run.push_back(i);
+    run_end = start + bytes;
+  }
+  close();
+  return buckets;
+}
+
+Schedule Schedule::Unpack(uint64_t word) {
+  return {static_cast<uint32_t>(word & 0xff), static_cast<uint32_t>((word >> 8) & 0xff),
+          word >> 16};
+}
+
+LayerSchedules::LayerSchedules(size_t layers)
+    : size_(layers), words_(new std::atomic<uint64_t>[layers]) {
+  for (size_t i = 0; i < layers; ++i) words_[i].store(Schedule::Fixed(PSD_SCHEME_PS).Pack());
+}
+
+Schedule LayerSchedules::Get(uint32_t layer) const {
+  return Schedule::Unpack(words_[layer].load(std::memory_order_acquire));
+}
+
+void LayerSchedules::Set(uint32_t layer, const Schedule& schedule) {
+  words_[layer].store(schedule.Pack(), std::memory_order_release);
+}
+
+ScheduleChange ComposeSchedule(const LayerSpec& layer, const Schedule& current, uint32_t scheme,
+                               uint64_t switch_at, uint64_t next_post) {
+  ScheduleChange change;
+  change.schedule = current;
+  auto refuse = [&](std::string why) {
+    change.outcome = ScheduleChange::kRefused;
+    change.why = std::move(why);
+    return change;
+  };
+  if (scheme != PSD_SCHEME_PS && scheme != PSD_SCHEME_SFB) {
+    return refuse(absl::StrCat("unknown scheme ", scheme));
+  }
+  if (scheme == PSD_SCHEME_SFB && !layer.sfb_capable) {
+    return refuse("it has no SFB buffers (not an FC layer with factors no larger than its "
+                  "gradient, or SFB is off for this job)");
+  }
+  if (scheme != PSD_SCHEME_PS && layer.bucket >= 0) {
+    return refuse("it is fused into a bucket, which stays on PS");
+  }
+  if (scheme == PSD_SCHEME_PS && layer.chunks.empty()) {
+    return refuse("the plan gave it no PS chunks");
+  }
+  // Iterations up to next_post keep their scheme (the framework may have read it).
+  if (switch_at <= next_post) {
+    return refuse(absl::StrCat("too late: the switch to ", SchemeName(scheme), " at iteration ",
+                               switch_at, " comes after this rank reached iteration ",
+                               next_post));
+  }
+  // The schedule must be one scheme over [next_post, switch_at): a switch of the current
+  // schedule inside that range is still to come.
+  if (current.switch_at > next_post && current.switch_at < switch_at &&
+      current.before != current.after) {
+    change.outcome = ScheduleChange::kDefer;
+    return change;
+  }
+  const uint32_t base = current.At(switch_at - 1);
+  change.schedule = {base, scheme, switch_at};
+  // The same schemes before and after: an equivalent schedule that needs no publication unless
+  // it cancels a pending switch at or after switch_at.
+  if (base == scheme && (current.switch_at <= next_post || current.before == current.after)) {
+    change.schedule = current;
+    change.changed = false;
+    return change;
+  }
+  change.changed = true;
+  return change;
+}
+
+}  // namespace poseidon::agent

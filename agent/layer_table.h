@@ -1,0 +1,133 @@
+// The agent's layer table: what it knows of each layer from the framework's registration and the
+// plan (sizes, PS chunks, SFB shape), the buffer layout of the data segment shared with the
+// framework, the fused buckets, and each layer's scheme by iteration (the schedule a plan change
+// writes). Pure data and functions: the agent fills it once at registration; only the schedules
+// change afterwards (atomic words, see LayerSchedules).
+// Thread-safety: a LayerTable is immutable after BuildLayerTable; LayerSchedules is safe from
+// any thread (writes from the agent's main thread only).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "agent/shm_endpoint.h"
+#include "common/shm_layout.h"
+#include "poseidon/v1/plan.pb.h"
+
+namespace poseidon::agent {
+
+inline constexpr uint64_t kBufferAlign = PSD_SHM_ALIGN;
+inline constexpr uint64_t kMaxDataBytes = uint64_t{1} << 40;  // shared buffers of one worker
+
+struct PsChunk {
+  uint64_t key = 0;
+  uint64_t offset = 0;  // bytes into the layer's gradient
+  uint64_t length = 0;  // bytes
+  uint32_t server = 0;  // index into the plan's servers
+};
+
+struct LayerSpec {
+  LayerDesc desc;
+  // Buffers in the data segment; layout.scheme and layout.priority are the first plan's.
+  LayerLayout layout;
+  // Every layer has its PS chunks (an SFB layer uses them if a later plan makes it PS).
+  std::vector<PsChunk> chunks;
+  // SFB: U is k x m, V is k x n; buffers for them exist when sfb_capable.
+  uint64_t m = 0, n = 0, k = 0;
+  bool sfb_capable = false;
+  int bucket = -1;  // the bucket it is fused into (then always PS), or -1
+};
+
+// Consecutive small PS layers fused into one key (DDP's bucketing): their gradients are adjacent
+// in the data segment, so the bucket's key covers [first member's gradient, last one's end),
+// alignment padding included (zeros, which sum to zeros).
+struct BucketSpec {
+  std::vector<uint32_t> members;  // layer indices, consecutive
+  PsChunk chunk;                  // offset relative to the first member's gradient
+  std::string name;               // "bucket fc1.bias .. fc3.bias"
+};
+
+struct LayerTable {
+  std::vector<LayerSpec> layers;
+  std::vector<BucketSpec> buckets;
+  uint64_t data_bytes = 0;  // the data segment's size (at least kBufferAlign)
+};
+
+struct LayerTableOptions {
+  uint32_t world_size = 1;
+  // SFB layers are possible at all (peers known, no server-side rule, scheme not forced to PS).
+  bool sfb_possible = true;
+  // Every FC layer by SFB whatever the plan says (--scheme=sfb).
+  bool force_sfb = false;
+  uint64_t bucket_bytes = 0;  // 0: no fusion
+};
+
+// Whether a layer keeps buffers for SFB, so that a later plan may switch it to SFB: an FC layer
+// whose factors are no larger than its gradient (k (m + n) <= m n), or that the first plan puts
+// on SFB. Larger factors never pay (the cost model would not choose them) and would only cost
+// memory.
+bool SfbCapable(const LayerDesc& desc, bool planned_sfb);
+
+// From the framework's layers and the first plan: validates the plan against the layers (one
+// entry per layer, chunks inside the tensor, a multiple of 4 bytes), lays out the buffers (every
+// layer's gradient, then U and V of SFB-capable layers, each 64-byte aligned, in layer order;
+// more than kMaxDataBytes is refused) and forms the buckets.
+absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
+                                           const v1::Plan& plan, const LayerTableOptions& options);
+
+// Fuses runs of at least two adjacent, fusable, single-chunk PS layers smaller than bucket_bytes
+// into buckets of at most bucket_bytes; sets the members' `bucket`.
+std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes);
+
+// A layer's scheme by iteration: `before` for iterations < switch_at, `after` from switch_at on.
+// Packed into one word (PSD_SCHEDULE_* in common/shm_layout.h), which the agent publishes in the
+// layer's shared-memory entry for the framework.
+struct Schedule {
+  uint32_t before = PSD_SCHEME_PS;
+  uint32_t after = PSD_SCHEME_PS;
+  uint64_t switch_at = 0;
+  uint32_t At(uint64_t iteration) const { return iteration >= switch_at ? after : before; }
+  uint64_t Pack() const { return PSD_SCHEDULE_PACK(before, after, switch_at); }
+  static Schedule Unpack(uint64_t word);
+  static Schedule Fixed(uint32_t scheme) { return {scheme, scheme, 0}; }
+};
+
+// Every layer's schedule, readable from any thread (the transport's I/O threads check a peer's
+// factors against it). Set from the agent's main thread.
+class LayerSchedules {
+ public:
+  explicit LayerSchedules(size_t layers);
+  Schedule Get(uint32_t layer) const;
+  uint32_t At(uint32_t layer, uint64_t iteration) const { return Get(layer).At(iteration); }
+  void Set(uint32_t layer, const Schedule& schedule);
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_;
+  std::unique_ptr<std::atomic<uint64_t>[]> words_;
+};
+
+// A plan change for one layer: from iteration `switch_at` on it runs `scheme`. `next_post` is
+// the next iteration the framework will post for the layer: it may already have read the
+// schedule for that one (never for a later one), so the published word must not change for
+// iterations up to next_post, and switch_at must be later than next_post.
+struct ScheduleChange {
+  enum Outcome {
+    kApply,    // publish `schedule` (changed says whether it differs from the current one)
+    kDefer,    // the current schedule still has a switch between next_post and switch_at:
+               // compose again once the layer has posted past it
+    kRefused,  // the layer keeps its scheme: `why` (cannot run it, or too late)
+  };
+  Outcome outcome = kApply;
+  Schedule schedule;
+  bool changed = false;
+  std::string why;
+};
+ScheduleChange ComposeSchedule(const LayerSpec& layer, const Schedule& current, uint32_t scheme,
+                               uint64_t switch_at, uint64_t next_post);
+
+}  // namespace poseidon::agent

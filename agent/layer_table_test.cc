@@ -1,0 +1,224 @@
+// The layer table: the buffer layout shared with the framework, the plan's validation, bucket
+// formation, and the schedules a plan change writes (ComposeSchedule's rules: no change for an
+// iteration the framework may have read, one switch at a time, what a layer cannot run).
+#include "agent/layer_table.h"
+
+#include <gtest/gtest.h>
+
+namespace poseidon::agent {
+namespace {
+
+LayerDesc Fc(const std::string& name, uint64_t m, uint64_t n, uint32_t k, bool fusable = false) {
+  LayerDesc d;
+  d.name = name;
+  d.kind = PSD_KIND_FC;
+  d.shape = {m, n};
+  d.batch_k = k;
+  d.elements = m * n;
+  d.fusable = fusable;
+  return d;
+}
+
+LayerDesc Bias(const std::string& name, uint64_t n, bool fusable = true) {
+  LayerDesc d;
+  d.name = name;
+  d.kind = PSD_KIND_BIAS;
+  d.shape = {n};
+  d.elements = n;
+  d.fusable = fusable;
+  return d;
+}
+
+// A plan of one chunk per layer on server 0, keys 1.., the given schemes.
+v1::Plan PlanFor(const std::vector<LayerDesc>& descs, const std::vector<v1::SyncScheme>& schemes) {
+  v1::Plan plan;
+  plan.set_plan_epoch(1);
+  plan.add_servers()->set_node_id("s0");
+  for (size_t i = 0; i < descs.size(); ++i) {
+    auto* l = plan.add_layers();
+    l->set_layer_index(static_cast<uint32_t>(i));
+    l->set_scheme(schemes[i]);
+    l->set_priority(static_cast<uint32_t>(i));
+    auto* c = l->add_chunks();
+    c->set_key(i + 1);
+    c->set_offset(0);
+    c->set_length(descs[i].elements * 4);
+    c->set_server_index(0);
+  }
+  return plan;
+}
+
+TEST(LayerTable, LayoutIsAlignedAndGivesSfbCapableLayersTheirFactors) {
+  const std::vector<LayerDesc> descs = {Fc("fc1", 256, 100, 8), Bias("b1", 3), Fc("big", 4, 4, 64)};
+  auto table = BuildLayerTable(
+      descs, PlanFor(descs, {v1::SYNC_SCHEME_SFB, v1::SYNC_SCHEME_PS, v1::SYNC_SCHEME_PS}),
+      {.world_size = 2, .sfb_possible = true});
+  ASSERT_TRUE(table.ok()) << table.status();
+  const LayerSpec& fc1 = table->layers[0];
+  EXPECT_TRUE(fc1.sfb_capable);
+  EXPECT_EQ(fc1.layout.scheme, PSD_SCHEME_SFB);
+  EXPECT_EQ(fc1.layout.grad_offset, 0u);
+  EXPECT_EQ(fc1.layout.u_offset, 256u * 100 * 4);
+  EXPECT_EQ(fc1.layout.v_offset % kBufferAlign, 0u);
+  EXPECT_EQ(fc1.layout.v_offset, fc1.layout.u_offset + 8 * 256 * 4);
+  EXPECT_EQ(fc1.k, 8u);
+  // The bias follows fc1's V, aligned.
+  const uint64_t v_end = fc1.layout.v_offset + 8 * 100 * 4;
+  EXPECT_EQ(table->layers[1].layout.grad_offset, (v_end + 63) / 64 * 64);
+  // Factors larger than the gradient (64 x (4 + 4) > 16): no SFB buffers.
+  EXPECT_FALSE(table->layers[2].sfb_capable);
+  EXPECT_FALSE(table->layers[2].layout.sfb_buffers);
+  EXPECT_EQ(table->layers[2].layout.u_offset, 0u);
+  EXPECT_EQ(table->data_bytes % kBufferAlign, 0u);
+  EXPECT_GE(table->data_bytes, table->layers[2].layout.grad_offset + 16 * 4);
+}
+
+TEST(LayerTable, WithoutSfbNoLayerGetsFactorBuffersAndAnSfbPlanIsRefused) {
+  const std::vector<LayerDesc> descs = {Fc("fc1", 256, 100, 8)};
+  auto ps = BuildLayerTable(descs, PlanFor(descs, {v1::SYNC_SCHEME_PS}), {.sfb_possible = false});
+  ASSERT_TRUE(ps.ok());
+  EXPECT_FALSE(ps->layers[0].sfb_capable);
+  auto sfb = BuildLayerTable(descs, PlanFor(descs, {v1::SYNC_SCHEME_SFB}), {.sfb_possible = false});
+  EXPECT_FALSE(sfb.ok());
+}
+
+TEST(LayerTable, RefusesABadPlan) {
+  const std::vector<LayerDesc> descs = {Bias("b", 16)};
+  v1::Plan plan = PlanFor(descs, {v1::SYNC_SCHEME_PS});
+  plan.mutable_layers(0)->mutable_chunks(0)->set_length(65 * 4);  // past the tensor
+  EXPECT_FALSE(BuildLayerTable(descs, plan, {}).ok());
+  plan = PlanFor(descs, {v1::SYNC_SCHEME_PS});
+  plan.mutable_layers(0)->mutable_chunks(0)->set_length(6);  // not whole floats
+  EXPECT_FALSE(BuildLayerTable(descs, plan, {}).ok());
+  plan = PlanFor(descs, {v1::SYNC_SCHEME_PS});
+  plan.mutable_layers(0)->mutable_chunks(0)->set_server_index(3);
+  EXPECT_FALSE(BuildLayerTable(descs, plan, {}).ok());
+  plan = PlanFor(descs, {v1::SYNC_SCHEME_PS});
+  plan.mutable_layers(0)->clear_chunks();
+  EXPECT_FALSE(BuildLayerTable(descs, plan, {}).ok()) << "a PS layer without chunks";
+  plan = PlanFor({Bias("b", 16), Bias("c", 16)}, {v1::SYNC_SCHEME_PS, v1::SYNC_SCHEME_PS});
+  EXPECT_FALSE(BuildLayerTable(descs, plan, {}).ok()) << "a plan for another model";
+}
+
+TEST(LayerTable, RefusesBuffersBeyondTheLimit) {
+  LayerDesc huge = Bias("huge", kMaxDataBytes / 4 + 1024);
+  v1::Plan plan;
+  auto* l = plan.add_layers();
+  l->set_scheme(v1::SYNC_SCHEME_PS);
+  auto* c = l->add_chunks();
+  c->set_length(4);
+  auto table = BuildLayerTable({huge}, plan, {});
+  ASSERT_FALSE(table.ok());
+  EXPECT_EQ(table.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(LayerTable, BucketsFuseAdjacentSmallFusableLayersOnly) {
+  const std::vector<LayerDesc> descs = {Bias("b1", 16), Bias("b2", 16), Bias("b3", 16, false),
+                                        Bias("b4", 16), Bias("b5", 16), Bias("big", 4096)};
+  auto table = BuildLayerTable(descs, PlanFor(descs, std::vector(6, v1::SYNC_SCHEME_PS)),
+                               {.bucket_bytes = 1024});
+  ASSERT_TRUE(table.ok());
+  ASSERT_EQ(table->buckets.size(), 2u);
+  EXPECT_EQ(table->buckets[0].members, (std::vector<uint32_t>{0, 1}));
+  EXPECT_EQ(table->buckets[1].members, (std::vector<uint32_t>{3, 4}));
+  // The bucket's key covers its members' gradients, padding included.
+  EXPECT_EQ(table->buckets[0].chunk.length, 64u + 64u);
+  EXPECT_EQ(table->layers[2].bucket, -1);
+  EXPECT_EQ(table->layers[5].bucket, -1);
+  EXPECT_EQ(table->layers[4].bucket, 1);
+  auto off = BuildLayerTable(descs, PlanFor(descs, std::vector(6, v1::SYNC_SCHEME_PS)),
+                             {.bucket_bytes = 0});
+  EXPECT_TRUE(off->buckets.empty());
+}
+
+TEST(Schedule, PacksAndAnswersByIteration) {
+  const Schedule s{PSD_SCHEME_PS, PSD_SCHEME_SFB, 42};
+  EXPECT_EQ(s.At(41), PSD_SCHEME_PS);
+  EXPECT_EQ(s.At(42), PSD_SCHEME_SFB);
+  const uint64_t word = s.Pack();
+  EXPECT_EQ(PSD_SCHEDULE_SCHEME(word, 41), PSD_SCHEME_PS);
+  EXPECT_EQ(PSD_SCHEDULE_SCHEME(word, 1000), PSD_SCHEME_SFB);
+  const Schedule back = Schedule::Unpack(word);
+  EXPECT_EQ(back.before, s.before);
+  EXPECT_EQ(back.after, s.after);
+  EXPECT_EQ(back.switch_at, s.switch_at);
+  LayerSchedules all(3);
+  all.Set(1, s);
+  EXPECT_EQ(all.At(1, 42), PSD_SCHEME_SFB);
+  EXPECT_EQ(all.At(0, 42), PSD_SCHEME_PS);
+}
+
+LayerSpec CapableLayer() {
+  LayerSpec spec;
+  spec.desc = Fc("fc", 256, 256, 8);
+  spec.sfb_capable = true;
+  spec.chunks = {{1, 0, 256 * 256 * 4, 0}};
+  return spec;
+}
+
+TEST(ComposeSchedule, SwitchesFromTheEffectiveIterationOn) {
+  const LayerSpec spec = CapableLayer();
+  const ScheduleChange c =
+      ComposeSchedule(spec, Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_SFB, 20, 11);
+  ASSERT_EQ(c.outcome, ScheduleChange::kApply);
+  EXPECT_TRUE(c.changed);
+  EXPECT_EQ(c.schedule.At(19), PSD_SCHEME_PS);
+  EXPECT_EQ(c.schedule.At(20), PSD_SCHEME_SFB);
+  // And back later: the new word keeps SFB until the next switch.
+  const ScheduleChange back = ComposeSchedule(spec, c.schedule, PSD_SCHEME_PS, 30, 25);
+  ASSERT_EQ(back.outcome, ScheduleChange::kApply);
+  EXPECT_EQ(back.schedule.At(29), PSD_SCHEME_SFB);
+  EXPECT_EQ(back.schedule.At(30), PSD_SCHEME_PS);
+}
+
+TEST(ComposeSchedule, TheSameSchemeChangesNothing) {
+  const ScheduleChange c =
+      ComposeSchedule(CapableLayer(), Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_PS, 20, 11);
+  ASSERT_EQ(c.outcome, ScheduleChange::kApply);
+  EXPECT_FALSE(c.changed);
+}
+
+TEST(ComposeSchedule, NeverChangesAnIterationTheFrameworkMayHaveRead) {
+  // The framework will post iteration 20 next and may have read its scheme already.
+  const ScheduleChange c =
+      ComposeSchedule(CapableLayer(), Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_SFB, 20, 20);
+  EXPECT_EQ(c.outcome, ScheduleChange::kRefused);
+  EXPECT_NE(c.why.find("too late"), std::string::npos) << c.why;
+}
+
+TEST(ComposeSchedule, ASecondSwitchWaitsForThePendingOne) {
+  const LayerSpec spec = CapableLayer();
+  const Schedule pending{PSD_SCHEME_PS, PSD_SCHEME_SFB, 20};
+  // Next post 15: iterations 15..19 are PS, 20.. SFB; a switch back at 30 needs three phases.
+  const ScheduleChange c = ComposeSchedule(spec, pending, PSD_SCHEME_PS, 30, 15);
+  EXPECT_EQ(c.outcome, ScheduleChange::kDefer);
+  // Once the layer passed 20 it composes.
+  const ScheduleChange later = ComposeSchedule(spec, pending, PSD_SCHEME_PS, 30, 21);
+  ASSERT_EQ(later.outcome, ScheduleChange::kApply);
+  EXPECT_EQ(later.schedule.At(29), PSD_SCHEME_SFB);
+  EXPECT_EQ(later.schedule.At(30), PSD_SCHEME_PS);
+  // A switch that supersedes a pending one at or after it replaces it.
+  const ScheduleChange replace = ComposeSchedule(spec, pending, PSD_SCHEME_PS, 18, 15);
+  ASSERT_EQ(replace.outcome, ScheduleChange::kApply);
+  EXPECT_TRUE(replace.changed);
+  EXPECT_EQ(replace.schedule.At(25), PSD_SCHEME_PS);
+}
+
+TEST(ComposeSchedule, RefusesWhatTheLayerCannotRun) {
+  LayerSpec plain = CapableLayer();
+  plain.sfb_capable = false;
+  EXPECT_EQ(ComposeSchedule(plain, Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_SFB, 20, 1).outcome,
+            ScheduleChange::kRefused);
+  LayerSpec fused = CapableLayer();
+  fused.bucket = 0;
+  EXPECT_EQ(ComposeSchedule(fused, Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_SFB, 20, 1).outcome,
+            ScheduleChange::kRefused);
+  LayerSpec no_chunks = CapableLayer();
+  no_chunks.chunks.clear();
+  EXPECT_EQ(
+      ComposeSchedule(no_chunks, Schedule::Fixed(PSD_SCHEME_SFB), PSD_SCHEME_PS, 20, 1).outcome,
+      ScheduleChange::kRefused);
+}
+
+}  // namespace
+}  // namespace poseidon::agent

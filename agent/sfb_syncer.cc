@@ -1,0 +1,419 @@
+// The sufficient-factor-broadcasting syncer: an FC layer's factors U (K x M) and V (K x N) go
+// from shared memory to every other agent, and the summed gradient sum_p U_p^T V_p is rebuilt
+// locally, ranks in order (on the GPU with one cuBLAS GEMM when the layer is on the device).
+// Received factors land in two slots per layer (iteration parity: a peer is at most one
+// iteration ahead of us on a layer). The credit of a layer's task covers its sends and is held
+// until every peer's factors are in (parked once our sends are out).
+// Thread model: Start, CheckDeadlines and Waiting on the agent's main thread; the send task and
+// large rebuilds on scheduler workers; the inbound path (OnHeader/OnFrame) and send completions
+// on transport I/O threads. mu_ guards every inbox and the held credits; it is
+// never held across a transport call, a GEMM or a callback into the agent.
+#include <cblas.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "agent/syncer.h"
+#include "agent/telemetry_reporter.h"
+#include "agent/timeline.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "transport/handshake.h"
+
+namespace poseidon::agent {
+namespace {
+
+using transport::FrameHeader;
+using transport::FrameType;
+
+// A small host rebuild (at most this many multiply-adds: ~1 ms on one core) runs at once on the
+// thread that completed its inputs (the last factors' receive or our last send): handing it to
+// a worker costs a wake-up, which on a loaded machine is longer than the GEMMs. Larger ones, and
+// the GPU's, go through the queue in priority order.
+constexpr uint64_t kInlineRebuildMacs = uint64_t{1} << 22;
+
+struct Inbox {
+  uint64_t floats = 0;           // k * (m + n)
+  std::vector<float> data[2];    // world_size * floats each
+  std::vector<uint64_t> tag[2];  // per peer: the iteration held, 0 if none
+  // Progress of the current iteration.
+  uint64_t sent = 0;      // iteration whose factors we have started sending
+  int sends_pending = 0;  // our sends of `sent` not yet handed to the network
+  absl::Status send_error;
+  uint64_t rebuild_queued = 0;  // iteration whose rebuild is queued
+  uint64_t finished = 0;        // iteration completed or failed
+  bool on_device = false;       // `sent` was posted on the GPU
+  absl::Time started;           // when `sent` began (the watchdog's clock)
+  uint32_t priority = 0;
+  std::shared_ptr<Credit> credit;  // of `sent`, until every peer's factors are in
+};
+
+class SfbSyncer final : public Syncer, public transport::FrameHandler {
+ public:
+  explicit SfbSyncer(SyncEnv& env) : env_(env) {
+    const uint32_t world = env.config->world_size;
+    for (uint32_t i = 0; i < env.table->layers.size(); ++i) {
+      const LayerSpec& st = env.table->layers[i];
+      if (!st.sfb_capable) continue;
+      Inbox& box = inbox_[i];
+      box.floats = st.k * (st.m + st.n);
+      for (int s = 0; s < 2; ++s) {
+        box.data[s].assign(box.floats * world, 0.0f);
+        box.tag[s].assign(world, 0);
+      }
+    }
+  }
+
+  int Parts(uint32_t) const override { return 1; }
+  transport::FrameHandler* peer_handler() override { return this; }
+
+  void Start(const Post& post) override {
+    const LayerSpec& st = env_.table->layers[post.layer];
+    const uint64_t factor_bytes = st.k * (st.m + st.n) * sizeof(float);
+    Scheduler::Task task;
+    task.priority = post.priority;
+    task.bytes = factor_bytes * std::max<uint32_t>(1, env_.config->world_size - 1);
+    const absl::Time queued = absl::Now();
+    task.run = [this, post, queued](std::shared_ptr<Credit> credit) {
+      SendFactors(post, queued, std::move(credit));
+    };
+    if (!post.on_device) {
+      env_.scheduler->Submit(std::move(task));
+      return;
+    }
+    // Once both factors are on the host.
+    auto staged = std::make_shared<Scheduler::Task>(std::move(task));
+    const DeviceRange ranges[2] = {{st.layout.u_offset, st.k * st.m * sizeof(float)},
+                                   {st.layout.v_offset, st.k * st.n * sizeof(float)}};
+    const absl::Status s = env_.stager->load(std::memory_order_acquire)
+                               ->StageOut(post.layer, ranges, [this, staged](size_t i) {
+                                 if (i == 1) env_.scheduler->Submit(std::move(*staged));
+                               });
+    if (!s.ok()) env_.finished(post.layer, post.iteration, 0, s);
+  }
+
+  std::string Waiting(uint32_t layer, uint64_t iteration,
+                      const std::vector<uint8_t>&) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return absl::StrCat("SFB factors from ranks [", absl::StrJoin(MissingLocked(layer, iteration), ", "),
+                        "]");
+  }
+
+  // The watchdog: layers whose peers' factors did not all arrive in time fail, naming the
+  // ranks that are missing.
+  void CheckDeadlines(absl::Time now) override {
+    std::vector<std::pair<std::pair<uint32_t, uint64_t>, absl::Status>> expired;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [layer, box] : inbox_) {
+        if (box.sent == 0 || box.finished == box.sent || box.rebuild_queued == box.sent) continue;
+        if (now - box.started < env_.config->sync_timeout) continue;
+        const std::vector<uint32_t> missing = MissingLocked(layer, box.sent);
+        box.finished = box.sent;
+        box.credit.reset();
+        expired.push_back(
+            {{layer, box.sent},
+             absl::DeadlineExceededError(absl::StrCat(
+                 "SFB factors of clock ", box.sent, " not received from ranks [",
+                 absl::StrJoin(missing, ", "), "] within ",
+                 absl::FormatDuration(env_.config->sync_timeout)))});
+      }
+    }
+    for (auto& [at, status] : expired) env_.finished(at.first, at.second, 0, status);
+  }
+
+  // ---- Inbound factors (transport I/O threads) ----
+
+  absl::StatusOr<transport::PayloadTarget> OnHeader(
+      const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) override {
+    if (h.type != FrameType::kFactors) {
+      return absl::InvalidArgumentError("agents only exchange SFB factors");
+    }
+    const uint32_t from = peer->identity().rank;
+    const uint32_t world = env_.config->world_size;
+    if (from >= world || from == env_.config->rank || h.sender_rank != from) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("factors from rank ", h.sender_rank, " on a connection of rank ", from));
+    }
+    if (h.key >= env_.table->layers.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("factors for layer ", h.key, " of ", env_.table->layers.size()));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = inbox_.find(static_cast<uint32_t>(h.key));
+    if (it == inbox_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", h.key, " cannot run SFB here (no factor buffers)"));
+    }
+    Inbox& box = it->second;
+    if (h.payload_length != box.floats * sizeof(float)) {
+      return absl::InvalidArgumentError(absl::StrCat("factors of layer ", h.key, " carry ",
+                                                     h.payload_length, " bytes, expected ",
+                                                     box.floats * sizeof(float)));
+    }
+    if (h.clock == 0) return absl::InvalidArgumentError("iterations start at 1");
+    const int slot = static_cast<int>(h.clock % 2);
+    const uint64_t held = box.tag[slot][from];
+    // The slot may be reused once what it holds is consumed (a plan change can leave iterations
+    // on PS in between, so the held clock need not be h.clock - 2).
+    if (held != 0 && (h.clock <= held || box.finished < held)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("factors of layer ", h.key, " clock ", h.clock, " from rank ", from,
+                       " arrive while the slot holds clock ", held));
+    }
+    box.tag[slot][from] = 0;  // being overwritten
+    return transport::PayloadTarget::Into(
+        std::as_writable_bytes(std::span(box.data[slot].data() + from * box.floats, box.floats)));
+  }
+
+  void OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,
+               transport::MutableBuffer) override {
+    const uint32_t from = peer->identity().rank;
+    const auto layer = static_cast<uint32_t>(h.key);
+    DeviceStager* stager = env_.stager->load(std::memory_order_acquire);
+    bool on_device = false;
+    const float* factors = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const Inbox& box = inbox_.at(layer);
+      // A peer is at most one iteration ahead: its factors for box.sent + 1 belong to an
+      // iteration we have not posted yet, whose location we do not know (staged by the rebuild).
+      on_device = box.on_device && box.sent == h.clock;
+      factors = box.data[h.clock % 2].data() + from * box.floats;
+    }
+    if (stager && on_device) {
+      // The GPU rebuild needs every rank's factors on the device: copy these now, while the
+      // other ranks' are still on the network (pinned inbox, asynchronous).
+      if (absl::Status s = stager->StagePeerFactors(layer, Shape(layer), h.clock, from, factors);
+          !s.ok()) {
+        PSD_LOG_WARN("layer {}: staging rank {}'s factors: {} (the rebuild copies them)", layer,
+                     from, s.message());
+      }
+    }
+    std::optional<Rebuild> rebuild;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      inbox_.at(layer).tag[h.clock % 2][from] = h.clock;
+      if (env_.metrics.sfb_received_bytes) {
+        env_.metrics.sfb_received_bytes->Increment(static_cast<double>(h.payload_length));
+      }
+      if (env_.telemetry) env_.telemetry->AddPeerBytes(from, 0, h.payload_length);
+      rebuild = MaybeRebuildLocked(layer, h.clock);
+    }
+    if (rebuild) StartRebuild(*rebuild);
+  }
+
+  // Pins the inboxes for the GPU path (peers' factors are copied to the device from them).
+  // Pageable memory still works, only slower: a failure is not fatal.
+  void AttachDevice(DeviceStager& stager) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [layer, box] : inbox_) {
+      for (auto& d : box.data) {
+        if (absl::Status s = stager.PinHost(d.data(), d.size() * sizeof(float)); !s.ok()) {
+          PSD_LOG_WARN("layer {}: SFB inbox stays pageable: {}", layer, s.message());
+        }
+      }
+    }
+  }
+
+ private:
+  struct Rebuild {
+    uint32_t layer;
+    uint64_t iteration;
+    uint32_t priority;
+    bool on_device;
+    absl::Time queued_at;
+  };
+
+  DeviceStager::SfbShape Shape(uint32_t layer) const {
+    const LayerSpec& st = env_.table->layers[layer];
+    DeviceStager::SfbShape shape;
+    shape.m = st.m;
+    shape.n = st.n;
+    shape.k = st.k;
+    shape.world = env_.config->world_size;
+    shape.me = env_.config->rank;
+    shape.grad_offset = st.layout.grad_offset;
+    shape.u_offset = st.layout.u_offset;
+    shape.v_offset = st.layout.v_offset;
+    return shape;
+  }
+
+  std::vector<uint32_t> MissingLocked(uint32_t layer, uint64_t iteration) const {
+    std::vector<uint32_t> missing;
+    auto it = inbox_.find(layer);
+    if (it == inbox_.end()) return missing;
+    const int slot = static_cast<int>(iteration % 2);
+    for (uint32_t p = 0; p < env_.config->world_size; ++p) {
+      if (p != env_.config->rank && it->second.tag[slot][p] != iteration) missing.push_back(p);
+    }
+    return missing;
+  }
+
+  // First half: broadcast our factors (straight from shared memory) to every other agent. The
+  // rebuild goes once our sends are out and every peer's factors are in.
+  void SendFactors(const Post& post, absl::Time queued, std::shared_ptr<Credit> credit) {
+    const LayerSpec& st = env_.table->layers[post.layer];
+    const uint32_t me = env_.config->rank;
+    const uint32_t world = env_.config->world_size;
+    if (env_.timeline) {
+      env_.timeline->Span("queue", post.layer, st.desc.name, post.iteration, queued, absl::Now());
+    }
+    // Every peer must have registered (its PING) before it can take our factors: a wait of the
+    // first iteration only (bounded; a stopping agent ends it).
+    if (const std::vector<uint32_t> missing = env_.peer_gate->Wait(me, env_.config->sync_timeout);
+        !missing.empty()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        inbox_.at(post.layer).finished = post.iteration;
+      }
+      env_.finished(post.layer, post.iteration, 0,
+                    absl::DeadlineExceededError(
+                        absl::StrCat("peer agents of ranks [", absl::StrJoin(missing, ", "),
+                                     "] never registered their model")));
+      return;
+    }
+    std::optional<Rebuild> rebuild;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Inbox& box = inbox_.at(post.layer);
+      box.sent = post.iteration;
+      box.sends_pending = static_cast<int>(world) - 1;
+      box.send_error = absl::OkStatus();
+      box.started = absl::Now();
+      box.on_device = post.on_device;
+      box.priority = post.priority;
+      box.credit = std::move(credit);
+      rebuild = MaybeRebuildLocked(post.layer, post.iteration);  // world == 1: nothing to wait for
+    }
+    const float* u = env_.shm->FactorU(post.layer);
+    const float* v = env_.shm->FactorV(post.layer);
+    const uint64_t ku = st.k * st.m, kv = st.k * st.n;
+    if (env_.metrics.sfb_sent_bytes) {
+      env_.metrics.sfb_sent_bytes->Increment(
+          static_cast<double>((ku + kv) * sizeof(float) * (world - 1)));
+    }
+    if (env_.timeline) env_.timeline->Instant("send factors", post.layer, post.iteration, absl::Now());
+    for (uint32_t p = 0; p < world; ++p) {
+      if (p == me) continue;
+      FrameHeader h;
+      h.type = FrameType::kFactors;
+      h.job_id = env_.config->job_id;
+      h.sender_rank = me;
+      h.key = post.layer;
+      h.clock = post.iteration;
+      h.payload_length = (ku + kv) * sizeof(float);
+      if (env_.telemetry) env_.telemetry->AddPeerBytes(p, h.payload_length, 0);
+      env_.peers[p]->Send(
+          h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
+          [this, layer = post.layer, it = post.iteration, p](absl::Status s) {
+            std::optional<Rebuild> ready;
+            {
+              std::lock_guard<std::mutex> lock(mu_);
+              Inbox& b = inbox_.at(layer);
+              if (b.sent != it) return;
+              --b.sends_pending;
+              if (!s.ok() && b.send_error.ok()) {
+                b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
+              }
+              if (b.sends_pending == 0 && b.credit) b.credit->Park();
+              ready = MaybeRebuildLocked(layer, it);
+            }
+            if (ready) StartRebuild(*ready);
+          });
+    }
+    if (rebuild) StartRebuild(*rebuild);
+  }
+
+  // With mu_ held: the rebuild once our sends are out and every peer's factors are in (at most
+  // once per iteration). The credit is returned here: the layer's transfers are complete.
+  std::optional<Rebuild> MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
+    Inbox& box = inbox_.at(layer);
+    if (box.sent != iteration || box.sends_pending > 0 || box.rebuild_queued == iteration ||
+        box.finished == iteration) {
+      return std::nullopt;
+    }
+    const int slot = static_cast<int>(iteration % 2);
+    for (uint32_t p = 0; p < env_.config->world_size; ++p) {
+      if (p != env_.config->rank && box.tag[slot][p] != iteration) return std::nullopt;
+    }
+    box.rebuild_queued = iteration;
+    box.credit.reset();  // under mu_: Credit's release takes only the scheduler's (leaf) lock
+    return Rebuild{layer, iteration, box.priority, box.on_device, absl::Now()};
+  }
+
+  void StartRebuild(const Rebuild& r) {
+    const LayerSpec& st = env_.table->layers[r.layer];
+    if (!r.on_device && st.k * st.m * st.n * env_.config->world_size <= kInlineRebuildMacs) {
+      RunRebuild(r);
+      return;
+    }
+    Scheduler::Task task;
+    task.priority = r.priority;
+    task.bytes = 0;  // computation, not network: never held back by the credit
+    task.run = [this, r](std::shared_ptr<Credit>) { RunRebuild(r); };
+    env_.scheduler->Submit(std::move(task));
+  }
+
+  // Second half: sum_p U_p^T V_p (M x N, row-major) into the gradient buffer, ranks in order.
+  void RunRebuild(const Rebuild& r) {
+    const LayerSpec& st = env_.table->layers[r.layer];
+    Inbox& box = inbox_.at(r.layer);
+    absl::Status status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (box.finished == r.iteration) return;  // the watchdog failed it already
+      status = box.send_error;
+    }
+    const uint32_t me = env_.config->rank;
+    const int slot = static_cast<int>(r.iteration % 2);
+    const float* u = env_.shm->FactorU(r.layer);
+    const float* v = env_.shm->FactorV(r.layer);
+    float* grad = env_.shm->Grad(r.layer);
+    const int m = static_cast<int>(st.m), n = static_cast<int>(st.n), k = static_cast<int>(st.k);
+    const uint64_t ku = st.k * st.m;
+    const absl::Time start = absl::Now();
+    if (env_.timeline) {
+      env_.timeline->Span("rebuild queue", r.layer, st.desc.name, r.iteration, r.queued_at, start);
+    }
+    if (r.on_device) {
+      // On the GPU: one cuBLAS GEMM over every rank's factors, straight into the arena.
+      if (absl::Status s = env_.stager->load(std::memory_order_acquire)
+                               ->Rebuild(r.layer, Shape(r.layer), r.iteration, box.data[slot].data());
+          !s.ok() && status.ok()) {
+        status = s;
+      }
+    } else {
+      for (uint32_t p = 0; p < env_.config->world_size; ++p) {
+        const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
+        const float* vp = p == me ? v : up + ku;
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
+                    p == 0 ? 0.0f : 1.0f, grad, n);
+      }
+    }
+    if (env_.timeline) {
+      env_.timeline->Span("rebuild", r.layer, st.desc.name, r.iteration, start, absl::Now());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (box.finished == r.iteration) return;
+      box.finished = r.iteration;
+    }
+    env_.finished(r.layer, r.iteration, 0, status);
+  }
+
+  SyncEnv& env_;
+  mutable std::mutex mu_;
+  std::map<uint32_t, Inbox> inbox_;  // by SFB-capable layer; created in the constructor, then fixed
+};
+
+}  // namespace
+
+std::unique_ptr<Syncer> MakeSfbSyncer(SyncEnv& env) {
+  return std::make_unique<SfbSyncer>(env);
+}
+
+}  // namespace poseidon::agent

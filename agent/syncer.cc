@@ -1,0 +1,83 @@
+#include "agent/syncer.h"
+
+#include "agent/telemetry_reporter.h"
+#include "common/log.h"
+
+namespace poseidon::agent {
+
+const std::vector<SyncerRow>& SyncerTable() {
+  static const std::vector<SyncerRow> table = {
+      {SyncerKind::kPs, "ps", &MakePsSyncer},
+      {SyncerKind::kSfb, "sfb", &MakeSfbSyncer},
+      {SyncerKind::kBucket, "bucket", &MakeBucketSyncer},
+  };
+  return table;
+}
+
+void PeerGate::MarkReady(uint32_t rank) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rank < ready_.size()) ready_[rank] = true;
+  }
+  cv_.notify_all();
+}
+
+std::vector<uint32_t> PeerGate::Wait(uint32_t me, absl::Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto missing = [&] {
+    std::vector<uint32_t> out;
+    for (uint32_t p = 0; p < ready_.size(); ++p) {
+      if (p != me && !ready_[p]) out.push_back(p);
+    }
+    return out;
+  };
+  cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+               [&] { return stopping_ || missing().empty(); });
+  return missing();
+}
+
+void PeerGate::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+}
+
+void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint64_t clock,
+              bool init, std::shared_ptr<Credit> credit, std::function<void(absl::Status)> done) {
+  server::KvClient& kv = *env.servers[chunk.server];
+  const uint32_t server = chunk.server;
+  const uint64_t bytes = chunk.length;
+  std::optional<server::Ticket> push;
+  if (!init || env.config->rank == 0) push = kv.Push(chunk.key, clock, values, init);
+  // The pull's answer overwrites the gradient in place: the server answers only once every
+  // rank's push of this clock, ours included, has been received.
+  const server::Ticket pull = kv.Pull(chunk.key, clock, values, env.config->sync_timeout);
+  SyncEnv* e = &env;
+  if (push) {
+    kv.OnDone(*push, [e, credit, server, bytes, key = chunk.key](absl::Status pushed) {
+      if (pushed.ok()) {
+        if (e->metrics.push_bytes[server]) e->metrics.push_bytes[server]->Increment(bytes);
+        if (e->telemetry) e->telemetry->AddServerBytes(server, bytes, 0);
+      } else {
+        // The pull fails too (the server never gets our push); say why now.
+        PSD_LOG_ERROR("push of key {} to server {}: {}", key, server, pushed.message());
+      }
+      credit->Park();  // our part is on the server: what is left waits for the other ranks
+    });
+  } else {
+    credit->Park();
+  }
+  kv.OnDone(pull, [e, credit = std::move(credit), server, bytes,
+                   done = std::move(done)](absl::Status s) mutable {
+    if (s.ok()) {
+      if (e->metrics.pull_bytes[server]) e->metrics.pull_bytes[server]->Increment(bytes);
+      if (e->telemetry) e->telemetry->AddServerBytes(server, 0, bytes);
+    }
+    credit.reset();  // the transfer is complete: the next task may start
+    done(s);
+  });
+}
+
+}  // namespace poseidon::agent

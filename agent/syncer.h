@@ -1,0 +1,136 @@
+// A syncer synchronises the layers of one scheme (DESIGN.md, "Schemes"): PS push/pull of the
+// plan's chunks, SFB broadcast of the sufficient factors, fused PS buckets. Each is one class in
+// its own file, made through one row of the registration table (SyncerTable below); the agent
+// hands each posted layer's iteration to the syncer its schedule names for that iteration and
+// learns of completions through SyncEnv::finished. Adding a scheme: a file with the syncer, a
+// row here, and the planner's cost row (coordinator/planner/cost_model.cc).
+// Thread model: Post, CheckDeadlines and Waiting run on the agent's main thread; the work runs
+// on the scheduler's workers and the transport's I/O threads (see each syncer). `finished` may
+// be called from any thread, once per part of a posted iteration.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "agent/agent.h"
+#include "agent/device_stager.h"
+#include "agent/layer_table.h"
+#include "agent/scheduler.h"
+#include "agent/shm_endpoint.h"
+#include "common/metrics.h"
+#include "server/kv_client.h"
+#include "transport/frame_server.h"
+
+namespace poseidon::agent {
+
+class Timeline;
+class TelemetryReporter;
+
+// Which other agents announced (PING) that they registered their model and can take our
+// frames. PINGs can arrive before this agent registered: the agent owns the gate from its start.
+// Thread-safe.
+class PeerGate {
+ public:
+  explicit PeerGate(uint32_t world_size) : ready_(world_size, false) {}
+  void MarkReady(uint32_t rank);
+  // Waits until every rank but `me` is ready (or Stop, or `timeout`); the ranks still missing.
+  std::vector<uint32_t> Wait(uint32_t me, absl::Duration timeout);
+  void Stop();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<bool> ready_;
+  bool stopping_ = false;
+};
+
+// Counters the syncers update (null when not collected).
+struct SyncMetrics {
+  std::vector<prometheus::Counter*> push_bytes, pull_bytes;  // by server index
+  prometheus::Counter* sfb_sent_bytes = nullptr;
+  prometheus::Counter* sfb_received_bytes = nullptr;
+};
+
+// What the syncers share: the agent's parts they work with. Filled before the first Post and
+// fixed afterwards, except `stager` (set once when the framework attaches CUDA, an atomic).
+struct SyncEnv {
+  const AgentConfig* config = nullptr;
+  const LayerTable* table = nullptr;
+  ShmEndpoint* shm = nullptr;
+  Scheduler* scheduler = nullptr;
+  Timeline* timeline = nullptr;            // null: off
+  TelemetryReporter* telemetry = nullptr;  // null: off
+  SyncMetrics metrics;
+  std::atomic<DeviceStager*>* stager = nullptr;
+  PeerGate* peer_gate = nullptr;
+  // Server-side update rule (0: sum): iteration 1 then carries rank 0's initial parameters.
+  uint32_t server_rule = 0;
+  std::vector<std::shared_ptr<server::KvClient>> servers;      // plan order
+  std::vector<std::shared_ptr<transport::Connection>> peers;  // by rank, null for ourselves
+  // Part `part` of the layer's iteration completed (PS: chunk index; SFB and buckets: 0). For a
+  // PS part on the device, the result is already on its way back to the GPU.
+  std::function<void(uint32_t layer, uint64_t iteration, int part, const absl::Status&)> finished;
+};
+
+// One posted iteration of a layer.
+struct Post {
+  uint32_t layer = 0;
+  uint64_t iteration = 0;
+  bool on_device = false;  // the input is in the CUDA arena
+  uint32_t priority = 0;   // the plan's (0 without priority)
+  absl::Time ready_at;
+};
+
+class Syncer {
+ public:
+  virtual ~Syncer() = default;
+  // Parts an iteration of `layer` completes in (each reported once to SyncEnv::finished).
+  virtual int Parts(uint32_t layer) const = 0;
+  // Starts the iteration (main thread; never blocks).
+  virtual void Start(const Post& post) = 0;
+  // What the iteration still waits for, given its parts not yet complete (the stall detector;
+  // main thread).
+  virtual std::string Waiting(uint32_t layer, uint64_t iteration,
+                              const std::vector<uint8_t>& pending) const = 0;
+  // Main thread, periodically: fails what waited past its deadline.
+  virtual void CheckDeadlines(absl::Time /*now*/) {}
+  // Frames from the other agents, when the scheme uses them (null: none).
+  virtual transport::FrameHandler* peer_handler() { return nullptr; }
+  // Called once peers are connected and every layer exists (registration, main thread).
+  virtual absl::Status Ready() { return absl::OkStatus(); }
+  // The framework attached its CUDA arena (main thread, before any layer is posted on it).
+  virtual void AttachDevice(DeviceStager& /*stager*/) {}
+  // The agent stops: wake whatever waits (main thread, before the scheduler stops).
+  virtual void Stop() {}
+};
+
+// The registration table: one row per syncer.
+enum class SyncerKind { kPs, kSfb, kBucket };
+struct SyncerRow {
+  SyncerKind kind;
+  const char* name;
+  std::unique_ptr<Syncer> (*make)(SyncEnv& env);
+};
+const std::vector<SyncerRow>& SyncerTable();
+
+// The rows' factories (one per syncer file).
+std::unique_ptr<Syncer> MakePsSyncer(SyncEnv& env);
+std::unique_ptr<Syncer> MakeSfbSyncer(SyncEnv& env);
+std::unique_ptr<Syncer> MakeBucketSyncer(SyncEnv& env);
+
+// Push `values` as this rank's contribution to `chunk` at `clock` and pull the clock's result into
+// them (PS and buckets). Both complete on transport threads; `credit` is parked once the push is
+// out and returned with the pull; `done` runs once with the pull's result. With init (a
+// server-side rule's clock 0) only rank 0 pushes.
+void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint64_t clock,
+              bool init, std::shared_ptr<Credit> credit, std::function<void(absl::Status)> done);
+
+}  // namespace poseidon::agent
