@@ -33,30 +33,30 @@ class BucketSyncer final : public Syncer {
     const bool server_rule = env_.server_rule != 0;
     const uint64_t clock = server_rule ? count - 1 : count;
     const bool init = server_rule && clock == 0;
-    const uint32_t first = bucket.members.front();
     Scheduler::Task task;
-    task.priority = env_.config->priority ? env_.table->layers[first].layout.priority : 0;
+    task.priority =
+        env_.config->priority ? env_.table->layers[bucket.members.front()].layout.priority : 0;
     task.bytes = bucket.chunk.length;
     const absl::Time queued = absl::Now();
     task.run = [this, b, iteration = post.iteration, clock, init,
                 queued](std::shared_ptr<Credit> credit) {
-      const BucketSpec& bucket = env_.table->buckets[static_cast<size_t>(b)];
-      const uint32_t first = bucket.members.front();
+      const BucketSpec& fused = env_.table->buckets[static_cast<size_t>(b)];
+      const uint32_t first = fused.members.front();
       const absl::Time start = absl::Now();
       if (env_.timeline) {
-        env_.timeline->Span("queue", first, bucket.name, iteration, queued, start);
+        env_.timeline->Span("queue", first, fused.name, iteration, queued, start);
       }
       // The chunk is relative to the first member's gradient.
-      std::span<float> values(env_.shm->Grad(first) + bucket.chunk.offset / sizeof(float),
-                              bucket.chunk.length / sizeof(float));
-      PushPull(env_, bucket.chunk, values, clock, init, std::move(credit),
+      std::span<float> values(env_.shm->Grad(first) + fused.chunk.offset / sizeof(float),
+                              fused.chunk.length / sizeof(float));
+      PushPull(env_, fused.chunk, values, clock, init, std::move(credit),
                [this, b, iteration, start](absl::Status s) {
-                 const BucketSpec& bucket = env_.table->buckets[static_cast<size_t>(b)];
+                 const BucketSpec& done = env_.table->buckets[static_cast<size_t>(b)];
                  if (env_.timeline) {
-                   env_.timeline->Span("push+pull", bucket.members.front(), bucket.name,
-                                       iteration, start, absl::Now());
+                   env_.timeline->Span("push+pull", done.members.front(), done.name, iteration,
+                                       start, absl::Now());
                  }
-                 for (uint32_t m : bucket.members) env_.finished(m, iteration, 0, s);
+                 for (uint32_t m : done.members) env_.finished(m, iteration, 0, s);
                });
     };
     env_.scheduler->Submit(std::move(task));

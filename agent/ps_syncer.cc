@@ -86,16 +86,16 @@ class PsSyncer final : public Syncer {
                               chunk.length / sizeof(float));
       PushPull(env_, chunk, values, clock, init, std::move(credit),
                [this, post, c, start, &chunk](absl::Status s) {
-                 const LayerSpec& spec = env_.table->layers[post.layer];
+                 const LayerSpec& layer = env_.table->layers[post.layer];
                  if (env_.timeline) {
-                   env_.timeline->Span("push+pull", post.layer, spec.desc.name, post.iteration,
+                   env_.timeline->Span("push+pull", post.layer, layer.desc.name, post.iteration,
                                        start, absl::Now());
                  }
                  if (s.ok() && post.on_device) {
                    // The result goes back to the GPU now (before the completion, so that the
                    // layer's done event is recorded after every chunk's copy).
                    s = env_.stager->load(std::memory_order_acquire)
-                           ->StageIn(post.layer, {spec.layout.grad_offset + chunk.offset,
+                           ->StageIn(post.layer, {layer.layout.grad_offset + chunk.offset,
                                                   chunk.length});
                  }
                  env_.finished(post.layer, post.iteration, c, s);

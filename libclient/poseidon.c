@@ -467,7 +467,7 @@ PSD_EXPORT psd_status psd_layer_ready(psd_context* ctx, uint32_t layer, uint64_t
   psd_error[0] = '\0';
   psd_status s = check_ready(ctx, layer, iteration);
   if (s != PSD_OK) return s;
-  uint32_t scheme;
+  uint32_t scheme = 0;
   s = scheme_at(ctx, layer, iteration, &scheme);
   if (s != PSD_OK) return s;
   __atomic_store_n(&ctx->layers[layer].ready_iteration, iteration, __ATOMIC_RELEASE);
@@ -731,7 +731,7 @@ PSD_EXPORT psd_status psd_cuda_layer_ready(psd_context* ctx, uint32_t layer, uin
     return fail(PSD_INTERNAL, "layer %u: cudaEventRecord on the training stream: %s", layer,
                 cuda_error(e));
   }
-  uint32_t scheme;
+  uint32_t scheme = 0;
   s = scheme_at(ctx, layer, iteration, &scheme);
   if (s != PSD_OK) return s;
   __atomic_store_n(&ctx->layers[layer].ready_iteration, iteration, __ATOMIC_RELEASE);

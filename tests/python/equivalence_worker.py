@@ -5,10 +5,14 @@ rank 0 writes the parameters (on the CPU).
 
     equivalence_worker.py OUT [MODE[,MODE...]]
 
-modes: overlap (overlap_forward, SGD with momentum), server-adam (the servers run Adam),
+modes: overlap (overlap_forward, SGD with momentum), server-adam (the servers run Adam), switch
+(steps of ~20 ms until 0.weight's scheme has changed twice, the plan changes forced from outside
+by `poseidon plan --set`; every rank sees the same switches, so all stop at the same step;
+rank 0 writes the step count and the switches too),
 cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-accumulate (the
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size)."""
 import sys
+import time
 
 import torch
 
@@ -18,12 +22,15 @@ import poseidon.torch
 K, STEPS = 8, 30
 
 
-def model_and_data(seed=0, workers=4, device="cpu"):
+SWITCH_STEPS = 1500  # at most, in switch mode (it stops 5 steps after the second switch)
+
+
+def model_and_data(seed=0, workers=4, device="cpu", steps=STEPS):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
     g = torch.Generator().manual_seed(99)
-    x = torch.randn(STEPS, workers * K, 20, generator=g)
-    y = torch.randint(0, 5, (STEPS, workers * K), generator=g)
+    x = torch.randn(steps, workers * K, 20, generator=g)
+    y = torch.randint(0, 5, (steps, workers * K), generator=g)
     return model.to(device), x.to(device), y.to(device)
 
 
@@ -41,7 +48,9 @@ def main(out, modes=()):
     rank, world = poseidon.rank(), poseidon.size()
     assert world == workers, f"world {world}, expected {workers}"
     # Different seeds on every rank: the initial broadcast must make the replicas equal.
-    model, x, y = model_and_data(seed=rank, workers=workers, device=device)
+    switch = "switch" in modes
+    model, x, y = model_and_data(seed=rank, workers=workers, device=device,
+                                 steps=SWITCH_STEPS if switch else STEPS)
     if server:  # the KV servers run Adam; no local optimizer
         opt = poseidon.torch.distribute(model, None, batch_size=K,
                                         server_optimizer=dict(rule="adam", lr=0.01),
@@ -55,12 +64,26 @@ def main(out, modes=()):
         for layer in opt._layers:
             for buf in (layer.grad, layer.u, layer.v):
                 assert buf is None or buf.device == torch.device(device), (layer.name, buf.device)
-    for step in range(STEPS):
+    steps, switches, last, stop_at = STEPS, [], None, None
+    for step in range(SWITCH_STEPS if switch else STEPS):
+        if switch:
+            # The scheme 0.weight runs at this iteration (the agent's schedule).
+            scheme = dict((n, s) for n, s, _ in poseidon.torch.plan_summary(opt))["0.weight"]
+            if last is not None and scheme != last:
+                switches.append((step, scheme))
+                print(f"step {step}: 0.weight runs {scheme}", flush=True)
+                if len(switches) == 2:
+                    stop_at = step + 5
+            last = scheme
+            if step == stop_at:
+                break
+            time.sleep(0.02)
         mine = slice(rank * K, (rank + 1) * K)
         loss = torch.nn.functional.cross_entropy(model(x[step, mine]), y[step, mine])
         opt.zero_grad()
         loss.backward()
         opt.step()
+        steps = step + 1
     opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
     if rank == 0:
         torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
@@ -71,6 +94,8 @@ def main(out, modes=()):
             torch.save([None if b is None else b.cpu().clone() for b in buffers],
                        out + ".optimizer")
         print("schemes:", ",".join(s for _, s, _ in poseidon.torch.plan_summary(opt)))
+        if switch:
+            torch.save({"steps": steps, "switches": switches}, out + ".switches")
         print(f"device: {opt.device}, grad hook: {opt.grad_hook}, torch {torch.__version__}")
     poseidon.shutdown()
 

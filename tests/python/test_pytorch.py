@@ -19,6 +19,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import unittest
 
 try:
@@ -51,12 +53,13 @@ def free_port():
 
 
 def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), workers=4,
-              device="cpu", momentum=False):
+              device="cpu", momentum=False, steps=equivalence_worker.STEPS, data_steps=None):
     """One process on the P-times larger batch: what every scheme must reproduce (with
     momentum=True: also the optimizer's momentum buffers)."""
-    model, x, y = equivalence_worker.model_and_data(seed=0, workers=workers, device=device)
+    model, x, y = equivalence_worker.model_and_data(seed=0, workers=workers, device=device,
+                                                    steps=data_steps or steps)
     opt = make_optimizer(model.parameters())
-    for step in range(equivalence_worker.STEPS):
+    for step in range(steps):
         loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
         opt.zero_grad()
         loss.backward()
@@ -201,6 +204,98 @@ class Cuda(WorkersTest):
         got = self.run_cuda("auto", ["server-adam"], expect_schemes="PS,PS,PS,PS")
         want = self.reference(lambda params: torch.optim.Adam(params, lr=0.01))
         self.assert_close(got, want, "CUDA, server-side Adam")
+
+
+class PlanChange(unittest.TestCase):
+    """Plans that change while training runs: 2 ranks train through a coordinator while the
+    operator moves 0.weight from SFB to PS and back (`poseidon plan --set`); both ranks switch at
+    the same iterations and the parameters equal one process's on the 2x-larger batch."""
+
+    def test_a_layer_moved_to_ps_and_back_trains_exactly(self):
+        from poseidon import run as launcher
+        job = str(200000 + os.getpid())
+        token = "plan-change-token"
+        env = dict(os.environ, POSEIDON_JOB_TOKEN=token, POSEIDON_JOB_SECRET=token,
+                   POSEIDON_COORDINATOR_TOKEN=token)
+        coord = subprocess.Popen([launcher.find_binary("poseidon-coordinator", "coordinator"),
+                                  "--listen=127.0.0.1:0", f"--job_id={job}", "--log_level=warn"],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+        procs = [coord]
+        cli = launcher.find_binary("poseidon", "tools")
+
+        def poseidon_cli(*args):
+            return subprocess.run([cli, *args], capture_output=True, text=True, timeout=60,
+                                  env=dict(env, POSEIDON_COORDINATOR=address, POSEIDON_JOB_ID=job,
+                                           POSEIDON_TOKEN=token))
+
+        def agents_iteration():
+            r = poseidon_cli("status", "--json")
+            if r.returncode != 0:
+                return 0
+            import json
+            its = [n["iteration"] for n in json.loads(r.stdout)["nodes"] if n["role"] == "agent"]
+            return min(its) if len(its) == 2 else 0
+
+        def force(scheme):
+            r = poseidon_cli("plan", f"--coordinator={address}", f"--job={job}",
+                             f"--token={token}", f"--set=0.weight={scheme}")
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            return r.stdout
+
+        try:
+            address = coord.stdout.readline().strip().split("listening on ")[1]
+            server = subprocess.Popen([launcher.find_binary("poseidon-server", "server"),
+                                       "--listen=127.0.0.1:0", f"--job_id={job}", "--log_level=warn",
+                                       f"--coordinator={address}"], stdout=subprocess.PIPE,
+                                      text=True, env=env)
+            procs.append(server)
+            server.stdout.readline()
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "params.pt")
+                job_proc = subprocess.Popen(
+                    [PY, "-m", "poseidon.run", "-n", "2", "--coordinator", address, "--token",
+                     token, "--job", job, "--", PY, os.path.join(HERE, "equivalence_worker.py"),
+                     out, "switch,workers=2"],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                procs.append(job_proc)
+                lines = []
+                reader = threading.Thread(target=lambda: lines.extend(job_proc.stdout),
+                                          daemon=True)
+                reader.start()
+                # Once the coordinator knows the job's pace (a few seconds of reports), move
+                # the layer to PS, then (once the ranks report the switch) back to SFB.
+                deadline = time.monotonic() + 120
+                while agents_iteration() < 60 and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                print(force("ps"))
+                while (not any("0.weight runs PS" in l for l in list(lines))
+                       and job_proc.poll() is None and time.monotonic() < deadline):
+                    time.sleep(0.2)
+                print(force("sfb"))
+                job_proc.wait(timeout=300)
+                reader.join(timeout=30)
+                output = "".join(lines)
+                self.assertEqual(job_proc.returncode, 0, output)
+                record = torch.load(out + ".switches")
+                got = torch.load(out)
+            self.assertEqual([s for _, s in record["switches"]], ["PS", "SFB"], output)
+            # Both ranks saw the same switches (they stopped at the same step, or the job would
+            # have failed) and rank 0 printed them.
+            for step, scheme in record["switches"]:
+                self.assertIn(f"[rank 0] step {step}: 0.weight runs {scheme}", output)
+                self.assertIn(f"[rank 1] step {step}: 0.weight runs {scheme}", output)
+            want = reference(workers=2, steps=record["steps"],
+                             data_steps=equivalence_worker.SWITCH_STEPS)
+            for g, w in zip(got, want):
+                rel = ((g - w).norm() / w.norm()).item()
+                self.assertLessEqual(rel, 1e-5, f"across the switches: {rel:.2e}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                p.wait(timeout=30)
+                if p.stdout:
+                    p.stdout.close()
 
 
 class Launcher(unittest.TestCase):
