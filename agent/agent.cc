@@ -89,6 +89,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
 
  private:
   absl::Status JoinCoordinator(const std::string& listen);
+  void ProbeServers(const coordinator::World& world);
   absl::Status Register();
   absl::Status ConnectServers();
   absl::Status ConnectPeers();
@@ -392,7 +393,44 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   }
   PSD_LOG_INFO("rendezvous with {}: rank {} of {}, {} servers", config_.coordinator, world.rank,
                world.world_size, world.servers.size());
+  if (config_.probe_bytes > 0) ProbeServers(world);
   return absl::OkStatus();
+}
+
+// The first plan from a measurement: each server link's capacity by a probe, reported before
+// this rank registers its model (the coordinator plans once every rank has). A failed probe is
+// only logged: the plan then assumes the configured bandwidth.
+void Agent::ProbeServers(const coordinator::World& world) {
+  std::vector<v1::LinkTelemetry> links;
+  for (const v1::ServerInfo& server : world.servers) {
+    if (server.endpoints_size() == 0) continue;
+    const std::string& address = server.endpoints(0).address();
+    absl::StatusOr<double> bandwidth = absl::UnavailableError("not connected");
+    auto client = server::KvClient::Connect(*ctx_, address, config_.job_id, config_.rank,
+                                            config_.secret, absl::Seconds(10));
+    if (client.ok()) {
+      bandwidth = (*client)->MeasureBandwidth(config_.probe_bytes, 2, absl::Seconds(10));
+      (*client)->Close();
+    } else {
+      bandwidth = client.status();
+    }
+    if (!bandwidth.ok()) {
+      PSD_LOG_WARN("bandwidth probe of server {} ({}): {}", server.node_id(), address,
+                   bandwidth.status().message());
+      continue;
+    }
+    PSD_LOG_INFO("server {} ({}): {:.3g} Gbit/s measured by a {}-byte probe", server.node_id(),
+                 address, *bandwidth * 8 / 1e9, config_.probe_bytes);
+    v1::LinkTelemetry link;
+    link.set_peer_node_id(server.node_id());
+    link.set_transport(v1::TRANSPORT_KIND_TCP);
+    link.set_capacity_bytes_per_second(*bandwidth);
+    links.push_back(std::move(link));
+  }
+  if (links.empty()) return;
+  if (absl::Status s = coord_->ReportTelemetry(links, 0); !s.ok()) {
+    PSD_LOG_WARN("reporting the bandwidth probes: {}", s.message());
+  }
 }
 
 absl::Status Agent::Register() {

@@ -34,6 +34,10 @@ struct AgentConfig {
   // Consecutive small PS layers (each a single chunk) are fused into one key of at most this
   // many bytes, synchronised once all of them are ready (0: off).
   uint64_t bucket_bytes = uint64_t{512} << 10;
+  // With a coordinator: each KV server link is measured with a probe of this many bytes (a PING
+  // payload the server drops) after the rendezvous and reported as a capacity sample, so that
+  // the first plan uses the measured bandwidth (0: off; --bandwidth is then the assumption).
+  uint64_t probe_bytes = uint64_t{4} << 20;
   int sync_threads = 8;
   // false: tasks run in the order layers become ready (no priority), for comparisons.
   bool priority = true;

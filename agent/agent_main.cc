@@ -25,6 +25,7 @@ struct Flags {
   uint64_t block_bytes = 4u << 20;
   uint64_t credit_bytes = 64u << 20;
   uint64_t bucket_bytes = 512u << 10;
+  uint64_t probe_bytes = 4u << 20;
   int64_t sync_threads = 8;
   bool priority = true;
   absl::Duration sync_timeout = absl::Seconds(60);
@@ -67,6 +68,10 @@ poseidon::ConfigSchema<Flags> Schema() {
       .ByteSizeField("bucket_bytes", &Flags::bucket_bytes,
                      "fuse consecutive small PS layers into keys of at most this size (0: off)",
                      InRange<uint64_t>(0, uint64_t{1} << 30))
+      .ByteSizeField("probe_bytes", &Flags::probe_bytes,
+                     "with a coordinator: measure each server link with a probe this large at "
+                     "start-up, for the first plan (0: off, the plan assumes --bandwidth)",
+                     InRange<uint64_t>(0, uint64_t{16} << 20))
       .Field("sync_threads", &Flags::sync_threads, "synchronisation threads",
              InRange<int64_t>(1, 256))
       .Field("priority", &Flags::priority,
@@ -126,6 +131,7 @@ int main(int argc, char** argv) {
   c.block_bytes = f.block_bytes;
   c.credit_bytes = f.credit_bytes;
   c.bucket_bytes = f.bucket_bytes;
+  c.probe_bytes = f.probe_bytes;
   c.sync_threads = static_cast<int>(f.sync_threads);
   c.priority = f.priority;
   c.sync_timeout = f.sync_timeout;

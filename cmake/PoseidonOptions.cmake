@@ -4,6 +4,7 @@
 set(POSEIDON_WITH_RDMA "AUTO" CACHE STRING "Build the RDMA (libibverbs) transport: AUTO, ON or OFF")
 set(POSEIDON_WITH_CUDA "AUTO" CACHE STRING "Build the CUDA GPU path: AUTO, ON or OFF")
 option(POSEIDON_SANITIZE "Build with AddressSanitizer and UndefinedBehaviorSanitizer" OFF)
+option(POSEIDON_TSAN "Build with ThreadSanitizer (not with POSEIDON_SANITIZE)" OFF)
 option(POSEIDON_WERROR "Treat compiler warnings as errors" OFF)
 option(POSEIDON_FUZZ "Build libFuzzer targets (needs clang)" OFF)
 
@@ -52,7 +53,12 @@ if(POSEIDON_CUDA_ENABLED)
 endif()
 
 message(STATUS "Poseidon: RDMA=${POSEIDON_RDMA_ENABLED} CUDA=${POSEIDON_CUDA_ENABLED} "
-               "sanitize=${POSEIDON_SANITIZE} werror=${POSEIDON_WERROR} fuzz=${POSEIDON_FUZZ}")
+               "sanitize=${POSEIDON_SANITIZE} tsan=${POSEIDON_TSAN} werror=${POSEIDON_WERROR} "
+               "fuzz=${POSEIDON_FUZZ}")
+if(POSEIDON_SANITIZE AND POSEIDON_TSAN)
+  message(FATAL_ERROR "POSEIDON_SANITIZE (ASan) and POSEIDON_TSAN cannot be combined: use two build "
+                      "directories (scripts/test.sh does)")
+endif()
 
 # --- Warnings and sanitizers, applied to our own targets through poseidon_compile_options ---------
 add_library(poseidon_compile_options INTERFACE)
@@ -73,6 +79,14 @@ if(POSEIDON_SANITIZE)
       -fno-omit-frame-pointer)
   target_compile_options(poseidon_compile_options INTERFACE ${_san})
   target_link_options(poseidon_compile_options INTERFACE ${_san})
+endif()
+if(POSEIDON_TSAN)
+  # The thread model (docs/thread_model.md) checked: data races in our code, the tests' threads
+  # and the daemons they start. Third-party libraries (gRPC, protobuf, OpenBLAS) are not
+  # instrumented; tests/tsan.supp names what is theirs.
+  set(_tsan -fsanitize=thread -fno-omit-frame-pointer)
+  target_compile_options(poseidon_compile_options INTERFACE ${_tsan})
+  target_link_options(poseidon_compile_options INTERFACE ${_tsan})
 endif()
 if(POSEIDON_RDMA_ENABLED)
   target_compile_definitions(poseidon_compile_options INTERFACE POSEIDON_HAVE_RDMA=1)

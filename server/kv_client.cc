@@ -1,6 +1,7 @@
 #include "server/kv_client.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "transport/error_frame.h"
 #include "transport/handshake.h"
 
@@ -127,6 +128,32 @@ absl::StatusOr<absl::Duration> KvClient::MeasureRoundTrip(absl::Duration timeout
   }
   if (!status.ok()) return status;
   return absl::Now() - start;
+}
+
+absl::StatusOr<double> KvClient::MeasureBandwidth(uint64_t bytes, int probes,
+                                                   absl::Duration timeout) {
+  if (bytes == 0 || bytes > kMaxProbeBytes || probes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a probe of ", bytes, " bytes (1..", kMaxProbeBytes, "), ", probes, " times"));
+  }
+  auto payload = std::make_shared<std::vector<std::byte>>(bytes);
+  double best = 0;
+  for (int i = 0; i < probes; ++i) {
+    ASSIGN_OR_RETURN(const absl::Duration empty, MeasureRoundTrip(timeout));
+    FrameHeader h;
+    h.type = FrameType::kPing;
+    Pending p;
+    p.what = absl::StrCat("bandwidth probe of ", address_);
+    const absl::Time start = absl::Now();
+    const Ticket ticket = Start(0, h, {*payload}, std::move(p), payload);
+    const absl::Status status = Wait(ticket, timeout);
+    if (absl::IsDeadlineExceeded(status)) OnDone(ticket, [](absl::Status) {});
+    RETURN_IF_ERROR(status);
+    const double seconds =
+        std::max(absl::ToDoubleSeconds(absl::Now() - start - empty), 1e-6);
+    best = std::max(best, static_cast<double>(bytes) / seconds);
+  }
+  return best;
 }
 
 absl::Status KvClient::Checkpoint(absl::Duration timeout) {

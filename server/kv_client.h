@@ -24,6 +24,9 @@ namespace poseidon::server {
 
 using Ticket = uint64_t;
 
+// The largest PING payload a server reads (a bandwidth probe).
+inline constexpr uint64_t kMaxProbeBytes = uint64_t{16} << 20;
+
 class KvClient : public std::enable_shared_from_this<KvClient> {
  public:
   // Connects and authenticates as `rank` of `job_id`. With `connections` > 1 the client opens
@@ -61,6 +64,11 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   // Ping and Wait: the round-trip time, or the error (DeadlineExceeded after `timeout`; a late
   // PONG is then dropped).
   absl::StatusOr<absl::Duration> MeasureRoundTrip(absl::Duration timeout, size_t connection = 0);
+
+  // The link's capacity towards the server: a PING carrying `bytes` of payload (a probe the
+  // server reads and drops; at most kMaxProbeBytes), timed to its PONG, minus an empty PING's
+  // round trip; the best of `probes`. Bytes per second.
+  absl::StatusOr<double> MeasureBandwidth(uint64_t bytes, int probes, absl::Duration timeout);
 
   // Asks the server to checkpoint this job now and waits for it.
   absl::Status Checkpoint(absl::Duration timeout);

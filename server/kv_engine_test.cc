@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <thread>
 
 #include "server/kv_client.h"
@@ -335,6 +337,24 @@ TEST_F(KvServerTest, PingMeasuresARoundTripOnEveryConnection) {
   c->Close();
   const absl::StatusOr<absl::Duration> closed = c->MeasureRoundTrip(kWait);
   EXPECT_FALSE(closed.ok());
+}
+
+// The agent's start-up bandwidth probe: a PING with a payload, read and dropped by the server
+// (a measured rate, finite and positive); the bound is the client's and the server's.
+TEST_F(KvServerTest, ABandwidthProbeIsAnsweredAndBounded) {
+  auto c = Client(0);
+  ASSERT_NE(c, nullptr);
+  const absl::StatusOr<double> rate = c->MeasureBandwidth(uint64_t{1} << 20, 2, kWait);
+  ASSERT_TRUE(rate.ok()) << rate.status();
+  EXPECT_GT(*rate, 0);
+  EXPECT_TRUE(std::isfinite(*rate));
+  // The largest probe the server takes, then data on the same connection as before.
+  ASSERT_TRUE(c->MeasureBandwidth(kMaxProbeBytes, 1, kWait).ok());
+  ASSERT_TRUE(c->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {16}), kWait).ok());
+  EXPECT_TRUE(c->Wait(c->Push(100, 1, Grad(0, 1, 100, 16)), kWait).ok());
+  EXPECT_EQ(c->MeasureBandwidth(kMaxProbeBytes + 1, 1, kWait).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->MeasureBandwidth(0, 1, kWait).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(KvServerTest, TrafficIsCountedPerRankAndReportedPerWindow) {

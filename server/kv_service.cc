@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "server/kv_client.h"  // kMaxProbeBytes: the protocol's bound
 #include "transport/error_frame.h"
 
 namespace poseidon::server {
@@ -139,9 +140,12 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
       return PayloadTarget::Into(state->small);
     case FrameType::kCheckpoint:
     case FrameType::kPing:
-      if (header.payload_length != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(transport::FrameTypeName(header.type), " frames carry no payload"));
+      // A payload is a bandwidth probe (KvClient::MeasureBandwidth): read and dropped, never
+      // stored, and bounded.
+      if (header.payload_length > kMaxProbeBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a PING carries at most ", kMaxProbeBytes, " bytes (a bandwidth probe), not ",
+            header.payload_length));
       }
       return PayloadTarget::Discard();
     default:

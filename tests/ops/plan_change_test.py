@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""Plans that change while training runs: two agents train the tiny model with poseidon-synth
+"""Plans that change while training runs: two agents (each first probing its server link, which
+the first plan uses) train the tiny model with poseidon-synth
 --verify through a coordinator; the operator moves fc2.weight to SFB and back to PS with
 `poseidon plan --set` while they run. Both ranks must switch at the same iteration, each time,
 every synchronised result must equal the exact sum (0 mismatches), and `poseidon status` must show
@@ -93,6 +94,9 @@ def main():
             agents.append(agent)
         for agent in agents:
             agent.wait_for(r"poseidon-agent ready")
+            # The first plan from a measurement: each agent probed its server link first.
+            agent.wait_for(r"server \S+ \(\S+\): [0-9.e+]+ Gbit/s measured by a \d+-byte probe",
+                           timeout=5)
         for rank, segment in enumerate(segments):
             # ~4 ms of emulated compute per iteration: long enough for two plan changes.
             synth = Daemon(f"synth {rank}", [
