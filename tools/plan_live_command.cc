@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "coordinator/client.h"
+#include "tools/coordinator_cli.h"
 #include "tools/json_writer.h"
 
 namespace poseidon::tools {
@@ -50,19 +51,13 @@ ConfigSchema<LivePlanFlags> LivePlanFlagsSchema() {
       .Field("reason", &F::reason, "why, for the coordinator's log (with --set)")
       .Field("timeout", &F::timeout, "give up on the coordinator after this long",
              InRange(absl::Milliseconds(1), absl::Hours(1)))
-      .Field("tls", &F::tls, "connect with TLS (implied by tls_ca)")
-      .Field("tls_ca", &F::tls_ca, "PEM CA of the coordinator's certificate")
-      .Field("tls_cert", &F::tls_cert, "client certificate (mutual TLS)")
-      .Field("tls_key", &F::tls_key, "client key (mutual TLS)")
-      .Field("tls_server_name", &F::tls_server_name,
-             "name to verify in the coordinator's certificate")
       .Field("json", &F::json, "print JSON instead of a table");
+  AddTlsFlags(schema);
   return schema;
 }
 
 int Fail(absl::string_view message) {
-  std::fprintf(stderr, "poseidon plan: %s\n", std::string(message).c_str());
-  return 2;
+  return tools::Fail("poseidon plan", message);
 }
 
 std::string SchemeName(v1::SyncScheme scheme) {
@@ -219,29 +214,13 @@ absl::StatusOr<std::map<std::string, v1::SyncScheme>> ParseSchemeOverrides(absl:
 
 int RunLivePlanCommand(const std::vector<std::string>& args) {
   // --job is the short form of --job_id, as in `poseidon status`.
-  std::vector<std::string> normalized;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--job" && i + 1 < args.size()) {
-      normalized.push_back(absl::StrCat("--job_id=", args[++i]));
-    } else if (absl::StartsWith(args[i], "--job=")) {
-      normalized.push_back(absl::StrCat("--job_id=", args[i].substr(6)));
-    } else {
-      normalized.push_back(args[i]);
-    }
-  }
+  const std::vector<std::string> normalized = NormalizeJobFlag(args);
   const ConfigSchema<LivePlanFlags> schema = LivePlanFlagsSchema();
-  ConfigInput input;
-  input.args = normalized;
-  absl::StatusOr<LoadedConfig<LivePlanFlags>> loaded = schema.Parse(input);
-  if (!loaded.ok()) return Fail(loaded.status().message());
-  if (loaded->help_requested) {
-    std::fputs(schema.Usage().c_str(), stdout);
-    return 0;
+  LoadedConfig<LivePlanFlags> loaded;
+  if (std::optional<int> code = ParseOrExit("poseidon plan", schema, normalized, &loaded)) {
+    return *code;
   }
-  for (const std::string& arg : loaded->unparsed_args) {
-    if (arg != "--") return Fail(absl::StrCat("unexpected argument '", arg, "'"));
-  }
-  const LivePlanFlags& flags = loaded->value;
+  const LivePlanFlags& flags = loaded.value;
   const bool overriding = std::any_of(normalized.begin(), normalized.end(),
                                       [](const std::string& a) { return NamesFlag(a, "set"); }) ||
                           !flags.set.empty();
@@ -254,18 +233,8 @@ int RunLivePlanCommand(const std::vector<std::string>& args) {
     return Fail("--reason needs --set");
   }
 
-  coordinator::CoordinatorClientOptions options;
-  options.address = flags.coordinator;
-  options.job_id = flags.job_id;
-  options.token = flags.token;
-  options.call_timeout = flags.timeout;
-  options.tls.enabled = flags.tls || !flags.tls_ca.empty();
-  options.tls.ca_file = flags.tls_ca;
-  options.tls.cert_file = flags.tls_cert;
-  options.tls.key_file = flags.tls_key;
-  options.tls.server_name = flags.tls_server_name;
   absl::StatusOr<std::unique_ptr<coordinator::CoordinatorClient>> client =
-      coordinator::CoordinatorClient::Connect(options);
+      coordinator::CoordinatorClient::Connect(ClientOptions(flags));
   if (!client.ok()) return Fail(client.status().message());
 
   Shown shown;
@@ -285,14 +254,7 @@ int RunLivePlanCommand(const std::vector<std::string>& args) {
     status = plan.status();
     if (plan.ok()) shown.plan = *std::move(plan);
   }
-  if (!status.ok()) {
-    if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) {
-      return Fail(
-          absl::StrCat("coordinator ", flags.coordinator, " unreachable: ", status.message()));
-    }
-    return Fail(absl::StrCat("coordinator ", flags.coordinator, ": ",
-                             absl::StatusCodeToString(status.code()), ": ", status.message()));
-  }
+  if (!status.ok()) return Fail(CoordinatorError(flags.coordinator, status));
   if (flags.json) {
     PrintJson(shown);
   } else {

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "coordinator/client.h"
+#include "tools/coordinator_cli.h"
 #include "tools/json_writer.h"
 
 namespace poseidon::tools {
@@ -44,19 +45,13 @@ ConfigSchema<StatusFlags> StatusFlagsSchema() {
              "the job to show (--job also works); empty: every job, with the cluster token")
       .SecretField("token", &StatusFlags::token, "the job's coordinator token (or cluster token)")
       .Field("timeout", &StatusFlags::timeout, "give up on the coordinator after this long")
-      .Field("tls", &StatusFlags::tls, "connect with TLS (implied by tls_ca)")
-      .Field("tls_ca", &StatusFlags::tls_ca, "PEM CA of the coordinator's certificate")
-      .Field("tls_cert", &StatusFlags::tls_cert, "client certificate (mutual TLS)")
-      .Field("tls_key", &StatusFlags::tls_key, "client key (mutual TLS)")
-      .Field("tls_server_name", &StatusFlags::tls_server_name,
-             "name to verify in the coordinator's certificate")
       .Field("json", &StatusFlags::json, "print JSON instead of tables");
+  AddTlsFlags(schema);
   return schema;
 }
 
 int Fail(absl::string_view message) {
-  std::fprintf(stderr, "poseidon status: %s\n", std::string(message).c_str());
-  return 2;
+  return tools::Fail("poseidon status", message);
 }
 
 std::string RoleName(v1::NodeRole role) {
@@ -492,53 +487,18 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
 }  // namespace
 
 int RunStatusCommand(const std::vector<std::string>& args) {
-  // --job is the short form of --job_id (the coordinator's and the launchers' name).
-  std::vector<std::string> normalized;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--job" && i + 1 < args.size()) {
-      normalized.push_back(absl::StrCat("--job_id=", args[++i]));
-    } else if (args[i].rfind("--job=", 0) == 0) {
-      normalized.push_back(absl::StrCat("--job_id=", args[i].substr(6)));
-    } else {
-      normalized.push_back(args[i]);
-    }
-  }
   const ConfigSchema<StatusFlags> schema = StatusFlagsSchema();
-  ConfigInput input;
-  input.args = normalized;
-  absl::StatusOr<LoadedConfig<StatusFlags>> loaded = schema.Parse(input);
-  if (!loaded.ok()) return Fail(loaded.status().message());
-  if (loaded->help_requested) {
-    std::fputs(schema.Usage().c_str(), stdout);
-    return 0;
+  LoadedConfig<StatusFlags> loaded;
+  if (std::optional<int> code =
+          ParseOrExit("poseidon status", schema, NormalizeJobFlag(args), &loaded)) {
+    return *code;
   }
-  for (const std::string& arg : loaded->unparsed_args) {
-    if (arg != "--") return Fail(absl::StrCat("unexpected argument '", arg, "'"));
-  }
-  const StatusFlags& flags = loaded->value;
-
-  coordinator::CoordinatorClientOptions options;
-  options.address = flags.coordinator;
-  options.job_id = flags.job_id;
-  options.token = flags.token;
-  options.call_timeout = flags.timeout;
-  options.tls.enabled = flags.tls || !flags.tls_ca.empty();
-  options.tls.ca_file = flags.tls_ca;
-  options.tls.cert_file = flags.tls_cert;
-  options.tls.key_file = flags.tls_key;
-  options.tls.server_name = flags.tls_server_name;
+  const StatusFlags& flags = loaded.value;
   absl::StatusOr<std::unique_ptr<coordinator::CoordinatorClient>> client =
-      coordinator::CoordinatorClient::Connect(options);
+      coordinator::CoordinatorClient::Connect(ClientOptions(flags));
   if (!client.ok()) return Fail(client.status().message());
   absl::StatusOr<v1::GetClusterStatusResponse> status = (*client)->GetClusterStatus();
-  if (!status.ok()) {
-    const absl::Status& s = status.status();
-    if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) {
-      return Fail(absl::StrCat("coordinator ", flags.coordinator, " unreachable: ", s.message()));
-    }
-    return Fail(absl::StrCat("coordinator ", flags.coordinator, ": ",
-                             absl::StatusCodeToString(s.code()), ": ", s.message()));
-  }
+  if (!status.ok()) return Fail(CoordinatorError(flags.coordinator, status.status()));
   if (flags.json) {
     PrintJson(flags, *status);
   } else {

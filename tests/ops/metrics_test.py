@@ -78,6 +78,19 @@ class Daemon:
                 self.proc.wait()
 
 
+def stop_all(daemons, segments=()):
+    """Kills the daemons (last started first) and removes the agents' shared-memory segments
+    (control and data): every ops test's exit path."""
+    for d in reversed(daemons):
+        d.kill()
+    for segment in segments:
+        for name in (segment, segment + ".data"):
+            try:
+                os.unlink("/dev/shm" + name)
+            except FileNotFoundError:
+                pass
+
+
 def free_port():
     """A loopback port free now, below the ephemeral range (32768+): no outgoing connection can
     take it before the daemon we hand it to binds it (Prometheus cannot bind port 0 and say)."""

@@ -18,7 +18,7 @@ import time
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import check, finish  # noqa: E402
-from metrics_test import Daemon  # noqa: E402
+from metrics_test import Daemon, stop_all  # noqa: E402
 
 TOKEN = "ops-plan-change-token"
 LAYER = "fc2.weight"
@@ -152,14 +152,7 @@ def main():
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         check(False, str(e))
     finally:
-        for d in reversed(daemons):
-            d.kill()
-        for segment in segments:
-            for name in (segment, segment + ".data"):
-                try:
-                    os.unlink("/dev/shm" + name)
-                except FileNotFoundError:
-                    pass
+        stop_all(daemons, segments)
     finish("PASS: plan changes switch every rank at the same iteration, results exact",
            on_failure="\n".join(l for d in daemons for l in d.stderr[-15:]))
 

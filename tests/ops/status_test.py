@@ -17,7 +17,7 @@ import time
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from metrics_test import Daemon, free_port  # noqa: E402
+from metrics_test import Daemon, free_port, stop_all  # noqa: E402
 
 TOKEN = "ops-status-token"
 failures = []
@@ -183,14 +183,7 @@ def main():
     except RuntimeError as e:
         check(False, str(e))
     finally:
-        for d in reversed(daemons):
-            d.kill()
-        for segment in segments:
-            for name in (segment, segment + ".data"):
-                try:
-                    os.unlink("/dev/shm" + name)
-                except FileNotFoundError:
-                    pass
+        stop_all(daemons, segments)
 
     # Nothing listens on a port just freed.
     dead = f"127.0.0.1:{free_port()}"

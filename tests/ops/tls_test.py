@@ -19,7 +19,7 @@ import tempfile
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import check, finish  # noqa: E402
-from metrics_test import Daemon  # noqa: E402
+from metrics_test import Daemon, stop_all  # noqa: E402
 
 ap = argparse.ArgumentParser()
 for flag in ("cli", "coordinator", "server", "agent", "synth", "model"):
@@ -106,13 +106,6 @@ with tempfile.TemporaryDirectory() as tmp:
     except RuntimeError as e:
         check(False, str(e))
     finally:
-        for d in daemons:
-            d.kill()
-        for s in segments:
-            for name in (s, s + ".data"):
-                try:
-                    os.unlink("/dev/shm" + name)
-                except FileNotFoundError:
-                    pass
+        stop_all(daemons, segments)
 
 finish("all TLS checks passed")
