@@ -183,8 +183,9 @@ class Cluster:
     directions of every host link (the switch port's egress too, so incast is limited as on a
     real switch). Teardown is idempotent."""
 
-    def __init__(self, hosts, rate_bps, subnet, slow_start_after_idle=False):
+    def __init__(self, hosts, rate_bps, subnet, slow_start_after_idle=False, burst_min=64 * 1024):
         self.slow_start_after_idle = slow_start_after_idle
+        self.burst_min = burst_min  # tbf bucket: at least this, at least 10 ms at the rate
         self.hosts = hosts
         self.rate_bps = rate_bps
         self.subnet = subnet  # "10.x.y"
@@ -202,12 +203,20 @@ class Cluster:
     def _ip(self, *args):
         subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
-    def _tbf(self, ns, dev):
+    def _tbf(self, ns, dev, action="add"):
         rate = int(self.rate_bps)
-        burst = max(64 * 1024, rate // 8 // 100)  # >= one GSO packet, >= 10 ms at the rate
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        burst = max(self.burst_min, rate // 8 // 100)  # >= one GSO packet, >= 10 ms at the rate
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", action, "dev", dev, "root", "tbf",
                         "rate", f"{rate}bit", "burst", str(burst), "latency", "200ms"],
                        check=True, capture_output=True, timeout=30)
+
+    def set_rate(self, rate_bps):
+        """Change every link's rate while the cluster runs (tc qdisc change, both directions:
+        each host's eth0 and its bridge port)."""
+        self.rate_bps = rate_bps
+        for i in range(self.hosts):
+            self._tbf(self.ns(i), "eth0", "change")
+            self._tbf(self.sw, f"p{i}", "change")
 
     def up(self):
         self._ip("netns", "add", self.sw)

@@ -33,6 +33,9 @@ ABSL_FLAG(double, compute_scale, 1.0, "multiply the emulated compute time (0: no
 ABSL_FLAG(bool, verify, false, "check every synchronised result against the exact sum");
 ABSL_FLAG(bool, print_switches, false,
           "print a line whenever a plan change moves a layer to another scheme");
+ABSL_FLAG(bool, print_iterations, false,
+          "print a line when each iteration's backward has posted its last layer, with the wall "
+          "clock (Unix seconds) and the seconds since the previous such line");
 ABSL_FLAG(uint32_t, timeout_ms, 60000, "per-layer wait timeout");
 ABSL_FLAG(bool, cuda, false,
           "keep the layers on the GPU (device 0): write them there, post with "
@@ -284,6 +287,8 @@ int main(int argc, char** argv) {
   };
   const auto start = Clock::now();
   auto first_iteration_end = start;
+  auto previous_end = start;
+  const bool print_iterations = absl::GetFlag(FLAGS_print_iterations);
   for (uint64_t t = 1; t <= iterations; ++t) {
     for (uint32_t l = 0; l < L; ++l) {  // forward: each layer waits for its own last sync
       if (t > 1) wait_and_check(l, t - 1);
@@ -297,7 +302,18 @@ int main(int argc, char** argv) {
     if (!wfbp) {
       for (uint32_t l = L; l-- > 0;) post(l, t);
     }
-    if (t == 1) first_iteration_end = Clock::now();
+    const auto end = Clock::now();
+    if (print_iterations) {
+      const double unix_s =
+          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+              .count();
+      std::printf("poseidon-synth rank %u: iteration %llu ends at %.6f (%.6f s)\n", rank,
+                  static_cast<unsigned long long>(t), unix_s,
+                  std::chrono::duration<double>(end - previous_end).count());
+      std::fflush(stdout);
+    }
+    previous_end = end;
+    if (t == 1) first_iteration_end = end;
   }
   for (uint32_t l = 0; l < L; ++l) wait_and_check(l, iterations);
   const double total = std::chrono::duration<double>(Clock::now() - start).count();
