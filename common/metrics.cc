@@ -164,8 +164,12 @@ absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
   std::unique_ptr<prometheus::Exposer> exposer;
   std::vector<int> ports;
   try {
+    // A client that stalls in its request holds a worker thread only until request_timeout_ms
+    // (civetweb's default is 30 s), and there are enough workers for a few such clients besides
+    // the scrapers (a hardening finding: two slow clients blinded the old two-thread exposer).
     exposer = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-        "listening_ports", listen, "num_threads", absl::StrCat(num_threads)});
+        "listening_ports", listen, "num_threads", absl::StrCat(num_threads),
+        "request_timeout_ms", absl::StrCat(kMetricsRequestTimeoutMs)});
     exposer->RegisterCollectable(registry.registry());
     ports = exposer->GetListeningPorts();
   } catch (const std::exception& e) {

@@ -73,13 +73,16 @@ class MetricsRegistry {
 
 // Serves a registry at http://host:port/metrics on its own threads (civetweb, in prometheus-cpp).
 // Stops serving when destroyed.
+// How long the /metrics server waits for a request or a client's reading (milliseconds).
+inline constexpr int kMetricsRequestTimeoutMs = 5000;
+
 class MetricsExposer {
  public:
   // `host_port` is "host:port", "[v6addr]:port" or ":port" (all interfaces); "localhost" means
   // 127.0.0.1; port 0 picks a free port (see port()). Bind failures and bad addresses are errors.
   static absl::StatusOr<std::unique_ptr<MetricsExposer>> Start(absl::string_view host_port,
                                                                const MetricsRegistry& registry,
-                                                               int num_threads = 2);
+                                                               int num_threads = 8);
   ~MetricsExposer();
   MetricsExposer(const MetricsExposer&) = delete;
   MetricsExposer& operator=(const MetricsExposer&) = delete;

@@ -6,6 +6,8 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,6 +132,46 @@ TEST(MetricsExposer, ServesMetricsOnAnEphemeralPort) {
   (*late)->Set(7);
   EXPECT_THAT(HttpGet((*exposer)->port(), "/metrics"), HasSubstr("poseidon_test_late 7"));
   EXPECT_THAT(HttpGet((*exposer)->port(), "/other"), Not(HasSubstr("poseidon_test_late")));
+}
+
+// Slow clients (a request started and never finished) cannot blind the exporter: scrapes are
+// still answered while four of them hold connections.
+TEST(MetricsExposer, SlowClientsDoNotBlockScrapes) {
+  MetricsRegistry registry;
+  ASSERT_TRUE(registry.GetCounter("poseidon_test_scrapes_total", "Scrapes").ok());
+  absl::StatusOr<std::unique_ptr<MetricsExposer>> exposer =
+      MetricsExposer::Start("127.0.0.1:0", registry);
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  std::vector<int> slow;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>((*exposer)->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    const std::string partial = "GET /metr";  // and nothing more
+    ASSERT_EQ(::send(fd, partial.data(), partial.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(partial.size()));
+    slow.push_back(fd);
+  }
+  // They trickle a header byte now and then, so no read timeout frees their threads.
+  std::atomic<bool> done{false};
+  std::thread trickle([&] {
+    while (!done.load()) {
+      for (int fd : slow) (void)::send(fd, "X", 1, MSG_NOSIGNAL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the server took them
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_THAT(HttpGet((*exposer)->port(), "/metrics"), HasSubstr("poseidon_test_scrapes_total"))
+        << "scrape " << i << " with 4 slow clients connected";
+  }
+  done.store(true);
+  trickle.join();
+  for (int fd : slow) ::close(fd);
 }
 
 TEST(MetricsExposer, BadAddressesAreErrors) {
