@@ -48,6 +48,26 @@ using transport::FrameType;
 // latency more than rate).
 constexpr uint64_t kCapacityTransferBytes = uint64_t{32} << 10;
 
+// The host part of "host:port" or "[v6]:port".
+std::string HostOf(const std::string& address) {
+  if (!address.empty() && address.front() == '[') return address.substr(0, address.find(']') + 1);
+  return address.substr(0, address.rfind(':'));
+}
+
+// Which servers measure the network: the ones on other hosts when there are any (a server on
+// our own host is reached over loopback, whose rate says nothing of the links), else all.
+std::vector<bool> MeasuredServers(const std::vector<std::string>& addresses,
+                                  const std::string& own_host) {
+  std::vector<bool> remote(addresses.size());
+  bool any = false;
+  for (size_t s = 0; s < addresses.size(); ++s) {
+    remote[s] = own_host.empty() || HostOf(addresses[s]) != own_host;
+    any |= remote[s];
+  }
+  if (!any) remote.assign(addresses.size(), true);
+  return remote;
+}
+
 const char* SchemeName(uint32_t scheme) {
   return scheme == PSD_SCHEME_SFB ? "SFB" : "PS";
 }
@@ -116,6 +136,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // JoinCoordinator, before any data-path thread can use it.
   std::unique_ptr<TelemetryReporter> telemetry_;
   std::atomic<uint64_t> last_iteration_{0};
+  std::string own_host_;  // the host part of our listen address (empty: none)
   std::unique_ptr<ShmEndpoint> shm_;
   // The GPU path, once the training process has attached its CUDA arena. Owned here (main
   // thread); the syncers read the pointer (set once, before any layer is posted on the device;
@@ -229,6 +250,7 @@ int Agent::Run() {
       !config_.listen.empty()
           ? config_.listen
           : (config_.rank < config_.peers.size() ? config_.peers[config_.rank] : "");
+  own_host_ = listen.empty() ? "" : HostOf(listen);
   if (!listen.empty()) {
     auto listener = ctx_->Listen(listen);
     if (!listener.ok()) {
@@ -402,8 +424,14 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
 // only logged: the plan then assumes the configured bandwidth.
 void Agent::ProbeServers(const coordinator::World& world) {
   std::vector<v1::LinkTelemetry> links;
+  std::vector<std::string> addresses;
   for (const v1::ServerInfo& server : world.servers) {
-    if (server.endpoints_size() == 0) continue;
+    addresses.push_back(server.endpoints_size() > 0 ? server.endpoints(0).address() : "");
+  }
+  const std::vector<bool> measured = MeasuredServers(addresses, own_host_);
+  for (size_t s = 0; s < world.servers.size(); ++s) {
+    const v1::ServerInfo& server = world.servers[s];
+    if (server.endpoints_size() == 0 || !measured[s]) continue;
     const std::string& address = server.endpoints(0).address();
     absl::StatusOr<double> bandwidth = absl::UnavailableError("not connected");
     auto client = server::KvClient::Connect(*ctx_, address, config_.job_id, config_.rank,
@@ -644,6 +672,8 @@ absl::Status Agent::ConnectServers() {
     }
   }
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
+  const std::vector<bool> measured = MeasuredServers(config_.servers, own_host_);
+  if (telemetry_) telemetry_->SetCapacityMinBytes(config_.capacity_min_bytes);
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     absl::StatusOr<std::shared_ptr<server::KvClient>> client;
     while (true) {
@@ -655,7 +685,7 @@ absl::Status Agent::ConnectServers() {
     if (!client.ok()) {
       return Annotate(client.status(), absl::StrCat("KV server ", config_.servers[s]));
     }
-    if (telemetry_) {
+    if (telemetry_ && measured[s]) {
       // The capacity estimate of this link: large pull responses, from header to last byte.
       (*client)->SetPullObserver(kCapacityTransferBytes,
                                  [telemetry = telemetry_.get(), s](uint64_t bytes,
@@ -1012,8 +1042,10 @@ absl::Status Agent::ApplyPlan(const v1::Plan& plan) {
     const LayerSpec& spec = table_.layers[l];
     const uint32_t scheme = PlannedScheme(lp, spec);
     // Chunks must not move (a layer that switches to PS uses the keys registered for it).
-    bool same = spec.chunks.size() == static_cast<size_t>(lp.chunks_size()) || lp.chunks_size() == 0;
-    for (int c = 0; same && c < lp.chunks_size(); ++c) {
+    // (A layer without chunks here, an SFB layer of a job without servers, stays on SFB.)
+    const bool compare = !spec.chunks.empty() && lp.chunks_size() > 0;
+    bool same = !compare || spec.chunks.size() == static_cast<size_t>(lp.chunks_size());
+    for (int c = 0; compare && same && c < lp.chunks_size(); ++c) {
       const PsChunk& mine = spec.chunks[static_cast<size_t>(c)];
       const v1::Chunk& theirs = lp.chunks(c);
       same = mine.key == theirs.key() && mine.offset == theirs.offset() &&

@@ -38,6 +38,9 @@ struct AgentConfig {
   // payload the server drops) after the rendezvous and reported as a capacity sample, so that
   // the first plan uses the measured bandwidth (0: off; --bandwidth is then the assumption).
   uint64_t probe_bytes = uint64_t{4} << 20;
+  // A telemetry window reports a link capacity only after this many bytes of large pull
+  // responses (fewer say little about the rate).
+  uint64_t capacity_min_bytes = uint64_t{1} << 20;
   int sync_threads = 8;
   // false: tasks run in the order layers become ready (no priority), for comparisons.
   bool priority = true;

@@ -26,6 +26,7 @@ struct Flags {
   uint64_t credit_bytes = 64u << 20;
   uint64_t bucket_bytes = 512u << 10;
   uint64_t probe_bytes = 4u << 20;
+  uint64_t capacity_min_bytes = 1u << 20;
   int64_t sync_threads = 8;
   bool priority = true;
   absl::Duration sync_timeout = absl::Seconds(60);
@@ -72,6 +73,9 @@ poseidon::ConfigSchema<Flags> Schema() {
                      "with a coordinator: measure each server link with a probe this large at "
                      "start-up, for the first plan (0: off, the plan assumes --bandwidth)",
                      InRange<uint64_t>(0, uint64_t{16} << 20))
+      .ByteSizeField("capacity_min_bytes", &Flags::capacity_min_bytes,
+                     "a telemetry window reports a link capacity after this many bytes of large "
+                     "pull responses", InRange<uint64_t>(1, uint64_t{1} << 40))
       .Field("sync_threads", &Flags::sync_threads, "synchronisation threads",
              InRange<int64_t>(1, 256))
       .Field("priority", &Flags::priority,
@@ -132,6 +136,7 @@ int main(int argc, char** argv) {
   c.credit_bytes = f.credit_bytes;
   c.bucket_bytes = f.bucket_bytes;
   c.probe_bytes = f.probe_bytes;
+  c.capacity_min_bytes = f.capacity_min_bytes;
   c.sync_threads = static_cast<int>(f.sync_threads);
   c.priority = f.priority;
   c.sync_timeout = f.sync_timeout;

@@ -169,6 +169,13 @@ ScheduleChange ComposeSchedule(const LayerSpec& layer, const Schedule& current, 
   if (scheme == PSD_SCHEME_PS && layer.chunks.empty()) {
     return refuse("the plan gave it no PS chunks");
   }
+  // Nothing to do for a layer that runs `scheme` from next_post on already (however late the
+  // plan comes: it changes nothing here).
+  const bool settled = current.switch_at <= next_post || current.before == current.after;
+  if (settled && current.At(next_post) == scheme) {
+    change.changed = false;
+    return change;
+  }
   // Iterations up to next_post keep their scheme (the framework may have read it).
   if (switch_at <= next_post) {
     return refuse(absl::StrCat("too late: the switch to ", SchemeName(scheme), " at iteration ",

@@ -186,6 +186,13 @@ TEST(ComposeSchedule, NeverChangesAnIterationTheFrameworkMayHaveRead) {
   EXPECT_NE(c.why.find("too late"), std::string::npos) << c.why;
 }
 
+TEST(ComposeSchedule, ALatePlanThatChangesNothingHereIsNoError) {
+  const ScheduleChange c =
+      ComposeSchedule(CapableLayer(), Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_PS, 5, 20);
+  EXPECT_EQ(c.outcome, ScheduleChange::kApply);
+  EXPECT_FALSE(c.changed);
+}
+
 TEST(ComposeSchedule, ASecondSwitchWaitsForThePendingOne) {
   const LayerSpec spec = CapableLayer();
   const Schedule pending{PSD_SCHEME_PS, PSD_SCHEME_SFB, 20};

@@ -62,15 +62,19 @@ void TelemetryReporter::AddServerBytes(size_t server, uint64_t sent, uint64_t re
 
 void TelemetryReporter::AddServerTransfer(size_t server, uint64_t bytes, absl::Duration busy) {
   if (server >= servers_ || busy <= absl::ZeroDuration()) return;
-  LinkCounters& link = links_[server];
+  links_[server].transfers.store(true, std::memory_order_relaxed);
   const int64_t end = absl::ToUnixNanos(absl::Now());
   const int64_t start = end - absl::ToInt64Nanoseconds(busy);
-  std::lock_guard<std::mutex> lock(link.capacity_mu);
+  std::lock_guard<std::mutex> lock(capacity_mu_);
   // Busy time is the union of the transfers' intervals: concurrent pulls share the link.
-  const int64_t from = std::max(start, link.busy_until_ns);
-  if (end > from) link.busy_ns += static_cast<uint64_t>(end - from);
-  link.busy_until_ns = std::max(link.busy_until_ns, end);
-  link.capacity_bytes += bytes;
+  const int64_t from = std::max(start, busy_until_ns_);
+  if (end > from) busy_ns_ += static_cast<uint64_t>(end - from);
+  busy_until_ns_ = std::max(busy_until_ns_, end);
+  capacity_bytes_ += bytes;
+}
+
+void TelemetryReporter::SetCapacityMinBytes(uint64_t min_bytes) {
+  capacity_min_bytes_.store(min_bytes);
 }
 
 void TelemetryReporter::AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t received) {
@@ -142,9 +146,6 @@ void TelemetryReporter::LayerSynced(uint32_t layer, uint64_t iteration, absl::Du
   c.synced_iteration.store(iteration, std::memory_order_release);
 }
 
-// A window's capacity sample needs this many bytes of large transfers.
-constexpr uint64_t kMinCapacityBytes = uint64_t{1} << 20;
-
 v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
   std::lock_guard<std::mutex> lock(mu_);
   v1::ReportTelemetryRequest request;
@@ -153,6 +154,16 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
   request.set_window_ns(window_ns);
   request.set_iteration(iteration_ ? iteration_() : 0);
   const double seconds = static_cast<double>(window_ns) / 1e9;
+  double capacity = 0;  // this window's, over every server link; 0: none
+  {
+    std::lock_guard<std::mutex> capacity_lock(capacity_mu_);
+    // At least min_bytes of large transfers, or the window says nothing about the capacity.
+    if (busy_ns_ > 0 && capacity_bytes_ >= capacity_min_bytes_.load()) {
+      capacity = static_cast<double>(capacity_bytes_) * 1e9 / static_cast<double>(busy_ns_);
+    }
+    capacity_bytes_ = 0;
+    busy_ns_ = 0;
+  }
   for (size_t i = 0; i < link_ids_.size(); ++i) {
     const uint64_t sent = links_[i].sent.load(std::memory_order_relaxed);
     const uint64_t received = links_[i].received.load(std::memory_order_relaxed);
@@ -169,16 +180,15 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
     link->set_window_ns(window_ns);
     link->set_bytes_per_second(static_cast<double>(std::max(sent_window, received_window)) /
                                seconds);
-    link->set_latency_ns(links_[i].min_rtt_ns.exchange(0, std::memory_order_relaxed));
-    {
-      std::lock_guard<std::mutex> capacity_lock(links_[i].capacity_mu);
-      // At least a few large transfers' worth, or the window says nothing about the capacity.
-      if (links_[i].busy_ns > 0 && links_[i].capacity_bytes >= kMinCapacityBytes) {
-        link->set_capacity_bytes_per_second(static_cast<double>(links_[i].capacity_bytes) * 1e9 /
-                                            static_cast<double>(links_[i].busy_ns));
-      }
-      links_[i].capacity_bytes = 0;
-      links_[i].busy_ns = 0;
+    // The latency: the minimum over the recent windows that measured one.
+    std::vector<uint64_t>& recent = links_[i].recent_rtt_ns;
+    if (const uint64_t rtt = links_[i].min_rtt_ns.exchange(0, std::memory_order_relaxed); rtt > 0) {
+      recent.push_back(rtt);
+      if (recent.size() > kLatencyWindows) recent.erase(recent.begin());
+    }
+    link->set_latency_ns(recent.empty() ? 0 : *std::min_element(recent.begin(), recent.end()));
+    if (links_[i].transfers.exchange(false, std::memory_order_relaxed) && capacity > 0) {
+      link->set_capacity_bytes_per_second(capacity);
     }
   }
   const size_t layers = layer_count_.load(std::memory_order_acquire);

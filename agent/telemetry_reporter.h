@@ -30,6 +30,9 @@
 
 namespace poseidon::agent {
 
+// Windows whose minimum round trip the reported latency is the minimum of.
+inline constexpr size_t kLatencyWindows = 10;
+
 class TelemetryReporter {
  public:
   // `server_node_ids` in plan order (server index), `peer_node_ids` by rank (our own entry is
@@ -46,12 +49,17 @@ class TelemetryReporter {
   void AddServerBytes(size_t server, uint64_t sent, uint64_t received);
   void AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t received);
   // A large transfer from KV server `server` that took `busy` on the link (a pull response, from
-  // its header to its last byte): the window reports bytes over busy time as the link's
-  // capacity (LinkTelemetry.capacity_bytes_per_second), which falls when the link slows down,
-  // unlike achieved throughput. Busy time of overlapping transfers counts once. (The bytes are
-  // counted by AddServerBytes as well.)
+  // its header to its last byte). The window reports bytes over busy time as the capacity
+  // (LinkTelemetry.capacity_bytes_per_second) of every server link that had such transfers,
+  // which falls when the network slows down, unlike achieved throughput. The busy time is one
+  // union over all servers' transfers: they share this agent's link, so two servers' responses
+  // arriving together do not each count the whole time. (The bytes are counted by
+  // AddServerBytes as well.) A window needs at least `min_bytes` (SetCapacityMinBytes) of them.
   void AddServerTransfer(size_t server, uint64_t bytes, absl::Duration busy);
-  // A round trip measured to KV server `server` in this window (the window keeps the minimum).
+  void SetCapacityMinBytes(uint64_t min_bytes);
+  // A round trip measured to KV server `server` in this window. The report carries the minimum
+  // over the last kLatencyWindows windows: a ping that waited behind data in a queue (a slow or
+  // busy link) says nothing about the latency.
   void AddServerLatency(size_t server, absl::Duration round_trip);
 
   // Measures one round trip to KV server `server`, waiting at most `timeout`.
@@ -84,13 +92,16 @@ class TelemetryReporter {
     std::atomic<uint64_t> sent{0};
     std::atomic<uint64_t> received{0};
     std::atomic<uint64_t> min_rtt_ns{0};  // 0: none in this window; reset by Collect
-    // Capacity: bytes and busy nanoseconds of large transfers in this window (reset by Collect),
-    // and where the last counted busy interval ended (Unix ns), so overlaps count once.
-    std::mutex capacity_mu;
-    uint64_t capacity_bytes = 0;
-    uint64_t busy_ns = 0;
-    int64_t busy_until_ns = 0;
+    std::atomic<bool> transfers{false};    // large transfers in this window (reset by Collect)
+    std::vector<uint64_t> recent_rtt_ns;  // the last windows' minima (Collect's)
   };
+  // Capacity over all server links: bytes and busy nanoseconds of large transfers in this window
+  // (reset by Collect), and where the last counted busy interval ended (Unix ns).
+  std::mutex capacity_mu_;
+  uint64_t capacity_bytes_ = 0;
+  uint64_t busy_ns_ = 0;
+  int64_t busy_until_ns_ = 0;
+  std::atomic<uint64_t> capacity_min_bytes_{uint64_t{1} << 20};
   struct LayerCounters {
     std::atomic<uint64_t> syncs{0};
     std::atomic<uint64_t> sync_ns{0};

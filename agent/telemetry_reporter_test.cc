@@ -86,12 +86,47 @@ TEST(TelemetryReporterTest, ServerLinksReportTheShortestPingOfTheWindow) {
   EXPECT_EQ(report.links(1).latency_ns(), 0u);  // every ping failed: not measured
   EXPECT_EQ(report.links(2).peer_node_id(), "agent-1");
   EXPECT_EQ(report.links(2).latency_ns(), 0u);  // SFB peers are not pinged
-  // The next window starts without a measurement.
+  // Later windows report the minimum over the recent ones: a ping that queued behind data
+  // (3 ms) does not raise the latency.
   report = reporter.Collect(start + absl::Seconds(2));
-  EXPECT_EQ(report.links(0).latency_ns(), 0u);
-  reporter.AddServerLatency(0, absl::Microseconds(250));
+  EXPECT_EQ(report.links(0).latency_ns(), 100000u);
+  reporter.AddServerLatency(0, absl::Milliseconds(3));
   report = reporter.Collect(start + absl::Seconds(3));
+  EXPECT_EQ(report.links(0).latency_ns(), 100000u);
+  // Once the 100 us window is older than kLatencyWindows windows, the newer minimum shows.
+  for (size_t w = 0; w < kLatencyWindows; ++w) {
+    reporter.AddServerLatency(0, absl::Microseconds(250));
+    report = reporter.Collect(start + absl::Seconds(4 + static_cast<int64_t>(w)));
+  }
   EXPECT_EQ(report.links(0).latency_ns(), 250000u);
+}
+
+// Capacity: bytes over the union of busy time of large transfers from every server (they share
+// the agent's link), reported on each server link that had such transfers, from a minimum of
+// bytes per window on.
+TEST(TelemetryReporterTest, CapacityIsBytesOverTheBusyTimeOfAllServersTransfers) {
+  TelemetryReporter reporter(nullptr, absl::Seconds(5), {"server-0", "server-1"}, {"agent-0"},
+                             /*rank=*/0, {});
+  reporter.SetCapacityMinBytes(1000);
+  const absl::Time start = absl::Now();
+  reporter.Collect(start);
+  // Two transfers at once (each ~ the whole window's busy time): one union, not twice the time.
+  reporter.AddServerTransfer(0, 600, absl::Seconds(1));
+  reporter.AddServerTransfer(1, 600, absl::Seconds(1));
+  v1::ReportTelemetryRequest report = reporter.Collect(start + absl::Seconds(1));
+  ASSERT_EQ(report.links_size(), 2);  // two servers; our own rank's peer link is not reported
+  const double c0 = report.links(0).capacity_bytes_per_second();
+  EXPECT_GT(c0, 1100.0);  // 1200 bytes over ~1 s of union (a little more: the calls' gap)
+  EXPECT_LE(c0, 1200.0);
+  EXPECT_EQ(report.links(1).capacity_bytes_per_second(), c0);
+  // Below the minimum of bytes: no sample; a link without transfers: none either.
+  reporter.AddServerTransfer(0, 500, absl::Seconds(1));
+  report = reporter.Collect(start + absl::Seconds(2));
+  EXPECT_EQ(report.links(0).capacity_bytes_per_second(), 0);
+  reporter.AddServerTransfer(0, 5000, absl::Milliseconds(10));
+  report = reporter.Collect(start + absl::Seconds(3));
+  EXPECT_GT(report.links(0).capacity_bytes_per_second(), 0);
+  EXPECT_EQ(report.links(1).capacity_bytes_per_second(), 0);
 }
 
 TEST(TelemetryReporterTest, StartWithoutAClientAndStopAreHarmless) {

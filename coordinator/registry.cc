@@ -922,7 +922,9 @@ bool Registry::RateUnknown(const Job& job, absl::Time now) const {
   const absl::Time start = now - options_.iteration_rate_window;
   const auto first = std::find_if(job.progress.begin(), job.progress.end(),
                                   [&](const auto& sample) { return sample.first >= start; });
-  if (first == job.progress.end() || job.max_iteration == 0) return false;  // idle or stalled
+  // Nothing reported yet: the job may be training all the same (reports lag behind).
+  if (job.max_iteration == 0) return job.plan.has_value();
+  if (first == job.progress.end()) return false;  // stalled: nothing new within the window
   return absl::ToDoubleSeconds(job.progress.back().first - first->first) < 1.0;
 }
 
