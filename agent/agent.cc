@@ -423,6 +423,14 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
 // this rank registers its model (the coordinator plans once every rank has). A failed probe is
 // only logged: the plan then assumes the configured bandwidth.
 void Agent::ProbeServers(const coordinator::World& world) {
+  // One rank after the other (the world formed for all of them at once): probes of several
+  // ranks at the same server at the same time would share its link and each measure a part. A
+  // slot is twice the probe's time at the configured bandwidth, the whole wait at most 5 s.
+  const absl::Duration slot =
+      absl::Seconds(2.0 * static_cast<double>(config_.probe_bytes) /
+                    std::max(config_.bandwidth_bytes_per_second, 1e6)) +
+      absl::Milliseconds(10);
+  absl::SleepFor(std::min(slot * static_cast<double>(config_.rank), absl::Seconds(5)));
   std::vector<v1::LinkTelemetry> links;
   std::vector<std::string> addresses;
   for (const v1::ServerInfo& server : world.servers) {

@@ -30,7 +30,7 @@ bool IsLowerBound(const LinkSample& sample) {
 
 NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& members, absl::Time now,
                                     absl::Duration max_age, const ThroughputRule& rule) const {
-  std::vector<double> bandwidths;
+  std::vector<double> capacities, lower_bounds;
   std::vector<double> latencies;
   NetworkEstimate estimate;
   for (const std::string& from : members) {
@@ -42,11 +42,19 @@ NetworkEstimate LinkTable::Estimate(const absl::flat_hash_set<std::string>& memb
       if (const std::optional<double> bandwidth = SampleBandwidth(sample, rule.min_bytes)) {
         // Achieved throughput is only a lower bound: it never drags the estimate below `floor`.
         // A capacity sample (a measurement, or an estimate from busy time) is taken as is.
-        bandwidths.push_back(IsLowerBound(sample) ? std::max(*bandwidth, rule.floor) : *bandwidth);
+        if (IsLowerBound(sample)) {
+          lower_bounds.push_back(std::max(*bandwidth, rule.floor));
+        } else {
+          capacities.push_back(*bandwidth);
+        }
       }
       if (sample.latency_ns > 0) latencies.push_back(static_cast<double>(sample.latency_ns) / 2e9);
     }
   }
+  // Where links were measured, the measurements decide: a floored lower bound (e.g. a server's
+  // achieved throughput towards the agents) would hold the median at the plan's bandwidth after
+  // the network slowed down. Lower bounds count only where nothing measured the capacity.
+  std::vector<double>& bandwidths = capacities.empty() ? lower_bounds : capacities;
   if (!bandwidths.empty()) estimate.bandwidth_bytes_per_second = Median(std::move(bandwidths));
   if (!latencies.empty()) estimate.latency_seconds = Median(std::move(latencies));
   return estimate;

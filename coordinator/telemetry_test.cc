@@ -56,10 +56,11 @@ TEST(TelemetryTest, AchievedThroughputIsALowerBoundFromBusyWindowsOnly) {
   // Busy and faster than the floor: the link carried that much, so the estimate rises.
   links.Record("a", "b", {8e9, 0, now, 1000000000, 8000000000});
   EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 8e9);
-  // A capacity measurement (no window) counts as it is, below the floor too.
+  // Capacity measurements (no window) count as they are, below the floor too, and once there are
+  // any they decide: the median of 2 and 1 GB/s, the 8 GB/s lower bound aside.
   links.Record("b", "c", {2e9, 0, now});
   links.Record("c", "a", {1e9, 0, now});
-  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 2e9);
+  EXPECT_EQ(links.Estimate(members, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 1.5e9);
 }
 
 // A report of one link carrying both kinds: achieved throughput over a window and a capacity
@@ -93,12 +94,14 @@ TEST(TelemetryTest, CapacitySamplesArePreferredAndCanLowerTheEstimate) {
   LinkSample quiet = Both(10, 3e9, now);
   quiet.bytes = 10;
   EXPECT_EQ(SampleBandwidth(quiet, 1000), 3e9);
-  // Mixed links: the median over one floored achieved sample and two capacity samples.
+  // Mixed links: the capacity samples decide (a floored achieved sample, e.g. a server's
+  // throughput towards the agents, would hold the median at the plan's bandwidth after the
+  // network slowed down): the median of 2 and 1 GB/s, not of 5, 2 and 1.
   links.Record("a", "b", {1e9, 0, now, 1000000000, 1000000000});  // stands for 5e9
   links.Record("b", "a", Both(1e9, 2e9, now));
   const absl::flat_hash_set<std::string> three = {"a", "b", "c"};
   links.Record("c", "a", Both(1e9, 1e9, now));
-  EXPECT_EQ(links.Estimate(three, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 2e9);
+  EXPECT_EQ(links.Estimate(three, now, absl::Minutes(1), rule).bandwidth_bytes_per_second, 1.5e9);
   // A stale capacity sample does not count.
   links.Record("b", "a", Both(1e9, 2e9, now - absl::Minutes(2)));
   links.Record("c", "a", Both(1e9, 1e9, now - absl::Minutes(2)));

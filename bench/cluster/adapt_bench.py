@@ -15,11 +15,12 @@ other one are measured on the same machine minutes apart.
     sudo bench/cluster/adapt_bench.py --build build/perf                 # N = 2, ~6 minutes
     sudo bench/cluster/adapt_bench.py --build build/perf --hosts 2,4
 
-The model (default): VGG19 plus an FC layer bottleneck.weight [216, 24] after fc8 (a low-rank
-adapter, rank 24 < K = 32). Its factors are larger than its gradient, so Poseidon's byte rule puts
-it on PS at every bandwidth; the coordinator's time rule (docs/planner.md, "Scheme rule") puts it on
-SFB while the latency SFB saves outweighs the extra bytes: (SFB - PS volume) / (2 B) is 8 us at
-10 Gbit/s and 80 us at 1 Gbit/s (N = 2), around the latency measured here. Scaling
+The model (default): VGG19 plus an FC layer bottleneck.weight [216, 32] after fc8 (a low-rank
+adapter, rank 32 = K). Its factors are larger than its gradient, so Poseidon's byte rule puts it
+on PS at every bandwidth; the coordinator's time rule (docs/planner.md, "Scheme rule") puts it on
+SFB while the latency SFB saves outweighs the extra bytes: (SFB - PS volume) / (2 B) is 3.3 us at
+10 Gbit/s and 33 us at 1 Gbit/s (N = 2), on either side of the ~10 us one-way latency measured
+here (so the flip point is ~3.6 Gbit/s). Scaling
 (docs/cluster.md) keeps both sides' bytes over bandwidth, so the decision is the unscaled one.
 Servers run on hosts of their own, agents' chunks are 32 MiB unscaled, telemetry every 2 s: why,
 in docs/cluster.md, "Plans that change while training runs".
@@ -220,6 +221,8 @@ def run_job(args, n, rate0, iterations, changes, force, logdir, label):
                 os.path.join(b, "agent", "poseidon-agent"), "--job_id=1", f"--secret={SECRET}",
                 f"--rank={r}", f"--world_size={n}", f"--coordinator={args.coord_addr}",
                 f"--listen={cluster.addr(r)}:7200", "--colocated=false",
+                # The nominal (scaled) rate: the agents' start-up probes take turns by it.
+                f"--bandwidth={int(args.high_scaled)}bit",
                 f"--telemetry_interval={args.telemetry_interval}",
                 *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
                 f"--segment={seg}", "--log_level=info"], logdir, env=env)
@@ -281,6 +284,11 @@ def run_job(args, n, rate0, iterations, changes, force, logdir, label):
                     raise RuntimeError(f"poseidon plan --set {spec}: {p.stdout} {p.stderr}")
                 m = OVERRIDE_RE.search(p.stdout)
                 rec["forced_from"] = int(m.group(2)) if m else None
+                # The schemes in force from then on, as the CLI's layer table prints them (an
+                # override that changes no scheme: the first plan had them already).
+                rec["forced_schemes"] = {
+                    name: scheme.upper() for name, scheme in re.findall(
+                        r"^(\S+)\s+(ps|sfb)\b", p.stdout, re.M) if name in force}
                 forced = True
             while pending and last >= pending[0][0]:
                 it, rate = pending.pop(0)
@@ -564,10 +572,10 @@ def main():
     ap.add_argument("--batch", type=int, default=32, help="unscaled per-worker batch K")
     ap.add_argument("--base", default="vgg19", help="the model the bottleneck layer is added to")
     ap.add_argument("--insert_after", default="fc8.weight", help="the layer it follows")
-    ap.add_argument("--bottleneck", default="216x24",
+    ap.add_argument("--bottleneck", default="216x32",
                     help="the added FC layer's shape MxN (unscaled; both divisible by --scale)")
     ap.add_argument("--model", default=None, help="a spec instead of --base + --bottleneck")
-    ap.add_argument("--latency", default="100us",
+    ap.add_argument("--latency", default="10us",
                     help="the coordinator's nominal latency (the first plan's, before pings)")
     ap.add_argument("--burst_min", type=int, default=16 << 10,
                     help="the tbf bucket's floor, bytes (run_cluster: 64 KiB; also >= 10 ms)")
@@ -709,7 +717,9 @@ def main():
                     sw = [x for x in srec["switches"] if x["rank"] == 0]
                     if sw:
                         start = max(start, max(x["iteration"] for x in sw) + args.settle)
-                    final = {l: "SFB" for l in layers}  # the first plan's (nominal high rate)
+                    # The schemes the override left in force (the first plan's where it changed
+                    # nothing), then the switches the ranks reported.
+                    final = {l: srec.get("forced_schemes", {}).get(l, "SFB") for l in layers}
                     for x in sorted(sw, key=lambda x: x["iteration"]):
                         final[x["layer"]] = x["scheme"]
                     if any(final[l] != scheme.upper() for l in layers):
