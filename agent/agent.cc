@@ -124,6 +124,9 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // layers' schedules.
   void WatchPlans();
   void ApplyPendingPlan();
+  // A world member the coordinator declared dead: every layer waiting, and every later one,
+  // fails at once naming it (the iteration cannot complete without it).
+  void CheckLostMembers();
   absl::Status ApplyPlan(const v1::Plan& plan);
   void ApplyChange(uint32_t layer, uint32_t scheme, uint64_t switch_at, uint64_t epoch);
   uint32_t PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const;
@@ -183,6 +186,12 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::atomic<uint64_t> previous_epoch_{0};
   std::atomic<uint64_t> applied_at_{0};  // the applied epoch's effective iteration
   std::vector<std::vector<DeferredChange>> deferred_;  // by layer
+
+  // Members of the world declared dead, from the heartbeat thread (lost_mu_); lost_why_ is the
+  // main thread's once it acted on them.
+  std::mutex lost_mu_;
+  std::vector<v1::LostMember> lost_;
+  std::string lost_why_;
 };
 
 void Agent::Fatal(const std::string& why) {
@@ -333,6 +342,7 @@ int Agent::Run() {
       for (auto& [kind, syncer] : syncers_) syncer->CheckDeadlines(now);
       CheckStalls();
       ApplyPendingPlan();
+      CheckLostMembers();
     }
     auto event = shm_->NextEvent(absl::Milliseconds(100));
     if (!event.ok()) {
@@ -403,6 +413,18 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   coordinator::CoordinatorClient::HeartbeatOptions hb;
   hb.iteration = [this] { return last_iteration_.load(); };
   hb.plan_epoch = [this] { return RunningEpoch(); };
+  hb.on_result = [this](const absl::StatusOr<v1::HeartbeatResponse>& result) {
+    if (!result.ok()) {
+      PSD_LOG_WARN("heartbeat to the coordinator failed: {}", result.status().message());
+      return;
+    }
+    if (result->shutdown()) {
+      PSD_LOG_WARN("the coordinator asks this agent to shut down (declared dead or replaced)");
+    }
+    if (result->lost_size() == 0) return;
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    if (lost_.empty()) lost_.assign(result->lost().begin(), result->lost().end());
+  };
   heartbeats_ = coord_->StartHeartbeats(hb);
   if (config_.telemetry_interval > absl::ZeroDuration()) {
     std::vector<std::string> servers, peers;
@@ -767,6 +789,10 @@ void Agent::OnReady(const Event& e) {
     if (iteration != st.posted + 1) {
       return refuse(absl::StrCat("iteration ", iteration, " posted after ", st.posted));
     }
+    if (!lost_why_.empty()) {
+      st.posted = iteration;
+      return refuse(absl::StrCat("iteration ", iteration, ": ", lost_why_));
+    }
     if (st.in_progress != 0) {
       return refuse(absl::StrCat("iteration ", iteration, " posted while ", st.in_progress,
                                  " is still being synchronised"));
@@ -998,6 +1024,40 @@ void Agent::WatchPlans() {
     std::lock_guard<std::mutex> lock(plan_mu_);
     pending_plan_ = *std::move(plan);
   }
+}
+
+void Agent::CheckLostMembers() {
+  if (!lost_why_.empty()) return;
+  std::vector<v1::LostMember> lost;
+  {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    lost = lost_;
+  }
+  if (lost.empty()) return;
+  std::vector<std::string> names;
+  for (const v1::LostMember& m : lost) {
+    // Who first: the framework's copy of a failure message is 128 bytes.
+    names.push_back(m.role() == v1::NODE_ROLE_SERVER
+                        ? absl::StrCat("server ", m.node_id(), " (host ", m.host(), ")")
+                        : absl::StrCat("rank ", m.rank(), " (host ", m.host(), ")"));
+  }
+  lost_why_ = absl::StrCat(absl::StrJoin(names, ", "), " declared dead by the coordinator: ",
+                           lost.front().reason(), " (", lost.front().node_id(), ")");
+  PSD_LOG_ERROR("{}: the iterations of this job cannot complete without it", lost_why_);
+  CountError("sync_failed");
+  std::vector<std::pair<uint32_t, uint64_t>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    for (uint32_t l = 0; l < progress_.size(); ++l) {
+      LayerProgress& st = progress_[l];
+      if (st.in_progress == 0) continue;
+      waiting.emplace_back(l, st.in_progress);
+      st.failed = true;
+      st.failure = lost_why_;
+      st.in_progress = 0;  // late completions of its transfers are ignored
+    }
+  }
+  for (const auto& [layer, iteration] : waiting) shm_->LayerFailed(layer, iteration, lost_why_);
 }
 
 void Agent::ApplyPendingPlan() {

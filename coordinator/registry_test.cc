@@ -578,6 +578,40 @@ TEST_F(PlanChangeTest, TheRateNeedsSamplesSpanningASecond) {
   EXPECT_EQ(NodeOf(status, agents_[1])->iteration(), 27u);
 }
 
+// Failure detection for the agents: a world member declared dead is listed in the other agents'
+// heartbeat answers (rank, host, why), a member that left cleanly is not.
+TEST_F(PlanChangeTest, HeartbeatsNameTheWorldsDeadMembers) {
+  FormJob(BoundaryModel());
+  auto beat = [&](const std::string& agent) {
+    v1::HeartbeatRequest request;
+    request.mutable_header()->set_node_id(agent);
+    request.set_role(v1::NODE_ROLE_AGENT);
+    v1::HeartbeatResponse response;
+    EXPECT_TRUE(registry_.Heartbeat(job_, request, now_, &response).ok());
+    return response;
+  };
+  EXPECT_EQ(beat(agents_[0]).lost_size(), 0);
+  // Rank 1 and the servers go silent past the lease; rank 0 keeps beating.
+  for (int second = 0; second < 20; ++second) {
+    now_ += absl::Seconds(1);
+    beat(agents_[0]);
+    registry_.Expire(now_);
+  }
+  const v1::HeartbeatResponse response = beat(agents_[0]);
+  ASSERT_GE(response.lost_size(), 1) << response.DebugString();
+  const v1::LostMember& rank1 = response.lost(0);
+  EXPECT_EQ(rank1.role(), v1::NODE_ROLE_AGENT);
+  EXPECT_EQ(rank1.rank(), 1u);
+  EXPECT_EQ(rank1.node_id(), agents_[1]);
+  EXPECT_FALSE(rank1.host().empty());
+  EXPECT_THAT(rank1.reason(), HasSubstr("no heartbeat"));
+  EXPECT_GT(rank1.dead_for_ms(), 0u);
+  // The servers were silent too: listed as servers.
+  int servers = 0;
+  for (const v1::LostMember& m : response.lost()) servers += m.role() == v1::NODE_ROLE_SERVER;
+  EXPECT_EQ(servers, static_cast<int>(servers_.size()));
+}
+
 TEST_F(PlanChangeTest, ABandwidthOscillatingInsideTheBandNeverReplans) {
   FormJob(BoundaryModel());
   // 8.5 and 10 Gbit/s alternately, around the 9.36 Gbit/s boundary: each would change the

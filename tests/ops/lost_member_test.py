@@ -1,0 +1,92 @@
+#!/usr/bin/python3
+"""Failure detection without the launcher: two agents train the tiny model through a coordinator
+(--liveness_timeout=2s); rank 1's agent is frozen (SIGSTOP). The coordinator declares it dead when
+its lease runs out, rank 0's agent learns it from its next heartbeat and fails the waiting layers
+at once: rank 0's training process exits with an error naming rank 1, its host and why, long
+before the 60 s sync timeout. Every process is killed (and every shared-memory segment removed) on
+every path."""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+from metrics_test import Daemon, stop_all  # noqa: E402
+
+TOKEN = "ops-lost-member-token"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for flag in ("coordinator", "server", "agent", "synth", "model"):
+        ap.add_argument(f"--{flag}", required=True)
+    args = ap.parse_args()
+    env = dict(os.environ, POSEIDON_JOB_TOKEN=TOKEN, POSEIDON_COORDINATOR_TOKEN=TOKEN,
+               POSEIDON_JOB_SECRET="ops-lost-member-secret")
+    for k in ["POSEIDON_TOKEN", "POSEIDON_JOB_ID", "POSEIDON_COORDINATOR", "POSEIDON_CONFIG"]:
+        env.pop(k, None)
+    os.environ.clear()
+    os.environ.update(env)
+    daemons, segments, agents, synths = [], [], [], []
+    try:
+        coord = Daemon("poseidon-coordinator", [args.coordinator, "--listen=127.0.0.1:0",
+                                                "--job_id=1", "--liveness_timeout=2s"])
+        daemons.append(coord)
+        addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
+        daemons.append(Daemon("poseidon-server", [args.server, "--listen=127.0.0.1:0",
+                                                  "--job_id=1", f"--coordinator={addr}"]))
+        daemons[-1].wait_for(r"poseidon-server listening on (\S+)")
+        for rank in range(2):
+            segment = f"/psd-ops-lost-{os.getpid()}-{rank}"
+            segments.append(segment)
+            agent = Daemon(f"agent {rank}", [
+                args.agent, "--job_id=1", "--secret=ops-lost-member-secret", f"--rank={rank}",
+                "--world_size=2", f"--coordinator={addr}", "--listen=127.0.0.1:0",
+                f"--segment={segment}", "--sync_timeout=60s"])
+            daemons.append(agent)
+            agents.append(agent)
+        for agent in agents:
+            agent.wait_for(r"poseidon-agent ready")
+        for rank, segment in enumerate(segments):
+            synth = Daemon(f"synth {rank}", [
+                args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
+                "--iterations=1000000", "--compute_scale=10000", "--timeout_ms=120000"])
+            daemons.append(synth)
+            synths.append(synth)
+        time.sleep(2)  # training
+        os.kill(agents[1].proc.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            synths[0].proc.wait(timeout=50)  # well inside the 60 s sync timeout
+        except Exception:  # noqa: BLE001 - a timeout is the failure being tested
+            pass
+        took = time.monotonic() - frozen_at
+        out = "\n".join(synths[0].lines + synths[0].stderr)
+        print(f"rank 0's training process ended {took:.1f} s after the freeze:\n{out[-800:]}")
+        check(synths[0].proc.poll() not in (None, 0),
+              "rank 0's training process fails while rank 1's agent is frozen")
+        check("rank 1" in out and "declared" in out and "dead" in out,
+              "its error names rank 1 as declared dead")
+        check("host " in out and "no heartbeat" in out, "and the host and why")
+        agent_log = "\n".join(agents[0].lines + agents[0].stderr)
+        check("rank 1 (host" in agent_log and "declared dead" in agent_log,
+              "rank 0's agent logs it")
+    except RuntimeError as e:
+        check(False, str(e))
+    finally:
+        for agent in agents:
+            try:
+                os.kill(agent.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        stop_all(daemons, segments)
+    finish("PASS: a frozen agent is declared dead and named to the other rank's training process",
+           on_failure="\n".join(l for d in daemons for l in d.stderr[-10:]))
+
+
+if __name__ == "__main__":
+    main()
