@@ -1,0 +1,299 @@
+// The syncers in-process: two ranks of one job in this process, each with its own shared-memory
+// segments, scheduler and syncers (PS, SFB and bucket from the registration table), a KV server
+// and the SFB peer connections over the in-process transport. Three iterations in which one FC
+// layer runs SFB, then PS, then SFB again (what a plan change does: its keys are clocked per
+// layer, its inbox slots reused), a two-chunk PS layer and a bucket of two small layers: every
+// result is the exact sum over both ranks.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "agent/layer_table.h"
+#include "agent/scheduler.h"
+#include "agent/shm_endpoint.h"
+#include "agent/syncer.h"
+#include "server/buffer_pool.h"
+#include "server/kv_engine.h"
+#include "server/kv_service.h"
+#include "transport/frame_server.h"
+#include "transport/handshake.h"
+#include "transport/inproc/inproc_context.h"
+
+namespace poseidon::agent {
+namespace {
+
+constexpr char kSecret[] = "syncer-test";
+constexpr uint32_t kWorld = 2;
+constexpr uint64_t kM = 16, kN = 8, kK = 2;  // layer 0: FC [16, 8], K = 2
+
+LayerDesc Desc(const std::string& name, uint32_t kind, std::vector<uint64_t> shape,
+               uint32_t k = 0, bool fusable = false) {
+  LayerDesc d;
+  d.name = name;
+  d.kind = kind;
+  d.shape = shape;
+  d.batch_k = k;
+  d.elements = 1;
+  for (uint64_t s : shape) d.elements *= s;
+  d.fusable = fusable;
+  return d;
+}
+
+const std::vector<LayerDesc>& Descs() {
+  static const std::vector<LayerDesc> descs = {
+      Desc("fc", PSD_KIND_FC, {kM, kN}, kK), Desc("b1", PSD_KIND_BIAS, {16}, 0, true),
+      Desc("b2", PSD_KIND_BIAS, {8}, 0, true), Desc("conv", PSD_KIND_OTHER, {100})};
+  return descs;
+}
+
+v1::Plan Plan() {
+  v1::Plan plan;
+  plan.set_plan_epoch(1);
+  plan.add_servers()->set_node_id("kv");
+  uint64_t key = 1;
+  for (size_t i = 0; i < Descs().size(); ++i) {
+    auto* l = plan.add_layers();
+    l->set_layer_index(static_cast<uint32_t>(i));
+    l->set_scheme(i == 0 ? v1::SYNC_SCHEME_SFB : v1::SYNC_SCHEME_PS);
+    const uint64_t bytes = Descs()[i].elements * 4;
+    const uint64_t pieces = i == 3 ? 2 : 1;  // the conv layer in two chunks
+    for (uint64_t p = 0; p < pieces; ++p) {
+      auto* c = l->add_chunks();
+      c->set_key(key++);
+      c->set_offset(p * bytes / pieces);
+      c->set_length(bytes / pieces);
+    }
+  }
+  return plan;
+}
+
+// Small integers: sums (and SFB's products) are exact in float.
+float Value(uint32_t rank, uint64_t t, uint32_t layer, uint64_t i) {
+  return static_cast<float>(static_cast<int64_t>((rank + 1) * 3 + t * 2 + layer + i % 7) - 9);
+}
+
+struct Rank {
+  uint32_t rank = 0;
+  AgentConfig config;
+  LayerTable table;
+  std::unique_ptr<ShmEndpoint> shm;
+  std::unique_ptr<Scheduler> scheduler;
+  std::atomic<DeviceStager*> stager{nullptr};
+  std::unique_ptr<PeerGate> gate;
+  SyncEnv env;
+  std::map<SyncerKind, std::unique_ptr<Syncer>> syncers;
+  std::shared_ptr<transport::FrameServer> peer_server;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint32_t, int> parts_left;  // by layer, of the iteration in progress
+  std::vector<std::string> errors;
+};
+
+class SyncerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto ctx = transport::CreateInprocContext({});
+    ASSERT_TRUE(ctx.ok());
+    ctx_ = *ctx;
+    secrets_ = std::make_shared<transport::SecretStore>();
+    secrets_->Set(1, kSecret);
+    // The KV server.
+    engine_ = std::make_shared<server::KvEngine>(server::EngineOptions{});
+    service_ = std::make_shared<server::KvService>(engine_, server::BufferPool::Create(8 << 20),
+                                                   server::KvServiceOptions{});
+    auto kv = ctx_->Listen("kv");
+    ASSERT_TRUE(kv.ok()) << kv.status();
+    kv_server_ = std::make_shared<transport::FrameServer>(*kv, secrets_, service_);
+    kv_server_->Start();
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      ranks_.push_back(std::make_unique<Rank>());
+      ASSERT_NO_FATAL_FAILURE(MakeRank(*ranks_.back(), r));
+    }
+    // The SFB connections, once every rank's syncers exist; the PINGs' part: every peer ready.
+    for (auto& me : ranks_) {
+      me->env.peers.assign(kWorld, nullptr);
+      for (uint32_t p = 0; p < kWorld; ++p) {
+        if (p == me->rank) continue;
+        auto conn = transport::ConnectAuthenticated(*ctx_, absl::StrCat("peer-", p), 1, me->rank,
+                                                    kSecret, absl::Seconds(10));
+        ASSERT_TRUE(conn.ok()) << conn.status();
+        me->env.peers[p] = *conn;
+        me->gate->MarkReady(p);
+      }
+    }
+  }
+
+  void MakeRank(Rank& r, uint32_t rank) {
+    r.rank = rank;
+    r.config.rank = rank;
+    r.config.world_size = kWorld;
+    r.config.job_id = 1;
+    r.config.secret = kSecret;
+    r.config.servers = {"kv"};
+    r.config.sync_timeout = absl::Seconds(20);
+    auto table = BuildLayerTable(Descs(), Plan(),
+                                 {.world_size = kWorld, .sfb_possible = true, .bucket_bytes = 1024});
+    ASSERT_TRUE(table.ok()) << table.status();
+    r.table = *std::move(table);
+    ASSERT_EQ(r.table.buckets.size(), 1u);  // b1 + b2
+    ASSERT_TRUE(r.table.layers[0].sfb_capable);
+    auto shm = ShmEndpoint::Create(absl::StrCat("/psd-syncer-test-", getpid(), "-", rank), rank,
+                                   kWorld, 1);
+    ASSERT_TRUE(shm.ok()) << shm.status();
+    r.shm = *std::move(shm);
+    std::vector<LayerLayout> layout;
+    for (const LayerSpec& l : r.table.layers) layout.push_back(l.layout);
+    ASSERT_TRUE(r.shm->PublishLayout(Descs(), layout, r.table.data_bytes).ok());
+    // A small credit: the chunks queue behind each other and the parked credit is exercised.
+    r.scheduler = std::make_unique<Scheduler>(SchedulerOptions{64, true, 2});
+    r.scheduler->Start();
+    r.gate = std::make_unique<PeerGate>(kWorld);
+    r.env.config = &r.config;
+    r.env.table = &r.table;
+    r.env.shm = r.shm.get();
+    r.env.scheduler = r.scheduler.get();
+    r.env.stager = &r.stager;
+    r.env.peer_gate = r.gate.get();
+    r.env.finished = [&r](uint32_t layer, uint64_t, int, const absl::Status& s) {
+      std::lock_guard<std::mutex> lock(r.mu);
+      if (!s.ok()) r.errors.push_back(std::string(s.message()));
+      --r.parts_left[layer];
+      r.cv.notify_all();
+    };
+    auto client = server::KvClient::Connect(*ctx_, "kv", 1, rank, kSecret, absl::Seconds(10));
+    ASSERT_TRUE(client.ok()) << client.status();
+    r.env.servers = {*client};
+    r.env.metrics.push_bytes = {nullptr};
+    r.env.metrics.pull_bytes = {nullptr};
+    // The tables every rank registers alike (the agent's ConnectServers): one per layer's chunks
+    // (the SFB layer's too) but the bucket members', and the bucket's key.
+    v1::RegisterTablesRequest request;
+    request.set_num_workers(kWorld);
+    auto add = [&](const std::string& name, const std::vector<PsChunk>& chunks) {
+      auto* t = request.add_tables();
+      t->set_name(name);
+      t->set_element_type(v1::ELEMENT_TYPE_F32);
+      t->mutable_update_rule()->set_rule(v1::UPDATE_RULE_SUM);
+      for (const PsChunk& c : chunks) {
+        auto* k = t->add_keys();
+        k->set_key(c.key);
+        k->set_elements(c.length / 4);
+      }
+    };
+    for (const LayerSpec& l : r.table.layers) {
+      if (l.bucket < 0) add(l.desc.name, l.chunks);
+    }
+    for (const BucketSpec& b : r.table.buckets) add(b.name, {b.chunk});
+    ASSERT_TRUE((*client)->RegisterTables(request, absl::Seconds(10)).ok());
+    for (const SyncerRow& row : SyncerTable()) r.syncers[row.kind] = row.make(r.env);
+    auto listener = ctx_->Listen(absl::StrCat("peer-", rank));
+    ASSERT_TRUE(listener.ok());
+    r.peer_server = std::make_shared<transport::FrameServer>(
+        *listener, secrets_, std::shared_ptr<transport::FrameHandler>(
+                                 std::shared_ptr<void>(), r.syncers[SyncerKind::kSfb]->peer_handler()));
+    r.peer_server->Start();
+  }
+
+  void TearDown() override {
+    for (auto& r : ranks_) {
+      if (r->peer_server) r->peer_server->Stop();
+      if (r->scheduler) r->scheduler->Stop();
+    }
+    if (kv_server_) kv_server_->Stop();
+    for (auto& r : ranks_) {
+      for (auto& s : r->env.servers) s->Close();
+    }
+    ctx_->Close();
+    for (auto& r : ranks_) r->env.servers.clear();
+  }
+
+  // Writes rank r's input of iteration t for `layer` as `scheme` wants it and starts it.
+  void Post(Rank& r, uint32_t layer, uint64_t t, SyncerKind kind) {
+    const LayerSpec& spec = r.table.layers[layer];
+    if (kind == SyncerKind::kSfb) {
+      float* u = r.shm->FactorU(layer);
+      float* v = r.shm->FactorV(layer);
+      for (uint64_t i = 0; i < kK * kM; ++i) u[i] = Value(r.rank, t, layer, i);
+      for (uint64_t i = 0; i < kK * kN; ++i) v[i] = Value(r.rank, t, layer + 10, i);
+    } else {
+      float* g = r.shm->Grad(layer);
+      for (uint64_t i = 0; i < spec.desc.elements; ++i) g[i] = Value(r.rank, t, layer, i);
+    }
+    Syncer& syncer = *r.syncers.at(kind);
+    {
+      std::lock_guard<std::mutex> lock(r.mu);
+      r.parts_left[layer] += syncer.Parts(layer);
+    }
+    syncer.Start({layer, t, false, 0, absl::Now()});
+  }
+
+  void WaitAll(Rank& r) {
+    std::unique_lock<std::mutex> lock(r.mu);
+    const bool done = r.cv.wait_for(lock, std::chrono::seconds(30), [&] {
+      for (const auto& [layer, left] : r.parts_left) {
+        if (left != 0) return false;
+      }
+      return true;
+    });
+    ASSERT_TRUE(done) << "rank " << r.rank << " still waits";
+    EXPECT_TRUE(r.errors.empty()) << r.errors.front();
+  }
+
+  std::shared_ptr<transport::Context> ctx_;
+  std::shared_ptr<transport::SecretStore> secrets_;
+  std::shared_ptr<server::KvEngine> engine_;
+  std::shared_ptr<server::KvService> service_;
+  std::shared_ptr<transport::FrameServer> kv_server_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+TEST_F(SyncerTest, EverySchemeGivesTheExactSumAcrossAPlanChange) {
+  // Layer 0 by SFB at iterations 1 and 3, by PS at 2 (its keys' clock 1 then).
+  const SyncerKind fc_kind[] = {SyncerKind::kSfb, SyncerKind::kSfb, SyncerKind::kPs,
+                                SyncerKind::kSfb};
+  for (uint64_t t = 1; t <= 3; ++t) {
+    for (auto& r : ranks_) {
+      Post(*r, 3, t, SyncerKind::kPs);
+      Post(*r, 2, t, SyncerKind::kBucket);
+      Post(*r, 1, t, SyncerKind::kBucket);
+      Post(*r, 0, t, fc_kind[t]);
+    }
+    for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+    for (auto& r : ranks_) {
+      for (uint32_t layer = 1; layer <= 3; ++layer) {
+        const float* g = r->shm->Grad(layer);
+        for (uint64_t i = 0; i < Descs()[layer].elements; ++i) {
+          const float want = Value(0, t, layer, i) + Value(1, t, layer, i);
+          ASSERT_EQ(g[i], want) << "rank " << r->rank << " layer " << layer << " t " << t
+                                << " element " << i;
+        }
+      }
+      const float* g = r->shm->Grad(0);
+      for (uint64_t m = 0; m < kM; ++m) {
+        for (uint64_t n = 0; n < kN; ++n) {
+          float want = 0;
+          if (fc_kind[t] == SyncerKind::kSfb) {
+            for (uint32_t p = 0; p < kWorld; ++p) {  // sum_p U_p^T V_p
+              for (uint64_t k = 0; k < kK; ++k) {
+                want += Value(p, t, 0, k * kM + m) * Value(p, t, 10, k * kN + n);
+              }
+            }
+          } else {
+            want = Value(0, t, 0, m * kN + n) + Value(1, t, 0, m * kN + n);
+          }
+          ASSERT_EQ(g[m * kN + n], want) << "rank " << r->rank << " t " << t << " (" << m << ", "
+                                         << n << ")";
+        }
+      }
+    }
+  }
+  // Everything returned its credit.
+  for (auto& r : ranks_) EXPECT_EQ(r->scheduler->in_flight_bytes(), 0u);
+}
+
+}  // namespace
+}  // namespace poseidon::agent
