@@ -463,7 +463,7 @@ void Agent::ProbeServers(const coordinator::World& world) {
     const v1::ServerInfo& server = world.servers[s];
     if (server.endpoints_size() == 0 || !measured[s]) continue;
     const std::string& address = server.endpoints(0).address();
-    absl::StatusOr<double> bandwidth = absl::UnavailableError("not connected");
+    absl::StatusOr<server::KvClient::Probe> bandwidth = absl::UnavailableError("not connected");
     auto client = server::KvClient::Connect(*ctx_, address, config_.job_id, config_.rank,
                                             config_.secret, absl::Seconds(10));
     if (client.ok()) {
@@ -477,12 +477,16 @@ void Agent::ProbeServers(const coordinator::World& world) {
                    bandwidth.status().message());
       continue;
     }
-    PSD_LOG_INFO("server {} ({}): {:.3g} Gbit/s measured by a {}-byte probe", server.node_id(),
-                 address, *bandwidth * 8 / 1e9, config_.probe_bytes);
+    PSD_LOG_INFO("server {} ({}): {:.3g} Gbit/s measured by a {}-byte probe, round trip {}",
+                 server.node_id(), address, bandwidth->bytes_per_second * 8 / 1e9,
+                 config_.probe_bytes, absl::FormatDuration(bandwidth->round_trip));
     v1::LinkTelemetry link;
     link.set_peer_node_id(server.node_id());
     link.set_transport(v1::TRANSPORT_KIND_TCP);
-    link.set_capacity_bytes_per_second(*bandwidth);
+    link.set_capacity_bytes_per_second(bandwidth->bytes_per_second);
+    // The first plan's latency too (round trip / 2 for the coordinator), instead of its nominal.
+    link.set_latency_ns(static_cast<uint64_t>(
+        std::max<int64_t>(1, absl::ToInt64Nanoseconds(bandwidth->round_trip))));
     links.push_back(std::move(link));
   }
   if (links.empty()) return;

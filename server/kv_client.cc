@@ -1,5 +1,7 @@
 #include "server/kv_client.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "transport/error_frame.h"
@@ -130,16 +132,18 @@ absl::StatusOr<absl::Duration> KvClient::MeasureRoundTrip(absl::Duration timeout
   return absl::Now() - start;
 }
 
-absl::StatusOr<double> KvClient::MeasureBandwidth(uint64_t bytes, int probes,
-                                                   absl::Duration timeout) {
+absl::StatusOr<KvClient::Probe> KvClient::MeasureBandwidth(uint64_t bytes, int probes,
+                                                           absl::Duration timeout) {
   if (bytes == 0 || bytes > kMaxProbeBytes || probes < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("a probe of ", bytes, " bytes (1..", kMaxProbeBytes, "), ", probes, " times"));
   }
   auto payload = std::make_shared<std::vector<std::byte>>(bytes);
-  double best = 0;
+  Probe best;
+  best.round_trip = absl::InfiniteDuration();
   for (int i = 0; i < probes; ++i) {
     ASSIGN_OR_RETURN(const absl::Duration empty, MeasureRoundTrip(timeout));
+    best.round_trip = std::min(best.round_trip, empty);
     FrameHeader h;
     h.type = FrameType::kPing;
     Pending p;
@@ -151,7 +155,7 @@ absl::StatusOr<double> KvClient::MeasureBandwidth(uint64_t bytes, int probes,
     RETURN_IF_ERROR(status);
     const double seconds =
         std::max(absl::ToDoubleSeconds(absl::Now() - start - empty), 1e-6);
-    best = std::max(best, static_cast<double>(bytes) / seconds);
+    best.bytes_per_second = std::max(best.bytes_per_second, static_cast<double>(bytes) / seconds);
   }
   return best;
 }

@@ -67,8 +67,12 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
 
   // The link's capacity towards the server: a PING carrying `bytes` of payload (a probe the
   // server reads and drops; at most kMaxProbeBytes), timed to its PONG, minus an empty PING's
-  // round trip; the best of `probes`. Bytes per second.
-  absl::StatusOr<double> MeasureBandwidth(uint64_t bytes, int probes, absl::Duration timeout);
+  // round trip; the best of `probes` (bytes per second), and the shortest empty round trip.
+  struct Probe {
+    double bytes_per_second = 0;
+    absl::Duration round_trip;
+  };
+  absl::StatusOr<Probe> MeasureBandwidth(uint64_t bytes, int probes, absl::Duration timeout);
 
   // Asks the server to checkpoint this job now and waits for it.
   absl::Status Checkpoint(absl::Duration timeout);

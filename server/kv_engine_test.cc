@@ -344,10 +344,12 @@ TEST_F(KvServerTest, PingMeasuresARoundTripOnEveryConnection) {
 TEST_F(KvServerTest, ABandwidthProbeIsAnsweredAndBounded) {
   auto c = Client(0);
   ASSERT_NE(c, nullptr);
-  const absl::StatusOr<double> rate = c->MeasureBandwidth(uint64_t{1} << 20, 2, kWait);
-  ASSERT_TRUE(rate.ok()) << rate.status();
-  EXPECT_GT(*rate, 0);
-  EXPECT_TRUE(std::isfinite(*rate));
+  const absl::StatusOr<KvClient::Probe> probe = c->MeasureBandwidth(uint64_t{1} << 20, 2, kWait);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  EXPECT_GT(probe->bytes_per_second, 0);
+  EXPECT_TRUE(std::isfinite(probe->bytes_per_second));
+  EXPECT_GT(probe->round_trip, absl::ZeroDuration());
+  EXPECT_LT(probe->round_trip, kWait);
   // The largest probe the server takes, then data on the same connection as before.
   ASSERT_TRUE(c->MeasureBandwidth(kMaxProbeBytes, 1, kWait).ok());
   ASSERT_TRUE(c->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {16}), kWait).ok());
