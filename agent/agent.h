@@ -1,11 +1,13 @@
 // poseidon-agent: the per-GPU sidecar (DESIGN.md, "Processes"). It owns the shared-memory
 // channel to one training process, plans the model's layers (HybComm), and synchronises each
-// layer as soon as the framework posts it ready (wait-free backpropagation): PS layers chunk by
-// chunk against the KV servers, SFB layers by broadcasting their sufficient factors to the other
-// agents and rebuilding the summed gradient with a GEMM. A priority queue with a credit limit on
-// bytes in flight decides what goes next.
-// Thread model: Run() is the main thread (events, liveness); sync_threads workers run the
-// synchronisation tasks; transport I/O threads receive peers' factors. See docs/agent.md.
+// layer as soon as the framework posts it ready (wait-free backpropagation), by the syncer its
+// schedule names for that iteration (agent/syncer.h: PS chunk by chunk against the KV servers,
+// SFB by broadcasting the sufficient factors and rebuilding the sum with a GEMM, fused buckets);
+// the scheduler (agent/scheduler.h) decides what goes next by priority and credit. With a
+// coordinator, new plan epochs switch layers between schemes at their effective iteration.
+// Thread model: Run() is the main thread (events, liveness, plan changes); the scheduler's
+// sync_threads workers run the tasks; a watcher thread waits for plan epochs, the heartbeat and
+// telemetry threads report; transport I/O threads complete transfers. See docs/thread_model.md.
 #pragma once
 
 #include <cstdint>
