@@ -15,7 +15,7 @@ import time
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import check, finish  # noqa: E402
-from metrics_test import Daemon, stop_all  # noqa: E402
+from metrics_test import Daemon, coordinated_job, job_environment, stop_all  # noqa: E402
 
 TOKEN = "ops-lost-member-token"
 
@@ -25,32 +25,12 @@ def main():
     for flag in ("coordinator", "server", "agent", "synth", "model"):
         ap.add_argument(f"--{flag}", required=True)
     args = ap.parse_args()
-    env = dict(os.environ, POSEIDON_JOB_TOKEN=TOKEN, POSEIDON_COORDINATOR_TOKEN=TOKEN,
-               POSEIDON_JOB_SECRET="ops-lost-member-secret")
-    for k in ["POSEIDON_TOKEN", "POSEIDON_JOB_ID", "POSEIDON_COORDINATOR", "POSEIDON_CONFIG"]:
-        env.pop(k, None)
-    os.environ.clear()
-    os.environ.update(env)
+    job_environment(TOKEN, "ops-lost-member-secret")
     daemons, segments, agents, synths = [], [], [], []
     try:
-        coord = Daemon("poseidon-coordinator", [args.coordinator, "--listen=127.0.0.1:0",
-                                                "--job_id=1", "--liveness_timeout=2s"])
-        daemons.append(coord)
-        addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
-        daemons.append(Daemon("poseidon-server", [args.server, "--listen=127.0.0.1:0",
-                                                  "--job_id=1", f"--coordinator={addr}"]))
-        daemons[-1].wait_for(r"poseidon-server listening on (\S+)")
-        for rank in range(2):
-            segment = f"/psd-ops-lost-{os.getpid()}-{rank}"
-            segments.append(segment)
-            agent = Daemon(f"agent {rank}", [
-                args.agent, "--job_id=1", "--secret=ops-lost-member-secret", f"--rank={rank}",
-                "--world_size=2", f"--coordinator={addr}", "--listen=127.0.0.1:0",
-                f"--segment={segment}", "--sync_timeout=60s"])
-            daemons.append(agent)
-            agents.append(agent)
-        for agent in agents:
-            agent.wait_for(r"poseidon-agent ready")
+        _, agents = coordinated_job(args, "lost", "ops-lost-member-secret", daemons, segments,
+                                    coordinator_flags=["--liveness_timeout=2s"],
+                                    agent_flags=["--sync_timeout=60s"])
         for rank, segment in enumerate(segments):
             synth = Daemon(f"synth {rank}", [
                 args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",

@@ -91,6 +91,47 @@ def stop_all(daemons, segments=()):
                 pass
 
 
+def job_environment(token, secret):
+    """This process's environment for a job's daemons: the coordinator token and the data-plane
+    secret in the environment (never on a command line), nothing inherited that names another
+    coordinator or job."""
+    env = dict(os.environ, POSEIDON_JOB_TOKEN=token, POSEIDON_COORDINATOR_TOKEN=token,
+               POSEIDON_JOB_SECRET=secret)
+    for k in ["POSEIDON_TOKEN", "POSEIDON_JOB_ID", "POSEIDON_COORDINATOR", "POSEIDON_CONFIG"]:
+        env.pop(k, None)
+    os.environ.clear()
+    os.environ.update(env)
+    return env
+
+
+def coordinated_job(args, name, secret, daemons, segments, ranks=2, coordinator_flags=(),
+                    agent_flags=()):
+    """A coordinator of job 1, a server registered with it and `ranks` agents joined through it
+    (args.coordinator, args.server, args.agent name the binaries); every daemon is appended to
+    `daemons` and every agent's segment to `segments` as soon as it exists, so that stop_all
+    cleans up on any failure. Returns the coordinator's address and the agents, once ready."""
+    coord = Daemon("poseidon-coordinator", [args.coordinator, "--listen=127.0.0.1:0",
+                                            "--job_id=1", *coordinator_flags])
+    daemons.append(coord)
+    addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
+    daemons.append(Daemon("poseidon-server", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
+                                              f"--coordinator={addr}"]))
+    daemons[-1].wait_for(r"poseidon-server listening on (\S+)")
+    agents = []
+    for rank in range(ranks):
+        segment = f"/psd-ops-{name}-{os.getpid()}-{rank}"
+        segments.append(segment)
+        agent = Daemon(f"agent {rank}", [
+            args.agent, "--job_id=1", f"--secret={secret}", f"--rank={rank}",
+            f"--world_size={ranks}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
+            f"--segment={segment}", *agent_flags])
+        daemons.append(agent)
+        agents.append(agent)
+    for agent in agents:
+        agent.wait_for(r"poseidon-agent ready")
+    return addr, agents
+
+
 def free_port():
     """A loopback port free now, below the ephemeral range (32768+): no outgoing connection can
     take it before the daemon we hand it to binds it (Prometheus cannot bind port 0 and say)."""

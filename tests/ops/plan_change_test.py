@@ -18,7 +18,7 @@ import time
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import check, finish  # noqa: E402
-from metrics_test import Daemon, stop_all  # noqa: E402
+from metrics_test import Daemon, coordinated_job, job_environment, stop_all  # noqa: E402
 
 TOKEN = "ops-plan-change-token"
 LAYER = "fc2.weight"
@@ -67,33 +67,14 @@ def main():
     for flag in ("cli", "coordinator", "server", "agent", "synth", "model"):
         ap.add_argument(f"--{flag}", required=True)
     args = ap.parse_args()
-    env = dict(os.environ, POSEIDON_JOB_TOKEN=TOKEN, POSEIDON_COORDINATOR_TOKEN=TOKEN,
-               POSEIDON_JOB_SECRET="ops-plan-change-secret")
-    for k in ["POSEIDON_TOKEN", "POSEIDON_JOB_ID", "POSEIDON_COORDINATOR", "POSEIDON_CONFIG"]:
-        env.pop(k, None)
-    os.environ.clear()
-    os.environ.update(env)
+    env = job_environment(TOKEN, "ops-plan-change-secret")
     daemons, segments, synths, agents = [], [], [], []
     try:
-        coord = Daemon("poseidon-coordinator", [args.coordinator, "--listen=127.0.0.1:0",
-                                                "--job_id=1", "--log_level=info"])
-        daemons.append(coord)
-        addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
-        daemons.append(Daemon("poseidon-server", [args.server, "--listen=127.0.0.1:0",
-                                                  "--job_id=1", f"--coordinator={addr}"]))
-        daemons[-1].wait_for(r"poseidon-server listening on (\S+)")
-        for rank in range(2):
-            segment = f"/psd-ops-plan-{os.getpid()}-{rank}"
-            segments.append(segment)
-            agent = Daemon(f"agent {rank}", [
-                args.agent, "--job_id=1", "--secret=ops-plan-change-secret", f"--rank={rank}",
-                "--world_size=2",
-                f"--coordinator={addr}", "--listen=127.0.0.1:0", f"--segment={segment}",
-                "--telemetry_interval=200ms", "--log_level=info"])
-            daemons.append(agent)
-            agents.append(agent)
+        addr, agents = coordinated_job(
+            args, "plan", "ops-plan-change-secret", daemons, segments,
+            coordinator_flags=["--log_level=info"],
+            agent_flags=["--telemetry_interval=200ms", "--log_level=info"])
         for agent in agents:
-            agent.wait_for(r"poseidon-agent ready")
             # The first plan from a measurement: each agent probed its server link first.
             agent.wait_for(r"server \S+ \(\S+\): [0-9.e+]+ Gbit/s measured by a \d+-byte probe",
                            timeout=5)
