@@ -106,6 +106,29 @@ def boundary_layers(spec, batch, n, high_Bps, low_Bps):
 # One job on the emulated cluster
 
 
+def read_logs(rec, tails, ctail):
+    """What the workers' and the coordinator's logs added since the last call, into `rec`:
+    iterations, scheme switches, installed plans."""
+    for r, tail in enumerate(tails):
+        for line in tail.lines():
+            m = ITER_RE.search(line)
+            if m:
+                rec["iterations"].setdefault(r, []).append(
+                    (int(m.group(2)), float(m.group(3)), float(m.group(4))))
+                continue
+            m = SWITCH_RE.search(line)
+            if m:
+                rec["switches"].append({"rank": r, "layer": m.group(3), "scheme": m.group(4),
+                                        "iteration": int(m.group(5)), "at": time.time()})
+    for line in ctail.lines():
+        m = PLAN_RE.search(line)
+        if m:
+            rec["plans"].append({"epoch": int(m.group(1)), "effective": int(m.group(2)),
+                                 "why": m.group(3), "sfb_layers": int(m.group(5)),
+                                 "bandwidth": m.group(6), "latency_us": float(m.group(7)),
+                                 "at": time.time()})
+
+
 class Tail:
     """Reads the lines a process appended to its log since the last call."""
 
@@ -246,31 +269,8 @@ def run_job(args, n, rate0, iterations, changes, force, logdir, label):
         next_poll = 0
         deadline = t0 + args.run_timeout
         while any(w.poll() is None for w in workers):
-            dead = [p for p in cluster.procs if p not in workers and p.poll() not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"{dead[0].name} died (exit {dead[0].returncode}): "
-                                   f"{open(dead[0].log, errors='replace').read()[-600:]}")
-            if time.time() > deadline:
-                raise RuntimeError(f"timed out after {args.run_timeout} s")
-            for r, tail in enumerate(tails):
-                for line in tail.lines():
-                    m = ITER_RE.search(line)
-                    if m:
-                        rec["iterations"].setdefault(r, []).append(
-                            (int(m.group(2)), float(m.group(3)), float(m.group(4))))
-                        continue
-                    m = SWITCH_RE.search(line)
-                    if m:
-                        rec["switches"].append({"rank": r, "layer": m.group(3),
-                                                "scheme": m.group(4),
-                                                "iteration": int(m.group(5)), "at": time.time()})
-            for line in ctail.lines():
-                m = PLAN_RE.search(line)
-                if m:
-                    rec["plans"].append({"epoch": int(m.group(1)), "effective": int(m.group(2)),
-                                         "why": m.group(3), "sfb_layers": int(m.group(5)),
-                                         "bandwidth": m.group(6), "latency_us": float(m.group(7)),
-                                         "at": time.time()})
+            rc.check_running(cluster, workers, deadline, args.run_timeout)
+            read_logs(rec, tails, ctail)
             done0 = rec["iterations"].get(0, [])
             last = done0[-1][0] if done0 else 0
             # Not before the coordinator has the job's iteration rate (heartbeats over > 1 s):
@@ -305,23 +305,7 @@ def run_job(args, n, rate0, iterations, changes, force, logdir, label):
                                                    for j in doc.get("jobs", [])]})
                 next_poll = time.time() + args.poll_interval
             time.sleep(0.05)
-        for r, tail in enumerate(tails):  # the last lines
-            for line in tail.lines():
-                m = ITER_RE.search(line)
-                if m:
-                    rec["iterations"].setdefault(r, []).append(
-                        (int(m.group(2)), float(m.group(3)), float(m.group(4))))
-                m = SWITCH_RE.search(line)
-                if m:
-                    rec["switches"].append({"rank": r, "layer": m.group(3), "scheme": m.group(4),
-                                            "iteration": int(m.group(5)), "at": time.time()})
-        for line in ctail.lines():
-            m = PLAN_RE.search(line)
-            if m:
-                rec["plans"].append({"epoch": int(m.group(1)), "effective": int(m.group(2)),
-                                     "why": m.group(3), "sfb_layers": int(m.group(5)),
-                                     "bandwidth": m.group(6), "latency_us": float(m.group(7)),
-                                     "at": time.time()})
+        read_logs(rec, tails, ctail)  # the last lines
         for w in workers:
             if w.returncode != 0:
                 raise RuntimeError(f"{w.name} exit {w.returncode}: "

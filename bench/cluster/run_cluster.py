@@ -419,16 +419,22 @@ def run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir):
     return collect(args, cluster, workers)
 
 
+def check_running(cluster, workers, deadline, run_timeout):
+    """RuntimeError naming the first daemon (a process that is not a worker) that died, or the
+    run's timeout once `deadline` passed."""
+    dead = [p for p in cluster.procs if p not in workers and p.poll() not in (None, 0)]
+    if dead:
+        raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].returncode}): "
+                           f"{open(dead[0].log, errors='replace').read()[-600:]}")
+    if time.time() > deadline:
+        raise RuntimeError(f"timed out after {run_timeout} s")
+
+
 def collect(args, cluster, workers):
     """Wait for the workers (failing when a daemon dies), parse their per-iteration times."""
     deadline = time.time() + args.run_timeout
     while any(w.poll() is None for w in workers):
-        dead = [p for p in cluster.procs if p not in workers and p.poll() not in (None, 0)]
-        if dead:
-            raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].returncode}): "
-                               f"{open(dead[0].log, errors='replace').read()[-400:]}")
-        if time.time() > deadline:
-            raise RuntimeError(f"timed out after {args.run_timeout} s")
+        check_running(cluster, workers, deadline, args.run_timeout)
         time.sleep(0.1)
     per_iter, sfb_layers, mismatches = [], None, 0
     for w in workers:
