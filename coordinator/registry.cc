@@ -903,29 +903,33 @@ void Registry::ObserveIteration(Job& job, uint64_t iteration, absl::Time now) {
   }
 }
 
+// The job's progress samples inside the rate window: the oldest's index, and the seconds from it
+// to the newest (nullopt when no sample is inside: a stalled job).
+std::optional<std::pair<size_t, double>> Registry::RateWindow(const Job& job,
+                                                              absl::Time now) const {
+  const absl::Time start = now - options_.iteration_rate_window;
+  const auto first = std::find_if(job.progress.begin(), job.progress.end(),
+                                  [&](const auto& sample) { return sample.first >= start; });
+  if (first == job.progress.end()) return std::nullopt;
+  return std::make_pair(static_cast<size_t>(first - job.progress.begin()),
+                        absl::ToDoubleSeconds(job.progress.back().first - first->first));
+}
+
 double Registry::Rate(const Job& job, absl::Time now) const {
   // From the oldest and the newest samples inside the window; a stalled job (no new iteration
   // within the window) or samples spanning less than a second give 0.
-  const absl::Time start = now - options_.iteration_rate_window;
-  const auto first = std::find_if(job.progress.begin(), job.progress.end(),
-                                  [&](const auto& sample) { return sample.first >= start; });
-  if (first == job.progress.end()) return 0;
-  const auto& last = job.progress.back();
-  const double span = absl::ToDoubleSeconds(last.first - first->first);
-  if (span < 1.0) return 0;
-  return static_cast<double>(last.second - first->second) / span;
+  const auto window = RateWindow(job, now);
+  if (!window || window->second < 1.0) return 0;
+  return static_cast<double>(job.progress.back().second - job.progress[window->first].second) /
+         window->second;
 }
 
 // Whether the job is training but its rate is not known yet (samples of the window span less
-// than a second).
+// than a second, or nothing reported yet: reports lag behind the training).
 bool Registry::RateUnknown(const Job& job, absl::Time now) const {
-  const absl::Time start = now - options_.iteration_rate_window;
-  const auto first = std::find_if(job.progress.begin(), job.progress.end(),
-                                  [&](const auto& sample) { return sample.first >= start; });
-  // Nothing reported yet: the job may be training all the same (reports lag behind).
   if (job.max_iteration == 0) return job.plan.has_value();
-  if (first == job.progress.end()) return false;  // stalled: nothing new within the window
-  return absl::ToDoubleSeconds(job.progress.back().first - first->first) < 1.0;
+  const auto window = RateWindow(job, now);
+  return window && window->second < 1.0;
 }
 
 uint64_t Registry::EffectiveIteration(const Job& job, absl::Time now) const {

@@ -282,6 +282,7 @@ class Registry {
   double Rate(const Job& job, absl::Time now) const;
   uint64_t EffectiveIteration(const Job& job, absl::Time now) const;
   bool RateUnknown(const Job& job, absl::Time now) const;
+  std::optional<std::pair<size_t, double>> RateWindow(const Job& job, absl::Time now) const;
   std::pair<double, double> Network(const Job& job, absl::Time now) const;
   // The node's latest telemetry if it is at most telemetry_max_age old.
   bool FreshTelemetry(const Node& node, absl::Time now) const;
