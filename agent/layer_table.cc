@@ -134,19 +134,6 @@ Schedule Schedule::Unpack(uint64_t word) {
           word >> 16};
 }
 
-LayerSchedules::LayerSchedules(size_t layers)
-    : size_(layers), words_(new std::atomic<uint64_t>[layers]) {
-  for (size_t i = 0; i < layers; ++i) words_[i].store(Schedule::Fixed(PSD_SCHEME_PS).Pack());
-}
-
-Schedule LayerSchedules::Get(uint32_t layer) const {
-  return Schedule::Unpack(words_[layer].load(std::memory_order_acquire));
-}
-
-void LayerSchedules::Set(uint32_t layer, const Schedule& schedule) {
-  words_[layer].store(schedule.Pack(), std::memory_order_release);
-}
-
 ScheduleChange ComposeSchedule(const LayerSpec& layer, const Schedule& current, uint32_t scheme,
                                uint64_t switch_at, uint64_t next_post) {
   ScheduleChange change;

@@ -2,12 +2,11 @@
 // plan (sizes, PS chunks, SFB shape), the buffer layout of the data segment shared with the
 // framework, the fused buckets, and each layer's scheme by iteration (the schedule a plan change
 // writes). Pure data and functions: the agent fills it once at registration; only the schedules
-// change afterwards (atomic words, see LayerSchedules).
-// Thread-safety: a LayerTable is immutable after BuildLayerTable; LayerSchedules is safe from
-// any thread (writes from the agent's main thread only).
+// change afterwards.
+// Thread-safety: a LayerTable is immutable after BuildLayerTable; LayerSchedules belongs to the
+// agent's main thread.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -96,19 +95,18 @@ struct Schedule {
   static Schedule Fixed(uint32_t scheme) { return {scheme, scheme, 0}; }
 };
 
-// Every layer's schedule, readable from any thread (the transport's I/O threads check a peer's
-// factors against it). Set from the agent's main thread.
+// Every layer's schedule (the agent's main thread's: it posts the layers and applies the plans;
+// the framework's copy is the shared-memory word ShmEndpoint::PublishSchedule writes).
 class LayerSchedules {
  public:
-  explicit LayerSchedules(size_t layers);
-  Schedule Get(uint32_t layer) const;
+  explicit LayerSchedules(size_t layers) : schedules_(layers, Schedule::Fixed(PSD_SCHEME_PS)) {}
+  Schedule Get(uint32_t layer) const { return schedules_[layer]; }
   uint32_t At(uint32_t layer, uint64_t iteration) const { return Get(layer).At(iteration); }
-  void Set(uint32_t layer, const Schedule& schedule);
-  size_t size() const { return size_; }
+  void Set(uint32_t layer, const Schedule& schedule) { schedules_[layer] = schedule; }
+  size_t size() const { return schedules_.size(); }
 
  private:
-  size_t size_;
-  std::unique_ptr<std::atomic<uint64_t>[]> words_;
+  std::vector<Schedule> schedules_;
 };
 
 // A plan change for one layer: from iteration `switch_at` on it runs `scheme`. `next_post` is

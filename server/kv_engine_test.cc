@@ -349,7 +349,6 @@ TEST_F(KvServerTest, ABandwidthProbeIsAnsweredAndBounded) {
   EXPECT_GT(probe->bytes_per_second, 0);
   EXPECT_TRUE(std::isfinite(probe->bytes_per_second));
   EXPECT_GT(probe->round_trip, absl::ZeroDuration());
-  EXPECT_LT(probe->round_trip, kWait);
   // The largest probe the server takes, then data on the same connection as before.
   ASSERT_TRUE(c->MeasureBandwidth(kMaxProbeBytes, 1, kWait).ok());
   ASSERT_TRUE(c->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {16}), kWait).ok());
