@@ -8,43 +8,16 @@
 
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "tools/cli_test_util.h"
 #include "gtest/gtest.h"
 
 namespace {
 
-struct CliRun {
-  int exit_code = -1;
-  std::string output;
-};
-
-// Runs the CLI with `args` (shell syntax); `redirect` chooses which stream is captured.
-CliRun RunCli(const std::string& args, const std::string& redirect) {
-  const std::string command = std::string(POSEIDON_CLI_PATH) + " " + args + " " + redirect;
-  CliRun run;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return run;
-  std::array<char, 4096> buffer{};
-  size_t n = 0;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
-    run.output.append(buffer.data(), n);
-  }
-  const int status = pclose(pipe);
-  if (WIFEXITED(status)) run.exit_code = WEXITSTATUS(status);
-  return run;
-}
-
-CliRun Stdout(const std::string& args) {
-  return RunCli(args, "2>/dev/null");
-}
-CliRun Stderr(const std::string& args) {
-  return RunCli(args, "2>&1 >/dev/null");
-}
-
-const google::protobuf::Value& Field(const google::protobuf::Struct& s, const std::string& key) {
-  static const google::protobuf::Value missing;
-  const auto it = s.fields().find(key);
-  return it == s.fields().end() ? missing : it->second;
-}
+using ::poseidon::tools::testing::CliRun;
+using ::poseidon::tools::testing::Field;
+using ::poseidon::tools::testing::RunCli;
+using ::poseidon::tools::testing::Stderr;
+using ::poseidon::tools::testing::Stdout;
 
 constexpr char kPaperCluster[] =
     "plan --model vgg19-22k --workers 16 --servers 16 --batch 32 --bandwidth 10Gbit --colocated";
