@@ -67,7 +67,9 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
 
   // The link's capacity towards the server: a PING carrying `bytes` of payload (a probe the
   // server reads and drops; at most kMaxProbeBytes), timed to its PONG, minus an empty PING's
-  // round trip; the best of `probes` (bytes per second), and the shortest empty round trip.
+  // round trip; the best of `probes` (bytes per second), and the shortest empty round trip
+  // (kRoundTripSamples of them before each probe).
+  static constexpr int kRoundTripSamples = 5;
   struct Probe {
     double bytes_per_second = 0;
     absl::Duration round_trip;

@@ -88,6 +88,10 @@ def main(argv=None):
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--scheme", choices=["auto", "ps", "sfb"], default="auto")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="plan from --bandwidth and the coordinator's nominal latency instead of "
+                         "each agent's start-up probe of its server links (a plan that does not "
+                         "depend on how loaded this host is)")
     ap.add_argument("--coordinator", default=os.environ.get("POSEIDON_COORDINATOR", ""),
                     help="join an existing cluster: its coordinator (host:port); the KV servers "
                          "are the ones registered there ($POSEIDON_COORDINATOR)")
@@ -203,6 +207,7 @@ def main(argv=None):
                                     f"--listen={args.listen_host}:0",
                                     f"--scheme={args.scheme}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
+                                    *([] if args.probe else ["--probe_bytes=0"]),
                                     "--log_level=warn"], watch="poseidon-agent ready",
                      env=env_with(secret=secret, coordinator_token=token))
             procs.append(p)
