@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <utility>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "coordinator/grpc_status.h"
@@ -279,6 +283,68 @@ absl::StatusOr<v1::SetLayerSchemesResponse> CoordinatorClient::SetLayerSchemes(
       CallStatus(stub_->SetLayerSchemes(&context, request, &response), "SetLayerSchemes"));
   Observe(response.header());
   return response;
+}
+
+absl::Status CoordinatorClient::StoreSet(absl::string_view key, absl::string_view value) {
+  // The coordinator checks the limits (store_limits.h) and answers with the field.
+  v1::StoreSetRequest request;
+  FillHeader(request.mutable_header());
+  request.set_key(std::string(key));
+  request.set_value(std::string(value));
+  v1::StoreSetResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.call_timeout);
+  RETURN_IF_ERROR(CallStatus(stub_->StoreSet(&context, request, &response), "StoreSet"));
+  Observe(response.header());
+  return absl::OkStatus();
+}
+
+// The wait is the coordinator's (a parked call that a StoreSet of the last missing key answers),
+// not a poll: each call asks it to wait for the time left (timeout_ms) under a gRPC deadline a
+// call_timeout later, so the coordinator answers first, naming the missing keys. It bounds one
+// call's wait by its rendezvous_timeout; a longer `timeout` takes several calls.
+absl::StatusOr<std::vector<std::string>> CoordinatorClient::StoreGet(
+    const std::vector<std::string>& keys, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + std::max(timeout, absl::ZeroDuration());
+  v1::StoreGetRequest request;
+  for (const std::string& key : keys) request.add_keys(key);
+  while (true) {
+    FillHeader(request.mutable_header());
+    const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
+    request.set_timeout_ms(
+        static_cast<uint64_t>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1)))));
+    v1::StoreGetResponse response;
+    grpc::ClientContext context;
+    SetDeadline(&context, left + options_.call_timeout);
+    const grpc::Status status = stub_->StoreGet(&context, request, &response);
+    if (status.ok()) {
+      Observe(response.header());
+      if (static_cast<size_t>(response.values_size()) != keys.size()) {
+        return absl::InternalError(absl::StrCat("StoreGet: the coordinator answered ",
+                                                response.values_size(), " values for ", keys.size(),
+                                                " keys"));
+      }
+      return std::vector<std::string>(std::make_move_iterator(response.mutable_values()->begin()),
+                                      std::make_move_iterator(response.mutable_values()->end()));
+    }
+    if (status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return CallStatus(status, "StoreGet");
+    }
+    // The coordinator's own answer names the missing keys; it may have stopped at its bound
+    // before our timeout, then ask again for the rest.
+    const bool answered = absl::StartsWith(status.error_message(), "StoreGet of job");
+    if (answered && absl::Now() < deadline) continue;
+    if (answered) return CallStatus(status, "StoreGet");
+    std::vector<std::string> named;
+    for (size_t i = 0; i < keys.size() && i < 8; ++i) {
+      named.push_back(
+          absl::StrCat("'", absl::CHexEscape(absl::string_view(keys[i]).substr(0, 64)), "'"));
+    }
+    return absl::DeadlineExceededError(absl::StrCat(
+        "StoreGet: no answer from the coordinator within ", absl::FormatDuration(timeout),
+        " (+ call_timeout) for ", keys.size(), " keys: ", absl::StrJoin(named, ", "),
+        keys.size() > named.size() ? ", ..." : ""));
+  }
 }
 
 std::unique_ptr<HeartbeatLoop> CoordinatorClient::StartHeartbeats(HeartbeatOptions options) {

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "coordinator/store_limits.h"
 #include "coordinator/tls.h"
 #include "poseidon/v1/coordinator.grpc.pb.h"
 
@@ -130,6 +131,15 @@ class CoordinatorClient {
   absl::StatusOr<poseidon::v1::SetLayerSchemesResponse> SetLayerSchemes(
       const std::map<std::string, poseidon::v1::SyncScheme>& schemes, absl::string_view job_id,
       absl::string_view reason);
+
+  // The job's rendezvous store (Gloo's): sets `key` to `value` for this client's job (a key set
+  // twice takes the later value). INVALID_ARGUMENT for an empty key, a key over kMaxStoreKeyBytes
+  // or a value over kMaxStoreValueBytes; RESOURCE_EXHAUSTED when the job holds kMaxStoreKeys.
+  absl::Status StoreSet(absl::string_view key, absl::string_view value);
+  // The values of `keys`, in order, once every one of them is set, waiting at most `timeout`;
+  // DEADLINE_EXCEEDED names the keys still missing (the first few).
+  absl::StatusOr<std::vector<std::string>> StoreGet(const std::vector<std::string>& keys,
+                                                    absl::Duration timeout);
 
   // Heartbeats every heartbeat_interval() on a thread of its own until stopped.
   struct HeartbeatOptions {

@@ -6,6 +6,7 @@
 #include <map>
 #include <tuple>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
@@ -1038,6 +1039,100 @@ absl::Status Registry::SetLayerSchemes(const Caller& caller,
   *response->mutable_plan() = *job.plan;
   FillHeader(job.id, response->mutable_header());
   return absl::OkStatus();
+}
+
+// ---- The job's rendezvous store -----------------------------------------------------------------
+
+namespace {
+
+// A store key for a message: C-escaped (keys are bytes), cut at 64 bytes, quoted.
+std::string QuotedKey(absl::string_view key) {
+  constexpr size_t kShown = 64;
+  std::string text = absl::StrCat("'", absl::CHexEscape(key.substr(0, kShown)), "'");
+  if (key.size() > kShown) absl::StrAppend(&text, "... (", key.size(), " bytes)");
+  return text;
+}
+
+}  // namespace
+
+absl::Status Registry::StoreSet(const Caller& caller, const v1::StoreSetRequest& request,
+                                absl::Time now) {
+  if (caller.job_id.empty()) {
+    return absl::InvalidArgumentError("header.job_id: the store is a job's; name the job");
+  }
+  RETURN_IF_ERROR(
+      Member(caller, request.header().node_id(), v1::NODE_ROLE_UNSPECIFIED, now).status());
+  Job& job = JobFor(caller.job_id);
+  const auto found = job.store.find(request.key());
+  const size_t old_bytes =
+      found == job.store.end() ? 0 : found->first.size() + found->second.size();
+  const size_t new_bytes = request.key().size() + request.value().size();
+  if (found == job.store.end() && job.store.size() >= kMaxStoreKeys) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("job '", job.id, "''s store already holds ", job.store.size(),
+                     " keys (the most a job may hold); cannot add ", QuotedKey(request.key())));
+  }
+  if (job.store_bytes - old_bytes + new_bytes > kMaxStoreBytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("job '", job.id, "''s store would hold ",
+                     job.store_bytes - old_bytes + new_bytes, " bytes of keys and values with ",
+                     QuotedKey(request.key()), "; at most ", kMaxStoreBytes, " allowed"));
+  }
+  if (found == job.store.end()) {
+    job.store.emplace(request.key(), request.value());
+  } else {
+    found->second = request.value();
+  }
+  job.store_bytes = job.store_bytes - old_bytes + new_bytes;
+  ++version_;  // wakes the StoreGet calls waiting for it
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Registry::TryStoreGet(const Caller& caller, const v1::StoreGetRequest& request,
+                                           absl::Time now, v1::StoreGetResponse* response) {
+  if (caller.job_id.empty()) {
+    return absl::InvalidArgumentError("header.job_id: the store is a job's; name the job");
+  }
+  RETURN_IF_ERROR(
+      Member(caller, request.header().node_id(), v1::NODE_ROLE_UNSPECIFIED, now).status());
+  const Job* job = FindJob(caller.job_id);
+  if (job == nullptr) return false;
+  std::vector<const std::string*> values;
+  values.reserve(static_cast<size_t>(request.keys_size()));
+  for (const std::string& key : request.keys()) {
+    const auto found = job->store.find(key);
+    if (found == job->store.end()) return false;
+    values.push_back(&found->second);
+  }
+  response->clear_values();
+  for (const std::string* value : values) response->add_values(*value);
+  FillHeader(caller.job_id, response->mutable_header());
+  return true;
+}
+
+std::string Registry::DescribeMissingKeys(
+    absl::string_view job_id, const google::protobuf::RepeatedPtrField<std::string>& keys) const {
+  constexpr size_t kNamed = 8;
+  const Job* job = FindJob(job_id);
+  absl::flat_hash_set<absl::string_view> seen;
+  std::vector<std::string> missing;
+  size_t unique = 0;
+  size_t not_set = 0;
+  for (const std::string& key : keys) {
+    if (!seen.insert(key).second) continue;
+    ++unique;
+    if (job != nullptr && job->store.contains(key)) continue;
+    if (++not_set <= kNamed) missing.push_back(QuotedKey(key));
+  }
+  std::string text =
+      absl::StrCat(not_set, " of ", unique, " keys not set: ", absl::StrJoin(missing, ", "));
+  if (not_set > kNamed) absl::StrAppend(&text, " and ", not_set - kNamed, " more");
+  return text;
+}
+
+size_t Registry::StoreKeys(absl::string_view job_id) const {
+  const Job* job = FindJob(job_id);
+  return job == nullptr ? 0 : job->store.size();
 }
 
 // ---- Telemetry, liveness, status ---------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "coordinator/planner/planner.h"
+#include "coordinator/store_limits.h"
 #include "coordinator/telemetry.h"
 #include "poseidon/v1/coordinator.pb.h"
 
@@ -147,6 +148,23 @@ class Registry {
                                const poseidon::v1::SetLayerSchemesRequest& request, absl::Time now,
                                poseidon::v1::SetLayerSchemesResponse* response);
 
+  // The job's rendezvous store (Gloo's). The caller is a live agent or server of its job
+  // (header.node_id) with the job's token. StoreSet: a key set again takes the later value;
+  // RESOURCE_EXHAUSTED when a new key would exceed kMaxStoreKeys or the keys and values
+  // kMaxStoreBytes. The store is dropped with the rest of the job's state when the job starts
+  // afresh (no live agent left and a new one registers).
+  absl::Status StoreSet(const Caller& caller, const poseidon::v1::StoreSetRequest& request,
+                        absl::Time now);
+  // Complete when every key of the request is set: the values, in the keys' order.
+  absl::StatusOr<bool> TryStoreGet(const Caller& caller,
+                                   const poseidon::v1::StoreGetRequest& request, absl::Time now,
+                                   poseidon::v1::StoreGetResponse* response);
+  // One line naming the first few of `keys` the job's store lacks (escaped, each cut at 64 bytes).
+  std::string DescribeMissingKeys(
+      absl::string_view job_id, const google::protobuf::RepeatedPtrField<std::string>& keys) const;
+  // The keys a job's store holds (0 for an unknown job). For tests and status.
+  size_t StoreKeys(absl::string_view job_id) const;
+
   // Re-evaluates the re-plans that replan_min_interval deferred and whose time has come. The
   // housekeeping thread calls it.
   void ReplanDue(absl::Time now);
@@ -239,6 +257,10 @@ class Registry {
     absl::Time replan_due;
     // The operator's overrides (layer name -> scheme), applied to every plan of the job.
     SchemeOverrides scheme_overrides;
+    // The rendezvous store (StoreSet, StoreGet): key -> value, and the bytes of its keys and
+    // values together.
+    std::map<std::string, std::string, std::less<>> store;
+    size_t store_bytes = 0;
   };
 
   std::string NewId(absl::string_view prefix);

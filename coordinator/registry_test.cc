@@ -129,6 +129,89 @@ TEST_F(RegistryTest, AJobWithoutLiveAgentsStartsAfresh) {
               HasSubstr("1 of 2 ranks have a live agent"));
 }
 
+// ---- The job's rendezvous store ----------------------------------------------------------------
+
+v1::StoreSetRequest Set(const std::string& node, const std::string& key, const std::string& value) {
+  v1::StoreSetRequest request;
+  request.mutable_header()->set_node_id(node);
+  request.set_key(key);
+  request.set_value(value);
+  return request;
+}
+
+v1::StoreGetRequest Get(const std::string& node, const std::vector<std::string>& keys) {
+  v1::StoreGetRequest request;
+  request.mutable_header()->set_node_id(node);
+  for (const std::string& key : keys) request.add_keys(key);
+  return request;
+}
+
+TEST_F(RegistryTest, TheStoreHoldsAtMostItsKeysAndBytesPerJob) {
+  const std::string a = AddAgent(0, 2);
+  for (size_t i = 0; i < kMaxStoreKeys; ++i) {
+    const absl::Status status = registry_.StoreSet(job_, Set(a, absl::StrCat("k", i), "v"), now_);
+    ASSERT_TRUE(status.ok()) << i << ": " << status;
+  }
+  EXPECT_EQ(registry_.StoreKeys("job"), kMaxStoreKeys);
+  const absl::Status full = registry_.StoreSet(job_, Set(a, "one more", "v"), now_);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_THAT(std::string(full.message()), HasSubstr("job 'job''s store already holds 16384 keys"));
+  EXPECT_THAT(std::string(full.message()), HasSubstr("'one more'"));
+  // A key it holds can still take a new value.
+  EXPECT_TRUE(registry_.StoreSet(job_, Set(a, "k7", "new"), now_).ok());
+  v1::StoreGetResponse got;
+  ASSERT_TRUE(*registry_.TryStoreGet(job_, Get(a, {"k7", "k0"}), now_, &got));
+  EXPECT_THAT(got.values(), ::testing::ElementsAre("new", "v"));
+
+  // Another job is unaffected; its bytes are bounded too: 32 MiB of keys and values.
+  Caller other{"other"};
+  v1::RegisterAgentRequest join;
+  join.set_host("h");
+  *join.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.2:7200");
+  join.set_world_size(1);
+  v1::RegisterAgentResponse joined;
+  ASSERT_TRUE(registry_.RegisterAgent(other, join, now_, &joined).ok());
+  const std::string big(kMaxStoreValueBytes, 'x');
+  size_t stored = 0;
+  absl::Status status;
+  while ((status = registry_.StoreSet(other, Set(joined.node_id(), absl::StrCat("b", stored), big),
+                                      now_))
+             .ok()) {
+    ++stored;
+    ASSERT_LE(stored, kMaxStoreBytes / kMaxStoreValueBytes);
+  }
+  EXPECT_EQ(stored, kMaxStoreBytes / kMaxStoreValueBytes - 1);  // keys count too
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("at most 33554432 allowed"));
+}
+
+TEST_F(RegistryTest, TheStoreIsTheCallersJobsAndEndsWithItsWorld) {
+  const std::string a = AddAgent(0, 1);
+  ASSERT_TRUE(registry_.StoreSet(job_, Set(a, std::string("k\0", 2), "v1"), now_).ok());
+  v1::StoreGetResponse got;
+  // Another job's token cannot act for this job's node, and sees nothing of its store.
+  const absl::StatusOr<bool> foreign =
+      registry_.TryStoreGet(Caller{"other"}, Get(a, {std::string("k\0", 2)}), now_, &got);
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kPermissionDenied) << foreign.status();
+  EXPECT_EQ(registry_.StoreSet(Caller{"other"}, Set(a, "k", "v"), now_).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry_.StoreKeys("other"), 0u);
+  // Missing keys are named, escaped, once each.
+  EXPECT_EQ(
+      registry_.DescribeMissingKeys("job", Get(a, {std::string("k\0", 2), "x\n", "x\n"}).keys()),
+      "1 of 2 keys not set: 'x\\n'");
+
+  // The node dies: its calls are refused; a new world of the job starts with an empty store.
+  now_ += absl::Seconds(16);
+  ASSERT_TRUE(registry_.Expire(now_));
+  EXPECT_EQ(
+      registry_.TryStoreGet(job_, Get(a, {std::string("k\0", 2)}), now_, &got).status().code(),
+      absl::StatusCode::kFailedPrecondition);
+  const std::string b = AddAgent(1, 1);
+  EXPECT_EQ(registry_.StoreKeys("job"), 0u);
+  EXPECT_FALSE(*registry_.TryStoreGet(job_, Get(b, {std::string("k\0", 2)}), now_, &got));
+}
+
 // ---- Telemetry in the status view, and what achieved throughput does to the planner ----------
 
 v1::LinkTelemetry Window(const std::string& peer, uint64_t sent, uint64_t received,

@@ -327,6 +327,17 @@ grpc::ServerUnaryReactor* CoordinatorService::SetLayerSchemes(
                 });
 }
 
+grpc::ServerUnaryReactor* CoordinatorService::StoreSet(grpc::CallbackServerContext* context,
+                                                       const v1::StoreSetRequest* request,
+                                                       v1::StoreSetResponse* response) {
+  // Answer polls the parked calls afterwards: a StoreGet waiting for this key completes now.
+  return Answer(context, Method::kStoreSet, *request, [&](const Caller& caller, absl::Time now) {
+    RETURN_IF_ERROR(registry_.StoreSet(caller, *request, now));
+    registry_.FillHeader(caller.job_id, response->mutable_header());
+    return absl::OkStatus();
+  });
+}
+
 // ---- Calls that may wait ---------------------------------------------------------------------
 
 template <typename Request, typename Prepare, typename Make>
@@ -432,6 +443,32 @@ grpc::ServerUnaryReactor* CoordinatorService::GetPlan(grpc::CallbackServerContex
                            ": ", registry_.DescribeMissingPlan(caller.job_id, at)));
         };
       });
+}
+
+// A server-side wait: the call is parked (no thread waits) and polled whenever the registry
+// changes, so a StoreSet of the last missing key answers it at once. It waits at most timeout_ms,
+// rendezvous_timeout and until a little before the call's deadline; then DEADLINE_EXCEEDED names
+// the keys still missing. The request and response outlive the parked call (gRPC keeps them until
+// the reactor is done).
+grpc::ServerUnaryReactor* CoordinatorService::StoreGet(grpc::CallbackServerContext* context,
+                                                       const v1::StoreGetRequest* request,
+                                                       v1::StoreGetResponse* response) {
+  constexpr uint64_t kMaxTimeoutMs = uint64_t{24} * 3600 * 1000;  // absl::Milliseconds' int64
+  const absl::Duration wait = std::min(
+      options_.rendezvous_timeout,
+      absl::Milliseconds(static_cast<int64_t>(std::min(request->timeout_ms(), kMaxTimeoutMs))));
+  return Park(context, Method::kStoreGet, *request, wait, kNothingFirst,
+              [this, request, response](const Caller& caller, const std::string& /*node_id*/,
+                                        absl::Time now, Waiter& waiter) {
+                waiter.poll = [this, caller, request, response](absl::Time at) {
+                  return registry_.TryStoreGet(caller, *request, at, response);
+                };
+                waiter.expire = [this, caller, request, started = now](absl::Time at) {
+                  return absl::DeadlineExceededError(absl::StrCat(
+                      "StoreGet of job '", caller.job_id, "': after ", Waited(at - started), ", ",
+                      registry_.DescribeMissingKeys(caller.job_id, request->keys())));
+                };
+              });
 }
 
 }  // namespace poseidon::coordinator

@@ -2,9 +2,9 @@
 // Registry, calls that wait parked without a thread, and a housekeeping thread for liveness.
 // Thread-safety: gRPC threads call it; one mutex guards all state (docs/thread_model.md).
 
-// Calls that wait (Rendezvous, RegisterModel, GetPlan with min_plan_epoch) are completed when the
-// state they wait for arrives, or, when their bound passes, with a message naming what is missing.
-// The mutex is never held while a call is finished.
+// Calls that wait (Rendezvous, RegisterModel, GetPlan with min_plan_epoch, StoreGet) are completed
+// when the state they wait for arrives, or, when their bound passes, with a message naming what is
+// missing. The mutex is never held while a call is finished.
 #pragma once
 
 #include <condition_variable>
@@ -31,7 +31,8 @@ namespace poseidon::coordinator {
 
 struct CoordinatorServiceOptions {
   RegistryOptions registry;
-  // Rendezvous and RegisterModel wait at most this long (and never past the call's deadline).
+  // Rendezvous, RegisterModel and StoreGet wait at most this long (and never past the call's
+  // deadline; StoreGet never past its timeout_ms either).
   absl::Duration rendezvous_timeout = absl::Minutes(5);
   // GetPlan with min_plan_epoch waits at most this long; then it answers the current plan.
   absl::Duration plan_wait_timeout = absl::Seconds(60);
@@ -91,6 +92,12 @@ class CoordinatorService final : public poseidon::v1::Coordinator::CallbackServi
   grpc::ServerUnaryReactor* SetLayerSchemes(
       grpc::CallbackServerContext* context, const poseidon::v1::SetLayerSchemesRequest* request,
       poseidon::v1::SetLayerSchemesResponse* response) override;
+  grpc::ServerUnaryReactor* StoreSet(grpc::CallbackServerContext* context,
+                                     const poseidon::v1::StoreSetRequest* request,
+                                     poseidon::v1::StoreSetResponse* response) override;
+  grpc::ServerUnaryReactor* StoreGet(grpc::CallbackServerContext* context,
+                                     const poseidon::v1::StoreGetRequest* request,
+                                     poseidon::v1::StoreGetResponse* response) override;
 
  private:
   class WaitReactor;

@@ -37,6 +37,10 @@ const char* MethodName(Method method) {
       return "GetClusterStatus";
     case Method::kSetLayerSchemes:
       return "SetLayerSchemes";
+    case Method::kStoreSet:
+      return "StoreSet";
+    case Method::kStoreGet:
+      return "StoreGet";
   }
   return "unknown";
 }
@@ -101,8 +105,9 @@ void ServiceMetrics::Update(const Registry& registry, absl::Time now, size_t par
       gauge.ok()) {
     (*gauge)->Set(static_cast<double>(registry.membership_epoch()));
   }
-  if (auto gauge = registry_->GetGauge("poseidon_coordinator_parked_calls",
-                                       "Calls waiting (Rendezvous, RegisterModel, GetPlan)");
+  if (auto gauge =
+          registry_->GetGauge("poseidon_coordinator_parked_calls",
+                              "Calls waiting (Rendezvous, RegisterModel, GetPlan, StoreGet)");
       gauge.ok()) {
     (*gauge)->Set(static_cast<double>(parked_calls));
   }

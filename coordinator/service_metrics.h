@@ -1,5 +1,5 @@
 // Prometheus metrics of the coordinator service: calls by method and code, nodes by role and
-// state, epochs, parked calls, plans. Label sets are bounded (10 x 17, 2 x 4, configured jobs).
+// state, epochs, parked calls, plans. Label sets are bounded (12 x 17, 2 x 4, configured jobs).
 // Thread-safety: safe from any thread (CountRpc locks its own cache; metrics are atomic).
 #pragma once
 
@@ -29,8 +29,10 @@ enum class Method {
   kDeregister,
   kGetClusterStatus,
   kSetLayerSchemes,
+  kStoreSet,
+  kStoreGet,
 };
-inline constexpr size_t kMethodCount = 10;
+inline constexpr size_t kMethodCount = 12;
 const char* MethodName(Method method);
 const char* StatusCodeName(grpc::StatusCode code);
 

@@ -179,6 +179,8 @@ TEST_F(CoordinatorServiceTest, WrongOrMissingTokenIsRefusedOnEveryCall) {
     EXPECT_STATUS(client->GetClusterStatus().status(), kUnauthenticated, expected);
     EXPECT_STATUS(client->SetLayerSchemes({{"fc.weight", v1::SYNC_SCHEME_PS}}).status(),
                   kUnauthenticated, expected);
+    EXPECT_STATUS(client->StoreSet("k", "v"), kUnauthenticated, expected);
+    EXPECT_STATUS(client->StoreGet({"k"}, absl::Seconds(5)).status(), kUnauthenticated, expected);
   }
   // Cluster-wide calls need the cluster token.
   auto cluster = Client("", "not-the-cluster-token");
@@ -585,6 +587,179 @@ TEST_F(CoordinatorServiceTest, ClusterStatusShowsNodesJobsAndDepartures) {
   ASSERT_EQ(other->nodes_size(), 1);
   EXPECT_EQ(other->nodes(0).role(), v1::NODE_ROLE_SERVER);
   EXPECT_EQ(other->jobs_size(), 0);
+}
+
+// ---- The job's rendezvous store ----------------------------------------------------------------
+
+TEST_F(CoordinatorServiceTest, StoreSetThenGetReturnsTheLatestValuesInOrder) {
+  StartServer();
+  auto agent = Client();
+  ASSERT_TRUE(agent->RegisterAgent(Agent(0, 2)).ok());
+  const std::string key(std::string("rank\0\xff", 6));  // bytes, not UTF-8
+  const std::string value(
+      std::string("\0\x01"
+                  "addr\xfe",
+                  7));
+  ASSERT_TRUE(agent->StoreSet(key, value).ok());
+  ASSERT_TRUE(agent->StoreSet("twice", "first").ok());
+  ASSERT_TRUE(agent->StoreSet("twice", "second").ok());
+  ASSERT_TRUE(agent->StoreSet("empty value", "").ok());
+  auto values = agent->StoreGet({"twice", key, "empty value", key}, absl::Seconds(5));
+  ASSERT_TRUE(values.ok()) << values.status();
+  EXPECT_THAT(*values, ::testing::ElementsAre("second", value, "", value));
+  // Keys at the limits, and a job-scoped server of the job may use the store too.
+  auto server = Client();
+  ServerRegistration registration;
+  registration.host = "h";
+  registration.endpoints.push_back(MakeEndpoint(v1::TRANSPORT_KIND_TCP, "127.0.0.1:7100"));
+  ASSERT_TRUE(server->RegisterServer(registration).ok());
+  const std::string longest(kMaxStoreKeyBytes, 'k');
+  ASSERT_TRUE(server->StoreSet(longest, std::string(kMaxStoreValueBytes, 'v')).ok());
+  values = agent->StoreGet({longest}, absl::ZeroDuration());
+  ASSERT_TRUE(values.ok()) << values.status();
+  EXPECT_EQ(values->at(0).size(), kMaxStoreValueBytes);
+}
+
+TEST_F(CoordinatorServiceTest, StoreGetWaitsForAnotherClientsSet) {
+  StartServer();
+  auto waiter = Client();
+  auto setter = Client();
+  ASSERT_TRUE(waiter->RegisterAgent(Agent(0, 2)).ok());
+  ASSERT_TRUE(setter->RegisterAgent(Agent(1, 2)).ok());
+  ASSERT_TRUE(setter->StoreSet("rank_1", "early").ok());
+  absl::StatusOr<std::vector<std::string>> values = absl::UnknownError("not returned");
+  std::atomic<bool> returned{false};
+  std::thread waiting([&] {
+    values = waiter->StoreGet({"rank_1", "rank_0"}, absl::Seconds(30));
+    returned = true;
+  });
+  while (server_->service().parked_calls() == 0 && !returned) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(setter->StoreSet("rank_0", "late").ok());
+  waiting.join();
+  ASSERT_TRUE(values.ok()) << values.status();
+  EXPECT_THAT(*values, ::testing::ElementsAre("early", "late"));
+  EXPECT_EQ(server_->service().parked_calls(), 0u);
+}
+
+TEST_F(CoordinatorServiceTest, StoreGetTimeoutNamesTheMissingKeys) {
+  StartServer();
+  auto agent = Client();
+  ASSERT_TRUE(agent->RegisterAgent(Agent(0, 2)).ok());
+  ASSERT_TRUE(agent->StoreSet("present", "v").ok());
+  const absl::Time start = absl::Now();
+  const absl::Duration timeout = absl::Milliseconds(300);
+  absl::Status status = agent->StoreGet({"present", "rank_1", "bad\n"}, timeout).status();
+  // Within the timeout and the gRPC deadline's slack (call_timeout) past it.
+  EXPECT_LT(absl::Now() - start, timeout + CoordinatorClientOptions{}.call_timeout);
+  EXPECT_STATUS(status, kDeadlineExceeded, "StoreGet of job 'job-a': after ");
+  EXPECT_THAT(std::string(status.message()), HasSubstr("2 of 3 keys not set: 'rank_1', 'bad\\n'"));
+  // No wait at all: answered at once.
+  EXPECT_STATUS(agent->StoreGet({"rank_1"}, absl::ZeroDuration()).status(), kDeadlineExceeded,
+                "1 of 1 keys not set: 'rank_1'");
+  // Many missing keys: the first few are named, the rest counted.
+  std::vector<std::string> keys;
+  for (int i = 0; i < 20; ++i) keys.push_back(absl::StrCat("k", i));
+  EXPECT_STATUS(
+      agent->StoreGet(keys, absl::ZeroDuration()).status(), kDeadlineExceeded,
+      "20 of 20 keys not set: 'k0', 'k1', 'k2', 'k3', 'k4', 'k5', 'k6', 'k7' and 12 more");
+  EXPECT_EQ(server_->service().parked_calls(), 0u);
+}
+
+TEST_F(CoordinatorServiceTest, ConfiguredRendezvousTimeoutBoundsOneStoreGetNotTheClientsWait) {
+  CoordinatorServerOptions options = DefaultServerOptions();
+  options.service.rendezvous_timeout = absl::Milliseconds(100);
+  StartServer(options);
+  auto waiter = Client();
+  auto setter = Client();
+  ASSERT_TRUE(waiter->RegisterAgent(Agent(0, 2)).ok());
+  ASSERT_TRUE(setter->RegisterAgent(Agent(1, 2)).ok());
+  absl::StatusOr<std::vector<std::string>> values = absl::UnknownError("not returned");
+  std::atomic<bool> returned{false};
+  std::thread waiting([&] {
+    values = waiter->StoreGet({"late"}, absl::Seconds(30));
+    returned = true;
+  });
+  // Past several of the coordinator's bounds: the client asked again each time.
+  while (server_->service().parked_calls() == 0 && !returned) absl::SleepFor(absl::Milliseconds(5));
+  absl::SleepFor(absl::Milliseconds(350));
+  ASSERT_TRUE(setter->StoreSet("late", "v").ok());
+  waiting.join();
+  ASSERT_TRUE(values.ok()) << values.status();
+  EXPECT_THAT(*values, ::testing::ElementsAre("v"));
+}
+
+TEST_F(CoordinatorServiceTest, StoreLimitsAreRefusedWithTheField) {
+  StartServer();
+  auto agent = Client();
+  ASSERT_TRUE(agent->RegisterAgent(Agent(0, 2)).ok());
+  EXPECT_STATUS(agent->StoreSet("", "v"), kInvalidArgument, "key: must not be empty");
+  EXPECT_STATUS(agent->StoreSet(std::string(kMaxStoreKeyBytes + 1, 'k'), "v"), kInvalidArgument,
+                "key: is 513 bytes; at most 512 allowed");
+  EXPECT_STATUS(agent->StoreSet("k", std::string(kMaxStoreValueBytes + 1, 'v')), kInvalidArgument,
+                "value: is 65537 bytes; at most 65536 allowed");
+  EXPECT_STATUS(agent->StoreGet({}, absl::Seconds(1)).status(), kInvalidArgument,
+                "keys: at least one key is required");
+  EXPECT_STATUS(
+      agent->StoreGet(std::vector<std::string>(kMaxStoreGetKeys + 1, "k"), absl::Seconds(1))
+          .status(),
+      kInvalidArgument, "keys: 1025 entries; at most 1024 allowed");
+  EXPECT_STATUS(agent->StoreGet({"k", ""}, absl::Seconds(1)).status(), kInvalidArgument,
+                "keys[1]: must not be empty");
+  // A client that has not registered has no node id; the cluster token has no job.
+  EXPECT_STATUS(Client()->StoreSet("k", "v"), kInvalidArgument, "header.node_id: must be set");
+  EXPECT_STATUS(Client("", kClusterToken)->StoreGet({"k"}, absl::Seconds(1)).status(),
+                kInvalidArgument, "header.job_id: must name the job");
+  // kMaxStoreKeys per job: RegistryTest.TheStoreHoldsAtMostItsKeysAndBytesPerJob.
+}
+
+TEST_F(CoordinatorServiceTest, StoreKeysAreTheJobsOwn) {
+  StartServer();
+  auto a = Client(kJobA, kTokenA);
+  auto b = Client(kJobB, kTokenB);
+  ASSERT_TRUE(a->RegisterAgent(Agent(0, 2)).ok());
+  ASSERT_TRUE(b->RegisterAgent(Agent(0, 2)).ok());
+  ASSERT_TRUE(a->StoreSet("addr", "of job a").ok());
+  // Job B's client does not see job A's key...
+  EXPECT_STATUS(b->StoreGet({"addr"}, absl::Milliseconds(200)).status(), kDeadlineExceeded,
+                "StoreGet of job 'job-b': after");
+  // ...and its own key of the same name is another one.
+  ASSERT_TRUE(b->StoreSet("addr", "of job b").ok());
+  auto from_a = a->StoreGet({"addr"}, absl::Seconds(5));
+  auto from_b = b->StoreGet({"addr"}, absl::Seconds(5));
+  ASSERT_TRUE(from_a.ok()) << from_a.status();
+  ASSERT_TRUE(from_b.ok()) << from_b.status();
+  EXPECT_THAT(*from_a, ::testing::ElementsAre("of job a"));
+  EXPECT_THAT(*from_b, ::testing::ElementsAre("of job b"));
+
+  // Job B's token cannot act for job A's node (PERMISSION_DENIED), nor job A's id with B's token.
+  auto stub = RawStub();
+  for (const auto& [job, token] : {std::pair<std::string, std::string>{kJobB, kTokenB},
+                                   std::pair<std::string, std::string>{kJobA, kTokenB}}) {
+    v1::StoreGetRequest request;
+    request.mutable_header()->set_job_id(job);
+    request.mutable_header()->set_token(token);
+    request.mutable_header()->set_node_id(a->node_id());
+    request.add_keys("addr");
+    v1::StoreGetResponse response;
+    grpc::ClientContext context;
+    Deadline(&context);
+    const grpc::Status status = stub->StoreGet(&context, request, &response);
+    EXPECT_EQ(status.error_code(), job == kJobB ? grpc::StatusCode::PERMISSION_DENIED
+                                                : grpc::StatusCode::UNAUTHENTICATED)
+        << status.error_message();
+    EXPECT_EQ(response.values_size(), 0);
+    v1::StoreSetRequest set;
+    *set.mutable_header() = request.header();
+    set.set_key("addr");
+    set.set_value("overwritten");
+    v1::StoreSetResponse set_response;
+    grpc::ClientContext set_context;
+    Deadline(&set_context);
+    EXPECT_FALSE(stub->StoreSet(&set_context, set, &set_response).ok());
+  }
+  from_a = a->StoreGet({"addr"}, absl::Seconds(5));
+  ASSERT_TRUE(from_a.ok()) << from_a.status();
+  EXPECT_THAT(*from_a, ::testing::ElementsAre("of job a"));
 }
 
 // ---- Validation and bad input ----------------------------------------------------------------

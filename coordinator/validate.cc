@@ -367,4 +367,40 @@ absl::Status ValidateRequest(const v1::SetLayerSchemesRequest& request) {
   return CheckLength("reason", request.reason(), kMaxReasonBytes);
 }
 
+namespace {
+
+absl::Status CheckStoreCaller(const v1::RequestHeader& header) {
+  if (header.job_id().empty()) {
+    return Invalid("header.job_id",
+                   "must name the job: the store is a job's (send the job's id and token)");
+  }
+  return CheckNodeId(header);
+}
+
+absl::Status CheckStoreKey(absl::string_view field, absl::string_view key) {
+  if (key.empty()) return Invalid(field, "must not be empty");
+  return CheckLength(field, key, kMaxStoreKeyBytes);
+}
+
+}  // namespace
+
+absl::Status ValidateRequest(const v1::StoreSetRequest& request) {
+  RETURN_IF_ERROR(CheckStoreCaller(request.header()));
+  RETURN_IF_ERROR(CheckStoreKey("key", request.key()));
+  return CheckLength("value", request.value(), kMaxStoreValueBytes);
+}
+
+absl::Status ValidateRequest(const v1::StoreGetRequest& request) {
+  RETURN_IF_ERROR(CheckStoreCaller(request.header()));
+  if (request.keys().empty()) return Invalid("keys", "at least one key is required");
+  if (static_cast<size_t>(request.keys_size()) > kMaxStoreGetKeys) {
+    return Invalid("keys", absl::StrCat(request.keys_size(), " entries; at most ", kMaxStoreGetKeys,
+                                        " allowed"));
+  }
+  for (int i = 0; i < request.keys_size(); ++i) {
+    RETURN_IF_ERROR(CheckStoreKey(absl::StrCat("keys[", i, "]"), request.keys(i)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace poseidon::coordinator

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "coordinator/store_limits.h"
 #include "poseidon/v1/coordinator.pb.h"
 
 namespace poseidon::coordinator {
@@ -58,6 +59,11 @@ absl::Status ValidateRequest(const poseidon::v1::GetClusterStatusRequest& reques
 // entries, names non-empty and at most kMaxLayerNameBytes, values known SyncSchemes; reason at
 // most kMaxReasonBytes.
 absl::Status ValidateRequest(const poseidon::v1::SetLayerSchemesRequest& request);
+// The job's store (store_limits.h): header.job_id (the store is a job's) and header.node_id
+// required; key 1..kMaxStoreKeyBytes, value at most kMaxStoreValueBytes; StoreGet 1..
+// kMaxStoreGetKeys keys, each 1..kMaxStoreKeyBytes. Keys and values are bytes (any, not UTF-8).
+absl::Status ValidateRequest(const poseidon::v1::StoreSetRequest& request);
+absl::Status ValidateRequest(const poseidon::v1::StoreGetRequest& request);
 
 // The model on its own ("model.layers[3].shape: ..."), including the planner's checks
 // (ValidateModelSpec: unique names, known kinds, FC shapes [M, N], element types).

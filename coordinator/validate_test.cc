@@ -140,5 +140,45 @@ TEST(ValidateTest, SetLayerSchemesChecksEveryEntry) {
   EXPECT_TRUE(ValidateRequest(request).ok());
 }
 
+TEST(ValidateTest, StoreRequestsCheckKeysValuesAndTheCaller) {
+  v1::StoreSetRequest set;
+  set.mutable_header()->set_job_id("job-1");
+  set.mutable_header()->set_node_id("agent-1");
+  set.set_key(std::string("k\0\xff", 3));  // bytes, not UTF-8
+  set.set_value(std::string(kMaxStoreValueBytes, '\0'));
+  EXPECT_TRUE(ValidateRequest(set).ok());
+  set.set_key(std::string(kMaxStoreKeyBytes, 'k'));
+  EXPECT_TRUE(ValidateRequest(set).ok());
+  set.set_key(std::string(kMaxStoreKeyBytes + 1, 'k'));
+  EXPECT_THAT(Message(ValidateRequest(set)), HasSubstr("key: is 513 bytes; at most 512 allowed"));
+  set.clear_key();
+  EXPECT_THAT(Message(ValidateRequest(set)), HasSubstr("key: must not be empty"));
+  set.set_key("k");
+  set.set_value(std::string(kMaxStoreValueBytes + 1, 'v'));
+  EXPECT_THAT(Message(ValidateRequest(set)),
+              HasSubstr("value: is 65537 bytes; at most 65536 allowed"));
+  set.clear_value();
+  set.mutable_header()->clear_node_id();
+  EXPECT_THAT(Message(ValidateRequest(set)), HasSubstr("header.node_id: must be set"));
+  set.mutable_header()->set_node_id("agent-1");
+  set.mutable_header()->clear_job_id();
+  EXPECT_THAT(Message(ValidateRequest(set)), HasSubstr("header.job_id: must name the job"));
+
+  v1::StoreGetRequest get;
+  get.mutable_header()->set_job_id("job-1");
+  get.mutable_header()->set_node_id("agent-1");
+  EXPECT_THAT(Message(ValidateRequest(get)), HasSubstr("keys: at least one key is required"));
+  for (size_t i = 0; i < kMaxStoreGetKeys; ++i) get.add_keys(absl::StrCat("rank_", i));
+  EXPECT_TRUE(ValidateRequest(get).ok());
+  get.add_keys("one too many");
+  EXPECT_THAT(Message(ValidateRequest(get)), HasSubstr("keys: 1025 entries; at most 1024"));
+  get.clear_keys();
+  get.add_keys("a");
+  get.add_keys("");
+  EXPECT_THAT(Message(ValidateRequest(get)), HasSubstr("keys[1]: must not be empty"));
+  get.set_keys(1, std::string(kMaxStoreKeyBytes + 1, 'k'));
+  EXPECT_THAT(Message(ValidateRequest(get)), HasSubstr("keys[1]: is 513 bytes"));
+}
+
 }  // namespace
 }  // namespace poseidon::coordinator::testing
