@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/device_stager.h"
+#include "agent/gloo_store.h"
 #include "agent/layer_table.h"
 #include "agent/scheduler.h"
 #include "agent/shm_endpoint.h"
@@ -69,7 +70,7 @@ std::vector<bool> MeasuredServers(const std::vector<std::string>& addresses,
 }
 
 const char* SchemeName(uint32_t scheme) {
-  return scheme == PSD_SCHEME_SFB ? "SFB" : "PS";
+  return scheme == PSD_SCHEME_SFB ? "SFB" : scheme == PSD_SCHEME_ALLREDUCE ? "all-reduce" : "PS";
 }
 
 // One layer's progress through the iteration being synchronised (guarded by Agent::layers_mu_).
@@ -130,6 +131,12 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Status ApplyPlan(const v1::Plan& plan);
   void ApplyChange(uint32_t layer, uint32_t scheme, uint64_t switch_at, uint64_t epoch);
   uint32_t PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const;
+  // Ring all-reduce can run: several ranks, a coordinator for Gloo's rendezvous, and the scheme
+  // not forced to PS (which a server-side rule does) or SFB.
+  bool AllreducePossible() const {
+    return coord_ != nullptr && config_.world_size > 1 &&
+           (config_.scheme == "auto" || config_.scheme == "allreduce");
+  }
   uint64_t RunningEpoch() const;
 
   AgentConfig config_;
@@ -140,6 +147,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::unique_ptr<TelemetryReporter> telemetry_;
   std::atomic<uint64_t> last_iteration_{0};
   std::string own_host_;  // the host part of our listen address (empty: none)
+  uint64_t membership_epoch_ = 0;  // the world's (from the rendezvous)
+  std::unique_ptr<CoordinatorStore> rendezvous_;  // Gloo's, for all-reduce (null: none)
   std::unique_ptr<ShmEndpoint> shm_;
   // The GPU path, once the training process has attached its CUDA arena. Owned here (main
   // thread); the syncers read the pointer (set once, before any layer is posted on the device;
@@ -406,6 +415,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
                                             world.world_size, ", not ", config_.rank, " of ",
                                             config_.world_size));
   }
+  membership_epoch_ = world.membership_epoch;
   config_.peers.clear();
   for (const auto& peer : world.peers) {
     config_.peers.push_back(peer.endpoints_size() > 0 ? peer.endpoints(0).address() : "");
@@ -505,8 +515,9 @@ absl::Status Agent::Register() {
   for (const auto& d : descs) {
     auto* l = model.add_layers();
     l->set_name(d.name);
-    // "ps" keeps every layer on PS: present FC layers as "other" to the planner.
-    l->set_kind(d.kind == PSD_KIND_FC && config_.scheme == "ps"
+    // "ps" and "allreduce" keep every layer on one scheme: present FC layers as "other" to the
+    // planner.
+    l->set_kind(d.kind == PSD_KIND_FC && (config_.scheme == "ps" || config_.scheme == "allreduce")
                     ? v1::LAYER_KIND_OTHER
                     : static_cast<v1::LayerKind>(d.kind));
     for (uint64_t s : d.shape) l->add_shape(s);
@@ -519,7 +530,8 @@ absl::Status Agent::Register() {
     // them registered the same model (or names the first layer that differs).
     v1::UpdateRuleSpec rule;
     rule.set_rule(v1::UPDATE_RULE_SUM);
-    ASSIGN_OR_RETURN(plan, coord_->RegisterModel(model, rule, {}, config_.attach_timeout));
+    ASSIGN_OR_RETURN(plan, coord_->RegisterModel(model, rule, {}, config_.attach_timeout,
+                                                 AllreducePossible()));
     config_.servers.clear();
     for (const auto& server : plan.servers()) {
       if (server.endpoints_size() == 0) {
@@ -536,14 +548,22 @@ absl::Status Agent::Register() {
     pc.bandwidth_bytes_per_second = config_.bandwidth_bytes_per_second;
     pc.block_bytes = config_.block_bytes;
     pc.job_id = absl::StrCat(config_.job_id);
+    pc.allreduce = false;  // its rendezvous needs the coordinator
     ASSIGN_OR_RETURN(planner::PlanResult planned, planner::BuildPlan(model, pc));
     plan = std::move(planned.plan);
   }
   LayerTableOptions to;
   to.world_size = config_.world_size;
   to.force_sfb = config_.scheme == "sfb";
-  to.sfb_possible = config_.scheme != "ps" &&
+  to.sfb_possible = config_.scheme != "ps" && config_.scheme != "allreduce" &&
                     (config_.world_size == 1 || config_.peers.size() == config_.world_size);
+  to.allreduce_possible = AllreducePossible();
+  to.force_allreduce = config_.scheme == "allreduce";
+  if (config_.scheme == "allreduce" && !to.allreduce_possible) {
+    return absl::FailedPreconditionError(
+        "--scheme=allreduce needs several ranks and a coordinator (Gloo's rendezvous store), "
+        "and no server-side update rule");
+  }
   to.bucket_bytes = config_.bucket_bytes;
   if (config_.scheme == "sfb" && !to.sfb_possible) {
     return absl::FailedPreconditionError(
@@ -589,6 +609,13 @@ absl::Status Agent::Register() {
   env_.stager = &stager_;
   env_.peer_gate = peer_gate_.get();
   env_.server_rule = server_rule_.rule;
+  if (to.allreduce_possible) {
+    // Keys of this world only (a later world of the job rendezvouses afresh).
+    rendezvous_ = std::make_unique<CoordinatorStore>(
+        coord_.get(), absl::StrCat("gloo/", membership_epoch_, "/"), config_.connect_timeout);
+    env_.rendezvous = rendezvous_.get();
+  }
+  env_.own_host = own_host_;
   env_.finished = [this](uint32_t layer, uint64_t iteration, int part, const absl::Status& s) {
     Finished(layer, iteration, part, s);
   };
@@ -618,6 +645,7 @@ absl::Status Agent::Register() {
       env_.peers[p]->Send(ping, {}, [](absl::Status) {});
     }
   }
+  for (auto& [kind, syncer] : syncers_) RETURN_IF_ERROR(syncer->Ready());
   if (telemetry_) {
     std::vector<std::string> names;
     for (const auto& d : descs) names.push_back(d.name);
@@ -634,11 +662,11 @@ absl::Status Agent::Register() {
   for (const LayerSpec& st : table_.layers) layout.push_back(st.layout);
   RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, table_.data_bytes));
   plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
-  int sfb_layers = 0;
+  int sfb_layers = 0, allreduce_layers = 0;
   for (size_t i = 0; i < table_.layers.size(); ++i) {
     const MetricLabels labels = {{"layer", table_.layers[i].desc.name}};
     if (auto g = metrics_.GetGauge("poseidon_agent_layer_scheme",
-                                   "Scheme of each layer: 1 parameter server, 2 SFB", labels);
+                                   "Scheme of each layer: 1 parameter server, 2 SFB, 3 all-reduce", labels);
         g.ok()) {
       (*g)->Set(layout[i].scheme);
       progress_[i].scheme_gauge = *g;
@@ -650,9 +678,11 @@ absl::Status Agent::Register() {
       progress_[i].sync_seconds = *h;
     }
     sfb_layers += layout[i].scheme == PSD_SCHEME_SFB;
+    allreduce_layers += layout[i].scheme == PSD_SCHEME_ALLREDUCE;
   }
-  PSD_LOG_INFO("registered {} layers ({} on SFB), {} bytes of buffers, plan epoch {}",
-               descs.size(), sfb_layers, table_.data_bytes, plan.plan_epoch());
+  PSD_LOG_INFO("registered {} layers ({} on SFB, {} on all-reduce), {} bytes of buffers, plan "
+               "epoch {}",
+               descs.size(), sfb_layers, allreduce_layers, table_.data_bytes, plan.plan_epoch());
   return absl::OkStatus();
 }
 
@@ -779,9 +809,10 @@ void Agent::OnReady(const Event& e) {
   post.iteration = iteration;
   post.on_device = on_device;
   Syncer* syncer = syncers_
-                       .at(spec.bucket >= 0             ? SyncerKind::kBucket
-                           : scheme == PSD_SCHEME_SFB ? SyncerKind::kSfb
-                                                      : SyncerKind::kPs)
+                       .at(spec.bucket >= 0                   ? SyncerKind::kBucket
+                           : scheme == PSD_SCHEME_SFB       ? SyncerKind::kSfb
+                           : scheme == PSD_SCHEME_ALLREDUCE ? SyncerKind::kAllreduce
+                                                            : SyncerKind::kPs)
                        .get();
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
@@ -948,6 +979,8 @@ void Agent::SetUpMetrics() {
       counter("poseidon_agent_sfb_sent_bytes_total", "SFB factor bytes sent");
   env_.metrics.sfb_received_bytes =
       counter("poseidon_agent_sfb_received_bytes_total", "SFB factor bytes received");
+  env_.metrics.allreduce_bytes =
+      counter("poseidon_agent_allreduce_bytes_total", "Gradient bytes all-reduced (ring)");
   queue_depth_ = gauge("poseidon_agent_queue_depth", "Synchronisation tasks waiting");
   credit_in_use_ = gauge("poseidon_agent_credit_in_use_bytes", "Bytes in flight (the credit)");
   plan_epoch_ = gauge("poseidon_agent_plan_epoch", "Epoch of the plan in use");
@@ -1084,8 +1117,16 @@ void Agent::ApplyPendingPlan() {
 
 uint32_t Agent::PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const {
   if (config_.scheme == "ps") return PSD_SCHEME_PS;
+  if (config_.scheme == "allreduce") return PSD_SCHEME_ALLREDUCE;
   if (config_.scheme == "sfb" && spec.desc.kind == PSD_KIND_FC) return PSD_SCHEME_SFB;
-  return lp.scheme() == v1::SYNC_SCHEME_SFB ? PSD_SCHEME_SFB : PSD_SCHEME_PS;
+  switch (lp.scheme()) {
+    case v1::SYNC_SCHEME_SFB:
+      return PSD_SCHEME_SFB;
+    case v1::SYNC_SCHEME_ALLREDUCE:
+      return PSD_SCHEME_ALLREDUCE;
+    default:
+      return PSD_SCHEME_PS;
+  }
 }
 
 // A new epoch changes schemes (and priorities) only: the layers, the servers and every layer's
@@ -1148,12 +1189,14 @@ absl::Status Agent::ApplyPlan(const v1::Plan& plan) {
   applied_at_.store(at);
   applied_epoch_.store(plan.plan_epoch());
   plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
-  int sfb = 0;
+  int sfb = 0, allreduce = 0;
   for (uint32_t l = 0; l < table_.layers.size(); ++l) {
-    sfb += PlannedScheme(plan.layers(static_cast<int>(l)), table_.layers[l]) == PSD_SCHEME_SFB;
+    const uint32_t scheme = PlannedScheme(plan.layers(static_cast<int>(l)), table_.layers[l]);
+    sfb += scheme == PSD_SCHEME_SFB;
+    allreduce += scheme == PSD_SCHEME_ALLREDUCE;
   }
-  PSD_LOG_INFO("plan epoch {} from iteration {}: {} of {} layers on SFB", plan.plan_epoch(), at,
-               sfb, table_.layers.size());
+  PSD_LOG_INFO("plan epoch {} from iteration {}: {} of {} layers on SFB, {} on all-reduce",
+               plan.plan_epoch(), at, sfb, table_.layers.size(), allreduce);
   return absl::OkStatus();
 }
 

@@ -28,7 +28,7 @@ struct AgentConfig {
   std::vector<std::string> servers;  // KV servers, in plan order
   std::vector<std::string> peers;    // every agent's SFB address, rank order (may be empty: no SFB)
   std::string listen;                // our SFB address (peers[rank] when empty)
-  std::string scheme = "auto";       // auto (HybComm), ps, sfb
+  std::string scheme = "auto";       // auto (HybComm), ps, sfb, allreduce
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
   uint64_t block_bytes = uint64_t{4} << 20;

@@ -58,8 +58,10 @@ poseidon::ConfigSchema<Flags> Schema() {
       .Field("servers", &Flags::servers, "KV servers, comma-separated host:port")
       .Field("peers", &Flags::peers, "every agent's SFB address, comma-separated, in rank order")
       .Field("listen", &Flags::listen, "our SFB address (default: peers[rank])")
-      .Field("scheme", &Flags::scheme, "auto (HybComm plan), ps, sfb",
-             poseidon::OneOf({"auto", "ps", "sfb"}))
+      .Field("scheme", &Flags::scheme,
+             "auto (HybComm plan), ps, sfb (FC layers; the rest PS), allreduce (every layer; "
+             "needs a coordinator)",
+             poseidon::OneOf({"auto", "ps", "sfb", "allreduce"}))
       .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
       .Field("colocated", &Flags::colocated, "servers share machines with workers")
       .ByteSizeField("block_bytes", &Flags::block_bytes, "largest PS chunk",

@@ -10,7 +10,10 @@ uint64_t AlignUp(uint64_t x) {
 }
 
 const char* SchemeName(uint32_t scheme) {
-  return scheme == PSD_SCHEME_SFB ? "SFB" : scheme == PSD_SCHEME_PS ? "PS" : "unknown";
+  return scheme == PSD_SCHEME_SFB         ? "SFB"
+         : scheme == PSD_SCHEME_PS        ? "PS"
+         : scheme == PSD_SCHEME_ALLREDUCE ? "all-reduce"
+                                          : "unknown";
 }
 
 }  // namespace
@@ -37,13 +40,19 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
     st.desc = descs[i];
     bool sfb = lp.scheme() == v1::SYNC_SCHEME_SFB;
     if (options.force_sfb && descs[i].kind == PSD_KIND_FC) sfb = true;
+    if (options.force_allreduce) sfb = false;
     if (sfb && (descs[i].kind != PSD_KIND_FC || !options.sfb_possible)) {
       return absl::InternalError(
           absl::StrCat("the plan puts layer ", descs[i].name, " on SFB, which it cannot run"));
     }
     st.sfb_capable = options.sfb_possible && SfbCapable(descs[i], sfb);
+    // A plan's all-reduce where the job cannot run it (a scheme forced to PS, a server-side
+    // rule) is PS: every rank of the job has the same options, so all of them fall back alike.
+    const bool allreduce = !sfb && options.allreduce_possible &&
+                           (options.force_allreduce || lp.scheme() == v1::SYNC_SCHEME_ALLREDUCE);
+    st.allreduce_capable = options.allreduce_possible;
     LayerLayout& lay = st.layout;
-    lay.scheme = sfb ? PSD_SCHEME_SFB : PSD_SCHEME_PS;
+    lay.scheme = sfb ? PSD_SCHEME_SFB : allreduce ? PSD_SCHEME_ALLREDUCE : PSD_SCHEME_PS;
     lay.priority = lp.priority();
     lay.grad_offset = offset;
     offset = AlignUp(offset + descs[i].elements * sizeof(float));
@@ -71,7 +80,7 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
       }
       st.chunks.push_back({c.key(), c.offset(), c.length(), c.server_index()});
     }
-    if (!sfb && st.chunks.empty()) {
+    if (lay.scheme == PSD_SCHEME_PS && st.chunks.empty()) {
       return absl::InternalError(absl::StrCat("layer ", descs[i].name, " has no PS chunks"));
     }
     // Sizes come from the training process: refuse a layout that cannot be mapped rather than
@@ -143,8 +152,12 @@ ScheduleChange ComposeSchedule(const LayerSpec& layer, const Schedule& current, 
     change.why = std::move(why);
     return change;
   };
-  if (scheme != PSD_SCHEME_PS && scheme != PSD_SCHEME_SFB) {
+  if (scheme != PSD_SCHEME_PS && scheme != PSD_SCHEME_SFB && scheme != PSD_SCHEME_ALLREDUCE) {
     return refuse(absl::StrCat("unknown scheme ", scheme));
+  }
+  if (scheme == PSD_SCHEME_ALLREDUCE && !layer.allreduce_capable) {
+    return refuse("all-reduce is off for this job (one rank, no coordinator for the "
+                  "rendezvous, a server-side update rule, or the scheme forced)");
   }
   if (scheme == PSD_SCHEME_SFB && !layer.sfb_capable) {
     return refuse("it has no SFB buffers (not an FC layer with factors no larger than its "

@@ -38,6 +38,9 @@ struct LayerSpec {
   // SFB: U is k x m, V is k x n; buffers for them exist when sfb_capable.
   uint64_t m = 0, n = 0, k = 0;
   bool sfb_capable = false;
+  // The layer may run ring all-reduce (the job has peers and a rendezvous for them, no
+  // server-side rule), now or after a plan change; never a bucket's member.
+  bool allreduce_capable = false;
   int bucket = -1;  // the bucket it is fused into (then always PS), or -1
 };
 
@@ -62,6 +65,11 @@ struct LayerTableOptions {
   bool sfb_possible = true;
   // Every FC layer by SFB whatever the plan says (--scheme=sfb).
   bool force_sfb = false;
+  // All-reduce is possible at all (several ranks, a coordinator for Gloo's rendezvous, no
+  // server-side rule, scheme not forced to PS or SFB), and forced for every layer
+  // (--scheme=allreduce).
+  bool allreduce_possible = false;
+  bool force_allreduce = false;
   uint64_t bucket_bytes = 0;  // 0: no fusion
 };
 
@@ -71,7 +79,8 @@ struct LayerTableOptions {
 // memory.
 bool SfbCapable(const LayerDesc& desc, bool planned_sfb);
 
-// From the framework's layers and the first plan: validates the plan against the layers (one
+// From the framework's layers and the first plan (all-reduce where the job cannot run it
+// becomes PS): validates the plan against the layers (one
 // entry per layer, chunks inside the tensor, a multiple of 4 bytes), lays out the buffers (every
 // layer's gradient, then U and V of SFB-capable layers, each 64-byte aligned, in layer order;
 // more than kMaxDataBytes is refused) and forms the buckets.

@@ -225,6 +225,44 @@ TEST(ComposeSchedule, RefusesWhatTheLayerCannotRun) {
   EXPECT_EQ(
       ComposeSchedule(no_chunks, Schedule::Fixed(PSD_SCHEME_SFB), PSD_SCHEME_PS, 20, 1).outcome,
       ScheduleChange::kRefused);
+  // All-reduce: only where the job can run it, never for a bucket's member.
+  LayerSpec ring = CapableLayer();
+  EXPECT_EQ(ComposeSchedule(ring, Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_ALLREDUCE, 20, 1)
+                .outcome,
+            ScheduleChange::kRefused);
+  ring.allreduce_capable = true;
+  const ScheduleChange to_ring =
+      ComposeSchedule(ring, Schedule::Fixed(PSD_SCHEME_SFB), PSD_SCHEME_ALLREDUCE, 20, 1);
+  EXPECT_EQ(to_ring.outcome, ScheduleChange::kApply);
+  EXPECT_EQ(to_ring.schedule.At(19), PSD_SCHEME_SFB);
+  EXPECT_EQ(to_ring.schedule.At(20), PSD_SCHEME_ALLREDUCE);
+  ring.bucket = 0;
+  EXPECT_EQ(ComposeSchedule(ring, Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_ALLREDUCE, 20, 1)
+                .outcome,
+            ScheduleChange::kRefused);
+}
+
+TEST(LayerTable, AllReduceLayersOnlyWhereTheJobCanRunThem) {
+  const std::vector<LayerDesc> descs = {Fc("fc1", 256, 100, 8), Bias("b1", 3)};
+  const v1::Plan plan = PlanFor(descs, {v1::SYNC_SCHEME_ALLREDUCE, v1::SYNC_SCHEME_PS});
+  auto table = BuildLayerTable(descs, plan, {.world_size = 2, .allreduce_possible = true});
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->layers[0].layout.scheme, PSD_SCHEME_ALLREDUCE);
+  EXPECT_TRUE(table->layers[0].allreduce_capable);
+  EXPECT_EQ(table->layers[1].layout.scheme, PSD_SCHEME_PS);
+  EXPECT_TRUE(table->layers[1].allreduce_capable);  // a later plan may move it
+  EXPECT_FALSE(table->layers[0].chunks.empty());    // and the first back to PS
+  // Forced: every layer.
+  table = BuildLayerTable(descs, PlanFor(descs, {v1::SYNC_SCHEME_PS, v1::SYNC_SCHEME_PS}),
+                          {.world_size = 2, .allreduce_possible = true, .force_allreduce = true});
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->layers[1].layout.scheme, PSD_SCHEME_ALLREDUCE);
+  // A plan that asks for it where the job cannot (a scheme forced to PS, a server-side rule):
+  // PS, on every rank alike.
+  table = BuildLayerTable(descs, plan, {.world_size = 2});
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->layers[0].layout.scheme, PSD_SCHEME_PS);
+  EXPECT_FALSE(table->layers[0].allreduce_capable);
 }
 
 }  // namespace

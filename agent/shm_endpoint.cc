@@ -202,7 +202,8 @@ absl::StatusOr<std::optional<Event>> ShmEndpoint::NextEvent(absl::Duration timeo
   Event event{e.type, e.layer, e.iteration, e.aux & 0xff, (e.aux >> 8) & 0xff};
   if (e.type == PSD_EVENT_LAYER_READY &&
       ((event.location != PSD_READY_HOST && event.location != PSD_READY_DEVICE) ||
-       (event.scheme != 0 && event.scheme != PSD_SCHEME_PS && event.scheme != PSD_SCHEME_SFB) ||
+       (event.scheme != 0 && event.scheme != PSD_SCHEME_PS && event.scheme != PSD_SCHEME_SFB &&
+        event.scheme != PSD_SCHEME_ALLREDUCE) ||
        (e.aux >> 16) != 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", e.layer, " ready with an unknown location or scheme (aux ", e.aux,

@@ -10,6 +10,7 @@ const std::vector<SyncerRow>& SyncerTable() {
       {SyncerKind::kPs, "ps", &MakePsSyncer},
       {SyncerKind::kSfb, "sfb", &MakeSfbSyncer},
       {SyncerKind::kBucket, "bucket", &MakeBucketSyncer},
+      {SyncerKind::kAllreduce, "allreduce", &MakeAllreduceSyncer},
   };
   return table;
 }

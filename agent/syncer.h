@@ -1,5 +1,5 @@
 // A syncer synchronises the layers of one scheme (DESIGN.md, "Schemes"): PS push/pull of the
-// plan's chunks, SFB broadcast of the sufficient factors, fused PS buckets. Each is one class in
+// plan's chunks, SFB broadcast of the sufficient factors, fused PS buckets, ring all-reduce. Each is one class in
 // its own file, made through one row of the registration table (SyncerTable below); the agent
 // hands each posted layer's iteration to the syncer its schedule names for that iteration and
 // learns of completions through SyncEnv::finished. Adding a scheme: a file with the syncer, a
@@ -33,6 +33,11 @@ namespace poseidon::agent {
 
 class Timeline;
 class TelemetryReporter;
+}  // namespace poseidon::agent
+namespace gloo::rendezvous {
+class Store;
+}  // namespace gloo::rendezvous
+namespace poseidon::agent {
 
 // Which other agents announced (PING) that they registered their model and can take our
 // frames. PINGs can arrive before this agent registered: the agent owns the gate from its start.
@@ -57,6 +62,7 @@ struct SyncMetrics {
   std::vector<prometheus::Counter*> push_bytes, pull_bytes;  // by server index
   prometheus::Counter* sfb_sent_bytes = nullptr;
   prometheus::Counter* sfb_received_bytes = nullptr;
+  prometheus::Counter* allreduce_bytes = nullptr;  // each all-reduce's gradient bytes
 };
 
 // What the syncers share: the agent's parts they work with. Filled before the first Post and
@@ -75,6 +81,10 @@ struct SyncEnv {
   uint32_t server_rule = 0;
   std::vector<std::shared_ptr<server::KvClient>> servers;      // plan order
   std::vector<std::shared_ptr<transport::Connection>> peers;  // by rank, null for ourselves
+  // All-reduce: Gloo's rendezvous store (the agent's, over the coordinator; null: no
+  // all-reduce) and the host the other agents reach this one at.
+  gloo::rendezvous::Store* rendezvous = nullptr;
+  std::string own_host;
   // Part `part` of the layer's iteration completed (PS: chunk index; SFB and buckets: 0). For a
   // PS part on the device, the result is already on its way back to the GPU.
   std::function<void(uint32_t layer, uint64_t iteration, int part, const absl::Status&)> finished;
@@ -113,7 +123,7 @@ class Syncer {
 };
 
 // The registration table: one row per syncer.
-enum class SyncerKind { kPs, kSfb, kBucket };
+enum class SyncerKind { kPs, kSfb, kBucket, kAllreduce };
 struct SyncerRow {
   SyncerKind kind;
   const char* name;
@@ -125,6 +135,7 @@ const std::vector<SyncerRow>& SyncerTable();
 std::unique_ptr<Syncer> MakePsSyncer(SyncEnv& env);
 std::unique_ptr<Syncer> MakeSfbSyncer(SyncEnv& env);
 std::unique_ptr<Syncer> MakeBucketSyncer(SyncEnv& env);
+std::unique_ptr<Syncer> MakeAllreduceSyncer(SyncEnv& env);
 
 // Push `values` as this rank's contribution to `chunk` at `clock` and pull the clock's result into
 // them (PS and buckets). Both complete on transport threads; `credit` is parked once the push is

@@ -1,21 +1,25 @@
 // The syncers in-process: two ranks of one job in this process, each with its own shared-memory
-// segments, scheduler and syncers (PS, SFB and bucket from the registration table), a KV server
-// and the SFB peer connections over the in-process transport. Three iterations in which one FC
-// layer runs SFB, then PS, then SFB again (what a plan change does: its keys are clocked per
-// layer, its inbox slots reused), a two-chunk PS layer and a bucket of two small layers: every
-// result is the exact sum over both ranks.
+// segments, scheduler and syncers (PS, SFB, bucket and all-reduce from the registration table), a
+// KV server and the SFB peer connections over the in-process transport, the all-reduce's Gloo
+// ring over loopback TCP (its rendezvous through a Gloo HashStore here, the coordinator in the
+// agent). Four iterations in which one FC layer runs SFB, PS, SFB, then all-reduce (what plan
+// changes do: its keys are clocked per layer, its inbox slots reused), a two-chunk layer PS, then
+// all-reduce twice, then PS again, and a bucket of two small layers: every result is the exact
+// sum over both ranks.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "agent/layer_table.h"
 #include "agent/scheduler.h"
 #include "agent/shm_endpoint.h"
 #include "agent/syncer.h"
+#include "gloo/rendezvous/hash_store.h"
 #include "server/buffer_pool.h"
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
@@ -125,6 +129,15 @@ class SyncerTest : public ::testing::Test {
         me->gate->MarkReady(p);
       }
     }
+    // The Gloo ring: every rank connects at once (registration does it in the agent).
+    std::vector<absl::Status> ready(kWorld);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      threads.emplace_back(
+          [&, r] { ready[r] = ranks_[r]->syncers.at(SyncerKind::kAllreduce)->Ready(); });
+    }
+    for (auto& t : threads) t.join();
+    for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(ready[r].ok()) << ready[r];
   }
 
   void MakeRank(Rank& r, uint32_t rank) {
@@ -136,7 +149,10 @@ class SyncerTest : public ::testing::Test {
     r.config.servers = {"kv"};
     r.config.sync_timeout = absl::Seconds(20);
     auto table = BuildLayerTable(Descs(), Plan(),
-                                 {.world_size = kWorld, .sfb_possible = true, .bucket_bytes = 1024});
+                                 {.world_size = kWorld,
+                                  .sfb_possible = true,
+                                  .allreduce_possible = true,
+                                  .bucket_bytes = 1024});
     ASSERT_TRUE(table.ok()) << table.status();
     r.table = *std::move(table);
     ASSERT_EQ(r.table.buckets.size(), 1u);  // b1 + b2
@@ -152,6 +168,8 @@ class SyncerTest : public ::testing::Test {
     r.scheduler = std::make_unique<Scheduler>(SchedulerOptions{64, true, 2});
     r.scheduler->Start();
     r.gate = std::make_unique<PeerGate>(kWorld);
+    r.env.rendezvous = &store_;
+    r.env.own_host = "127.0.0.1";
     r.env.config = &r.config;
     r.env.table = &r.table;
     r.env.shm = r.shm.get();
@@ -199,6 +217,9 @@ class SyncerTest : public ::testing::Test {
   }
 
   void TearDown() override {
+    for (auto& r : ranks_) {
+      for (auto& [kind, syncer] : r->syncers) syncer->Stop();
+    }
     for (auto& r : ranks_) {
       if (r->peer_server) r->peer_server->Stop();
       if (r->scheduler) r->scheduler->Stop();
@@ -248,19 +269,32 @@ class SyncerTest : public ::testing::Test {
   std::shared_ptr<server::KvEngine> engine_;
   std::shared_ptr<server::KvService> service_;
   std::shared_ptr<transport::FrameServer> kv_server_;
+  gloo::rendezvous::HashStore store_;
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 
 TEST_F(SyncerTest, EverySchemeGivesTheExactSumAcrossAPlanChange) {
-  // Layer 0 by SFB at iterations 1 and 3, by PS at 2 (its keys' clock 1 then).
+  // Layer 0 by SFB at iterations 1 and 3, by PS at 2 (its keys' clock 1 then), all-reduce at 4;
+  // layer 3 by PS at 1 and 4 (its keys' clocks 1 and 2), all-reduce at 2 and 3.
   const SyncerKind fc_kind[] = {SyncerKind::kSfb, SyncerKind::kSfb, SyncerKind::kPs,
-                                SyncerKind::kSfb};
-  for (uint64_t t = 1; t <= 3; ++t) {
+                                SyncerKind::kSfb, SyncerKind::kAllreduce};
+  const SyncerKind conv_kind[] = {SyncerKind::kPs, SyncerKind::kPs, SyncerKind::kAllreduce,
+                                  SyncerKind::kAllreduce, SyncerKind::kPs};
+  for (uint64_t t = 1; t <= 4; ++t) {
     for (auto& r : ranks_) {
-      Post(*r, 3, t, SyncerKind::kPs);
-      Post(*r, 2, t, SyncerKind::kBucket);
-      Post(*r, 1, t, SyncerKind::kBucket);
-      Post(*r, 0, t, fc_kind[t]);
+      // The ranks post in opposite orders (the two all-reduces of iteration 4 must not wait
+      // for each other).
+      if (r->rank == 0) {
+        Post(*r, 3, t, conv_kind[t]);
+        Post(*r, 2, t, SyncerKind::kBucket);
+        Post(*r, 1, t, SyncerKind::kBucket);
+        Post(*r, 0, t, fc_kind[t]);
+      } else {
+        Post(*r, 0, t, fc_kind[t]);
+        Post(*r, 1, t, SyncerKind::kBucket);
+        Post(*r, 2, t, SyncerKind::kBucket);
+        Post(*r, 3, t, conv_kind[t]);
+      }
     }
     for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
     for (auto& r : ranks_) {

@@ -54,6 +54,7 @@
 /* Schemes (poseidon.v1 SyncScheme). */
 #define PSD_SCHEME_PS 1u
 #define PSD_SCHEME_SFB 2u
+#define PSD_SCHEME_ALLREDUCE 3u
 
 /* A layer's scheme by iteration (psd_shm_layer.schedule, written by the agent when a plan
  * changes, read atomically by the framework): `before` for iterations < switch_at, `after`

@@ -165,12 +165,13 @@ absl::StatusOr<World> CoordinatorClient::RegisterAgentAndRendezvous(const AgentR
 absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(const v1::ModelSpec& model,
                                                           const v1::UpdateRuleSpec& update_rule,
                                                           const v1::ConsistencySpec& consistency,
-                                                          absl::Duration timeout) {
+                                                          absl::Duration timeout, bool allreduce) {
   v1::RegisterModelRequest request;
   FillHeader(request.mutable_header());
   *request.mutable_model() = model;
   *request.mutable_update_rule() = update_rule;
   *request.mutable_consistency() = consistency;
+  request.set_allreduce_unavailable(!allreduce);
   v1::RegisterModelResponse response;
   grpc::ClientContext context;
   SetDeadline(&context, timeout);

@@ -536,6 +536,11 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
     if (!difference) {
       difference = FirstConsistencyDifference(job->model->consistency, request.consistency());
     }
+    if (!difference && job->model->allreduce == request.allreduce_unavailable()) {
+      difference = absl::StrCat("this rank ", request.allreduce_unavailable() ? "cannot" : "can",
+                                " run ring all-reduce, the model's first rank ",
+                                job->model->allreduce ? "can" : "cannot");
+    }
   }
   bool others_agree = false;
   for (uint32_t r = 0; r < job->ranks.size(); ++r) {
@@ -563,12 +568,13 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
     trial.latency_seconds = options_.nominal_latency_seconds;
     trial.block_bytes = options_.block_bytes;
     trial.scheme_rule = options_.scheme_rule;
+    trial.allreduce = !request.allreduce_unavailable();
     if (absl::StatusOr<planner::PlanResult> dry = planner::BuildPlan(request.model(), trial);
         !dry.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("model: ", dry.status().message()));
     }
-    job->model =
-        JobModel{request.model(), request.update_rule(), request.consistency(), node->rank};
+    job->model = JobModel{request.model(), request.update_rule(), request.consistency(),
+                          node->rank, !request.allreduce_unavailable()};
     job->scheme_overrides.clear();  // they named the old model's layers
     job->plan.reset();
     job->plan_error.clear();
@@ -723,6 +729,7 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.latency_seconds = latency;
   config.block_bytes = options_.block_bytes;
   config.scheme_rule = options_.scheme_rule;
+  config.allreduce = job.model->allreduce;
   config.job_id = job.id;
   config.plan_epoch = epoch;
   config.effective_iteration = effective_iteration;

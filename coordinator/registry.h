@@ -230,6 +230,7 @@ class Registry {
     poseidon::v1::UpdateRuleSpec update_rule;
     poseidon::v1::ConsistencySpec consistency;
     uint32_t registered_by_rank = 0;
+    bool allreduce = true;  // the agents can run ring all-reduce
   };
   struct Job {
     std::string id;

@@ -376,7 +376,8 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
                    after = (uint32_t)((word >> 8) & 0xff);
     const uint32_t schemes[3] = {first, before, after};
     for (int k = 0; k < 3; ++k) {
-      bad |= schemes[k] != PSD_SCHEME_PS && schemes[k] != PSD_SCHEME_SFB;
+      bad |= schemes[k] != PSD_SCHEME_PS && schemes[k] != PSD_SCHEME_SFB &&
+             schemes[k] != PSD_SCHEME_ALLREDUCE;
       bad |= schemes[k] == PSD_SCHEME_SFB && !buffers;
     }
     if (bad) {
@@ -422,7 +423,7 @@ static psd_status scheme_at(psd_context* ctx, uint32_t layer, uint64_t iteration
   const psd_shm_layer* l = &ctx->layers[layer];
   const uint64_t word = load64(&l->schedule);
   const uint32_t scheme = PSD_SCHEDULE_SCHEME(word, iteration);
-  if (scheme != PSD_SCHEME_PS &&
+  if (scheme != PSD_SCHEME_PS && scheme != PSD_SCHEME_ALLREDUCE &&
       !(scheme == PSD_SCHEME_SFB && (l->agent_flags & PSD_LAYER_SFB_BUFFERS) != 0)) {
     return fail(PSD_INTERNAL, "layer %u (%s): the agent's schedule names scheme %u", layer,
                 l->name, scheme);

@@ -10,7 +10,7 @@ PACKAGES=(
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   libabsl-dev libspdlog-dev prometheus-cpp-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libibverbs-dev libopenblas-dev
+  libibverbs-dev libopenblas-dev libgloo-dev
   python3 python3-torch python3-torchvision python3-sklearn python3-tqdm python3-matplotlib
   iproute2 procps openssl
   prometheus systemd python3-yaml

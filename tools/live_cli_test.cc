@@ -25,16 +25,18 @@ using ::poseidon::tools::testing::Stderr;
 using ::poseidon::tools::testing::Stdout;
 
 TEST(ParseSchemeOverridesTest, ParsesAndNamesTheBadEntry) {
-  auto parsed = poseidon::tools::ParseSchemeOverrides("fc1.weight=ps, fc2.weight=SFB,fc3=auto");
+  auto parsed =
+      poseidon::tools::ParseSchemeOverrides("fc1.weight=ps, fc2.weight=SFB,fc3=auto,c=allreduce");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
-  EXPECT_EQ(parsed->size(), 3u);
+  EXPECT_EQ(parsed->size(), 4u);
+  EXPECT_EQ(parsed->at("c"), v1::SYNC_SCHEME_ALLREDUCE);
   EXPECT_EQ(parsed->at("fc1.weight"), v1::SYNC_SCHEME_PS);
   EXPECT_EQ(parsed->at("fc2.weight"), v1::SYNC_SCHEME_SFB);
   EXPECT_EQ(parsed->at("fc3"), v1::SYNC_SCHEME_UNSPECIFIED);
   EXPECT_EQ(poseidon::tools::ParseSchemeOverrides("fc1").status().message(),
-            "--set: 'fc1' needs =ps, =sfb or =auto");
+            "--set: 'fc1' needs =ps, =sfb, =allreduce or =auto");
   EXPECT_EQ(poseidon::tools::ParseSchemeOverrides("fc1=fast").status().message(),
-            "--set: layer 'fc1': unknown scheme 'fast' (ps, sfb or auto)");
+            "--set: layer 'fc1': unknown scheme 'fast' (ps, sfb, allreduce or auto)");
   EXPECT_EQ(poseidon::tools::ParseSchemeOverrides("a=ps,a=sfb").status().message(),
             "--set: layer 'a' is named more than once");
   EXPECT_EQ(poseidon::tools::ParseSchemeOverrides("=ps").status().message(),
@@ -101,7 +103,7 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
             "INVALID_ARGUMENT: schemes['conv.weight']: layer 'conv.weight' is LAYER_KIND_CONV: "
             "only FC layers can use SFB"},
            {" --set nosuch.weight=ps", "has no layer 'nosuch.weight'"},
-           {" --set fc.weight", "'fc.weight' needs =ps, =sfb or =auto"},
+           {" --set fc.weight", "'fc.weight' needs =ps, =sfb, =allreduce or =auto"},
            {" --set fc.weight=fast", "unknown scheme 'fast'"},
            {" --reason why", "--reason needs --set"},
        }) {

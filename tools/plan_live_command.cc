@@ -66,6 +66,8 @@ std::string SchemeName(v1::SyncScheme scheme) {
       return "ps";
     case v1::SYNC_SCHEME_SFB:
       return "sfb";
+    case v1::SYNC_SCHEME_ALLREDUCE:
+      return "allreduce";
     default:
       return "auto";
   }
@@ -112,11 +114,11 @@ void PrintText(const Shown& shown) {
   size_t width = 5;
   for (const v1::LayerPlan& layer : plan.layers())
     width = std::max(width, layer.layer_name().size());
-  std::printf("%-*s  SCHEME%s\n", static_cast<int>(width), "LAYER",
+  std::printf("%-*s  %-9s%s\n", static_cast<int>(width), "LAYER", "SCHEME",
               shown.overriding ? "  OVERRIDDEN" : "");
   for (const v1::LayerPlan& layer : plan.layers()) {
     const bool forced = shown.overrides.contains(layer.layer_name());
-    std::printf("%-*s  %-6s%s\n", static_cast<int>(width), layer.layer_name().c_str(),
+    std::printf("%-*s  %-9s%s\n", static_cast<int>(width), layer.layer_name().c_str(),
                 SchemeName(layer.scheme()).c_str(),
                 shown.overriding ? (forced ? "  yes" : "  -") : "");
   }
@@ -187,7 +189,7 @@ absl::StatusOr<std::map<std::string, v1::SyncScheme>> ParseSchemeOverrides(absl:
     const size_t equals = entry.rfind('=');
     if (equals == absl::string_view::npos) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--set: '", entry, "' needs =ps, =sfb or =auto"));
+          absl::StrCat("--set: '", entry, "' needs =ps, =sfb, =allreduce or =auto"));
     }
     const std::string name(absl::StripAsciiWhitespace(entry.substr(0, equals)));
     const std::string value =
@@ -200,9 +202,11 @@ absl::StatusOr<std::map<std::string, v1::SyncScheme>> ParseSchemeOverrides(absl:
       scheme = v1::SYNC_SCHEME_PS;
     } else if (value == "sfb") {
       scheme = v1::SYNC_SCHEME_SFB;
+    } else if (value == "allreduce" || value == "ar") {
+      scheme = v1::SYNC_SCHEME_ALLREDUCE;
     } else if (value != "auto" && value != "default" && value != "unset") {
       return absl::InvalidArgumentError(absl::StrCat("--set: layer '", name, "': unknown scheme '",
-                                                     value, "' (ps, sfb or auto)"));
+                                                     value, "' (ps, sfb, allreduce or auto)"));
     }
     if (!schemes.emplace(name, scheme).second) {
       return absl::InvalidArgumentError(

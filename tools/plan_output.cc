@@ -40,7 +40,9 @@ const char* KindName(poseidon::v1::LayerKind kind) {
 }
 
 const char* SchemeName(poseidon::v1::SyncScheme scheme) {
-  return scheme == poseidon::v1::SYNC_SCHEME_SFB ? "SFB" : "PS";
+  return scheme == poseidon::v1::SYNC_SCHEME_SFB         ? "SFB"
+         : scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? "AR"
+                                                         : "PS";
 }
 
 // "13.5 KiB", "784.0 MiB", "512 B".
@@ -190,7 +192,7 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
     right.push_back(true);
     header.push_back("PS/machine");
   }
-  for (const char* column : {"SFB/worker", "chunks", "sync ms"}) {
+  for (const char* column : {"SFB/worker", "AR/worker", "chunks", "sync ms"}) {
     right.push_back(true);
     header.emplace_back(column);
   }
@@ -208,6 +210,9 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
     if (config.colocated) row.push_back(HumanBytes(layer.cost.ps_bytes.per_machine));
     row.push_back(layer.cost.sfb_bytes.has_value() ? HumanBytes(layer.cost.sfb_bytes->per_worker)
                                                    : "-");
+    row.push_back(layer.cost.allreduce_bytes.has_value()
+                      ? HumanBytes(layer.cost.allreduce_bytes->per_worker)
+                      : "-");
     row.push_back(absl::StrCat(layer.chunks));
     row.push_back(Millis(layer.seconds));
     table.Add(std::move(row));
@@ -234,9 +239,11 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
   }
   absl::StrAppend(&out, totals.Render());
   if (ps.compared_bytes > 0) {
-    absl::StrAppendFormat(&out, "the plan moves %.3f of PS-only's %s (%u of %d layers on SFB)\n",
+    absl::StrAppendFormat(&out,
+                          "the plan moves %.3f of PS-only's %s (%u of %d layers on SFB, %u on "
+                          "ring all-reduce)\n",
                           plan.compared_bytes / ps.compared_bytes, compared, report.sfb_layers,
-                          model.layers_size());
+                          model.layers_size(), report.allreduce_layers);
   }
   if (!report.compute_unknown_reason.empty()) {
     absl::StrAppend(&out, "iteration time and speed-up unknown: ", report.compute_unknown_reason,
@@ -340,6 +347,12 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
     } else {
       w.Null();
     }
+    w.Key("allreduce");
+    if (layer.cost.allreduce_bytes.has_value()) {
+      WriteVolume(w, *layer.cost.allreduce_bytes, *layer.allreduce_seconds);
+    } else {
+      w.Null();
+    }
     w.Key("sync_seconds");
     w.Number(layer.seconds);
     w.Key("forward_seconds");
@@ -362,6 +375,8 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
       : w.Null();
   w.Key("sfb_layers");
   w.Unsigned(report.sfb_layers);
+  w.Key("allreduce_layers");
+  w.Unsigned(report.allreduce_layers);
   w.Key("compute_unknown_reason");
   report.compute_unknown_reason.empty() ? w.Null() : w.String(report.compute_unknown_reason);
   w.Key("server_bytes");

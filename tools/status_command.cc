@@ -86,6 +86,8 @@ std::string SchemeName(v1::SyncScheme scheme) {
       return "ps";
     case v1::SYNC_SCHEME_SFB:
       return "sfb";
+    case v1::SYNC_SCHEME_ALLREDUCE:
+      return "allreduce";
     default:
       return "-";
   }

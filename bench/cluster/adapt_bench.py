@@ -49,8 +49,6 @@ import run_cluster as rc  # noqa: E402
 
 TOKEN = "adapt-bench-token"
 SECRET = "adapt-bench-secret"
-COORD_PORT = 7000
-SW_HOST = 254  # the switch namespace's address on br0: <subnet>.254
 
 
 def log(msg):
@@ -204,30 +202,19 @@ def run_job(args, n, rate0, iterations, changes, force, logdir, label):
     rc.LIVE.append(cluster)
     os.makedirs(logdir, exist_ok=True)
     b = args.build
-    env = dict(os.environ, POSEIDON_JOB_TOKEN=TOKEN, POSEIDON_COORDINATOR_TOKEN=TOKEN,
-               POSEIDON_JOB_SECRET=SECRET)
-    for k in ("POSEIDON_TOKEN", "POSEIDON_JOB_ID", "POSEIDON_COORDINATOR", "POSEIDON_CONFIG"):
-        env.pop(k, None)
+    env = dict(rc.coordinated_env(TOKEN), POSEIDON_JOB_SECRET=SECRET)
     rec = {"label": label, "n": n, "rate0_bps": rate0, "changes": [], "iterations": {},
            "switches": [], "status": [], "plans": [], "force": force}
     try:
         cluster.up()
-        cluster._ip("-n", cluster.sw, "addr", "add", f"{args.subnet}.{SW_HOST}/24", "dev", "br0")
-        args.coord_addr = f"{args.subnet}.{SW_HOST}:{COORD_PORT}"
-        coord = subprocess.Popen(
-            ["ip", "netns", "exec", cluster.sw, os.path.join(b, "coordinator",
-                                                             "poseidon-coordinator"),
-             f"--listen={args.coord_addr}", "--job_id=1", f"--bandwidth={int(args.high_scaled)}bit",
-             "--colocated=false", f"--latency={args.latency}",
-             f"--block_size={args.agent_sizes['block_bytes']}",
+        args.coord_addr = rc.start_coordinator(
+            cluster, b, args.subnet, logdir, env,
+            [f"--bandwidth={int(args.high_scaled)}bit", "--colocated=false",
+             f"--latency={args.latency}", f"--block_size={args.agent_sizes['block_bytes']}",
              f"--replan_min_interval={args.replan_min_interval}",
-             f"--plan_lead_time={args.plan_lead_time}", f"--plan_lead={args.plan_lead}",
-             "--log_level=debug"],
-            stdout=open(os.path.join(logdir, "coordinator.log"), "w"), stderr=subprocess.STDOUT,
-            env=env, start_new_session=True)
-        coord.log, coord.name = os.path.join(logdir, "coordinator.log"), "coordinator"
-        cluster.procs.append(coord)
-        rc.wait_for(coord, "listening on", 60)
+             f"--plan_lead_time={args.plan_lead_time}", f"--plan_lead={args.plan_lead}"],
+            log_level="debug")
+        coord = cluster.procs[-1]
         servers = []
         for h in range(n, 2 * n):
             servers.append(cluster.start(h, f"server{h - n}", [

@@ -44,14 +44,23 @@ MODELS_DIR = os.path.join(ROOT, "coordinator", "models")
 GPU_RATES = {"titanx": 6.1e12}  # FLOP/s; bench/synth uses the same Titan X-class rate
 ALL_MODELS = ["vgg19", "vgg19-22k", "inception-v3", "resnet-152", "googlenet"]
 MODES = {
-    # name: (agent scheme, synth wfbp, servers on separate hosts)
-    "poseidon": ("auto", True, False),
-    "ps": ("ps", True, False),
-    "no-wfbp": ("auto", False, False),
-    "no-priority": ("auto", True, False),  # agents synchronise in arrival order (--priority=false)
-    "sep-servers": ("auto", True, True),
-    "ddp": (None, True, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py, no Poseidon
+    # name: (agent scheme, synth wfbp, servers on separate hosts, through a coordinator)
+    "poseidon": ("auto", True, False, False),
+    "ps": ("ps", True, False, False),
+    "no-wfbp": ("auto", False, False, False),
+    "no-priority": ("auto", True, False, False),  # arrival order (--priority=false)
+    "sep-servers": ("auto", True, True, False),
+    # Ring all-reduce (Gloo) for every layer; its rendezvous needs the coordinator.
+    "allreduce": ("allreduce", True, False, True),
+    # The coordinator's plan (its time rule: PS, SFB or ring all-reduce per layer), on the
+    # nominal network (no start-up probes: the plan does not depend on this host's load).
+    "coord-auto": ("auto", True, False, True),
+    "ddp": (None, True, False, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py
 }
+# A coordinator in the switch namespace, on <subnet>.SW_HOST of the bridge (adapt_bench too).
+COORD_TOKEN = "run-cluster-token"
+COORD_PORT = 7000
+SW_HOST = 254
 DDP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_worker.py")
 # The agent's defaults (agent/agent.h, AgentConfig) for the unscaled cluster; the harness passes
 # each divided by s^2 (a byte size bounds bytes, which scale by 1/s^2).
@@ -348,9 +357,34 @@ def permitted():
 # One run
 
 
+def coordinated_env(token):
+    """The environment of a job's daemons through a coordinator with one token for everything."""
+    env = dict(os.environ, POSEIDON_JOB_TOKEN=token, POSEIDON_COORDINATOR_TOKEN=token)
+    for k in ("POSEIDON_TOKEN", "POSEIDON_JOB_ID", "POSEIDON_COORDINATOR", "POSEIDON_CONFIG"):
+        env.pop(k, None)
+    return env
+
+
+def start_coordinator(cluster, build, subnet, logdir, env, flags, log_level="warn"):
+    """poseidon-coordinator for job 1 in the switch namespace, reachable from every host; returns
+    its address once it listens."""
+    cluster._ip("-n", cluster.sw, "addr", "add", f"{subnet}.{SW_HOST}/24", "dev", "br0")
+    address = f"{subnet}.{SW_HOST}:{COORD_PORT}"
+    coord = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.sw, os.path.join(build, "coordinator",
+                                                         "poseidon-coordinator"),
+         f"--listen={address}", "--job_id=1", *flags, f"--log_level={log_level}"],
+        stdout=open(os.path.join(logdir, "coordinator.log"), "w"), stderr=subprocess.STDOUT,
+        env=env, start_new_session=True)
+    coord.log, coord.name = os.path.join(logdir, "coordinator.log"), "coordinator"
+    cluster.procs.append(coord)
+    wait_for(coord, "listening on", 60)
+    return address
+
+
 def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, rate_bps, subnet,
             logroot):
-    scheme, wfbp, separate = MODES[mode]
+    scheme, wfbp, separate, coordinated = MODES[mode]
     hosts = 2 * n if separate else n
     cluster = Cluster(hosts, rate_bps, subnet, args.slow_start_after_idle)
     LIVE.append(cluster)
@@ -363,11 +397,21 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
         if scheme is None:
             return run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir)
         server_hosts = list(range(n, 2 * n)) if separate else list(range(n))
+        env, joined = None, []
+        if coordinated:
+            env = dict(coordinated_env(COORD_TOKEN), POSEIDON_JOB_SECRET=secret)
+            address = start_coordinator(
+                cluster, b, subnet, logdir, env,
+                [f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
+                 f"--block_size={args.agent_sizes['block_bytes']}",
+                 f"--min_servers={len(server_hosts)}"])
+            joined = [f"--coordinator={address}"]
         servers = []
         for j, h in enumerate(server_hosts):
             p = cluster.start(h, f"server{j}", [
                 os.path.join(b, "server", "poseidon-server"), f"--listen={cluster.addr(h)}:7100",
-                f"--job_id={job}", f"--job_secret={secret}", "--log_level=warn"], logdir)
+                f"--job_id={job}", *(joined or [f"--job_secret={secret}"]), "--log_level=warn"],
+                logdir, env=env)
             servers.append(p)
         for p in servers:
             wait_for(p, "listening on", 60)
@@ -379,12 +423,14 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
             cluster.segments.append(seg)
             p = cluster.start(r, f"agent{r}", [
                 os.path.join(b, "agent", "poseidon-agent"), f"--job_id={job}", f"--secret={secret}",
-                f"--rank={r}", f"--world_size={n}", f"--servers={server_list}", f"--peers={peers}",
+                f"--rank={r}", f"--world_size={n}",
+                *(joined + ["--probe_bytes=0"] if coordinated
+                  else [f"--servers={server_list}", f"--peers={peers}"]),
                 f"--listen={cluster.addr(r)}:7200", f"--scheme={scheme}",
                 f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
                 f"--priority={'false' if mode == 'no-priority' else 'true'}",
                 *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
-                f"--segment={seg}", "--log_level=warn"], logdir)
+                f"--segment={seg}", "--log_level=warn"], logdir, env=env)
             agents.append((p, seg))
         for p, _ in agents:
             wait_for(p, "poseidon-agent ready", 120)

@@ -245,7 +245,10 @@ int main(int argc, char** argv) {
       ++switches;
       if (absl::GetFlag(FLAGS_print_switches)) {
         std::printf("poseidon-synth rank %u: layer %u (%s) runs %s from iteration %llu\n", rank,
-                    l, layer.name.c_str(), scheme == PSD_SYNC_SFB ? "SFB" : "PS",
+                    l, layer.name.c_str(),
+                    scheme == PSD_SYNC_SFB         ? "SFB"
+                    : scheme == PSD_SYNC_ALLREDUCE ? "AR"
+                                                   : "PS",
                     static_cast<unsigned long long>(t));
         std::fflush(stdout);
       }

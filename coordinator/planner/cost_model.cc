@@ -26,6 +26,16 @@ SchemeVolume SfbElements(uint64_t m, uint64_t n, const ClusterShape& cluster) {
   return v;
 }
 
+SchemeVolume AllreduceElements(uint64_t parameters, const ClusterShape& cluster) {
+  const double s = static_cast<double>(parameters);
+  const double p1 = cluster.workers;
+  SchemeVolume v;
+  v.per_worker = 4 * s * (p1 - 1) / p1;
+  v.per_server = 0;
+  v.per_machine = v.per_worker;
+  return v;
+}
+
 bool SfbNoCostlierThanPs(uint64_t m, uint64_t n, const ClusterShape& cluster) {
   // Both sides divided by 2, in 128 bits: the planner's limits (M·N < 2^64, P1, P2 <= 2^16,
   // K <= 2^20) keep every product below 2^118.
@@ -61,6 +71,9 @@ LayerCost CostOfLayer(const LayerSpec& layer, uint64_t element_bytes, const Clus
   cost.parameters = 1;
   for (const uint64_t d : layer.shape()) cost.parameters *= d;
   cost.ps_bytes = Scale(PsElements(cost.parameters, cluster), element_bytes);
+  if (cluster.workers > 1) {
+    cost.allreduce_bytes = Scale(AllreduceElements(cost.parameters, cluster), element_bytes);
+  }
   if (layer.kind() == poseidon::v1::LAYER_KIND_FC && layer.shape_size() == 2) {
     const uint64_t m = layer.shape(0);
     const uint64_t n = layer.shape(1);

@@ -9,6 +9,7 @@
 //   scheme | per server   | per worker        | per machine, servers colocated with workers
 //   PS     | 2·P1·S/P2    | 2·S               | 2·S·(P1+P2−2)/P2
 //   SFB    | 0            | 2·K·(P1−1)·(M+N)  | 2·K·(P1−1)·(M+N)
+//   AR     | 0            | 4·S·(P1−1)/P1     | 4·S·(P1−1)/P1
 //
 // PS: each worker pushes its S-element gradient and pulls S elements back (2·S); the servers share
 // the layer evenly, so each receives S/P2 from every worker and sends S/P2 back to each
@@ -16,9 +17,12 @@
 // own server and that server's traffic with its own worker stay local: 2·S·(P2−1)/P2 +
 // 2·S·(P1−1)/P2. SFB: each worker sends its K pairs of factors (u ∈ R^M, v ∈ R^N) to each of the
 // P1−1 other workers and receives theirs; no server is involved, so a machine moves what its worker
-// moves.
+// moves. AR (ring all-reduce, P1 > 1): reduce-scatter then all-gather, each worker sends and
+// receives S/P1 elements in each of 2·(P1−1) steps: the bytes of colocated PS with P2 = P1, without
+// the servers (and their incast), at the price of 2·(P1−1) message latencies instead of two. AR
+// is not part of the bytes rule below (the paper's); the time rule (planner.h) weighs it.
 //
-// The selection rule (Poseidon's): an FC layer uses SFB when its SFB cost is at most its PS cost,
+// The selection rule (Poseidon's, between PS and SFB): an FC layer uses SFB when its SFB cost is at most its PS cost,
 // where the two numbers compared are those of the busiest link that differs between the schemes,
 // the network interface of one worker machine:
 //   - colocated:     SFB per worker  2·K·(P1−1)·(M+N)  <=  PS per machine  2·M·N·(P1+P2−2)/P2
@@ -59,6 +63,8 @@ SchemeVolume PsElements(uint64_t parameters, const ClusterShape& cluster);
 
 // SFB volume of an M×N FC layer, in elements.
 SchemeVolume SfbElements(uint64_t m, uint64_t n, const ClusterShape& cluster);
+// Ring all-reduce volume of a layer with `parameters` elements, in elements (P1 > 1).
+SchemeVolume AllreduceElements(uint64_t parameters, const ClusterShape& cluster);
 
 // The rule above for an M×N FC layer: true when SFB costs at most as much as PS.
 bool SfbNoCostlierThanPs(uint64_t m, uint64_t n, const ClusterShape& cluster);
@@ -72,6 +78,7 @@ struct LayerCost {
   uint64_t element_bytes = 0;
   SchemeVolume ps_bytes;
   std::optional<SchemeVolume> sfb_bytes;  // FC layers only
+  std::optional<SchemeVolume> allreduce_bytes;  // P1 > 1 only
   poseidon::v1::SyncScheme scheme = poseidon::v1::SYNC_SCHEME_PS;
 };
 

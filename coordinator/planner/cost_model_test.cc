@@ -141,5 +141,16 @@ TEST(CostModelTest, ComparedVolumeDependsOnColocation) {
   EXPECT_EQ(ComparedVolume(v, false), 1);
 }
 
+TEST(CostModelTest, AllreduceElementsFollowTheTable) {
+  // Ring all-reduce: 2·(P1−1) steps of S/P1 out and S/P1 in, no server.
+  const SchemeVolume v = AllreduceElements(1000, {4, 2, 1, false});
+  EXPECT_DOUBLE_EQ(v.per_worker, 4.0 * 1000 * 3 / 4);
+  EXPECT_DOUBLE_EQ(v.per_server, 0);
+  EXPECT_DOUBLE_EQ(v.per_machine, v.per_worker);
+  // Colocated with P2 = P1 = P: the same bytes as PS per machine.
+  EXPECT_DOUBLE_EQ(AllreduceElements(1000, {8, 8, 1, true}).per_worker,
+                   PsElements(1000, {8, 8, 1, true}).per_machine);
+}
+
 }  // namespace
 }  // namespace poseidon::planner

@@ -68,8 +68,9 @@ uint64_t ToBytes(double bytes) {
 // Adds one layer's bytes under `scheme` to `totals`.
 void Accumulate(const LayerCost& cost, poseidon::v1::SyncScheme scheme, double seconds,
                 bool colocated, SchemeTotals& totals) {
-  const SchemeVolume& volume =
-      scheme == poseidon::v1::SYNC_SCHEME_SFB ? *cost.sfb_bytes : cost.ps_bytes;
+  const SchemeVolume& volume = scheme == poseidon::v1::SYNC_SCHEME_SFB         ? *cost.sfb_bytes
+                               : scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? *cost.allreduce_bytes
+                                                                               : cost.ps_bytes;
   totals.bytes_per_worker += volume.per_worker;
   totals.bytes_per_server += volume.per_server;
   totals.bytes_per_machine += volume.per_machine;
@@ -83,7 +84,8 @@ void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t wor
   std::vector<LayerTiming> timings;
   timings.reserve(layers.size());
   for (const LayerReport& layer : layers) {
-    const bool sfb = use_plan && layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB;
+    // An SFB layer and an all-reduce are one piece each.
+    const bool sfb = use_plan && layer.cost.scheme != poseidon::v1::SYNC_SCHEME_PS;
     timings.push_back(LayerTiming{layer.compute->forward, layer.compute->backward,
                                   use_plan ? layer.seconds : layer.ps_seconds,
                                   sfb ? uint64_t{1} : layer.ps_chunks});
@@ -109,10 +111,16 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       return absl::InvalidArgumentError(
           absl::StrCat("scheme override for layer '", name, "': the model has no such layer"));
     }
-    if (scheme != poseidon::v1::SYNC_SCHEME_PS && scheme != poseidon::v1::SYNC_SCHEME_SFB) {
+    if (scheme != poseidon::v1::SYNC_SCHEME_PS && scheme != poseidon::v1::SYNC_SCHEME_SFB &&
+        scheme != poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
       return absl::InvalidArgumentError(absl::StrCat("scheme override for layer '", name,
-                                                     "': scheme must be PS or SFB, got ",
-                                                     static_cast<int>(scheme)));
+                                                     "': scheme must be PS, SFB or ALLREDUCE, "
+                                                     "got ", static_cast<int>(scheme)));
+    }
+    if (scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE && (config.workers < 2 || !config.allreduce)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scheme override for layer '", name,
+                       "': all-reduce needs at least 2 workers and all-reduce enabled"));
     }
     if (scheme == poseidon::v1::SYNC_SCHEME_SFB && layer->kind() != poseidon::v1::LAYER_KIND_FC) {
       return absl::InvalidArgumentError(absl::StrCat("scheme override for layer '", name,
@@ -155,13 +163,26 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
                                                                    : poseidon::v1::SYNC_SCHEME_PS;
       }
     }
+    if (!config.allreduce) layer.cost.allreduce_bytes.reset();
+    if (layer.cost.allreduce_bytes.has_value()) {
+      layer.allreduce_seconds =
+          AllreduceSeconds(*layer.cost.allreduce_bytes, config.workers, network);
+      const double best_other = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
+                                    ? *layer.sfb_seconds
+                                    : layer.ps_seconds;
+      if (config.scheme_rule == SchemeRule::kTime && *layer.allreduce_seconds < best_other) {
+        layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
+      }
+    }
     if (const auto forced = config.scheme_overrides.find(spec.name());
         forced != config.scheme_overrides.end()) {
-      layer.cost.scheme = forced->second;  // checked above: PS, or SFB for an FC layer
+      layer.cost.scheme = forced->second;  // checked above: PS, all-reduce, or SFB for FC
       layer.overridden = true;
     }
-    layer.seconds =
-        layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds : layer.ps_seconds;
+    layer.seconds = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds
+                    : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE
+                        ? *layer.allreduce_seconds
+                        : layer.ps_seconds;
     layer.compute = LayerComputeSeconds(spec, layer.batch_per_worker, gpu);
     if (!layer.compute.has_value() && report.compute_unknown_reason.empty()) {
       report.compute_unknown_reason =
@@ -172,6 +193,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     // Every layer is partitioned, so its chunks do not depend on the schemes (planner.h, 3.).
     partitioned.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) ++report.allreduce_layers;
     Accumulate(layer.cost, layer.cost.scheme, layer.seconds, config.colocated, report.plan);
     Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, layer.ps_seconds, config.colocated,
                report.ps_only);
@@ -198,9 +220,10 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     out->set_layer_name(layer.name);
     out->set_scheme(layer.cost.scheme);
     out->set_priority(layer.index);
-    const SchemeVolume& volume = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
-                                     ? *layer.cost.sfb_bytes
-                                     : layer.cost.ps_bytes;
+    const SchemeVolume& volume =
+        layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB         ? *layer.cost.sfb_bytes
+        : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? *layer.cost.allreduce_bytes
+                                                                   : layer.cost.ps_bytes;
     out->set_predicted_bytes_per_worker(ToBytes(volume.per_worker));
     out->set_predicted_seconds(layer.seconds);
   }

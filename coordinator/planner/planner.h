@@ -51,7 +51,9 @@ enum class SchemeRule {
   // SFB when its predicted synchronisation time is at most PS's (time_model.h: PsSeconds,
   // SfbSeconds): the bytes rule plus per-leg latency (PS two legs, SFB one) and, not colocated,
   // the servers' interfaces. It depends on bandwidth and latency, so measured telemetry can move
-  // a layer near the boundary from one scheme to the other (the coordinator re-plans then).
+  // a layer near the boundary from one scheme to the other (the coordinator re-plans then). Any
+  // layer goes by ring all-reduce (PlannerConfig::allreduce) when that is strictly faster than
+  // the better of the other two (AllreduceSeconds: 2·(P1−1) legs).
   kTime,
 };
 
@@ -68,9 +70,12 @@ struct PlannerConfig {
   // The rate that turns a spec's FLOPs into compute time; without it only measured times count.
   std::optional<GpuRate> gpu;
   SchemeRule scheme_rule = SchemeRule::kBytes;
+  // Ring all-reduce is on the menu of the time rule (the agents can run it: P1 > 1 and a
+  // coordinator for its rendezvous).
+  bool allreduce = true;
   // Layer name -> scheme forced instead of the rule's choice (an operator's override).
-  // SYNC_SCHEME_PS for any layer, SYNC_SCHEME_SFB only for FC layers; an unknown name, SFB for a
-  // non-FC layer or any other value is an error naming the layer.
+  // SYNC_SCHEME_PS or SYNC_SCHEME_ALLREDUCE for any layer, SYNC_SCHEME_SFB only for FC layers;
+  // an unknown name, SFB for a non-FC layer or any other value is an error naming the layer.
   std::map<std::string, poseidon::v1::SyncScheme, std::less<>> scheme_overrides;
 
   // Copied into the Plan.
@@ -96,6 +101,7 @@ struct LayerReport {
   LayerCost cost;                 // bytes under PS and (FC) SFB, and the chosen scheme
   double ps_seconds = 0;
   std::optional<double> sfb_seconds;
+  std::optional<double> allreduce_seconds;  // P1 > 1
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;
   uint32_t chunks = 0;      // chunks of the layer in the plan (an SFB layer's are used under PS)
@@ -120,6 +126,7 @@ struct PlanReport {
   SchemeTotals plan;     // the chosen schemes
   SchemeTotals ps_only;  // PS for every layer, for comparison
   uint32_t sfb_layers = 0;
+  uint32_t allreduce_layers = 0;
   // Empty when every layer's compute time is known; else why not (names the first such layer).
   std::string compute_unknown_reason;
   // Bytes of the chunks placed on each server (every layer's, SFB layers' included: the

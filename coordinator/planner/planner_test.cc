@@ -416,7 +416,84 @@ TEST(PlannerTest, OverridesForceSchemesAndAreChecked) {
             "scheme override for layer 'fc7.bias': SFB needs an FC layer, this one is "
             "LAYER_KIND_BIAS");
   EXPECT_EQ(refused("fc7.weight", poseidon::v1::SYNC_SCHEME_UNSPECIFIED),
-            "scheme override for layer 'fc7.weight': scheme must be PS or SFB, got 0");
+            "scheme override for layer 'fc7.weight': scheme must be PS, SFB or ALLREDUCE, got 0");
+
+  // All-reduce may be forced on any layer, given two workers or more.
+  config = PaperCluster();
+  config.scheme_overrides["conv1_1.weight"] = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
+  result = BuildPlan(model, config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(FindLayer(result->plan, "conv1_1.weight")->scheme(),
+            poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(result->report.allreduce_layers, 1u);
+  config.workers = 1;
+  config.servers = 1;
+  config.colocated = false;
+  EXPECT_EQ(BuildPlan(model, config).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// One conv layer of S = 2^20 parameters (4 MiB) and a 16-element bias.
+ModelSpec ConvAndBias() {
+  ModelSpec model;
+  model.set_name("conv-and-bias");
+  auto* conv = model.add_layers();
+  conv->set_name("conv.weight");
+  conv->set_kind(poseidon::v1::LAYER_KIND_CONV);
+  for (const uint64_t d : {256, 256, 4, 4}) conv->add_shape(d);
+  auto* bias = model.add_layers();
+  bias->set_name("conv.bias");
+  bias->set_kind(poseidon::v1::LAYER_KIND_BIAS);
+  bias->add_shape(16);
+  return model;
+}
+
+TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
+  // 8 workers and one server, not colocated: PS's busiest interface is the server's, 2·8·S
+  // elements; the ring moves 4·S·7/8 through each worker's. At 10 Gbit/s and 50 us per leg the
+  // 4 MiB layer takes 2 legs + 54 ms by PS, 14 legs + 11.7 ms by ring: ring. The bias pays the
+  // ring's 14 legs for nothing: PS.
+  PlannerConfig config;
+  config.workers = 8;
+  config.servers = 1;
+  config.batch_per_worker = 1;
+  config.bandwidth_bytes_per_second = 10e9 / 8;
+  config.latency_seconds = 50e-6;
+  config.scheme_rule = SchemeRule::kTime;
+  absl::StatusOr<PlanResult> result = BuildPlan(ConvAndBias(), config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const LayerReport& conv = result->report.layers[0];
+  ASSERT_TRUE(conv.cost.allreduce_bytes.has_value());
+  EXPECT_DOUBLE_EQ(conv.cost.allreduce_bytes->per_worker, 4.0 * (1 << 20) * 7 / 8 * 4);
+  EXPECT_DOUBLE_EQ(*conv.allreduce_seconds,
+                   14 * 50e-6 + 4.0 * (1 << 20) * 7 / 8 * 4 / (2 * config.bandwidth_bytes_per_second));
+  EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(result->plan.layers(1).scheme(), poseidon::v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(result->report.allreduce_layers, 1u);
+  EXPECT_FALSE(result->plan.layers(0).chunks().empty());  // the chunks it would use on PS
+  EXPECT_EQ(result->plan.layers(0).predicted_bytes_per_worker(),
+            static_cast<uint64_t>(4.0 * (1 << 20) * 7 / 8 * 4));
+
+  // The bytes rule is the paper's (PS or SFB); all-reduce off; colocated with P2 = P1 the ring
+  // moves PS's bytes with more legs: PS in all three.
+  PlannerConfig bytes = config;
+  bytes.scheme_rule = SchemeRule::kBytes;
+  PlannerConfig off = config;
+  off.allreduce = false;
+  PlannerConfig colocated = config;
+  colocated.servers = 8;
+  colocated.colocated = true;
+  for (const PlannerConfig& c : {bytes, off, colocated}) {
+    result = BuildPlan(ConvAndBias(), c);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_PS);
+    EXPECT_EQ(result->report.allreduce_layers, 0u);
+  }
+  // One worker: no ring at all.
+  PlannerConfig one = config;
+  one.workers = 1;
+  result = BuildPlan(ConvAndBias(), one);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->report.layers[0].cost.allreduce_bytes.has_value());
 }
 
 }  // namespace

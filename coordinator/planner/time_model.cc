@@ -22,6 +22,13 @@ double SfbSeconds(const SchemeVolume& sfb, const NetworkModel& network) {
   return network.latency_seconds + sfb.per_worker / (2 * network.bandwidth_bytes_per_second);
 }
 
+double AllreduceSeconds(const SchemeVolume& allreduce, uint32_t workers,
+                        const NetworkModel& network) {
+  const double steps = 2.0 * (std::max<uint32_t>(workers, 1) - 1);
+  return steps * network.latency_seconds +
+         allreduce.per_worker / (2 * network.bandwidth_bytes_per_second);
+}
+
 std::vector<GpuRate> KnownGpuRates() {
   return {
       {"titanx", 6.1e12},

@@ -14,6 +14,8 @@
 //     (2·P1·S/P2 bytes). The servers' share assumes the layer is spread evenly over them, which
 //     the partitioner approximates over consecutive layers.
 //   - SFB: one leg (factors go to all peers at once): latency + per-worker volume / (2·bandwidth).
+//   - AR (ring all-reduce): 2·(P1−1) steps, each a leg to the next rank: 2·(P1−1)·latency +
+//     per-worker volume / (2·bandwidth). The ring's steps pipeline the bytes, not the latencies.
 //   Reconstructing the gradient from factors (a K×M by K×N product per peer on the GPU) is not
 //   counted; neither are server CPU time nor congestion in the switch.
 //
@@ -50,6 +52,10 @@ double PsSeconds(const SchemeVolume& ps, bool colocated, const NetworkModel& net
 
 // Seconds one iteration's SFB synchronisation of a layer takes (`sfb` in bytes).
 double SfbSeconds(const SchemeVolume& sfb, const NetworkModel& network);
+
+// Seconds one iteration's ring all-reduce of a layer takes among `workers` (`allreduce` in bytes).
+double AllreduceSeconds(const SchemeVolume& allreduce, uint32_t workers,
+                        const NetworkModel& network);
 
 // A GPU's sustained floating-point rate for the compute model.
 struct GpuRate {

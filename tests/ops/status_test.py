@@ -38,7 +38,8 @@ def run_status(cli, *args, env=None):
 
 def training_status(args, addr, jenv, daemons, segments):
     """Two agents joined through the coordinator, each with a poseidon-synth training the tiny
-    model; their telemetry (every 200ms) must reach `poseidon status`."""
+    model; their telemetry (every 200ms) must reach `poseidon status`. By PS (at 2 ranks the
+    time rule would put every layer on ring all-reduce, and the server's links must be busy)."""
     agents = []
     for rank in range(2):
         segment = f"/psd-ops-status-{os.getpid()}-{rank}"
@@ -46,7 +47,8 @@ def training_status(args, addr, jenv, daemons, segments):
         agent = Daemon(f"agent {rank}", [
             args.agent, "--job_id=1", "--secret=ops-status-secret", f"--rank={rank}",
             "--world_size=2", f"--coordinator={addr}", "--listen=127.0.0.1:0",
-            f"--segment={segment}", "--telemetry_interval=200ms", "--log_level=warn"])
+            f"--segment={segment}", "--telemetry_interval=200ms", "--scheme=ps",
+            "--log_level=warn"])
         daemons.append(agent)
         agents.append(agent)
     for agent in agents:

@@ -22,7 +22,7 @@ import poseidon.torch
 K, STEPS = 8, 30
 
 
-SWITCH_STEPS = 1500  # at most, in switch mode (it stops 5 steps after the second switch)
+SWITCH_STEPS = 2000  # at most, in switch mode (it stops 5 steps after the third switch)
 
 
 def model_and_data(seed=0, workers=4, device="cpu", steps=STEPS):
@@ -72,7 +72,7 @@ def main(out, modes=()):
             if last is not None and scheme != last:
                 switches.append((step, scheme))
                 print(f"step {step}: 0.weight runs {scheme}", flush=True)
-                if len(switches) == 2:
+                if len(switches) == 3:
                     stop_at = step + 5
             last = scheme
             if step == stop_at:

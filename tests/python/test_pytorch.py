@@ -114,6 +114,10 @@ class Equivalence(WorkersTest):
     def test_sfb(self):
         self.check_scheme("sfb", "SFB,PS,SFB,PS")
 
+    def test_allreduce(self):
+        # Every layer by Gloo's ring among the 4 agents (rendezvous through the coordinator).
+        self.check_scheme("allreduce", "AR,AR,AR,AR")
+
     def test_auto(self):
         # The launcher's coordinator plans by predicted time (its default scheme rule): at these
         # sizes both Linear weights are faster by SFB, which saves PS's second latency leg
@@ -208,8 +212,9 @@ class Cuda(WorkersTest):
 
 class PlanChange(unittest.TestCase):
     """Plans that change while training runs: 2 ranks train through a coordinator while the
-    operator moves 0.weight from SFB to PS and back (`poseidon plan --set`); both ranks switch at
-    the same iterations and the parameters equal one process's on the 2x-larger batch."""
+    operator moves 0.weight from SFB to PS, to ring all-reduce, and back to SFB (`poseidon plan
+    --set`); both ranks switch at the same iterations and the parameters equal one process's on
+    the 2x-larger batch."""
 
     def test_a_layer_moved_to_ps_and_back_trains_exactly(self):
         from poseidon import run as launcher
@@ -263,14 +268,16 @@ class PlanChange(unittest.TestCase):
                                           daemon=True)
                 reader.start()
                 # Once the coordinator knows the job's pace (a few seconds of reports), move
-                # the layer to PS, then (once the ranks report the switch) back to SFB.
+                # the layer to PS, then (each time once the ranks report the switch) to ring
+                # all-reduce and back to SFB.
                 deadline = time.monotonic() + 120
                 while agents_iteration() < 60 and time.monotonic() < deadline:
                     time.sleep(0.5)
-                print(force("ps"))
-                while (not any("0.weight runs PS" in l for l in list(lines))
-                       and job_proc.poll() is None and time.monotonic() < deadline):
-                    time.sleep(0.2)
+                for scheme, shown in (("ps", "PS"), ("allreduce", "AR")):
+                    print(force(scheme))
+                    while (not any(f"0.weight runs {shown}" in l for l in list(lines))
+                           and job_proc.poll() is None and time.monotonic() < deadline):
+                        time.sleep(0.2)
                 print(force("sfb"))
                 job_proc.wait(timeout=300)
                 reader.join(timeout=30)
@@ -278,7 +285,7 @@ class PlanChange(unittest.TestCase):
                 self.assertEqual(job_proc.returncode, 0, output)
                 record = torch.load(out + ".switches")
                 got = torch.load(out)
-            self.assertEqual([s for _, s in record["switches"]], ["PS", "SFB"], output)
+            self.assertEqual([s for _, s in record["switches"]], ["PS", "AR", "SFB"], output)
             # Both ranks saw the same switches (they stopped at the same step, or the job would
             # have failed) and rank 0 printed them.
             for step, scheme in record["switches"]:

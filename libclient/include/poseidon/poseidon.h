@@ -54,6 +54,7 @@ typedef enum psd_status {
 #define PSD_FLOAT32 1u
 #define PSD_SYNC_PS 1u
 #define PSD_SYNC_SFB 2u
+#define PSD_SYNC_ALLREDUCE 3u /* the gradient in, the sum out: as PS for the framework */
 
 typedef struct psd_context psd_context;
 

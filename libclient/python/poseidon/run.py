@@ -86,7 +86,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="poseidon run", description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", "--workers", type=int, default=2)
     ap.add_argument("--servers", type=int, default=1)
-    ap.add_argument("--scheme", choices=["auto", "ps", "sfb"], default="auto")
+    ap.add_argument("--scheme", choices=["auto", "ps", "sfb", "allreduce"], default="auto")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="plan from --bandwidth and the coordinator's nominal latency instead of "

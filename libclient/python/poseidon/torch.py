@@ -48,8 +48,8 @@ import torch
 
 import poseidon
 from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
-                    PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_FUSABLE, PSD_LAYER_OTHER, PSD_SYNC_SFB,
-                    check, lib)
+                    PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_FUSABLE, PSD_LAYER_OTHER,
+                    PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB, check, lib)
 
 BROADCAST_LAYER = "__poseidon_broadcast__"
 BUFFERS_LAYER = "__poseidon_buffers__"
@@ -684,8 +684,8 @@ class _Engine:
     def plan(self):
         if not self.registered:
             raise PoseidonError(5, "the plan is made at the first forward pass")
-        return [(l.name, "SFB" if self.scheme(l) == PSD_SYNC_SFB else "PS", l.param.numel())
-                for l in self.layers]
+        names = {PSD_SYNC_SFB: "SFB", PSD_SYNC_ALLREDUCE: "AR"}
+        return [(l.name, names.get(self.scheme(l), "PS"), l.param.numel()) for l in self.layers]
 
     @contextlib.contextmanager
     def no_sync(self):
