@@ -134,7 +134,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // Ring all-reduce can run: several ranks, a coordinator for Gloo's rendezvous, and the scheme
   // not forced to PS (which a server-side rule does) or SFB.
   bool AllreducePossible() const {
-    return coord_ != nullptr && config_.world_size > 1 &&
+    return config_.allreduce && coord_ != nullptr && config_.world_size > 1 &&
            (config_.scheme == "auto" || config_.scheme == "allreduce");
   }
   uint64_t RunningEpoch() const;

@@ -31,6 +31,7 @@ struct AgentConfig {
   std::string scheme = "auto";       // auto (HybComm), ps, sfb, allreduce
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
+  bool allreduce = true;  // ring all-reduce may be planned (needs a coordinator and 2+ ranks)
   uint64_t block_bytes = uint64_t{4} << 20;
   uint64_t credit_bytes = uint64_t{64} << 20;
   // Consecutive small PS layers (each a single chunk) are fused into one key of at most this

@@ -22,6 +22,7 @@ struct Flags {
   std::string scheme = "auto";
   double bandwidth = 1.25e9;
   bool colocated = true;
+  bool allreduce = true;
   uint64_t block_bytes = 4u << 20;
   uint64_t credit_bytes = 64u << 20;
   uint64_t bucket_bytes = 512u << 10;
@@ -64,6 +65,8 @@ poseidon::ConfigSchema<Flags> Schema() {
              poseidon::OneOf({"auto", "ps", "sfb", "allreduce"}))
       .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
       .Field("colocated", &Flags::colocated, "servers share machines with workers")
+      .Field("allreduce", &Flags::allreduce,
+             "ring all-reduce (Gloo) may be planned for this job (false: Gloo's ports stay closed)")
       .ByteSizeField("block_bytes", &Flags::block_bytes, "largest PS chunk",
                      InRange<uint64_t>(4096, uint64_t{1} << 30))
       .ByteSizeField("credit_bytes", &Flags::credit_bytes, "bytes in flight before queueing",
@@ -134,6 +137,7 @@ int main(int argc, char** argv) {
   c.scheme = f.scheme;
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;
+  c.allreduce = f.allreduce;
   c.block_bytes = f.block_bytes;
   c.credit_bytes = f.credit_bytes;
   c.bucket_bytes = f.bucket_bytes;

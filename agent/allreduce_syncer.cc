@@ -14,6 +14,7 @@
 // Thread model: Start and Waiting on the main thread; the collectives on the pool's threads; a
 // CUDA layer's staging callback on the stager's thread. mu_ guards the queue, the pool's counts,
 // the running set and the broken state (a leaf lock; never held in Gloo).
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -37,6 +38,10 @@ namespace {
 std::chrono::milliseconds Millis(absl::Duration d) {
   return std::chrono::milliseconds(std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
 }
+
+// The step probes at connection (Ready) and their tag, above every layer's.
+constexpr int kStepProbes = 15;
+constexpr uint32_t kProbeTag = 0xffffffffu;
 
 class AllreduceSyncer final : public Syncer {
  public:
@@ -66,7 +71,36 @@ class AllreduceSyncer final : public Syncer {
           absl::StrCat("all-reduce: connecting the Gloo ring of ", world, " ranks on ", host,
                        " (rendezvous through the coordinator): ", e.what()));
     }
-    PSD_LOG_INFO("all-reduce: Gloo ring of {} ranks connected ({})", world, host);
+    // The cost of one ring step, for the planner: the median of a few 1-element all-reduces
+    // (every rank runs them at once, here) over their 2 (P - 1) steps. It holds Gloo's and the
+    // threads' per-message overhead, which the network's round trip does not.
+    std::vector<double> seconds;
+    for (int i = 0; i < kStepProbes; ++i) {
+      float one = 1;
+      const absl::Time start = absl::Now();
+      try {
+        gloo::AllreduceOptions opts(context_);
+        opts.setOutput(&one, 1);
+        opts.setReduceFunction(
+            static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
+        opts.setTag(kProbeTag);
+        opts.setTimeout(Millis(env_.config->sync_timeout));
+        gloo::allreduce(opts);
+      } catch (const std::exception& e) {
+        return absl::UnavailableError(absl::StrCat(
+            "all-reduce: measuring the Gloo ring of ", world, " ranks: ", e.what()));
+      }
+      if (one != static_cast<float>(world)) {
+        return absl::InternalError(absl::StrCat("all-reduce: the ring's probe summed to ", one,
+                                                ", not ", world));
+      }
+      seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+    }
+    std::nth_element(seconds.begin(), seconds.begin() + kStepProbes / 2, seconds.end());
+    const absl::Duration step = absl::Seconds(seconds[kStepProbes / 2] / (2.0 * (world - 1)));
+    if (env_.telemetry) env_.telemetry->SetAllreduceStep(step);
+    PSD_LOG_INFO("all-reduce: Gloo ring of {} ranks connected ({}), {} per step", world, host,
+                 absl::FormatDuration(step));
     return absl::OkStatus();
   }
 

@@ -84,6 +84,11 @@ void TelemetryReporter::AddPeerBytes(uint32_t rank, uint64_t sent, uint64_t rece
   links_[link].received.fetch_add(received, std::memory_order_relaxed);
 }
 
+void TelemetryReporter::SetAllreduceStep(absl::Duration step) {
+  allreduce_step_ns_.store(std::max<uint64_t>(1, static_cast<uint64_t>(absl::ToInt64Nanoseconds(step))),
+                           std::memory_order_relaxed);
+}
+
 void TelemetryReporter::AddServerLatency(size_t server, absl::Duration round_trip) {
   if (server >= servers_) return;
   LowerTo(links_[server].min_rtt_ns, std::max<uint64_t>(1, Nanos(round_trip)));
@@ -152,6 +157,7 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
   const uint64_t window_ns = std::max<uint64_t>(1, Nanos(now - window_start_));
   window_start_ = now;
   request.set_window_ns(window_ns);
+  request.set_allreduce_step_ns(allreduce_step_ns_.load(std::memory_order_relaxed));
   request.set_iteration(iteration_ ? iteration_() : 0);
   const double seconds = static_cast<double>(window_ns) / 1e9;
   double capacity = 0;  // this window's, over every server link; 0: none

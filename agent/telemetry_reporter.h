@@ -70,6 +70,9 @@ class TelemetryReporter {
   // failures and timeouts are skipped. May be set after Start (once the servers are connected).
   void SetServerPing(ServerPing ping, int pings = 3);
 
+  // The measured cost of one ring all-reduce step (AllreduceSyncer::Ready), in every report.
+  void SetAllreduceStep(absl::Duration step);
+
   // The model's layers, once (before the first LayerReady).
   void SetLayers(std::vector<std::string> names);
   // A layer posted ready for `iteration`, and its synchronisation done after `took`.
@@ -102,6 +105,7 @@ class TelemetryReporter {
   uint64_t busy_ns_ = 0;
   int64_t busy_until_ns_ = 0;
   std::atomic<uint64_t> capacity_min_bytes_{uint64_t{1} << 20};
+  std::atomic<uint64_t> allreduce_step_ns_{0};
   struct LayerCounters {
     std::atomic<uint64_t> syncs{0};
     std::atomic<uint64_t> sync_ns{0};

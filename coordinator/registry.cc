@@ -577,6 +577,7 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
                           node->rank, !request.allreduce_unavailable()};
     job->scheme_overrides.clear();  // they named the old model's layers
     job->plan.reset();
+    job->allreduce_step_ns.clear();  // measured by the ranks of this model's world
     job->plan_error.clear();
     PSD_LOG_INFO("job {}: model '{}' ({} layers) registered by rank {}", job->id,
                  request.model().name(), request.model().layers_size(), node->rank);
@@ -730,6 +731,7 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.block_bytes = options_.block_bytes;
   config.scheme_rule = options_.scheme_rule;
   config.allreduce = job.model->allreduce;
+  if (options_.allreduce_by_cost) config.allreduce_step_seconds = AllreduceStep(job);
   config.job_id = job.id;
   config.plan_epoch = epoch;
   config.effective_iteration = effective_iteration;
@@ -882,6 +884,38 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
   Install(job, *std::move(candidate), measured, latency,
           absl::StrCat("measured bandwidth moved from ", Bandwidth(job.plan_bandwidth), " to ",
                        Bandwidth(measured)),
+          now);
+}
+
+std::optional<double> Registry::AllreduceStep(const Job& job) {
+  if (job.world_size < 2 || job.allreduce_step_ns.size() < job.world_size) return std::nullopt;
+  uint64_t slowest = 0;
+  for (const auto& [rank, ns] : job.allreduce_step_ns) slowest = std::max(slowest, ns);
+  return static_cast<double>(slowest) * 1e-9;
+}
+
+void Registry::ReplanForMeasuredRing(Job& job, absl::Time now) {
+  if (!options_.allreduce_by_cost || !job.plan.has_value() || !job.model.has_value() ||
+      !job.model->allreduce || !WorldFormed(job) || !AllModelsAgree(job)) {
+    return;  // the first plan (MaybePlan) will weigh the ring
+  }
+  const double step = *AllreduceStep(job);
+  absl::StatusOr<v1::Plan> candidate =
+      Build(job, job.plan_bandwidth, job.plan_latency, job.last_plan_epoch + 1,
+            EffectiveIteration(job, now), job.scheme_overrides);
+  if (!candidate.ok()) {
+    PSD_LOG_WARN("job {}: re-planning with the measured ring failed: {}", job.id,
+                 candidate.status().message());
+    return;
+  }
+  if (Schemes(*candidate) == Schemes(*job.plan)) {
+    PSD_LOG_INFO("job {}: ring all-reduce measured at {:.3g}us per step: no layer is faster by it",
+                 job.id, step * 1e6);
+    return;
+  }
+  Install(job, *std::move(candidate), job.plan_bandwidth, job.plan_latency,
+          absl::StrCat("ring all-reduce measured at ", absl::FormatDuration(absl::Seconds(step)),
+                       " per step"),
           now);
 }
 
@@ -1177,6 +1211,11 @@ absl::Status Registry::ReportTelemetry(const Caller& caller,
     node->iteration = std::max(node->iteration, request.iteration());
     ASSIGN_OR_RETURN(Job * job, AgentJob(*node));
     ObserveIteration(*job, request.iteration(), now);
+    if (request.allreduce_step_ns() > 0 && node->rank < job->world_size) {
+      const bool known = AllreduceStep(*job).has_value();
+      job->allreduce_step_ns[node->rank] = request.allreduce_step_ns();
+      if (!known && AllreduceStep(*job).has_value()) ReplanForMeasuredRing(*job, now);
+    }
     EvaluateReplan(*job, now);
   } else {
     for (auto& [id, job] : jobs_) {

@@ -49,6 +49,9 @@ struct RegistryOptions {
   // K for every layer; 0 takes each layer's batch_per_worker from the registered model.
   uint32_t batch_per_worker = 0;
   planner::SchemeRule scheme_rule = planner::SchemeRule::kTime;
+  // The time rule may choose ring all-reduce (from the agents' measured step); off, only
+  // --scheme=allreduce and operator overrides put layers on it.
+  bool allreduce_by_cost = false;
   // Re-plan only when the measured bandwidth differs from the current plan's by more than this
   // fraction (and the new plan's schemes differ).
   double replan_threshold = 0.2;
@@ -252,6 +255,8 @@ class Registry {
     // most one entry per 100 ms.
     std::deque<std::pair<absl::Time, uint64_t>> progress;
     std::optional<double> last_evaluated_bandwidth;
+    // The ring all-reduce step each rank measured (ReportTelemetryRequest.allreduce_step_ns).
+    std::map<uint32_t, uint64_t> allreduce_step_ns;
     std::optional<absl::Time> plan_installed_at;
     // A re-plan from telemetry that replan_min_interval held back, due at replan_due.
     bool replan_deferred = false;
@@ -295,6 +300,10 @@ class Registry {
   std::vector<poseidon::v1::PlanServer> PlanServers(const Job& job) const;
   // A plan of the job's world with `overrides`; a re-plan of the same world (same servers)
   // carries the current plan's chunks over unchanged.
+  // The slowest rank's measured ring step, once every rank of the world measured one.
+  static std::optional<double> AllreduceStep(const Job& job);
+  // A re-plan once the ring's step is known (the first plans could not weigh the ring).
+  void ReplanForMeasuredRing(Job& job, absl::Time now);
   absl::StatusOr<poseidon::v1::Plan> Build(const Job& job, double bandwidth, double latency,
                                            uint64_t epoch, uint64_t effective_iteration,
                                            const SchemeOverrides& overrides) const;

@@ -800,6 +800,106 @@ TEST_F(PlanChangeTest, TheFirstPlanUsesFreshCapacitySamples) {
   EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);  // nominally SFB
 }
 
+// Ring all-reduce enters the plans only from the agents' measurement of it.
+class RingPlanTest : public RegistryTelemetryTest {
+ protected:
+  explicit RingPlanTest(bool by_cost = true) : RegistryTelemetryTest(RingOptions(by_cost)) {}
+
+  static RegistryOptions RingOptions(bool by_cost) {
+    RegistryOptions options = Options();
+    options.colocated = false;
+    options.nominal_bandwidth_bytes_per_second = 10e9 / 8;
+    options.nominal_latency_seconds = 50e-6;
+    options.min_servers = 1;
+    options.allreduce_by_cost = by_cost;
+    return options;
+  }
+
+  // One server, two agents, one conv layer of 2^20 parameters registered by both; `allreduce`:
+  // whether the agents can run the ring.
+  void FormRingJob(bool allreduce) {
+    servers_ = {AddServer()};
+    agents_ = {AddAgent(0, 2, 0), AddAgent(1, 2, 1)};
+    v1::RendezvousResponse world;
+    ASSERT_TRUE(*registry_.TryRendezvous(job_, agents_[0], now_, &world));
+    v1::ModelSpec model;
+    model.set_name("conv");
+    auto* conv = model.add_layers();
+    conv->set_name("conv.weight");
+    conv->set_kind(v1::LAYER_KIND_CONV);
+    conv->set_batch_per_worker(1);
+    for (const uint64_t d : {256, 256, 4, 4}) conv->add_shape(d);
+    for (const std::string& agent : agents_) {
+      v1::RegisterModelRequest request;
+      request.mutable_header()->set_node_id(agent);
+      *request.mutable_model() = model;
+      request.set_allreduce_unavailable(!allreduce);
+      const absl::Status status = registry_.RegisterModel(job_, request, now_);
+      ASSERT_TRUE(status.ok()) << status;
+    }
+  }
+
+  void ReportStep(const std::string& agent, uint64_t step_ns) {
+    v1::ReportTelemetryRequest request;
+    request.mutable_header()->set_node_id(agent);
+    request.set_iteration(5);
+    request.set_window_ns(1000000000);
+    request.set_allreduce_step_ns(step_ns);
+    ASSERT_TRUE(registry_.ReportTelemetry(job_, request, now_).ok());
+  }
+
+  v1::SyncScheme Scheme() { return registry_.CurrentPlan("job")->layers(0).scheme(); }
+};
+
+TEST_F(RingPlanTest, TheRingIsWeighedOnceEveryRankMeasuredIt) {
+  FormRingJob(/*allreduce=*/true);
+  // 2 workers, 1 server on its own machine: the ring moves half of the server's bytes, but
+  // nobody has measured it yet.
+  ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+  ReportStep(agents_[0], 20000);
+  EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u) << "one rank of two measured";
+  ReportStep(agents_[1], 30000);
+  ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 2u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+}
+
+TEST_F(RingPlanTest, AJobWhoseAgentsCannotRunTheRingNeverGetsIt) {
+  FormRingJob(/*allreduce=*/false);
+  ReportStep(agents_[0], 20000);
+  ReportStep(agents_[1], 20000);
+  EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+}
+
+// The coordinator's default: the cost model does not choose the ring (--allreduce_by_cost).
+class RingPlanOffTest : public RingPlanTest {
+ protected:
+  RingPlanOffTest() : RingPlanTest(false) {}
+};
+
+TEST_F(RingPlanOffTest, WithoutAllreduceByCostOnlyAnOverridePutsALayerOnTheRing) {
+  FormRingJob(/*allreduce=*/true);
+  ReportStep(agents_[0], 20000);
+  ReportStep(agents_[1], 20000);
+  EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+  v1::SetLayerSchemesRequest request;
+  (*request.mutable_schemes())["conv.weight"] = v1::SYNC_SCHEME_ALLREDUCE;
+  v1::SetLayerSchemesResponse response;
+  ASSERT_TRUE(registry_.SetLayerSchemes(job_, request, now_, &response).ok());
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+}
+
+TEST_F(RingPlanTest, ASlowRingKeepsThePlan) {
+  FormRingJob(/*allreduce=*/true);
+  // 10 ms a step: 2 of them cost more than the server's 6.7 ms of bytes.
+  ReportStep(agents_[0], 10000000);
+  ReportStep(agents_[1], 20000);
+  EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+}
+
 TEST_F(PlanChangeTest, OperatorOverridesAreCheckedInstalledAndPersist) {
   FormJob(TinyModel());  // conv.weight, conv.bias, fc.weight, fc.bias
   const v1::Plan first = *registry_.CurrentPlan("job");

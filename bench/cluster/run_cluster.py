@@ -52,8 +52,9 @@ MODES = {
     "sep-servers": ("auto", True, True, False),
     # Ring all-reduce (Gloo) for every layer; its rendezvous needs the coordinator.
     "allreduce": ("allreduce", True, False, True),
-    # The coordinator's plan (its time rule: PS, SFB or ring all-reduce per layer), on the
-    # nominal network (no start-up probes: the plan does not depend on this host's load).
+    # The coordinator's plan (its time rule: PS, SFB or ring all-reduce per layer, the ring
+    # weighed by the agents' measured step: --allreduce_by_cost), on the nominal network (no
+    # start-up probes: the plan does not depend on this host's load).
     "coord-auto": ("auto", True, False, True),
     "ddp": (None, True, False, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py
 }
@@ -404,7 +405,8 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 cluster, b, subnet, logdir, env,
                 [f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
                  f"--block_size={args.agent_sizes['block_bytes']}",
-                 f"--min_servers={len(server_hosts)}"])
+                 f"--min_servers={len(server_hosts)}",
+                 *(["--allreduce_by_cost"] if mode == "coord-auto" else [])])
             joined = [f"--coordinator={address}"]
         servers = []
         for j, h in enumerate(server_hosts):
@@ -424,7 +426,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
             p = cluster.start(r, f"agent{r}", [
                 os.path.join(b, "agent", "poseidon-agent"), f"--job_id={job}", f"--secret={secret}",
                 f"--rank={r}", f"--world_size={n}",
-                *(joined + ["--probe_bytes=0"] if coordinated
+                *(joined + ["--probe_bytes=0", "--telemetry_interval=500ms"] if coordinated
                   else [f"--servers={server_list}", f"--peers={peers}"]),
                 f"--listen={cluster.addr(r)}:7200", f"--scheme={scheme}",
                 f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",

@@ -39,6 +39,12 @@ absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat(
         "latency must be a finite number of seconds >= 0, got ", config.latency_seconds));
   }
+  if (config.allreduce_step_seconds.has_value() &&
+      (!(*config.allreduce_step_seconds >= 0) || !std::isfinite(*config.allreduce_step_seconds))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("allreduce_step_seconds must be a finite number of seconds >= 0, got ",
+                     *config.allreduce_step_seconds));
+  }
   if (config.block_bytes < 1) {
     return absl::InvalidArgumentError("block_size must be at least 1 byte, got 0");
   }
@@ -165,12 +171,13 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     }
     if (!config.allreduce) layer.cost.allreduce_bytes.reset();
     if (layer.cost.allreduce_bytes.has_value()) {
-      layer.allreduce_seconds =
-          AllreduceSeconds(*layer.cost.allreduce_bytes, config.workers, network);
+      layer.allreduce_seconds = AllreduceSeconds(*layer.cost.allreduce_bytes, config.workers,
+                                                 network, config.allreduce_step_seconds.value_or(0));
       const double best_other = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
                                     ? *layer.sfb_seconds
                                     : layer.ps_seconds;
-      if (config.scheme_rule == SchemeRule::kTime && *layer.allreduce_seconds < best_other) {
+      if (config.scheme_rule == SchemeRule::kTime && config.allreduce_step_seconds.has_value() &&
+          *layer.allreduce_seconds < best_other) {
         layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
       }
     }

@@ -52,8 +52,9 @@ enum class SchemeRule {
   // SfbSeconds): the bytes rule plus per-leg latency (PS two legs, SFB one) and, not colocated,
   // the servers' interfaces. It depends on bandwidth and latency, so measured telemetry can move
   // a layer near the boundary from one scheme to the other (the coordinator re-plans then). Any
-  // layer goes by ring all-reduce (PlannerConfig::allreduce) when that is strictly faster than
-  // the better of the other two (AllreduceSeconds: 2·(P1−1) legs).
+  // layer goes by ring all-reduce (PlannerConfig::allreduce, allreduce_step_seconds) when that
+  // is strictly faster than the better of the other two (AllreduceSeconds: 2·(P1−1) steps, each
+  // the larger of the latency and the measured step).
   kTime,
 };
 
@@ -70,9 +71,12 @@ struct PlannerConfig {
   // The rate that turns a spec's FLOPs into compute time; without it only measured times count.
   std::optional<GpuRate> gpu;
   SchemeRule scheme_rule = SchemeRule::kBytes;
-  // Ring all-reduce is on the menu of the time rule (the agents can run it: P1 > 1 and a
-  // coordinator for its rendezvous).
+  // Ring all-reduce is on the menu (the agents can run it: P1 > 1 and a coordinator for its
+  // rendezvous). The time rule chooses it only with a measured cost of one ring step (the
+  // agents' tiny all-reduce, which holds the collective library's per-message overhead, not
+  // only the network's latency): without one, only an operator's override puts a layer on it.
   bool allreduce = true;
+  std::optional<double> allreduce_step_seconds;
   // Layer name -> scheme forced instead of the rule's choice (an operator's override).
   // SYNC_SCHEME_PS or SYNC_SCHEME_ALLREDUCE for any layer, SYNC_SCHEME_SFB only for FC layers;
   // an unknown name, SFB for a non-FC layer or any other value is an error naming the layer.

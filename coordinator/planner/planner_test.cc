@@ -450,7 +450,7 @@ ModelSpec ConvAndBias() {
 TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
   // 8 workers and one server, not colocated: PS's busiest interface is the server's, 2·8·S
   // elements; the ring moves 4·S·7/8 through each worker's. At 10 Gbit/s and 50 us per leg the
-  // 4 MiB layer takes 2 legs + 54 ms by PS, 14 legs + 11.7 ms by ring: ring. The bias pays the
+  // 4 MiB layer takes 2 legs + 26.8 ms by PS, 14 legs + 5.9 ms by ring: ring. The bias pays the
   // ring's 14 legs for nothing: PS.
   PlannerConfig config;
   config.workers = 8;
@@ -459,6 +459,7 @@ TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
   config.bandwidth_bytes_per_second = 10e9 / 8;
   config.latency_seconds = 50e-6;
   config.scheme_rule = SchemeRule::kTime;
+  config.allreduce_step_seconds = 20e-6;  // measured below the latency: the latency counts
   absl::StatusOr<PlanResult> result = BuildPlan(ConvAndBias(), config);
   ASSERT_TRUE(result.ok()) << result.status();
   const LayerReport& conv = result->report.layers[0];
@@ -473,16 +474,21 @@ TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
   EXPECT_EQ(result->plan.layers(0).predicted_bytes_per_worker(),
             static_cast<uint64_t>(4.0 * (1 << 20) * 7 / 8 * 4));
 
-  // The bytes rule is the paper's (PS or SFB); all-reduce off; colocated with P2 = P1 the ring
-  // moves PS's bytes with more legs: PS in all three.
+  // The bytes rule is the paper's (PS or SFB); all-reduce off; not measured; a measured step of
+  // 3 ms (14 of them: 42 ms + 5.9 > 26.9 ms); colocated with P2 = P1 the ring moves PS's bytes
+  // with more legs: PS in all five.
   PlannerConfig bytes = config;
   bytes.scheme_rule = SchemeRule::kBytes;
   PlannerConfig off = config;
   off.allreduce = false;
+  PlannerConfig unmeasured = config;
+  unmeasured.allreduce_step_seconds.reset();
+  PlannerConfig slow = config;
+  slow.allreduce_step_seconds = 3e-3;
   PlannerConfig colocated = config;
   colocated.servers = 8;
   colocated.colocated = true;
-  for (const PlannerConfig& c : {bytes, off, colocated}) {
+  for (const PlannerConfig& c : {bytes, off, unmeasured, slow, colocated}) {
     result = BuildPlan(ConvAndBias(), c);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_PS);

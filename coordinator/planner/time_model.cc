@@ -23,9 +23,9 @@ double SfbSeconds(const SchemeVolume& sfb, const NetworkModel& network) {
 }
 
 double AllreduceSeconds(const SchemeVolume& allreduce, uint32_t workers,
-                        const NetworkModel& network) {
+                        const NetworkModel& network, double step_seconds) {
   const double steps = 2.0 * (std::max<uint32_t>(workers, 1) - 1);
-  return steps * network.latency_seconds +
+  return steps * std::max(network.latency_seconds, step_seconds) +
          allreduce.per_worker / (2 * network.bandwidth_bytes_per_second);
 }
 

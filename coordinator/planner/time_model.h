@@ -14,8 +14,10 @@
 //     (2·P1·S/P2 bytes). The servers' share assumes the layer is spread evenly over them, which
 //     the partitioner approximates over consecutive layers.
 //   - SFB: one leg (factors go to all peers at once): latency + per-worker volume / (2·bandwidth).
-//   - AR (ring all-reduce): 2·(P1−1) steps, each a leg to the next rank: 2·(P1−1)·latency +
-//     per-worker volume / (2·bandwidth). The ring's steps pipeline the bytes, not the latencies.
+//   - AR (ring all-reduce): 2·(P1−1) steps, each a leg to the next rank: 2·(P1−1)·max(latency,
+//     measured step) + per-worker volume / (2·bandwidth). The steps pipeline the bytes, not the
+//     latencies; the measured step (a 1-element all-reduce / 2·(P1−1)) holds the collective
+//     library's per-message cost.
 //   Reconstructing the gradient from factors (a K×M by K×N product per peer on the GPU) is not
 //   counted; neither are server CPU time nor congestion in the switch.
 //
@@ -53,9 +55,10 @@ double PsSeconds(const SchemeVolume& ps, bool colocated, const NetworkModel& net
 // Seconds one iteration's SFB synchronisation of a layer takes (`sfb` in bytes).
 double SfbSeconds(const SchemeVolume& sfb, const NetworkModel& network);
 
-// Seconds one iteration's ring all-reduce of a layer takes among `workers` (`allreduce` in bytes).
+// Seconds one iteration's ring all-reduce of a layer takes among `workers` (`allreduce` in bytes),
+// each of its 2·(P1−1) steps costing at least `step_seconds` (the measured cost of a step).
 double AllreduceSeconds(const SchemeVolume& allreduce, uint32_t workers,
-                        const NetworkModel& network);
+                        const NetworkModel& network, double step_seconds = 0);
 
 // A GPU's sustained floating-point rate for the compute model.
 struct GpuRate {
