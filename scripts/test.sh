@@ -27,7 +27,7 @@ if [[ "${POSEIDON_SKIP_TSAN:-0}" != 1 && $# -eq 0 ]]; then
   cmake --build "$TSAN_BUILD" -j "${JOBS:-2}" --target agent_unit_test \
     agent_telemetry_reporter_test server_unit_test server_multiprocess_test kv_test_client \
     transport_unit_test transport_conformance_test agent_e2e_test poseidon-agent poseidon-server \
-    poseidon-synth
+    poseidon-synth poseidon-coordinator
   TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp} \
     ctest --test-dir "$TSAN_BUILD" --output-on-failure -j "${JOBS:-2}" \
     -L '^(agent|server|transport)$' -E '^server_matches_torch_optim$'

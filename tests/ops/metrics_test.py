@@ -91,6 +91,19 @@ def stop_all(daemons, segments=()):
                 pass
 
 
+def ended_after(synth, since, what, timeout=50):
+    """Waits (at most `timeout` s) for a training process expected to fail; prints how long after
+    `since` (time.monotonic()) it ended and the tail of what it said, which it returns."""
+    try:
+        synth.proc.wait(timeout=timeout)
+    except Exception:  # noqa: BLE001 - a timeout is the failure the callers check
+        pass
+    took = time.monotonic() - since
+    out = "\n".join(synth.lines + synth.stderr)
+    print(f"{synth.name}'s training process ended {took:.1f} s after {what}:\n{out[-800:]}")
+    return out
+
+
 def job_environment(token, secret):
     """This process's environment for a job's daemons: the coordinator token and the data-plane
     secret in the environment (never on a command line), nothing inherited that names another
