@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_split.h"
 #include "agent/agent.h"
+#include "common/fd_limit.h"
 #include "common/config.h"
 #include "common/log.h"
 
@@ -121,6 +122,10 @@ int main(int argc, char** argv) {
   const Flags f = poseidon::LoadOrExit(Schema(), argc, argv);
   poseidon::InitLogging("poseidon-agent", *poseidon::ParseLogLevel(f.log_level));
   signal(SIGPIPE, SIG_IGN);
+  // Connections count against the open-file limit: take what the operator allows.
+  if (const poseidon::FileLimit files = poseidon::RaiseOpenFileLimit(); files.now > files.before) {
+    PSD_LOG_DEBUG("open-file limit raised from {} to {}", files.before, files.now);
+  }
   struct sigaction stop {};
   stop.sa_handler = [](int) { poseidon::agent::RequestAgentStop(); };
   sigaction(SIGTERM, &stop, nullptr);

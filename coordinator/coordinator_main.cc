@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/fd_limit.h"
 #include "common/config.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -29,6 +30,8 @@ struct CoordinatorConfig {
   absl::Duration liveness_timeout = absl::Seconds(15);
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   absl::Duration rendezvous_timeout = absl::Minutes(5);
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  absl::Duration max_connection_idle = absl::Minutes(5);
   absl::Duration plan_wait_timeout = absl::Seconds(60);
   int64_t min_servers = 1;
   double bandwidth = 10e9 / 8;
@@ -76,6 +79,12 @@ ConfigSchema<CoordinatorConfig> Schema() {
       .Field("plan_wait_timeout", &C::plan_wait_timeout,
              "GetPlan with min_plan_epoch waits at most this long",
              InRange(absl::Milliseconds(1), absl::Hours(1)))
+      .Field("handshake_timeout", &C::handshake_timeout,
+             "a connection that has not completed its TLS / HTTP/2 handshake by then is closed",
+             InRange(absl::Milliseconds(100), absl::Minutes(10)))
+      .Field("max_connection_idle", &C::max_connection_idle,
+             "a connection without a call for this long is closed",
+             InRange(absl::Seconds(1), absl::Hours(24)))
       .Field("min_servers", &C::min_servers, "a job's world forms once this many servers joined",
              InRange<int64_t>(1, 65536))
       .BandwidthField("bandwidth", &C::bandwidth,
@@ -185,6 +194,10 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Connections count against the open-file limit: take what the operator allows.
+  if (const poseidon::FileLimit files = poseidon::RaiseOpenFileLimit(); files.now > files.before) {
+    PSD_LOG_DEBUG("open-file limit raised from {} to {}", files.before, files.now);
+  }
 
   TokenStore tokens;
   if (absl::Status s = LoadTokens(config, tokens); !s.ok()) return Refuse(s.message());
@@ -201,6 +214,8 @@ int Main(int argc, char** argv) {
   CoordinatorServerOptions options;
   options.listen = config.listen;
   options.tls = ServerTlsFiles{config.tls_cert, config.tls_key, config.tls_client_ca};
+  options.handshake_timeout = config.handshake_timeout;
+  options.max_connection_idle = config.max_connection_idle;
   options.service.rendezvous_timeout = config.rendezvous_timeout;
   options.service.plan_wait_timeout = config.plan_wait_timeout;
   options.service.metrics = &metrics;

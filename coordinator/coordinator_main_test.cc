@@ -275,6 +275,49 @@ TEST_F(CoordinatorDaemonTest, ServesJobsAndStopsOnSigterm) {
   EXPECT_FALSE(world.ok());
 }
 
+// A TCP connection that never starts its HTTP/2 handshake is closed after --handshake_timeout
+// (gRPC's default holds it ~2 minutes: cheap slots for an unauthenticated client), and the
+// daemon goes on serving.
+TEST_F(CoordinatorDaemonTest, ASilentConnectionIsClosedAfterTheHandshakeTimeout) {
+  const std::string tokens = WriteFile("tokens", "job-a secret-a\n");
+  Process daemon(Command({"--listen=127.0.0.1:0", "--tokens_file=" + tokens,
+                          "--cluster_token=cluster-secret", "--handshake_timeout=500ms",
+                          "--shutdown_timeout=200ms"}));
+  ASSERT_TRUE(daemon.started());
+  std::string address;
+  while (address.empty()) {
+    const std::optional<std::string> line = daemon.ReadLine(absl::Seconds(30));
+    ASSERT_TRUE(line.has_value()) << "the daemon did not say where it listens";
+    if (absl::StartsWith(*line, "poseidon-coordinator listening on ")) {
+      address = line->substr(strlen("poseidon-coordinator listening on "));
+    }
+  }
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0) << strerror(errno);
+  // The server's HTTP/2 SETTINGS come first; then the daemon closes it (EOF or a reset) well
+  // before gRPC's default of two minutes.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  bool closed = false;
+  while (!closed && std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 1000) != 1) continue;
+    char buffer[256];
+    closed = recv(fd, buffer, sizeof(buffer), 0) <= 0;
+  }
+  close(fd);
+  EXPECT_TRUE(closed) << "the silent connection was still open after 20 s";
+  auto client = CoordinatorClient::Connect(address, "", "cluster-secret");
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE((*client)->GetClusterStatus().ok());
+}
+
 TEST_F(CoordinatorDaemonTest, RefusesABadConfiguration) {
   ExpectRefusal({"--listen=127.0.0.1:0"}, "refusing to start: no job to serve");
   ExpectRefusal({"--job_id=a", "--job_token=t", "--replan_threshold=-1"},

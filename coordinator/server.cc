@@ -1,6 +1,8 @@
 #include "coordinator/server.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -30,6 +32,16 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::ServerBuilder builder;
   // Two coordinators must not share a port silently.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Unauthenticated connections are cheap to open: none may idle in its handshake or afterwards
+  // for long (docs/operations.md, "Limits").
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(options.handshake_timeout),
+                                           1, INT32_MAX)));
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+      static_cast<int>(std::clamp<int64_t>(
+          absl::ToInt64Milliseconds(options.max_connection_idle), 1, INT32_MAX)));
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.AddListeningPort(options.listen, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());

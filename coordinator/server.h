@@ -22,6 +22,11 @@ struct CoordinatorServerOptions {
   CoordinatorServiceOptions service;
   // Largest request accepted, in bytes (a model spec is the largest message).
   int max_message_bytes = 64 << 20;
+  // A connection that has not completed its TLS and HTTP/2 handshake (the client's SETTINGS)
+  // within this is closed: a client that connects and sends nothing holds a slot no longer.
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // A connection without a call for this long is closed (clients reconnect when they call).
+  absl::Duration max_connection_idle = absl::Minutes(5);
 };
 
 class CoordinatorServer {

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/fd_limit.h"
 #include "common/config.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -148,6 +149,10 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Connections count against the open-file limit: take what the operator allows.
+  if (const poseidon::FileLimit files = poseidon::RaiseOpenFileLimit(); files.now > files.before) {
+    PSD_LOG_DEBUG("open-file limit raised from {} to {}", files.before, files.now);
+  }
 
   auto secrets = std::make_shared<transport::SecretStore>();
   if (auto s = LoadSecrets(config, *secrets); !s.ok()) {

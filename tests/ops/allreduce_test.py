@@ -44,13 +44,15 @@ def main():
         synths = [synth(args, r, s, 30) for r, s in enumerate(segments)]
         daemons.extend(synths)
         for s in synths:
-            s.proc.wait(timeout=120)
+            s.wait(120)
         for r, s in enumerate(synths):
             out = "\n".join(s.lines + s.stderr)
             check(s.proc.returncode == 0, f"rank {r}'s training process exits 0")
             m = re.search(r"verified (\d+) results, (\d+) mismatches", out)
             check(m is not None and int(m.group(1)) > 0 and m.group(2) == "0",
                   f"rank {r}: every all-reduced result is the exact sum ({m.group(0) if m else out[-300:]})")
+        for a in agents:
+            a.wait(30)  # an agent exits once its training process detached
         logs = "\n".join(l for a in agents for l in a.lines + a.stderr)
         check(logs.count("Gloo ring of 4 ranks connected") == RANKS,
               "every agent connected the ring through the coordinator's store")

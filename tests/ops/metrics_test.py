@@ -37,8 +37,11 @@ class Daemon:
         self.cond = threading.Condition()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
-        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr), daemon=True).start()
+        self.readers = [threading.Thread(target=self._read, args=(stream, sink), daemon=True)
+                        for stream, sink in ((self.proc.stdout, self.lines),
+                                             (self.proc.stderr, self.stderr))]
+        for reader in self.readers:
+            reader.start()
 
     def _read(self, stream, sink):
         for line in stream:
@@ -64,6 +67,15 @@ class Daemon:
                     raise RuntimeError(f"{self.name}: no line matching {pattern!r} in {timeout}s:\n"
                                        + "\n".join(self.lines[-10:] + self.stderr[-20:]))
                 self.cond.wait(min(left, 0.5))
+
+    def wait(self, timeout):
+        """Waits for the process to exit and for its output to be read to the end (the last lines
+        may still be in the pipe when the process is gone). subprocess.TimeoutExpired if it runs
+        on past `timeout`."""
+        self.proc.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join(timeout=10)
+        return self.proc.returncode
 
     def kill(self):
         if self.proc.poll() is None:
@@ -95,7 +107,7 @@ def ended_after(synth, since, what, timeout=50):
     """Waits (at most `timeout` s) for a training process expected to fail; prints how long after
     `since` (time.monotonic()) it ended and the tail of what it said, which it returns."""
     try:
-        synth.proc.wait(timeout=timeout)
+        synth.wait(timeout)
     except Exception:  # noqa: BLE001 - a timeout is the failure the callers check
         pass
     took = time.monotonic() - since

@@ -120,7 +120,7 @@ def main():
             check(False, "status shows every agent running the job's plan epoch: "
                   + json.dumps(doc)[:2000])
         for s in synths:
-            s.proc.wait(timeout=120)
+            s.wait(120)
         for s in synths:
             out = "\n".join(s.lines + s.stderr)
             m = re.search(r"verified (\d+) results, (\d+) mismatches", out)
