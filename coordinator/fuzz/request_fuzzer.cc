@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <string_view>
 
 #include "coordinator/planner/model_spec.h"
@@ -43,6 +44,27 @@ void Plan(const v1::ModelSpec& model) {
   }
 }
 
+template <typename Request>
+void Check(std::string_view body) {
+  Request request;
+  Validated(body, request);
+}
+
+void CheckModel(std::string_view body) {
+  v1::RegisterModelRequest request;
+  if (Validated(body, request)) Plan(request.model());
+}
+
+// One entry per request type; the input's first byte picks one.
+constexpr void (*kChecks[])(std::string_view) = {
+    &Check<v1::RegisterServerRequest>,  &Check<v1::RegisterAgentRequest>,
+    &Check<v1::RendezvousRequest>,      &CheckModel,
+    &Check<v1::GetPlanRequest>,         &Check<v1::ReportTelemetryRequest>,
+    &Check<v1::HeartbeatRequest>,       &Check<v1::DeregisterRequest>,
+    &Check<v1::GetClusterStatusRequest>, &Check<v1::SetLayerSchemesRequest>,
+    &Check<v1::StoreSetRequest>,        &Check<v1::StoreGetRequest>,
+};
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -54,67 +76,6 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view body(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 12) {
-    case 0: {
-      v1::RegisterServerRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 1: {
-      v1::RegisterAgentRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 2: {
-      v1::RendezvousRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 3: {
-      v1::RegisterModelRequest r;
-      if (Validated(body, r)) Plan(r.model());
-      break;
-    }
-    case 4: {
-      v1::GetPlanRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 5: {
-      v1::ReportTelemetryRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 6: {
-      v1::HeartbeatRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 7: {
-      v1::DeregisterRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 8: {
-      v1::GetClusterStatusRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 9: {
-      v1::SetLayerSchemesRequest r;
-      Validated(body, r);
-      break;
-    }
-    case 10: {
-      v1::StoreSetRequest r;
-      Validated(body, r);
-      break;
-    }
-    default: {
-      v1::StoreGetRequest r;
-      Validated(body, r);
-      break;
-    }
-  }
+  kChecks[data[0] % std::size(kChecks)](body);
   return 0;
 }
