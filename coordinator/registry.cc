@@ -869,22 +869,27 @@ void Registry::EvaluateReplan(Job& job, absl::Time now) {
   job.replan_deferred = false;
   job.last_evaluated_bandwidth = measured;
   const double latency = estimate.latency_seconds.value_or(options_.nominal_latency_seconds);
-  absl::StatusOr<v1::Plan> candidate = Build(job, measured, latency, job.last_plan_epoch + 1,
-                                             EffectiveIteration(job, now), job.scheme_overrides);
-  if (!candidate.ok()) {
+  const absl::StatusOr<bool> installed = ReplanIfSchemesChange(
+      job, measured, latency,
+      absl::StrCat("measured bandwidth moved from ", Bandwidth(job.plan_bandwidth), " to ",
+                   Bandwidth(measured)),
+      now);
+  if (!installed.ok()) {
     PSD_LOG_WARN("job {}: re-planning for {} failed: {}", job.id, Bandwidth(measured),
-                 candidate.status().message());
-    return;
-  }
-  if (Schemes(*candidate) == Schemes(*job.plan)) {
+                 installed.status().message());
+  } else if (!*installed) {
     PSD_LOG_DEBUG("job {}: bandwidth {} (plan: {}) changes no scheme; plan kept", job.id,
                   Bandwidth(measured), Bandwidth(job.plan_bandwidth));
-    return;
   }
-  Install(job, *std::move(candidate), measured, latency,
-          absl::StrCat("measured bandwidth moved from ", Bandwidth(job.plan_bandwidth), " to ",
-                       Bandwidth(measured)),
-          now);
+}
+
+absl::StatusOr<bool> Registry::ReplanIfSchemesChange(Job& job, double bandwidth, double latency,
+                                                     const std::string& why, absl::Time now) {
+  ASSIGN_OR_RETURN(v1::Plan candidate, Build(job, bandwidth, latency, job.last_plan_epoch + 1,
+                                             EffectiveIteration(job, now), job.scheme_overrides));
+  if (Schemes(candidate) == Schemes(*job.plan)) return false;
+  Install(job, std::move(candidate), bandwidth, latency, why, now);
+  return true;
 }
 
 std::optional<double> Registry::AllreduceStep(const Job& job) {
@@ -900,23 +905,18 @@ void Registry::ReplanForMeasuredRing(Job& job, absl::Time now) {
     return;  // the first plan (MaybePlan) will weigh the ring
   }
   const double step = *AllreduceStep(job);
-  absl::StatusOr<v1::Plan> candidate =
-      Build(job, job.plan_bandwidth, job.plan_latency, job.last_plan_epoch + 1,
-            EffectiveIteration(job, now), job.scheme_overrides);
-  if (!candidate.ok()) {
+  const absl::StatusOr<bool> installed = ReplanIfSchemesChange(
+      job, job.plan_bandwidth, job.plan_latency,
+      absl::StrCat("ring all-reduce measured at ", absl::FormatDuration(absl::Seconds(step)),
+                   " per step"),
+      now);
+  if (!installed.ok()) {
     PSD_LOG_WARN("job {}: re-planning with the measured ring failed: {}", job.id,
-                 candidate.status().message());
-    return;
-  }
-  if (Schemes(*candidate) == Schemes(*job.plan)) {
+                 installed.status().message());
+  } else if (!*installed) {
     PSD_LOG_INFO("job {}: ring all-reduce measured at {:.3g}us per step: no layer is faster by it",
                  job.id, step * 1e6);
-    return;
   }
-  Install(job, *std::move(candidate), job.plan_bandwidth, job.plan_latency,
-          absl::StrCat("ring all-reduce measured at ", absl::FormatDuration(absl::Seconds(step)),
-                       " per step"),
-          now);
 }
 
 void Registry::ReplanDue(absl::Time now) {

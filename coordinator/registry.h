@@ -304,6 +304,10 @@ class Registry {
   static std::optional<double> AllreduceStep(const Job& job);
   // A re-plan once the ring's step is known (the first plans could not weigh the ring).
   void ReplanForMeasuredRing(Job& job, absl::Time now);
+  // Plans the job's next epoch on `bandwidth` and `latency` and installs it (for `why`) when it
+  // moves a scheme; whether it did. Errors: the planner's.
+  absl::StatusOr<bool> ReplanIfSchemesChange(Job& job, double bandwidth, double latency,
+                                             const std::string& why, absl::Time now);
   absl::StatusOr<poseidon::v1::Plan> Build(const Job& job, double bandwidth, double latency,
                                            uint64_t epoch, uint64_t effective_iteration,
                                            const SchemeOverrides& overrides) const;
