@@ -69,10 +69,6 @@ std::vector<bool> MeasuredServers(const std::vector<std::string>& addresses,
   return remote;
 }
 
-const char* SchemeName(uint32_t scheme) {
-  return scheme == PSD_SCHEME_SFB ? "SFB" : scheme == PSD_SCHEME_ALLREDUCE ? "all-reduce" : "PS";
-}
-
 // One layer's progress through the iteration being synchronised (guarded by Agent::layers_mu_).
 struct LayerProgress {
   uint64_t posted = 0;       // last iteration posted ready

@@ -27,6 +27,7 @@
 #include "agent/telemetry_reporter.h"
 #include "agent/timeline.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "gloo/allreduce.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
@@ -78,17 +79,9 @@ class AllreduceSyncer final : public Syncer {
     for (int i = 0; i < kStepProbes; ++i) {
       float one = 1;
       const absl::Time start = absl::Now();
-      try {
-        gloo::AllreduceOptions opts(context_);
-        opts.setOutput(&one, 1);
-        opts.setReduceFunction(
-            static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
-        opts.setTag(kProbeTag);
-        opts.setTimeout(Millis(env_.config->sync_timeout));
-        gloo::allreduce(opts);
-      } catch (const std::exception& e) {
-        return absl::UnavailableError(absl::StrCat(
-            "all-reduce: measuring the Gloo ring of ", world, " ranks: ", e.what()));
+      if (const absl::Status s = Sum(&one, 1, kProbeTag); !s.ok()) {
+        return Annotate(s, absl::StrCat("all-reduce: measuring the Gloo ring of ", world,
+                                        " ranks"));
       }
       if (one != static_cast<float>(world)) {
         return absl::InternalError(absl::StrCat("all-reduce: the ring's probe summed to ", one,
@@ -211,23 +204,31 @@ class AllreduceSyncer final : public Syncer {
     }
   }
 
-  absl::Status Reduce(const Post& post) {
-    const LayerSpec& spec = env_.table->layers[post.layer];
+  // One Gloo all-reduce (sum) of `count` floats in place, bounded by sync_timeout; Gloo's
+  // exception as UNAVAILABLE.
+  absl::Status Sum(float* data, size_t count, uint32_t tag) {
     try {
       gloo::AllreduceOptions opts(context_);
-      opts.setOutput(env_.shm->Grad(post.layer), spec.desc.elements);
+      opts.setOutput(data, count);
       opts.setReduceFunction(
           static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
-      opts.setTag(post.layer);  // unique among the collectives running (one iteration a layer)
+      opts.setTag(tag);
       opts.setTimeout(Millis(env_.config->sync_timeout));
       gloo::allreduce(opts);
     } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat(
-          "all-reduce of layer ", post.layer, " (", spec.desc.name, ") iteration ",
-          post.iteration, " in the Gloo ring of ", env_.config->world_size,
-          " ranks (neighbours: ranks ", Left(), " and ", Right(), "): ", e.what()));
+      return absl::UnavailableError(e.what());
     }
     return absl::OkStatus();
+  }
+
+  absl::Status Reduce(const Post& post) {
+    const LayerSpec& spec = env_.table->layers[post.layer];
+    // The layer is the tag: unique among the collectives running (one iteration a layer).
+    return Annotate(Sum(env_.shm->Grad(post.layer), spec.desc.elements, post.layer),
+                    absl::StrCat("all-reduce of layer ", post.layer, " (", spec.desc.name,
+                                 ") iteration ", post.iteration, " in the Gloo ring of ",
+                                 env_.config->world_size, " ranks (neighbours: ranks ", Left(),
+                                 " and ", Right(), ")"));
   }
 
   SyncEnv& env_;

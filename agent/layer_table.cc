@@ -9,14 +9,14 @@ uint64_t AlignUp(uint64_t x) {
   return (x + kBufferAlign - 1) / kBufferAlign * kBufferAlign;
 }
 
+}  // namespace
+
 const char* SchemeName(uint32_t scheme) {
   return scheme == PSD_SCHEME_SFB         ? "SFB"
          : scheme == PSD_SCHEME_PS        ? "PS"
          : scheme == PSD_SCHEME_ALLREDUCE ? "all-reduce"
                                           : "unknown";
 }
-
-}  // namespace
 
 bool SfbCapable(const LayerDesc& desc, bool planned_sfb) {
   if (desc.kind != PSD_KIND_FC || desc.shape.size() != 2 || desc.batch_k == 0) return false;

@@ -20,6 +20,9 @@
 namespace poseidon::agent {
 
 inline constexpr uint64_t kBufferAlign = PSD_SHM_ALIGN;
+
+// "PS", "SFB", "all-reduce" for a PSD_SCHEME_* (logs and messages); "unknown" otherwise.
+const char* SchemeName(uint32_t scheme);
 inline constexpr uint64_t kMaxDataBytes = uint64_t{1} << 40;  // shared buffers of one worker
 
 struct PsChunk {
