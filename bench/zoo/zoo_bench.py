@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -91,8 +92,8 @@ def parse(out, name):
     return float(m.group(1).replace(",", ""))
 
 
-def run_poseidon(name, workers, steps):
-    r = subprocess.run([PY, "-m", "poseidon.run", "-n", str(workers), "--"]
+def run_poseidon(name, workers, steps, launcher_args=()):
+    r = subprocess.run([PY, "-m", "poseidon.run", "-n", str(workers), *launcher_args, "--"]
                        + command(name, "poseidon", steps), capture_output=True, text=True,
                        timeout=1200)
     if r.returncode != 0:
@@ -122,6 +123,8 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--launcher_args", default="",
+                    help="options for `poseidon run`, e.g. '--allreduce by-cost' or '--allreduce off'")
     ap.add_argument("--worker", choices=["poseidon", "ddp"])
     ap.add_argument("--model")
     args = ap.parse_args()
@@ -133,7 +136,8 @@ def main():
         for workers in (int(w) for w in args.workers.split(",")):
             ours, theirs = [], []
             for rep in range(args.repeats):
-                order = [(run_poseidon, ours), (run_ddp, theirs)]
+                order = [(lambda *a: run_poseidon(*a, shlex.split(args.launcher_args)), ours),
+                         (run_ddp, theirs)]
                 for run, into in (order if rep % 2 == 0 else order[::-1]):
                     into.append(run(name, workers, args.steps))
             p, d = statistics.median(ours), statistics.median(theirs)

@@ -88,6 +88,10 @@ def main(argv=None):
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--scheme", choices=["auto", "ps", "sfb", "allreduce"], default="auto")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
+    ap.add_argument("--allreduce", choices=["auto", "off", "by-cost"], default="auto",
+                    help="ring all-reduce: auto (for --scheme allreduce and operator overrides), "
+                         "off (no Gloo ring), by-cost (the local coordinator's cost model may "
+                         "choose it: --allreduce_by_cost)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="plan from --bandwidth and the coordinator's nominal latency instead of "
                          "each agent's start-up probe of its server links (a plan that does not "
@@ -184,7 +188,9 @@ def main(argv=None):
             coord_bin = find_binary("poseidon-coordinator", "coordinator")
             p = Proc("coordinator", [coord_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
                                      f"--min_servers={args.servers}",
-                                     f"--bandwidth={args.bandwidth}", "--log_level=warn"],
+                                     f"--bandwidth={args.bandwidth}", "--log_level=warn",
+                                     *(["--allreduce_by_cost"] if args.allreduce == "by-cost"
+                                       else [])],
                      env=env_with(job_token=token))
             procs.append(p)
             servers.append(p)
@@ -208,6 +214,7 @@ def main(argv=None):
                                     f"--scheme={args.scheme}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
                                     *([] if args.probe else ["--probe_bytes=0"]),
+                                    *(["--allreduce=false"] if args.allreduce == "off" else []),
                                     "--log_level=warn"], watch="poseidon-agent ready",
                      env=env_with(secret=secret, coordinator_token=token))
             procs.append(p)
