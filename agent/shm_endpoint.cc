@@ -1,6 +1,7 @@
 #include "agent/shm_endpoint.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -12,6 +13,8 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
+#include <fstream>
+#include <limits>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -141,6 +144,7 @@ ShmEndpoint::~ShmEndpoint() {
     munmap(control_, PSD_SHM_CONTROL_BYTES);
   }
   if (data_) munmap(data_, data_bytes_);
+  if (framework_pidfd_ >= 0) close(framework_pidfd_);
   shm_unlink(name_.c_str());
   shm_unlink(data_name_.c_str());
 }
@@ -162,15 +166,52 @@ bool ShmEndpoint::attached() const {
   return Load(&header()->attached) != 0;
 }
 
-absl::Status ShmEndpoint::CheckFramework() const {
+namespace {
+
+// Whether `pid` has ended: its pidfd (when there is one) is readable once the process has exited,
+// zombie or reaped; without one, the process is gone or a zombie in /proc.
+bool ProcessEnded(pid_t pid, int pidfd) {
+  if (pidfd >= 0) {
+    pollfd p{pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) > 0;
+  }
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  // "pid (comm) S ...": the state follows the last ')' (comm may hold spaces and parentheses).
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() &&
+         (line[close + 2] == 'Z' || line[close + 2] == 'X');
+}
+
+}  // namespace
+
+absl::Status ShmEndpoint::CheckFramework() {
   if (!attached()) return absl::OkStatus();
   // Events still unread come first: a process that posted DETACH and exited at once has left,
   // not died (reading the ring drains it; a death without DETACH shows on the next check).
   const psd_shm_ring* ring = to_agent();
   if (Load(&ring->head) != Load(&ring->tail)) return absl::OkStatus();
-  const auto pid = static_cast<pid_t>(Load(&header()->framework_pid));
-  if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
-    return absl::UnavailableError(absl::StrCat("the training process (pid ", pid, ") died"));
+  if (framework_pid_ == 0) {
+    // The framework claims the segment, then writes its pid: 0 is a process still attaching.
+    // The pid is read once; what the segment says later (it is writable by anyone who can
+    // attach) cannot change which process the agent watches.
+    const uint32_t pid = Load(&header()->framework_pid);
+    if (pid == 0) return absl::OkStatus();
+    if (pid > static_cast<uint32_t>(std::numeric_limits<pid_t>::max()) ||
+        (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)) {
+      return absl::DataLossError(absl::StrCat(
+          "the segment names pid ", pid, " as its training process and no such process exists (",
+          "the process died while attaching, or something overwrote the segment)"));
+    }
+    framework_pid_ = static_cast<pid_t>(pid);
+    // A pidfd sees the exit itself, so a zombie whose parent has not reaped it is noticed too.
+    framework_pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, framework_pid_, 0));
+  }
+  if (ProcessEnded(framework_pid_, framework_pidfd_)) {
+    return absl::UnavailableError(
+        absl::StrCat("the training process (pid ", framework_pid_, ") died"));
   }
   return absl::OkStatus();
 }

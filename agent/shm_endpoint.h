@@ -8,6 +8,8 @@
 // sync task at a time).
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -63,9 +65,11 @@ class ShmEndpoint {
   // error (the caller logs it and goes on); ring corruption resynchronises the ring.
   absl::StatusOr<std::optional<Event>> NextEvent(absl::Duration timeout);
 
-  // Whether a framework is attached, and an error if it attached and its process is gone.
+  // Whether a framework is attached, and an error if it attached and its process has ended
+  // (gone, or a zombie its parent has not reaped). The process is the pid the segment named
+  // first after the attach; a pid that names no process is an error of its own.
   bool attached() const;
-  absl::Status CheckFramework() const;
+  absl::Status CheckFramework();
 
   // The server-side update rule the framework asked for (rule 0: sum), validated.
   struct ServerRule {
@@ -115,6 +119,8 @@ class ShmEndpoint {
   unsigned char* data_ = nullptr;
   uint64_t data_bytes_ = 0;
   std::vector<LayerLayout> layout_;
+  pid_t framework_pid_ = 0;   // the attached training process, once it wrote its pid
+  int framework_pidfd_ = -1;  // its pidfd (-1 where pidfd_open failed)
 };
 
 }  // namespace poseidon::agent

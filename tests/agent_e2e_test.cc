@@ -278,6 +278,46 @@ TEST(Faults, AKilledTrainingProcessMakesTheAgentExitClearly) {
   EXPECT_NE(out.find("died"), std::string::npos) << out;
 }
 
+TEST(Faults, AZombieTrainingProcessMakesTheAgentExitClearly) {
+  // The training process ends but its parent (this test) does not reap it: the process is a
+  // zombie, which kill(pid, 0) still finds. The agent must see the exit anyway.
+  Cluster cluster(1, 1, "ps");
+  auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  kill(synth->pid(), SIGKILL);  // not Signal/Wait: those reap it
+  const std::string out = cluster.agent(0).ReadAll(milliseconds(30000));
+  EXPECT_EQ(cluster.agent(0).Wait(milliseconds(10000)), 3) << out;
+  EXPECT_NE(out.find("the training process (pid " + std::to_string(synth->pid()) + ") died"),
+            std::string::npos)
+      << out;
+  synth->Wait(milliseconds(10000));
+}
+
+TEST(Faults, AnOverwrittenFrameworkPidDoesNotChangeWhichProcessTheAgentWatches) {
+  Cluster cluster(1, 1, "ps");
+  auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  const int fd = shm_open(cluster.segment(0).c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  auto* header = static_cast<psd_shm_header*>(
+      mmap(nullptr, sizeof(psd_shm_header), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  ASSERT_NE(static_cast<void*>(header), MAP_FAILED);
+  // A pid that is no process (above any pid_max), then this test's own (alive) pid.
+  __atomic_store_n(&header->framework_pid, 10965685u, __ATOMIC_RELEASE);
+  std::this_thread::sleep_for(milliseconds(500));
+  EXPECT_FALSE(cluster.agent(0).Wait(milliseconds(0)).has_value()) << "the agent exited";
+  __atomic_store_n(&header->framework_pid, static_cast<uint32_t>(getpid()), __ATOMIC_RELEASE);
+  munmap(header, sizeof(psd_shm_header));
+  synth->Signal(SIGKILL);
+  synth->Wait(milliseconds(10000));
+  const std::string out = cluster.agent(0).ReadAll(milliseconds(30000));
+  EXPECT_EQ(cluster.agent(0).Wait(milliseconds(10000)), 3) << out;
+  EXPECT_NE(out.find("the training process (pid " + std::to_string(synth->pid()) + ") died"),
+            std::string::npos)
+      << out;
+}
+
 TEST(Faults, AKilledServerFailsTheLayerNamingServerLayerAndClock) {
   Cluster cluster(1, 2, "ps", {"--sync_timeout=3s", "--connect_timeout=5s"});
   auto s0 = cluster.Synth(0, kTiny, 100000, {"--compute_scale=500"});
