@@ -103,8 +103,13 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
       const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& header) override;
   void OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& header,
                transport::MutableBuffer payload) override;
+  // A peer's connection closed: when it was that rank's last, the rank is gone (peers_mu_), and
+  // the main loop tells the syncers (PassGonePeers), which fail what waits for it.
+  void OnClose(const std::shared_ptr<transport::PeerSession>& peer,
+               const absl::Status& reason) override;
 
  private:
+  void PassGonePeers();
   absl::Status JoinCoordinator(const std::string& listen);
   void ProbeServers(const coordinator::World& world);
   absl::Status Register();
@@ -197,6 +202,14 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::mutex lost_mu_;
   std::vector<v1::LostMember> lost_;
   std::string lost_why_;
+
+  // Inbound peer connections by rank (counted from their first frame) and the ranks whose last
+  // one closed, with why; gone_version_ counts changes so the main loop passes them on once.
+  std::mutex peers_mu_;
+  std::map<uint32_t, int> peer_connections_;
+  std::map<uint32_t, std::string> gone_peers_;
+  uint64_t gone_version_ = 0;
+  uint64_t gone_passed_ = 0;  // main thread: the version the syncers have
 };
 
 void Agent::Fatal(const std::string& why) {
@@ -344,6 +357,7 @@ int Agent::Run() {
     }
     if (registered_.load()) {
       const absl::Time now = absl::Now();
+      PassGonePeers();
       for (auto& [kind, syncer] : syncers_) syncer->CheckDeadlines(now);
       CheckStalls();
       ApplyPendingPlan();
@@ -1236,6 +1250,12 @@ uint64_t Agent::RunningEpoch() const {
 
 absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
     const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
+  if (!peer->handler_state<void>()) {  // its first frame (one connection's frames are in order)
+    peer->set_handler_state(std::make_shared<bool>(true));
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    const uint32_t rank = peer->identity().rank;
+    if (peer_connections_[rank]++ == 0 && gone_peers_.erase(rank) > 0) ++gone_version_;
+  }
   // A PING says the peer registered; it may come before we did (the gate remembers it).
   if (h.type == FrameType::kPing && h.payload_length == 0) {
     return transport::PayloadTarget::Discard();
@@ -1245,6 +1265,31 @@ absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
     return absl::FailedPreconditionError("this agent has not registered its model yet");
   }
   return handler->OnHeader(peer, h);
+}
+
+void Agent::OnClose(const std::shared_ptr<transport::PeerSession>& peer,
+                    const absl::Status& reason) {
+  if (!peer->handler_state<void>()) return;  // never sent a frame: never counted
+  const uint32_t rank = peer->identity().rank;
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (--peer_connections_[rank] > 0) return;
+  // A rank that finished has sent everything it owed before it closed (its frames arrive
+  // before the close); one that died mid-iteration has not, and waiting layers fail now.
+  gone_peers_[rank] = absl::StrCat("rank ", rank, " (", peer->address(),
+                                   ") is gone: its connection to this agent closed (",
+                                   reason.ok() ? "by the peer" : reason.message(), ")");
+  ++gone_version_;
+}
+
+void Agent::PassGonePeers() {
+  std::map<uint32_t, std::string> gone;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (gone_version_ == gone_passed_) return;
+    gone_passed_ = gone_version_;
+    gone = gone_peers_;
+  }
+  for (auto& [kind, syncer] : syncers_) syncer->PeersGone(gone);
 }
 
 void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,

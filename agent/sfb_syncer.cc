@@ -10,6 +10,7 @@
 // never held across a transport call, a GEMM or a callback into the agent.
 #include <cblas.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -104,14 +105,30 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
 
   // The watchdog: layers whose peers' factors did not all arrive in time fail, naming the
   // ranks that are missing.
+  void PeersGone(const std::map<uint32_t, std::string>& gone) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone_ = gone;
+  }
+
   void CheckDeadlines(absl::Time now) override {
     std::vector<std::pair<std::pair<uint32_t, uint64_t>, absl::Status>> expired;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& [layer, box] : inbox_) {
         if (box.sent == 0 || box.finished == box.sent || box.rebuild_queued == box.sent) continue;
-        if (now - box.started < env_.config->sync_timeout) continue;
         const std::vector<uint32_t> missing = MissingLocked(layer, box.sent);
+        if (auto g = std::find_if(missing.begin(), missing.end(),
+                                  [&](uint32_t r) { return gone_.contains(r); });
+            g != missing.end()) {
+          box.finished = box.sent;
+          box.credit.reset();
+          expired.push_back({{layer, box.sent},
+                             absl::UnavailableError(absl::StrCat(
+                                 gone_.at(*g), "; SFB factors of clock ", box.sent,
+                                 " from it cannot arrive"))});
+          continue;
+        }
+        if (now - box.started < env_.config->sync_timeout) continue;
         box.finished = box.sent;
         box.credit.reset();
         expired.push_back(
@@ -407,6 +424,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
 
   SyncEnv& env_;
   mutable std::mutex mu_;
+  std::map<uint32_t, std::string> gone_;  // ranks gone (PeersGone), under mu_
   std::map<uint32_t, Inbox> inbox_;  // by SFB-capable layer; created in the constructor, then fixed
 };
 

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -112,6 +113,10 @@ class Syncer {
                               const std::vector<uint8_t>& pending) const = 0;
   // Main thread, periodically: fails what waited past its deadline.
   virtual void CheckDeadlines(absl::Time /*now*/) {}
+  // Main thread, when it changes: the other ranks whose connections to this agent all closed,
+  // with why (a rank that reconnects leaves the set). What waits for one of them fails at the
+  // next CheckDeadlines instead of at its deadline.
+  virtual void PeersGone(const std::map<uint32_t, std::string>& /*gone*/) {}
   // Frames from the other agents, when the scheme uses them (null: none).
   virtual transport::FrameHandler* peer_handler() { return nullptr; }
   // Called once peers are connected and every layer exists (registration, main thread).

@@ -36,6 +36,7 @@ struct psd_context {
   uint32_t num_layers; /* our copy, once registered */
   uint32_t agent_timeout_ms;
   pid_t agent_pid;
+  uint32_t rank; /* the agent's rank, read at attach (for messages) */
   pthread_mutex_t post_mu; /* the to-agent ring has one producer: us, serialized here */
   char segment[PSD_SHM_NAME_BYTES];
   /* CUDA (psd_cuda_enable): the device arena and the per-layer events. */
@@ -78,18 +79,18 @@ static psd_status check_agent(psd_context* ctx) {
     char why[PSD_SHM_ERROR_BYTES + 1];
     memcpy(why, ctx->header->error, PSD_SHM_ERROR_BYTES);
     why[PSD_SHM_ERROR_BYTES] = '\0';
-    return fail(PSD_AGENT_LOST, "agent lost (segment %s): %s", ctx->segment,
+    return fail(PSD_AGENT_LOST, "agent lost (rank %u, segment %s): %s", ctx->rank, ctx->segment,
                 why[0] ? why : "it exited");
   }
   if (ctx->agent_pid > 0 && kill(ctx->agent_pid, 0) != 0 && errno == ESRCH) {
-    return fail(PSD_AGENT_LOST, "agent lost (segment %s): process %d is gone", ctx->segment,
-                (int)ctx->agent_pid);
+    return fail(PSD_AGENT_LOST, "agent lost (rank %u, segment %s): process %d is gone", ctx->rank,
+                ctx->segment, (int)ctx->agent_pid);
   }
   const uint64_t beat = load64(&ctx->header->agent_heartbeat_ns);
   const uint64_t now = now_ns();
   if (beat != 0 && now > beat && now - beat > (uint64_t)ctx->agent_timeout_ms * 1000000ull) {
-    return fail(PSD_AGENT_LOST, "agent lost (segment %s): no heartbeat for %llu ms", ctx->segment,
-                (unsigned long long)((now - beat) / 1000000ull));
+    return fail(PSD_AGENT_LOST, "agent lost (rank %u, segment %s): no heartbeat for %llu ms",
+                ctx->rank, ctx->segment, (unsigned long long)((now - beat) / 1000000ull));
   }
   __atomic_store_n(&ctx->header->framework_heartbeat_ns, now, __ATOMIC_RELEASE);
   return PSD_OK;
@@ -237,6 +238,7 @@ PSD_EXPORT psd_status psd_attach(const psd_config* config, psd_context** out) {
   ctx->layers = (psd_shm_layer*)(control + PSD_SHM_LAYERS_OFFSET);
   ctx->agent_timeout_ms = config->agent_timeout_ms ? config->agent_timeout_ms : 5000;
   ctx->agent_pid = (pid_t)load32(&header->agent_pid);
+  ctx->rank = header->rank;
   pthread_mutex_init(&ctx->post_mu, NULL);
   snprintf(ctx->segment, sizeof(ctx->segment), "%s", segment);
   __atomic_store_n(&header->framework_pid, (uint32_t)getpid(), __ATOMIC_RELEASE);

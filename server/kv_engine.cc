@@ -76,6 +76,10 @@ struct JobState {
   std::mutex mu;
   std::map<uint64_t, PendingSnapshot> snapshots;  // by target clock
   std::atomic<bool> any_pending{false};
+  // Ranks gone from this server (their last connection closed), with why; under mu. any_lost
+  // lets the data path skip the lock while every rank is here.
+  std::map<uint32_t, std::string> lost;
+  std::atomic<bool> any_lost{false};
 };
 
 struct KvEngine::Key {
@@ -120,6 +124,14 @@ struct KvEngine::Key {
     return s;
   }
 };
+
+namespace {
+
+// Why a pull of `clock` of `k` can never be answered: a rank whose push it needs is gone. Empty
+// when none is (or the pull does not wait).
+std::string LostBlocking(const KvEngine::Key& k, uint64_t clock);
+
+}  // namespace
 
 struct KvEngine::Worker {
   explicit Worker(KvEngine* e) : engine(e), thread([this] { Run(); }) {}
@@ -209,6 +221,79 @@ struct KvEngine::Worker {
   std::vector<Key*> keys_with_pulls;
   std::thread thread;  // last: starts after everything above is constructed
 };
+
+namespace {
+
+std::string LostBlocking(const KvEngine::Key& k, uint64_t clock) {
+  JobState& j = *k.job;
+  if (!j.any_lost.load(std::memory_order_acquire)) return "";
+  std::lock_guard<std::mutex> lock(j.mu);
+  if (clock == 0) {
+    if (k.initialized) return "";
+    const auto it = j.lost.find(0);
+    if (it == j.lost.end()) return "";
+    return absl::StrCat(it->second, "; ", k.Name(), " waits for its initial value from it");
+  }
+  if (clock != k.completed + 1) return "";
+  for (const auto& [rank, why] : j.lost) {
+    if (rank < k.pushed.size() && !k.pushed[rank]) {
+      return absl::StrCat(why, "; clock ", clock, " of ", k.Name(),
+                          " cannot complete without its push");
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
+  std::shared_ptr<JobState> job;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    const auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;
+    job = it->second;
+  }
+  {
+    std::lock_guard<std::mutex> lock(job->mu);
+    job->lost[rank] = std::move(why);
+    job->any_lost.store(true, std::memory_order_release);
+  }
+  for (auto& worker : workers_) {
+    Worker* w = worker.get();
+    w->Post([this, w, job_id] {
+      size_t failed = 0;
+      std::string first;
+      for (auto& [id, key] : w->keys) {
+        if (id.first != job_id || key->pulls.empty()) continue;
+        const Key& k = *key;
+        std::erase_if(key->pulls, [&](const Key::PendingPull& p) {
+          const std::string why = LostBlocking(k, p.ctx.header.clock);
+          if (why.empty()) return false;
+          if (first.empty()) first = why;
+          ++failed;
+          stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
+          SendError(p.ctx, absl::UnavailableError(why));
+          return true;
+        });
+      }
+      std::erase_if(w->keys_with_pulls, [](const Key* k) { return k->pulls.empty(); });
+      if (failed > 0) PSD_LOG_WARN("{} waiting pulls of job {} failed: {}", failed, job_id, first);
+    });
+  }
+}
+
+void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {
+  std::shared_ptr<JobState> job;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    const auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;
+    job = it->second;
+  }
+  std::lock_guard<std::mutex> lock(job->mu);
+  if (job->lost.erase(rank) > 0) job->any_lost.store(!job->lost.empty(), std::memory_order_release);
+}
 
 namespace {
 
@@ -540,6 +625,9 @@ void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {
     if (ready) {
       RespondPull(ctx, k);
       return;
+    }
+    if (std::string lost = LostBlocking(k, h.clock); !lost.empty()) {
+      return fail(absl::UnavailableError(lost));
     }
     if (k.pulls.empty()) w.keys_with_pulls.push_back(&k);
     k.pulls.push_back({std::move(ctx), absl::Now() + timeout});

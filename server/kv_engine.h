@@ -111,6 +111,14 @@ class KvEngine {
   // complete, or ERROR after `timeout` naming the ranks that have not pushed.
   void Pull(RequestContext ctx, absl::Duration timeout);
 
+  // A rank of a job is gone from this server (its last connection closed): every pull waiting
+  // for its push is answered with an error saying `why` (who, from where) and what waits, and so
+  // is every later pull that needs it, until RankBack. A clock the rank already pushed completes
+  // as usual (a rank that finished and left blocks nothing). Any thread; asynchronous.
+  void RankLost(uint64_t job_id, uint32_t rank, std::string why);
+  // The rank has a connection again.
+  void RankBack(uint64_t job_id, uint32_t rank);
+
   // Snapshot of a job at a clock boundary: waits until every key of the job has completed the
   // same clock (at most `timeout`), then copies their state. Used for checkpoints.
   absl::StatusOr<JobSnapshot> Snapshot(uint64_t job_id, absl::Duration timeout);
@@ -125,8 +133,10 @@ class KvEngine {
   // `timeout`. Returns false on timeout.
   bool WaitForQuiescence(absl::Duration timeout);
 
+ public:
+  struct Key;  // kv_engine.cc
+
  private:
-  struct Key;
   struct Worker;
   void Complete(Worker& w, Key& k);
   void AnswerPulls(Worker& w, Key& k);

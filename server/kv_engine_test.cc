@@ -253,6 +253,37 @@ TEST_F(KvServerTest, APullThatCannotCompleteNamesTheRanksThatHaveNotPushed) {
   EXPECT_NE(s.message().find("ranks [1, 2] have not pushed"), std::string::npos) << s;
 }
 
+TEST_F(KvServerTest, ARankWhoseLastConnectionClosesIsNamedToEveryPullThatNeedsIt) {
+  auto c0 = Client(0);
+  auto c1 = Client(1, 1, kSecret, /*connections=*/2);
+  auto c2 = Client(2);
+  ASSERT_TRUE(c0->RegisterTables(Spec(3, v1::UPDATE_RULE_SUM, {4}), kWait).ok());
+  std::vector<float> g(4, 1.0f), out(4);
+  for (auto* c : {c0.get(), c1.get(), c2.get()}) ASSERT_TRUE(c->Wait(c->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
+  // Rank 2 pushes clock 2 and leaves: having pushed, it blocks nothing.
+  ASSERT_TRUE(c2->Wait(c2->Push(100, 2, g), kWait).ok());
+  c2->Close();
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
+  const auto waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  // Rank 1 leaves without pushing: the waiting pull fails at once, naming it and what waits.
+  c1->Close();
+  absl::Status s = c0->Wait(waiting, kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1 (127.0.0.1:"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("is gone"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("clock 2 of key 100"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("rank 2"), std::string::npos) << "rank 2 pushed: " << s;
+  // So does a later pull of that clock.
+  s = c0->Wait(c0->Pull(100, 2, out, absl::Seconds(30)), kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  // Rank 1 comes back and pushes: the clock completes with every rank's push.
+  auto again = Client(1);
+  ASSERT_TRUE(again->Wait(again->Push(100, 2, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 2, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 3.0f));
+}
+
 TEST_F(KvServerTest, ARegistrationBeyondTheMemoryLimitIsRefusedAndOthersAreServed) {
   TearDown();
   EngineOptions options;

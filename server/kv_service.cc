@@ -13,6 +13,7 @@
 namespace poseidon::server {
 
 using transport::FrameHeader;
+using transport::PeerIdentity;
 using transport::FrameType;
 using transport::PayloadTarget;
 using transport::PeerSession;
@@ -68,7 +69,7 @@ std::shared_ptr<KvService::PeerState> KvService::StateOf(const std::shared_ptr<P
       std::lock_guard<std::mutex> lock(traffic_mu_);
       TrafficEntry& entry = traffic_[{peer->identity().job_id, peer->identity().rank}];
       if (!entry.traffic) entry.traffic = std::make_shared<PeerTraffic>();
-      ++entry.connections;
+      if (entry.connections++ == 0) engine_->RankBack(peer->identity().job_id, peer->identity().rank);
       state->traffic = entry.traffic;
     }
     peer->set_handler_state(state);
@@ -76,13 +77,23 @@ std::shared_ptr<KvService::PeerState> KvService::StateOf(const std::shared_ptr<P
   return state;
 }
 
-void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::Status& /*reason*/) {
+void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::Status& reason) {
   const auto state = peer->handler_state<PeerState>();
   // Never sent a frame: never counted. Closed once only.
   if (!state || state->closed.exchange(true)) return;
-  std::lock_guard<std::mutex> lock(traffic_mu_);
-  const auto it = traffic_.find({peer->identity().job_id, peer->identity().rank});
-  if (it != traffic_.end() && it->second.connections > 0) --it->second.connections;
+  const PeerIdentity& who = peer->identity();
+  {
+    std::lock_guard<std::mutex> lock(traffic_mu_);
+    const auto it = traffic_.find({who.job_id, who.rank});
+    if (it == traffic_.end() || it->second.connections == 0 || --it->second.connections > 0) return;
+    // Its last connection: a rank that finished blocks nothing; one that died mid-clock would
+    // leave the others waiting for their pull timeout. The engine tells them now, naming it.
+    // (Under traffic_mu_, so that a reconnect's RankBack cannot overtake this.)
+    engine_->RankLost(who.job_id, who.rank,
+                      absl::StrCat("rank ", who.rank, " (", peer->address(),
+                                   ") is gone: its last connection to this server closed (",
+                                   reason.ok() ? "by the peer" : reason.message(), ")"));
+  }
 }
 
 std::vector<PeerTrafficTotals> KvService::TakeTraffic() {

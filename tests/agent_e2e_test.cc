@@ -161,6 +161,7 @@ class Cluster {
 };
 
 const std::string kTiny = POSEIDON_TEST_MODELS "/tiny.json";
+const std::string kFcOnly = POSEIDON_TEST_MODELS "/fc_only.json";  // all SFB: no server
 
 class EndToEnd : public ::testing::TestWithParam<std::string> {};
 
@@ -264,7 +265,7 @@ TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {
   cluster.agent(0).Signal(SIGKILL);
   const std::string out = synth->ReadAll(milliseconds(60000));
   EXPECT_EQ(synth->Wait(milliseconds(10000)), 1) << out;
-  EXPECT_NE(out.find("agent lost"), std::string::npos) << out;
+  EXPECT_NE(out.find("agent lost (rank 0, segment "), std::string::npos) << out;
 }
 
 TEST(Faults, AKilledTrainingProcessMakesTheAgentExitClearly) {
@@ -329,6 +330,31 @@ TEST(Faults, AKilledServerFailsTheLayerNamingServerLayerAndClock) {
   EXPECT_NE(out.find("synchronisation failed"), std::string::npos) << out;
   EXPECT_NE(out.find("clock"), std::string::npos) << out;
   EXPECT_NE(out.find("127.0.0.1:"), std::string::npos) << "names the server: " << out;
+}
+
+// Without a coordinator, a killed agent is named by what its death closes: the server's
+// connection (PS layers) and the other agents' (SFB layers). Rank 0's training process must fail
+// naming rank 1 long before the 60 s sync timeout, on either path alone.
+void ExpectTheOtherRankToFailNamingRank1(Cluster& cluster, const std::string& model) {
+  auto s0 = cluster.Synth(0, model, 100000, {"--compute_scale=500", "--timeout_ms=120000"});
+  auto s1 = cluster.Synth(1, model, 100000, {"--compute_scale=500", "--timeout_ms=120000"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  cluster.agent(1).Signal(SIGKILL);
+  const std::string out = s0->ReadAll(milliseconds(30000));  // half the sync timeout
+  EXPECT_EQ(s0->Wait(milliseconds(10000)), 1) << out;
+  EXPECT_NE(out.find("rank 1 (127.0.0.1:"), std::string::npos) << out;
+  EXPECT_NE(out.find("is gone"), std::string::npos) << out;
+  s1->Wait(milliseconds(10000));
+}
+
+TEST(Faults, AKilledAgentIsNamedByTheServerToTheOtherRanks) {
+  Cluster cluster(1, 2, "ps", {"--sync_timeout=60s"});
+  ExpectTheOtherRankToFailNamingRank1(cluster, kTiny);
+}
+
+TEST(Faults, AKilledAgentIsNamedByItsPeerConnectionToTheOtherRanks) {
+  Cluster cluster(0, 2, "sfb", {"--sync_timeout=60s"});
+  ExpectTheOtherRankToFailNamingRank1(cluster, kFcOnly);
 }
 
 TEST(Faults, ASecondAgentOnALiveSegmentIsRefusedAndTheFirstServesOn) {
