@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -376,7 +377,8 @@ absl::StatusOr<double> ParseBandwidth(absl::string_view text) {
   }
   double value = 0;
   if (!absl::SimpleAtod(number->all, &value)) return bad("invalid number");
-  const double result = value * scale * base;
+  // scale * base is exact; bits would overflow first for the largest byte rates.
+  const double result = value * (scale * base);
   if (!std::isfinite(result)) return bad("out of range");
   return result;
 }
@@ -465,14 +467,36 @@ std::string FormatByteSize(uint64_t bytes) {
   return best;
 }
 
+namespace {
+
+// %g (6 significant digits) without its exponent form, which it takes from 1e6 on and below 1e-4
+// and which ParseBandwidth does not read: 1e6 Tbit prints 1000000Tbit, not 1e+06Tbit.
+std::string SixDigits(double v) {
+  const std::string g = absl::StrFormat("%g", v);
+  if (g.find('e') == std::string::npos) return g;
+  const std::string e = absl::StrFormat("%.5e", v);  // d.ddddde[+-]x: v to 6 digits
+  const int exponent = std::atoi(e.c_str() + e.find('e') + 1);
+  std::string fixed =
+      absl::StrFormat("%.*f", std::max(0, 5 - exponent), std::strtod(e.c_str(), nullptr));
+  if (fixed.find('.') != std::string::npos) {
+    fixed.erase(fixed.find_last_not_of('0') + 1);
+    if (fixed.back() == '.') fixed.pop_back();
+  }
+  return fixed;
+}
+
+}  // namespace
+
 std::string FormatBandwidth(double bytes_per_second) {
-  const double bits = bytes_per_second * 8;
   static constexpr std::pair<absl::string_view, double> kUnits[] = {
       {"Tbit", 1e12}, {"Gbit", 1e9}, {"Mbit", 1e6}, {"kbit", 1e3}};
+  // In bytes, then to bits: bytes_per_second * 8 overflows above DBL_MAX / 8.
   for (const auto& [name, size] : kUnits) {
-    if (bits >= size) return absl::StrFormat("%g%s", bits / size, name);
+    if (bytes_per_second >= size / 8) {
+      return absl::StrCat(SixDigits(bytes_per_second / size * 8), name);
+    }
   }
-  return absl::StrFormat("%gbit", bits);
+  return absl::StrCat(SixDigits(bytes_per_second * 8), "bit");
 }
 
 std::string FormatDouble(double value) {

@@ -133,6 +133,22 @@ TEST(FormatValues, ByteSizesAndBandwidthsReadBack) {
   EXPECT_EQ(FormatDouble(0.1), "0.1");
 }
 
+// Found by config_fuzzer: %g's exponent form ("1e+06Tbit", "1e-05bit"), which ParseBandwidth
+// refuses, for bandwidths it accepts from 1e6 Tbit on and below 1e-4 bit/s; and "infTbit" above
+// DBL_MAX / 8 bytes/s, where the bits overflowed (in FormatBandwidth, and in ParseBandwidth).
+TEST(FormatValues, LargeAndSmallBandwidthsReadBack) {
+  EXPECT_EQ(FormatBandwidth(*ParseBandwidth("1000000Tbit")), "1000000Tbit");
+  EXPECT_EQ(FormatBandwidth(*ParseBandwidth("1234567Tbit")), "1234570Tbit");
+  EXPECT_EQ(FormatBandwidth(*ParseBandwidth("0.00001bit")), "0.00001bit");
+  EXPECT_EQ(FormatBandwidth(*ParseBandwidth("0.0000123456789bit")), "0.0000123457bit");
+  for (const double bytes_per_second : {1.25e17, 1e300, 1.7e308, 1.25e-6, 5e-324, 0.0, 1.25e9, 999.9}) {
+    const absl::StatusOr<double> back = ParseBandwidth(FormatBandwidth(bytes_per_second));
+    ASSERT_TRUE(back.ok()) << FormatBandwidth(bytes_per_second) << ": " << back.status();
+    EXPECT_NEAR(*back, bytes_per_second, 1e-5 * bytes_per_second + 1e-300)
+        << FormatBandwidth(bytes_per_second);
+  }
+}
+
 // ---- Schema -------------------------------------------------------------------------------------
 
 struct TestConfig {
