@@ -79,6 +79,7 @@ class Reader {
     return true;
   }
   size_t pos() const { return pos_; }
+  size_t remaining() const { return end_ - pos_; }
 
  private:
   const std::vector<std::byte>& data_;
@@ -200,6 +201,8 @@ absl::StatusOr<JobSnapshot> ReadCheckpoint(const std::string& path) {
   }
   if (version != kVersion) return corrupt(absl::StrCat("unsupported version ", version));
   if (total != size) return corrupt(absl::StrCat("length field ", total, " != file size ", size));
+  // Checked before the allocation: a length field of up to 4 GiB in a small file.
+  if (spec_len > r.remaining()) return corrupt("bad spec");
   std::string spec(spec_len, '\0');
   if (!r.Raw(spec.data(), spec_len) || !s.spec.ParseFromString(spec)) return corrupt("bad spec");
   uint64_t keys = 0;

@@ -1,11 +1,16 @@
 #include "server/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <span>
+
+#include "transport/checksum.h"
 
 namespace poseidon::server {
 namespace {
@@ -77,6 +82,32 @@ TEST_F(CheckpointTest, EveryTruncationAndEveryByteFlipIsRefused) {
     std::ofstream(path, std::ios::binary | std::ios::trunc) << bad;
     EXPECT_FALSE(ReadCheckpoint(path).ok()) << "byte " << i;
   }
+}
+
+// Found by checkpoint_fuzzer: a spec length of 4 GiB in a file of 100 bytes (CRC and length
+// field right) was allocated, and zero-filled, before the reader found the bytes missing.
+TEST_F(CheckpointTest, ASpecLengthBeyondTheFileIsRefusedBeforeAllocating) {
+  JobSnapshot s;
+  s.job_id = 3;
+  ASSERT_TRUE(WriteCheckpoint(dir_, s).ok());
+  const std::string path = CheckpointPath(dir_, 3);
+  std::ifstream in(path, std::ios::binary);
+  std::string file((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_GT(file.size(), 44u + 12u);
+  const uint32_t spec_len = 0xffffffffu;  // magic, version, reserved, total, job, clock: 40 bytes
+  std::memcpy(file.data() + 40, &spec_len, 4);
+  const uint32_t crc = transport::Crc32c(
+      0, std::span(reinterpret_cast<const std::byte*>(file.data()), file.size() - 12));
+  std::memcpy(file.data() + file.size() - 12, &crc, 4);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << file;
+  rusage before{}, after{};
+  getrusage(RUSAGE_SELF, &before);
+  auto r = ReadCheckpoint(path);
+  getrusage(RUSAGE_SELF, &after);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("bad spec"), std::string::npos) << r.status();
+  // Peak resident memory in KiB: not the 4 GiB the length field asked for.
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 256 * 1024);
 }
 
 TEST_F(CheckpointTest, LeftoverTemporaryFilesAreIgnoredAndACorruptFileFailsTheLoad) {
