@@ -8,6 +8,7 @@
 
 #include "tools/plan_command.h"
 #include "tools/run_command.h"
+#include "tools/simulate_command.h"
 #include "tools/status_command.h"
 
 namespace {
@@ -23,6 +24,8 @@ constexpr Subcommand kSubcommands[] = {
      &poseidon::tools::RunPlanCommand},
     {"run", "start a local cluster and a training command on every rank (poseidon run -n 4 -- cmd)",
      &poseidon::tools::RunRunCommand},
+    {"simulate", "discrete-event simulation of a job on N machines: iteration time, speed-up",
+     &poseidon::tools::RunSimulateCommand},
     {"status", "servers, agents, plan epochs and schemes from a running coordinator",
      &poseidon::tools::RunStatusCommand},
 };

@@ -1,0 +1,113 @@
+// A deterministic discrete-event simulation of BSP data-parallel training under Poseidon: N
+// workers' per-layer forward and backward compute, wait-free backpropagation, each agent's
+// scheduler (priority, credit), the plan's scheme per layer from the planner (PS with P2 servers,
+// colocated or not; SFB all-to-all; ring all-reduce), and a network of full-duplex host links
+// into one output-queued switch. It answers "what iteration time on N machines" where the
+// planner's closed form (time_model.h) does not see overlap, priority, incast, per-message cost
+// or jitter. Thread-safety: Simulate is a pure function of its arguments, safe from any thread.
+#pragma once
+
+// The model (docs/simulator.md has it with its limits):
+//   - Hosts. Colocated: host i runs worker i and server i. Otherwise workers on hosts 0..P1−1 and
+//     servers on hosts P1..P1+P2−1. Every host has an uplink (to the switch) and a downlink (the
+//     switch's output port to the host), each of `bandwidth` bytes/s, FIFO. A message of S bytes
+//     leaves its sender's uplink after alpha + S/B (alpha: the per-message overhead, paid on the
+//     sender's link, as CPU and syscalls are per message), reaches the switch `latency` after its
+//     first byte left, queues at the destination's port (FIFO in order of arrival: incast shows
+//     as queueing there) and is delivered when its last byte has crossed the port: at
+//     max(port start + S/B, uplink end + latency) (cut-through). Traffic between a worker and the
+//     server on its own host costs alpha and no link.
+//   - Compute. Per layer, forward and backward seconds from the planner (the spec's measured times,
+//     or FLOPs × K / GPU rate: time_model.h LayerComputeSeconds), each multiplied by the jitter
+//     (one factor per worker and iteration, one per layer pass) plus a fixed overhead per pass.
+//     Forward of layer l in iteration t+1 waits for layer l's synchronisation of iteration t.
+//     With WFBP each layer is posted when its backward ends; without, all after the backward.
+//   - Agent. Per worker one scheduler (agent/scheduler.h): tasks in priority order (layer index;
+//     FIFO among equals), started when their bytes fit in the credit or everything in flight is
+//     parked. PS: one task per chunk of the planner's partition (partition.h): push to the
+//     chunk's server, credit parked when the push is acknowledged, returned when the pull answer
+//     arrives. Consecutive small PS layers of one chunk are fused into buckets as the agent does
+//     (agent/layer_table.cc FormBuckets). SFB: one task sends the layer's factors to every peer,
+//     parks when sent, returns when all peers' factors arrived; the rebuild (2·K·M·N·P1 FLOPs) runs
+//     at the GPU rate. Ring all-reduce: when every worker posted the layer, one collective at a
+//     time of time_model.h AllreduceSeconds with steps of max(latency, alpha); it does not share
+//     the links with PS and SFB traffic.
+//   - Servers. BSP: a key's pull answers for clock t leave (one message per worker, in the order
+//     the pushes arrived) once all P1 pushes of t are in.
+//   - Measures, as bench/synth reports them: per worker (backward end of the last iteration plus
+//     its final waits − backward end of the first) / (iterations − 1), the slowest worker's.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "coordinator/planner/planner.h"
+#include "poseidon/v1/model.pb.h"
+
+namespace poseidon::sim {
+
+enum class JitterKind { kNone, kNormal, kLognormal };
+
+// The agents' --scheme: the plan's schemes (auto), PS for every layer (FC layers get no factor
+// buffers, which changes the buckets), or the ring for every layer.
+enum class AgentScheme { kAuto, kPs, kAllreduce };
+
+// Multiplicative compute noise with mean 1: normal max(0, 1 + σZ) or lognormal exp(σZ − σ²/2).
+struct JitterModel {
+  JitterKind kind = JitterKind::kNone;
+  double iteration_sigma = 0;  // one factor per worker and iteration (shared by its layers)
+  double layer_sigma = 0;      // one factor per layer pass
+};
+
+struct SimOptions {
+  uint32_t iterations = 20;  // >= 2; the first is warm-up
+  AgentScheme scheme = AgentScheme::kAuto;
+  bool wfbp = true;
+  bool priority = true;  // false: tasks in the order they are posted (agent --priority=false)
+  uint64_t credit_bytes = uint64_t{64} << 20;  // agent --credit_bytes
+  uint64_t bucket_bytes = uint64_t{512} << 10;  // agent --bucket_bytes; 0: no fusion
+  double alpha_seconds = 0;                     // per message, on the sender's link
+  double compute_overhead_seconds = 0;          // added to every layer's forward and backward
+  bool sfb_rebuild = true;                      // count the SFB rebuild at the GPU rate
+  JitterModel jitter;
+  uint64_t seed = 1;
+};
+
+// Where one iteration of a worker goes: compute + exposed + waiting = the iteration (period).
+struct Breakdown {
+  double compute_seconds = 0;
+  // Forward stalls on a layer whose synchronisation was under way with every worker's part
+  // posted: the communication the overlap did not hide.
+  double exposed_seconds = 0;
+  // Forward stalls while some worker had not yet posted the layer (BSP: waiting for a straggler).
+  double waiting_seconds = 0;
+};
+
+struct SimResult {
+  uint32_t workers = 0;
+  uint32_t servers = 0;
+  // bench/synth's figure (final waits included), the slowest worker's.
+  double iteration_seconds = 0;
+  // Steady period between backward ends, the slowest worker's (no final wait).
+  double period_seconds = 0;
+  Breakdown breakdown;  // the slowest worker's, per iteration, over iterations 2..T
+  uint32_t sfb_layers = 0;
+  uint32_t allreduce_layers = 0;
+  uint32_t tasks_per_iteration = 0;  // one worker's scheduler tasks (chunks, buckets, SFB layers)
+  uint64_t messages = 0;
+  uint64_t events = 0;
+  // The longest FIFO seen at a switch output port (messages waiting or crossing) and its host.
+  uint32_t max_port_queue = 0;
+  uint32_t max_port_queue_host = 0;
+  double link_busy_fraction = 0;  // the busiest link's busy time / simulated time
+};
+
+// Simulates `options.iterations` iterations of `model` on the cluster of `config` (the plan is
+// BuildPlan(model, config); every layer's compute time must be known: measured times in the spec
+// or FLOPs and config.gpu). Scheme overrides in config force schemes as `poseidon plan --set`.
+absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
+                                   const planner::PlannerConfig& config,
+                                   const SimOptions& options);
+
+}  // namespace poseidon::sim

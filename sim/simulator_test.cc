@@ -1,0 +1,210 @@
+#include "sim/simulator.h"
+
+#include <string>
+#include <vector>
+
+#include "coordinator/planner/cost_model.h"
+#include "coordinator/planner/model_spec.h"
+#include "coordinator/planner/time_model.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace poseidon::sim {
+namespace {
+
+using ::testing::DoubleNear;
+
+struct TestLayer {
+  std::string name;
+  poseidon::v1::LayerKind kind;
+  std::vector<uint64_t> shape;
+  double forward_ms;
+  double backward_ms;
+};
+
+poseidon::v1::ModelSpec Model(const std::vector<TestLayer>& layers, uint32_t batch = 0) {
+  poseidon::v1::ModelSpec model;
+  model.set_name("test");
+  for (const TestLayer& t : layers) {
+    poseidon::v1::LayerSpec* l = model.add_layers();
+    l->set_name(t.name);
+    l->set_kind(t.kind);
+    for (uint64_t d : t.shape) l->add_shape(d);
+    l->set_forward_time_ns(static_cast<uint64_t>(t.forward_ms * 1e6));
+    l->set_backward_time_ns(static_cast<uint64_t>(t.backward_ms * 1e6));
+    if (batch) l->set_batch_per_worker(batch);
+  }
+  return model;
+}
+
+planner::PlannerConfig Cluster(uint32_t workers, uint32_t servers, bool colocated,
+                               double bytes_per_second) {
+  planner::PlannerConfig c;
+  c.workers = workers;
+  c.servers = servers;
+  c.colocated = colocated;
+  c.bandwidth_bytes_per_second = bytes_per_second;
+  c.latency_seconds = 0;
+  c.block_bytes = uint64_t{4} << 20;
+  c.batch_per_worker = 1;  // K only matters for SFB layers (their specs set it)
+  return c;
+}
+
+SimOptions Options(uint32_t iterations = 11) {
+  SimOptions o;
+  o.iterations = iterations;
+  o.bucket_bytes = 0;
+  return o;
+}
+
+constexpr double kMs = 1e-3;
+constexpr double kEps = 1e-9;
+constexpr auto kOther = poseidon::v1::LAYER_KIND_OTHER;
+
+// One worker, one server on its own host, one link each way at 1 GB/s. Layer 0: 4 MB (one chunk,
+// 4 ms a leg), layer 1: 1 MB (1 ms). Backward of layer 0 (10 ms) hides layer 1's push and pull
+// (2 ms); layer 0's push and pull (8 ms, store-and-forward at the server: the answer leaves once
+// the whole push is in) are exposed before the next forward. Period = 8 + 1 + 2 + 3 + 10 ms.
+TEST(SimulatorTest, OneLinkTwoLayers) {
+  const auto model =
+      Model({{"a", kOther, {1000000}, 1, 10}, {"b", kOther, {250000}, 2, 3}});
+  absl::StatusOr<SimResult> r = Simulate(model, Cluster(1, 1, false, 1e9), Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(24 * kMs, kEps));
+  EXPECT_THAT(r->breakdown.compute_seconds, DoubleNear(16 * kMs, kEps));
+  EXPECT_THAT(r->breakdown.exposed_seconds, DoubleNear(8 * kMs, kEps));
+  EXPECT_THAT(r->breakdown.waiting_seconds, DoubleNear(0, kEps));
+  // bench/synth's figure also counts the last iteration's final wait (8 ms over 10 periods).
+  EXPECT_THAT(r->iteration_seconds, DoubleNear(24.8 * kMs, kEps));
+  EXPECT_EQ(r->tasks_per_iteration, 2u);
+}
+
+// The same without WFBP: both layers are posted after the whole backward, so layer 1's transfer
+// (posted first) delays layer 0's push by 1 ms: 1 + 8 + 16 ms.
+TEST(SimulatorTest, WithoutWfbpTheLaterLayerDelaysTheFirst) {
+  const auto model =
+      Model({{"a", kOther, {1000000}, 1, 10}, {"b", kOther, {250000}, 2, 3}});
+  SimOptions o = Options();
+  o.wfbp = false;
+  absl::StatusOr<SimResult> r = Simulate(model, Cluster(1, 1, false, 1e9), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(25 * kMs, kEps));
+}
+
+// Links so fast that nothing shows: the iteration is the compute (plus the per-pass overhead),
+// whatever the number of workers, so the speed-up is N.
+TEST(SimulatorTest, PureComputeBound) {
+  const auto model = Model({{"a", kOther, {1000000}, 1, 2},
+                            {"b", kOther, {2000000}, 3, 4},
+                            {"c", kOther, {10}, 5, 6}});
+  for (uint32_t n : {1u, 4u, 16u}) {
+    SimOptions o = Options();
+    o.compute_overhead_seconds = 0.1 * kMs;
+    absl::StatusOr<SimResult> r = Simulate(model, Cluster(n, n, true, 1e18), o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->period_seconds, DoubleNear((21 + 6 * 0.1) * kMs, 1e-7)) << n;
+    EXPECT_THAT(r->breakdown.exposed_seconds + r->breakdown.waiting_seconds,
+                DoubleNear(0, 1e-7));
+  }
+}
+
+// One 64 MiB layer in 64 chunks of 1 MiB over four colocated machines, compute negligible: the
+// iteration approaches the planner's bandwidth bound, PS per machine 2·S·(P1+P2−2)/P2 over the
+// full-duplex link (time_model.h PsSeconds), from above (the last chunk's pull cannot overlap
+// its push; the first pushes all go to server 0).
+TEST(SimulatorTest, PureBandwidthBound) {
+  const auto model = Model({{"a", kOther, {16u << 20}, 0.001, 0.001}});
+  planner::PlannerConfig c = Cluster(4, 4, true, 1e9);
+  c.block_bytes = 1u << 20;
+  absl::StatusOr<SimResult> r = Simulate(model, c, Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  planner::ClusterShape shape{4, 4, 1, true};
+  planner::SchemeVolume ps = planner::PsElements(16u << 20, shape);
+  ps.per_machine *= 4;
+  const double bound = planner::PsSeconds(ps, true, {1e9, 0});
+  EXPECT_GE(r->period_seconds, bound);
+  EXPECT_LE(r->period_seconds, 1.1 * bound);
+  EXPECT_EQ(r->tasks_per_iteration, 64u);
+}
+
+// P workers push one 1 MB chunk to one server on its own host: its switch port takes the P
+// pushes one after the other, its uplink the P answers (1 ms each at 1 GB/s). In iteration 1 all
+// push at once, so the last worker's answer comes 2·P ms after its post; from then on the
+// workers stay staggered by one transfer (the order the answers leave in) and the last one's
+// period is (P + 1) ms plus the 2 ms of compute, against 2 + 2 ms for one worker.
+TEST(SimulatorTest, IncastAtOneServer) {
+  const auto model = Model({{"a", kOther, {250000}, 1, 1}});
+  constexpr uint32_t kIterations = 21;
+  for (uint32_t p : {1u, 4u, 8u}) {
+    absl::StatusOr<SimResult> r = Simulate(model, Cluster(p, 1, false, 1e9), Options(kIterations));
+    ASSERT_TRUE(r.ok()) << r.status();
+    const double first = 2.0 * p + 2, steady = p + 1.0 + 2;
+    EXPECT_THAT(r->period_seconds,
+                DoubleNear((first + (kIterations - 2) * steady) / (kIterations - 1) * kMs, kEps))
+        << p;
+    EXPECT_THAT(r->breakdown.compute_seconds, DoubleNear(2 * kMs, kEps));
+    if (p > 1) {
+      EXPECT_EQ(r->max_port_queue_host, p);  // the server's host
+      EXPECT_EQ(r->max_port_queue, p);       // iteration 1: every worker's push at once
+    }
+  }
+}
+
+// Two workers exchange the factors of one FC layer (SFB: K·(M+N) floats each way, 0.8 ms at
+// 100 MB/s), which the planner prefers to PS here; the link is full-duplex, so both directions
+// go at once.
+TEST(SimulatorTest, SfbOneExchange) {
+  const auto model = Model({{"fc", poseidon::v1::LAYER_KIND_FC, {1000, 1000}, 1, 1}}, 10);
+  planner::PlannerConfig c = Cluster(2, 2, true, 1e8);
+  c.batch_per_worker = 0;
+  absl::StatusOr<SimResult> r = Simulate(model, c, Options());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sfb_layers, 1u);
+  EXPECT_THAT(r->period_seconds, DoubleNear(0.8 * kMs + 2 * kMs, kEps));
+  SimOptions ps = Options();
+  ps.scheme = AgentScheme::kPs;
+  absl::StatusOr<SimResult> r_ps = Simulate(model, c, ps);
+  ASSERT_TRUE(r_ps.ok()) << r_ps.status();
+  EXPECT_EQ(r_ps->sfb_layers, 0u);
+  EXPECT_GT(r_ps->period_seconds, 10 * r->period_seconds);
+}
+
+// Jitter is drawn from a seeded generator: the same seed gives the same run, another seed
+// another one; with stragglers, BSP makes more workers slower (the slowest of N each iteration).
+TEST(SimulatorTest, DeterministicGivenSeed) {
+  absl::StatusOr<poseidon::v1::ModelSpec> model = planner::LoadBuiltinModel("googlenet");
+  ASSERT_TRUE(model.ok());
+  auto run = [&](uint32_t n, uint64_t seed) {
+    planner::PlannerConfig c = Cluster(n, n, true, 1.25e9);
+    c.latency_seconds = 20e-6;
+    c.batch_per_worker = 32;
+    c.gpu = planner::GpuRate{"titanx", 6.1e12};
+    SimOptions o;
+    o.iterations = 10;
+    o.alpha_seconds = 30e-6;
+    o.jitter = {JitterKind::kLognormal, 0.05, 0.2};
+    o.seed = seed;
+    absl::StatusOr<SimResult> r = Simulate(*model, c, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *r;
+  };
+  const SimResult a = run(8, 7), b = run(8, 7), other = run(8, 8);
+  EXPECT_EQ(a.iteration_seconds, b.iteration_seconds);
+  EXPECT_EQ(a.events, b.events);
+  EXPECT_EQ(a.breakdown.waiting_seconds, b.breakdown.waiting_seconds);
+  EXPECT_NE(a.iteration_seconds, other.iteration_seconds);
+  EXPECT_GT(run(8, 7).period_seconds, run(1, 7).period_seconds);
+}
+
+TEST(SimulatorTest, RejectsUnknownCompute) {
+  absl::StatusOr<poseidon::v1::ModelSpec> model = planner::LoadBuiltinModel("alexnet");
+  ASSERT_TRUE(model.ok());
+  planner::PlannerConfig c = Cluster(2, 2, true, 1e9);  // no GPU rate: FLOPs give no time
+  EXPECT_FALSE(Simulate(*model, c, Options()).ok());
+  SimOptions one = Options(1);
+  c.gpu = planner::GpuRate{"titanx", 6.1e12};
+  EXPECT_FALSE(Simulate(*model, c, one).ok());
+}
+
+}  // namespace
+}  // namespace poseidon::sim

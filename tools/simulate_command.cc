@@ -1,0 +1,453 @@
+#include "tools/simulate_command.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/config.h"
+#include "coordinator/planner/model_spec.h"
+#include "coordinator/planner/planner.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "sim/simulator.h"
+#include "tools/json_writer.h"
+
+namespace poseidon::tools {
+namespace {
+
+// The flags of `poseidon simulate` (environment: POSEIDON_SIMULATE_<NAME>; file: --config). The
+// cluster's flags mean what they mean for `poseidon plan`.
+struct SimulateFlags {
+  std::string model;
+  std::string workers = "1,2,4,8";
+  uint32_t servers = 0;
+  uint32_t batch = 0;
+  double bandwidth = 0;
+  absl::Duration latency = absl::Microseconds(50);
+  bool colocated = true;
+  std::string gpu = "titanx";
+  uint64_t block_size = planner::kDefaultBlockBytes;
+  std::string scheme = "auto";
+  bool wfbp = true;
+  bool priority = true;
+  uint64_t credit_bytes = uint64_t{64} << 20;
+  uint64_t bucket_bytes = uint64_t{512} << 10;
+  uint32_t iterations = 20;
+  std::string calibration;
+  absl::Duration alpha = absl::ZeroDuration();
+  absl::Duration compute_overhead = absl::ZeroDuration();
+  std::string jitter = "none";
+  double jitter_sigma = 0;
+  double layer_jitter_sigma = 0;
+  bool sfb_rebuild = true;
+  uint64_t seed = 1;
+  bool json = false;
+};
+
+// Positions of the fields a calibration sets, in declaration order (LoadedConfig::origins).
+constexpr size_t kAlphaField = 16;
+constexpr size_t kOverheadField = 17;
+constexpr size_t kJitterField = 18;
+constexpr size_t kJitterSigmaField = 19;
+constexpr size_t kLayerJitterSigmaField = 20;
+
+ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
+  ConfigSchema<SimulateFlags> schema("poseidon simulate", "POSEIDON_SIMULATE_");
+  schema
+      .Field("model", &SimulateFlags::model,
+             "built-in model (alexnet, vgg16, vgg19, vgg19-22k, googlenet, inception-v3, "
+             "resnet-50, resnet-152) or the path of a ModelSpec JSON file",
+             NonEmpty())
+      .Field("workers", &SimulateFlags::workers,
+             "P1: the cluster sizes to simulate, comma-separated (16,32,64); N = 1 is always "
+             "simulated as the speed-up's base",
+             NonEmpty())
+      .Field("servers", &SimulateFlags::servers, "P2, the number of servers; 0: as many as workers")
+      .Field("batch", &SimulateFlags::batch,
+             "K, the per-worker batch size; 0: each layer's batch_per_worker from the spec")
+      .BandwidthField("bandwidth", &SimulateFlags::bandwidth,
+                      "link rate per host and direction (10Gbit, 1.25GB/s)",
+                      [](const double& v) {
+                        return v > 0 ? absl::OkStatus()
+                                     : absl::InvalidArgumentError("must be > 0 (e.g. 10Gbit)");
+                      })
+      .Field("latency", &SimulateFlags::latency, "one-way latency host to host (50us)")
+      .Field("colocated", &SimulateFlags::colocated,
+             "every worker machine also runs a server (default true; false: servers on hosts "
+             "of their own)")
+      .Field("gpu", &SimulateFlags::gpu,
+             "GPU rate for compute time from FLOPs: titanx, v100, a100, h100, a FLOP/s number "
+             "(12.5T), or none (the spec's measured times)")
+      .ByteSizeField("block_size", &SimulateFlags::block_size, "largest PS chunk (4MiB)")
+      .Field("scheme", &SimulateFlags::scheme,
+             "the agents' --scheme: auto (the plan's), ps (every layer), allreduce (every layer)",
+             OneOf({"auto", "ps", "allreduce"}))
+      .Field("wfbp", &SimulateFlags::wfbp,
+             "post each layer when its backward ends (false: after the whole backward)")
+      .Field("priority", &SimulateFlags::priority,
+             "the agents' priority queue (false: in the order layers are posted)")
+      .ByteSizeField("credit_bytes", &SimulateFlags::credit_bytes,
+                     "the agents' bytes in flight (64MiB)")
+      .ByteSizeField("bucket_bytes", &SimulateFlags::bucket_bytes,
+                     "the agents' fusion bucket (512KiB; 0: none)")
+      .Field("iterations", &SimulateFlags::iterations, "iterations per run (the first is warm-up)",
+             AtLeast(2u))
+      .Field("calibration", &SimulateFlags::calibration,
+             "a calibration JSON (bench/cluster/calibration.json): alpha, compute overhead and "
+             "jitter unless given as flags")
+      .Field("alpha", &SimulateFlags::alpha, "per-message overhead on the sender's link (0)")
+      .Field("compute_overhead", &SimulateFlags::compute_overhead,
+             "added to every layer's forward and backward (0)")
+      .Field("jitter", &SimulateFlags::jitter, "compute jitter: none, normal, lognormal",
+             OneOf({"none", "normal", "lognormal"}))
+      .Field("jitter_sigma", &SimulateFlags::jitter_sigma,
+             "relative σ of one factor per worker and iteration")
+      .Field("layer_jitter_sigma", &SimulateFlags::layer_jitter_sigma,
+             "relative σ of one factor per layer pass")
+      .Field("sfb_rebuild", &SimulateFlags::sfb_rebuild,
+             "count SFB's rebuild GEMM (2·K·M·N·P1 FLOPs) at the GPU rate")
+      .Field("seed", &SimulateFlags::seed, "seed of the jitter")
+      .Field("json", &SimulateFlags::json, "print JSON instead of a table");
+  return schema;
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "poseidon simulate: %s\n", std::string(status.message()).c_str());
+  return 2;
+}
+
+absl::StatusOr<sim::JitterKind> ParseJitter(absl::string_view text) {
+  if (text == "none") return sim::JitterKind::kNone;
+  if (text == "normal") return sim::JitterKind::kNormal;
+  if (text == "lognormal") return sim::JitterKind::kLognormal;
+  return absl::InvalidArgumentError(absl::StrCat("jitter '", text, "': none, normal, lognormal"));
+}
+
+absl::StatusOr<std::vector<uint32_t>> ParseWorkers(absl::string_view text) {
+  std::vector<uint32_t> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    uint32_t n = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &n) || n < 1 ||
+        n > planner::kMaxWorkers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--workers: '", part, "' is not a number in [1, ", planner::kMaxWorkers,
+                       "]"));
+    }
+    out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  if (out.empty()) return absl::InvalidArgumentError("--workers: no cluster size");
+  return out;
+}
+
+// What a calibration file holds (bench/cluster/calibrate.py writes it).
+struct Calibration {
+  double alpha_seconds = 0;
+  double compute_overhead_seconds = 0;
+  std::string jitter = "none";
+  double iteration_sigma = 0;
+  double layer_sigma = 0;
+};
+
+absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read calibration ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  google::protobuf::Struct root;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(text.str(), &root, options);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration ", path, ": ", std::string(parsed.message())));
+  }
+  Calibration c;
+  auto number = [&](const google::protobuf::Struct& s, const char* key,
+                    double* out) -> absl::Status {
+    auto it = s.fields().find(key);
+    if (it == s.fields().end()) return absl::OkStatus();
+    if (!it->second.has_number_value() || it->second.number_value() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration ", path, ": '", key, "' must be a number >= 0"));
+    }
+    *out = it->second.number_value();
+    return absl::OkStatus();
+  };
+  if (absl::Status s = number(root, "alpha_seconds", &c.alpha_seconds); !s.ok()) return s;
+  if (absl::Status s = number(root, "compute_overhead_seconds", &c.compute_overhead_seconds);
+      !s.ok()) {
+    return s;
+  }
+  if (auto it = root.fields().find("jitter"); it != root.fields().end()) {
+    if (!it->second.has_struct_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("calibration ", path, ": 'jitter' object"));
+    }
+    const google::protobuf::Struct& j = it->second.struct_value();
+    if (auto k = j.fields().find("kind"); k != j.fields().end()) c.jitter = k->second.string_value();
+    if (absl::Status s = number(j, "iteration_sigma", &c.iteration_sigma); !s.ok()) return s;
+    if (absl::Status s = number(j, "layer_sigma", &c.layer_sigma); !s.ok()) return s;
+  }
+  if (!ParseJitter(c.jitter).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration ", path, ": jitter kind '", c.jitter, "'"));
+  }
+  return c;
+}
+
+struct Row {
+  uint32_t workers = 0;
+  sim::SimResult result;
+  double wall_seconds = 0;
+  double speedup = 0;
+};
+
+}  // namespace
+
+int RunSimulateCommand(const std::vector<std::string>& args) {
+  const ConfigSchema<SimulateFlags> schema = SimulateFlagsSchema();
+  ConfigInput input;
+  input.args = args;
+  absl::StatusOr<LoadedConfig<SimulateFlags>> loaded = schema.Parse(input);
+  if (!loaded.ok()) return Fail(loaded.status());
+  if (loaded->help_requested) {
+    std::fputs(schema.Usage().c_str(), stdout);
+    std::fputs(
+        "\nExample (docs/simulator.md):\n"
+        "  poseidon simulate --model inception-v3 --batch 32 --bandwidth 10Gbit \\\n"
+        "      --workers 16,32,64,128,256,512,1024 --calibration bench/cluster/calibration.json\n",
+        stdout);
+    return 0;
+  }
+  for (const std::string& arg : loaded->unparsed_args) {
+    if (arg != "--") {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'")));
+    }
+  }
+  SimulateFlags flags = loaded->value;
+  auto from_default = [&](size_t field) {
+    return field < loaded->origins.size() && loaded->origins[field] == "default";
+  };
+  if (!flags.calibration.empty()) {
+    absl::StatusOr<Calibration> c = LoadCalibration(flags.calibration);
+    if (!c.ok()) return Fail(c.status());
+    if (from_default(kAlphaField)) flags.alpha = absl::Seconds(c->alpha_seconds);
+    if (from_default(kOverheadField)) {
+      flags.compute_overhead = absl::Seconds(c->compute_overhead_seconds);
+    }
+    if (from_default(kJitterField)) flags.jitter = c->jitter;
+    if (from_default(kJitterSigmaField)) flags.jitter_sigma = c->iteration_sigma;
+    if (from_default(kLayerJitterSigmaField)) flags.layer_jitter_sigma = c->layer_sigma;
+  }
+  absl::StatusOr<std::vector<uint32_t>> sizes = ParseWorkers(flags.workers);
+  if (!sizes.ok()) return Fail(sizes.status());
+  absl::StatusOr<sim::JitterKind> jitter = ParseJitter(flags.jitter);
+  if (!jitter.ok()) return Fail(jitter.status());
+
+  planner::PlannerConfig base;
+  base.batch_per_worker = flags.batch;
+  base.colocated = flags.colocated;
+  base.bandwidth_bytes_per_second = flags.bandwidth;
+  base.latency_seconds = absl::ToDoubleSeconds(flags.latency);
+  base.block_bytes = flags.block_size;
+  if (absl::AsciiStrToLower(flags.gpu) != "none") {
+    absl::StatusOr<planner::GpuRate> gpu = planner::ParseGpuRate(flags.gpu);
+    if (!gpu.ok()) return Fail(gpu.status());
+    base.gpu = *gpu;
+  }
+  absl::StatusOr<poseidon::v1::ModelSpec> model = planner::LoadModel(flags.model);
+  if (!model.ok()) return Fail(model.status());
+  base.job_id = model->name();
+
+  sim::SimOptions options;
+  options.iterations = flags.iterations;
+  options.scheme = flags.scheme == "ps"          ? sim::AgentScheme::kPs
+                   : flags.scheme == "allreduce" ? sim::AgentScheme::kAllreduce
+                                                 : sim::AgentScheme::kAuto;
+  options.wfbp = flags.wfbp;
+  options.priority = flags.priority;
+  options.credit_bytes = flags.credit_bytes;
+  options.bucket_bytes = flags.bucket_bytes;
+  options.alpha_seconds = absl::ToDoubleSeconds(flags.alpha);
+  options.compute_overhead_seconds = absl::ToDoubleSeconds(flags.compute_overhead);
+  options.jitter = {*jitter, flags.jitter_sigma, flags.layer_jitter_sigma};
+  options.sfb_rebuild = flags.sfb_rebuild;
+  options.seed = flags.seed;
+
+  std::vector<uint32_t> runs = *sizes;
+  if (runs.front() != 1) runs.insert(runs.begin(), 1);
+  std::vector<Row> rows;
+  double base_iteration = 0;
+  for (uint32_t n : runs) {
+    planner::PlannerConfig config = base;
+    config.workers = n;
+    config.servers = flags.servers == 0 ? n : flags.servers;
+    const absl::Time start = absl::Now();
+    absl::StatusOr<sim::SimResult> r = sim::Simulate(*model, config, options);
+    if (!r.ok()) return Fail(absl::Status(r.status().code(), absl::StrCat("N = ", n, ": ",
+                                                                          r.status().message())));
+    Row row{n, *r, absl::ToDoubleSeconds(absl::Now() - start), 0};
+    if (n == 1) base_iteration = r->iteration_seconds;
+    row.speedup = base_iteration > 0 ? n * base_iteration / r->iteration_seconds : 0;
+    if (n == 1 && sizes->front() != 1) continue;  // the base only
+    rows.push_back(row);
+  }
+
+  const uint32_t batch_for_samples = [&] {
+    if (flags.batch > 0) return flags.batch;
+    for (const auto& l : model->layers()) {
+      if (l.batch_per_worker() > 0) return l.batch_per_worker();
+    }
+    return 1u;
+  }();
+  if (flags.json) {
+    JsonWriter w;
+    w.BeginObject();
+    w.Key("model");
+    w.String(model->name());
+    w.Key("settings");
+    w.BeginObject();
+    w.Key("batch");
+    w.Unsigned(batch_for_samples);
+    w.Key("bandwidth_bytes_per_second");
+    w.Number(flags.bandwidth);
+    w.Key("latency_seconds");
+    w.Number(base.latency_seconds);
+    w.Key("colocated");
+    w.Bool(flags.colocated);
+    w.Key("servers");
+    w.Unsigned(flags.servers);
+    w.Key("gpu");
+    if (base.gpu) {
+      w.String(base.gpu->name);
+    } else {
+      w.Null();
+    }
+    w.Key("gpu_flops");
+    w.Number(base.gpu ? base.gpu->flops_per_second : 0);
+    w.Key("scheme");
+    w.String(flags.scheme);
+    w.Key("wfbp");
+    w.Bool(flags.wfbp);
+    w.Key("priority");
+    w.Bool(flags.priority);
+    w.Key("credit_bytes");
+    w.Unsigned(flags.credit_bytes);
+    w.Key("bucket_bytes");
+    w.Unsigned(flags.bucket_bytes);
+    w.Key("block_bytes");
+    w.Unsigned(flags.block_size);
+    w.Key("iterations");
+    w.Unsigned(flags.iterations);
+    w.Key("alpha_seconds");
+    w.Number(options.alpha_seconds);
+    w.Key("compute_overhead_seconds");
+    w.Number(options.compute_overhead_seconds);
+    w.Key("jitter");
+    w.String(flags.jitter);
+    w.Key("jitter_sigma");
+    w.Number(flags.jitter_sigma);
+    w.Key("layer_jitter_sigma");
+    w.Number(flags.layer_jitter_sigma);
+    w.Key("seed");
+    w.Unsigned(flags.seed);
+    w.Key("calibration");
+    w.String(flags.calibration);
+    w.EndObject();
+    w.Key("rows");
+    w.BeginArray();
+    for (const Row& row : rows) {
+      const sim::SimResult& r = row.result;
+      w.BeginObject();
+      w.Key("workers");
+      w.Unsigned(r.workers);
+      w.Key("servers");
+      w.Unsigned(r.servers);
+      w.Key("iteration_seconds");
+      w.Number(r.iteration_seconds);
+      w.Key("period_seconds");
+      w.Number(r.period_seconds);
+      w.Key("compute_seconds");
+      w.Number(r.breakdown.compute_seconds);
+      w.Key("exposed_seconds");
+      w.Number(r.breakdown.exposed_seconds);
+      w.Key("waiting_seconds");
+      w.Number(r.breakdown.waiting_seconds);
+      w.Key("samples_per_second");
+      w.Number(r.workers * batch_for_samples / r.iteration_seconds);
+      w.Key("speedup");
+      w.Number(row.speedup);
+      w.Key("efficiency");
+      w.Number(row.speedup / r.workers);
+      w.Key("sfb_layers");
+      w.Unsigned(r.sfb_layers);
+      w.Key("allreduce_layers");
+      w.Unsigned(r.allreduce_layers);
+      w.Key("tasks_per_iteration");
+      w.Unsigned(r.tasks_per_iteration);
+      w.Key("messages");
+      w.Unsigned(r.messages);
+      w.Key("events");
+      w.Unsigned(r.events);
+      w.Key("max_port_queue");
+      w.Unsigned(r.max_port_queue);
+      w.Key("max_port_queue_host");
+      w.Unsigned(r.max_port_queue_host);
+      w.Key("busiest_link_fraction");
+      w.Number(r.link_busy_fraction);
+      w.Key("wall_seconds");
+      w.Number(row.wall_seconds);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+    std::fputs(w.str().c_str(), stdout);
+    std::fputc('\n', stdout);
+  } else {
+    std::string out = absl::StrFormat(
+        "poseidon simulate: %s, K = %u, %s, %s per host and direction, latency %s, %s; scheme "
+        "%s%s%s; alpha %s, compute overhead %s per pass, jitter %s (σ %g per iteration, %g per "
+        "layer); %u iterations, seed %u\n\n",
+        model->name(), batch_for_samples,
+        base.gpu ? absl::StrFormat("%s (%g TFLOP/s)", base.gpu->name,
+                                   base.gpu->flops_per_second / 1e12)
+                 : std::string("measured compute"),
+        FormatBandwidth(flags.bandwidth), absl::FormatDuration(flags.latency),
+        flags.colocated ? "servers colocated" : "servers on hosts of their own", flags.scheme,
+        flags.wfbp ? "" : ", no WFBP", flags.priority ? "" : ", no priority",
+        absl::FormatDuration(flags.alpha), absl::FormatDuration(flags.compute_overhead),
+        flags.jitter, flags.jitter_sigma, flags.layer_jitter_sigma, flags.iterations, flags.seed);
+    absl::StrAppend(&out,
+                    "| N | s/iter | compute s | exposed s | waiting s | samples/s | speed-up | "
+                    "efficiency | SFB layers | max port queue | busiest link | sim s |\n"
+                    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const Row& row : rows) {
+      const sim::SimResult& r = row.result;
+      absl::StrAppendFormat(
+          &out, "| %u | %.4f | %.4f | %.4f | %.4f | %.0f | %.2f | %.3f | %u | %u | %.2f | %.2f |\n",
+          r.workers, r.iteration_seconds, r.breakdown.compute_seconds,
+          r.breakdown.exposed_seconds, r.breakdown.waiting_seconds,
+          r.workers * batch_for_samples / r.iteration_seconds, row.speedup,
+          row.speedup / r.workers, r.sfb_layers, r.max_port_queue, r.link_busy_fraction,
+          row.wall_seconds);
+    }
+    std::fputs(out.c_str(), stdout);
+  }
+  return std::fflush(stdout) == 0 ? 0 : 1;
+}
+
+}  // namespace poseidon::tools
