@@ -33,6 +33,7 @@
 #include "coordinator/planner/planner.h"
 #include "server/kv_client.h"
 #include "transport/frame_server.h"
+#include "transport/credentials.h"
 #include "transport/handshake.h"
 #include "transport/tcp/tcp_context.h"
 
@@ -169,6 +170,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::map<uint64_t, size_t> layers_done_;  // iteration -> layers completed
   absl::Time last_iteration_end_;
   std::shared_ptr<transport::Context> ctx_;
+  transport::Credentials creds_;  // from the secret or the keyring (Run, before any connection)
   std::shared_ptr<transport::FrameServer> sfb_server_;
 
   // Fixed at registration (before any data-path thread reads them).
@@ -218,6 +220,24 @@ void Agent::Fatal(const std::string& why) {
 }
 
 int Agent::Run() {
+  if (config_.keyring.empty() == config_.secret.empty()) {
+    PSD_LOG_ERROR("give the agent either the job's secret or its keyring (not {})",
+                  config_.secret.empty() ? "neither" : "both");
+    return 2;
+  }
+  if (config_.keyring.empty()) {
+    creds_ = transport::Credentials::FromSecret(config_.secret, config_.job_id, config_.rank,
+                                                config_.world_size);
+  } else {
+    auto creds = transport::Credentials::FromKeyring(config_.keyring, config_.job_id, config_.rank,
+                                                     config_.world_size);
+    if (!creds.ok()) {
+      PSD_LOG_ERROR("bad keyring: {}", creds.status().message());
+      return 2;
+    }
+    creds_ = *std::move(creds);
+  }
+  config_.secret.clear();  // from here on only the derived keys exist
   if (config_.segment.empty()) {
     config_.segment = absl::StrCat("/poseidon-", config_.job_id, "-", config_.rank);
   }
@@ -290,7 +310,7 @@ int Agent::Run() {
       listen = (*listener)->Address();
     }
     auto secrets = std::make_shared<transport::SecretStore>();
-    secrets->Set(config_.job_id, config_.secret);
+    secrets->SetKeys(config_.job_id, creds_.peer_keys());
     sfb_server_ = std::make_shared<transport::FrameServer>(*listener, secrets, shared_from_this());
     sfb_server_->Start();
   }
@@ -485,7 +505,7 @@ void Agent::ProbeServers(const coordinator::World& world) {
     const std::string& address = server.endpoints(0).address();
     absl::StatusOr<server::KvClient::Probe> bandwidth = absl::UnavailableError("not connected");
     auto client = server::KvClient::Connect(*ctx_, address, config_.job_id, config_.rank,
-                                            config_.secret, absl::Seconds(10));
+                                            creds_.server_key(), absl::Seconds(10));
     if (client.ok()) {
       bandwidth = (*client)->MeasureBandwidth(config_.probe_bytes, 2, absl::Seconds(10));
       (*client)->Close();
@@ -752,7 +772,7 @@ absl::Status Agent::ConnectServers() {
     absl::StatusOr<std::shared_ptr<server::KvClient>> client;
     while (true) {
       client = server::KvClient::Connect(*ctx_, config_.servers[s], config_.job_id, config_.rank,
-                                         config_.secret, absl::Seconds(10));
+                                         creds_.server_key(), absl::Seconds(10));
       if (client.ok() || absl::Now() > deadline) break;
       absl::SleepFor(absl::Milliseconds(200));
     }
@@ -790,7 +810,7 @@ absl::Status Agent::ConnectPeers() {
     absl::StatusOr<std::shared_ptr<transport::Connection>> conn;
     while (true) {
       conn = transport::ConnectAuthenticated(*ctx_, config_.peers[p], config_.job_id, config_.rank,
-                                             config_.secret, absl::Seconds(10));
+                                             *creds_.PeerKey(p), absl::Seconds(10));
       if (conn.ok() || absl::Now() > deadline) break;
       absl::SleepFor(absl::Milliseconds(200));
     }

@@ -22,7 +22,11 @@ namespace poseidon::agent {
 struct AgentConfig {
   std::string segment;  // "/poseidon-<job>-<rank>" when empty
   uint64_t job_id = 1;
+  // The data plane's keys (transport/credentials.h): the job's secret, from which the agent
+  // derives its own, or its keyring (what poseidon run hands it; then it never sees the secret).
+  // Exactly one is set.
   std::string secret;
+  std::string keyring;
   uint32_t rank = 0;
   uint32_t world_size = 1;
   std::vector<std::string> servers;  // KV servers, in plan order

@@ -15,6 +15,7 @@ struct Flags {
   std::string segment;
   uint64_t job_id = 1;
   std::string secret;
+  std::string keyring;
   int64_t rank = 0;
   int64_t world_size = 1;
   std::string servers;
@@ -54,7 +55,9 @@ poseidon::ConfigSchema<Flags> Schema() {
   poseidon::ConfigSchema<Flags> s("poseidon-agent");
   s.Field("segment", &Flags::segment, "shared-memory segment (default /poseidon-<job>-<rank>)")
       .Field("job_id", &Flags::job_id, "job id")
-      .SecretField("secret", &Flags::secret, "the job's secret", poseidon::NonEmpty())
+      .SecretField("secret", &Flags::secret, "the job's secret (or keyring)")
+      .SecretField("keyring", &Flags::keyring,
+                   "this rank's keys, as poseidon run writes them (instead of the secret)")
       .Field("rank", &Flags::rank, "this worker's rank", InRange<int64_t>(0, 65535))
       .Field("world_size", &Flags::world_size, "number of workers (P1)", InRange<int64_t>(1, 65536))
       .Field("servers", &Flags::servers, "KV servers, comma-separated host:port")
@@ -134,6 +137,12 @@ int main(int argc, char** argv) {
   c.segment = f.segment;
   c.job_id = f.job_id;
   c.secret = f.secret;
+  c.keyring = f.keyring;
+  if (c.secret.empty() == c.keyring.empty()) {
+    std::fprintf(stderr, "poseidon-agent: set exactly one of secret and keyring (%s)\n",
+                 c.secret.empty() ? "neither is set" : "both are set");
+    return 2;
+  }
   c.rank = static_cast<uint32_t>(f.rank);
   c.world_size = static_cast<uint32_t>(f.world_size);
   c.servers = List(f.servers);

@@ -24,6 +24,7 @@
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
 #include "transport/frame_server.h"
+#include "transport/credentials.h"
 #include "transport/handshake.h"
 #include "transport/inproc/inproc_context.h"
 
@@ -123,7 +124,8 @@ class SyncerTest : public ::testing::Test {
       for (uint32_t p = 0; p < kWorld; ++p) {
         if (p == me->rank) continue;
         auto conn = transport::ConnectAuthenticated(*ctx_, absl::StrCat("peer-", p), 1, me->rank,
-                                                    kSecret, absl::Seconds(10));
+                                                    transport::RankKey(kSecret, 1, me->rank),
+                                                    absl::Seconds(10));
         ASSERT_TRUE(conn.ok()) << conn.status();
         me->env.peers[p] = *conn;
         me->gate->MarkReady(p);
@@ -182,7 +184,8 @@ class SyncerTest : public ::testing::Test {
       --r.parts_left[layer];
       r.cv.notify_all();
     };
-    auto client = server::KvClient::Connect(*ctx_, "kv", 1, rank, kSecret, absl::Seconds(10));
+    auto client = server::KvClient::Connect(*ctx_, "kv", 1, rank, transport::RankKey(kSecret, 1, rank),
+                                            absl::Seconds(10));
     ASSERT_TRUE(client.ok()) << client.status();
     r.env.servers = {*client};
     r.env.metrics.push_bytes = {nullptr};

@@ -14,14 +14,14 @@ using transport::FrameType;
 
 absl::StatusOr<std::shared_ptr<KvClient>> KvClient::Connect(
     transport::Context& context, const std::string& address, uint64_t job_id, uint32_t rank,
-    const std::string& secret, absl::Duration timeout, int connections) {
+    const std::string& key, absl::Duration timeout, int connections) {
   if (connections < 1 || connections > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("connections per server must be in [1, 64], got ", connections));
   }
   std::vector<std::shared_ptr<transport::Connection>> conns;
   for (int i = 0; i < connections; ++i) {
-    auto conn = transport::ConnectAuthenticated(context, address, job_id, rank, secret, timeout);
+    auto conn = transport::ConnectAuthenticated(context, address, job_id, rank, key, timeout);
     if (!conn.ok()) {
       for (auto& c : conns) c->Close();
       return conn.status();

@@ -29,12 +29,13 @@ inline constexpr uint64_t kMaxProbeBytes = uint64_t{16} << 20;
 
 class KvClient : public std::enable_shared_from_this<KvClient> {
  public:
-  // Connects and authenticates as `rank` of `job_id`. With `connections` > 1 the client opens
+  // Connects and authenticates as `rank` of `job_id` with that rank's `key`
+  // (transport::RankKey of the job's secret; an agent's Credentials::server_key). With `connections` > 1 the client opens
   // that many connections to the server and spreads keys over them (key % connections), for
   // bandwidth where one TCP stream cannot fill the link; each key's requests stay in order.
   static absl::StatusOr<std::shared_ptr<KvClient>> Connect(
       transport::Context& context, const std::string& address, uint64_t job_id, uint32_t rank,
-      const std::string& secret, absl::Duration timeout, int connections = 1);
+      const std::string& key, absl::Duration timeout, int connections = 1);
   ~KvClient();
 
   absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout);

@@ -268,12 +268,12 @@ void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
         if (id.first != job_id || key->pulls.empty()) continue;
         const Key& k = *key;
         std::erase_if(key->pulls, [&](const Key::PendingPull& p) {
-          const std::string why = LostBlocking(k, p.ctx.header.clock);
-          if (why.empty()) return false;
-          if (first.empty()) first = why;
+          const std::string blocked = LostBlocking(k, p.ctx.header.clock);
+          if (blocked.empty()) return false;
+          if (first.empty()) first = blocked;
           ++failed;
           stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
-          SendError(p.ctx, absl::UnavailableError(why));
+          SendError(p.ctx, absl::UnavailableError(blocked));
           return true;
         });
       }

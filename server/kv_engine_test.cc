@@ -13,6 +13,7 @@
 #include "server/kv_service.h"
 #include "server/server_telemetry.h"
 #include "server/update_rules.h"
+#include "transport/credentials.h"
 #include "transport/tcp/tcp_context.h"
 
 namespace poseidon::server {
@@ -71,7 +72,8 @@ class KvServerTest : public ::testing::Test {
   }
   std::shared_ptr<KvClient> Client(uint32_t rank, uint64_t job = 1,
                                    const std::string& secret = kSecret, int connections = 1) {
-    auto c = KvClient::Connect(*ctx_, server_->Address(), job, rank, secret, absl::Seconds(10),
+    auto c = KvClient::Connect(*ctx_, server_->Address(), job, rank,
+                               transport::RankKey(secret, job, rank), absl::Seconds(10),
                                connections);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *c : nullptr;

@@ -9,6 +9,7 @@
 #include "absl/flags/parse.h"
 #include "server/kv_client.h"
 #include "tests/kv_test_util.h"
+#include "transport/credentials.h"
 #include "transport/tcp/tcp_context.h"
 
 ABSL_FLAG(std::string, server, "", "host:port");
@@ -38,7 +39,8 @@ int main(int argc, char** argv) {
   if (!ctx.ok()) return fail(ctx.status());
   auto client =
       server::KvClient::Connect(**ctx, absl::GetFlag(FLAGS_server), absl::GetFlag(FLAGS_job), rank,
-                                absl::GetFlag(FLAGS_secret), absl::Seconds(20));
+                                transport::RankKey(absl::GetFlag(FLAGS_secret), absl::GetFlag(FLAGS_job), rank),
+                                absl::Seconds(20));
   if (!client.ok()) return fail(client.status());
   auto& c = **client;
   const absl::Duration wait = absl::Seconds(60);

@@ -24,6 +24,7 @@
 #include "transport/checksum.h"
 #include "transport/error_frame.h"
 #include "transport/frame_server.h"
+#include "transport/credentials.h"
 #include "transport/handshake.h"
 #include "transport/tcp/tcp_context.h"
 #include "transport/transport_test_util.h"
@@ -148,7 +149,7 @@ class RawPeer {
     return std::make_pair(*h, std::move(payload));
   }
   bool Authenticate(uint32_t rank) {
-    ClientHandshake machine(kJob, rank, kSecret);
+    ClientHandshake machine(kJob, rank, RankKey(kSecret, kJob, rank));
     OutFrame out = machine.Start();
     while (true) {
       if (!WriteFrame(out.header, out.payload)) return false;
@@ -270,7 +271,8 @@ struct GoodClient {
 
   void Start(Context& ctx, const std::string& address) {
     thread = std::thread([this, &ctx, address] {
-      auto conn = ConnectAuthenticated(ctx, address, kJob, 0, kSecret, absl::Seconds(10));
+      auto conn = ConnectAuthenticated(ctx, address, kJob, 0, RankKey(kSecret, kJob, 0),
+                                       absl::Seconds(10));
       if (!conn.ok()) {
         first_failure = conn.status().ToString();
         ++failures;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/log.h"
+#include "transport/credentials.h"
 #include "transport/error_frame.h"
 
 namespace poseidon::transport {
@@ -79,19 +80,30 @@ absl::Status Expect(const FrameHeader& header, std::span<const std::byte> payloa
 
 void SecretStore::Set(uint64_t job_id, std::string secret) {
   std::lock_guard<std::mutex> lock(mu_);
-  secrets_[job_id] = std::move(secret);
+  entries_[job_id] = Entry{std::move(secret), {}};
+}
+
+void SecretStore::SetKeys(uint64_t job_id, std::map<uint32_t, std::string> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_[job_id] = Entry{"", std::move(keys)};
 }
 
 void SecretStore::Remove(uint64_t job_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  secrets_.erase(job_id);
+  entries_.erase(job_id);
 }
 
-std::optional<std::string> SecretStore::Lookup(uint64_t job_id) const {
+absl::StatusOr<std::string> SecretStore::KeyFor(uint64_t job_id, uint32_t rank) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = secrets_.find(job_id);
-  if (it == secrets_.end()) return std::nullopt;
-  return it->second;
+  const auto it = entries_.find(job_id);
+  if (it == entries_.end()) return absl::NotFoundError(absl::StrCat("unknown job ", job_id));
+  if (it->second.keys.empty()) return RankKey(it->second.secret, job_id, rank);
+  const auto key = it->second.keys.find(rank);
+  if (key == it->second.keys.end()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("rank ", rank, " of job ", job_id, " has no key here"));
+  }
+  return key->second;
 }
 
 // ---- client ----
@@ -130,7 +142,8 @@ absl::StatusOr<std::optional<OutFrame>> ClientHandshake::OnFrame(
           Proof(secret_, kServerLabel, job_id_, rank_, server_nonce_, client_nonce_);
       if (!ConstantTimeEqual(expected, payload)) {
         return absl::UnauthenticatedError(
-            "server failed to prove knowledge of the job secret (wrong secret on the server?)");
+            "server failed to prove knowledge of this rank's key (a different job secret on the "
+            "server?)");
       }
       state_ = State::kDone;
       return std::optional<OutFrame>();
@@ -154,11 +167,9 @@ absl::StatusOr<OutFrame> ServerHandshake::OnFrame(const FrameHeader& header,
   switch (state) {
     case State::kWaitHello: {
       if (auto s = Expect(header, payload, FrameType::kHello, kNonceBytes); !s.ok()) return s;
-      auto secret = secrets_.Lookup(header.job_id);
-      if (!secret) {
-        return absl::PermissionDeniedError(absl::StrCat("unknown job ", header.job_id));
-      }
-      secret_ = std::move(*secret);
+      auto key = secrets_.KeyFor(header.job_id, header.sender_rank);
+      if (!key.ok()) return absl::PermissionDeniedError(key.status().message());
+      secret_ = *std::move(key);
       peer_.job_id = header.job_id;
       peer_.rank = header.sender_rank;
       std::copy(payload.begin(), payload.end(), client_nonce_.begin());
@@ -176,7 +187,7 @@ absl::StatusOr<OutFrame> ServerHandshake::OnFrame(const FrameHeader& header,
       if (!ConstantTimeEqual(expected, payload)) {
         return absl::UnauthenticatedError(absl::StrCat("authentication failed for job ",
                                                        peer_.job_id, " rank ", peer_.rank,
-                                                       " (wrong secret)"));
+                                                       " (a key not derived from this job's secret)"));
       }
       state_ = State::kDone;
       const auto proof =

@@ -1,10 +1,11 @@
 // The handshake every connection runs before any data frame (DESIGN.md, "Wire"): the client
-// names its job and rank, and both sides prove knowledge of the job's secret with HMAC-SHA256
-// over fresh nonces (mutual challenge/response; the secret never crosses the wire).
+// names its job and rank, and both sides prove knowledge of that rank's key K with HMAC-SHA256
+// over fresh nonces (mutual challenge/response; no key crosses the wire). K is derived from the
+// job's secret (credentials.h): RankKey towards a server, PairKey between two agents.
 //   client -> HELLO     (job, rank; payload: client nonce, 32 bytes)
 //   server -> CHALLENGE (payload: server nonce, 32 bytes)      | ERROR for an unknown job
-//   client -> AUTH      (payload: HMAC(secret, "poseidon/v1/client" job rank cn sn))
-//   server -> AUTH_OK   (payload: HMAC(secret, "poseidon/v1/server" job rank sn cn)) | ERROR
+//   client -> AUTH      (payload: HMAC(K, "poseidon/v1/client" job rank cn sn))
+//   server -> AUTH_OK   (payload: HMAC(K, "poseidon/v1/server" job rank sn cn)) | ERROR
 // The state machines are pure (no I/O) so they can be fuzzed; the drivers run them over a
 // Connection. Thread-safety: SecretStore is thread-safe; a state machine belongs to one caller.
 #pragma once
@@ -38,16 +39,25 @@ struct PeerIdentity {
   uint32_t rank = 0;
 };
 
-// Per-job secrets known to a listening daemon.
+// The keys a listening daemon verifies, per job (credentials.h): the job's secret, from which
+// the key of whichever rank says HELLO is derived (a server: RankKey), or a table of rank -> key
+// (an agent's peer port: its pair keys, Credentials::peer_keys, so it needs no secret).
 class SecretStore {
  public:
   void Set(uint64_t job_id, std::string secret);
+  void SetKeys(uint64_t job_id, std::map<uint32_t, std::string> keys);
   void Remove(uint64_t job_id);
-  std::optional<std::string> Lookup(uint64_t job_id) const;
+  // The key rank `rank` of job `job_id` must prove: NotFound for an unknown job,
+  // PermissionDenied for a rank this store holds no key of.
+  absl::StatusOr<std::string> KeyFor(uint64_t job_id, uint32_t rank) const;
 
  private:
+  struct Entry {
+    std::string secret;                   // set: keys derived from it
+    std::map<uint32_t, std::string> keys;  // else: these
+  };
   mutable std::mutex mu_;
-  std::map<uint64_t, std::string> secrets_;
+  std::map<uint64_t, Entry> entries_;
 };
 
 struct OutFrame {
@@ -57,7 +67,8 @@ struct OutFrame {
 
 class ClientHandshake {
  public:
-  ClientHandshake(uint64_t job_id, uint32_t rank, std::string secret);
+  // `key`: the rank's key towards this server (credentials.h: RankKey, PairKey).
+  ClientHandshake(uint64_t job_id, uint32_t rank, std::string key);
   // The HELLO frame.
   OutFrame Start();
   // Feeds the server's next frame. Returns the AUTH frame after a CHALLENGE, std::nullopt once
@@ -102,19 +113,20 @@ using HandshakeCallback = absl::AnyInvocable<void(absl::StatusOr<PeerIdentity>)>
 void AcceptHandshake(std::shared_ptr<Connection> conn, std::shared_ptr<const SecretStore> secrets,
                      absl::Duration timeout, HandshakeCallback done);
 
-// Runs the client side over `conn` within `timeout`.
+// Runs the client side over `conn` within `timeout`, proving `key` (credentials.h: the rank's
+// RankKey towards a server, its PairKey with the agent it connects to).
 void StartClientHandshake(std::shared_ptr<Connection> conn, uint64_t job_id, uint32_t rank,
-                          std::string secret, absl::Duration timeout, HandshakeCallback done);
+                          std::string key, absl::Duration timeout, HandshakeCallback done);
 
 // Blocking form of StartClientHandshake; never call it from a transport callback.
 absl::Status AuthenticateClient(const std::shared_ptr<Connection>& conn, uint64_t job_id,
-                                uint32_t rank, std::string secret, absl::Duration timeout);
+                                uint32_t rank, std::string key, absl::Duration timeout);
 
 // Connect + AuthenticateClient; the connection is closed when authentication fails.
 absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& context,
                                                                  absl::string_view address,
                                                                  uint64_t job_id, uint32_t rank,
-                                                                 std::string secret,
+                                                                 std::string key,
                                                                  absl::Duration timeout);
 
 }  // namespace poseidon::transport

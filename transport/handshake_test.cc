@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "transport/credentials.h"
+
 namespace poseidon::transport {
 namespace {
 
@@ -22,7 +24,7 @@ absl::Status Converse(ClientHandshake& client, ServerHandshake& server) {
 TEST(HandshakeTest, RightSecretAuthenticatesBothWays) {
   SecretStore secrets;
   secrets.Set(7, "job-seven-secret");
-  ClientHandshake client(7, 3, "job-seven-secret");
+  ClientHandshake client(7, 3, RankKey("job-seven-secret", 7, 3));
   ServerHandshake server(secrets);
   ASSERT_TRUE(Converse(client, server).ok());
   EXPECT_TRUE(client.done());
@@ -34,7 +36,7 @@ TEST(HandshakeTest, RightSecretAuthenticatesBothWays) {
 TEST(HandshakeTest, WrongSecretIsRefused) {
   SecretStore secrets;
   secrets.Set(7, "job-seven-secret");
-  ClientHandshake client(7, 3, "guess");
+  ClientHandshake client(7, 3, RankKey("guess", 7, 3));
   ServerHandshake server(secrets);
   const absl::Status s = Converse(client, server);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
@@ -44,7 +46,7 @@ TEST(HandshakeTest, WrongSecretIsRefused) {
 TEST(HandshakeTest, UnknownJobIsRefused) {
   SecretStore secrets;
   secrets.Set(7, "job-seven-secret");
-  ClientHandshake client(8, 0, "job-seven-secret");
+  ClientHandshake client(8, 0, RankKey("job-seven-secret", 8, 0));
   ServerHandshake server(secrets);
   const absl::Status s = Converse(client, server);
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
@@ -54,7 +56,7 @@ TEST(HandshakeTest, UnknownJobIsRefused) {
 TEST(HandshakeTest, ServerWithWrongSecretIsDetectedByClient) {
   SecretStore secrets;
   secrets.Set(7, "server-side-secret");
-  ClientHandshake client(7, 0, "client-side-secret");
+  ClientHandshake client(7, 0, RankKey("client-side-secret", 7, 0));
   // A server that skips verification would still have to produce AUTH_OK with the secret:
   // emulate it by answering the client's AUTH with a proof made from the server's secret.
   ServerHandshake server(secrets);
@@ -75,7 +77,7 @@ TEST(HandshakeTest, ServerWithWrongSecretIsDetectedByClient) {
 TEST(HandshakeTest, ReplayedAuthFromAnotherSessionIsRefused) {
   SecretStore secrets;
   secrets.Set(1, "s");
-  ClientHandshake client(1, 0, "s");
+  ClientHandshake client(1, 0, RankKey("s", 1, 0));
   ServerHandshake first(secrets);
   OutFrame hello = client.Start();
   auto challenge = first.OnFrame(hello.header, hello.payload);
@@ -87,6 +89,51 @@ TEST(HandshakeTest, ReplayedAuthFromAnotherSessionIsRefused) {
   ASSERT_TRUE(second.OnFrame(hello.header, hello.payload).ok());
   auto replay = second.OnFrame((*auth)->header, (*auth)->payload);
   EXPECT_EQ(replay.status().code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST(HandshakeTest, OneRanksKeyCannotSpeakForAnother) {
+  SecretStore secrets;
+  secrets.Set(7, "job-seven-secret");
+  // Rank 1 holds only its own key (its keyring): claiming rank 2 with it is refused.
+  ClientHandshake forger(7, 2, RankKey("job-seven-secret", 7, 1));
+  ServerHandshake server(secrets);
+  const absl::Status s = Converse(forger, server);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
+  // The job secret itself is not a rank's key either.
+  ClientHandshake raw(7, 2, "job-seven-secret");
+  ServerHandshake again(secrets);
+  EXPECT_EQ(Converse(raw, again).code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST(HandshakeTest, AnAgentsPeerPortVerifiesPairKeysWithoutTheSecret) {
+  // Rank 0's peer port holds its keyring's pair keys, not the secret.
+  const Credentials rank0 = Credentials::FromSecret("s3", 9, 0, 3);
+  SecretStore peers;
+  peers.SetKeys(9, rank0.peer_keys());
+  const Credentials rank1 = Credentials::FromSecret("s3", 9, 1, 3);
+  const Credentials rank2 = Credentials::FromSecret("s3", 9, 2, 3);
+  {
+    ClientHandshake client(9, 1, *rank1.PeerKey(0));
+    ServerHandshake server(peers);
+    ASSERT_TRUE(Converse(client, server).ok());
+    EXPECT_EQ(server.peer().rank, 1u);
+  }
+  {
+    // Rank 2 claiming rank 1 with what it holds: its pair key with rank 0, or its server key.
+    for (const std::string& key : {*rank2.PeerKey(0), rank2.server_key()}) {
+      ClientHandshake forger(9, 1, key);
+      ServerHandshake server(peers);
+      EXPECT_EQ(Converse(forger, server).code(), absl::StatusCode::kUnauthenticated);
+    }
+  }
+  {
+    // A rank the table has no key of (outside the world) is refused at HELLO.
+    ClientHandshake client(9, 5, RankKey("s3", 9, 5));
+    ServerHandshake server(peers);
+    const absl::Status s = Converse(client, server);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+    EXPECT_NE(s.message().find("rank 5 of job 9 has no key"), std::string::npos) << s;
+  }
 }
 
 TEST(HandshakeTest, OutOfOrderAndMisSizedFramesAreRefused) {
@@ -101,7 +148,7 @@ TEST(HandshakeTest, OutOfOrderAndMisSizedFramesAreRefused) {
     h.payload_length = p.size();
     EXPECT_FALSE(server.OnFrame(h, p).ok());
     // A failed machine stays failed.
-    ClientHandshake client(1, 0, "s");
+    ClientHandshake client(1, 0, RankKey("s", 1, 0));
     OutFrame hello = client.Start();
     EXPECT_FALSE(server.OnFrame(hello.header, hello.payload).ok());
   }

@@ -10,6 +10,7 @@
 
 #include "transport/error_frame.h"
 #include "transport/frame_server.h"
+#include "transport/credentials.h"
 #include "transport/handshake.h"
 #include "transport/inproc/inproc_context.h"
 #include "transport/tcp/tcp_context.h"
@@ -443,7 +444,7 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
     h.sender_rank = 2;
     return h;
   };
-  auto good = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
+  auto good = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, RankKey("right", 1, 2), absl::Seconds(10));
   ASSERT_TRUE(good.ok()) << good.status();
   auto p = Pattern(5000, 9);
   ASSERT_TRUE(SyncSend(**good, as_rank_2(DataHeader(4, p.size())), {p}).ok());
@@ -452,10 +453,10 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   EXPECT_EQ(echoed->payload, p);
 
   auto wrong_secret =
-      ConnectAuthenticated(*ctx_, server->Address(), 1, 3, "wrong", absl::Seconds(10));
+      ConnectAuthenticated(*ctx_, server->Address(), 1, 3, RankKey("wrong", 1, 3), absl::Seconds(10));
   EXPECT_EQ(wrong_secret.status().code(), absl::StatusCode::kUnauthenticated)
       << wrong_secret.status();
-  auto wrong_job = ConnectAuthenticated(*ctx_, server->Address(), 2, 3, "right", absl::Seconds(10));
+  auto wrong_job = ConnectAuthenticated(*ctx_, server->Address(), 2, 3, RankKey("right", 2, 3), absl::Seconds(10));
   EXPECT_EQ(wrong_job.status().code(), absl::StatusCode::kPermissionDenied) << wrong_job.status();
   EXPECT_NE(wrong_job.status().message().find("unknown job"), std::string::npos);
 
@@ -467,14 +468,14 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   ASSERT_TRUE(error.ok()) << error.status();
   EXPECT_EQ(error->header.type, FrameType::kError);
 
-  auto again = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
+  auto again = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, RankKey("right", 1, 2), absl::Seconds(10));
   ASSERT_TRUE(again.ok()) << again.status();
   ASSERT_TRUE(SyncSend(**again, as_rank_2(DataHeader(6, p.size())), {p}).ok());
   EXPECT_TRUE(SyncReadFrame(**again, absl::Seconds(10)).ok());
 
   // A frame claiming another rank than the one the handshake proved (a forged sender, which
   // would make the real rank's push a "duplicate") disconnects that peer, naming both ranks.
-  auto forger = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, "right", absl::Seconds(10));
+  auto forger = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, RankKey("right", 1, 2), absl::Seconds(10));
   ASSERT_TRUE(forger.ok()) << forger.status();
   FrameHeader forged = DataHeader(7, 0);
   forged.sender_rank = 0;
@@ -521,7 +522,7 @@ TEST_P(TransportConformance, IdleUnauthenticatedConnectionsCannotLockPeersOut) {
   options.max_handshakes = 3;
   options.max_connections = 8;
   auto server = StartEchoServer(options);
-  auto member = ConnectAuthenticated(*ctx_, server->Address(), 1, 0, "right", absl::Seconds(10));
+  auto member = ConnectAuthenticated(*ctx_, server->Address(), 1, 0, RankKey("right", 1, 0), absl::Seconds(10));
   ASSERT_TRUE(member.ok()) << member.status();
   auto silent = OpenSilent(*server, 3);
   ASSERT_EQ(silent.size(), 3u);
@@ -545,7 +546,7 @@ TEST_P(TransportConformance, IdleUnauthenticatedConnectionsCannotLockPeersOut) {
 
   // The silent ones time out (2 s); then a new peer authenticates.
   for (auto& c : silent) EXPECT_FALSE(SyncReadHeader(*c, absl::Seconds(30)).ok());
-  auto later = ConnectAuthenticated(*ctx_, server->Address(), 1, 1, "right", absl::Seconds(10));
+  auto later = ConnectAuthenticated(*ctx_, server->Address(), 1, 1, RankKey("right", 1, 1), absl::Seconds(10));
   EXPECT_TRUE(later.ok()) << later.status();
   EXPECT_EQ(server->Stats().handshaking, 0u);
   server->Stop();
@@ -567,7 +568,7 @@ TEST_P(TransportConformance, OneAddressCannotTakeEveryHandshakeSlot) {
   silent.clear();  // their holders leave: the address may handshake again
   EXPECT_TRUE(Eventually([&] { return server->Stats().handshaking == 0; }));
   EXPECT_TRUE(
-      ConnectAuthenticated(*ctx_, server->Address(), 1, 0, "right", absl::Seconds(10)).ok());
+      ConnectAuthenticated(*ctx_, server->Address(), 1, 0, RankKey("right", 1, 0), absl::Seconds(10)).ok());
   server->Stop();
 }
 

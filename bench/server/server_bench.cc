@@ -17,6 +17,7 @@
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
 #include "server/update_rules.h"
+#include "transport/credentials.h"
 #include "transport/tcp/tcp_context.h"
 
 ABSL_FLAG(bool, quick, false, "small sizes, one client count (smoke test)");
@@ -114,7 +115,8 @@ void PushPull(bool quick) {
     for (uint32_t r = 0; r < clients; ++r) client_ctx.push_back(*transport::CreateTcpContext({}));
     for (uint32_t r = 0; r < clients; ++r) {
       ranks.emplace_back([&, r] {
-        auto c = *server::KvClient::Connect(*client_ctx[r], fs->Address(), 1, r, "bench",
+        auto c = *server::KvClient::Connect(*client_ctx[r], fs->Address(), 1, r,
+                                              transport::RankKey("bench", 1, r),
                                             absl::Seconds(10), absl::GetFlag(FLAGS_connections));
         (void)c->RegisterTables(spec, absl::Seconds(30));
         std::vector<std::vector<float>> grads(keys, std::vector<float>(elements, 1.0f));

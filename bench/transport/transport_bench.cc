@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/log.h"
+#include "transport/credentials.h"
 #include "transport/handshake.h"
 #include "transport/tcp/tcp_context.h"
 #include "transport/transport_test_util.h"
@@ -252,7 +253,8 @@ struct PoseidonPair {
                       });
     });
     auto c =
-        ConnectAuthenticated(*client_ctx, listener->Address(), kJob, 1, kSecret, absl::Seconds(10));
+        ConnectAuthenticated(*client_ctx, listener->Address(), kJob, 1, RankKey(kSecret, kJob, 1),
+                             absl::Seconds(10));
     if (!c.ok()) {
       std::fprintf(stderr, "connect: %s\n", c.status().ToString().c_str());
       std::exit(1);

@@ -398,6 +398,36 @@ class Launcher(unittest.TestCase):
         self.assertIn("[rank 0] leaks: []", r.stdout)
         self.assertIn("[rank 0] rank env: []", r.stdout)
 
+    def test_agents_hold_their_keyrings_and_ranks_no_secret(self):
+        # The launcher is given a data-plane secret (as under Slurm): its servers get it, each
+        # agent only its keyring (its own rank's keys), the ranks neither.
+        code = "\n".join([
+            "import os, poseidon",
+            "poseidon.init()",
+            "r = poseidon.rank()",
+            "job = os.environ['POSEIDON_SEGMENT'].split('-')[1]",
+            "def read(p, what):",
+            "    try:",
+            "        return open(f'/proc/{p}/{what}', 'rb').read().split(bytes(1))",
+            "    except OSError:",
+            "        return []",
+            "agent = [p for p in os.listdir('/proc') if p.isdigit() and",
+            "         f'--job_id={job}'.encode() in read(p, 'cmdline') and",
+            "         f'--rank={r}'.encode() in read(p, 'cmdline')][0]",
+            "e = dict(kv.split(b'=', 1) for kv in read(agent, 'environ') if b'=' in kv)",
+            "print('agent:', sorted(k.decode() for k in e if b'SECRET' in k or b'KEYRING' in k),",
+            "      e.get(b'POSEIDON_KEYRING', b'').decode().splitlines()[2])",
+            "print('rank env:', sorted(k for k in os.environ if 'SECRET' in k or 'TOKEN' in k))",
+            "poseidon.shutdown()"])
+        env = dict(os.environ, POSEIDON_SECRET="a-secret-the-launcher-was-given")
+        r = subprocess.run([PY, "-m", "poseidon.run", "-n", "2", "--", PY, "-c", code],
+                           capture_output=True, text=True, timeout=120, env=env)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("[rank 0] agent: ['POSEIDON_KEYRING'] rank 0", r.stdout)
+        self.assertIn("[rank 1] agent: ['POSEIDON_KEYRING'] rank 1", r.stdout)
+        self.assertIn("[rank 0] rank env: []", r.stdout)
+        self.assertIn("[rank 1] rank env: []", r.stdout)
+
     def test_no_command_is_a_usage_error(self):
         r = launch(["-n", "2"])
         self.assertNotEqual(r.returncode, 0)

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "transport/frame.h"
+#include "transport/credentials.h"
 #include "transport/handshake.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -16,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   secrets.Set(1, "fuzz-secret");
   secrets.Set(0, "");
   ServerHandshake server(secrets);
-  ClientHandshake client(1, 0, "fuzz-secret");
+  ClientHandshake client(1, 0, RankKey("fuzz-secret", 1, 0));
   (void)client.Start();
   bool to_server = true;
   while (size >= kFrameHeaderSize) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "transport/frame.h"
+#include "transport/credentials.h"
 #include "transport/handshake.h"
 
 namespace {
@@ -54,7 +55,7 @@ int main(int argc, char** argv) {
   // client-bound frames.
   SecretStore secrets;
   secrets.Set(1, "fuzz-secret");
-  ClientHandshake client(1, 0, "fuzz-secret");
+  ClientHandshake client(1, 0, RankKey("fuzz-secret", 1, 0));
   ServerHandshake server(secrets);
   std::vector<std::byte> conversation;
   OutFrame hello = client.Start();

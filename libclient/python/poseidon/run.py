@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from .keys import make_keyring
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 
@@ -145,6 +147,19 @@ def main(argv=None):
 
     def env_with(**values):
         return dict(os.environ, **{f"POSEIDON_{k.upper()}": v for k, v in values.items()})
+
+    # The secrets this launcher was given: its agents and ranks get none of them. An agent gets
+    # its keyring (its own rank's keys, transport/credentials.h), so a rank's agent cannot speak
+    # for another rank; the ranks need no key at all.
+    secret_vars = ("POSEIDON_SECRET", "POSEIDON_JOB_SECRET", "POSEIDON_TOKEN", "POSEIDON_JOB_TOKEN",
+                   "POSEIDON_COORDINATOR_TOKEN", "POSEIDON_CLUSTER_TOKEN")
+
+    def without_secrets(env):
+        return {k: v for k, v in env.items() if k not in secret_vars}
+
+    def agent_env(**values):
+        return dict(without_secrets(os.environ),
+                    **{f"POSEIDON_{k.upper()}": v for k, v in values.items()})
     job = args.job if joining else os.getpid()
     procs = []
     failed = None
@@ -216,7 +231,8 @@ def main(argv=None):
                                     *([] if args.probe else ["--probe_bytes=0"]),
                                     *(["--allreduce=false"] if args.allreduce == "off" else []),
                                     "--log_level=warn"], watch="poseidon-agent ready",
-                     env=env_with(secret=secret, coordinator_token=token))
+                     env=agent_env(keyring=make_keyring(secret, job, r, world),
+                                   coordinator_token=token))
             procs.append(p)
             agents.append((p, segment))
         for p, _ in agents:
@@ -226,7 +242,7 @@ def main(argv=None):
         pythonpath = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
         for local, (_, segment) in enumerate(agents):
             r = first_rank + local
-            env = dict(os.environ, POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
+            env = dict(without_secrets(os.environ), POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
                        POSEIDON_WORLD_SIZE=str(world), POSEIDON_LOCAL_RANK=str(local),
                        PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
             p = Proc(f"rank {r}", command, env=env)
