@@ -124,4 +124,22 @@ std::vector<std::string> TokenStore::JobIds() const {
   return ids;
 }
 
+absl::Status CheckCallMetadata(const TokenStore& tokens,
+                               const std::multimap<std::string, std::string>& metadata) {
+  const auto job = metadata.find(kJobMetadata);
+  const auto token = metadata.find(kTokenMetadata);
+  if (token == metadata.end()) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "the call carries no ", kTokenMetadata,
+        " metadata (a client older than this coordinator?): refused before reading its request"));
+  }
+  if (metadata.count(kJobMetadata) > 1 || metadata.count(kTokenMetadata) > 1) {
+    return absl::UnauthenticatedError("the call's job or token metadata is given twice");
+  }
+  const absl::Status s =
+      tokens.Check(job == metadata.end() ? absl::string_view() : job->second, token->second);
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(s.message(), " (refused before reading the request)"));
+}
+
 }  // namespace poseidon::coordinator

@@ -44,4 +44,16 @@ class TokenStore {
   std::string cluster_token_;
 };
 
+// Every call's job and token also travel as metadata (CoordinatorClient sends them), so that a
+// coordinator with TLS checks them before the request's body is read or parsed (gRPC runs an
+// AuthMetadataProcessor on the initial metadata; the insecure credentials cannot take one). The
+// service checks the request header's token as before; this refuses unauthenticated callers
+// before they can make it parse up to max_message_bytes.
+inline constexpr char kJobMetadata[] = "poseidon-job-bin";
+inline constexpr char kTokenMetadata[] = "poseidon-token-bin";
+
+// The check itself, on the metadata as gRPC hands it over: an error refuses the call.
+absl::Status CheckCallMetadata(const TokenStore& tokens,
+                               const std::multimap<std::string, std::string>& metadata);
+
 }  // namespace poseidon::coordinator

@@ -58,5 +58,26 @@ TEST(TokenStoreTest, LoadsAFile) {
   EXPECT_EQ(bad.LoadFile(pattern).code(), absl::StatusCode::kNotFound);
 }
 
+TEST(CallMetadataTest, TheJobAndTokenMetadataAreCheckedLikeTheHeader) {
+  TokenStore tokens;
+  ASSERT_TRUE(tokens.AddJob("job-a", "tok-a").ok());
+  ASSERT_TRUE(tokens.SetClusterToken("cluster").ok());
+  using M = std::multimap<std::string, std::string>;
+  EXPECT_TRUE(CheckCallMetadata(tokens, M{{kJobMetadata, "job-a"}, {kTokenMetadata, "tok-a"}}).ok());
+  EXPECT_TRUE(CheckCallMetadata(tokens, M{{kTokenMetadata, "cluster"}}).ok()) << "cluster call";
+  const std::pair<M, std::string> refused[] = {
+      {M{{kJobMetadata, "job-a"}}, "carries no poseidon-token-bin metadata"},
+      {M{{kJobMetadata, "job-a"}, {kTokenMetadata, "tok-b"}}, "wrong token for job 'job-a'"},
+      {M{{kTokenMetadata, "tok-a"}}, "wrong cluster token"},
+      {M{{kJobMetadata, "job-a"}, {kTokenMetadata, "tok-a"}, {kTokenMetadata, "tok-a"}},
+       "given twice"},
+  };
+  for (const auto& [metadata, why] : refused) {
+    const absl::Status s = CheckCallMetadata(tokens, metadata);
+    EXPECT_FALSE(s.ok()) << why;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(why));
+  }
+}
+
 }  // namespace
 }  // namespace poseidon::coordinator::testing

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "coordinator/auth.h"
 #include "coordinator/grpc_status.h"
 #include "grpcpp/create_channel.h"
 
@@ -87,9 +88,11 @@ void CoordinatorClient::Observe(const v1::ResponseHeader& header) {
   plan_epoch_ = std::max(plan_epoch_, header.plan_epoch());
 }
 
-void CoordinatorClient::SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
+void CoordinatorClient::Prepare(grpc::ClientContext* context, absl::Duration timeout) const {
   context->set_deadline(std::chrono::system_clock::now() +
                         absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration())));
+  context->AddMetadata(kJobMetadata, options_.job_id);
+  context->AddMetadata(kTokenMetadata, options_.token);
 }
 
 absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::RegisterAgent(
@@ -103,7 +106,7 @@ absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::RegisterAgent(
   if (agent.requested_rank.has_value()) request.set_requested_rank(*agent.requested_rank);
   v1::RegisterAgentResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(CallStatus(stub_->RegisterAgent(&context, request, &response), "RegisterAgent"));
   Observe(response.header());
   std::lock_guard<std::mutex> lock(mu_);
@@ -125,7 +128,7 @@ absl::StatusOr<v1::RegisterServerResponse> CoordinatorClient::RegisterServer(
   request.set_previous_node_id(server.previous_node_id);
   v1::RegisterServerResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(
       CallStatus(stub_->RegisterServer(&context, request, &response), "RegisterServer"));
   Observe(response.header());
@@ -143,7 +146,7 @@ absl::StatusOr<World> CoordinatorClient::Rendezvous(absl::Duration timeout) {
   FillHeader(request.mutable_header());
   v1::RendezvousResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, timeout);
+  Prepare(&context, timeout);
   RETURN_IF_ERROR(CallStatus(stub_->Rendezvous(&context, request, &response), "Rendezvous"));
   Observe(response.header());
   World world;
@@ -174,7 +177,7 @@ absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(const v1::ModelSpec& m
   request.set_allreduce_unavailable(!allreduce);
   v1::RegisterModelResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, timeout);
+  Prepare(&context, timeout);
   RETURN_IF_ERROR(CallStatus(stub_->RegisterModel(&context, request, &response), "RegisterModel"));
   Observe(response.header());
   return std::move(*response.mutable_plan());
@@ -185,7 +188,7 @@ absl::StatusOr<v1::Plan> CoordinatorClient::GetPlan() {
   FillHeader(request.mutable_header());
   v1::GetPlanResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(CallStatus(stub_->GetPlan(&context, request, &response), "GetPlan"));
   Observe(response.header());
   return std::move(*response.mutable_plan());
@@ -198,7 +201,7 @@ absl::StatusOr<v1::Plan> CoordinatorClient::WaitForPlan(uint64_t min_plan_epoch,
   request.set_min_plan_epoch(min_plan_epoch);
   v1::GetPlanResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, timeout);
+  Prepare(&context, timeout);
   RETURN_IF_ERROR(CallStatus(stub_->GetPlan(&context, request, &response), "GetPlan"));
   Observe(response.header());
   return std::move(*response.mutable_plan());
@@ -217,7 +220,7 @@ absl::Status CoordinatorClient::ReportTelemetry(v1::ReportTelemetryRequest reque
   FillHeader(request.mutable_header());
   v1::ReportTelemetryResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, timeout);
+  Prepare(&context, timeout);
   RETURN_IF_ERROR(
       CallStatus(stub_->ReportTelemetry(&context, request, &response), "ReportTelemetry"));
   Observe(response.header());
@@ -233,7 +236,7 @@ absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(uint64_t iter
   request.set_plan_epoch(plan_epoch);
   v1::HeartbeatResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(CallStatus(stub_->Heartbeat(&context, request, &response), "Heartbeat"));
   Observe(response.header());
   return response;
@@ -245,7 +248,7 @@ absl::Status CoordinatorClient::Deregister(absl::string_view reason) {
   request.set_reason(std::string(reason));
   v1::DeregisterResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(CallStatus(stub_->Deregister(&context, request, &response), "Deregister"));
   Observe(response.header());
   return absl::OkStatus();
@@ -256,7 +259,7 @@ absl::StatusOr<v1::GetClusterStatusResponse> CoordinatorClient::GetClusterStatus
   FillHeader(request.mutable_header());
   v1::GetClusterStatusResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(
       CallStatus(stub_->GetClusterStatus(&context, request, &response), "GetClusterStatus"));
   Observe(response.header());
@@ -279,7 +282,7 @@ absl::StatusOr<v1::SetLayerSchemesResponse> CoordinatorClient::SetLayerSchemes(
   request.set_reason(std::string(reason));
   v1::SetLayerSchemesResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(
       CallStatus(stub_->SetLayerSchemes(&context, request, &response), "SetLayerSchemes"));
   Observe(response.header());
@@ -294,7 +297,7 @@ absl::Status CoordinatorClient::StoreSet(absl::string_view key, absl::string_vie
   request.set_value(std::string(value));
   v1::StoreSetResponse response;
   grpc::ClientContext context;
-  SetDeadline(&context, options_.call_timeout);
+  Prepare(&context, options_.call_timeout);
   RETURN_IF_ERROR(CallStatus(stub_->StoreSet(&context, request, &response), "StoreSet"));
   Observe(response.header());
   return absl::OkStatus();
@@ -316,7 +319,7 @@ absl::StatusOr<std::vector<std::string>> CoordinatorClient::StoreGet(
         static_cast<uint64_t>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1)))));
     v1::StoreGetResponse response;
     grpc::ClientContext context;
-    SetDeadline(&context, left + options_.call_timeout);
+    Prepare(&context, left + options_.call_timeout);
     const grpc::Status status = stub_->StoreGet(&context, request, &response);
     if (status.ok()) {
       Observe(response.header());

@@ -165,7 +165,8 @@ class CoordinatorClient {
                     std::unique_ptr<poseidon::v1::Coordinator::Stub> stub);
   void FillHeader(poseidon::v1::RequestHeader* header) const;
   void Observe(const poseidon::v1::ResponseHeader& header);
-  static void SetDeadline(grpc::ClientContext* context, absl::Duration timeout);
+  // Every call: its deadline, and its job and token as metadata (auth.h) besides the header.
+  void Prepare(grpc::ClientContext* context, absl::Duration timeout) const;
 
   const CoordinatorClientOptions options_;
   const std::unique_ptr<poseidon::v1::Coordinator::Stub> stub_;

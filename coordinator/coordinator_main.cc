@@ -32,6 +32,7 @@ struct CoordinatorConfig {
   absl::Duration rendezvous_timeout = absl::Minutes(5);
   absl::Duration handshake_timeout = absl::Seconds(10);
   absl::Duration max_connection_idle = absl::Minutes(5);
+  uint64_t max_message_bytes = uint64_t{16} << 20;
   absl::Duration plan_wait_timeout = absl::Seconds(60);
   int64_t min_servers = 1;
   double bandwidth = 10e9 / 8;
@@ -85,6 +86,9 @@ ConfigSchema<CoordinatorConfig> Schema() {
       .Field("max_connection_idle", &C::max_connection_idle,
              "a connection without a call for this long is closed",
              InRange(absl::Seconds(1), absl::Hours(24)))
+      .ByteSizeField("max_message_bytes", &C::max_message_bytes,
+                     "the largest request accepted (a model spec of ~100,000 layers fits 16MiB)",
+                     InRange<uint64_t>(uint64_t{64} << 10, uint64_t{1} << 30))
       .Field("min_servers", &C::min_servers, "a job's world forms once this many servers joined",
              InRange<int64_t>(1, 65536))
       .BandwidthField("bandwidth", &C::bandwidth,
@@ -216,6 +220,7 @@ int Main(int argc, char** argv) {
   options.tls = ServerTlsFiles{config.tls_cert, config.tls_key, config.tls_client_ca};
   options.handshake_timeout = config.handshake_timeout;
   options.max_connection_idle = config.max_connection_idle;
+  options.max_message_bytes = static_cast<int>(config.max_message_bytes);
   options.service.rendezvous_timeout = config.rendezvous_timeout;
   options.service.plan_wait_timeout = config.plan_wait_timeout;
   options.service.metrics = &metrics;

@@ -8,9 +8,36 @@
 #include "common/log.h"
 #include "coordinator/grpc_status.h"
 #include "coordinator/validate.h"
+#include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/server_builder.h"
 
 namespace poseidon::coordinator {
+namespace {
+
+// Checks each call's job and token metadata (auth.h) before gRPC reads its request.
+class TokenMetadataProcessor : public grpc::AuthMetadataProcessor {
+ public:
+  explicit TokenMetadataProcessor(TokenStore tokens) : tokens_(std::move(tokens)) {}
+  bool IsBlocking() const override { return false; }  // a map lookup: inline
+  grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* /*context*/,
+                       OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) override {
+    std::multimap<std::string, std::string> metadata;
+    for (const auto& [key, value] : auth_metadata) {
+      const absl::string_view k(key.data(), key.size());
+      if (k == kJobMetadata || k == kTokenMetadata) {
+        metadata.emplace(std::string(k), std::string(value.data(), value.size()));
+      }
+    }
+    const absl::Status s = CheckCallMetadata(tokens_, metadata);
+    if (s.ok()) return grpc::Status::OK;
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(s.message()));
+  }
+
+ private:
+  const TokenStore tokens_;
+};
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     TokenStore tokens, CoordinatorServerOptions options) {
@@ -25,6 +52,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
   server->tls_ = options.tls.enabled();
+  if (server->tls_) {
+    (*credentials)->SetAuthMetadataProcessor(std::make_shared<TokenMetadataProcessor>(tokens));
+  }
   server->service_ =
       std::make_unique<CoordinatorService>(std::move(tokens), std::move(options.service));
 

@@ -20,8 +20,8 @@ struct CoordinatorServerOptions {
   std::string listen = "127.0.0.1:0";
   ServerTlsFiles tls;
   CoordinatorServiceOptions service;
-  // Largest request accepted, in bytes (a model spec is the largest message).
-  int max_message_bytes = 64 << 20;
+  // Largest request read, in bytes (--max_message_bytes; a model spec is the largest message).
+  int max_message_bytes = 16 << 20;
   // A connection that has not completed its TLS and HTTP/2 handshake (the client's SETTINGS)
   // within this is closed: a client that connects and sends nothing holds a slot no longer.
   absl::Duration handshake_timeout = absl::Seconds(10);

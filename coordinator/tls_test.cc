@@ -3,9 +3,13 @@
 // not; with a client CA configured, only clients with a certificate get in.
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
+#include "coordinator/auth.h"
 #include "coordinator/test_util.h"
+#include "grpcpp/security/credentials.h"
 
 namespace poseidon::coordinator::testing {
 namespace {
@@ -87,6 +91,48 @@ TEST_F(CoordinatorTlsTest, TlsClientConnects) {
   auto registered = agent->RegisterAgent(Agent(0, 1));
   ASSERT_TRUE(registered.ok()) << registered.status();
   EXPECT_EQ(registered->rank(), 0u);
+}
+
+// With TLS the job and token metadata are checked before the request is read: a caller with a
+// wrong token (or none) is refused with the metadata check's own message, whatever it sends.
+TEST_F(CoordinatorTlsTest, UnauthenticatedCallsAreRefusedBeforeTheirRequestIsRead) {
+  StartTlsServer(false);
+  grpc::SslCredentialsOptions ssl;
+  std::ifstream ca(File("ca.pem"));
+  ssl.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), {});
+  auto stub = poseidon::v1::Coordinator::NewStub(
+      grpc::CreateChannel(server_->address(), grpc::SslCredentials(ssl)));
+  // A body of ~8 MiB (a model of many layers) with the right token in its header.
+  poseidon::v1::RegisterModelRequest big;
+  big.mutable_header()->set_job_id(kJobA);
+  big.mutable_header()->set_token(kTokenA);
+  for (int i = 0; i < 80000; ++i) {
+    auto* layer = big.mutable_model()->add_layers();
+    layer->set_name(absl::StrCat("layer-", i, std::string(80, 'x')));
+    layer->add_shape(4);
+  }
+  struct Case {
+    std::string job, token;  // metadata; empty token: none sent
+    std::string why;
+  };
+  const Case cases[] = {
+      {kJobA, "", "carries no poseidon-token-bin metadata"},
+      {kJobA, "wrong", "wrong token for job 'job-a'"},
+      {"job-z", kTokenA, "job 'job-z' is not configured"},
+  };
+  for (const Case& c : cases) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    context.AddMetadata(kJobMetadata, c.job);
+    if (!c.token.empty()) context.AddMetadata(kTokenMetadata, c.token);
+    poseidon::v1::RegisterModelResponse response;
+    const grpc::Status s = stub->RegisterModel(&context, big, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.why));
+    EXPECT_THAT(s.error_message(), HasSubstr("refused before reading"));
+  }
+  // The client library sends both: its calls get through.
+  EXPECT_TRUE(Probe(Tls("ca.pem")).ok());
 }
 
 TEST_F(CoordinatorTlsTest, InsecureClientToTlsServerFails) {
