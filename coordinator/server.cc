@@ -3,12 +3,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "coordinator/grpc_status.h"
 #include "coordinator/validate.h"
 #include "grpcpp/security/auth_metadata_processor.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "grpcpp/server_builder.h"
 
 namespace poseidon::coordinator {
@@ -35,6 +39,41 @@ class TokenMetadataProcessor : public grpc::AuthMetadataProcessor {
 
  private:
   const TokenStore tokens_;
+};
+
+// gRPC answers a request that does not parse as its method's message with UNIMPLEMENTED and no
+// message (the callback API's handler never sees it). Every method of ours is implemented, so
+// that status on one of them means exactly that: say so.
+class MalformedRequestInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit MalformedRequestInterceptor(std::string method) : method_(std::move(method)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status sent = methods->GetSendStatus();
+      if (sent.error_code() == grpc::StatusCode::UNIMPLEMENTED && sent.error_message().empty()) {
+        methods->ModifySendStatus(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat(method_, ": the request does not parse as this method's protobuf "
+                                  "message (wrong message, truncated or corrupt bytes)")));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string method_;
+};
+
+class MalformedRequestInterceptorFactory
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    const absl::string_view method = info->method();
+    if (!absl::StartsWith(method, "/poseidon.v1.Coordinator/")) return nullptr;
+    return new MalformedRequestInterceptor(std::string(method));
+  }
 };
 
 }  // namespace
@@ -73,6 +112,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       static_cast<int>(std::clamp<int64_t>(
           absl::ToInt64Milliseconds(options.max_connection_idle), 1, INT32_MAX)));
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.AddListeningPort(options.listen, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();

@@ -972,6 +972,7 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
   }
 
   // Bytes that do not parse as the request message.
+  int malformed = 0;
   grpc::GenericStub generic(
       grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
   for (int i = 0; i < 50; ++i) {
@@ -985,15 +986,27 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
+    grpc::Status status;
     generic.UnaryCall(&context, "/poseidon.v1.Coordinator/RegisterAgent", grpc::StubOptions(),
-                      &request, &response, [&](grpc::Status) {
+                      &request, &response, [&](grpc::Status st) {
                         std::lock_guard<std::mutex> lock(mu);
+                        status = st;
                         done = true;
                         cv.notify_one();
                       });
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done; });
+    // Refused with a reason (gRPC alone says UNIMPLEMENTED with no message), or, where the bytes
+    // happen to parse, answered by validation like any request.
+    EXPECT_NE(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+    if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+        status.error_message().find("does not parse") != std::string::npos) {
+      ++malformed;
+      EXPECT_THAT(status.error_message(),
+                  HasSubstr("/poseidon.v1.Coordinator/RegisterAgent: the request does not parse"));
+    }
   }
+  EXPECT_GT(malformed, 0) << "random bytes that all parsed";
 
   // Still serving.
   auto heartbeat = agent->Heartbeat(1, 0);
