@@ -85,6 +85,11 @@ struct Slot {
   double time = 0;
 };
 
+struct Bucket {
+  double tokens = 0;  // bytes; filled from time 0
+  double time = 0;    // of `tokens`
+};
+
 class Rng {
  public:
   explicit Rng(uint64_t seed) : engine_(seed) {}
@@ -144,6 +149,9 @@ class Simulation {
     up_rate_.assign(hosts_, bw);
     down_rate_.assign(hosts_, bw);
     up_free_.assign(hosts_, 0);
+    cpu_free_.assign(hosts_, 0);
+    up_bucket_.assign(hosts_, Bucket{});
+    down_bucket_.assign(hosts_, Bucket{});
     down_free_.assign(hosts_, 0);
     up_busy_.assign(hosts_, 0);
     down_busy_.assign(hosts_, 0);
@@ -452,6 +460,24 @@ class Simulation {
 
   // ---- Network -------------------------------------------------------------------------------
 
+  // Seconds a link of `rate` takes for `bytes` starting at `start`, its token bucket (tc tbf)
+  // holding up to link_burst_bytes: what the bucket holds goes at once, the rest at the rate.
+  double Transmit(Bucket& bucket, double rate, double start, uint64_t bytes) const {
+    const auto size = static_cast<double>(bytes);
+    if (options_.link_burst_bytes == 0) return size / rate;
+    const double burst = static_cast<double>(options_.link_burst_bytes);
+    const double tokens = std::min(burst, bucket.tokens + rate * (start - bucket.time));
+    double seconds = 0;
+    if (size <= tokens) {
+      bucket.tokens = tokens - size;
+    } else {
+      seconds = (size - tokens) / rate;
+      bucket.tokens = 0;
+    }
+    bucket.time = start + seconds;
+    return seconds;
+  }
+
   // Returns when the message has left the sender's link.
   double Send(const Message& m) {
     uint32_t id;
@@ -465,25 +491,29 @@ class Simulation {
     }
     ++message_count_;
     Message& msg = messages_[id];
+    // The sender's per-message work (alpha), one message after the other, pipelined with the
+    // link: while message k crosses the link, message k+1 is being prepared.
+    const double cpu_end = std::max(now_, cpu_free_[msg.src]) + options_.alpha_seconds;
+    cpu_free_[msg.src] = cpu_end;
     if (msg.src == msg.dst) {
-      msg.up_end = now_ + options_.alpha_seconds;
+      msg.up_end = cpu_end;
       Schedule(msg.up_end, EventType::kDeliver, id);
       return msg.up_end;
     }
-    const double start = std::max(now_, up_free_[msg.src]);
-    const double end = start + options_.alpha_seconds +
-                       static_cast<double>(msg.bytes) / up_rate_[msg.src];
+    const double start = std::max(cpu_end, up_free_[msg.src]);
+    const double end = start + Transmit(up_bucket_[msg.src], up_rate_[msg.src], start, msg.bytes);
     up_free_[msg.src] = end;
     up_busy_[msg.src] += end - start;
     msg.up_end = end;
-    Schedule(start + options_.alpha_seconds + latency_, EventType::kArrive, id);
+    Schedule(start + latency_, EventType::kArrive, id);
     return end;
   }
 
   void Arrive(uint32_t id) {
     Message& msg = messages_[id];
     const double start = std::max(now_, down_free_[msg.dst]);
-    const double end = std::max(start + static_cast<double>(msg.bytes) / down_rate_[msg.dst],
+    const double end = std::max(
+        start + Transmit(down_bucket_[msg.dst], down_rate_[msg.dst], start, msg.bytes),
                                 msg.up_end + latency_);
     down_free_[msg.dst] = end;
     down_busy_[msg.dst] += end - start;
@@ -584,7 +614,8 @@ class Simulation {
   std::vector<Unit> units_;
   uint32_t P1_ = 1, P2_ = 1, hosts_ = 1;
   double latency_ = 0;
-  std::vector<double> up_rate_, down_rate_, up_free_, down_free_, up_busy_, down_busy_;
+  std::vector<double> up_rate_, down_rate_, up_free_, down_free_, up_busy_, down_busy_, cpu_free_;
+  std::vector<Bucket> up_bucket_, down_bucket_;
   std::vector<uint32_t> port_queue_;
   uint32_t max_port_queue_ = 0, max_port_queue_host_ = 0;
   std::vector<Worker> workers_;

@@ -10,13 +10,15 @@
 // The model (docs/simulator.md has it with its limits):
 //   - Hosts. Colocated: host i runs worker i and server i. Otherwise workers on hosts 0..P1−1 and
 //     servers on hosts P1..P1+P2−1. Every host has an uplink (to the switch) and a downlink (the
-//     switch's output port to the host), each of `bandwidth` bytes/s, FIFO. A message of S bytes
-//     leaves its sender's uplink after alpha + S/B (alpha: the per-message overhead, paid on the
-//     sender's link, as CPU and syscalls are per message), reaches the switch `latency` after its
-//     first byte left, queues at the destination's port (FIFO in order of arrival: incast shows
-//     as queueing there) and is delivered when its last byte has crossed the port: at
-//     max(port start + S/B, uplink end + latency) (cut-through). Traffic between a worker and the
-//     server on its own host costs alpha and no link.
+//     switch's output port to the host), each of `bandwidth` bytes/s, FIFO. Every message first
+//     costs its sender alpha (the per-message overhead: agent or server CPU, syscalls, framing),
+//     one message after another on that host, pipelined with the link; then S/B on the sender's
+//     uplink; it reaches the switch `latency` after its first byte left, queues at the
+//     destination's port (FIFO in order of arrival: incast shows as queueing there) and is
+//     delivered when its last byte has crossed the port: at max(port start + S/B, uplink end +
+//     latency) (cut-through). With link_burst_bytes every link is a token bucket instead (the
+//     emulated cluster's tc tbf): what its bucket holds crosses at once. Traffic between a worker and the server on its own host costs
+//     alpha and no link.
 //   - Compute. Per layer, forward and backward seconds from the planner (the spec's measured times,
 //     or FLOPs × K / GPU rate: time_model.h LayerComputeSeconds), each multiplied by the jitter
 //     (one factor per worker and iteration, one per layer pass) plus a fixed overhead per pass.
@@ -67,7 +69,10 @@ struct SimOptions {
   bool priority = true;  // false: tasks in the order they are posted (agent --priority=false)
   uint64_t credit_bytes = uint64_t{64} << 20;  // agent --credit_bytes
   uint64_t bucket_bytes = uint64_t{512} << 10;  // agent --bucket_bytes; 0: no fusion
-  double alpha_seconds = 0;                     // per message, on the sender's link
+  double alpha_seconds = 0;                     // per message, at its sender
+  // Every link's token bucket (tc tbf, as bench/cluster shapes its links): after idling, a link
+  // sends up to this many bytes at once, then at its rate. 0: a plain rate (a switch port).
+  uint64_t link_burst_bytes = 0;
   double compute_overhead_seconds = 0;          // added to every layer's forward and backward
   bool sfb_rebuild = true;                      // count the SFB rebuild at the GPU rate
   JitterModel jitter;

@@ -169,6 +169,36 @@ TEST(SimulatorTest, SfbOneExchange) {
   EXPECT_GT(r_ps->period_seconds, 10 * r->period_seconds);
 }
 
+// Many small messages: the per-message cost alpha bounds them, not the link. 100 chunks of 4 KB
+// to a server on its own host at 1 TB/s, alpha 10 us: the worker prepares a push every 10 us,
+// the server an answer 10 us after each push is in, so the last answer is in at 101 · 10 us.
+TEST(SimulatorTest, PerMessageCostBoundsSmallMessages) {
+  const auto model = Model({{"a", kOther, {100 * 1024}, 0.001, 0.001}});
+  planner::PlannerConfig c = Cluster(1, 1, false, 1e12);
+  c.block_bytes = 4096;
+  SimOptions o = Options();
+  o.alpha_seconds = 10e-6;
+  absl::StatusOr<SimResult> r = Simulate(model, c, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tasks_per_iteration, 100u);
+  // 0.002 ms of compute; the transfers of 4 KB at 1 TB/s add 4 ns each.
+  EXPECT_THAT(r->period_seconds, DoubleNear(1.010 * kMs + 0.002 * kMs, 1e-7));
+}
+
+// A token-bucket link (tc tbf): after the compute the bucket is full again, so the first
+// `burst` bytes of each transfer cross at once. One worker, one 4 MB chunk, 1 MB of burst on
+// each of the four links' buckets (worker up, server down, server up, worker down): the push
+// takes (4 − 1) ms on the worker's uplink; the server's port, cut-through, ends with it; the
+// answer likewise 3 ms: 6 ms + 2 ms of compute instead of 8 + 2.
+TEST(SimulatorTest, TokenBucketLinksSendTheirBurstAtOnce) {
+  const auto model = Model({{"a", kOther, {1000000}, 1, 1}});
+  SimOptions o = Options();
+  o.link_burst_bytes = 1000000;
+  absl::StatusOr<SimResult> r = Simulate(model, Cluster(1, 1, false, 1e9), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(8 * kMs, kEps));
+}
+
 // Jitter is drawn from a seeded generator: the same seed gives the same run, another seed
 // another one; with stragglers, BSP makes more workers slower (the slowest of N each iteration).
 TEST(SimulatorTest, DeterministicGivenSeed) {

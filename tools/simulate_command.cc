@@ -54,6 +54,8 @@ struct SimulateFlags {
   double layer_jitter_sigma = 0;
   bool sfb_rebuild = true;
   uint64_t seed = 1;
+  bool emulation = false;
+  absl::Duration link_burst = absl::ZeroDuration();
   bool json = false;
 };
 
@@ -120,6 +122,13 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
       .Field("sfb_rebuild", &SimulateFlags::sfb_rebuild,
              "count SFB's rebuild GEMM (2·K·M·N·P1 FLOPs) at the GPU rate")
       .Field("seed", &SimulateFlags::seed, "seed of the jitter")
+      .Field("emulation", &SimulateFlags::emulation,
+             "with --calibration: add its emulation terms, the compute overhead per pass of the "
+             "emulated cluster (sleep overshoot, and CPU shared by all its hosts: c0 + c1·(N−1)); "
+             "for comparing with bench/cluster runs, not for predicting a real cluster")
+      .Field("link_burst", &SimulateFlags::link_burst,
+             "every link a token bucket of this many seconds of its rate (bench/cluster's tc "
+             "tbf: 10ms); 0: plain rate")
       .Field("json", &SimulateFlags::json, "print JSON instead of a table");
   return schema;
 }
@@ -157,7 +166,8 @@ absl::StatusOr<std::vector<uint32_t>> ParseWorkers(absl::string_view text) {
 // What a calibration file holds (bench/cluster/calibrate.py writes it).
 struct Calibration {
   double alpha_seconds = 0;
-  double compute_overhead_seconds = 0;
+  double compute_overhead_seconds = 0;           // emulation: c0
+  double overhead_per_extra_host_seconds = 0;    // emulation: c1
   std::string jitter = "none";
   double iteration_sigma = 0;
   double layer_sigma = 0;
@@ -189,9 +199,21 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
     return absl::OkStatus();
   };
   if (absl::Status s = number(root, "alpha_seconds", &c.alpha_seconds); !s.ok()) return s;
-  if (absl::Status s = number(root, "compute_overhead_seconds", &c.compute_overhead_seconds);
-      !s.ok()) {
-    return s;
+  if (auto it = root.fields().find("emulation"); it != root.fields().end()) {
+    if (!it->second.has_struct_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration ", path, ": 'emulation' object"));
+    }
+    const google::protobuf::Struct& e = it->second.struct_value();
+    if (absl::Status s = number(e, "compute_overhead_seconds", &c.compute_overhead_seconds);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = number(e, "overhead_per_extra_host_seconds",
+                                &c.overhead_per_extra_host_seconds);
+        !s.ok()) {
+      return s;
+    }
   }
   if (auto it = root.fields().find("jitter"); it != root.fields().end()) {
     if (!it->second.has_struct_value()) {
@@ -211,6 +233,7 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
 
 struct Row {
   uint32_t workers = 0;
+  double overhead_seconds = 0;
   sim::SimResult result;
   double wall_seconds = 0;
   double speedup = 0;
@@ -242,12 +265,19 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   auto from_default = [&](size_t field) {
     return field < loaded->origins.size() && loaded->origins[field] == "default";
   };
+  // The emulation's overhead per pass at N workers (0 unless --emulation or --compute_overhead).
+  double overhead_base = 0, overhead_per_host = 0;
+  if (flags.emulation && flags.calibration.empty()) {
+    return Fail(absl::InvalidArgumentError("--emulation needs --calibration"));
+  }
   if (!flags.calibration.empty()) {
     absl::StatusOr<Calibration> c = LoadCalibration(flags.calibration);
     if (!c.ok()) return Fail(c.status());
     if (from_default(kAlphaField)) flags.alpha = absl::Seconds(c->alpha_seconds);
-    if (from_default(kOverheadField)) {
-      flags.compute_overhead = absl::Seconds(c->compute_overhead_seconds);
+    if (from_default(kOverheadField) && flags.emulation) {
+      overhead_base = c->compute_overhead_seconds;
+      overhead_per_host = c->overhead_per_extra_host_seconds;
+      flags.compute_overhead = absl::Seconds(overhead_base);
     }
     if (from_default(kJitterField)) flags.jitter = c->jitter;
     if (from_default(kJitterSigmaField)) flags.jitter_sigma = c->iteration_sigma;
@@ -287,6 +317,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   options.jitter = {*jitter, flags.jitter_sigma, flags.layer_jitter_sigma};
   options.sfb_rebuild = flags.sfb_rebuild;
   options.seed = flags.seed;
+  options.link_burst_bytes =
+      static_cast<uint64_t>(flags.bandwidth * absl::ToDoubleSeconds(flags.link_burst));
 
   std::vector<uint32_t> runs = *sizes;
   if (runs.front() != 1) runs.insert(runs.begin(), 1);
@@ -296,11 +328,15 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     planner::PlannerConfig config = base;
     config.workers = n;
     config.servers = flags.servers == 0 ? n : flags.servers;
+    if (overhead_base > 0 || overhead_per_host > 0) {
+      options.compute_overhead_seconds = overhead_base + overhead_per_host * (n - 1);
+    }
     const absl::Time start = absl::Now();
     absl::StatusOr<sim::SimResult> r = sim::Simulate(*model, config, options);
     if (!r.ok()) return Fail(absl::Status(r.status().code(), absl::StrCat("N = ", n, ": ",
                                                                           r.status().message())));
-    Row row{n, *r, absl::ToDoubleSeconds(absl::Now() - start), 0};
+    Row row{n, options.compute_overhead_seconds, *r, absl::ToDoubleSeconds(absl::Now() - start),
+            0};
     if (n == 1) base_iteration = r->iteration_seconds;
     row.speedup = base_iteration > 0 ? n * base_iteration / r->iteration_seconds : 0;
     if (n == 1 && sizes->front() != 1) continue;  // the base only
@@ -367,6 +403,10 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Unsigned(flags.seed);
     w.Key("calibration");
     w.String(flags.calibration);
+    w.Key("emulation");
+    w.Bool(flags.emulation);
+    w.Key("link_burst_bytes");
+    w.Unsigned(options.link_burst_bytes);
     w.EndObject();
     w.Key("rows");
     w.BeginArray();
@@ -409,6 +449,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
       w.Unsigned(r.max_port_queue_host);
       w.Key("busiest_link_fraction");
       w.Number(r.link_busy_fraction);
+      w.Key("compute_overhead_seconds");
+      w.Number(row.overhead_seconds);
       w.Key("wall_seconds");
       w.Number(row.wall_seconds);
       w.EndObject();
@@ -420,7 +462,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   } else {
     std::string out = absl::StrFormat(
         "poseidon simulate: %s, K = %u, %s, %s per host and direction, latency %s, %s; scheme "
-        "%s%s%s; alpha %s, compute overhead %s per pass, jitter %s (σ %g per iteration, %g per "
+        "%s%s%s; alpha %s, compute overhead %s per pass%s, jitter %s (σ %g per iteration, %g per "
         "layer); %u iterations, seed %u\n\n",
         model->name(), batch_for_samples,
         base.gpu ? absl::StrFormat("%s (%g TFLOP/s)", base.gpu->name,
@@ -430,6 +472,10 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
         flags.colocated ? "servers colocated" : "servers on hosts of their own", flags.scheme,
         flags.wfbp ? "" : ", no WFBP", flags.priority ? "" : ", no priority",
         absl::FormatDuration(flags.alpha), absl::FormatDuration(flags.compute_overhead),
+        overhead_per_host > 0
+            ? absl::StrCat(" + ", absl::FormatDuration(absl::Seconds(overhead_per_host)),
+                           " per extra host (emulation)")
+            : std::string(),
         flags.jitter, flags.jitter_sigma, flags.layer_jitter_sigma, flags.iterations, flags.seed);
     absl::StrAppend(&out,
                     "| N | s/iter | compute s | exposed s | waiting s | samples/s | speed-up | "

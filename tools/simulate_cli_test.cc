@@ -1,0 +1,79 @@
+// Runs `poseidon simulate` as a user would (popen): JSON rows per N, the calibration file and the
+// flags that override it, errors.
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "tools/cli_test_util.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+using ::poseidon::tools::testing::CliRun;
+using ::poseidon::tools::testing::Field;
+using ::poseidon::tools::testing::Stderr;
+using ::poseidon::tools::testing::Stdout;
+
+google::protobuf::Struct Json(const CliRun& run) {
+  google::protobuf::Struct root;
+  EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(run.output, &root).ok()) << run.output;
+  return root;
+}
+
+constexpr char kGooglenet[] =
+    "simulate --model googlenet --batch 32 --bandwidth 10Gbit --iterations 5 --json";
+
+TEST(SimulateCliTest, RowsPerClusterSizeWithSpeedup) {
+  const CliRun run = Stdout(std::string(kGooglenet) + " --workers 4,2");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const google::protobuf::Struct root = Json(run);
+  EXPECT_EQ(Field(root, "model").string_value(), "googlenet");
+  const auto& rows = Field(root, "rows").list_value().values();
+  ASSERT_EQ(rows.size(), 2);  // N = 1 is simulated as the base, not listed
+  const auto& two = rows[0].struct_value();
+  EXPECT_EQ(Field(two, "workers").number_value(), 2);
+  EXPECT_GT(Field(two, "speedup").number_value(), 1.0);
+  EXPECT_LE(Field(two, "speedup").number_value(), 2.0 + 1e-9);
+  const double parts = Field(two, "compute_seconds").number_value() +
+                       Field(two, "exposed_seconds").number_value() +
+                       Field(two, "waiting_seconds").number_value();
+  EXPECT_NEAR(parts, Field(two, "period_seconds").number_value(), 1e-9);
+}
+
+TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
+  const std::string path = ::testing::TempDir() + "/calibration.json";
+  {
+    std::ofstream out(path);
+    out << R"({"alpha_seconds": 4e-05, "jitter": {"kind": "lognormal", "iteration_sigma": 0.02},
+              "emulation": {"compute_overhead_seconds": 1e-04,
+                            "overhead_per_extra_host_seconds": 1e-05}, "validation": []})";
+  }
+  const std::string with = std::string(kGooglenet) + " --workers 3 --calibration " + path;
+  const google::protobuf::Struct plain = Json(Stdout(with));
+  const auto& settings = Field(plain, "settings").struct_value();
+  EXPECT_DOUBLE_EQ(Field(settings, "alpha_seconds").number_value(), 4e-05);
+  EXPECT_EQ(Field(settings, "jitter").string_value(), "lognormal");
+  const auto& row = Field(plain, "rows").list_value().values(0).struct_value();
+  EXPECT_EQ(Field(row, "compute_overhead_seconds").number_value(), 0);  // not without --emulation
+  const google::protobuf::Struct emulated = Json(Stdout(with + " --emulation --alpha 0us"));
+  EXPECT_EQ(Field(Field(emulated, "settings").struct_value(), "alpha_seconds").number_value(), 0);
+  const auto& row3 = Field(emulated, "rows").list_value().values(0).struct_value();
+  EXPECT_NEAR(Field(row3, "compute_overhead_seconds").number_value(), 1e-04 + 2 * 1e-05, 1e-12);
+}
+
+TEST(SimulateCliTest, BadInputIsOneLineAndExitCode2) {
+  CliRun run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --workers 0");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("--workers"), std::string::npos) << run.output;
+  run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --calibration /nope");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("/nope"), std::string::npos) << run.output;
+  run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --gpu none");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("compute time unknown"), std::string::npos) << run.output;
+}
+
+}  // namespace
