@@ -8,10 +8,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -39,6 +41,12 @@
 
 namespace poseidon::agent {
 namespace {
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Set from a signal handler (the one process-wide flag: a signal cannot reach a context object).
 std::atomic<bool> stop_requested{false};
@@ -210,8 +218,16 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::mutex peers_mu_;
   std::map<uint32_t, int> peer_connections_;
   std::map<uint32_t, std::string> gone_peers_;
+  std::map<uint32_t, std::string> peer_address_;  // of its latest inbound connection
+  std::set<uint32_t> silent_peers_;                // gone for silence (back at their next frame)
+  std::atomic<bool> silent_any_{false};            // !silent_peers_.empty(), read without a lock
   uint64_t gone_version_ = 0;
   uint64_t gone_passed_ = 0;  // main thread: the version the syncers have
+  // When each rank's last frame reached us (steady ns; 0: none yet), written by transport
+  // threads without a lock.
+  std::unique_ptr<std::atomic<int64_t>[]> peer_last_ns_;
+  absl::Time next_keepalive_ = absl::InfinitePast();  // main thread
+  void SendKeepalives(absl::Time now);
 };
 
 void Agent::Fatal(const std::string& why) {
@@ -255,6 +271,7 @@ int Agent::Run() {
                   /*run_now=*/true);
   SetUpMetrics();
   peer_gate_ = std::make_unique<PeerGate>(config_.world_size);
+  peer_last_ns_ = std::make_unique<std::atomic<int64_t>[]>(config_.world_size);
   SchedulerOptions so;
   so.credit_bytes = config_.credit_bytes;
   so.priority = config_.priority;
@@ -377,6 +394,7 @@ int Agent::Run() {
     }
     if (registered_.load()) {
       const absl::Time now = absl::Now();
+      SendKeepalives(now);
       PassGonePeers();
       for (auto& [kind, syncer] : syncers_) syncer->CheckDeadlines(now);
       CheckStalls();
@@ -1270,11 +1288,20 @@ uint64_t Agent::RunningEpoch() const {
 
 absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
     const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
+  const uint32_t from = peer->identity().rank;
+  if (from < config_.world_size) peer_last_ns_[from].store(SteadyNs(), std::memory_order_relaxed);
   if (!peer->handler_state<void>()) {  // its first frame (one connection's frames are in order)
     peer->set_handler_state(std::make_shared<bool>(true));
     std::lock_guard<std::mutex> lock(peers_mu_);
-    const uint32_t rank = peer->identity().rank;
-    if (peer_connections_[rank]++ == 0 && gone_peers_.erase(rank) > 0) ++gone_version_;
+    peer_address_[from] = peer->address();
+    if (peer_connections_[from]++ == 0 && gone_peers_.erase(from) > 0) ++gone_version_;
+  } else if (silent_any_.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (silent_peers_.erase(from) > 0) {
+      gone_peers_.erase(from);
+      ++gone_version_;
+      silent_any_.store(!silent_peers_.empty(), std::memory_order_relaxed);
+    }
   }
   // A PING says the peer registered; it may come before we did (the gate remembers it).
   if (h.type == FrameType::kPing && h.payload_length == 0) {
@@ -1305,11 +1332,48 @@ void Agent::PassGonePeers() {
   std::map<uint32_t, std::string> gone;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
+    if (config_.peer_timeout > absl::ZeroDuration()) {
+      // A connected peer that sent frames before and nothing for peer_timeout: it pings every
+      // third of it, so it is frozen or cut off.
+      const int64_t now = SteadyNs();
+      const int64_t limit = absl::ToInt64Nanoseconds(config_.peer_timeout);
+      for (const auto& [rank, connections] : peer_connections_) {
+        if (rank >= config_.world_size) continue;
+        const int64_t last = peer_last_ns_[rank].load(std::memory_order_relaxed);
+        if (connections == 0 || last == 0 || now - last < limit || silent_peers_.contains(rank)) {
+          continue;
+        }
+        silent_peers_.insert(rank);
+        silent_any_.store(true, std::memory_order_relaxed);
+        gone_peers_[rank] = absl::StrCat(
+            "rank ", rank, " (", peer_address_[rank], ") is silent: nothing from it for ",
+            absl::FormatDuration(
+                absl::Trunc(absl::Nanoseconds(now - last), absl::Milliseconds(100))),
+            " (it pings every few seconds: frozen, or its network is cut)");
+        ++gone_version_;
+      }
+    }
     if (gone_version_ == gone_passed_) return;
     gone_passed_ = gone_version_;
     gone = gone_peers_;
   }
   for (auto& [kind, syncer] : syncers_) syncer->PeersGone(gone);
+}
+
+// Every peer_timeout / 3 (main thread, after registration): an empty PING to each server (the
+// PONG is dropped) and to each peer agent, so that both can tell silence from a slow iteration.
+void Agent::SendKeepalives(absl::Time now) {
+  if (config_.peer_timeout <= absl::ZeroDuration() || now < next_keepalive_) return;
+  next_keepalive_ = now + config_.peer_timeout / 3;
+  for (auto& server : env_.servers) server->OnDone(server->Ping(), [](absl::Status) {});
+  for (uint32_t p = 0; p < env_.peers.size(); ++p) {
+    if (p == config_.rank || env_.peers[p] == nullptr) continue;
+    FrameHeader ping;
+    ping.type = FrameType::kPing;
+    ping.job_id = config_.job_id;
+    ping.sender_rank = config_.rank;
+    env_.peers[p]->Send(ping, {}, [](absl::Status) {});
+  }
 }
 
 void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,

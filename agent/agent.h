@@ -68,6 +68,11 @@ struct AgentConfig {
   // With a coordinator: how often to report per-link bytes and per-layer sync times to it
   // (ReportTelemetry; `poseidon status` shows them). Zero: never.
   absl::Duration telemetry_interval = absl::Seconds(5);
+  // Liveness on the data plane: the agent pings each server and peer every peer_timeout / 3,
+  // and a peer agent that sent nothing for peer_timeout (frozen, or cut off) is declared gone:
+  // the layers waiting for its factors fail naming it (servers do the same for pushes, with
+  // their own --peer_timeout). Zero: neither.
+  absl::Duration peer_timeout = absl::Seconds(15);
 };
 
 // Runs until the framework detaches (0), dies (3), a stop is requested (0), or a fatal error

@@ -47,6 +47,7 @@ struct Flags {
   std::string timeline;
   absl::Duration stall_timeout = absl::Seconds(10);
   absl::Duration telemetry_interval = absl::Seconds(5);
+  absl::Duration peer_timeout = absl::Seconds(15);
 };
 
 poseidon::ConfigSchema<Flags> Schema() {
@@ -100,6 +101,10 @@ poseidon::ConfigSchema<Flags> Schema() {
              "write a Chrome-trace timeline here ({rank} is replaced); empty: off")
       .Field("stall_timeout", &Flags::stall_timeout,
              "report a layer not done within this time, with what it waits for")
+      .Field("peer_timeout", &Flags::peer_timeout,
+             "ping servers and peers every third of this; a peer silent this long is gone: the "
+             "layers waiting for it fail naming it (0: off)",
+             poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
       .Field(
           "telemetry_interval", &Flags::telemetry_interval,
           "with a coordinator: report link bytes and layer sync times this often; 0: off",
@@ -169,6 +174,7 @@ int main(int argc, char** argv) {
   c.timeline = f.timeline;
   c.stall_timeout = f.stall_timeout;
   c.telemetry_interval = f.telemetry_interval;
+  c.peer_timeout = f.peer_timeout;
   if (c.rank >= c.world_size) {
     std::fprintf(stderr, "poseidon-agent: rank %u must be below world_size %u\n", c.rank,
                  c.world_size);

@@ -76,6 +76,12 @@ struct EngineStats {
 struct PeerTraffic {
   std::atomic<uint64_t> received{0};
   std::atomic<uint64_t> sent{0};
+  // Liveness (KvService): when the peer last sent a frame (CLOCK_MONOTONIC ns), whether it keeps
+  // alive (it sent an empty PING: agents ping every few seconds, so silence means it is frozen
+  // or cut off), and whether it was declared silent (KvEngine::RankLost) and not back yet.
+  std::atomic<int64_t> last_frame_ns{0};
+  std::atomic<bool> keeps_alive{false};
+  std::atomic<bool> silenced{false};
 };
 
 // Where a request came from and how to answer it.

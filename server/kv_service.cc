@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 #include <thread>
 
@@ -26,10 +27,19 @@ struct KvService::PeerState {
   absl::Status push_error;               // its refusal, found at its header (reading thread)
   std::vector<std::byte> small;          // pull / register payloads
   std::shared_ptr<PeerTraffic> traffic;  // shared by the peer's (job, rank) connections
+  // Counted among its rank's connections (from its first frame other than a PING: an agent's
+  // start-up probe connection carries PINGs only, and its close must not look like the rank's).
+  std::atomic<bool> counted{false};
   std::atomic<bool> closed{false};
 };
 
 namespace {
+
+int64_t MonotonicNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
 
 void Reply(const std::shared_ptr<PeerSession>& peer, const FrameHeader& request, FrameType type) {
   FrameHeader h;
@@ -69,12 +79,22 @@ std::shared_ptr<KvService::PeerState> KvService::StateOf(const std::shared_ptr<P
       std::lock_guard<std::mutex> lock(traffic_mu_);
       TrafficEntry& entry = traffic_[{peer->identity().job_id, peer->identity().rank}];
       if (!entry.traffic) entry.traffic = std::make_shared<PeerTraffic>();
-      if (entry.connections++ == 0) engine_->RankBack(peer->identity().job_id, peer->identity().rank);
+      ++entry.connections;
       state->traffic = entry.traffic;
     }
     peer->set_handler_state(state);
   }
   return state;
+}
+
+void KvService::Count(const std::shared_ptr<PeerSession>& peer, PeerState& state) {
+  std::lock_guard<std::mutex> lock(traffic_mu_);
+  TrafficEntry& entry = traffic_[{peer->identity().job_id, peer->identity().rank}];
+  if (entry.data_connections++ == 0) {
+    engine_->RankBack(peer->identity().job_id, peer->identity().rank);
+  }
+  entry.address = peer->address();
+  state.counted.store(true);
 }
 
 void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::Status& reason) {
@@ -85,7 +105,13 @@ void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::St
   {
     std::lock_guard<std::mutex> lock(traffic_mu_);
     const auto it = traffic_.find({who.job_id, who.rank});
-    if (it == traffic_.end() || it->second.connections == 0 || --it->second.connections > 0) return;
+    if (it == traffic_.end()) return;
+    if (it->second.connections > 0) --it->second.connections;
+    // Only a connection that carried data is one of the rank's (a start-up probe's is not).
+    if (!state->counted.load() || it->second.data_connections == 0 ||
+        --it->second.data_connections > 0) {
+      return;
+    }
     // Its last connection: a rank that finished blocks nothing; one that died mid-clock would
     // leave the others waiting for their pull timeout. The engine tells them now, naming it.
     // (Under traffic_mu_, so that a reconnect's RankBack cannot overtake this.)
@@ -93,6 +119,30 @@ void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::St
                       absl::StrCat("rank ", who.rank, " (", peer->address(),
                                    ") is gone: its last connection to this server closed (",
                                    reason.ok() ? "by the peer" : reason.message(), ")"));
+  }
+}
+
+void KvService::CheckSilence() {
+  if (options_.peer_timeout <= absl::ZeroDuration()) return;
+  const int64_t now = MonotonicNs();
+  const int64_t limit = absl::ToInt64Nanoseconds(options_.peer_timeout);
+  std::lock_guard<std::mutex> lock(traffic_mu_);
+  for (auto& [who, entry] : traffic_) {
+    PeerTraffic& t = *entry.traffic;
+    if (entry.data_connections == 0 || !t.keeps_alive.load(std::memory_order_relaxed) ||
+        t.silenced.load(std::memory_order_relaxed)) {
+      continue;
+    }
+    const int64_t last = t.last_frame_ns.load(std::memory_order_relaxed);
+    if (last == 0 || now - last < limit) continue;
+    t.silenced.store(true, std::memory_order_relaxed);
+    engine_->RankLost(
+        who.first, who.second,
+        absl::StrCat("rank ", who.second, " (", entry.address, ") is silent: nothing on its ",
+                     entry.data_connections, " connection(s) for ",
+                     absl::FormatDuration(absl::Trunc(absl::Nanoseconds(now - last),
+                                                      absl::Milliseconds(100))),
+                     " (it pings every few seconds: frozen, or its network is cut)"));
   }
 }
 
@@ -115,6 +165,14 @@ std::vector<PeerTrafficTotals> KvService::TakeTraffic() {
 absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSession>& peer,
                                                   const FrameHeader& header) {
   auto state = StateOf(peer);
+  PeerTraffic& traffic = *state->traffic;
+  traffic.last_frame_ns.store(MonotonicNs(), std::memory_order_relaxed);
+  if (traffic.silenced.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lock(traffic_mu_);
+    if (traffic.silenced.exchange(false)) {
+      engine_->RankBack(peer->identity().job_id, peer->identity().rank);
+    }
+  }
   switch (header.type) {
     case FrameType::kPush: {
       if (header.payload_length == 0 || header.payload_length % sizeof(float) != 0) {
@@ -168,6 +226,9 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
 void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
                         transport::MutableBuffer payload) {
   auto state = StateOf(peer);
+  if (header.type != FrameType::kPing && !state->counted.load(std::memory_order_relaxed)) {
+    Count(peer, *state);
+  }
   switch (header.type) {
     case FrameType::kPush: {
       if (!state->push_error.ok()) {
@@ -243,6 +304,7 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
       return;
     }
     case FrameType::kPing:
+      if (header.payload_length == 0) state->traffic->keeps_alive.store(true, std::memory_order_relaxed);
       Reply(peer, header, FrameType::kPong);
       return;
     default:

@@ -9,9 +9,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "server/buffer_pool.h"
 #include "server/kv_engine.h"
 #include "transport/frame_server.h"
@@ -23,6 +25,10 @@ struct KvServiceOptions {
   int max_pushes_in_flight = 16;
   // Largest REGISTER_TABLES payload accepted.
   size_t max_register_bytes = 16 << 20;
+  // A rank that keeps alive (agents send an empty PING every few seconds) and has sent nothing
+  // on any of its connections for this long is declared lost (KvEngine::RankLost): pulls that
+  // need its push fail naming it. Zero: never.
+  absl::Duration peer_timeout = absl::Seconds(15);
 };
 
 // The bytes one peer (a job's rank) has moved with this server since it first sent a frame.
@@ -52,13 +58,19 @@ class KvService : public transport::FrameHandler {
   // one last time and then forgotten (its counters start again from 0 if it comes back).
   std::vector<PeerTrafficTotals> TakeTraffic();
 
+  // Declares the ranks silent for longer than peer_timeout lost (periodically, any thread).
+  void CheckSilence();
+
  private:
   struct PeerState;
   struct TrafficEntry {
     std::shared_ptr<PeerTraffic> traffic;
-    int connections = 0;
+    int connections = 0;       // open
+    int data_connections = 0;  // of which sent a frame other than a PING (KvService::Count)
+    std::string address;       // of its latest counted connection, for messages
   };
   std::shared_ptr<PeerState> StateOf(const std::shared_ptr<transport::PeerSession>& peer);
+  void Count(const std::shared_ptr<transport::PeerSession>& peer, PeerState& state);
 
   std::shared_ptr<KvEngine> engine_;
   std::shared_ptr<BufferPool> pool_;

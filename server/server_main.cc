@@ -44,6 +44,7 @@ struct ServerConfig {
   int64_t checkpoint_every = 0;
   absl::Duration shutdown_timeout = absl::Seconds(30);
   absl::Duration handshake_timeout = absl::Seconds(10);
+  absl::Duration peer_timeout = absl::Seconds(15);
   std::string log_level = "info";
   std::string coordinator;
   std::string coordinator_token;
@@ -83,6 +84,10 @@ ConfigSchema<ServerConfig> Schema() {
              "on SIGTERM, wait at most this long for the clock in flight")
       .Field("handshake_timeout", &ServerConfig::handshake_timeout,
              "a new connection must authenticate within this time")
+      .Field("peer_timeout", &ServerConfig::peer_timeout,
+             "an agent silent this long (they ping every 5s) is declared lost: pulls waiting for "
+             "its push fail naming it (0: never)",
+             poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
       .Field("coordinator", &ServerConfig::coordinator,
              "poseidon-coordinator to register with (host:port); empty: none")
       .SecretField("coordinator_token", &ServerConfig::coordinator_token,
@@ -236,7 +241,9 @@ int Main(int argc, char** argv) {
     return 2;
   }
   auto pool = BufferPool::Create(size_t{1} << 30);
-  auto service = std::make_shared<KvService>(engine, pool, KvServiceOptions{}, checkpoint_now);
+  KvServiceOptions service_options;
+  service_options.peer_timeout = config.peer_timeout;
+  auto service = std::make_shared<KvService>(engine, pool, service_options, checkpoint_now);
   transport::FrameServerOptions fs_options;
   fs_options.handshake_timeout = config.handshake_timeout;
   auto server = std::make_shared<transport::FrameServer>(*listener, secrets, service, fs_options);
@@ -283,6 +290,7 @@ int Main(int argc, char** argv) {
         e.last = now;
       }
       active->Set(static_cast<double>(server->Stats().active));
+      service->CheckSilence();  // this thread's other duty: frozen agents, every 500 ms
       absl::SleepFor(absl::Milliseconds(500));
     }
   });

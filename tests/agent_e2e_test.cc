@@ -57,11 +57,12 @@ class Cluster {
  public:
   // Starts `servers` KV servers and `workers` agents.
   Cluster(int servers, int workers, const std::string& scheme,
-          std::vector<std::string> agent_extra = {}) {
+          std::vector<std::string> agent_extra = {}, std::vector<std::string> server_extra = {}) {
     for (int s = 0; s < servers; ++s) {
-      servers_.push_back(std::make_unique<Subprocess>(
-          std::vector<std::string>{POSEIDON_SERVER_BIN, "--listen=127.0.0.1:0", "--job_id=1",
-                                   std::string("--job_secret=") + kSecret, "--log_level=warn"}));
+      std::vector<std::string> args{POSEIDON_SERVER_BIN, "--listen=127.0.0.1:0", "--job_id=1",
+                                    std::string("--job_secret=") + kSecret, "--log_level=warn"};
+      args.insert(args.end(), server_extra.begin(), server_extra.end());
+      servers_.push_back(std::make_unique<Subprocess>(args));
       while (auto line = servers_.back()->ReadLine(milliseconds(20000))) {
         if (auto at = line->find("listening on "); at != std::string::npos) {
           addresses_.push_back(line->substr(at + 13));
@@ -335,15 +336,17 @@ TEST(Faults, AKilledServerFailsTheLayerNamingServerLayerAndClock) {
 // Without a coordinator, a killed agent is named by what its death closes: the server's
 // connection (PS layers) and the other agents' (SFB layers). Rank 0's training process must fail
 // naming rank 1 long before the 60 s sync timeout, on either path alone.
-void ExpectTheOtherRankToFailNamingRank1(Cluster& cluster, const std::string& model) {
+void ExpectTheOtherRankToFailNamingRank1(Cluster& cluster, const std::string& model,
+                                         int signal = SIGKILL) {
   auto s0 = cluster.Synth(0, model, 100000, {"--compute_scale=500", "--timeout_ms=120000"});
   auto s1 = cluster.Synth(1, model, 100000, {"--compute_scale=500", "--timeout_ms=120000"});
   std::this_thread::sleep_for(milliseconds(1500));
-  cluster.agent(1).Signal(SIGKILL);
+  cluster.agent(1).Signal(signal);
   const std::string out = s0->ReadAll(milliseconds(30000));  // half the sync timeout
   EXPECT_EQ(s0->Wait(milliseconds(10000)), 1) << out;
   EXPECT_NE(out.find("rank 1 (127.0.0.1:"), std::string::npos) << out;
-  EXPECT_NE(out.find("is gone"), std::string::npos) << out;
+  EXPECT_NE(out.find(signal == SIGKILL ? "is gone" : "is silent"), std::string::npos) << out;
+  if (signal == SIGSTOP) cluster.agent(1).Signal(SIGKILL);
   s1->Wait(milliseconds(10000));
 }
 
@@ -355,6 +358,18 @@ TEST(Faults, AKilledAgentIsNamedByTheServerToTheOtherRanks) {
 TEST(Faults, AKilledAgentIsNamedByItsPeerConnectionToTheOtherRanks) {
   Cluster cluster(0, 2, "sfb", {"--sync_timeout=60s"});
   ExpectTheOtherRankToFailNamingRank1(cluster, kFcOnly);
+}
+
+// A frozen agent (SIGSTOP: its sockets stay open) stops pinging: the server (PS layers) and the
+// other agent (SFB layers) each declare it silent after their peer_timeout.
+TEST(Faults, AFrozenAgentIsNamedByTheServerToTheOtherRanks) {
+  Cluster cluster(1, 2, "ps", {"--sync_timeout=60s"}, {"--peer_timeout=2s"});
+  ExpectTheOtherRankToFailNamingRank1(cluster, kTiny, SIGSTOP);
+}
+
+TEST(Faults, AFrozenAgentIsNamedByItsPeerToTheOtherRanks) {
+  Cluster cluster(0, 2, "sfb", {"--sync_timeout=60s", "--peer_timeout=2s"});
+  ExpectTheOtherRankToFailNamingRank1(cluster, kFcOnly, SIGSTOP);
 }
 
 TEST(Faults, ASecondAgentOnALiveSegmentIsRefusedAndTheFirstServesOn) {
