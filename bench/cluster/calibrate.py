@@ -79,7 +79,9 @@ def patch_harness():
 
 def measure(args, out):
     patch_harness()
-    load = {"before": os.getloadavg()}
+    load = {"before": os.getloadavg(), "commit": git_commit(),
+            "build_time": datetime.datetime.fromtimestamp(os.path.getmtime(
+                os.path.join(args.build, "agent", "poseidon-agent"))).isoformat()}
     sets = [("poseidon", "1,2,4,8", "poseidon"), ("modes", "2,4,8", "ps,no-wfbp")]
     for name, hosts, modes in sets:
         sys.argv = ["run_cluster.py", "--build", args.build, "--models", ",".join(args.models),
@@ -243,12 +245,16 @@ def main():
     with open(os.path.join(out, "poseidon", "results.json")) as f:
         first = json.load(f)
     cal["measured"] = {"results": os.path.relpath(out, ROOT), "commit": git_commit(),
+                       "build": args.build,
                        "date": datetime.date.today().isoformat(),
                        "command": " ".join(first["command"]), "scale": first["scale"],
                        "iterations": first["iterations"], "agent_sizes": first["agent_sizes"]}
     if os.path.exists(os.path.join(out, "loadavg.json")):
         with open(os.path.join(out, "loadavg.json")) as f:
-            cal["measured"]["loadavg"] = json.load(f)
+            saved = json.load(f)
+        cal["measured"]["commit"] = saved.pop("commit", cal["measured"]["commit"])
+        cal["measured"]["build_time"] = saved.pop("build_time", None)
+        cal["measured"]["loadavg"] = saved
     cal["validation"] = table
     with open(args.out, "w") as f:
         json.dump(cal, f, indent=1)
