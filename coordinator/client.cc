@@ -126,6 +126,7 @@ absl::StatusOr<v1::RegisterServerResponse> CoordinatorClient::RegisterServer(
   for (const v1::Endpoint& endpoint : server.endpoints) *request.add_endpoints() = endpoint;
   *request.mutable_capacity() = server.capacity;
   request.set_previous_node_id(server.previous_node_id);
+  for (const std::string& job : server.jobs) request.add_jobs(job);
   v1::RegisterServerResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);

@@ -53,6 +53,7 @@ struct ServerRegistration {
   std::vector<poseidon::v1::Endpoint> endpoints;
   poseidon::v1::ServerCapacity capacity;
   std::string previous_node_id;  // to re-join as the same server after a restart
+  std::vector<std::string> jobs;  // a cluster-wide server's jobs (empty: every job)
 };
 
 // A job's membership, as Rendezvous returns it.

@@ -179,7 +179,8 @@ std::vector<const Registry::Node*> Registry::EligibleServers(absl::string_view j
   std::vector<const Node*> servers;
   for (const auto& [id, node] : nodes_) {
     if (node.role == v1::NODE_ROLE_SERVER && Live(&node) &&
-        (node.job_id.empty() || node.job_id == job_id)) {
+        (node.job_id.empty() ? node.jobs.empty() || node.jobs.contains(job_id)
+                             : node.job_id == job_id)) {
       servers.push_back(&node);
     }
   }
@@ -308,6 +309,7 @@ absl::Status Registry::RegisterServer(const Caller& caller,
     }
     node->host = request.host();
     node->endpoints.assign(request.endpoints().begin(), request.endpoints().end());
+    if (caller.job_id.empty()) node->jobs = {request.jobs().begin(), request.jobs().end()};
     node->capacity = request.capacity();
     node->state = v1::NODE_STATE_ALIVE;
     node->state_reason.clear();
@@ -323,6 +325,7 @@ absl::Status Registry::RegisterServer(const Caller& caller,
     fresh.id = previous.empty() ? NewId("server") : previous;
     fresh.role = v1::NODE_ROLE_SERVER;
     fresh.job_id = caller.job_id;
+    if (caller.job_id.empty()) fresh.jobs.insert(request.jobs().begin(), request.jobs().end());
     fresh.host = request.host();
     fresh.endpoints.assign(request.endpoints().begin(), request.endpoints().end());
     fresh.capacity = request.capacity();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <set>
 #include <optional>
 #include <string>
 #include <utility>
@@ -204,6 +205,7 @@ class Registry {
     std::string id;
     poseidon::v1::NodeRole role = poseidon::v1::NODE_ROLE_UNSPECIFIED;
     std::string job_id;  // agents: their job; servers: the job they serve, "" for every job
+    std::set<std::string, std::less<>> jobs;  // servers of "": the only jobs served (empty: all)
     std::string host;
     uint32_t gpu_index = 0;
     std::vector<poseidon::v1::Endpoint> endpoints;

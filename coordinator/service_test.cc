@@ -29,6 +29,27 @@ class CoordinatorServiceTest : public CoordinatorFixture {};
 // ---- Rendezvous
 // ----------------------------------------------------------------------------------
 
+// A shared server fleet: a cluster-wide server that holds some jobs' secrets only (poseidon-server
+// --secrets_file) is in those jobs' worlds and no other's.
+TEST_F(CoordinatorServiceTest, AClusterWideServerOfSomeJobsServesThoseJobsOnly) {
+  StartServer();
+  auto everyone = AddServer(7100);
+  auto only_a = AddServer(7101, "127.0.0.1", {kJobA});
+  std::vector<Member> a = FormWorld(1, kJobA, kTokenA);
+  std::vector<Member> b = FormWorld(1, kJobB, kTokenB);
+  ASSERT_EQ(a[0].world.servers.size(), 2u);
+  EXPECT_EQ(a[0].world.servers[1].node_id(), only_a->node_id());
+  ASSERT_EQ(b[0].world.servers.size(), 1u);
+  EXPECT_EQ(b[0].world.servers[0].node_id(), everyone->node_id());
+  // A list of jobs is validated like any id.
+  auto admin = Client("", kClusterToken);
+  ServerRegistration bad;
+  bad.host = "h";
+  bad.endpoints.push_back(MakeEndpoint(v1::TRANSPORT_KIND_TCP, "127.0.0.1:7102"));
+  bad.jobs = {"not an id!"};
+  EXPECT_EQ(admin->RegisterServer(bad).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CoordinatorServiceTest, FourAgentsRendezvousAndGetOnePlan) {
   StartServer();
   auto server = AddServer(7100);

@@ -130,10 +130,13 @@ class CoordinatorFixture : public ::testing::Test {
   }
 
   // A cluster-wide server registered with the cluster token, listening (nominally) on `port`.
-  std::unique_ptr<CoordinatorClient> AddServer(int port, const std::string& host = "127.0.0.1") {
+  // `jobs`: the only jobs it serves (empty: every job).
+  std::unique_ptr<CoordinatorClient> AddServer(int port, const std::string& host = "127.0.0.1",
+                                               std::vector<std::string> jobs = {}) {
     std::unique_ptr<CoordinatorClient> client = Client("", kClusterToken);
     ServerRegistration server;
     server.host = host;
+    server.jobs = std::move(jobs);
     server.endpoints.push_back(
         MakeEndpoint(v1::TRANSPORT_KIND_TCP, absl::StrCat("127.0.0.1:", port)));
     server.capacity.set_memory_bytes(uint64_t{1} << 30);

@@ -197,6 +197,10 @@ absl::Status ValidateRequest(const v1::RegisterServerRequest& request) {
   if (!request.previous_node_id().empty()) {
     RETURN_IF_ERROR(ValidateId("previous_node_id", request.previous_node_id()));
   }
+  if (request.jobs_size() > 1024) {
+    return Invalid("jobs", absl::StrCat("at most 1024 job ids, got ", request.jobs_size()));
+  }
+  for (const std::string& job : request.jobs()) RETURN_IF_ERROR(ValidateId("jobs", job));
   return absl::OkStatus();
 }
 

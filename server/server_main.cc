@@ -91,7 +91,8 @@ ConfigSchema<ServerConfig> Schema() {
       .Field("coordinator", &ServerConfig::coordinator,
              "poseidon-coordinator to register with (host:port); empty: none")
       .SecretField("coordinator_token", &ServerConfig::coordinator_token,
-                   "the job's coordinator token (with coordinator)")
+                   "the job's coordinator token (with coordinator); with secrets_file, the "
+                   "coordinator's cluster token (the server registers for those jobs)")
       .Field("advertise", &ServerConfig::advertise,
              "the address peers reach this server at (default: the bound listen address)")
       .Field(
@@ -109,11 +110,13 @@ ConfigSchema<ServerConfig> Schema() {
   return s;
 }
 
-absl::Status LoadSecrets(const ServerConfig& config, transport::SecretStore& store) {
-  int jobs = 0;
+// Fills `store` and returns the ids of the jobs served.
+absl::StatusOr<std::vector<uint64_t>> LoadSecrets(const ServerConfig& config,
+                                                  transport::SecretStore& store) {
+  std::vector<uint64_t> jobs;
   if (!config.job_secret.empty()) {
     store.Set(config.job_id, config.job_secret);
-    ++jobs;
+    jobs.push_back(config.job_id);
   }
   if (!config.secrets_file.empty()) {
     std::ifstream in(config.secrets_file);
@@ -133,14 +136,14 @@ absl::Status LoadSecrets(const ServerConfig& config, transport::SecretStore& sto
             absl::StrCat(config.secrets_file, ":", n, ": expected '<job id> <secret>'"));
       }
       store.Set(id, std::string(parts[1]));
-      ++jobs;
+      jobs.push_back(id);
     }
   }
-  if (jobs == 0) {
+  if (jobs.empty()) {
     return absl::InvalidArgumentError(
         "no job to serve: set job_id and job_secret, or secrets_file");
   }
-  return absl::OkStatus();
+  return jobs;
 }
 
 int Main(int argc, char** argv) {
@@ -160,8 +163,9 @@ int Main(int argc, char** argv) {
   }
 
   auto secrets = std::make_shared<transport::SecretStore>();
-  if (auto s = LoadSecrets(config, *secrets); !s.ok()) {
-    PSD_LOG_ERROR("refusing to start: {}", s.message());
+  const absl::StatusOr<std::vector<uint64_t>> jobs = LoadSecrets(config, *secrets);
+  if (!jobs.ok()) {
+    PSD_LOG_ERROR("refusing to start: {}", jobs.status().message());
     return 2;
   }
   if (!config.checkpoint_dir.empty()) {
@@ -312,9 +316,13 @@ int Main(int argc, char** argv) {
   std::unique_ptr<coordinator::HeartbeatLoop> heartbeats;
   std::unique_ptr<ServerTelemetry> telemetry;
   if (!config.coordinator.empty()) {
+    // One job (job_id and job_secret): a server of that job, with its coordinator token. Jobs
+    // from a secrets_file: a cluster-wide server (an empty job id, coordinator_token is the
+    // cluster token) that the coordinator gives to those jobs only.
+    const bool one_job = config.secrets_file.empty();
     auto client = coordinator::CoordinatorClient::Connect(
-        config.coordinator, absl::StrCat(config.job_id), config.coordinator_token,
-        coordinator::CoordinatorTls(config));
+        config.coordinator, one_job ? absl::StrCat(config.job_id) : std::string(),
+        config.coordinator_token, coordinator::CoordinatorTls(config));
     if (!client.ok()) {
       PSD_LOG_ERROR("refusing to start: coordinator: {}", client.status().message());
       return 2;
@@ -324,6 +332,9 @@ int Main(int argc, char** argv) {
     reg.host = gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "unknown-host";
     const std::string advertise = config.advertise.empty() ? server->Address() : config.advertise;
     reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, advertise));
+    if (!one_job) {
+      for (uint64_t job : *jobs) reg.jobs.push_back(absl::StrCat(job));
+    }
     if (auto r = (*client)->RegisterServer(reg); !r.ok()) {
       PSD_LOG_ERROR("refusing to start: registering with the coordinator {}: {}",
                     config.coordinator, r.status().message());

@@ -30,13 +30,13 @@ SECRET = "ops-test-job-secret"
 class Daemon:
     """A child process whose stdout/stderr are collected; `wait_for` waits for a stdout line."""
 
-    def __init__(self, name, argv):
+    def __init__(self, name, argv, env=None):
         self.name = name
         self.lines = []
         self.stderr = []
         self.cond = threading.Condition()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
+                                     text=True, start_new_session=True, env=env)
         self.readers = [threading.Thread(target=self._read, args=(stream, sink), daemon=True)
                         for stream, sink in ((self.proc.stdout, self.lines),
                                              (self.proc.stderr, self.stderr))]
