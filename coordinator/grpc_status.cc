@@ -2,9 +2,11 @@
 
 #include <grpc/support/log.h>
 
+#include <atomic>
 #include <mutex>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "common/log.h"
 
 namespace poseidon::coordinator {
@@ -29,10 +31,21 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(absl_code, status.error_message());
 }
 
+namespace {
+std::atomic<uint64_t> accept_failures{0};
+}  // namespace
+
+uint64_t GrpcAcceptFailures() { return accept_failures.load(); }
+
 void RouteGrpcLogs() {
   static std::once_flag once;
   std::call_once(once, [] {
     gpr_set_log_function([](gpr_log_func_args* args) {
+      if (args->message != nullptr && absl::StartsWith(args->message, "Failed accept4")) {
+        if (accept_failures.fetch_add(1) == 0) {
+          ::poseidon::Logger().warn("gRPC's listener: {}", args->message);
+        }
+      }
       (void)args;  // PSD_LOG_DEBUG compiles to nothing below SPDLOG_ACTIVE_LEVEL (-Werror builds)
       // Logger().debug, not PSD_LOG_DEBUG (compiled out below spdlog's active level): shown
       // with --log_level=debug.

@@ -1,8 +1,12 @@
 #include "coordinator/server.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -98,26 +102,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       std::make_unique<CoordinatorService>(std::move(tokens), std::move(options.service));
 
   RouteGrpcLogs();
-  grpc::ServerBuilder builder;
-  // Two coordinators must not share a port silently.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Unauthenticated connections are cheap to open: none may idle in its handshake or afterwards
-  // for long (docs/operations.md, "Limits").
-  builder.AddChannelArgument(
-      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-      static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(options.handshake_timeout),
-                                           1, INT32_MAX)));
-  builder.AddChannelArgument(
-      GRPC_ARG_MAX_CONNECTION_IDLE_MS,
-      static_cast<int>(std::clamp<int64_t>(
-          absl::ToInt64Milliseconds(options.max_connection_idle), 1, INT32_MAX)));
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  builder.AddListeningPort(options.listen, *credentials, &server->port_);
-  builder.RegisterService(server->service_.get());
-  server->server_ = builder.BuildAndStart();
+  server->options_ = options;
+  server->credentials_ = *credentials;
+  server->server_ = server->BuildGrpcServer(options.listen, &server->port_);
   if (server->server_ == nullptr || server->port_ == 0) {
     if (server->server_ != nullptr) server->server_->Shutdown();
     server->server_.reset();
@@ -128,7 +115,81 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const size_t colon = options.listen.rfind(':');
   server->address_ = absl::StrCat(options.listen.substr(0, colon), ":", server->port_);
   server->service_->Start();
+  server->accept_failures_ = GrpcAcceptFailures();
+  server->watchdog_ = std::thread([raw = server.get()] { raw->WatchListener(); });
   return server;
+}
+
+std::unique_ptr<grpc::Server> CoordinatorServer::BuildGrpcServer(const std::string& listen,
+                                                                 int* port) {
+  grpc::ServerBuilder builder;
+  // Two coordinators must not share a port silently.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Unauthenticated connections are cheap to open: none may idle in its handshake or afterwards
+  // for long (docs/operations.md, "Limits").
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.handshake_timeout),
+                                           1, INT32_MAX)));
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+      static_cast<int>(std::clamp<int64_t>(
+          absl::ToInt64Milliseconds(options_.max_connection_idle), 1, INT32_MAX)));
+  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MalformedRequestInterceptorFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  builder.AddListeningPort(listen, credentials_, port);
+  builder.RegisterService(service_.get());
+  return builder.BuildAndStart();
+}
+
+// gRPC 1.51's listener stops for good after one accept fails with EMFILE (grpc/grpc#20418: it
+// does not re-arm the listening socket), so a burst of connections beyond the descriptor limit
+// would leave the coordinator deaf to every new client until restarted. Once the failure is seen
+// (GrpcAcceptFailures) and descriptors are free again, the gRPC server is rebuilt on the same
+// port around the same service: registry, plans and leases stay; calls in flight are cancelled
+// (clients retry), connected clients reconnect on their next call.
+void CoordinatorServer::WatchListener() {
+  std::unique_lock<std::mutex> lock(mu_);
+  bool waiting_logged = false;
+  while (!watchdog_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return shut_down_; })) {
+    if (GrpcAcceptFailures() == accept_failures_) continue;
+    // Descriptors free again? A margin for the new listener and the clients that come back.
+    std::vector<int> probes;
+    for (int i = 0; i < 32; ++i) {
+      const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+      if (fd < 0) break;
+      probes.push_back(fd);
+    }
+    const bool free = probes.size() == 32;
+    for (int fd : probes) ::close(fd);
+    if (!free) {
+      if (!waiting_logged) {
+        PSD_LOG_WARN("gRPC's listener stopped accepting (out of file descriptors); it is "
+                     "restarted once descriptors are free");
+        waiting_logged = true;
+      }
+      continue;
+    }
+    accept_failures_ = GrpcAcceptFailures();
+    waiting_logged = false;
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    server_->Wait();
+    server_.reset();
+    int port = 0;
+    const std::string listen = absl::StrCat(address_.substr(0, address_.rfind(':')), ":", port_);
+    server_ = BuildGrpcServer(listen, &port);
+    if (server_ == nullptr || port != port_) {
+      PSD_LOG_ERROR("gRPC's listener stopped accepting (grpc#20418) and restarting it on {} "
+                    "failed; the coordinator exits",
+                    listen);
+      std::_Exit(5);
+    }
+    PSD_LOG_WARN("gRPC's listener stopped accepting after running out of file descriptors "
+                 "(grpc#20418); restarted it on {} (the registry and plans are kept)",
+                 address_);
+  }
 }
 
 CoordinatorServer::~CoordinatorServer() {
@@ -136,8 +197,13 @@ CoordinatorServer::~CoordinatorServer() {
 }
 
 void CoordinatorServer::Shutdown(absl::Duration grace) {
-  if (shut_down_) return;
-  shut_down_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  watchdog_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
   if (service_ != nullptr) service_->Shutdown();
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));

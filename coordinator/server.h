@@ -3,8 +3,11 @@
 // Thread-safety: Start and Shutdown from one owner thread; the accessors from any thread.
 #pragma once
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -52,14 +55,23 @@ class CoordinatorServer {
 
  private:
   CoordinatorServer() = default;
+  std::unique_ptr<grpc::Server> BuildGrpcServer(const std::string& listen, int* port);
+  void WatchListener();  // the watchdog thread (server.cc)
 
+  CoordinatorServerOptions options_;
+  std::shared_ptr<grpc::ServerCredentials> credentials_;
   // Declared before server_: the service must outlive the grpc::Server that calls it.
   std::unique_ptr<CoordinatorService> service_;
+  // mu_ guards server_ once the watchdog runs (it may rebuild it) and shut_down_.
+  std::mutex mu_;
+  std::condition_variable watchdog_cv_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;
   bool tls_ = false;
   bool shut_down_ = false;
+  uint64_t accept_failures_ = 0;  // GrpcAcceptFailures() when the listener was last (re)built
+  std::thread watchdog_;
 };
 
 }  // namespace poseidon::coordinator
