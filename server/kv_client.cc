@@ -86,8 +86,23 @@ Ticket KvClient::Push(uint64_t key, uint64_t clock, std::span<const float> data,
   return Start(key % conns_.size(), h, {std::as_bytes(data)}, std::move(p));
 }
 
+Ticket KvClient::PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload) {
+  FrameHeader h;
+  h.type = FrameType::kPush;
+  h.key = key;
+  h.clock = clock;
+  Pending p;
+  p.what = absl::StrCat("push of key ", key, " clock ", clock, " to ", address_);
+  return Start(key % conns_.size(), h, {payload}, std::move(p));
+}
+
 Ticket KvClient::Pull(uint64_t key, uint64_t clock, std::span<float> into,
                       absl::Duration server_timeout) {
+  return PullBytes(key, clock, std::as_writable_bytes(into), server_timeout);
+}
+
+Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> into,
+                           absl::Duration server_timeout) {
   FrameHeader h;
   h.type = FrameType::kPull;
   h.key = key;
@@ -312,7 +327,7 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
       return c.ReadPayload(error_buffer, std::move(after));
     }
     case FrameType::kPullResponse: {
-      std::span<float> into;
+      std::span<std::byte> into;
       bool known = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -343,7 +358,7 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
         self->ReadLoop(conn);
       };
       if (h.payload_length == 0) return after(absl::OkStatus());
-      if (fits) return c.ReadPayload(std::as_writable_bytes(into), std::move(after));
+      if (fits) return c.ReadPayload(into, std::move(after));
       return c.DiscardPayload(std::move(after));
     }
     default:

@@ -49,6 +49,12 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   Ticket Pull(uint64_t key, uint64_t clock, std::span<float> into,
               absl::Duration server_timeout = absl::Seconds(30));
 
+  // The same on raw payloads, for a key whose wire type is not float32 (bf16: 2 bytes per
+  // element, common/bf16.h).
+  Ticket PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload);
+  Ticket PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> into,
+                   absl::Duration server_timeout = absl::Seconds(30));
+
   // Waits for a ticket. DeadlineExceeded names the request if `timeout` passes first (the
   // request stays pending and may still be waited for).
   absl::Status Wait(Ticket ticket, absl::Duration timeout);
@@ -93,7 +99,7 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
  private:
   struct Pending {
     std::string what;        // for errors: "push key 3 clock 7"
-    std::span<float> into;   // pulls
+    std::span<std::byte> into;  // pulls
     bool send_done = false;  // the push payload has left our buffer
     bool answered = false;
     absl::Status status;

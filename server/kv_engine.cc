@@ -12,6 +12,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/bf16.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "server/update_rules.h"
@@ -34,7 +35,7 @@ void SendError(const RequestContext& ctx, const absl::Status& status) {
   ctx.peer->connection().Send(frame->header, std::move(payload), [frame](absl::Status) {});
 }
 
-void SendReply(const RequestContext& ctx, FrameType type, std::span<const float> payload) {
+void SendReply(const RequestContext& ctx, FrameType type, std::span<const std::byte> payload) {
   FrameHeader h;
   h.type = type;
   h.job_id = ctx.header.job_id;
@@ -44,7 +45,7 @@ void SendReply(const RequestContext& ctx, FrameType type, std::span<const float>
   h.sequence = ctx.header.sequence;
   h.payload_length = payload.size_bytes();
   std::vector<transport::ConstBuffer> buffers;
-  if (!payload.empty()) buffers.emplace_back(std::as_bytes(payload));
+  if (!payload.empty()) buffers.emplace_back(payload);
   // The payload is the key's own result/parameter buffer, sent without a copy. Under BSP it
   // cannot change before this send completes: the next clock completes only after every rank,
   // this one included, has received this response and pushed again.
@@ -94,6 +95,12 @@ struct KvEngine::Key {
   bool init_pushed = false;  // initial value comes from rank 0
   bool initialized = true;
   std::vector<float> params, agg, result;
+  // A bfloat16 wire (sum rule): pushes decoded into agg, each result rounded into result_wire
+  // with error feedback (residual).
+  bool bf16_wire = false;
+  std::vector<float> residual;
+  std::vector<uint16_t> result_wire;
+  size_t WireBytes() const { return elements * (bf16_wire ? 2 : sizeof(float)); }
   uint64_t completed = 0;
   std::vector<uint8_t> pushed;
   uint32_t count = 0;
@@ -323,12 +330,27 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
       return absl::InvalidArgumentError(
           absl::StrCat("table ", t.name(), ": ", hp.status().message()));
     }
+    if (t.wire_type() != v1::ELEMENT_TYPE_UNSPECIFIED && t.wire_type() != v1::ELEMENT_TYPE_F32 &&
+        t.wire_type() != v1::ELEMENT_TYPE_BF16) {
+      return absl::UnimplementedError(absl::StrCat(
+          "table ", t.name(), ": wire type ", v1::ElementType_Name(t.wire_type()),
+          " (float32 and bfloat16 are supported)"));
+    }
+    if (t.wire_type() == v1::ELEMENT_TYPE_BF16 &&
+        t.update_rule().rule() != v1::UPDATE_RULE_SUM &&
+        t.update_rule().rule() != v1::UPDATE_RULE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table ", t.name(), ": a bfloat16 wire needs the sum rule (pulls of a server-side "
+          "rule return parameters, which must stay exact)"));
+    }
     if (t.keys_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " has no keys"));
     }
     const v1::UpdateRule rule = t.update_rule().rule();
+    // bf16: a residual (a float each) and the encoded result (half a float each) besides.
     const uint64_t copies = rule == v1::UPDATE_RULE_ADAM       ? 4
                             : rule == v1::UPDATE_RULE_MOMENTUM ? 3
+                            : t.wire_type() == v1::ELEMENT_TYPE_BF16 ? 4
                                                                : 2;
     for (const auto& k : t.keys()) {
       if (k.elements() == 0 || k.elements() > options.max_key_bytes / sizeof(float)) {
@@ -434,6 +456,11 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
         if (!k->IsSum()) k->params.assign(k->elements, 0.0f);
         k->agg.assign(k->elements, 0.0f);
         if (k->IsSum()) k->result.assign(k->elements, 0.0f);
+        k->bf16_wire = t.wire_type() == v1::ELEMENT_TYPE_BF16;
+        if (k->bf16_wire) {
+          k->residual.assign(k->elements, 0.0f);
+          k->result_wire.assign(k->elements, 0);
+        }
         k->pushed.assign(k->workers, 0);
         w.keys[{job_id, kspec.key()}] = std::move(k);
         created.count_down();
@@ -444,7 +471,8 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   auto sizes = std::make_shared<KeySizes>(*key_sizes_.load());
   for (const auto& t : spec.tables()) {
     for (const auto& kspec : t.keys()) {
-      (*sizes)[{job_id, kspec.key()}] = kspec.elements() * sizeof(float);
+      (*sizes)[{job_id, kspec.key()}] =
+          kspec.elements() * (t.wire_type() == v1::ELEMENT_TYPE_BF16 ? 2 : sizeof(float));
     }
   }
   key_sizes_.store(std::shared_ptr<const KeySizes>(std::move(sizes)));
@@ -483,10 +511,10 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
           absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
     }
     Key& k = *it->second;
-    if (data.size() != k.elements * sizeof(float)) {
+    if (data.size() != k.WireBytes()) {
       return fail(absl::InvalidArgumentError(absl::StrCat("push for ", k.Name(), " carries ",
                                                           data.size(), " bytes, expected ",
-                                                          k.elements * sizeof(float))));
+                                                          k.WireBytes())));
     }
     if (h.sender_rank >= k.workers) {
       return fail(absl::InvalidArgumentError(absl::StrCat(
@@ -537,11 +565,21 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
       stats_.duplicate_pushes.fetch_add(1, std::memory_order_relaxed);
       return ack();
     }
-    const std::span<const float> grad = data.floats();
-    if (k.count == 0) {
-      std::memcpy(k.agg.data(), grad.data(), data.size());
+    if (k.bf16_wire) {
+      const std::span<const uint16_t> grad(reinterpret_cast<const uint16_t*>(data.bytes().data()),
+                                           k.elements);
+      if (k.count == 0) {
+        DecodeBf16(grad, k.agg);
+      } else {
+        AddBf16Into(k.agg, grad);
+      }
     } else {
-      AddInto(k.agg, grad);
+      const std::span<const float> grad = data.floats();
+      if (k.count == 0) {
+        std::memcpy(k.agg.data(), grad.data(), data.size());
+      } else {
+        AddInto(k.agg, grad);
+      }
     }
     k.pushed[h.sender_rank] = 1;
     ++k.count;
@@ -557,6 +595,7 @@ void KvEngine::Complete(Worker& w, Key& k) {
   if (k.grad_scale != 1.0f) Scale(k.agg, k.grad_scale);
   if (k.IsSum()) {
     std::swap(k.result, k.agg);
+    if (k.bf16_wire) EncodeBf16WithFeedback(k.result, k.residual, k.result_wire);
   } else {
     k.optimizer->Step(k.params, k.agg);
   }
@@ -582,8 +621,10 @@ void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
 }
 
 void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
-  const std::span<const float> value =
-      k.IsSum() ? std::span<const float>(k.result) : std::span<const float>(k.params);
+  const std::span<const std::byte> value =
+      k.bf16_wire ? std::as_bytes(std::span<const uint16_t>(k.result_wire))
+      : k.IsSum() ? std::as_bytes(std::span<const float>(k.result))
+                  : std::as_bytes(std::span<const float>(k.params));
   stats_.pulls.fetch_add(1, std::memory_order_relaxed);
   stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
   if (ctx.traffic) ctx.traffic->sent.fetch_add(value.size_bytes(), std::memory_order_relaxed);
@@ -772,6 +813,8 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
       k->initialized = s.initialized;
       k->params = s.params;
       if (k->IsSum()) k->result = s.result;
+      // The residual is not checkpointed: a restored key rounds its last result afresh.
+      if (k->bf16_wire) EncodeBf16(k->result, k->result_wire);
       if (k->optimizer) {
         k->optimizer->set_steps(s.optimizer_steps);
         for (int i = 0; i < k->optimizer->StateCount(); ++i) {
