@@ -747,6 +747,12 @@ absl::Status Agent::ConnectServers() {
     std::string name;
     std::vector<PsChunk> chunks;
   };
+  const bool bf16 = config_.wire == "bf16";
+  if (bf16 && server_rule_.rule != 0) {
+    return absl::FailedPreconditionError(
+        "--wire=bf16 needs the sum rule, and the training process asked for a server-side "
+        "update rule (its pulls return parameters, which must stay exact)");
+  }
   std::vector<TableSource> sources;
   for (const LayerSpec& st : table_.layers) {
     if (st.chunks.empty() || st.bucket >= 0) continue;
@@ -762,6 +768,7 @@ absl::Status Agent::ConnectServers() {
         t = requests[c.server].add_tables();
         t->set_name(src.name);
         t->set_element_type(v1::ELEMENT_TYPE_F32);
+        if (bf16) t->set_wire_type(v1::ELEMENT_TYPE_BF16);
         auto* u = t->mutable_update_rule();
         if (server_rule_.rule == 0) {
           u->set_rule(v1::UPDATE_RULE_SUM);
@@ -781,6 +788,7 @@ absl::Status Agent::ConnectServers() {
       auto* key = t->add_keys();
       key->set_key(c.key);
       key->set_elements(c.length / sizeof(float));
+      if (bf16) env_.bf16[c.key] = std::make_unique<Bf16Wire>(c.length / sizeof(float));
     }
   }
   const absl::Time deadline = absl::Now() + config_.connect_timeout;

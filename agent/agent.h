@@ -33,6 +33,10 @@ struct AgentConfig {
   std::vector<std::string> peers;    // every agent's SFB address, rank order (may be empty: no SFB)
   std::string listen;                // our SFB address (peers[rank] when empty)
   std::string scheme = "auto";       // auto (HybComm), ps, sfb, allreduce
+  // What PS pushes and pulls carry: "fp32" (exact) or "bf16" (half the bytes, lossy, with error
+  // feedback on both ends; the sum rule only). A job setting: every rank must give the same (the
+  // servers refuse a registration that differs).
+  std::string wire = "fp32";
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
   bool allreduce = true;  // ring all-reduce may be planned (needs a coordinator and 2+ ranks)

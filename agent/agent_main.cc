@@ -22,6 +22,7 @@ struct Flags {
   std::string peers;
   std::string listen;
   std::string scheme = "auto";
+  std::string wire = "fp32";
   double bandwidth = 1.25e9;
   bool colocated = true;
   bool allreduce = true;
@@ -68,6 +69,10 @@ poseidon::ConfigSchema<Flags> Schema() {
              "auto (HybComm plan), ps, sfb (FC layers; the rest PS), allreduce (every layer; "
              "needs a coordinator)",
              poseidon::OneOf({"auto", "ps", "sfb", "allreduce"}))
+      .Field("wire", &Flags::wire,
+             "what PS pushes and pulls carry: fp32 (exact) or bf16 (half the bytes, lossy, with "
+             "error feedback; not with a server-side update rule); every rank the same",
+             poseidon::OneOf({"fp32", "bf16"}))
       .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
       .Field("colocated", &Flags::colocated, "servers share machines with workers")
       .Field("allreduce", &Flags::allreduce,
@@ -154,6 +159,7 @@ int main(int argc, char** argv) {
   c.peers = List(f.peers);
   c.listen = f.listen;
   c.scheme = f.scheme;
+  c.wire = f.wire;
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;
   c.allreduce = f.allreduce;

@@ -1,6 +1,7 @@
 #include "agent/syncer.h"
 
 #include "agent/telemetry_reporter.h"
+#include "common/bf16.h"
 #include "common/log.h"
 
 namespace poseidon::agent {
@@ -49,12 +50,24 @@ void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint6
               bool init, std::shared_ptr<Credit> credit, std::function<void(absl::Status)> done) {
   server::KvClient& kv = *env.servers[chunk.server];
   const uint32_t server = chunk.server;
-  const uint64_t bytes = chunk.length;
+  const auto wire = env.bf16.find(chunk.key);
+  Bf16Wire* bf16 = wire == env.bf16.end() ? nullptr : wire->second.get();
+  const uint64_t bytes = bf16 != nullptr ? chunk.length / 2 : chunk.length;
   std::optional<server::Ticket> push;
-  if (!init || env.config->rank == 0) push = kv.Push(chunk.key, clock, values, init);
-  // The pull's answer overwrites the gradient in place: the server answers only once every
-  // rank's push of this clock, ours included, has been received.
-  const server::Ticket pull = kv.Pull(chunk.key, clock, values, env.config->sync_timeout);
+  server::Ticket pull;
+  if (bf16 != nullptr) {
+    // Encoded with error feedback; the answer lands in the pull buffer and is decoded into the
+    // gradient before the layer is told (a sum-rule key: no initial push).
+    EncodeBf16WithFeedback(values, bf16->residual, bf16->push);
+    push = kv.PushBytes(chunk.key, clock, std::as_bytes(std::span(bf16->push)));
+    pull = kv.PullBytes(chunk.key, clock, std::as_writable_bytes(std::span(bf16->pull)),
+                        env.config->sync_timeout);
+  } else {
+    if (!init || env.config->rank == 0) push = kv.Push(chunk.key, clock, values, init);
+    // The pull's answer overwrites the gradient in place: the server answers only once every
+    // rank's push of this clock, ours included, has been received.
+    pull = kv.Pull(chunk.key, clock, values, env.config->sync_timeout);
+  }
   SyncEnv* e = &env;
   if (push) {
     kv.OnDone(*push, [e, credit, server, bytes, key = chunk.key](absl::Status pushed) {
@@ -70,8 +83,9 @@ void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint6
   } else {
     credit->Park();
   }
-  kv.OnDone(pull, [e, credit = std::move(credit), server, bytes,
+  kv.OnDone(pull, [e, credit = std::move(credit), server, bytes, bf16, values,
                    done = std::move(done)](absl::Status s) mutable {
+    if (s.ok() && bf16 != nullptr) DecodeBf16(bf16->pull, values);
     if (s.ok()) {
       if (e->metrics.pull_bytes[server]) e->metrics.pull_bytes[server]->Increment(bytes);
       if (e->telemetry) e->telemetry->AddServerBytes(server, 0, bytes);

@@ -66,6 +66,14 @@ struct SyncMetrics {
   prometheus::Counter* allreduce_bytes = nullptr;  // each all-reduce's gradient bytes
 };
 
+// A PS key's bfloat16 wire (AgentConfig::wire): the error-feedback residual and the encoded
+// push and pull payloads. One clock of a key is in flight at a time (BSP), so it needs no lock.
+struct Bf16Wire {
+  explicit Bf16Wire(size_t elements) : residual(elements, 0.0f), push(elements), pull(elements) {}
+  std::vector<float> residual;
+  std::vector<uint16_t> push, pull;
+};
+
 // What the syncers share: the agent's parts they work with. Filled before the first Post and
 // fixed afterwards, except `stager` (set once when the framework attaches CUDA, an atomic).
 struct SyncEnv {
@@ -81,6 +89,9 @@ struct SyncEnv {
   // Server-side update rule (0: sum): iteration 1 then carries rank 0's initial parameters.
   uint32_t server_rule = 0;
   std::vector<std::shared_ptr<server::KvClient>> servers;      // plan order
+  // The PS keys on a bfloat16 wire (every chunk and bucket key with AgentConfig::wire "bf16";
+  // empty: float32). Built at registration, then only read.
+  std::map<uint64_t, std::unique_ptr<Bf16Wire>> bf16;
   std::vector<std::shared_ptr<transport::Connection>> peers;  // by rank, null for ourselves
   // All-reduce: Gloo's rendezvous store (the agent's, over the coordinator; null: no
   // all-reduce) and the host the other agents reach this one at.

@@ -259,6 +259,36 @@ TEST_P(GpuEndToEnd, TwoProcessesOnOneGpuMatchTheExactSums) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, GpuEndToEnd, ::testing::Values("ps", "sfb"));
 
+// A bfloat16 wire (--wire=bf16): every PS result is the sum within bfloat16's rounding of the
+// inputs (values up to 11 in magnitude, whose rounding unit is 2^-4; each rank's and the
+// server's error feedback may release up to one unit in a clock), and not exactly the sum: the
+// pushes carry values a bfloat16 cannot hold (x + 2^-10).
+TEST(Wire, Bfloat16ResultsAreTheSumsWithinRounding) {
+  Cluster cluster(1, 2, "ps", {"--wire=bf16"});
+  ASSERT_TRUE(cluster.ok());
+  std::vector<std::unique_ptr<Subprocess>> synths;
+  for (int r = 0; r < 2; ++r) {
+    synths.push_back(cluster.Synth(r, kTiny, 10,
+                                   {"--verify", "--tolerance=0.2", "--grad_fraction=0.0009765625"}));
+  }
+  for (int r = 0; r < 2; ++r) {
+    const std::string out = synths[r]->ReadAll(milliseconds(60000));
+    ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
+    EXPECT_NE(out.find("verified 80 results, 0 mismatches"), std::string::npos) << out;
+  }
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(cluster.agent(r).Wait(milliseconds(20000)), 0);
+  // The same job checked exactly: bfloat16 rounding shows.
+  Cluster exact(1, 2, "ps", {"--wire=bf16"});
+  ASSERT_TRUE(exact.ok());
+  std::vector<std::unique_ptr<Subprocess>> strict;
+  for (int r = 0; r < 2; ++r) {
+    strict.push_back(exact.Synth(r, kTiny, 3, {"--verify", "--grad_fraction=0.0009765625"}));
+  }
+  const std::string out = strict[0]->ReadAll(milliseconds(60000));
+  strict[1]->ReadAll(milliseconds(60000));
+  EXPECT_EQ(out.find(" 0 mismatches"), std::string::npos) << "a lossy wire: " << out;
+}
+
 TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {
   Cluster cluster(1, 1, "ps");
   auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000", "--timeout_ms=30000"});

@@ -89,6 +89,9 @@ def main(argv=None):
     ap.add_argument("-n", "--workers", type=int, default=2)
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--scheme", choices=["auto", "ps", "sfb", "allreduce"], default="auto")
+    ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32",
+                    help="what PS pushes and pulls carry: fp32 (exact) or bf16 (half the bytes, "
+                         "lossy, with error feedback; not with a server-side optimizer)")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
     ap.add_argument("--allreduce", choices=["auto", "off", "by-cost"], default="auto",
                     help="ring all-reduce: auto (for --scheme allreduce and operator overrides), "
@@ -226,7 +229,7 @@ def main(argv=None):
             p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--rank={r}",
                                     f"--world_size={world}", f"--coordinator={coordinator}",
                                     f"--listen={args.listen_host}:0",
-                                    f"--scheme={args.scheme}",
+                                    f"--scheme={args.scheme}", f"--wire={args.wire}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
                                     *([] if args.probe else ["--probe_bytes=0"]),
                                     *(["--allreduce=false"] if args.allreduce == "off" else []),
