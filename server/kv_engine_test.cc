@@ -293,7 +293,7 @@ TEST_F(KvServerTest, ARankWhoseLastConnectionClosesIsNamedToEveryPullThatNeedsIt
 // pulled sums add up to the exact ones within a few roundings, where plain rounding drifts.
 TEST_F(KvServerTest, ABfloat16WireKeepsTheSumsOverClocksWithinAFewRoundings) {
   constexpr uint32_t kRanks = 3;
-  constexpr size_t kElements = 1000;
+  constexpr size_t kElements = 999;  // odd: a payload that is not a whole number of floats
   constexpr int kClocks = 40;
   v1::RegisterTablesRequest spec = Spec(kRanks, v1::UPDATE_RULE_SUM, {kElements});
   spec.mutable_tables(0)->set_wire_type(v1::ELEMENT_TYPE_BF16);
@@ -305,7 +305,7 @@ TEST_F(KvServerTest, ABfloat16WireKeepsTheSumsOverClocksWithinAFewRoundings) {
   // A float32 payload is the wrong size for this key: refused, naming both sizes.
   std::vector<float> wide(kElements, 1.0f);
   absl::Status refused = clients[0]->Wait(clients[0]->Push(100, 1, wide), kWait);
-  EXPECT_NE(refused.message().find("expected 2000"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("expected 1998"), std::string::npos) << refused;
 
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> noise(-1.0f, 1.0f);
