@@ -253,14 +253,15 @@ std::string LostBlocking(const KvEngine::Key& k, uint64_t clock) {
 
 }  // namespace
 
+std::shared_ptr<JobState> KvEngine::FindJob(uint64_t job_id) const {
+  std::lock_guard<std::mutex> lock(jobs_mu_);
+  const auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : it->second;
+}
+
 void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
-  std::shared_ptr<JobState> job;
-  {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
-    const auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return;
-    job = it->second;
-  }
+  const std::shared_ptr<JobState> job = FindJob(job_id);
+  if (job == nullptr) return;
   {
     std::lock_guard<std::mutex> lock(job->mu);
     job->lost[rank] = std::move(why);
@@ -291,13 +292,8 @@ void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
 }
 
 void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {
-  std::shared_ptr<JobState> job;
-  {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
-    const auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return;
-    job = it->second;
-  }
+  const std::shared_ptr<JobState> job = FindJob(job_id);
+  if (job == nullptr) return;
   std::lock_guard<std::mutex> lock(job->mu);
   if (job->lost.erase(rank) > 0) job->any_lost.store(!job->lost.empty(), std::memory_order_release);
 }

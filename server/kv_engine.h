@@ -144,6 +144,7 @@ class KvEngine {
 
  private:
   struct Worker;
+  std::shared_ptr<JobState> FindJob(uint64_t job_id) const;  // null: not registered
   void Complete(Worker& w, Key& k);
   void AnswerPulls(Worker& w, Key& k);
   void RespondPull(const RequestContext& ctx, Key& k);
