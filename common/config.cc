@@ -1,5 +1,7 @@
 #include "common/config.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
@@ -20,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/status.h"
 
 namespace poseidon {
 namespace {
@@ -103,6 +106,41 @@ std::optional<size_t> FindField(const std::vector<config_internal::FieldSpec>& f
     if (fields[i].name == name) return i;
   }
   return std::nullopt;
+}
+
+// A secret field's `<name>_file` (flag or environment): the field whose value that file holds.
+std::optional<size_t> SecretFileField(const std::vector<config_internal::FieldSpec>& fields,
+                                      absl::string_view name) {
+  if (!absl::ConsumeSuffix(&name, "_file")) return std::nullopt;
+  const std::optional<size_t> field = FindField(fields, name);
+  if (!field || !fields[*field].secret) return std::nullopt;
+  return field;
+}
+
+// The secret a `<name>_file` setting names: the file's text without its trailing newline. The
+// file must be readable by its owner only (mode 0600 or 0400), so that the secret is no easier
+// to read on disk than in the daemon's environment.
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string_view source) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(
+        absl::StrCat(source, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  if ((st.st_mode & 077) != 0) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: %s is readable by others (mode %04o): a secret's file must be mode 0600", source,
+        path, st.st_mode & 07777));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  if (!in && !in.eof()) {
+    return absl::NotFoundError(absl::StrCat(source, ": cannot read ", path));
+  }
+  if (text.size() > (size_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", path, " holds more than 1 MiB"));
+  }
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+  return text;
 }
 
 // Parses one line of a config file into key and value. Returns nullopt for blank and comment lines.
@@ -611,6 +649,17 @@ absl::StatusOr<Gathered> Gather(const std::vector<FieldSpec>& fields, absl::stri
       }
     }
     if (!field) {
+      if (const std::optional<size_t> secret = SecretFileField(fields, name)) {
+        if (!value) {
+          if (i + 1 >= args.size()) {
+            return absl::InvalidArgumentError(absl::StrCat(source, ": missing value"));
+          }
+          value = args[++i];
+        }
+        ASSIGN_OR_RETURN(std::string text, ReadSecretFile(*value, source));
+        flag_values.push_back(RawValue{*secret, std::move(text), source});
+        continue;
+      }
       if (input.allow_unknown_flags) {
         out.unparsed_args.push_back(arg);
         continue;
@@ -667,6 +716,13 @@ absl::StatusOr<Gathered> Gather(const std::vector<FieldSpec>& fields, absl::stri
 
   for (size_t i = 0; i < fields.size(); ++i) {
     const std::string env_name = EnvName(env_prefix, fields[i].name);
+    if (fields[i].secret) {  // <PREFIX><NAME>_FILE: a file holding it (the value itself wins)
+      const std::string file_env = EnvName(env_prefix, absl::StrCat(fields[i].name, "_file"));
+      if (std::optional<std::string> path = getenv(file_env)) {
+        ASSIGN_OR_RETURN(std::string text, ReadSecretFile(*path, absl::StrCat("env ", file_env)));
+        out.values.push_back(RawValue{i, std::move(text), absl::StrCat("env ", file_env)});
+      }
+    }
     if (std::optional<std::string> value = getenv(env_name)) {
       out.values.push_back(RawValue{i, std::move(*value), absl::StrCat("env ", env_name)});
     }
@@ -694,7 +750,9 @@ std::string UsageText(absl::string_view program, absl::string_view env_prefix,
                       const std::vector<std::string>& defaults) {
   std::string out = absl::StrCat("Usage: ", program, " [flags]\n\n",
                                  "Each setting comes from, highest precedence first: --flag, the "
-                                 "environment variable, the config file, the default.\n\n");
+                                 "environment variable, the config file, the default. A secret "
+                                 "setting also takes --<name>_file=PATH or the variable "
+                                 "<NAME>_FILE: a file (mode 0600) holding it.\n\n");
   for (size_t i = 0; i < fields.size(); ++i) {
     const FieldSpec& f = fields[i];
     const std::string value =

@@ -1,5 +1,7 @@
 #include "common/config.h"
 
+#include <sys/stat.h>
+
 #include <chrono>
 #include <cstdint>
 #include <fstream>
@@ -415,6 +417,31 @@ TEST(ConfigSchema, LoadFromArgv) {
                               "default 10Gbit)"));
   EXPECT_THAT(text, HasSubstr("--config=<path>"));
   EXPECT_THAT(text, Not(HasSubstr("s3cret")));
+}
+
+// Secrets from 0600 files (issue 21: secrets never on command lines): --<name>_file and
+// <NAME>_FILE name a file holding the value; a file others may read is refused.
+TEST(ConfigSchema, ASecretComesFromAFileOnlyItsOwnerCanRead) {
+  const std::string path = WriteFile("token.secret", "from-a-file\n");
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+  absl::StatusOr<LoadedConfig<TestConfig>> flag = Schema().Parse(Input({"--token_file=" + path}));
+  ASSERT_TRUE(flag.ok()) << flag.status();
+  EXPECT_EQ(flag->value.token, "from-a-file");
+  absl::StatusOr<LoadedConfig<TestConfig>> env =
+      Schema().Parse(Input({}, {{"POSEIDON_TOKEN_FILE", path}}));
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->value.token, "from-a-file");
+  // The value itself, in the same place, wins over the file.
+  EXPECT_EQ(Schema()
+                .Parse(Input({}, {{"POSEIDON_TOKEN_FILE", path}, {"POSEIDON_TOKEN", "direct"}}))
+                ->value.token,
+            "direct");
+  ASSERT_EQ(::chmod(path.c_str(), 0644), 0);
+  EXPECT_THAT(ErrorOf(Input({"--token_file=" + path})),
+              HasSubstr("is readable by others (mode 0644): a secret's file must be mode 0600"));
+  EXPECT_THAT(ErrorOf(Input({"--token_file=/no/such/file"})), HasSubstr("cannot read"));
+  // Only secrets take a file: --threads_file is an unknown flag.
+  EXPECT_THAT(ErrorOf(Input({"--threads_file=" + path})), HasSubstr("unknown flag"));
 }
 
 TEST(ConfigSchema, DescribeListsValuesAndSourcesAndHidesSecrets) {
