@@ -15,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "common/config.h"
 #include "coordinator/client.h"
+#include "coordinator/tls.h"
 
 namespace poseidon::tools {
 
@@ -28,16 +29,27 @@ int Fail(absl::string_view command, absl::string_view message);
 // DEADLINE_EXCEEDED, else "coordinator A: CODE: message".
 std::string CoordinatorError(absl::string_view address, const absl::Status& status);
 
-// --tls, --tls_ca, --tls_cert, --tls_key, --tls_server_name.
+// The daemons' client settings, with the same names and environment variables
+// (coordinator_tls, coordinator_tls_ca, ..._cert, ..._key, ..._server_name: an operator's
+// POSEIDON_COORDINATOR_TLS_CA serves the CLI too), and the CLI's older short names (--tls,
+// --tls_ca, ...), which give way to them.
 template <typename T>
 void AddTlsFlags(ConfigSchema<T>& schema) {
-  schema.Field("tls", &T::tls, "connect with TLS (implied by tls_ca)")
-      .Field("tls_ca", &T::tls_ca, "PEM CA of the coordinator's certificate")
-      .Field("tls_cert", &T::tls_cert, "client certificate (mutual TLS)")
-      .Field("tls_key", &T::tls_key, "client key (mutual TLS)")
-      .Field("tls_server_name", &T::tls_server_name,
-             "name to verify in the coordinator's certificate");
+  coordinator::AddCoordinatorTlsFields(schema);
+  schema.Field("tls", &T::tls, "the same as coordinator_tls")
+      .Field("tls_ca", &T::tls_ca, "the same as coordinator_tls_ca")
+      .Field("tls_cert", &T::tls_cert, "the same as coordinator_tls_cert")
+      .Field("tls_key", &T::tls_key, "the same as coordinator_tls_key")
+      .Field("tls_server_name", &T::tls_server_name, "the same as coordinator_tls_server_name");
 }
+
+// The members both name sets need in a flags struct.
+#define POSEIDON_CLI_TLS_FIELDS                                                       \
+  bool coordinator_tls = false;                                                       \
+  std::string coordinator_tls_ca, coordinator_tls_cert, coordinator_tls_key,          \
+      coordinator_tls_server_name;                                                    \
+  bool tls = false;                                                                   \
+  std::string tls_ca, tls_cert, tls_key, tls_server_name
 
 template <typename T>
 coordinator::CoordinatorClientOptions ClientOptions(const T& flags) {
@@ -46,11 +58,14 @@ coordinator::CoordinatorClientOptions ClientOptions(const T& flags) {
   options.job_id = flags.job_id;
   options.token = flags.token;
   options.call_timeout = flags.timeout;
-  options.tls.enabled = flags.tls || !flags.tls_ca.empty();
-  options.tls.ca_file = flags.tls_ca;
-  options.tls.cert_file = flags.tls_cert;
-  options.tls.key_file = flags.tls_key;
-  options.tls.server_name = flags.tls_server_name;
+  auto pick = [](const std::string& name, const std::string& short_name) {
+    return name.empty() ? short_name : name;
+  };
+  options.tls.ca_file = pick(flags.coordinator_tls_ca, flags.tls_ca);
+  options.tls.cert_file = pick(flags.coordinator_tls_cert, flags.tls_cert);
+  options.tls.key_file = pick(flags.coordinator_tls_key, flags.tls_key);
+  options.tls.server_name = pick(flags.coordinator_tls_server_name, flags.tls_server_name);
+  options.tls.enabled = flags.coordinator_tls || flags.tls || !options.tls.ca_file.empty();
   return options;
 }
 

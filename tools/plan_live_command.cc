@@ -31,11 +31,7 @@ struct LivePlanFlags {
   std::string set;
   std::string reason;
   absl::Duration timeout = absl::Seconds(10);
-  std::string tls_ca;
-  std::string tls_cert;
-  std::string tls_key;
-  std::string tls_server_name;
-  bool tls = false;
+  POSEIDON_CLI_TLS_FIELDS;
   bool json = false;
 };
 

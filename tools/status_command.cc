@@ -30,11 +30,7 @@ struct StatusFlags {
   std::string job_id;
   std::string token;
   absl::Duration timeout = absl::Seconds(5);
-  std::string tls_ca;
-  std::string tls_cert;
-  std::string tls_key;
-  std::string tls_server_name;
-  bool tls = false;
+  POSEIDON_CLI_TLS_FIELDS;
   bool json = false;
 };
 

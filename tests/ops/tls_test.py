@@ -95,9 +95,14 @@ with tempfile.TemporaryDirectory() as tmp:
         check(all(p.returncode == 0 for p in synths),
               f"two agents registered over TLS train 20 verified iterations {outs[0][-800:]}")
 
+        # The daemons' setting, from the environment (an operator's env file serves the CLI too).
         st = subprocess.run([args.cli, "status", f"--coordinator={addr}", "--job_id=1",
-                             "--token=tls-token", f"--tls_ca={ca}"], capture_output=True,
-                            text=True, timeout=30)
+                             "--token=tls-token"], capture_output=True, text=True, timeout=30,
+                            env=dict(os.environ, POSEIDON_COORDINATOR_TLS_CA=ca))
+        short = subprocess.run([args.cli, "status", f"--coordinator={addr}", "--job_id=1",
+                                "--token=tls-token", f"--tls_ca={ca}"], capture_output=True,
+                               text=True, timeout=30)
+        check(short.returncode == 0, f"the CLI's short --tls_ca works too: {short.stderr}")
         host = re.escape(socket.gethostname())
         check(st.returncode == 0 and re.search(rf"server-\S+\s+alive\s+{host}\s+tcp://", st.stdout)
               and len(re.findall(rf"agent-\S+\s+1\s+\d\s+\w+\s+{host}\s+", st.stdout)) == 2,
