@@ -53,7 +53,7 @@ std::vector<float> Grad(uint32_t rank, uint64_t clock, uint64_t key, size_t n) {
 class KvServerTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(EngineOptions{}); }
-  void Start(EngineOptions options) {
+  void Start(EngineOptions options, KvServiceOptions service_options = {}) {
     auto ctx = transport::CreateTcpContext(transport::TcpOptions{});
     ASSERT_TRUE(ctx.ok());
     ctx_ = *ctx;
@@ -64,7 +64,7 @@ class KvServerTest : public ::testing::Test {
     auto listener = ctx_->Listen("127.0.0.1:0");
     ASSERT_TRUE(listener.ok());
     pool_ = BufferPool::Create(64 << 20);
-    service_ = std::make_shared<KvService>(engine_, pool_, KvServiceOptions{});
+    service_ = std::make_shared<KvService>(engine_, pool_, service_options);
     server_ = std::make_shared<transport::FrameServer>(*listener, secrets_, service_);
     server_->Start();
   }
@@ -364,6 +364,38 @@ TEST_F(KvServerTest, ABfloat16WireNeedsTheSumRule) {
   EXPECT_NE(s.message().find("a bfloat16 wire needs the sum rule"), std::string::npos) << s;
   spec.mutable_tables(0)->set_wire_type(v1::ELEMENT_TYPE_F16);
   EXPECT_EQ(c->RegisterTables(spec, kWait).code(), absl::StatusCode::kUnimplemented);
+}
+
+// A rank that keeps alive (an empty PING) and then sends nothing for peer_timeout is declared
+// silent: the pulls that need its push fail naming it; when it speaks again it is taken back.
+TEST_F(KvServerTest, ASilentRankThatKeepsAliveIsNamedAndTakenBackWhenItSpeaks) {
+  TearDown();
+  KvServiceOptions service;
+  service.peer_timeout = absl::Milliseconds(200);
+  Start(EngineOptions{}, service);
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  ASSERT_TRUE(c0->RegisterTables(Spec(2, v1::UPDATE_RULE_SUM, {4}), kWait).ok());
+  std::vector<float> g(4, 1.0f), out(4);
+  ASSERT_TRUE(c1->Wait(c1->Ping(), kWait).ok());  // rank 1 keeps alive
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
+  const Ticket waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  service_->CheckSilence();  // rank 1 spoke a moment ago: nothing yet
+  absl::SleepFor(absl::Milliseconds(300));
+  service_->CheckSilence();
+  const absl::Status s = c0->Wait(waiting, kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1 (127.0.0.1:"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("is silent"), std::string::npos) << s;
+  // Rank 0 never pinged: its own silence is not judged (it may be a tool, not an agent).
+  EXPECT_EQ(s.message().find("rank 0"), std::string::npos) << s;
+  // Rank 1 speaks again: its push completes the clock.
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 2, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 2, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 2.0f));
 }
 
 TEST_F(KvServerTest, ARegistrationBeyondTheMemoryLimitIsRefusedAndOthersAreServed) {
