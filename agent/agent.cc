@@ -1298,7 +1298,7 @@ absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
     const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
   const uint32_t from = peer->identity().rank;
   if (from < config_.world_size) peer_last_ns_[from].store(SteadyNs(), std::memory_order_relaxed);
-  if (!peer->handler_state<void>()) {  // its first frame (one connection's frames are in order)
+  if (!peer->has_handler_state()) {  // its first frame (one connection's frames are in order)
     peer->set_handler_state(std::make_shared<bool>(true));
     std::lock_guard<std::mutex> lock(peers_mu_);
     peer_address_[from] = peer->address();
@@ -1324,7 +1324,7 @@ absl::StatusOr<transport::PayloadTarget> Agent::OnHeader(
 
 void Agent::OnClose(const std::shared_ptr<transport::PeerSession>& peer,
                     const absl::Status& reason) {
-  if (!peer->handler_state<void>()) return;  // never sent a frame: never counted
+  if (!peer->has_handler_state()) return;  // never sent a frame: never counted
   const uint32_t rank = peer->identity().rank;
   std::lock_guard<std::mutex> lock(peers_mu_);
   if (--peer_connections_[rank] > 0) return;

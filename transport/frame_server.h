@@ -42,6 +42,7 @@ class PeerSession : public std::enable_shared_from_this<PeerSession> {
 
   // One slot of handler-owned state per peer (set and read by the handler; its own locking).
   void set_handler_state(std::shared_ptr<void> state) { handler_state_ = std::move(state); }
+  bool has_handler_state() const { return handler_state_ != nullptr; }  // no copy, per frame
   template <typename T>
   std::shared_ptr<T> handler_state() const {
     return std::static_pointer_cast<T>(handler_state_);
