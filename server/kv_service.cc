@@ -175,12 +175,7 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
   }
   switch (header.type) {
     case FrameType::kPush: {
-      // Whole elements of the key's wire type (4 or 2 bytes): CheckPushSize below.
-      if (header.payload_length == 0 || header.payload_length % 2 != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "push payload of ", header.payload_length,
-            " bytes is not a whole number of elements (float32 or bfloat16)"));
-      }
+      if (header.payload_length == 0) return absl::InvalidArgumentError("an empty push");
       // The declared length against the key's registered size before any memory is taken: a
       // wrong one is read off the wire into nothing and answered with an error (the connection
       // lives, as for any refused push).
