@@ -126,6 +126,9 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string
     return absl::NotFoundError(
         absl::StrCat(source, ": cannot read ", path, ": ", std::strerror(errno)));
   }
+  if (st.st_size > (off_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", path, " holds more than 1 MiB"));
+  }
   if ((st.st_mode & 077) != 0) {
     return absl::PermissionDeniedError(absl::StrFormat(
         "%s: %s is readable by others (mode %04o): a secret's file must be mode 0600", source,
@@ -135,9 +138,6 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path, absl::string
   std::string text((std::istreambuf_iterator<char>(in)), {});
   if (!in && !in.eof()) {
     return absl::NotFoundError(absl::StrCat(source, ": cannot read ", path));
-  }
-  if (text.size() > (size_t{1} << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", path, " holds more than 1 MiB"));
   }
   while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
   return text;
