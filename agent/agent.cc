@@ -27,6 +27,7 @@
 #include "agent/syncer.h"
 #include "agent/telemetry_reporter.h"
 #include "agent/timeline.h"
+#include "common/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/periodic.h"
@@ -42,11 +43,7 @@
 namespace poseidon::agent {
 namespace {
 
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+int64_t SteadyNs() { return static_cast<int64_t>(MonotonicNs()); }
 
 // Set from a signal handler (the one process-wide flag: a signal cannot reach a context object).
 std::atomic<bool> stop_requested{false};

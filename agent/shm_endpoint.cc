@@ -18,16 +18,13 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/log.h"
 
 namespace poseidon::agent {
 namespace {
 
-uint64_t NowNs() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
+uint64_t NowNs() { return MonotonicNs(); }
 
 template <typename T>
 T Load(const T* p) {

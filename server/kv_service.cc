@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/log.h"
 #include "server/kv_client.h"  // kMaxProbeBytes: the protocol's bound
 #include "transport/error_frame.h"
@@ -35,11 +36,7 @@ struct KvService::PeerState {
 
 namespace {
 
-int64_t MonotonicNs() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
+int64_t MonotonicNs() { return static_cast<int64_t>(poseidon::MonotonicNs()); }
 
 void Reply(const std::shared_ptr<PeerSession>& peer, const FrameHeader& request, FrameType type) {
   FrameHeader h;
