@@ -357,6 +357,7 @@ int Agent::Run() {
     if (heartbeats_) heartbeats_->Stop();
     if (coord_) (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting");
     if (sfb_server_) sfb_server_->Stop();
+    env_.replication.stopping.store(true, std::memory_order_release);
     for (auto& s : env_.servers) s->Close();
     ctx_->Close();
     // Drains the device streams (their callbacks use the timeline) and unpins the segment.
@@ -734,10 +735,23 @@ absl::Status Agent::Register() {
 absl::Status Agent::ConnectServers() {
   // Each server gets the tables of the chunks it owns; every rank sends the same registration.
   std::vector<v1::RegisterTablesRequest> requests(config_.servers.size());
-  for (auto& r : requests) {
+  // Replication: each key is also registered on the next `replicas` servers (its backups).
+  const auto n = static_cast<uint32_t>(config_.servers.size());
+  const uint32_t replicas = n > 1 ? std::min(config_.replicas, n - 1) : 0;
+  for (uint32_t s = 0; s < n; ++s) {
+    v1::RegisterTablesRequest& r = requests[s];
     r.set_num_workers(config_.world_size);
     r.set_average_gradients(server_rule_.rule != 0);
+    if (replicas > 0) {
+      for (const auto& address : config_.servers) r.add_servers(address);
+      r.set_server_index(s);
+      r.set_replicas(replicas);
+    }
   }
+  env_.replication.replicas = replicas;
+  env_.replication.servers = n;
+  env_.replication.epoch = std::make_unique<std::atomic<uint32_t>[]>(std::max<uint32_t>(n, 1));
+  for (uint32_t s = 0; s < n; ++s) env_.replication.epoch[s].store(0);
   // A table per layer (its chunks: SFB layers' too, used when a plan change makes them PS), or
   // per bucket (one key).
   struct TableSource {
@@ -756,36 +770,48 @@ absl::Status Agent::ConnectServers() {
     sources.push_back({st.desc.name, st.chunks});
   }
   for (const BucketSpec& b : table_.buckets) sources.push_back({b.name, {b.chunk}});
+  auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary) {
+    v1::KvTableSpec* t = requests[holder].add_tables();
+    t->set_name(name);
+    if (replicas > 0) t->set_primary(primary);
+    t->set_element_type(v1::ELEMENT_TYPE_F32);
+    if (bf16) t->set_wire_type(v1::ELEMENT_TYPE_BF16);
+    auto* u = t->mutable_update_rule();
+    if (server_rule_.rule == 0) {
+      u->set_rule(v1::UPDATE_RULE_SUM);
+      return t;
+    }
+    u->set_rule(static_cast<v1::UpdateRule>(server_rule_.rule));
+    u->set_learning_rate(server_rule_.lr);
+    u->set_momentum(server_rule_.momentum);
+    u->set_dampening(server_rule_.dampening);
+    u->set_nesterov(server_rule_.nesterov);
+    u->set_beta1(server_rule_.beta1);
+    u->set_beta2(server_rule_.beta2);
+    u->set_epsilon(server_rule_.eps);
+    u->set_weight_decay(server_rule_.weight_decay);
+    t->set_initial_value(v1::INITIAL_VALUE_PUSHED_BY_RANK0);
+    return t;
+  };
   for (const TableSource& src : sources) {
-    std::map<uint32_t, v1::KvTableSpec*> tables;
+    // One table per (source, primary) on each server holding a copy: the primary and its
+    // backups, by copy.
+    std::map<std::pair<uint32_t, uint32_t>, v1::KvTableSpec*> tables;
     for (const auto& c : src.chunks) {
       if (c.server >= requests.size()) return absl::InternalError("chunk on an unknown server");
-      auto*& t = tables[c.server];
-      if (t == nullptr) {
-        t = requests[c.server].add_tables();
-        t->set_name(src.name);
-        t->set_element_type(v1::ELEMENT_TYPE_F32);
-        if (bf16) t->set_wire_type(v1::ELEMENT_TYPE_BF16);
-        auto* u = t->mutable_update_rule();
-        if (server_rule_.rule == 0) {
-          u->set_rule(v1::UPDATE_RULE_SUM);
-        } else {
-          u->set_rule(static_cast<v1::UpdateRule>(server_rule_.rule));
-          u->set_learning_rate(server_rule_.lr);
-          u->set_momentum(server_rule_.momentum);
-          u->set_dampening(server_rule_.dampening);
-          u->set_nesterov(server_rule_.nesterov);
-          u->set_beta1(server_rule_.beta1);
-          u->set_beta2(server_rule_.beta2);
-          u->set_epsilon(server_rule_.eps);
-          u->set_weight_decay(server_rule_.weight_decay);
-          t->set_initial_value(v1::INITIAL_VALUE_PUSHED_BY_RANK0);
-        }
+      for (uint32_t copy = 0; copy <= replicas; ++copy) {
+        const uint32_t holder = (c.server + copy) % n;
+        auto*& t = tables[{c.server, copy}];
+        if (t == nullptr) t = new_table(holder, src.name, c.server);
+        auto* key = t->add_keys();
+        key->set_key(c.key);
+        key->set_elements(c.length / sizeof(float));
       }
-      auto* key = t->add_keys();
-      key->set_key(c.key);
-      key->set_elements(c.length / sizeof(float));
-      if (bf16) env_.bf16[c.key] = std::make_unique<Bf16Wire>(c.length / sizeof(float));
+      if (bf16) {
+        env_.bf16[c.key] = std::make_unique<Bf16Wire>(c.length / sizeof(float));
+      } else if (replicas > 0) {
+        env_.replication.saved[c.key].assign(c.length / sizeof(float), 0.0f);
+      }
     }
   }
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
@@ -1367,8 +1393,17 @@ void Agent::PassGonePeers() {
 
 // Every peer_timeout / 3 (main thread, after registration): an empty PING to each server (the
 // PONG is dropped) and to each peer agent, so that both can tell silence from a slow iteration.
+// A server that answered nothing for peer_timeout while requests wait is frozen or cut off: its
+// requests fail now (and go to the next server of their chain when the keys are replicated).
 void Agent::SendKeepalives(absl::Time now) {
-  if (config_.peer_timeout <= absl::ZeroDuration() || now < next_keepalive_) return;
+  if (config_.peer_timeout <= absl::ZeroDuration()) return;
+  for (auto& server : env_.servers) {
+    if (server->FailIfSilent(config_.peer_timeout)) {
+      PSD_LOG_WARN("KV server {} is silent for {}: its requests fail", server->server(),
+                   absl::FormatDuration(config_.peer_timeout));
+    }
+  }
+  if (now < next_keepalive_) return;
   next_keepalive_ = now + config_.peer_timeout / 3;
   for (auto& server : env_.servers) server->OnDone(server->Ping(), [](absl::Status) {});
   for (uint32_t p = 0; p < env_.peers.size(); ++p) {

@@ -37,6 +37,11 @@ struct AgentConfig {
   // feedback on both ends; the sum rule only). A job setting: every rank must give the same (the
   // servers refuse a registration that differs).
   std::string wire = "fp32";
+  // Replication (DESIGN.md "Faults"): every PS key is also held by the next `replicas` servers
+  // (capped at servers - 1), which its primary keeps up to date each clock before answering it;
+  // when a server is lost, its keys go on at the next one, which holds every answered clock. A
+  // job setting: every rank the same.
+  uint32_t replicas = 1;
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
   bool allreduce = true;  // ring all-reduce may be planned (needs a coordinator and 2+ ranks)

@@ -23,6 +23,7 @@ struct Flags {
   std::string listen;
   std::string scheme = "auto";
   std::string wire = "fp32";
+  int64_t replicas = 1;
   double bandwidth = 1.25e9;
   bool colocated = true;
   bool allreduce = true;
@@ -73,6 +74,10 @@ poseidon::ConfigSchema<Flags> Schema() {
              "what PS pushes and pulls carry: fp32 (exact) or bf16 (half the bytes, lossy, with "
              "error feedback; not with a server-side update rule); every rank the same",
              poseidon::OneOf({"fp32", "bf16"}))
+      .Field("replicas", &Flags::replicas,
+             "backups of every PS key on the next servers (0: none; at most servers - 1): a "
+             "killed server's keys are served on by its backup; every rank the same",
+             InRange<int64_t>(0, 8))
       .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
       .Field("colocated", &Flags::colocated, "servers share machines with workers")
       .Field("allreduce", &Flags::allreduce,
@@ -160,6 +165,7 @@ int main(int argc, char** argv) {
   c.listen = f.listen;
   c.scheme = f.scheme;
   c.wire = f.wire;
+  c.replicas = static_cast<uint32_t>(f.replicas);
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;
   c.allreduce = f.allreduce;

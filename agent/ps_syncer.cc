@@ -63,8 +63,9 @@ class PsSyncer final : public Syncer {
     std::vector<std::string> keys;
     for (size_t c = 0; c < pending.size() && c < spec.chunks.size() && keys.size() < 8; ++c) {
       if (pending[c]) {
-        keys.push_back(absl::StrCat("key ", spec.chunks[c].key, " on ",
-                                    env_.config->servers[spec.chunks[c].server]));
+        keys.push_back(absl::StrCat(
+            "key ", spec.chunks[c].key, " on ",
+            env_.config->servers[env_.replication.ServingNow(spec.chunks[c].server)]));
       }
     }
     return absl::StrCat("chunks [", absl::StrJoin(keys, ", "), "]");

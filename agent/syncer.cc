@@ -46,53 +46,128 @@ void PeerGate::Stop() {
   cv_.notify_all();
 }
 
-void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint64_t clock,
-              bool init, std::shared_ptr<Credit> credit, std::function<void(absl::Status)> done) {
-  server::KvClient& kv = *env.servers[chunk.server];
-  const uint32_t server = chunk.server;
-  const auto wire = env.bf16.find(chunk.key);
-  Bf16Wire* bf16 = wire == env.bf16.end() ? nullptr : wire->second.get();
-  const uint64_t bytes = bf16 != nullptr ? chunk.length / 2 : chunk.length;
+uint32_t Replication::Epoch(uint32_t primary) const {
+  return replicas == 0 ? 0 : epoch[primary].load(std::memory_order_acquire);
+}
+
+uint32_t Replication::ServerAt(uint32_t primary, uint32_t e) const {
+  return replicas == 0 ? primary : static_cast<uint32_t>((primary + e) % servers);
+}
+
+bool Replication::Failover(const SyncEnv& env, uint32_t primary, uint32_t e,
+                           server::KvClient& lost, const absl::Status& why) {
+  if (replicas == 0 || e >= replicas || stopping.load(std::memory_order_acquire)) return false;
+  // A lost connection (the server died, closed, or went silent) or a fenced server (a backup
+  // took its keys over): the next server of the chain holds every clock it answered. Any other
+  // error is the server's answer (a gone rank, a timeout) and stands.
+  if (!lost.Broken() && !absl::IsAborted(why)) return false;
+  uint32_t expected = e;
+  if (epoch[primary].compare_exchange_strong(expected, e + 1, std::memory_order_acq_rel)) {
+    const uint32_t next = ServerAt(primary, e + 1);
+    PSD_LOG_WARN("the keys first held by server {} ({}) move to server {} ({}), epoch {}: {}",
+                 primary, env.config->servers[primary], next, env.config->servers[next], e + 1,
+                 why.message());
+  }
+  return true;
+}
+
+namespace {
+
+// One PushPull, re-sent to the next server of its keys' chain when the one it went to is lost.
+struct PushPullOp {
+  SyncEnv* env;
+  const PsChunk* chunk;
+  std::span<float> values;
+  uint64_t clock;
+  bool init;
+  std::shared_ptr<Credit> credit;
+  std::function<void(absl::Status)> done;
+  Bf16Wire* bf16;
+  std::vector<float>* saved;  // replication: the push, kept until its pull is answered
+};
+
+void Attempt(std::shared_ptr<PushPullOp> op) {
+  SyncEnv& env = *op->env;
+  const PsChunk& chunk = *op->chunk;
+  const uint32_t epoch = env.replication.Epoch(chunk.server);
+  const uint32_t server = env.replication.ServerAt(chunk.server, epoch);
+  std::shared_ptr<server::KvClient> kv = env.servers[server];
+  const bool pushes = !op->init || env.config->rank == 0;
+  const uint64_t bytes = op->bf16 != nullptr ? chunk.length / 2 : chunk.length;
   std::optional<server::Ticket> push;
   server::Ticket pull;
-  if (bf16 != nullptr) {
-    // Encoded with error feedback; the answer lands in the pull buffer and is decoded into the
-    // gradient before the layer is told (a sum-rule key: no initial push).
-    EncodeBf16WithFeedback(values, bf16->residual, bf16->push);
-    push = kv.PushBytes(chunk.key, clock, std::as_bytes(std::span(bf16->push)));
-    pull = kv.PullBytes(chunk.key, clock, std::as_writable_bytes(std::span(bf16->pull)),
-                        env.config->sync_timeout);
+  if (op->bf16 != nullptr) {
+    // Encoded with error feedback (once: a re-send sends the same bytes); the answer lands in
+    // the pull buffer and is decoded into the gradient before the layer is told (a sum-rule
+    // key: no initial push).
+    push = kv->PushBytes(chunk.key, op->clock, std::as_bytes(std::span(op->bf16->push)), epoch);
+    pull = kv->PullBytes(chunk.key, op->clock, std::as_writable_bytes(std::span(op->bf16->pull)),
+                         env.config->sync_timeout, epoch);
   } else {
-    if (!init || env.config->rank == 0) push = kv.Push(chunk.key, clock, values, init);
+    if (pushes) {
+      const std::span<const float> source =
+          op->saved != nullptr ? std::span<const float>(*op->saved) : op->values;
+      push = kv->PushBytes(chunk.key, op->clock, std::as_bytes(source), epoch, op->init);
+    }
     // The pull's answer overwrites the gradient in place: the server answers only once every
     // rank's push of this clock, ours included, has been received.
-    pull = kv.Pull(chunk.key, clock, values, env.config->sync_timeout);
+    pull = kv->Pull(chunk.key, op->clock, op->values, env.config->sync_timeout, epoch);
   }
   SyncEnv* e = &env;
   if (push) {
-    kv.OnDone(*push, [e, credit, server, bytes, key = chunk.key](absl::Status pushed) {
+    kv->OnDone(*push, [e, op, server, bytes, kv](absl::Status pushed) {
       if (pushed.ok()) {
         if (e->metrics.push_bytes[server]) e->metrics.push_bytes[server]->Increment(bytes);
         if (e->telemetry) e->telemetry->AddServerBytes(server, bytes, 0);
-      } else {
+      } else if (e->replication.replicas == 0 || !kv->Broken()) {
         // The pull fails too (the server never gets our push); say why now.
-        PSD_LOG_ERROR("push of key {} to server {}: {}", key, server, pushed.message());
+        PSD_LOG_ERROR("push of key {} to server {}: {}", op->chunk->key, server,
+                      pushed.message());
       }
-      credit->Park();  // our part is on the server: what is left waits for the other ranks
+      op->credit->Park();  // our part is on the server: what is left waits for the other ranks
     });
   } else {
-    credit->Park();
+    op->credit->Park();
   }
-  kv.OnDone(pull, [e, credit = std::move(credit), server, bytes, bf16, values,
-                   done = std::move(done)](absl::Status s) mutable {
-    if (s.ok() && bf16 != nullptr) DecodeBf16(bf16->pull, values);
+  kv->OnDone(pull, [e, op, epoch, server, bytes, kv](absl::Status s) {
+    if (!s.ok() && e->replication.Failover(*e, op->chunk->server, epoch, *kv, s)) {
+      return Attempt(op);  // only queues requests: fine on this transport thread
+    }
+    if (s.ok() && op->bf16 != nullptr) DecodeBf16(op->bf16->pull, op->values);
     if (s.ok()) {
       if (e->metrics.pull_bytes[server]) e->metrics.pull_bytes[server]->Increment(bytes);
       if (e->telemetry) e->telemetry->AddServerBytes(server, 0, bytes);
     }
-    credit.reset();  // the transfer is complete: the next task may start
+    op->credit.reset();  // the transfer is complete: the next task may start
+    auto done = std::move(op->done);
     done(s);
   });
+}
+
+}  // namespace
+
+void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint64_t clock,
+              bool init, std::shared_ptr<Credit> credit, std::function<void(absl::Status)> done) {
+  auto op = std::make_shared<PushPullOp>();
+  op->env = &env;
+  op->chunk = &chunk;
+  op->values = values;
+  op->clock = clock;
+  op->init = init;
+  op->credit = std::move(credit);
+  op->done = std::move(done);
+  const auto wire = env.bf16.find(chunk.key);
+  op->bf16 = wire == env.bf16.end() ? nullptr : wire->second.get();
+  if (op->bf16 != nullptr) {
+    EncodeBf16WithFeedback(values, op->bf16->residual, op->bf16->push);
+  } else if (const auto saved = env.replication.saved.find(chunk.key);
+             saved != env.replication.saved.end()) {
+    // Replicated: the push goes from a copy, so that a re-send after a lost server still has
+    // it once a partial answer may have overwritten the gradient.
+    op->saved = &saved->second;
+    std::copy(values.begin(), values.end(), op->saved->begin());
+  }
+  Attempt(std::move(op));
 }
 
 }  // namespace poseidon::agent

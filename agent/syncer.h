@@ -74,6 +74,29 @@ struct Bf16Wire {
   std::vector<uint16_t> push, pull;
 };
 
+// Replication of the PS keys (AgentConfig::replicas, DESIGN.md "Faults"): a chunk's key is held by
+// the chain of servers primary, primary + 1, ..., primary + replicas (mod the servers); the
+// epoch of a primary's keys is the position in that chain that serves them now. When the server
+// a request went to is lost (its connection broke or went silent) or fenced (Aborted), the epoch
+// moves on and the request is sent again, from the saved push, to the next server, which holds
+// every clock the lost one answered. Built at registration; the epochs are atomics (transport
+// threads), the rest is then only read.
+struct SyncEnv;
+struct Replication {
+  uint32_t replicas = 0;  // backups per key (0: off)
+  size_t servers = 0;
+  std::unique_ptr<std::atomic<uint32_t>[]> epoch;  // by first primary (plan server index)
+  std::map<uint64_t, std::vector<float>> saved;     // float32 keys' pushes, by key
+  std::atomic<bool> stopping{false};                // the agent stops: no more re-sends
+  uint32_t Epoch(uint32_t primary) const;
+  uint32_t ServerAt(uint32_t primary, uint32_t epoch) const;
+  uint32_t ServingNow(uint32_t primary) const { return ServerAt(primary, Epoch(primary)); }
+  // Whether a request of the keys of `primary` that failed with `why` on `lost` at `epoch` goes
+  // again to the next server (moving the epoch on, once, logged); false: the error stands.
+  bool Failover(const SyncEnv& env, uint32_t primary, uint32_t epoch, server::KvClient& lost,
+                const absl::Status& why);
+};
+
 // What the syncers share: the agent's parts they work with. Filled before the first Post and
 // fixed afterwards, except `stager` (set once when the framework attaches CUDA, an atomic).
 struct SyncEnv {
@@ -92,6 +115,7 @@ struct SyncEnv {
   // The PS keys on a bfloat16 wire (every chunk and bucket key with AgentConfig::wire "bf16";
   // empty: float32). Built at registration, then only read.
   std::map<uint64_t, std::unique_ptr<Bf16Wire>> bf16;
+  Replication replication;
   std::vector<std::shared_ptr<transport::Connection>> peers;  // by rank, null for ourselves
   // All-reduce: Gloo's rendezvous store (the agent's, over the coordinator; null: no
   // all-reduce) and the host the other agents reach this one at.

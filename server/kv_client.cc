@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/status.h"
 #include "transport/error_frame.h"
 #include "transport/handshake.h"
@@ -39,7 +40,8 @@ KvClient::KvClient(std::vector<std::shared_ptr<transport::Connection>> conns, st
       address_(std::move(address)),
       job_id_(job_id),
       rank_(rank),
-      error_buffers_(conns_.size()) {}
+      error_buffers_(conns_.size()),
+      last_heard_ns_(static_cast<int64_t>(MonotonicNs())) {}
 
 KvClient::~KvClient() {
   for (auto& c : conns_) c->Close();
@@ -74,39 +76,69 @@ Ticket KvClient::Start(size_t conn, FrameHeader header, std::vector<transport::C
   return seq;
 }
 
-Ticket KvClient::Push(uint64_t key, uint64_t clock, std::span<const float> data, bool init) {
+Ticket KvClient::Push(uint64_t key, uint64_t clock, std::span<const float> data, bool init,
+                      uint32_t epoch) {
+  return PushBytes(key, clock, std::as_bytes(data), epoch, init);
+}
+
+Ticket KvClient::PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload,
+                           uint32_t epoch, bool init) {
   FrameHeader h;
   h.type = FrameType::kPush;
   h.key = key;
   h.clock = clock;
+  h.epoch = epoch;
   if (init) h.flags |= transport::kFlagInit;
   Pending p;
   p.what = absl::StrCat(init ? "initial push" : "push", " of key ", key, " clock ", clock, " to ",
                         address_);
-  return Start(key % conns_.size(), h, {std::as_bytes(data)}, std::move(p));
-}
-
-Ticket KvClient::PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload) {
-  FrameHeader h;
-  h.type = FrameType::kPush;
-  h.key = key;
-  h.clock = clock;
-  Pending p;
-  p.what = absl::StrCat("push of key ", key, " clock ", clock, " to ", address_);
   return Start(key % conns_.size(), h, {payload}, std::move(p));
 }
 
+Ticket KvClient::Replicate(uint64_t key, uint64_t clock, uint32_t epoch,
+                           std::vector<transport::ConstBuffer> payload) {
+  FrameHeader h;
+  h.type = FrameType::kReplicate;
+  h.key = key;
+  h.clock = clock;
+  h.epoch = epoch;
+  Pending p;
+  p.what = absl::StrCat("replica of key ", key, " clock ", clock, " to ", address_);
+  return Start(key % conns_.size(), h, std::move(payload), std::move(p));
+}
+
+bool KvClient::Broken() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !broken_.ok();
+}
+
+bool KvClient::FailIfSilent(absl::Duration limit) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.ok() || pending_.empty()) return false;
+  }
+  const int64_t silent = static_cast<int64_t>(MonotonicNs()) - last_heard_ns_.load();
+  if (silent < absl::ToInt64Nanoseconds(limit)) return false;
+  for (auto& c : conns_) c->Close();
+  FailAll(absl::UnavailableError(absl::StrCat(
+      "server ", address_, " is silent: nothing on its connection for ",
+      absl::FormatDuration(absl::Trunc(absl::Nanoseconds(silent), absl::Milliseconds(100))),
+      " while requests wait (it answers pings at once: frozen, or its network is cut)")));
+  return true;
+}
+
 Ticket KvClient::Pull(uint64_t key, uint64_t clock, std::span<float> into,
-                      absl::Duration server_timeout) {
-  return PullBytes(key, clock, std::as_writable_bytes(into), server_timeout);
+                      absl::Duration server_timeout, uint32_t epoch) {
+  return PullBytes(key, clock, std::as_writable_bytes(into), server_timeout, epoch);
 }
 
 Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> into,
-                           absl::Duration server_timeout) {
+                           absl::Duration server_timeout, uint32_t epoch) {
   FrameHeader h;
   h.type = FrameType::kPull;
   h.key = key;
   h.clock = clock;
+  h.epoch = epoch;
   auto timeout = std::make_shared<std::vector<std::byte>>(8);
   const auto ms = static_cast<uint64_t>(absl::ToInt64Milliseconds(server_timeout));
   for (int i = 0; i < 8; ++i) (*timeout)[i] = std::byte{static_cast<unsigned char>(ms >> (8 * i))};
@@ -215,7 +247,12 @@ void KvClient::Finish(uint64_t sequence, absl::Status status, bool answer) {
     p.answered = true;
   } else {
     p.send_done = true;
-    if (!status.ok()) p.answered = true;  // it never reached the server
+    if (!status.ok()) {
+      p.answered = true;  // it never reached the server
+      // A stream that failed a send is lost (what Broken tells callers, before the read loop
+      // notices).
+      if (broken_.ok()) broken_ = status;
+    }
   }
   if (!status.ok() && p.status.ok()) {
     p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
@@ -289,6 +326,7 @@ void KvClient::ReadLoop(size_t conn) {
       self->FailAll(header.status());
       return;
     }
+    self->last_heard_ns_.store(static_cast<int64_t>(MonotonicNs()));
     self->OnResponse(conn, *header);
   });
 }
@@ -301,6 +339,7 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
     case FrameType::kPushAck:
     case FrameType::kRegisterTablesAck:
     case FrameType::kCheckpointAck:
+    case FrameType::kReplicateAck:
     case FrameType::kPong:
       Finish(h.sequence, absl::OkStatus(), true);
       ReadLoop(conn);

@@ -6,6 +6,7 @@
 // Thread-safety: all methods may be called from any thread; tickets are per client.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -41,19 +42,38 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout);
 
   // Pushes `data` as this rank's gradient of `key` for `clock` (init: the key's initial value,
-  // rank 0 only, clock 0).
-  Ticket Push(uint64_t key, uint64_t clock, std::span<const float> data, bool init = false);
+  // rank 0 only, clock 0). `epoch`: the key's assignment epoch (replicated keys: the position of
+  // this server in the key's chain; 0 otherwise).
+  Ticket Push(uint64_t key, uint64_t clock, std::span<const float> data, bool init = false,
+              uint32_t epoch = 0);
 
   // Pulls the value of `key` at `clock` into `into` (its size must equal the key's); the server
   // waits up to `server_timeout` for the clock to complete.
   Ticket Pull(uint64_t key, uint64_t clock, std::span<float> into,
-              absl::Duration server_timeout = absl::Seconds(30));
+              absl::Duration server_timeout = absl::Seconds(30), uint32_t epoch = 0);
 
   // The same on raw payloads, for a key whose wire type is not float32 (bf16: 2 bytes per
-  // element, common/bf16.h).
-  Ticket PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload);
+  // element, common/bf16.h), or a server-side rule's initial value (init).
+  Ticket PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload,
+                   uint32_t epoch = 0, bool init = false);
   Ticket PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> into,
-                   absl::Duration server_timeout = absl::Seconds(30));
+                   absl::Duration server_timeout = absl::Seconds(30), uint32_t epoch = 0);
+
+  // Replication between servers (a client authenticated as transport::ServerRank): the key's
+  // state after `clock` at assignment `epoch`, in `payload` (gathered, used in place until the
+  // ticket finishes); answered by REPLICATE_ACK or an error (Aborted: the backup is at a later
+  // epoch).
+  Ticket Replicate(uint64_t key, uint64_t clock, uint32_t epoch,
+                   std::vector<transport::ConstBuffer> payload);
+
+  // Whether the connection failed or was closed (requests then fail at once): what tells a
+  // lost server from an error the server sent.
+  bool Broken();
+
+  // Fails every pending request and closes the connection when requests are outstanding and
+  // nothing (no answer, no PONG) came from the server for `limit`: a frozen server. The caller
+  // pings it more often than that. Returns whether it did.
+  bool FailIfSilent(absl::Duration limit);
 
   // Waits for a ticket. DeadlineExceeded names the request if `timeout` passes first (the
   // request stays pending and may still be waited for).
@@ -129,6 +149,7 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   std::map<uint64_t, Pending> pending_;
   absl::Status broken_;                                // set once the connection failed
   std::vector<std::vector<std::byte>> error_buffers_;  // one per connection (its read loop's)
+  std::atomic<int64_t> last_heard_ns_{0};               // a header arrived (CLOCK_MONOTONIC)
   uint64_t observe_min_bytes_ = 0;                     // set before use, then read-only
   std::function<void(uint64_t, absl::Duration)> pull_observer_;
 };

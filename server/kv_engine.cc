@@ -6,6 +6,7 @@
 #include <deque>
 #include <future>
 #include <latch>
+#include <set>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
@@ -81,6 +82,16 @@ struct JobState {
   // lets the data path skip the lock while every rank is here.
   std::map<uint32_t, std::string> lost;
   std::atomic<bool> any_lost{false};
+  // Replication (spec.replicas > 0): every server's address, this one's index; under mu, the
+  // epochs this server was promoted to and the backups it gave up, each logged once.
+  std::vector<std::string> servers;
+  uint32_t self = 0;
+  std::set<std::pair<uint32_t, uint32_t>> promotions_logged;  // (first primary, epoch)
+  std::set<uint32_t> backups_lost;
+  std::string Server(uint32_t index) const {
+    return index < servers.size() ? absl::StrCat("server ", index, " (", servers[index], ")")
+                                  : absl::StrCat("server ", index);
+  }
 };
 
 struct KvEngine::Key {
@@ -102,6 +113,18 @@ struct KvEngine::Key {
   std::vector<uint16_t> result_wire;
   size_t WireBytes() const { return elements * (bf16_wire ? 2 : sizeof(float)); }
   uint64_t completed = 0;
+  // Replication: the servers holding the key (indices into JobState::servers; the first primary
+  // first; empty: not replicated), the assignment epoch this server knows (chain[epoch] is the
+  // primary), whether a later epoch took it from this server, and the replication of the
+  // completed clock in flight (its pulls wait for it).
+  std::vector<uint32_t> chain;
+  uint32_t epoch = 0;
+  bool fenced = false;
+  bool replicating = false;
+  uint64_t replicating_clock = 0;
+  int replicas_outstanding = 0;
+  std::vector<uint8_t> backup_lost;  // by chain position: given up after a failed send
+  uint64_t steps_wire = 0;           // the optimizer's step count as the REPLICATE frame's prefix
   std::vector<uint8_t> pushed;
   uint32_t count = 0;
   struct PendingPull {
@@ -111,6 +134,15 @@ struct KvEngine::Key {
   std::vector<PendingPull> pulls;
 
   bool IsSum() const { return rule == v1::UPDATE_RULE_SUM; }
+  bool Replicated() const { return !chain.empty(); }
+  bool IsPrimary() const { return !Replicated() || chain[epoch] == job->self; }
+  // A REPLICATE frame: sum rule: the result (and, on a bfloat16 wire, the residual and the
+  // rounded result); a server-side rule: the step count, the parameters and every state vector.
+  uint64_t ReplicaBytes() const {
+    if (IsSum()) return elements * (bf16_wire ? 10 : sizeof(float));
+    return sizeof(uint64_t) +
+           elements * sizeof(float) * (1 + static_cast<size_t>(optimizer ? optimizer->StateCount() : 0));
+  }
   std::string Name() const {
     return absl::StrCat("key ", key, " (", table, ") of job ", job->job_id);
   }
@@ -366,6 +398,42 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
       }
     }
   }
+  // Replication: this server must be in the chain of every table it is given.
+  const auto n = static_cast<uint32_t>(spec.servers_size());
+  if (spec.replicas() == 0) {
+    if (n > 0) return absl::InvalidArgumentError("servers are listed but replicas is 0");
+    for (const auto& t : spec.tables()) {
+      if (t.primary() != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("table ", t.name(), " names a primary but replicas is 0"));
+      }
+    }
+    return bytes;
+  }
+  if (spec.replicas() >= n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        spec.replicas(), " replicas need more than the ", n, " servers listed"));
+  }
+  if (spec.server_index() >= n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("server_index ", spec.server_index(), " is not one of the ", n, " servers"));
+  }
+  for (const auto& addr : spec.servers()) {
+    if (addr.empty() || addr.size() > 512) {
+      return absl::InvalidArgumentError("a server address is empty or longer than 512 bytes");
+    }
+  }
+  for (const auto& t : spec.tables()) {
+    if (t.primary() >= n) {
+      return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), ": primary ", t.primary(),
+                                                     " is not one of the ", n, " servers"));
+    }
+    if ((spec.server_index() + n - t.primary()) % n > spec.replicas()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table ", t.name(), ": server ", spec.server_index(), " holds no copy of it (primary ",
+          t.primary(), ", ", spec.replicas(), " replicas)"));
+    }
+  }
   return bytes;
 }
 
@@ -424,10 +492,15 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
                      options_.max_memory_bytes - registered_bytes_, " of its ",
                      options_.max_memory_bytes, " left"));
   }
+  if (spec.replicas() > 0 && options_.replica_sender == nullptr) {
+    return absl::FailedPreconditionError("this server cannot replicate (no replica sender)");
+  }
   registered_bytes_ += bytes;
   auto job = std::make_shared<JobState>();
   job->job_id = job_id;
   job->spec = spec;
+  job->servers.assign(spec.servers().begin(), spec.servers().end());
+  job->self = spec.server_index();
   for (const auto& t : spec.tables()) job->total_keys += t.keys_size();
   jobs_[job_id] = job;
   // Create each key on its worker.
@@ -458,6 +531,11 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
           k->result_wire.assign(k->elements, 0);
         }
         k->pushed.assign(k->workers, 0);
+        if (spec.replicas() > 0) {
+          const auto n = static_cast<uint32_t>(spec.servers_size());
+          for (uint32_t i = 0; i <= spec.replicas(); ++i) k->chain.push_back((t.primary() + i) % n);
+          k->backup_lost.assign(k->chain.size(), 0);
+        }
         w.keys[{job_id, kspec.key()}] = std::move(k);
         created.count_down();
       });
@@ -466,9 +544,19 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   created.wait();
   auto sizes = std::make_shared<KeySizes>(*key_sizes_.load());
   for (const auto& t : spec.tables()) {
+    const bool bf16 = t.wire_type() == v1::ELEMENT_TYPE_BF16;
+    // The same count the keys' optimizers report (KvEngine::Key::ReplicaBytes).
+    const std::unique_ptr<Optimizer> rule = MakeOptimizer(
+        t.update_rule().rule(), *HyperParamsFromSpec(t.update_rule()), 0);
+    const bool sum = rule == nullptr;
+    const int states = sum ? 0 : rule->StateCount();
     for (const auto& kspec : t.keys()) {
-      (*sizes)[{job_id, kspec.key()}] =
-          kspec.elements() * (t.wire_type() == v1::ELEMENT_TYPE_BF16 ? 2 : sizeof(float));
+      KeySize& size = (*sizes)[{job_id, kspec.key()}];
+      size.push = kspec.elements() * (bf16 ? 2 : sizeof(float));
+      if (spec.replicas() > 0) {
+        size.replica = sum ? kspec.elements() * (bf16 ? 10 : sizeof(float))
+                           : sizeof(uint64_t) + kspec.elements() * sizeof(float) * (1 + states);
+      }
     }
   }
   key_sizes_.store(std::shared_ptr<const KeySizes>(std::move(sizes)));
@@ -483,10 +571,28 @@ absl::Status KvEngine::CheckPushSize(uint64_t job_id, uint64_t key, uint64_t byt
   if (it == sizes->end()) {
     return absl::NotFoundError(absl::StrCat("job ", job_id, " has no key ", key, " on this server"));
   }
-  if (bytes != it->second) {
+  if (bytes != it->second.push) {
     return absl::InvalidArgumentError(absl::StrCat("push for key ", key, " of job ", job_id,
                                                    " declares ", bytes, " bytes, expected ",
-                                                   it->second));
+                                                   it->second.push));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvEngine::CheckReplicaSize(uint64_t job_id, uint64_t key, uint64_t bytes) const {
+  const std::shared_ptr<const KeySizes> sizes = key_sizes_.load();
+  const auto it = sizes->find({job_id, key});
+  if (it == sizes->end()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no key ", key, " on this server"));
+  }
+  if (it->second.replica == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("key ", key, " of job ", job_id, " is not replicated"));
+  }
+  if (bytes != it->second.replica) {
+    return absl::InvalidArgumentError(absl::StrCat("replica of key ", key, " of job ", job_id,
+                                                   " declares ", bytes, " bytes, expected ",
+                                                   it->second.replica));
   }
   return absl::OkStatus();
 }
@@ -516,6 +622,7 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
       return fail(absl::InvalidArgumentError(absl::StrCat(
           "rank ", h.sender_rank, " is out of range for a job of ", k.workers, " workers")));
     }
+    if (absl::Status s = CheckEpoch(k, h); !s.ok()) return fail(std::move(s));
     auto ack = [&] {
       SendReply(ctx, FrameType::kPushAck, {});
       done();
@@ -539,7 +646,7 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
       std::memcpy(k.params.data(), data.bytes().data(), data.size());
       k.initialized = true;
       ack();
-      AnswerPulls(w, k);
+      if (!StartReplication(w, k, 0)) AnswerPulls(w, k);
       return;
     }
     if (h.clock == 0) return fail(absl::InvalidArgumentError("push clocks start at 1"));
@@ -600,8 +707,224 @@ void KvEngine::Complete(Worker& w, Key& k) {
   MaybeSchedulePeriodicSnapshot(k);
   std::fill(k.pushed.begin(), k.pushed.end(), 0);
   stats_.clocks_completed.fetch_add(1, std::memory_order_relaxed);
-  AnswerPulls(w, k);
+  if (!StartReplication(w, k, k.completed)) AnswerPulls(w, k);
   if (k.job->any_pending.load(std::memory_order_acquire)) ContributeSnapshot(k);
+}
+
+bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
+  if (!k.Replicated() || !k.IsPrimary()) return false;
+  std::vector<size_t> backups;
+  for (size_t p = k.epoch + 1; p < k.chain.size(); ++p) {
+    if (!k.backup_lost[p]) backups.push_back(p);
+  }
+  if (backups.empty()) return false;
+  FrameHeader h;
+  h.type = FrameType::kReplicate;
+  h.job_id = k.job->job_id;
+  h.epoch = k.epoch;
+  h.key = k.key;
+  h.clock = clock;
+  // The key's own buffers, without a copy: nothing changes them before every backup answered
+  // (the pulls of this clock wait for that, and no rank pushes the next clock before its pull).
+  std::vector<transport::ConstBuffer> payload;
+  if (k.IsSum()) {
+    payload.emplace_back(std::as_bytes(std::span<const float>(k.result)));
+    if (k.bf16_wire) {
+      payload.emplace_back(std::as_bytes(std::span<const float>(k.residual)));
+      payload.emplace_back(std::as_bytes(std::span<const uint16_t>(k.result_wire)));
+    }
+  } else {
+    k.steps_wire = k.optimizer->steps();
+    payload.emplace_back(std::as_bytes(std::span<const uint64_t>(&k.steps_wire, 1)));
+    payload.emplace_back(std::as_bytes(std::span<const float>(k.params)));
+    for (int i = 0; i < k.optimizer->StateCount(); ++i) {
+      payload.emplace_back(std::as_bytes(std::span<const float>(k.optimizer->State(i))));
+    }
+  }
+  k.replicating = true;
+  k.replicating_clock = clock;
+  k.replicas_outstanding = static_cast<int>(backups.size());
+  Worker* worker = &w;
+  Key* key = &k;
+  for (size_t p : backups) {
+    const uint32_t server = k.chain[p];
+    options_.replica_sender->Send(
+        k.job->job_id, k.job->self, k.job->servers[server], h, payload,
+        [this, worker, key, p, clock](absl::Status s) {
+          worker->Post([this, worker, key, p, clock, s = std::move(s)] {
+            OnReplicated(*worker, *key, p, clock, s);
+          });
+        });
+  }
+  return true;
+}
+
+void KvEngine::OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock,
+                            const absl::Status& s) {
+  if (s.ok()) stats_.replicated.fetch_add(1, std::memory_order_relaxed);
+  // An earlier clock's answer (the initial value's, overtaken by clock 1's replication): the
+  // pulls wait for the latest only.
+  if (!k.replicating || k.replicating_clock != clock) return;
+  JobState& j = *k.job;
+  const uint32_t backup = k.chain[position];
+  if (absl::IsAborted(s)) {
+    // The backup serves a later epoch: the key is no longer ours. Whoever waits moves on.
+    if (!k.fenced) stats_.fenced.fetch_add(1, std::memory_order_relaxed);
+    k.fenced = true;
+    PSD_LOG_WARN("{} is fenced: {} took it over ({})", k.Name(), j.Server(backup), s.message());
+  } else if (!s.ok()) {
+    // The backup is unreachable: serve on without it rather than stop (it is given up for good,
+    // so a stale copy can never be promoted unnoticed: its clock lags, and BSP refuses it).
+    k.backup_lost[position] = 1;
+    stats_.backups_lost.fetch_add(1, std::memory_order_relaxed);
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(j.mu);
+      first = j.backups_lost.insert(backup).second;
+    }
+    if (first) {
+      PSD_LOG_WARN("job {}: backup {} given up ({}); its keys serve on without it", j.job_id,
+                   j.Server(backup), s.message());
+    }
+  }
+  if (--k.replicas_outstanding > 0) return;
+  k.replicating = false;
+  if (k.fenced) {
+    FailPulls(k, absl::AbortedError(absl::StrCat(
+                     k.Name(), " moved off this server (", j.Server(j.self), ", epoch ", k.epoch,
+                     "): a later epoch's primary serves it")));
+    return;
+  }
+  AnswerPulls(w, k);
+}
+
+void KvEngine::FailPulls(Key& k, const absl::Status& why) {
+  for (auto& p : k.pulls) {
+    stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
+    SendError(p.ctx, why);
+  }
+  k.pulls.clear();  // the worker drops the key from keys_with_pulls at its next sweep
+}
+
+absl::Status KvEngine::CheckEpoch(Key& k, const FrameHeader& h) {
+  if (!k.Replicated()) return absl::OkStatus();  // epochs are not used
+  JobState& j = *k.job;
+  if (h.epoch >= k.chain.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("epoch ", h.epoch, " of ", k.Name(), ": it has ",
+                                                   k.chain.size(), " servers (epochs 0..",
+                                                   k.chain.size() - 1, ")"));
+  }
+  if (h.epoch < k.epoch || (h.epoch == k.epoch && k.fenced)) {
+    return absl::AbortedError(absl::StrCat(k.Name(), " moved: this server (", j.Server(j.self),
+                                           ") is at epoch ", k.epoch,
+                                           k.fenced ? " and fenced" : "", ", the request at ",
+                                           h.epoch));
+  }
+  if (k.chain[h.epoch] != j.self) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this server (", j.Server(j.self), ") is not the primary of ", k.Name(), " at epoch ",
+        h.epoch, ": ", j.Server(k.chain[h.epoch]), " is"));
+  }
+  if (h.epoch > k.epoch) {
+    // Promotion: the agents lost the primaries before us; we hold every clock they answered.
+    k.epoch = h.epoch;
+    stats_.promotions.fetch_add(1, std::memory_order_relaxed);
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(j.mu);
+      first = j.promotions_logged.insert({k.chain[0], h.epoch}).second;
+    }
+    if (first) {
+      PSD_LOG_WARN("job {}: {} is now the primary of the keys first held by {} (epoch {}, from "
+                   "clock {} of {})",
+                   j.job_id, j.Server(j.self), j.Server(k.chain[0]), h.epoch, k.completed,
+                   k.Name());
+    }
+  }
+  return absl::OkStatus();
+}
+
+void KvEngine::Replicate(RequestContext ctx, PooledBuffer data, std::function<void()> done) {
+  Worker& w = WorkerFor(ctx.header.job_id, ctx.header.key);
+  w.Post([this, &w, ctx = std::move(ctx), data = std::move(data),
+          done = std::move(done)]() mutable {
+    const FrameHeader& h = ctx.header;
+    auto fail = [&](absl::Status s) {
+      stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
+      SendError(ctx, s);
+      done();
+    };
+    auto it = w.keys.find({h.job_id, h.key});
+    if (it == w.keys.end()) {
+      return fail(absl::NotFoundError(
+          absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
+    }
+    Key& k = *it->second;
+    JobState& j = *k.job;
+    if (!k.Replicated()) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(k.Name(), " is not replicated")));
+    }
+    if (data.size() != k.ReplicaBytes()) {
+      return fail(absl::InvalidArgumentError(absl::StrCat("replica of ", k.Name(), " carries ",
+                                                          data.size(), " bytes, expected ",
+                                                          k.ReplicaBytes())));
+    }
+    const uint32_t from = h.sender_rank - transport::kServerRankBase;
+    if (!transport::IsServerRank(h.sender_rank) || h.epoch >= k.chain.size() ||
+        k.chain[h.epoch] != from) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "a replica of ", k.Name(), " at epoch ", h.epoch, " from ", j.Server(from),
+          ", which is not its primary at that epoch")));
+    }
+    if (h.epoch < k.epoch || (h.epoch == k.epoch && k.IsPrimary())) {
+      return fail(absl::AbortedError(absl::StrCat(j.Server(j.self), " serves ", k.Name(),
+                                                  " at epoch ", k.epoch, "; ", j.Server(from),
+                                                  " is fenced")));
+    }
+    k.epoch = h.epoch;  // a later primary of the chain replicates to us now
+    const bool init = h.clock == 0;
+    if (init && k.IsSum()) {
+      return fail(absl::FailedPreconditionError(
+          absl::StrCat(k.Name(), " uses the sum rule: it has no initial value to replicate")));
+    }
+    if (init ? k.initialized : h.clock <= k.completed) {
+      SendReply(ctx, FrameType::kReplicateAck, {});  // a retransmission
+      return done();
+    }
+    if (!init && h.clock != k.completed + 1) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "replica of ", k.Name(), " clock ", h.clock, " while this backup is at clock ",
+          k.completed, " (a gap: it cannot take the key over)")));
+    }
+    const std::byte* in = data.bytes().data();
+    auto take = [&in](std::span<float> dst) {
+      std::memcpy(dst.data(), in, dst.size_bytes());
+      in += dst.size_bytes();
+    };
+    if (k.IsSum()) {
+      take(k.result);
+      if (k.bf16_wire) {
+        take(k.residual);
+        std::memcpy(k.result_wire.data(), in, k.result_wire.size() * sizeof(uint16_t));
+      }
+    } else {
+      uint64_t steps = 0;
+      std::memcpy(&steps, in, sizeof(steps));
+      in += sizeof(steps);
+      take(k.params);
+      for (int i = 0; i < k.optimizer->StateCount(); ++i) take(k.optimizer->State(i));
+      k.optimizer->set_steps(steps);
+    }
+    k.initialized = true;
+    stats_.replicas_applied.fetch_add(1, std::memory_order_relaxed);
+    data = PooledBuffer();
+    SendReply(ctx, FrameType::kReplicateAck, {});
+    done();
+    if (init) return;
+    k.completed = h.clock;
+    MaybeSchedulePeriodicSnapshot(k);
+    if (k.job->any_pending.load(std::memory_order_acquire)) ContributeSnapshot(k);
+  });
 }
 
 void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
@@ -609,7 +932,7 @@ void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
   auto it = std::remove_if(k.pulls.begin(), k.pulls.end(), [&](const Key::PendingPull& p) {
     const uint64_t clock = p.ctx.header.clock;
     const bool ready = clock == 0 ? k.initialized : clock == k.completed;
-    if (!ready) return false;
+    if (!ready || k.replicating) return false;
     RespondPull(p.ctx, k);
     return true;
   });
@@ -642,6 +965,7 @@ void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {
           absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
     }
     Key& k = *it->second;
+    if (absl::Status s = CheckEpoch(k, h); !s.ok()) return fail(std::move(s));
     bool ready = false;
     if (h.clock == 0) {
       if (k.IsSum()) {
@@ -659,7 +983,7 @@ void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {
           "pull for clock ", h.clock, " of ", k.Name(), ": the server is at clock ", k.completed,
           " and under BSP only clock ", k.completed + 1, " may be waited for")));
     }
-    if (ready) {
+    if (ready && !k.replicating) {
       RespondPull(ctx, k);
       return;
     }

@@ -42,6 +42,20 @@ struct JobSnapshot {
   std::vector<KeySnapshot> keys;
 };
 
+// How a primary reaches its backups (replication, DESIGN.md "Faults"): sends one REPLICATE frame
+// (job, key, clock, epoch in `header`; the key's state in `payload`, valid until `done` runs) to
+// server `address` of the job, authenticated as ServerRank(from), and runs `done` once with the
+// backup's answer: OK (acknowledged), Aborted (the backup serves a later epoch of the key: this
+// server is fenced), or why it is unreachable. `done` may run on any thread and must not block.
+// Thread-safe.
+class ReplicaSender {
+ public:
+  virtual ~ReplicaSender() = default;
+  virtual void Send(uint64_t job_id, uint32_t from, const std::string& address,
+                    const transport::FrameHeader& header, std::vector<transport::ConstBuffer> payload,
+                    std::function<void(absl::Status)> done) = 0;
+};
+
 struct EngineOptions {
   int workers = 2;
   // A pull waits at most this long when the request names no timeout.
@@ -56,6 +70,8 @@ struct EngineOptions {
   // (it could never be pushed), or when all jobs' tables would need more memory than this.
   uint64_t max_key_bytes = uint64_t{256} << 20;
   uint64_t max_memory_bytes = uint64_t{16} << 30;
+  // Replication to backups (null: a registration asking for replicas is refused).
+  std::shared_ptr<ReplicaSender> replica_sender;
 };
 
 // Counters the daemon exports (read with relaxed loads).
@@ -68,6 +84,13 @@ struct EngineStats {
   std::atomic<uint64_t> clocks_completed{0};
   std::atomic<uint64_t> request_errors{0};
   std::atomic<uint64_t> pull_timeouts{0};
+  // Replication: clocks sent to backups and acknowledged, REPLICATE frames applied as a backup,
+  // keys promoted to primary, keys fenced (a backup took them over), backups given up.
+  std::atomic<uint64_t> replicated{0};
+  std::atomic<uint64_t> replicas_applied{0};
+  std::atomic<uint64_t> promotions{0};
+  std::atomic<uint64_t> fenced{0};
+  std::atomic<uint64_t> backups_lost{0};
 };
 
 // Data-plane bytes moved with one peer (a job's rank, over all its connections): push payloads
@@ -113,6 +136,15 @@ class KvEngine {
   // `bytes` be its registered size. Any thread; lock-free (reads a snapshot of the key sizes).
   absl::Status CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes) const;
 
+  // Replication, on a backup: a REPLICATE frame from the key's primary (ctx.header.sender_rank
+  // is its ServerRank) carrying the key's state after clock ctx.header.clock at its assignment
+  // epoch. Applied in clock order and acknowledged (REPLICATE_ACK); refused with Aborted when
+  // this server holds a later epoch of the key (the sender is fenced), with FailedPrecondition
+  // for a gap or a sender that is not the key's primary at that epoch. `done` as for Push.
+  void Replicate(RequestContext ctx, PooledBuffer data, std::function<void()> done);
+  // The size a REPLICATE frame of the key must have (before its payload is received).
+  absl::Status CheckReplicaSize(uint64_t job_id, uint64_t key, uint64_t bytes) const;
+
   // A pull for the key/clock in ctx.header, answered with PULL_RESPONSE once the clock is
   // complete, or ERROR after `timeout` naming the ranks that have not pushed.
   void Pull(RequestContext ctx, absl::Duration timeout);
@@ -146,6 +178,15 @@ class KvEngine {
   struct Worker;
   std::shared_ptr<JobState> FindJob(uint64_t job_id) const;  // null: not registered
   void Complete(Worker& w, Key& k);
+  // Replication of the key's completed state (its clock, or 0 for the initial value) to its live
+  // backups; false when it has none (answer the pulls now). Pulls wait until every backup
+  // acknowledged or was given up (OnReplicated).
+  bool StartReplication(Worker& w, Key& k, uint64_t clock);
+  void OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock, const absl::Status& s);
+  // The assignment epoch of an agent's push or pull against the key's: OK when this server is
+  // the key's primary at it (promoting a backup whose epoch has come), else why not.
+  absl::Status CheckEpoch(Key& k, const transport::FrameHeader& h);
+  void FailPulls(Key& k, const absl::Status& why);
   void AnswerPulls(Worker& w, Key& k);
   void RespondPull(const RequestContext& ctx, Key& k);
   void ContributeSnapshot(Key& k);
@@ -162,7 +203,12 @@ class KvEngine {
   uint64_t registered_bytes_ = 0;                       // guarded by jobs_mu_
   // (job, key) -> registered bytes; replaced (copy on write, under jobs_mu_) by RegisterJob and
   // read without a lock by CheckPushSize.
-  using KeySizes = std::map<std::pair<uint64_t, uint64_t>, uint64_t>;
+  // (and, for a replicated key, the size of its REPLICATE frames; 0: not replicated).
+  struct KeySize {
+    uint64_t push = 0;
+    uint64_t replica = 0;
+  };
+  using KeySizes = std::map<std::pair<uint64_t, uint64_t>, KeySize>;
   std::atomic<std::shared_ptr<const KeySizes>> key_sizes_{std::make_shared<const KeySizes>()};
 };
 

@@ -147,6 +147,10 @@ std::vector<PeerTrafficTotals> KvService::TakeTraffic() {
   std::vector<PeerTrafficTotals> out;
   std::lock_guard<std::mutex> lock(traffic_mu_);
   for (auto it = traffic_.begin(); it != traffic_.end();) {
+    if (transport::IsServerRank(it->first.second)) {  // replication: not a rank's link
+      it = it->second.connections == 0 ? traffic_.erase(it) : std::next(it);
+      continue;
+    }
     PeerTrafficTotals totals;
     totals.job_id = it->first.first;
     totals.rank = it->first.second;
@@ -187,6 +191,24 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
       }
       return PayloadTarget::Into(state->push_buffer.bytes());
     }
+    case FrameType::kReplicate: {
+      // Only another server of the job (it proved ServerRank's key, which no agent holds).
+      if (!transport::IsServerRank(peer->identity().rank)) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "rank ", peer->identity().rank, " sent a REPLICATE frame: only servers replicate"));
+      }
+      if (absl::Status s =
+              engine_->CheckReplicaSize(header.job_id, header.key, header.payload_length);
+          !s.ok()) {
+        state->push_error = std::move(s);
+        return PayloadTarget::Discard();
+      }
+      state->push_buffer = pool_->Get(header.payload_length);
+      if (state->push_buffer.size() != header.payload_length) {
+        return absl::ResourceExhaustedError("server is out of memory for replica buffers");
+      }
+      return PayloadTarget::Into(state->push_buffer.bytes());
+    }
     case FrameType::kPull:
       if (header.payload_length != 0 && header.payload_length != 8) {
         return absl::InvalidArgumentError("pull payload must be empty or an 8-byte timeout");
@@ -220,7 +242,9 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
 void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
                         transport::MutableBuffer payload) {
   auto state = StateOf(peer);
-  if (header.type != FrameType::kPing && !state->counted.load(std::memory_order_relaxed)) {
+  // A server replicating to us is not one of the job's ranks: never counted (nor lost).
+  if (header.type != FrameType::kPing && !state->counted.load(std::memory_order_relaxed) &&
+      !transport::IsServerRank(peer->identity().rank)) {
     Count(peer, *state);
   }
   switch (header.type) {
@@ -252,6 +276,17 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
                       }
                       if (resume) peer->ResumeReading();
                     });
+      return;
+    }
+    case FrameType::kReplicate: {
+      if (!state->push_error.ok()) {
+        ReplyError(peer, header, state->push_error);
+        state->push_error = absl::OkStatus();
+        return;
+      }
+      state->traffic->received.fetch_add(header.payload_length, std::memory_order_relaxed);
+      engine_->Replicate(RequestContext{peer, header, state->traffic},
+                         std::move(state->push_buffer), [] {});
       return;
     }
     case FrameType::kPull: {

@@ -23,6 +23,7 @@
 #include "server/checkpoint.h"
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
+#include "server/replicator.h"
 #include "server/server_telemetry.h"
 #include "transport/frame_server.h"
 #include "transport/tcp/tcp_context.h"
@@ -192,7 +193,19 @@ int Main(int argc, char** argv) {
     return s;
   };
 
+  transport::TcpOptions tcp;
+  tcp.io_threads = static_cast<int>(config.io_threads);
+  tcp.limits.max_payload_bytes = config.max_payload;
+  auto ctx = transport::CreateTcpContext(tcp);
+  if (!ctx.ok()) {
+    PSD_LOG_ERROR("refusing to start: {}", ctx.status().message());
+    return 2;
+  }
+  // Replicas of the keys this server is the primary of go to their backups from here.
+  auto replicas = std::make_shared<KvReplicaSender>(*ctx, secrets, config.peer_timeout);
+
   EngineOptions engine_options;
+  engine_options.replica_sender = replicas;
   engine_options.workers = static_cast<int>(config.workers);
   engine_options.max_key_bytes = config.max_payload;  // a larger key could never be pushed
   engine_options.max_memory_bytes = config.max_memory;
@@ -231,14 +244,6 @@ int Main(int argc, char** argv) {
     };
   }
 
-  transport::TcpOptions tcp;
-  tcp.io_threads = static_cast<int>(config.io_threads);
-  tcp.limits.max_payload_bytes = config.max_payload;
-  auto ctx = transport::CreateTcpContext(tcp);
-  if (!ctx.ok()) {
-    PSD_LOG_ERROR("refusing to start: {}", ctx.status().message());
-    return 2;
-  }
   auto listener = (*ctx)->Listen(config.listen);
   if (!listener.ok()) {
     PSD_LOG_ERROR("refusing to start: {}", listener.status().message());
@@ -383,6 +388,7 @@ int Main(int argc, char** argv) {
   if (heartbeats) heartbeats->Stop();
   if (coord) (void)coord->Deregister("shutting down");
   server->Stop();
+  replicas->Stop();
   (*ctx)->Close();
   PSD_LOG_INFO("stopped");  // stop_on_exit joins the metrics thread
   return rc;

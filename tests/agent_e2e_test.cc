@@ -363,6 +363,57 @@ TEST(Faults, AKilledServerFailsTheLayerNamingServerLayerAndClock) {
   EXPECT_NE(out.find("127.0.0.1:"), std::string::npos) << "names the server: " << out;
 }
 
+// Replication (DESIGN.md "Faults"): four servers, each the backup of the previous one's keys
+// (--replicas=1; small blocks and no fusion, so that every server is some keys' primary). One
+// server killed (or frozen) at a random moment of a 60-clock run, so before, during or after
+// some clock's aggregation, costs the job nothing: every rank runs every iteration with every
+// result exactly the sum over the ranks (synth --verify: integer-valued gradients, so the sums
+// are exact whatever the order), and every agent exits cleanly once its rank is done.
+void ExpectEveryTrialToSurviveALostServer(int signal, int trials) {
+  if (const char* n = std::getenv("POSEIDON_FAILOVER_TRIALS")) trials = std::atoi(n);
+  const auto seed = static_cast<unsigned>(std::random_device{}());
+  std::mt19937 rng(seed);
+  for (int trial = 0; trial < trials; ++trial) {
+    const int victim = static_cast<int>(rng() % 4);
+    const int delay_ms = 300 + static_cast<int>(rng() % 1200);
+    SCOPED_TRACE(::testing::Message() << "seed " << seed << " trial " << trial << ": server "
+                                      << victim << " signalled after " << delay_ms << " ms");
+    Cluster cluster(4, 4, "ps",
+                    {"--replicas=1", "--peer_timeout=2s", "--bucket_bytes=0",
+                     "--block_bytes=65536", "--sync_timeout=60s"},
+                    {"--peer_timeout=2s"});
+    ASSERT_TRUE(cluster.ok());
+    std::vector<std::unique_ptr<Subprocess>> synths;
+    for (int r = 0; r < 4; ++r) {
+      synths.push_back(cluster.Synth(r, kTiny, 60, {"--compute_scale=20"}));
+    }
+    std::this_thread::sleep_for(milliseconds(delay_ms));
+    cluster.server(victim).Signal(signal);
+    for (int r = 0; r < 4; ++r) {
+      const std::string out = synths[r]->ReadAll(milliseconds(120000));
+      EXPECT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << "rank " << r << ": " << out;
+      EXPECT_NE(out.find("60 iterations"), std::string::npos) << out;
+      EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+    }
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(cluster.agent(r).Wait(milliseconds(30000)), 0)
+          << "agent " << r << ": " << cluster.agent(r).ReadAll(milliseconds(1000));
+    }
+    if (signal == SIGSTOP) cluster.server(victim).Signal(SIGKILL);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST(Failover, AKilledServerIsReplacedByItsBackupAndEveryResultStaysExact) {
+  ExpectEveryTrialToSurviveALostServer(SIGKILL, 20);
+}
+
+// A frozen server (SIGSTOP: its sockets stay open) answers no ping: the agents give it up after
+// their peer_timeout and go on at its keys' backup; its own primary gives it up as a backup.
+TEST(Failover, AFrozenServerIsReplacedByItsBackupAndEveryResultStaysExact) {
+  ExpectEveryTrialToSurviveALostServer(SIGSTOP, 3);
+}
+
 // Without a coordinator, a killed agent is named by what its death closes: the server's
 // connection (PS layers) and the other agents' (SFB layers). Rank 0's training process must fail
 // naming rank 1 long before the 60 s sync timeout, on either path alone.

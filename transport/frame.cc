@@ -58,6 +58,8 @@ bool IsKnownFrameType(uint8_t value) {
     case FrameType::kPull:
     case FrameType::kPullResponse:
     case FrameType::kFactors:
+    case FrameType::kReplicate:
+    case FrameType::kReplicateAck:
     case FrameType::kPing:
     case FrameType::kPong:
     case FrameType::kData:
@@ -96,6 +98,10 @@ absl::string_view FrameTypeName(FrameType type) {
       return "pull-response";
     case FrameType::kFactors:
       return "factors";
+    case FrameType::kReplicate:
+      return "replicate";
+    case FrameType::kReplicateAck:
+      return "replicate-ack";
     case FrameType::kPing:
       return "ping";
     case FrameType::kPong:

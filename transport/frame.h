@@ -42,6 +42,12 @@ enum class FrameType : uint8_t {
   kPullResponse = 19,
   // Sufficient-factor broadcasting between agents.
   kFactors = 20,
+  // Replication between KV servers (DESIGN.md, "Faults"): a key's primary sends each completed
+  // clock's state (the sum rule's result, or the parameters and optimizer state) to its
+  // backups, which acknowledge it before the primary answers that clock's pulls. Only a
+  // connection authenticated as a server (ServerRank) may send them.
+  kReplicate = 22,
+  kReplicateAck = 23,
   // Liveness and latency probes.
   kPing = 32,
   kPong = 33,
@@ -59,6 +65,13 @@ enum FrameFlag : uint8_t {
   kFlagInit = 1u << 2,             // a push that sets a key's initial value (rank 0, once)
 };
 inline constexpr uint8_t kKnownFrameFlags = kFlagPayloadChecksum | kFlagLast | kFlagInit;
+
+// The rank a KV server authenticates as towards another server of the job (replication):
+// above every worker rank, and its RankKey is derived from the job's secret, which agents never
+// hold, so no agent can speak as a server.
+inline constexpr uint32_t kServerRankBase = 0x80000000u;
+inline constexpr uint32_t ServerRank(uint32_t server_index) { return kServerRankBase + server_index; }
+inline constexpr bool IsServerRank(uint32_t rank) { return rank >= kServerRankBase; }
 
 struct FrameHeader {
   FrameType type = FrameType::kData;

@@ -1,0 +1,290 @@
+// Replication between KV servers (DESIGN.md "Faults"): two engines behind real TCP FrameServers
+// in one process, each with a KvReplicaSender, the second the backup of the first's keys. The
+// multi-process version (four servers, agents, a server killed or frozen at random) is
+// tests/agent_e2e_test.cc, Failover.*.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <thread>
+
+#include "server/kv_client.h"
+#include "server/kv_engine.h"
+#include "server/kv_service.h"
+#include "server/replicator.h"
+#include "server/update_rules.h"
+#include "transport/credentials.h"
+#include "transport/tcp/tcp_context.h"
+
+namespace poseidon::server {
+namespace {
+
+constexpr char kSecret[] = "replication-test";
+constexpr absl::Duration kWait = absl::Seconds(30);
+constexpr uint64_t kKey = 7;
+constexpr size_t kN = 300;
+
+std::vector<float> Grad(uint32_t rank, uint64_t clock, size_t n) {
+  std::vector<float> g(n);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] = static_cast<float>(static_cast<int64_t>((rank + 1) * 3 + clock * 5 + i % 11) - 20);
+  }
+  return g;
+}
+
+// One poseidon-server: engine, service, frame server, replica sender.
+struct Shard {
+  explicit Shard(std::shared_ptr<transport::Context> ctx) {
+    secrets = std::make_shared<transport::SecretStore>();
+    secrets->Set(1, kSecret);
+    sender = std::make_shared<KvReplicaSender>(ctx, secrets, absl::Seconds(5));
+    EngineOptions options;
+    options.replica_sender = sender;
+    engine = std::make_shared<KvEngine>(options);
+    auto listener = ctx->Listen("127.0.0.1:0");
+    EXPECT_TRUE(listener.ok());
+    service = std::make_shared<KvService>(engine, BufferPool::Create(16 << 20), KvServiceOptions{});
+    server = std::make_shared<transport::FrameServer>(*listener, secrets, service);
+    server->Start();
+  }
+  ~Shard() { Kill(); }
+  // What a SIGKILL does to its peers: every connection closes.
+  void Kill() {
+    if (server) server->Stop();
+    if (sender) sender->Stop();
+    server.reset();
+  }
+  std::shared_ptr<transport::SecretStore> secrets;
+  std::shared_ptr<KvReplicaSender> sender;
+  std::shared_ptr<KvEngine> engine;
+  std::shared_ptr<KvService> service;
+  std::shared_ptr<transport::FrameServer> server;
+};
+
+class ReplicationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto ctx = transport::CreateTcpContext(transport::TcpOptions{});
+    ASSERT_TRUE(ctx.ok());
+    ctx_ = *ctx;
+    primary_ = std::make_unique<Shard>(ctx_);
+    backup_ = std::make_unique<Shard>(ctx_);
+    addresses_ = {primary_->server->Address(), backup_->server->Address()};
+  }
+  void TearDown() override {
+    clients_.clear();
+    primary_.reset();
+    backup_.reset();
+    ctx_->Close();
+  }
+  // The registration server `index` gets: the key, first held by server 0, one backup.
+  v1::RegisterTablesRequest Spec(uint32_t index, v1::UpdateRule rule) const {
+    v1::RegisterTablesRequest r;
+    r.set_num_workers(2);
+    r.set_average_gradients(rule != v1::UPDATE_RULE_SUM);
+    for (const auto& a : addresses_) r.add_servers(a);
+    r.set_server_index(index);
+    r.set_replicas(1);
+    auto* t = r.add_tables();
+    t->set_name("layer");
+    t->set_primary(0);
+    t->mutable_update_rule()->set_rule(rule);
+    t->mutable_update_rule()->set_learning_rate(0.1);
+    t->mutable_update_rule()->set_momentum(0.9);
+    if (rule != v1::UPDATE_RULE_SUM) t->set_initial_value(v1::INITIAL_VALUE_PUSHED_BY_RANK0);
+    auto* k = t->add_keys();
+    k->set_key(kKey);
+    k->set_elements(kN);
+    return r;
+  }
+  std::shared_ptr<KvClient> Client(const Shard& shard, uint32_t rank) {
+    auto c = KvClient::Connect(*ctx_, shard.server->Address(), 1, rank,
+                               transport::RankKey(kSecret, 1, rank), absl::Seconds(10));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *c : nullptr;
+  }
+  // The ranks' clients, kept connected (a rank whose last connection closes is gone).
+  std::shared_ptr<KvClient> Rank(Shard& shard, uint32_t rank) {
+    auto& c = clients_[{&shard, rank}];
+    if (c == nullptr) c = Client(shard, rank);
+    return c;
+  }
+  // Both ranks push `clock` to `shard` at `epoch` and pull it; returns rank 0's result.
+  std::vector<float> Clock(Shard& shard, uint64_t clock, uint32_t epoch) {
+    std::vector<float> results[2] = {std::vector<float>(kN), std::vector<float>(kN)};
+    std::shared_ptr<KvClient> clients[2] = {Rank(shard, 0), Rank(shard, 1)};
+    std::thread ranks[2];
+    for (uint32_t r = 0; r < 2; ++r) {
+      ranks[r] = std::thread([&, r] {
+        auto c = clients[r];
+        ASSERT_NE(c, nullptr);
+        const auto g = Grad(r, clock, kN);
+        ASSERT_TRUE(c->Wait(c->Push(kKey, clock, g, false, epoch), kWait).ok());
+        const absl::Status s = c->Wait(c->Pull(kKey, clock, results[r], kWait, epoch), kWait);
+        ASSERT_TRUE(s.ok()) << s;
+      });
+    }
+    for (auto& t : ranks) t.join();
+    EXPECT_EQ(results[0], results[1]);
+    return results[0];
+  }
+  std::shared_ptr<transport::Context> ctx_;
+  std::unique_ptr<Shard> primary_, backup_;
+  std::map<std::pair<const Shard*, uint32_t>, std::shared_ptr<KvClient>> clients_;
+  std::vector<std::string> addresses_;
+};
+
+// Rule by rule: the state after each clock (a sum, or parameters and optimizer state) is on the
+// backup before the clock is answered, so a backup promoted after the primary died continues
+// exactly where an engine that never failed is.
+class ReplicationRuleTest : public ReplicationTest,
+                            public ::testing::WithParamInterface<v1::UpdateRule> {};
+
+TEST_P(ReplicationRuleTest, ABackupTakesOverEveryAnsweredClockAndContinuesIdentically) {
+  const v1::UpdateRule rule = GetParam();
+  const bool sum = rule == v1::UPDATE_RULE_SUM;
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = 0.01f * static_cast<float>(i);
+  if (!sum) {
+    auto c = Rank(*primary_, 0);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
+  }
+  // The reference: the same rule on one engine that never fails.
+  auto hp = *HyperParamsFromSpec(Spec(0, rule).tables(0).update_rule());
+  auto reference = MakeOptimizer(rule, hp, kN);
+  std::vector<float> params = init;
+  auto expected = [&](uint64_t clock) {
+    std::vector<float> agg(kN);
+    for (uint32_t r = 0; r < 2; ++r) {
+      const auto g = Grad(r, clock, kN);
+      for (size_t i = 0; i < kN; ++i) agg[i] += sum ? g[i] : g[i] * 0.5f;
+    }
+    if (sum) return agg;
+    reference->Step(params, agg);
+    return params;
+  };
+  for (uint64_t clock = 1; clock <= 3; ++clock) {
+    EXPECT_EQ(Clock(*primary_, clock, 0), expected(clock)) << "clock " << clock;
+  }
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), sum ? 3u : 4u);
+  EXPECT_EQ(primary_->engine->stats().replicated.load(), sum ? 3u : 4u);
+  primary_->Kill();
+  // A rank that had not received clock 3's answer asks the backup for it (at epoch 1).
+  {
+    auto c = Rank(*backup_, 1);
+    std::vector<float> out(kN);
+    const std::vector<float> last = sum ? expected(3) : params;
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 3, Grad(1, 3, kN), false, 1), kWait).ok())
+        << "a re-sent push of an answered clock is a duplicate";
+    ASSERT_TRUE(c->Wait(c->Pull(kKey, 3, out, kWait, 1), kWait).ok());
+    EXPECT_EQ(out, last);
+  }
+  for (uint64_t clock = 4; clock <= 6; ++clock) {
+    EXPECT_EQ(Clock(*backup_, clock, 1), expected(clock)) << "clock " << clock;
+  }
+  EXPECT_EQ(backup_->engine->stats().promotions.load(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, ReplicationRuleTest,
+                         ::testing::Values(v1::UPDATE_RULE_SUM, v1::UPDATE_RULE_MOMENTUM,
+                                           v1::UPDATE_RULE_ADAM));
+
+// Fencing: once a backup took a key over (a request at epoch 1 reached it), the old primary can
+// no longer answer any clock of it: its replica is refused, and its waiting pulls fail with
+// Aborted (which sends the agents on to the new primary), so two primaries never answer one
+// clock.
+TEST_F(ReplicationTest, APrimaryWhoseBackupTookOverIsFencedAndAnswersNothing) {
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  Clock(*primary_, 1, 0);
+  // Rank 0 lost its primary (a network cut) and goes on at the backup.
+  auto b0 = Rank(*backup_, 0);
+  ASSERT_TRUE(b0->Wait(b0->Push(kKey, 2, Grad(0, 2, kN), false, 1), kWait).ok());
+  // The old primary still gets both ranks' pushes of clock 2 (rank 0's from before the cut).
+  auto p0 = Rank(*primary_, 0), p1 = Rank(*primary_, 1);
+  ASSERT_TRUE(p0->Wait(p0->Push(kKey, 2, Grad(0, 2, kN), false, 0), kWait).ok());
+  ASSERT_TRUE(p1->Wait(p1->Push(kKey, 2, Grad(1, 2, kN), false, 0), kWait).ok());
+  std::vector<float> out(kN);
+  const absl::Status s = p1->Wait(p1->Pull(kKey, 2, out, kWait, 0), kWait);
+  EXPECT_TRUE(absl::IsAborted(s)) << s;
+  EXPECT_NE(s.message().find("moved"), std::string::npos) << s;
+  EXPECT_EQ(primary_->engine->stats().fenced.load(), 1u);
+  // And any later request at the old epoch is refused the same way.
+  const absl::Status again = p1->Wait(p1->Pull(kKey, 2, out, kWait, 0), kWait);
+  EXPECT_TRUE(absl::IsAborted(again)) << again;
+  // Rank 1 follows to the backup and the clock completes there, exactly.
+  auto b1 = Rank(*backup_, 1);
+  ASSERT_TRUE(b1->Wait(b1->Push(kKey, 2, Grad(1, 2, kN), false, 1), kWait).ok());
+  ASSERT_TRUE(b1->Wait(b1->Pull(kKey, 2, out, kWait, 1), kWait).ok());
+  std::vector<float> exact(kN);
+  for (uint32_t r = 0; r < 2; ++r) {
+    const auto g = Grad(r, 2, kN);
+    for (size_t i = 0; i < kN; ++i) exact[i] += g[i];
+  }
+  EXPECT_EQ(out, exact);
+}
+
+// A dead backup does not stop its primary: the replica fails, the backup is given up, and the
+// clock is answered.
+TEST_F(ReplicationTest, ADeadBackupIsGivenUpAndThePrimaryServesOn) {
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  Clock(*primary_, 1, 0);
+  backup_->Kill();
+  Clock(*primary_, 2, 0);
+  Clock(*primary_, 3, 0);
+  EXPECT_GE(primary_->engine->stats().backups_lost.load(), 1u);
+}
+
+// Requests that break the chain's rules get errors naming the rule; nothing is applied.
+TEST_F(ReplicationTest, MisdirectedRequestsAndForgedReplicasAreRefused) {
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  std::vector<float> out(kN);
+  const auto g = Grad(0, 1, kN);
+  // A push to the backup at epoch 0 (it is not the primary then).
+  auto b0 = Rank(*backup_, 0);
+  absl::Status s = b0->Wait(b0->Push(kKey, 1, g, false, 0), kWait);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  // An epoch beyond the chain.
+  s = b0->Wait(b0->Push(kKey, 1, g, false, 5), kWait);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  // A registration naming a server outside the chain of the table.
+  auto bad = Spec(1, v1::UPDATE_RULE_SUM);
+  bad.mutable_tables(0)->set_primary(5);
+  EXPECT_TRUE(absl::IsInvalidArgument(b0->RegisterTables(bad, kWait)));
+  // A REPLICATE from an agent's rank: refused, and its connection closed.
+  auto forged = Client(*backup_, 1);
+  std::vector<float> state(kN, 1.0f);
+  s = forged->Wait(forged->Replicate(kKey, 1, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(backup_->server->Stats().protocol_errors, 1u) << "disconnected for it";
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 0u);
+  // A replica from a server that is not the key's primary at that epoch (the backup itself),
+  // and one with a gap, from a client holding server 0's key (as the primary would).
+  auto as_server = [&](uint32_t index) {
+    auto c = KvClient::Connect(*ctx_, backup_->server->Address(), 1, transport::ServerRank(index),
+                               transport::RankKey(kSecret, 1, transport::ServerRank(index)),
+                               absl::Seconds(10));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
+  };
+  auto s1 = as_server(1);
+  s = s1->Wait(s1->Replicate(kKey, 1, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  auto s0 = as_server(0);
+  s = s0->Wait(s0->Replicate(kKey, 3, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("gap"), std::string::npos) << s;
+  std::vector<float> short_state(kN - 1, 1.0f);
+  s = s0->Wait(s0->Replicate(kKey, 1, 0, {std::as_bytes(std::span(short_state))}), kWait);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 0u);
+  // The real primary still replicates fine afterwards.
+  Clock(*primary_, 1, 0);
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 1u);
+}
+
+}  // namespace
+}  // namespace poseidon::server

@@ -1,0 +1,74 @@
+// KvReplicaSender: how poseidon-server reaches the backups of the keys it is the primary of
+// (KvEngine's ReplicaSender; DESIGN.md "Faults"). One KvClient per (job, backup address),
+// authenticated as transport::ServerRank(this server's index) with that rank's key derived from
+// the job's secret (which agents never hold). Connections are made on the sender's own thread
+// (Connect blocks; Send is called from engine workers), and a backup that answers nothing, not
+// even the pings this thread sends every peer_timeout / 3, for peer_timeout while a replica
+// waits is failed like a closed one. A backup whose connection failed once is not retried: the
+// engine gives it up for good (a copy that missed a clock must never be promoted).
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "server/kv_client.h"
+#include "server/kv_engine.h"
+#include "transport/handshake.h"
+#include "transport/transport.h"
+
+namespace poseidon::server {
+
+class KvReplicaSender : public ReplicaSender {
+ public:
+  KvReplicaSender(std::shared_ptr<transport::Context> context,
+                  std::shared_ptr<const transport::SecretStore> secrets,
+                  absl::Duration peer_timeout, absl::Duration connect_timeout = absl::Seconds(10));
+  ~KvReplicaSender() override;  // Stop()
+
+  void Send(uint64_t job_id, uint32_t from, const std::string& address,
+            const transport::FrameHeader& header, std::vector<transport::ConstBuffer> payload,
+            std::function<void(absl::Status)> done) override;
+
+  // Closes every connection (waiting replicas fail with Unavailable) and joins the thread.
+  void Stop();
+
+ private:
+  struct Queued {
+    transport::FrameHeader header;
+    std::vector<transport::ConstBuffer> payload;
+    std::function<void(absl::Status)> done;
+  };
+  struct Link {
+    std::shared_ptr<KvClient> client;
+    absl::Status failed;  // the connection could not be made
+    bool connecting = false;
+    std::vector<Queued> queue;  // sends waiting for the connection
+  };
+  using LinkId = std::tuple<uint64_t, uint32_t, std::string>;  // job, from, address
+  static void SendOn(KvClient& client, Queued q);
+  void Run();
+
+  std::shared_ptr<transport::Context> context_;
+  std::shared_ptr<const transport::SecretStore> secrets_;
+  absl::Duration peer_timeout_;
+  absl::Duration connect_timeout_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::map<LinkId, Link> links_;
+  std::deque<LinkId> to_connect_;
+  std::thread thread_;  // last: starts once the rest exists
+};
+
+}  // namespace poseidon::server
