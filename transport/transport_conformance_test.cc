@@ -13,6 +13,9 @@
 #include "transport/credentials.h"
 #include "transport/handshake.h"
 #include "transport/inproc/inproc_context.h"
+#ifdef POSEIDON_HAVE_RDMA
+#include "transport/rdma/rdma_context.h"
+#endif
 #include "transport/tcp/tcp_context.h"
 #include "transport/transport_test_util.h"
 
@@ -59,6 +62,41 @@ std::vector<Backend> Backends() {
        },
        "127.0.0.1:0"},
       {"inproc", [](const ContextOptions& o) { return CreateInprocContext(o); }, ""},
+#ifdef POSEIDON_HAVE_RDMA
+      // The RDMA backend, here over the test verbs provider (the test links it instead of
+      // libibverbs; linked against libibverbs on a machine without a device, it skips).
+      // Frames on queue pairs from the first one (no handshake needed to reach the data path).
+      {"rdma_at_connect",
+       [](const ContextOptions& o) {
+         RdmaOptions r;
+         static_cast<ContextOptions&>(r) = o;
+         r.upgrade = RdmaOptions::Upgrade::kAtConnect;
+         return CreateRdmaContext(r);
+       },
+       "127.0.0.1:0"},
+      // Few credits, a small eager limit and small READs, with payload checksums: credit
+      // exhaustion, the READ path for most frames and chunked READs on every test.
+      {"rdma_at_connect_few_credits_checksummed",
+       [](const ContextOptions& o) {
+         RdmaOptions r;
+         static_cast<ContextOptions&>(r) = o;
+         r.upgrade = RdmaOptions::Upgrade::kAtConnect;
+         r.payload_checksums = true;
+         r.receive_credits = 4;
+         r.eager_bytes = 256;
+         r.read_chunk_bytes = 64 * 1024;
+         return CreateRdmaContext(r);
+       },
+       "127.0.0.1:0"},
+      // The production default: frames on the side channel until the handshake proved the peer.
+      {"rdma_after_handshake",
+       [](const ContextOptions& o) {
+         RdmaOptions r;
+         static_cast<ContextOptions&>(r) = o;
+         return CreateRdmaContext(r);
+       },
+       "127.0.0.1:0"},
+#endif
   };
 }
 
