@@ -1,7 +1,11 @@
 #include "transport/transport.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "transport/checksum.h"
+#include "transport/inproc/inproc_context.h"
+#include "transport/rdma/rdma_context.h"
+#include "transport/tcp/tcp_context.h"
 
 namespace poseidon::transport {
 namespace {
@@ -19,6 +23,48 @@ class PlainMemoryRegion final : public MemoryRegion {
 
 absl::StatusOr<std::unique_ptr<MemoryRegion>> Context::RegisterMemory(MutableBuffer buffer) {
   return std::make_unique<PlainMemoryRegion>(buffer);
+}
+
+absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind, const TcpOptions& tcp,
+                                                     const RdmaOptions& rdma) {
+  if (kind == "tcp") return CreateTcpContext(tcp);
+  if (kind == "inproc") return CreateInprocContext(tcp);
+  if (kind == "rdma" || kind == "auto") {
+#ifdef POSEIDON_HAVE_RDMA
+    auto ctx = CreateRdmaContext(rdma);
+    if (!ctx.ok()) return ctx.status();
+    if ((*ctx)->IsViable()) {
+      PSD_LOG_INFO("transport: rdma (--transport={})", kind);
+      return ctx;
+    }
+    (*ctx)->Close();
+    const absl::Status why = RdmaDeviceStatus(rdma);
+    if (kind == "rdma") {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--transport=rdma, but RDMA is not usable here: ", why.message()));
+    }
+    PSD_LOG_INFO("transport: tcp (--transport=auto; RDMA not usable: {})", why.message());
+#else
+    if (kind == "rdma") {
+      return absl::UnimplementedError(
+          "--transport=rdma, but this build has no RDMA transport (libibverbs-dev was missing at "
+          "configure time, or -DPOSEIDON_WITH_RDMA=OFF)");
+    }
+    PSD_LOG_INFO("transport: tcp (--transport=auto; built without RDMA)");
+#endif
+    return CreateTcpContext(tcp);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown transport '", kind, "' (tcp, rdma, auto or inproc)"));
+}
+
+absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind,
+                                                     const ContextOptions& options) {
+  TcpOptions tcp;
+  static_cast<ContextOptions&>(tcp) = options;
+  RdmaOptions rdma;
+  static_cast<ContextOptions&>(rdma) = options;
+  return MakeContext(kind, tcp, rdma);
 }
 
 size_t TotalSize(std::span<const ConstBuffer> buffers) {

@@ -135,6 +135,23 @@ class Context {
   virtual void Close() = 0;
 };
 
+struct TcpOptions;   // tcp/tcp_context.h
+struct RdmaOptions;  // rdma/rdma_context.h
+
+// The context of one transport kind, what a daemon's --transport=auto|tcp|rdma names:
+//   "tcp"    the TCP backend (`tcp`'s options)
+//   "rdma"   the RDMA backend (`rdma`'s options); FailedPrecondition with the reason when this
+//            machine has no usable device, Unimplemented in a build without libibverbs
+//   "auto"   RDMA when a device is usable here, else TCP; the choice and its reason are logged
+//   "inproc" the in-process backend (tests, single-process runs)
+// InvalidArgument for any other kind. A listener speaks its context's kind only: an RDMA
+// listener's peers must use RDMA contexts too (advertise it as TRANSPORT_KIND_RDMA).
+absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind, const TcpOptions& tcp,
+                                                     const RdmaOptions& rdma);
+// The same with every backend's defaults around `options`.
+absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind,
+                                                     const ContextOptions& options);
+
 // Total bytes of a gather list.
 size_t TotalSize(std::span<const ConstBuffer> buffers);
 

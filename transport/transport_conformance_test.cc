@@ -610,6 +610,26 @@ TEST_P(TransportConformance, OneAddressCannotTakeEveryHandshakeSlot) {
   server->Stop();
 }
 
+// ---- the factory daemons take --transport from ----
+
+TEST(MakeContext, NamesEachBackendAndRefusesAnUnknownKind) {
+  for (const char* kind : {"tcp", "inproc"}) {
+    auto ctx = MakeContext(kind, ContextOptions{});
+    ASSERT_TRUE(ctx.ok()) << kind << ": " << ctx.status();
+    EXPECT_EQ((*ctx)->Name(), kind);
+    (*ctx)->Close();
+  }
+  auto bogus = MakeContext("carrier-pigeon", ContextOptions{});
+  EXPECT_EQ(bogus.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bogus.status().message().find("carrier-pigeon"), std::string::npos);
+  // auto always yields a working context: RDMA where a device is usable, TCP otherwise.
+  auto any = MakeContext("auto", ContextOptions{});
+  ASSERT_TRUE(any.ok()) << any.status();
+  EXPECT_TRUE((*any)->IsViable());
+  EXPECT_TRUE((*any)->Name() == "rdma" || (*any)->Name() == "tcp") << (*any)->Name();
+  (*any)->Close();
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, TransportConformance, ::testing::ValuesIn(Backends()),
                          [](const auto& info) { return info.param.name; });
 

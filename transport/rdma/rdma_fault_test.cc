@@ -354,5 +354,26 @@ TEST_F(RdmaTest, AnIdleConnectionSleepsOnTheCompletionChannel) {
   EXPECT_GT(fv::GetCounters().events, 0u);
 }
 
+TEST(MakeContextRdma, AutoTakesRdmaWhereADeviceIsUsableAndTcpElsewhere) {
+  fv::Reset();
+  fv::SetDeviceCount(1);
+  for (const char* kind : {"rdma", "auto"}) {
+    auto ctx = MakeContext(kind, ContextOptions{});
+    ASSERT_TRUE(ctx.ok()) << kind << ": " << ctx.status();
+    EXPECT_EQ((*ctx)->Name(), "rdma") << kind;
+    (*ctx)->Close();
+  }
+  fv::SetDeviceCount(0);
+  auto fallback = MakeContext("auto", ContextOptions{});
+  ASSERT_TRUE(fallback.ok()) << fallback.status();
+  EXPECT_EQ((*fallback)->Name(), "tcp");
+  (*fallback)->Close();
+  auto forced = MakeContext("rdma", ContextOptions{});
+  EXPECT_EQ(forced.status().code(), absl::StatusCode::kFailedPrecondition) << forced.status();
+  EXPECT_NE(forced.status().message().find("no RDMA device"), std::string::npos)
+      << forced.status();
+  fv::SetDeviceCount(1);
+}
+
 }  // namespace
 }  // namespace poseidon::transport
