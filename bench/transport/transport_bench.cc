@@ -1,7 +1,10 @@
-// poseidon-bench-transport: one-way throughput and request/response latency of the Poseidon TCP
-// transport on loopback for message sizes 4 KiB ... 64 MiB, side by side in the same run with
-// a raw-socket reference (plain blocking TCP moving the same bytes: a 64-byte header, then the
-// payload), printed as a table with the ratio. See docs/benchmarks.md.
+// poseidon-bench-transport: one-way throughput and request/response latency of a Poseidon
+// transport (--transport=tcp, the default, on loopback; or --transport=rdma) for message sizes
+// 4 KiB ... 64 MiB, side by side in the same run with a raw-socket reference (plain blocking TCP
+// moving the same bytes: a 64-byte header, then the payload), printed as a table with the ratio.
+// On RDMA hardware compare with perftest's ib_write_bw / ib_read_bw between the same machines.
+// poseidon-bench-transport-fake is this program linked with the test verbs provider: it proves
+// the RDMA path runs end to end and measures nothing. See docs/benchmarks.md, docs/wire.md.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -29,6 +32,7 @@
 #include "common/log.h"
 #include "transport/credentials.h"
 #include "transport/handshake.h"
+#include "transport/rdma/rdma_context.h"
 #include "transport/tcp/tcp_context.h"
 #include "transport/transport_test_util.h"
 
@@ -40,6 +44,10 @@ ABSL_FLAG(int, socket_buffer, 0, "SO_SNDBUF/SO_RCVBUF bytes for both sides (0: k
 ABSL_FLAG(std::string, json, "", "also write the results as JSON to this file");
 ABSL_FLAG(bool, quick, false, "fewer sizes and repeats (smoke test)");
 ABSL_FLAG(std::string, only, "", "run only 'poseidon' or 'raw' (for profiling); ratios print as 0");
+ABSL_FLAG(std::string, transport, "tcp", "the Poseidon transport measured: tcp or rdma");
+ABSL_FLAG(bool, register_memory, true,
+          "register the send and receive buffers with the transport (RDMA: zero-copy READs)");
+ABSL_FLAG(std::string, rdma_device, "", "RDMA device (empty: the first with an active port)");
 
 namespace poseidon::bench {
 namespace {
@@ -231,12 +239,37 @@ struct PoseidonPair {
   std::shared_ptr<Context> server_ctx, client_ctx;
   std::shared_ptr<Connection> client, server;
 
-  PoseidonPair() {
+  std::vector<std::unique_ptr<MemoryRegion>> regions;
+
+  static std::shared_ptr<Context> MakeOne() {
     TcpOptions options;
     options.socket_buffer_bytes = absl::GetFlag(FLAGS_socket_buffer);
     options.limits.max_payload_bytes = uint64_t{1} << 30;
-    server_ctx = *CreateTcpContext(options);
-    client_ctx = *CreateTcpContext(options);
+    RdmaOptions rdma;
+    static_cast<ContextOptions&>(rdma) = options;
+    rdma.device = absl::GetFlag(FLAGS_rdma_device);
+    auto ctx = MakeContext(absl::GetFlag(FLAGS_transport), options, rdma);
+    if (!ctx.ok()) {
+      std::fprintf(stderr, "transport: %s\n", ctx.status().ToString().c_str());
+      std::exit(1);
+    }
+    return *ctx;
+  }
+
+  // Registers `buffer` with the context of one side (a no-op view for TCP), for the pair's life.
+  void Register(Context& ctx, std::span<std::byte> buffer) {
+    if (!absl::GetFlag(FLAGS_register_memory) || buffer.empty()) return;
+    auto region = ctx.RegisterMemory(buffer);
+    if (!region.ok()) {
+      std::fprintf(stderr, "register memory: %s\n", region.status().ToString().c_str());
+      std::exit(1);
+    }
+    regions.push_back(std::move(*region));
+  }
+
+  PoseidonPair() {
+    server_ctx = MakeOne();
+    client_ctx = MakeOne();
     auto listener = *server_ctx->Listen("127.0.0.1:0");
     auto secrets = std::make_shared<SecretStore>();
     secrets->Set(kJob, kSecret);
@@ -264,6 +297,7 @@ struct PoseidonPair {
     listener->Close();
   }
   ~PoseidonPair() {
+    regions.clear();
     client_ctx->Close();
     server_ctx->Close();
   }
@@ -312,8 +346,10 @@ double PoseidonThroughput(size_t size, int messages) {
   sink->conn = pair.server;
   sink->buffer.resize(size);
   sink->remaining = messages;
+  pair.Register(*pair.server_ctx, sink->buffer);
   sink->Next();
   std::vector<std::byte> src(size, std::byte{'x'});
+  pair.Register(*pair.client_ctx, src);
   // Keep a bounded window of frames queued, refilled from the send callbacks.
   struct Sender {
     Connection* conn;
@@ -347,6 +383,7 @@ double PoseidonRoundTrip(size_t size, int round_trips) {
   echo->conn = pair.server;
   echo->buffer.resize(size);
   echo->echo = true;
+  pair.Register(*pair.server_ctx, echo->buffer);
   echo->Next();
   struct Client : std::enable_shared_from_this<Client> {
     std::shared_ptr<Connection> conn;
@@ -373,6 +410,8 @@ double PoseidonRoundTrip(size_t size, int round_trips) {
   client->src.assign(size, std::byte{'y'});
   client->dst.resize(size);
   client->remaining = round_trips;
+  pair.Register(*pair.client_ctx, client->src);
+  pair.Register(*pair.client_ctx, client->dst);
   auto done = client->finished.get_future();
   const auto start = Clock::now();
   client->Round();
@@ -404,11 +443,28 @@ int Run() {
   }
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
-  std::printf("Poseidon transport benchmark: loopback TCP on %s, %u hardware threads\n", host,
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  std::printf("Poseidon transport benchmark: %s on %s, %u hardware threads\n",
+              transport == "tcp" ? "loopback TCP" : "RDMA (loopback addresses)", host,
               std::thread::hardware_concurrency());
-  std::printf(
-      "poseidon: Boost.Asio transport, 1 I/O thread per side, authenticated connection, "
-      "gather send, receive into caller buffer\n");
+  if (transport == "tcp") {
+    std::printf(
+        "poseidon: Boost.Asio transport, 1 I/O thread per side, authenticated connection, "
+        "gather send, receive into caller buffer\n");
+  } else {
+    std::printf(
+        "poseidon: RDMA transport, RC queue pairs, 1 progress thread per side, authenticated "
+        "connection, payloads READ %s\n",
+        absl::GetFlag(FLAGS_register_memory) ? "between registered buffers (zero copy)"
+                                             : "through staging buffers");
+#ifdef POSEIDON_BENCH_FAKE_VERBS
+    std::printf(
+        "WARNING: linked with the test verbs provider (memcpy under one lock): this run proves "
+        "the RDMA path works; its numbers mean nothing\n");
+#else
+    std::printf("reference on RDMA hardware: perftest ib_read_bw / ib_write_bw, same machines\n");
+#endif
+  }
   std::printf("raw: blocking sockets, writev(64-byte header, payload) / recv; same bytes\n");
   std::printf("socket buffers: %s; median of %d runs; ~%.1f s per cell\n\n",
               absl::GetFlag(FLAGS_socket_buffer) > 0

@@ -80,6 +80,18 @@ uint64_t Get64(const std::byte* p) {
   return v;
 }
 
+// A copy with a status representation of its own. Copies of an absl::Status share one
+// reference-counted representation, and Debian's Abseil is not built with ThreadSanitizer, so a
+// representation shared by two threads' copies looks racy to it: statuses that cross between the
+// side channel's threads, the callers' and the progress thread are detached first.
+absl::Status Detach(const absl::Status& s) {
+  return s.ok() ? absl::OkStatus() : absl::Status(s.code(), std::string(s.message()));
+}
+absl::StatusOr<FrameHeader> Detach(absl::StatusOr<FrameHeader> h) {
+  if (h.ok()) return h;
+  return Detach(h.status());
+}
+
 std::string WcError(const ibv_wc& wc) {
   return absl::StrCat(ibv_wc_status_str(wc.status), " (status ", static_cast<int>(wc.status),
                       ")");
@@ -530,7 +542,9 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
     });
   }
   void Abort(const absl::Status& reason) {
-    Post([self = shared_from_this(), reason] { self->FailConnection(reason, /*notify=*/true); });
+    Post([self = shared_from_this(), reason = Detach(reason)] {
+      self->FailConnection(reason, /*notify=*/true);
+    });
   }
   // The user's handle is gone: close once nothing of the user's is pending.
   void Release() {
@@ -632,7 +646,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
       const uint64_t bytes = kFrameHeaderSize + header.payload_length;
       tcp_->Send(header, std::move(payload),
                  [self = shared_from_this(), done = std::move(done), bytes](absl::Status s) mutable {
-                   self->Post([self, done = std::move(done), s = std::move(s), bytes]() mutable {
+                   self->Post([self, done = std::move(done), s = Detach(s), bytes]() mutable {
                      --self->tcp_ops_;
                      if (s.ok()) {
                        self->counters_.frames_sent.fetch_add(1, std::memory_order_relaxed);
@@ -832,7 +846,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
       tcp_user_read_ = true;
       tcp_->ReadHeader(
           [self = shared_from_this(), done = std::move(done)](absl::StatusOr<FrameHeader> h) mutable {
-            self->Post([self, done = std::move(done), h = std::move(h)]() mutable {
+            self->Post([self, done = std::move(done), h = Detach(std::move(h))]() mutable {
               self->OnTcpUserHeader(std::move(done), std::move(h));
             });
           },
@@ -900,7 +914,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
       ++tcp_ops_;
       if (discard) auth_header_read_ = false;
       auto cb = [self = shared_from_this(), done = std::move(done), discard](absl::Status s) mutable {
-        self->Post([self, done = std::move(done), s = std::move(s), discard]() mutable {
+        self->Post([self, done = std::move(done), s = Detach(s), discard]() mutable {
           self->OnTcpUserPayload(std::move(done), std::move(s), discard);
         });
       };
@@ -1226,7 +1240,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
     }
     outstanding_.clear();
     if (tell_peer) {
-      tcp_->Abort(reason);
+      tcp_->Abort(Detach(reason));
     } else {
       tcp_->Close();
     }
@@ -1413,7 +1427,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
     side_read_armed_ = true;
     tcp_->ReadHeader(
         [self = shared_from_this()](absl::StatusOr<FrameHeader> h) mutable {
-          self->Post([self, h = std::move(h)]() mutable {
+          self->Post([self, h = Detach(std::move(h))]() mutable {
             self->side_read_armed_ = false;
             self->OnSideHeader(std::move(h));
           });
@@ -1487,7 +1501,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
     }
     tcp_->ReadPayload(*buffer, [self = shared_from_this(), buffer,
                                 then = std::move(then)](absl::Status s) mutable {
-      self->Post([self, buffer, then = std::move(then), s = std::move(s)]() mutable {
+      self->Post([self, buffer, then = std::move(then), s = Detach(s)]() mutable {
         if (self->closed_) return;
         if (!s.ok()) {
           self->FailSetup(s);
