@@ -26,7 +26,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> Context::RegisterMemory(MutableBuf
 }
 
 absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind, const TcpOptions& tcp,
-                                                     const RdmaOptions& rdma) {
+                                                     [[maybe_unused]] const RdmaOptions& rdma) {
   if (kind == "tcp") return CreateTcpContext(tcp);
   if (kind == "inproc") return CreateInprocContext(tcp);
   if (kind == "rdma" || kind == "auto") {

@@ -1194,8 +1194,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
   // side channel (an ERROR frame, then the close).
   void FailQp(const absl::Status& status) {
     if (closed_) return;
-    PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
-    qp_broken_ = true;
+    qp_broken_ = true;  // the side channel's Abort logs the reason
     DoClose(status, /*tell_peer=*/true);
   }
 
@@ -1203,7 +1202,9 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
   // queue pair when it works, else on the side channel), then the connection closes.
   void FailConnection(const absl::Status& status, bool notify) {
     if (closed_ || close_after_flush_) return;
-    PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
+    if (!notify || (state_ == State::kRdma && !qp_broken_ && qp_ != nullptr)) {
+      PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
+    }  // else the side channel's Abort logs it
     if (notify && state_ == State::kRdma && !qp_broken_ && qp_ != nullptr) {
       ErrorFrame ef = MakeErrorFrame(0, status);
       OutFrame frame;
@@ -1406,8 +1407,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
 
   void FailSetup(const absl::Status& s) {
     const absl::Status status(s.code(), absl::StrCat("RDMA set-up with ", peer_, " failed: ", s.message()));
-    PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
-    DoClose(status, /*tell_peer=*/true);
+    DoClose(status, /*tell_peer=*/true);  // the side channel's Abort logs it
   }
 
   void SendSetup(uint64_t step, std::vector<std::byte> body) {
@@ -1488,8 +1488,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
     }
     const absl::Status status = absl::InvalidArgumentError(absl::StrCat(
         "unexpected frame on the RDMA side channel from ", peer_, ": ", DescribeHeader(*h)));
-    PSD_LOG_WARN("closing connection from {}: {}", peer_, status.message());
-    DoClose(status, /*tell_peer=*/true);
+    DoClose(status, /*tell_peer=*/true);  // the side channel's Abort logs it
   }
 
   void ReadSidePayload(const FrameHeader& h,
