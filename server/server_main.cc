@@ -290,6 +290,14 @@ int Main(int argc, char** argv) {
     add("poseidon_server_request_errors_total", "Requests answered with an error",
         st.request_errors);
     add("poseidon_server_pull_timeouts_total", "Pulls that timed out", st.pull_timeouts);
+    add("poseidon_server_replicated_total", "Key clocks acknowledged by a backup", st.replicated);
+    add("poseidon_server_replicas_applied_total", "Replicas applied as a backup",
+        st.replicas_applied);
+    add("poseidon_server_promotions_total", "Keys this server took over as their new primary",
+        st.promotions);
+    add("poseidon_server_fenced_total", "Keys a later primary took from this server", st.fenced);
+    add("poseidon_server_backups_lost_total", "Key backups given up (unreachable or silent)",
+        st.backups_lost);
     auto* active =
         registry.GetGauge("poseidon_server_connections", "Open peer connections").value();
     while (!stop_metrics.load()) {

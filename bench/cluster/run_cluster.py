@@ -16,7 +16,8 @@ the unscaled cluster.
 Sizes the agents get (--bucket_bytes, --block_bytes, --credit_bytes) are the unscaled cluster's and
 are passed divided by s^2, like the bytes they bound.
 
-Modes: poseidon (--scheme auto), bf16 (poseidon with --wire=bf16: PS in bfloat16), ps (--scheme ps),
+Modes: poseidon (--scheme auto), bf16 (poseidon with --wire=bf16: PS in bfloat16), no-replicas
+(poseidon with --replicas=0: no backups of the PS keys), ps (--scheme ps),
 no-wfbp (synth --wfbp=false), no-priority
 (agents synchronise layers in the order they become ready: --priority=false), sep-servers
 (servers on N hosts of their own; --sep_models), ddp (PyTorch DDP with gloo, ddp_worker.py).
@@ -51,6 +52,8 @@ MODES = {
     "no-wfbp": ("auto", False, False, False),
     "no-priority": ("auto", True, False, False),  # arrival order (--priority=false)
     "bf16": ("auto", True, False, False),  # PS pushes and pulls in bfloat16 (--wire=bf16)
+    # Poseidon without replicas of the PS keys (--replicas=0): what replication costs.
+    "no-replicas": ("auto", True, False, False),
     "sep-servers": ("auto", True, True, False),
     # Ring all-reduce (Gloo) for every layer; its rendezvous needs the coordinator.
     "allreduce": ("allreduce", True, False, True),
@@ -434,6 +437,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
                 f"--priority={'false' if mode == 'no-priority' else 'true'}",
                 f"--wire={'bf16' if mode == 'bf16' else 'fp32'}",
+                f"--replicas={0 if mode == 'no-replicas' else 1}",
                 *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
                 f"--segment={seg}", "--log_level=warn"], logdir, env=env)
             agents.append((p, seg))
