@@ -827,8 +827,10 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
     return RegisteredBuffer::Make(sh_->device, std::max<size_t>(n, 64 * 1024),
                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
   }
+  // Keeps up to four staging buffers of at most 4 MiB for reuse (registering is costly); a
+  // larger one is deregistered at once, so an idle connection holds at most 16 MiB of them.
   void ReleaseStaging(std::unique_ptr<RegisteredBuffer> b) {
-    if (!b) return;
+    if (!b || b->size() > (size_t{4} << 20)) return;
     staging_cache_.push_back(std::move(b));
     std::sort(staging_cache_.begin(), staging_cache_.end(),
               [](const auto& x, const auto& y) { return x->size() < y->size(); });

@@ -32,8 +32,10 @@ struct RdmaOptions : ContextOptions {
   int receive_credits = 32;
   // Payloads up to this many bytes travel inside the SEND; larger ones are READ by the receiver.
   size_t eager_bytes = 4096;
-  // A READ moves at most this much per work request (progress is measured per READ).
-  size_t read_chunk_bytes = size_t{1} << 20;
+  // A READ moves at most this much per work request (progress is measured per READ). A payload
+  // read into memory not registered with RegisterMemory goes through a per-connection staging
+  // window of (READ depth, at most 8) x this, allocated on first use.
+  size_t read_chunk_bytes = size_t{256} << 10;
   // A posted work request whose completion has not arrived within this time fails the
   // connection (a lost completion is an error, not a hang).
   absl::Duration completion_timeout = absl::Seconds(30);
