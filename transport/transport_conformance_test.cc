@@ -631,7 +631,7 @@ TEST(MakeContext, NamesEachBackendAndRefusesAnUnknownKind) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, TransportConformance, ::testing::ValuesIn(Backends()),
-                         [](const auto& info) { return info.param.name; });
+                         [](const auto& test_info) { return test_info.param.name; });
 
 }  // namespace
 }  // namespace poseidon::transport
