@@ -209,6 +209,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::mutex lost_mu_;
   std::vector<v1::LostMember> lost_;
   std::string lost_why_;
+  std::set<std::string> servers_reported_lost_;  // main thread: lost servers failover covers
 
   // Inbound peer connections by rank (counted from their first frame) and the ranks whose last
   // one closed, with why; gone_version_ counts changes so the main loop passes them on once.
@@ -479,7 +480,8 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     }
     if (result->lost_size() == 0) return;
     std::lock_guard<std::mutex> lock(lost_mu_);
-    if (lost_.empty()) lost_.assign(result->lost().begin(), result->lost().end());
+    // The coordinator lists every member lost so far: a later answer may add one.
+    lost_.assign(result->lost().begin(), result->lost().end());
   };
   heartbeats_ = coord_->StartHeartbeats(hb);
   if (config_.telemetry_interval > absl::ZeroDuration()) {
@@ -1148,6 +1150,19 @@ void Agent::CheckLostMembers() {
   {
     std::lock_guard<std::mutex> lock(lost_mu_);
     lost = lost_;
+  }
+  // With replicas, a lost server's keys go on at its backups (Replication::Failover): only what
+  // failover cannot survive ends the job.
+  if (env_.replication.replicas > 0) {
+    std::erase_if(lost, [this](const v1::LostMember& m) {
+      if (m.role() != v1::NODE_ROLE_SERVER) return false;
+      if (servers_reported_lost_.insert(m.node_id()).second) {
+        PSD_LOG_WARN("server {} (host {}) declared dead by the coordinator ({}): its keys' "
+                     "backups serve them",
+                     m.node_id(), m.host(), m.reason());
+      }
+      return true;
+    });
   }
   if (lost.empty()) return;
   std::vector<std::string> names;

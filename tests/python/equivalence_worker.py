@@ -10,7 +10,11 @@ modes: overlap (overlap_forward, SGD with momentum), server-adam (the servers ru
 by `poseidon plan --set`; every rank sees the same switches, so all stop at the same step;
 rank 0 writes the step count and the switches too),
 cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-accumulate (the
-PS gradient hook, instead of the default for this torch), workers=P (the expected world size)."""
+PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
+kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
+must go on at the keys' backups and train exactly the same)."""
+import os
+import signal
 import sys
 import time
 
@@ -32,6 +36,24 @@ def model_and_data(seed=0, workers=4, device="cpu", steps=STEPS):
     x = torch.randn(steps, workers * K, 20, generator=g)
     y = torch.randint(0, 5, (steps, workers * K), generator=g)
     return model.to(device), x.to(device), y.to(device)
+
+
+def job_servers():
+    """This job's poseidon-server pids (the launcher's, whose command lines name the job id of
+    this rank's segment /poseidon-<job>-<rank>), in the order they were started."""
+    job = os.environ["POSEIDON_SEGMENT"].split("-")[1]
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                started = int(f.read().rsplit(")", 1)[1].split()[19])
+        except OSError:
+            continue
+        if argv[0].endswith(b"poseidon-server") and f"--job_id={job}".encode() in argv:
+            found.append((started, int(pid)))
+    return [pid for _, pid in sorted(found)]
 
 
 def main(out, modes=()):
@@ -64,8 +86,14 @@ def main(out, modes=()):
         for layer in opt._layers:
             for buf in (layer.grad, layer.u, layer.v):
                 assert buf is None or buf.device == torch.device(device), (layer.name, buf.device)
+    kill = next((m.split("=", 1)[1] for m in modes if m.startswith("kill-server=")), None)
+    kill_index, kill_step = (int(v) for v in kill.split("@")) if kill else (None, None)
     steps, switches, last, stop_at = STEPS, [], None, None
     for step in range(SWITCH_STEPS if switch else STEPS):
+        if rank == 0 and step == kill_step:
+            victim = job_servers()[kill_index]
+            os.kill(victim, signal.SIGKILL)
+            print(f"step {step}: killed KV server pid {victim}", flush=True)
         if switch:
             # The scheme 0.weight runs at this iteration (the agent's schedule).
             scheme = dict((n, s) for n, s, _ in poseidon.torch.plan_summary(opt))["0.weight"]

@@ -141,6 +141,17 @@ class Equivalence(WorkersTest):
         want = reference(lambda params: torch.optim.Adam(params, lr=0.01))
         self.assert_close(got, want, "server-side Adam")
 
+    def test_a_killed_server_costs_nothing_with_backups(self):
+        # 2 servers, each key on both (--replicas 1): killing either mid-training (the keys'
+        # primary: failover to the backup; or their backup: the primary serves on) leaves the
+        # training exactly that of one process on the 4x batch, and the launcher goes on.
+        for victim in (0, 1):
+            with self.subTest(victim=victim):
+                got = self.run_workers(["--servers", "2", "--scheme", "ps"],
+                                       worker_args=[f"kill-server={victim}@12"],
+                                       expect_output=["killed KV server pid"])
+                self.assert_close(got, reference(), f"server {victim} killed at step 12")
+
     def test_poseidon_equals_torch_ddp_over_gloo(self):
         with tempfile.TemporaryDirectory() as tmp:
             port = free_port()

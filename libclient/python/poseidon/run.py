@@ -5,7 +5,9 @@
 Starts the KV servers, one poseidon-agent per worker and the command once per worker (with
 POSEIDON_SEGMENT, POSEIDON_RANK, POSEIDON_WORLD_SIZE, POSEIDON_LOCAL_RANK set), streams every
 process's output prefixed with its name, and stops everything when the job ends. If a rank or a
-daemon fails, everything is stopped, and the exit code is non-zero with a message naming it.
+daemon fails, everything is stopped, and the exit code is non-zero with a message naming it;
+except a KV server when the keys have backups (--servers 2 or more, --replicas 1, the default):
+the job goes on at the backups (docs/server.md, "Replication and failover").
 """
 import argparse
 import os
@@ -88,6 +90,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="poseidon run", description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", "--workers", type=int, default=2)
     ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="backups of every PS key on the next servers (with --servers 2 or "
+                         "more): a dead server's keys go on at their backup; 0: none")
     ap.add_argument("--scheme", choices=["auto", "ps", "sfb", "allreduce"], default="auto")
     ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32",
                     help="what PS pushes and pulls carry: fp32 (exact) or bf16 (half the bytes, "
@@ -130,6 +135,10 @@ def main(argv=None):
         ap.error("no command to run (poseidon run -n 4 -- python3 train.py)")
     if not 1 <= args.workers <= 256 or not 1 <= args.servers <= 64:
         ap.error("workers must be in [1, 256] and servers in [1, 64]")
+    if not 0 <= args.replicas <= 8:
+        ap.error("replicas must be in [0, 8]")
+    # A server may die without ending the job when its keys have a backup.
+    survivable = min(args.replicas, args.servers - 1) > 0
     server_bin = find_binary("poseidon-server", "server")
     agent_bin = find_binary("poseidon-agent", "agent")
     joining = bool(args.coordinator)
@@ -230,6 +239,7 @@ def main(argv=None):
                                     f"--world_size={world}", f"--coordinator={coordinator}",
                                     f"--listen={args.listen_host}:0",
                                     f"--scheme={args.scheme}", f"--wire={args.wire}",
+                                    f"--replicas={args.replicas}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
                                     *([] if args.probe else ["--probe_bytes=0"]),
                                     *(["--allreduce=false"] if args.allreduce == "off" else []),
@@ -251,7 +261,9 @@ def main(argv=None):
             p = Proc(f"rank {r}", command, env=env)
             procs.append(p)
             workers.append(p)
-        # Watch: every worker must finish with 0; no daemon may die before that.
+        # Watch: every worker must finish with 0; no daemon may die before that (but a server
+        # whose keys have backups: said once, and the job goes on).
+        survived = set()
         while True:
             for p in workers:
                 code = p.proc.poll()
@@ -267,6 +279,13 @@ def main(argv=None):
                 # An agent exits 0 when its worker detaches; anything else while a worker still
                 # runs is a failure.
                 if code not in (None, 0) or (code == 0 and p in servers):
+                    if survivable and p.name.startswith("server ") and p.name not in survived:
+                        survived.add(p.name)
+                        print(f"poseidon run: {p.name} died (exit code {code}); its keys go on "
+                              f"at their backups", file=sys.stderr, flush=True)
+                        continue
+                    if p.name in survived:
+                        continue
                     if any(w.proc.poll() is None for w in workers):
                         failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
                         break
