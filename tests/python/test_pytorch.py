@@ -152,6 +152,17 @@ class Equivalence(WorkersTest):
                                        expect_output=["killed KV server pid"])
                 self.assert_close(got, reference(), f"server {victim} killed at step 12")
 
+    def test_a_killed_server_keeps_the_server_side_adam_state(self):
+        # The servers run Adam: the parameters and both moments live on them, and the backup's
+        # copy (replicated each clock) must go on exactly.
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01))
+        for victim in (0, 1):
+            with self.subTest(victim=victim):
+                got = self.run_workers(["--servers", "2"],
+                                       worker_args=["server-adam", f"kill-server={victim}@12"],
+                                       expect_output=["killed KV server pid"])
+                self.assert_close(got, want, f"server-side Adam, server {victim} killed")
+
     def test_poseidon_equals_torch_ddp_over_gloo(self):
         with tempfile.TemporaryDirectory() as tmp:
             port = free_port()
