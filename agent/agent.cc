@@ -809,11 +809,7 @@ absl::Status Agent::ConnectServers() {
         key->set_key(c.key);
         key->set_elements(c.length / sizeof(float));
       }
-      if (bf16) {
-        env_.bf16[c.key] = std::make_unique<Bf16Wire>(c.length / sizeof(float));
-      } else if (replicas > 0) {
-        env_.replication.saved[c.key].assign(c.length / sizeof(float), 0.0f);
-      }
+      if (bf16) env_.bf16[c.key] = std::make_unique<Bf16Wire>(c.length / sizeof(float));
     }
   }
   const absl::Time deadline = absl::Now() + config_.connect_timeout;

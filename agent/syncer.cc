@@ -83,7 +83,9 @@ struct PushPullOp {
   std::shared_ptr<Credit> credit;
   std::function<void(absl::Status)> done;
   Bf16Wire* bf16;
-  std::vector<float>* saved;  // replication: the push, kept until its pull is answered
+  // A re-send whose earlier answer had begun to overwrite `values` (the lost server had
+  // completed the clock, so its backup holds it): pushed with kFlagReplay, never summed.
+  bool replay = false;
 };
 
 void Attempt(std::shared_ptr<PushPullOp> op) {
@@ -100,14 +102,17 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
     // Encoded with error feedback (once: a re-send sends the same bytes); the answer lands in
     // the pull buffer and is decoded into the gradient before the layer is told (a sum-rule
     // key: no initial push).
-    push = kv->PushBytes(chunk.key, op->clock, std::as_bytes(std::span(op->bf16->push)), epoch);
+    push = kv->PushBytes(chunk.key, op->clock, std::as_bytes(std::span(op->bf16->push)), epoch,
+                         false, op->replay);
     pull = kv->PullBytes(chunk.key, op->clock, std::as_writable_bytes(std::span(op->bf16->pull)),
                          env.config->sync_timeout, epoch);
   } else {
     if (pushes) {
-      const std::span<const float> source =
-          op->saved != nullptr ? std::span<const float>(*op->saved) : op->values;
-      push = kv->PushBytes(chunk.key, op->clock, std::as_bytes(source), epoch, op->init);
+      // A re-send pushes `values` again: the server answers a clock only once every rank's
+      // push of it is in (and, replicated, on the backups), so until an answer begins to arrive
+      // they still hold our gradient.
+      push = kv->PushBytes(chunk.key, op->clock, std::as_bytes(op->values), epoch, op->init,
+                           op->replay);
     }
     // The pull's answer overwrites the gradient in place: the server answers only once every
     // rank's push of this clock, ours included, has been received.
@@ -131,6 +136,7 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
   }
   kv->OnDone(pull, [e, op, epoch, server, bytes, kv](absl::Status s) {
     if (!s.ok() && e->replication.Failover(*e, op->chunk->server, epoch, *kv, s)) {
+      if (s.GetPayload(server::KvClient::kAnswerStarted).has_value()) op->replay = true;
       return Attempt(op);  // only queues requests: fine on this transport thread
     }
     if (s.ok() && op->bf16 != nullptr) DecodeBf16(op->bf16->pull, op->values);
@@ -158,15 +164,7 @@ void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint6
   op->done = std::move(done);
   const auto wire = env.bf16.find(chunk.key);
   op->bf16 = wire == env.bf16.end() ? nullptr : wire->second.get();
-  if (op->bf16 != nullptr) {
-    EncodeBf16WithFeedback(values, op->bf16->residual, op->bf16->push);
-  } else if (const auto saved = env.replication.saved.find(chunk.key);
-             saved != env.replication.saved.end()) {
-    // Replicated: the push goes from a copy, so that a re-send after a lost server still has
-    // it once a partial answer may have overwritten the gradient.
-    op->saved = &saved->second;
-    std::copy(values.begin(), values.end(), op->saved->begin());
-  }
+  if (op->bf16 != nullptr) EncodeBf16WithFeedback(values, op->bf16->residual, op->bf16->push);
   Attempt(std::move(op));
 }
 

@@ -78,15 +78,14 @@ struct Bf16Wire {
 // the chain of servers primary, primary + 1, ..., primary + replicas (mod the servers); the
 // epoch of a primary's keys is the position in that chain that serves them now. When the server
 // a request went to is lost (its connection broke or went silent) or fenced (Aborted), the epoch
-// moves on and the request is sent again, from the saved push, to the next server, which holds
-// every clock the lost one answered. Built at registration; the epochs are atomics (transport
-// threads), the rest is then only read.
+// moves on and the request is sent again, from the same buffer (no copy: see PushPull), to the
+// next server, which holds every clock the lost one answered. Built at registration; the epochs
+// are atomics (transport threads), the rest is then only read.
 struct SyncEnv;
 struct Replication {
   uint32_t replicas = 0;  // backups per key (0: off)
   size_t servers = 0;
   std::unique_ptr<std::atomic<uint32_t>[]> epoch;  // by first primary (plan server index)
-  std::map<uint64_t, std::vector<float>> saved;     // float32 keys' pushes, by key
   std::atomic<bool> stopping{false};                // the agent stops: no more re-sends
   uint32_t Epoch(uint32_t primary) const;
   uint32_t ServerAt(uint32_t primary, uint32_t epoch) const;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
 #include "common/status.h"
@@ -82,13 +83,14 @@ Ticket KvClient::Push(uint64_t key, uint64_t clock, std::span<const float> data,
 }
 
 Ticket KvClient::PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload,
-                           uint32_t epoch, bool init) {
+                           uint32_t epoch, bool init, bool replay) {
   FrameHeader h;
   h.type = FrameType::kPush;
   h.key = key;
   h.clock = clock;
   h.epoch = epoch;
   if (init) h.flags |= transport::kFlagInit;
+  if (replay) h.flags |= transport::kFlagReplay;
   Pending p;
   p.what = absl::StrCat(init ? "initial push" : "push", " of key ", key, " clock ", clock, " to ",
                         address_);
@@ -297,6 +299,7 @@ void KvClient::FailAll(const absl::Status& status) {
         p.answered = p.send_done = true;
         if (p.status.ok()) {
           p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
+          if (p.answer_started) p.status.SetPayload(kAnswerStarted, absl::Cord("1"));
         }
         if (p.on_done) {
           callbacks.emplace_back(std::move(p.on_done), p.status);
@@ -374,6 +377,7 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
         if (it != pending_.end()) {
           into = it->second.into;
           known = true;
+          it->second.answer_started = into.size_bytes() == h.payload_length;
         }
       }
       const bool fits = known && into.size_bytes() == h.payload_length;

@@ -55,7 +55,12 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   // The same on raw payloads, for a key whose wire type is not float32 (bf16: 2 bytes per
   // element, common/bf16.h), or a server-side rule's initial value (init).
   Ticket PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload,
-                   uint32_t epoch = 0, bool init = false);
+                   uint32_t epoch = 0, bool init = false, bool replay = false);
+
+  // A pull that failed after its answer had begun to land in its destination (the destination
+  // may be partly overwritten) carries this payload in its status (absl::Status::GetPayload):
+  // the server had completed that clock.
+  static constexpr char kAnswerStarted[] = "poseidon.kv/answer-started";
   Ticket PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> into,
                    absl::Duration server_timeout = absl::Seconds(30), uint32_t epoch = 0);
 
@@ -120,6 +125,7 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   struct Pending {
     std::string what;        // for errors: "push key 3 clock 7"
     std::span<std::byte> into;  // pulls
+    bool answer_started = false;  // a pull's payload began to be read into `into`
     bool send_done = false;  // the push payload has left our buffer
     bool answered = false;
     absl::Status status;

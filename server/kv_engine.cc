@@ -623,6 +623,18 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
           "rank ", h.sender_rank, " is out of range for a job of ", k.workers, " workers")));
     }
     if (absl::Status s = CheckEpoch(k, h); !s.ok()) return fail(std::move(s));
+    if ((h.flags & transport::kFlagReplay) != 0) {
+      // Re-sent after a lost server had begun to answer the clock: the payload may be
+      // overwritten, so it is only acknowledged if this server holds the clock already.
+      const bool held = (h.flags & transport::kFlagInit) != 0 ? k.initialized : h.clock <= k.completed;
+      if (!held) {
+        return fail(absl::DataLossError(absl::StrCat(
+            "rank ", h.sender_rank, "'s push of clock ", h.clock, " of ", k.Name(),
+            " is lost: its server was lost while answering that clock, and this server (",
+            k.job->Server(k.job->self), ") is at clock ", k.completed,
+            " (a backup that was given up?)")));
+      }
+    }
     auto ack = [&] {
       SendReply(ctx, FrameType::kPushAck, {});
       done();

@@ -225,6 +225,31 @@ TEST_F(ReplicationTest, APrimaryWhoseBackupTookOverIsFencedAndAnswersNothing) {
   EXPECT_EQ(out, exact);
 }
 
+// A push re-sent after its server died while answering its clock (kFlagReplay: the agent's
+// buffer may be partly overwritten by that answer) is only acknowledged where the clock is
+// held; a server that does not hold it refuses it (DataLoss) instead of summing garbage.
+TEST_F(ReplicationTest, AReplayedPushIsNeverSummed) {
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  const std::vector<float> sum1 = Clock(*primary_, 1, 0);
+  primary_->Kill();
+  std::vector<float> garbage(kN, 12345.0f);
+  auto b0 = Rank(*backup_, 0);
+  // Clock 1 is held (replicated): acknowledged, and its pull answers the real sum.
+  ASSERT_TRUE(b0->Wait(b0->PushBytes(kKey, 1, std::as_bytes(std::span(garbage)), 1, false,
+                                     /*replay=*/true),
+                       kWait)
+                  .ok());
+  std::vector<float> out(kN);
+  ASSERT_TRUE(b0->Wait(b0->Pull(kKey, 1, out, kWait, 1), kWait).ok());
+  EXPECT_EQ(out, sum1);
+  // Clock 2 is not: refused, nothing summed.
+  const absl::Status s = b0->Wait(
+      b0->PushBytes(kKey, 2, std::as_bytes(std::span(garbage)), 1, false, /*replay=*/true), kWait);
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_EQ(backup_->engine->stats().pushes.load(), 0u);
+}
+
 // A dead backup does not stop its primary: the replica fails, the backup is given up, and the
 // clock is answered.
 TEST_F(ReplicationTest, ADeadBackupIsGivenUpAndThePrimaryServesOn) {

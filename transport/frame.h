@@ -63,8 +63,13 @@ enum FrameFlag : uint8_t {
   kFlagPayloadChecksum = 1u << 0,  // payload_checksum holds the CRC-32C of the payload
   kFlagLast = 1u << 1,             // last chunk of a tensor (application-defined use)
   kFlagInit = 1u << 2,             // a push that sets a key's initial value (rank 0, once)
+  // A push re-sent after its server was lost while the answer of its clock was arriving (so its
+  // payload may be overwritten): the new server must already hold that clock, and only
+  // acknowledges it; otherwise it refuses it (DataLoss) rather than sum the payload.
+  kFlagReplay = 1u << 3,
 };
-inline constexpr uint8_t kKnownFrameFlags = kFlagPayloadChecksum | kFlagLast | kFlagInit;
+inline constexpr uint8_t kKnownFrameFlags =
+    kFlagPayloadChecksum | kFlagLast | kFlagInit | kFlagReplay;
 
 // The rank a KV server authenticates as towards another server of the job (replication):
 // above every worker rank, and its RankKey is derived from the job's secret, which agents never
