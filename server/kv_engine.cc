@@ -88,6 +88,7 @@ struct JobState {
   uint32_t self = 0;
   std::set<std::pair<uint32_t, uint32_t>> promotions_logged;  // (first primary, epoch)
   std::set<uint32_t> backups_lost;
+  std::set<uint32_t> fenced_by;  // the servers that took keys over from this one
   std::string Server(uint32_t index) const {
     return index < servers.size() ? absl::StrCat("server ", index, " (", servers[index], ")")
                                   : absl::StrCat("server ", index);
@@ -783,7 +784,16 @@ void KvEngine::OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock,
     // The backup serves a later epoch: the key is no longer ours. Whoever waits moves on.
     if (!k.fenced) stats_.fenced.fetch_add(1, std::memory_order_relaxed);
     k.fenced = true;
-    PSD_LOG_WARN("{} is fenced: {} took it over ({})", k.Name(), j.Server(backup), s.message());
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(j.mu);
+      first = j.fenced_by.insert(backup).second;
+    }
+    if (first) {
+      PSD_LOG_WARN("job {}: {} took over the keys this server was the primary of (first {}): "
+                   "fenced, it answers none of them ({})",
+                   j.job_id, j.Server(backup), k.Name(), s.message());
+    }
   } else if (!s.ok()) {
     // The backup is unreachable: serve on without it rather than stop (it is given up for good,
     // so a stale copy can never be promoted unnoticed: its clock lags, and BSP refuses it).
