@@ -250,6 +250,39 @@ TEST_F(ReplicationTest, AReplayedPushIsNeverSummed) {
   EXPECT_EQ(backup_->engine->stats().pushes.load(), 0u);
 }
 
+// Two backups (--replicas=2): the chain survives the loss of its first two servers in turn;
+// the second backup was kept up to date by the first one once that one was promoted.
+TEST_F(ReplicationTest, TwoBackupsSurviveTwoLossesInTurn) {
+  auto third = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(third->server->Address());
+  auto spec = [&](uint32_t index) {
+    auto r = Spec(index, v1::UPDATE_RULE_SUM);
+    r.set_replicas(2);
+    return r;
+  };
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(spec(0), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(spec(1), kWait).ok());
+  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(spec(2), kWait).ok());
+  auto exact = [](uint64_t clock) {
+    std::vector<float> sum(kN);
+    for (uint32_t r = 0; r < 2; ++r) {
+      const auto g = Grad(r, clock, kN);
+      for (size_t i = 0; i < kN; ++i) sum[i] += g[i];
+    }
+    return sum;
+  };
+  EXPECT_EQ(Clock(*primary_, 1, 0), exact(1));
+  EXPECT_EQ(third->engine->stats().replicas_applied.load(), 1u) << "both backups get each clock";
+  primary_->Kill();
+  EXPECT_EQ(Clock(*backup_, 2, 1), exact(2));
+  EXPECT_EQ(third->engine->stats().replicas_applied.load(), 2u) << "from the new primary";
+  backup_->Kill();
+  EXPECT_EQ(Clock(*third, 3, 2), exact(3));
+  EXPECT_EQ(third->engine->stats().promotions.load(), 1u);
+  clients_.clear();
+  third.reset();
+}
+
 // A dead backup does not stop its primary: the replica fails, the backup is given up, and the
 // clock is answered.
 TEST_F(ReplicationTest, ADeadBackupIsGivenUpAndThePrimaryServesOn) {
