@@ -598,10 +598,12 @@ absl::Status KvEngine::CheckReplicaSize(uint64_t job_id, uint64_t key, uint64_t 
   return absl::OkStatus();
 }
 
-void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()> done) {
+template <typename Body>
+void KvEngine::OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<void()> done,
+                           Body body) {
   Worker& w = WorkerFor(ctx.header.job_id, ctx.header.key);
-  w.Post([this, &w, ctx = std::move(ctx), data = std::move(data),
-          done = std::move(done)]() mutable {
+  w.Post([this, &w, ctx = std::move(ctx), data = std::move(data), done = std::move(done),
+          body = std::move(body)]() mutable {
     const FrameHeader& h = ctx.header;
     auto fail = [&](absl::Status s) {
       stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
@@ -613,7 +615,15 @@ void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()>
       return fail(absl::NotFoundError(
           absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
     }
-    Key& k = *it->second;
+    body(w, *it->second, ctx, data, done, fail);
+  });
+}
+
+void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()> done) {
+  OnKeyWorker(std::move(ctx), std::move(data), std::move(done),
+              [this](Worker& w, Key& k, const RequestContext& ctx, PooledBuffer& data,
+                     std::function<void()>& done, const auto& fail) {
+    const FrameHeader& h = ctx.header;
     if (data.size() != k.WireBytes()) {
       return fail(absl::InvalidArgumentError(absl::StrCat("push for ", k.Name(), " carries ",
                                                           data.size(), " bytes, expected ",
@@ -867,21 +877,10 @@ absl::Status KvEngine::CheckEpoch(Key& k, const FrameHeader& h) {
 }
 
 void KvEngine::Replicate(RequestContext ctx, PooledBuffer data, std::function<void()> done) {
-  Worker& w = WorkerFor(ctx.header.job_id, ctx.header.key);
-  w.Post([this, &w, ctx = std::move(ctx), data = std::move(data),
-          done = std::move(done)]() mutable {
+  OnKeyWorker(std::move(ctx), std::move(data), std::move(done),
+              [this](Worker&, Key& k, const RequestContext& ctx, PooledBuffer& data,
+                     std::function<void()>& done, const auto& fail) {
     const FrameHeader& h = ctx.header;
-    auto fail = [&](absl::Status s) {
-      stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
-      SendError(ctx, s);
-      done();
-    };
-    auto it = w.keys.find({h.job_id, h.key});
-    if (it == w.keys.end()) {
-      return fail(absl::NotFoundError(
-          absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
-    }
-    Key& k = *it->second;
     JobState& j = *k.job;
     if (!k.Replicated()) {
       return fail(absl::FailedPreconditionError(absl::StrCat(k.Name(), " is not replicated")));

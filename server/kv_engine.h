@@ -187,6 +187,10 @@ class KvEngine {
   // the key's primary at it (promoting a backup whose epoch has come), else why not.
   absl::Status CheckEpoch(Key& k, const transport::FrameHeader& h);
   void FailPulls(Key& k, const absl::Status& why);
+  // Runs body(worker, key, ctx, data, done, fail) on the key's worker thread; a request for a key
+  // this server does not hold is answered NotFound there (fail: count, send ERROR, run done).
+  template <typename Body>
+  void OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<void()> done, Body body);
   void AnswerPulls(Worker& w, Key& k);
   void RespondPull(const RequestContext& ctx, Key& k);
   void ContributeSnapshot(Key& k);
