@@ -167,6 +167,7 @@ void FrameServer::OnAccepted(std::shared_ptr<Connection> conn) {
                             " connections")));
                         return;
                       }
+                      ++self->peers_[{identity->job_id, identity->rank}];
                     }
                     self->authenticated_.fetch_add(1);
                     auto peer = std::make_shared<PeerSession>(conn, *identity, weak);
@@ -186,6 +187,13 @@ void FrameServer::Drop(const std::shared_ptr<PeerSession>& peer,
   handler_->OnClose(peer, reason);
   std::lock_guard<std::mutex> lock(mu_);
   connections_.erase(conn);
+  const std::pair<uint64_t, uint32_t> who{peer->identity().job_id, peer->identity().rank};
+  if (auto it = peers_.find(who); it != peers_.end() && --it->second == 0) peers_.erase(it);
+}
+
+bool FrameServer::HasPeer(uint64_t job_id, uint32_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peers_.count({job_id, rank}) > 0;
 }
 
 void FrameServer::ReadNext(const std::shared_ptr<PeerSession>& peer) {

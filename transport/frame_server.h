@@ -120,6 +120,9 @@ class FrameServer : public std::enable_shared_from_this<FrameServer> {
   void Stop();
   std::string Address() const { return listener_->Address(); }
   FrameServerStats Stats() const;
+  // Whether an authenticated connection of this peer (job, rank) is open on this server (a daemon
+  // listening once per transport kind tells by it which kind a peer uses).
+  bool HasPeer(uint64_t job_id, uint32_t rank);
 
  private:
   friend class PeerSession;
@@ -142,6 +145,7 @@ class FrameServer : public std::enable_shared_from_this<FrameServer> {
   std::set<std::shared_ptr<Connection>> connections_;
   size_t handshaking_ = 0;                      // connections in their handshake
   std::map<std::string, size_t> handshaking_by_host_;
+  std::map<std::pair<uint64_t, uint32_t>, size_t> peers_;  // authenticated, by (job, rank)
 
   std::atomic<uint64_t> accepted_{0}, authenticated_{0}, handshake_failures_{0},
       protocol_errors_{0}, frames_{0}, refused_{0};

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "transport/checksum.h"
 #include "transport/inproc/inproc_context.h"
 #include "transport/rdma/rdma_context.h"
@@ -65,6 +66,61 @@ absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind,
   RdmaOptions rdma;
   static_cast<ContextOptions&>(rdma) = options;
   return MakeContext(kind, tcp, rdma);
+}
+
+void TransportSet::Close() const {
+  if (rdma) rdma->Close();
+  if (tcp) tcp->Close();
+}
+
+absl::StatusOr<TransportSet> MakeTransportSet(absl::string_view kind, const TcpOptions& tcp,
+                                              [[maybe_unused]] const RdmaOptions& rdma) {
+  if (kind != "tcp" && kind != "rdma" && kind != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown transport '", kind, "' (auto, tcp or rdma)"));
+  }
+  TransportSet set;
+  if (kind == "rdma" || kind == "auto") {
+#ifdef POSEIDON_HAVE_RDMA
+    // The device is probed first, so that a machine without one logs only the choice.
+    absl::Status why = RdmaDeviceStatus(rdma);
+    std::shared_ptr<Context> ctx;
+    if (why.ok()) {
+      ASSIGN_OR_RETURN(ctx, CreateRdmaContext(rdma));
+      if (!ctx->IsViable()) why = absl::UnavailableError("the device went away");
+    }
+    if (why.ok()) {
+      set.rdma = ctx;
+      set.choice = kind == "rdma" ? "rdma (--transport=rdma)"
+                                  : "rdma and tcp (--transport=auto: an RDMA device is usable; "
+                                    "TCP serves the peers without one)";
+    } else {
+      if (ctx) ctx->Close();
+      if (kind == "rdma") {
+        return absl::FailedPreconditionError(
+            absl::StrCat("--transport=rdma, but RDMA is not usable here: ", why.message()));
+      }
+      set.choice = absl::StrCat("tcp (--transport=auto; RDMA not usable: ", why.message(), ")");
+    }
+#else
+    if (kind == "rdma") {
+      return absl::UnimplementedError(
+          "--transport=rdma, but this build has no RDMA transport (libibverbs-dev was missing at "
+          "configure time, or -DPOSEIDON_WITH_RDMA=OFF)");
+    }
+    set.choice = "tcp (--transport=auto; built without RDMA)";
+#endif
+  } else {
+    set.choice = "tcp (--transport=tcp)";
+  }
+  if (kind == "rdma") return set;
+  auto ctx = CreateTcpContext(tcp);
+  if (!ctx.ok()) {
+    set.Close();
+    return ctx.status();
+  }
+  set.tcp = *ctx;
+  return set;
 }
 
 size_t TotalSize(std::span<const ConstBuffer> buffers) {

@@ -152,6 +152,27 @@ absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind, con
 absl::StatusOr<std::shared_ptr<Context>> MakeContext(absl::string_view kind,
                                                      const ContextOptions& options);
 
+// What a daemon's --transport=auto|tcp|rdma gives it: every context it listens and connects with.
+// An RDMA listener serves RDMA clients only, so a daemon with a usable device keeps a TCP context
+// too, listens on both and advertises both (docs/wire.md, "RDMA backend").
+//   "tcp"   tcp only
+//   "rdma"  rdma only; FailedPrecondition with the reason when no device is usable here,
+//           Unimplemented in a build without libibverbs
+//   "auto"  rdma and tcp when a device is usable here, else tcp only
+// InvalidArgument for any other kind. Nothing is logged: `choice` is the line to log, once.
+struct TransportSet {
+  std::shared_ptr<Context> tcp;   // null with "rdma"
+  std::shared_ptr<Context> rdma;  // a viable RDMA context, or null
+  std::string choice;             // "rdma and tcp (--transport=auto: ...)"
+  // The context to connect with for a chosen endpoint kind (rdma: true), or null.
+  Context* For(bool rdma_kind) const { return rdma_kind ? rdma.get() : tcp.get(); }
+  // The one context of a set that holds one kind (tcp preferred when both).
+  Context& Primary() const { return tcp ? *tcp : *rdma; }
+  void Close() const;
+};
+absl::StatusOr<TransportSet> MakeTransportSet(absl::string_view kind, const TcpOptions& tcp,
+                                              const RdmaOptions& rdma);
+
 // Total bytes of a gather list.
 size_t TotalSize(std::span<const ConstBuffer> buffers);
 
