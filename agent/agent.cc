@@ -33,11 +33,13 @@
 #include "common/periodic.h"
 #include "common/status.h"
 #include "coordinator/client.h"
+#include "coordinator/endpoint_choice.h"
 #include "coordinator/planner/planner.h"
 #include "server/kv_client.h"
 #include "transport/frame_server.h"
 #include "transport/credentials.h"
 #include "transport/handshake.h"
+#include "transport/rdma/rdma_context.h"
 #include "transport/tcp/tcp_context.h"
 
 namespace poseidon::agent {
@@ -174,7 +176,31 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::mutex iteration_mu_;
   std::map<uint64_t, size_t> layers_done_;  // iteration -> layers completed
   absl::Time last_iteration_end_;
-  std::shared_ptr<transport::Context> ctx_;
+  // The data plane's contexts (--transport, docs/operations.md "Transport"): TCP, RDMA, or both
+  // (transports_.rdma is set only when viable). Set in Run, before any connection.
+  transport::TransportSet transports_;
+  // Whether each server (config_.servers' order) and each peer (rank order) is reached by RDMA:
+  // its endpoint chosen by kind (coordinator::ChooseEndpoint), or all false without a
+  // coordinator unless --transport=rdma.
+  std::vector<bool> server_rdma_, peer_rdma_;
+  std::vector<std::string> peer_unusable_;  // by rank: why no endpoint of that peer fits
+  // The servers' addresses for each other, sent to them for replication
+  // (coordinator::ServerToServerAddresses; config_.servers without a coordinator).
+  std::vector<std::string> replication_servers_;
+  std::string rdma_listen_;  // our RDMA listener's address when we serve both kinds
+  std::shared_ptr<transport::FrameServer> sfb_server_rdma_;
+  prometheus::Gauge* links_tcp_ = nullptr;   // poseidon_agent_links{transport="tcp"}
+  prometheus::Gauge* links_rdma_ = nullptr;  // poseidon_agent_links{transport="rdma"}
+  coordinator::LocalTransports Local() const {
+    return {transports_.tcp != nullptr, transports_.rdma != nullptr};
+  }
+  transport::Context& ContextFor(bool rdma) const {
+    transport::Context* c = transports_.For(rdma);
+    return c != nullptr ? *c : transports_.Primary();
+  }
+  void CountLink(bool rdma) {
+    if (prometheus::Gauge* g = rdma ? links_rdma_ : links_tcp_) g->Increment();
+  }
   transport::Credentials creds_;  // from the secret or the keyring (Run, before any connection)
   std::shared_ptr<transport::FrameServer> sfb_server_;
 
@@ -252,6 +278,29 @@ int Agent::Run() {
     creds_ = *std::move(creds);
   }
   config_.secret.clear();  // from here on only the derived keys exist
+  {
+    transport::TcpOptions tcp;
+    tcp.io_threads = 2;
+    transport::RdmaOptions rdma;
+    // Without a coordinator the address lists (--servers, --peers) are of one kind: TCP unless
+    // --transport=rdma.
+    const bool lists_only = config_.coordinator.empty() && config_.transport == "auto";
+    auto set = transport::MakeTransportSet(lists_only ? "tcp" : config_.transport, tcp, rdma);
+    if (!set.ok()) {
+      PSD_LOG_ERROR("refusing to start: {}", set.status().message());
+      return 2;
+    }
+    transports_ = *std::move(set);
+    PSD_LOG_INFO("transport: {}",
+                 lists_only ? std::string("tcp (--transport=auto without a coordinator: --servers "
+                                          "and --peers are TCP addresses)")
+                            : transports_.choice);
+    const bool rdma_only = transports_.tcp == nullptr;
+    server_rdma_.assign(config_.servers.size(), rdma_only);
+    peer_rdma_.assign(config_.world_size, rdma_only);
+    peer_unusable_.assign(config_.world_size, "");
+    replication_servers_ = config_.servers;
+  }
   if (config_.segment.empty()) {
     config_.segment = absl::StrCat("/poseidon-", config_.job_id, "-", config_.rank);
   }
@@ -299,14 +348,6 @@ int Agent::Run() {
     }
     timeline_ = std::move(*timeline);
   }
-  transport::TcpOptions tcp;
-  tcp.io_threads = 2;
-  auto ctx = transport::CreateTcpContext(tcp);
-  if (!ctx.ok()) {
-    Fatal(std::string(ctx.status().message()));
-    return 1;
-  }
-  ctx_ = *ctx;
   // The SFB listener starts at once so that peers can connect while we wait for our framework.
   std::string listen =
       !config_.listen.empty()
@@ -314,7 +355,7 @@ int Agent::Run() {
           : (config_.rank < config_.peers.size() ? config_.peers[config_.rank] : "");
   own_host_ = listen.empty() ? "" : HostOf(listen);
   if (!listen.empty()) {
-    auto listener = ctx_->Listen(listen);
+    auto listener = transports_.Primary().Listen(listen);
     if (!listener.ok()) {
       Fatal(absl::StrCat("cannot listen for peers on ", listen, ": ", listener.status().message()));
       return 1;
@@ -328,19 +369,42 @@ int Agent::Run() {
     secrets->SetKeys(config_.job_id, creds_.peer_keys());
     sfb_server_ = std::make_shared<transport::FrameServer>(*listener, secrets, shared_from_this());
     sfb_server_->Start();
+    // Serving both kinds (a coordinator, --transport=auto with a device): RDMA peers connect to
+    // a listener of their own (an RDMA listener serves RDMA clients only), on any port.
+    if (transports_.tcp && transports_.rdma) {
+      auto rdma_listener = transports_.rdma->Listen(absl::StrCat(own_host_, ":0"));
+      if (!rdma_listener.ok()) {
+        Fatal(absl::StrCat("cannot listen for RDMA peers on ", own_host_, ": ",
+                           rdma_listener.status().message()));
+        sfb_server_->Stop();
+        sfb_server_.reset();
+        transports_.Close();
+        return 1;
+      }
+      rdma_listen_ = (*rdma_listener)->Address();
+      sfb_server_rdma_ =
+          std::make_shared<transport::FrameServer>(*rdma_listener, secrets, shared_from_this());
+      sfb_server_rdma_->Start();
+    }
   }
   if (!config_.coordinator.empty()) {
     if (auto s = JoinCoordinator(listen); !s.ok()) {
       Fatal(absl::StrCat("joining the coordinator ", config_.coordinator, ": ", s.message()));
       if (sfb_server_) sfb_server_->Stop();
+      if (sfb_server_rdma_) sfb_server_rdma_->Stop();
       sfb_server_.reset();
-      ctx_->Close();
+      sfb_server_rdma_.reset();
+      transports_.Close();
       return 1;
     }
   }
-  PSD_LOG_INFO("agent rank {}/{} of job {}: segment {}, {} servers{}", config_.rank,
-               config_.world_size, config_.job_id, config_.segment, config_.servers.size(),
-               listen.empty() ? "" : absl::StrCat(", peers on ", listen));
+  PSD_LOG_INFO(
+      "agent rank {}/{} of job {}: segment {}, {} servers{}", config_.rank, config_.world_size,
+      config_.job_id, config_.segment, config_.servers.size(),
+      listen.empty()
+          ? ""
+          : absl::StrCat(", peers on ", listen,
+                         rdma_listen_.empty() ? "" : absl::StrCat(" and rdma://", rdma_listen_)));
   std::printf("poseidon-agent ready on %s\n", config_.segment.c_str());
   std::fflush(stdout);
 
@@ -358,9 +422,10 @@ int Agent::Run() {
     if (heartbeats_) heartbeats_->Stop();
     if (coord_) (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting");
     if (sfb_server_) sfb_server_->Stop();
+    if (sfb_server_rdma_) sfb_server_rdma_->Stop();
     env_.replication.stopping.store(true, std::memory_order_release);
     for (auto& s : env_.servers) s->Close();
-    ctx_->Close();
+    transports_.Close();
     // Drains the device streams (their callbacks use the timeline) and unpins the segment.
     stager_.store(nullptr);
     stager_owner_.reset();
@@ -368,6 +433,7 @@ int Agent::Run() {
     exposer_.reset();
     // Break the ownership cycle agent -> frame server -> handler (this agent).
     sfb_server_.reset();
+    sfb_server_rdma_.reset();
     env_.servers.clear();
     env_.peers.clear();
     return code;
@@ -452,7 +518,14 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   char host[256] = {};
   reg.host = gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "unknown-host";
   reg.gpu_index = config_.rank;
-  reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, listen));
+  // Every kind this agent serves (an RDMA-only agent's one listener is its RDMA endpoint).
+  if (transports_.tcp) {
+    reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, listen));
+  }
+  if (transports_.rdma) {
+    reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_RDMA,
+                                                      transports_.tcp ? rdma_listen_ : listen));
+  }
   reg.world_size = config_.world_size;
   reg.requested_rank = config_.rank;
   ASSIGN_OR_RETURN(coordinator::World world,
@@ -464,8 +537,21 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   }
   membership_epoch_ = world.membership_epoch;
   config_.peers.clear();
+  peer_rdma_.assign(config_.world_size, false);
+  peer_unusable_.assign(config_.world_size, "");
   for (const auto& peer : world.peers) {
-    config_.peers.push_back(peer.endpoints_size() > 0 ? peer.endpoints(0).address() : "");
+    const size_t p = config_.peers.size();
+    auto chosen = coordinator::ChooseEndpoint(
+        peer.endpoints(), Local(),
+        absl::StrCat("peer agent of rank ", p, " (", peer.node_id(), ")"));
+    if (!chosen.ok()) {
+      // Only SFB needs the peers: ConnectPeers fails naming it if this job does.
+      if (p < peer_unusable_.size()) peer_unusable_[p] = std::string(chosen.status().message());
+      config_.peers.push_back("");
+      continue;
+    }
+    if (p < peer_rdma_.size()) peer_rdma_[p] = chosen->kind == v1::TRANSPORT_KIND_RDMA;
+    config_.peers.push_back(chosen->address);
   }
   coordinator::CoordinatorClient::HeartbeatOptions hb;
   hb.iteration = [this] { return last_iteration_.load(); };
@@ -491,6 +577,10 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     telemetry_ = std::make_unique<TelemetryReporter>(
         coord_.get(), config_.telemetry_interval, std::move(servers), std::move(peers),
         config_.rank, [this] { return last_iteration_.load(); });
+    for (uint32_t p = 0; p < peer_rdma_.size(); ++p) {
+      telemetry_->SetPeerTransport(
+          p, peer_rdma_[p] ? v1::TRANSPORT_KIND_RDMA : v1::TRANSPORT_KIND_TCP);
+    }
     telemetry_->Start();
   }
   PSD_LOG_INFO("rendezvous with {}: rank {} of {}, {} servers", config_.coordinator, world.rank,
@@ -513,17 +603,22 @@ void Agent::ProbeServers(const coordinator::World& world) {
   absl::SleepFor(std::min(slot * static_cast<double>(config_.rank), absl::Seconds(5)));
   std::vector<v1::LinkTelemetry> links;
   std::vector<std::string> addresses;
+  std::vector<bool> rdma;
   for (const v1::ServerInfo& server : world.servers) {
-    addresses.push_back(server.endpoints_size() > 0 ? server.endpoints(0).address() : "");
+    auto chosen = coordinator::ChooseEndpoint(server.endpoints(), Local(),
+                                              absl::StrCat("server ", server.node_id()));
+    if (!chosen.ok()) PSD_LOG_WARN("bandwidth probe: {}", chosen.status().message());
+    addresses.push_back(chosen.ok() ? chosen->address : "");
+    rdma.push_back(chosen.ok() && chosen->kind == v1::TRANSPORT_KIND_RDMA);
   }
   const std::vector<bool> measured = MeasuredServers(addresses, own_host_);
   for (size_t s = 0; s < world.servers.size(); ++s) {
     const v1::ServerInfo& server = world.servers[s];
-    if (server.endpoints_size() == 0 || !measured[s]) continue;
-    const std::string& address = server.endpoints(0).address();
+    if (addresses[s].empty() || !measured[s]) continue;
+    const std::string& address = addresses[s];
     absl::StatusOr<server::KvClient::Probe> bandwidth = absl::UnavailableError("not connected");
-    auto client = server::KvClient::Connect(*ctx_, address, config_.job_id, config_.rank,
-                                            creds_.server_key(), absl::Seconds(10));
+    auto client = server::KvClient::Connect(ContextFor(rdma[s]), address, config_.job_id,
+                                            config_.rank, creds_.server_key(), absl::Seconds(10));
     if (client.ok()) {
       bandwidth = (*client)->MeasureBandwidth(config_.probe_bytes, 2, absl::Seconds(10));
       (*client)->Close();
@@ -540,7 +635,7 @@ void Agent::ProbeServers(const coordinator::World& world) {
                  config_.probe_bytes, absl::FormatDuration(bandwidth->round_trip));
     v1::LinkTelemetry link;
     link.set_peer_node_id(server.node_id());
-    link.set_transport(v1::TRANSPORT_KIND_TCP);
+    link.set_transport(rdma[s] ? v1::TRANSPORT_KIND_RDMA : v1::TRANSPORT_KIND_TCP);
     link.set_capacity_bytes_per_second(bandwidth->bytes_per_second);
     // The first plan's latency too (round trip / 2 for the coordinator), instead of its nominal.
     link.set_latency_ns(static_cast<uint64_t>(
@@ -581,12 +676,22 @@ absl::Status Agent::Register() {
     ASSIGN_OR_RETURN(plan, coord_->RegisterModel(model, rule, {}, config_.attach_timeout,
                                                  AllreducePossible()));
     config_.servers.clear();
+    server_rdma_.clear();
     for (const auto& server : plan.servers()) {
       if (server.endpoints_size() == 0) {
         return absl::FailedPreconditionError(
             absl::StrCat("the plan names server ", server.node_id(), " without an address"));
       }
-      config_.servers.push_back(server.endpoints(0).address());
+      ASSIGN_OR_RETURN(coordinator::ChosenEndpoint chosen,
+                       coordinator::ChooseEndpoint(server.endpoints(), Local(),
+                                                   absl::StrCat("server ", server.node_id())));
+      if (telemetry_) telemetry_->SetServerTransport(config_.servers.size(), chosen.kind);
+      server_rdma_.push_back(chosen.kind == v1::TRANSPORT_KIND_RDMA);
+      config_.servers.push_back(chosen.address);
+    }
+    replication_servers_ = config_.servers;
+    if (config_.replicas > 0 && plan.servers_size() > 1) {
+      ASSIGN_OR_RETURN(replication_servers_, coordinator::ServerToServerAddresses(plan.servers()));
     }
   } else {
     planner::PlannerConfig pc;
@@ -745,7 +850,7 @@ absl::Status Agent::ConnectServers() {
     r.set_num_workers(config_.world_size);
     r.set_average_gradients(server_rule_.rule != 0);
     if (replicas > 0) {
-      for (const auto& address : config_.servers) r.add_servers(address);
+      for (const auto& address : replication_servers_) r.add_servers(address);
       r.set_server_index(s);
       r.set_replicas(replicas);
     }
@@ -818,8 +923,9 @@ absl::Status Agent::ConnectServers() {
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     absl::StatusOr<std::shared_ptr<server::KvClient>> client;
     while (true) {
-      client = server::KvClient::Connect(*ctx_, config_.servers[s], config_.job_id, config_.rank,
-                                         creds_.server_key(), absl::Seconds(10));
+      client =
+          server::KvClient::Connect(ContextFor(server_rdma_[s]), config_.servers[s], config_.job_id,
+                                    config_.rank, creds_.server_key(), absl::Seconds(10));
       if (client.ok() || absl::Now() > deadline) break;
       absl::SleepFor(absl::Milliseconds(200));
     }
@@ -838,6 +944,7 @@ absl::Status Agent::ConnectServers() {
       RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30)));
     }
     env_.servers.push_back(*client);
+    CountLink(server_rdma_[s]);
     const MetricLabels labels = {{"server", std::to_string(s)}};
     env_.metrics.push_bytes.push_back(
         metrics_.GetCounter("poseidon_agent_push_bytes_total", "Gradient bytes pushed", labels)
@@ -854,10 +961,12 @@ absl::Status Agent::ConnectPeers() {
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
   for (uint32_t p = 0; p < config_.world_size; ++p) {
     if (p == config_.rank) continue;
+    if (!peer_unusable_[p].empty()) return absl::FailedPreconditionError(peer_unusable_[p]);
     absl::StatusOr<std::shared_ptr<transport::Connection>> conn;
     while (true) {
-      conn = transport::ConnectAuthenticated(*ctx_, config_.peers[p], config_.job_id, config_.rank,
-                                             *creds_.PeerKey(p), absl::Seconds(10));
+      conn = transport::ConnectAuthenticated(ContextFor(peer_rdma_[p]), config_.peers[p],
+                                             config_.job_id, config_.rank, *creds_.PeerKey(p),
+                                             absl::Seconds(10));
       if (conn.ok() || absl::Now() > deadline) break;
       absl::SleepFor(absl::Milliseconds(200));
     }
@@ -866,6 +975,7 @@ absl::Status Agent::ConnectPeers() {
                       absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]));
     }
     env_.peers[p] = *conn;
+    CountLink(peer_rdma_[p]);
   }
   peers_alive_->Set(static_cast<double>(config_.world_size - 1));
   return absl::OkStatus();
@@ -1062,6 +1172,16 @@ void Agent::SetUpMetrics() {
   credit_in_use_ = gauge("poseidon_agent_credit_in_use_bytes", "Bytes in flight (the credit)");
   plan_epoch_ = gauge("poseidon_agent_plan_epoch", "Epoch of the plan in use");
   peers_alive_ = gauge("poseidon_agent_peers_connected", "Other agents connected for SFB");
+  for (const char* kind : {"tcp", "rdma"}) {
+    prometheus::Gauge* g =
+        metrics_
+            .GetGauge(
+                "poseidon_agent_links",
+                "Data-plane connections this agent opened (to servers and peers), by transport",
+                {{"transport", kind}})
+            .value_or(nullptr);
+    (kind[0] == 't' ? links_tcp_ : links_rdma_) = g;
+  }
   iteration_seconds_ = metrics_
                            .GetHistogram("poseidon_agent_iteration_seconds",
                                          "Time between the completions of consecutive iterations",
@@ -1233,8 +1353,9 @@ absl::Status Agent::ApplyPlan(const v1::Plan& plan) {
   }
   for (int s = 0; s < plan.servers_size(); ++s) {
     const auto& server = plan.servers(s);
-    if (server.endpoints_size() == 0 ||
-        server.endpoints(0).address() != config_.servers[static_cast<size_t>(s)]) {
+    const auto chosen = coordinator::ChooseEndpoint(server.endpoints(), Local(),
+                                                    absl::StrCat("server ", server.node_id()));
+    if (!chosen.ok() || chosen->address != config_.servers[static_cast<size_t>(s)]) {
       return absl::FailedPreconditionError(
           absl::StrCat("server ", s, " moved (", config_.servers[static_cast<size_t>(s)], ")"));
     }

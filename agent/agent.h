@@ -33,6 +33,11 @@ struct AgentConfig {
   std::vector<std::string> peers;    // every agent's SFB address, rank order (may be empty: no SFB)
   std::string listen;                // our SFB address (peers[rank] when empty)
   std::string scheme = "auto";       // auto (HybComm), ps, sfb, allreduce
+  // The data plane (docs/operations.md "Transport"): "auto" (RDMA and TCP where an RDMA device
+  // is usable, else TCP; without a coordinator TCP), "tcp", or "rdma" (only; refused, exit 2,
+  // without a usable device). With both, each server and peer is reached by RDMA when it
+  // advertises an RDMA endpoint, else by TCP.
+  std::string transport = "auto";
   // What PS pushes and pulls carry: "fp32" (exact) or "bf16" (half the bytes, lossy, with error
   // feedback on both ends; the sum rule only). A job setting: every rank must give the same (the
   // servers refuse a registration that differs).

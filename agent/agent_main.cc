@@ -22,6 +22,7 @@ struct Flags {
   std::string peers;
   std::string listen;
   std::string scheme = "auto";
+  std::string transport = "auto";
   std::string wire = "fp32";
   int64_t replicas = 1;
   double bandwidth = 1.25e9;
@@ -70,6 +71,10 @@ poseidon::ConfigSchema<Flags> Schema() {
              "auto (HybComm plan), ps, sfb (FC layers; the rest PS), allreduce (every layer; "
              "needs a coordinator)",
              poseidon::OneOf({"auto", "ps", "sfb", "allreduce"}))
+      .Field("transport", &Flags::transport,
+             "data plane: auto (RDMA and TCP where an RDMA device is usable, else TCP; TCP "
+             "without a coordinator), tcp, or rdma (only; refused without a device)",
+             poseidon::OneOf({"auto", "tcp", "rdma"}))
       .Field("wire", &Flags::wire,
              "what PS pushes and pulls carry: fp32 (exact) or bf16 (half the bytes, lossy, with "
              "error feedback; not with a server-side update rule); every rank the same",
@@ -164,6 +169,7 @@ int main(int argc, char** argv) {
   c.peers = List(f.peers);
   c.listen = f.listen;
   c.scheme = f.scheme;
+  c.transport = f.transport;
   c.wire = f.wire;
   c.replicas = static_cast<uint32_t>(f.replicas);
   c.bandwidth_bytes_per_second = f.bandwidth;

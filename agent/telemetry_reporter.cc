@@ -94,6 +94,17 @@ void TelemetryReporter::AddServerLatency(size_t server, absl::Duration round_tri
   LowerTo(links_[server].min_rtt_ns, std::max<uint64_t>(1, Nanos(round_trip)));
 }
 
+void TelemetryReporter::SetServerTransport(size_t server, v1::TransportKind kind) {
+  if (server >= servers_) return;
+  links_[server].transport.store(kind, std::memory_order_relaxed);
+}
+
+void TelemetryReporter::SetPeerTransport(uint32_t rank, v1::TransportKind kind) {
+  const size_t link = servers_ + rank;
+  if (link >= link_ids_.size()) return;
+  links_[link].transport.store(kind, std::memory_order_relaxed);
+}
+
 void TelemetryReporter::SetServerPing(ServerPing ping, int pings) {
   std::lock_guard<std::mutex> lock(ping_mu_);
   ping_ = std::move(ping);
@@ -180,7 +191,8 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
     if (link_ids_[i].empty()) continue;  // ourselves
     v1::LinkTelemetry* link = request.add_links();
     link->set_peer_node_id(link_ids_[i]);
-    link->set_transport(v1::TRANSPORT_KIND_TCP);
+    link->set_transport(
+        static_cast<v1::TransportKind>(links_[i].transport.load(std::memory_order_relaxed)));
     link->set_bytes(sent_window);
     link->set_received_bytes(received_window);
     link->set_window_ns(window_ns);

@@ -26,6 +26,7 @@
 #include "server/replicator.h"
 #include "server/server_telemetry.h"
 #include "transport/frame_server.h"
+#include "transport/rdma/rdma_context.h"
 #include "transport/tcp/tcp_context.h"
 
 namespace poseidon::server {
@@ -33,6 +34,8 @@ namespace {
 
 struct ServerConfig {
   std::string listen = "0.0.0.0:7100";
+  std::string transport = "auto";
+  std::string rdma_listen;
   std::string metrics_listen;
   std::string secrets_file;
   uint64_t job_id = 0;
@@ -62,6 +65,13 @@ ConfigSchema<ServerConfig> Schema() {
   ConfigSchema<ServerConfig> s("poseidon-server");
   s.Field("listen", &ServerConfig::listen, "data-plane address to listen on (host:port)",
           NonEmpty())
+      .Field("transport", &ServerConfig::transport,
+             "data plane: auto (RDMA and TCP where an RDMA device is usable, else TCP; TCP "
+             "without a coordinator), tcp, or rdma (only, on listen; refused without a device)",
+             OneOf({"auto", "tcp", "rdma"}))
+      .Field("rdma_listen", &ServerConfig::rdma_listen,
+             "serving both transports: the RDMA listener's address (default: listen's host, "
+             "any port; advertised to the coordinator)")
       .Field("metrics_listen", &ServerConfig::metrics_listen,
              "Prometheus /metrics address (host:port); empty: off")
       .Field("secrets_file", &ServerConfig::secrets_file,
@@ -196,13 +206,26 @@ int Main(int argc, char** argv) {
   transport::TcpOptions tcp;
   tcp.io_threads = static_cast<int>(config.io_threads);
   tcp.limits.max_payload_bytes = config.max_payload;
-  auto ctx = transport::CreateTcpContext(tcp);
-  if (!ctx.ok()) {
-    PSD_LOG_ERROR("refusing to start: {}", ctx.status().message());
+  transport::RdmaOptions rdma;
+  rdma.limits.max_payload_bytes = config.max_payload;
+  // Without a coordinator agents reach this server by their --servers list: TCP unless
+  // --transport=rdma.
+  const bool lists_only = config.coordinator.empty() && config.transport == "auto";
+  auto transport_set =
+      transport::MakeTransportSet(lists_only ? "tcp" : config.transport, tcp, rdma);
+  if (!transport_set.ok()) {
+    PSD_LOG_ERROR("refusing to start: {}", transport_set.status().message());
     return 2;
   }
-  // Replicas of the keys this server is the primary of go to their backups from here.
-  auto replicas = std::make_shared<KvReplicaSender>(*ctx, secrets, config.peer_timeout);
+  const transport::TransportSet transports = *std::move(transport_set);
+  PSD_LOG_INFO("transport: {}", lists_only ? std::string("tcp (--transport=auto without a "
+                                                         "coordinator: agents use --servers)")
+                                           : transports.choice);
+  // Replicas of the keys this server is the primary of go to their backups from here: over TCP
+  // when this server has it (agents send the backups' TCP addresses then), else RDMA
+  // (coordinator::ServerToServerAddresses).
+  auto replicas = std::make_shared<KvReplicaSender>(
+      transports.tcp ? transports.tcp : transports.rdma, secrets, config.peer_timeout);
 
   EngineOptions engine_options;
   engine_options.replica_sender = replicas;
@@ -244,10 +267,26 @@ int Main(int argc, char** argv) {
     };
   }
 
-  auto listener = (*ctx)->Listen(config.listen);
+  auto listener = transports.Primary().Listen(config.listen);
   if (!listener.ok()) {
     PSD_LOG_ERROR("refusing to start: {}", listener.status().message());
     return 2;
+  }
+  // Serving both kinds: RDMA clients connect to a listener of their own (an RDMA listener
+  // serves RDMA clients only).
+  std::shared_ptr<transport::Listener> rdma_listener;
+  if (transports.tcp && transports.rdma) {
+    std::string rdma_listen = config.rdma_listen;
+    if (rdma_listen.empty()) {
+      rdma_listen = absl::StrCat(config.listen.substr(0, config.listen.rfind(':')), ":0");
+    }
+    auto l = transports.rdma->Listen(rdma_listen);
+    if (!l.ok()) {
+      PSD_LOG_ERROR("refusing to start: RDMA listener on {}: {}", rdma_listen,
+                    l.status().message());
+      return 2;
+    }
+    rdma_listener = *l;
   }
   auto pool = BufferPool::Create(size_t{1} << 30);
   KvServiceOptions service_options;
@@ -257,6 +296,12 @@ int Main(int argc, char** argv) {
   fs_options.handshake_timeout = config.handshake_timeout;
   auto server = std::make_shared<transport::FrameServer>(*listener, secrets, service, fs_options);
   server->Start();
+  std::shared_ptr<transport::FrameServer> rdma_server;
+  if (rdma_listener) {
+    rdma_server =
+        std::make_shared<transport::FrameServer>(rdma_listener, secrets, service, fs_options);
+    rdma_server->Start();
+  }
 
   MetricsRegistry registry;
   std::unique_ptr<MetricsExposer> exposer;
@@ -300,13 +345,26 @@ int Main(int argc, char** argv) {
         st.backups_lost);
     auto* active =
         registry.GetGauge("poseidon_server_connections", "Open peer connections").value();
+    auto by_transport = [&](const char* kind) {
+      return registry
+          .GetGauge("poseidon_server_transport_connections",
+                    "Open peer connections by transport (the listener they came in by)",
+                    {{"transport", kind}})
+          .value();
+    };
+    prometheus::Gauge* by_tcp = by_transport("tcp");
+    prometheus::Gauge* by_rdma = by_transport("rdma");
     while (!stop_metrics.load()) {
       for (auto& e : exported) {
         const uint64_t now = e.source->load(std::memory_order_relaxed);
         e.counter->Increment(static_cast<double>(now - e.last));
         e.last = now;
       }
-      active->Set(static_cast<double>(server->Stats().active));
+      const uint64_t primary = server->Stats().active;
+      const uint64_t over_rdma = rdma_server ? rdma_server->Stats().active : 0;
+      active->Set(static_cast<double>(primary + over_rdma));
+      by_tcp->Set(static_cast<double>(transports.tcp ? primary : 0));
+      by_rdma->Set(static_cast<double>(transports.tcp ? over_rdma : primary));
       service->CheckSilence();  // this thread's other duty: frozen agents, every 500 ms
       absl::SleepFor(absl::Milliseconds(500));
     }
@@ -317,12 +375,14 @@ int Main(int argc, char** argv) {
     std::atomic<bool>& stop;
     std::thread& thread;
     std::shared_ptr<transport::FrameServer>& server;
+    std::shared_ptr<transport::FrameServer>& rdma_server;
     ~StopOnExit() {
       stop = true;
       if (thread.joinable()) thread.join();
       server->Stop();
+      if (rdma_server) rdma_server->Stop();
     }
-  } stop_on_exit{stop_metrics, metrics_thread, server};
+  } stop_on_exit{stop_metrics, metrics_thread, server, rdma_server};
 
   // Join the coordinator's registry so agents learn this server from their plan.
   std::unique_ptr<coordinator::CoordinatorClient> coord;
@@ -344,7 +404,22 @@ int Main(int argc, char** argv) {
     char host[256] = {};
     reg.host = gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "unknown-host";
     const std::string advertise = config.advertise.empty() ? server->Address() : config.advertise;
-    reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, advertise));
+    // Every kind this server serves (an RDMA-only server's one listener is its RDMA endpoint);
+    // the RDMA listener is advertised at the advertised host.
+    if (transports.tcp) {
+      reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, advertise));
+    }
+    if (transports.rdma) {
+      std::string rdma_advertise = advertise;
+      if (rdma_server) {
+        const std::string bound = rdma_server->Address();
+        rdma_advertise = config.advertise.empty()
+                             ? bound
+                             : absl::StrCat(advertise.substr(0, advertise.rfind(':')),
+                                            bound.substr(bound.rfind(':')));
+      }
+      reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_RDMA, rdma_advertise));
+    }
     if (!one_job) {
       for (uint64_t job : *jobs) reg.jobs.push_back(absl::StrCat(job));
     }
@@ -361,13 +436,20 @@ int Main(int argc, char** argv) {
           [client = coord.get()](const v1::ReportTelemetryRequest& request,
                                  absl::Duration timeout) {
             return client->ReportTelemetry(request, timeout);
+          },
+          // Serving both kinds, a peer's kind is the listener its connections came in by.
+          [rdma_server, rdma_only = transports.tcp == nullptr](uint64_t job, uint32_t rank) {
+            return rdma_only || (rdma_server && rdma_server->HasPeer(job, rank))
+                       ? v1::TRANSPORT_KIND_RDMA
+                       : v1::TRANSPORT_KIND_TCP;
           });
       telemetry->Start();
     }
   }
 
-  PSD_LOG_INFO("serving on {} ({} engine threads{}{})", server->Address(), config.workers,
-               exposer ? absl::StrCat(", metrics on ", exposer->address()) : "",
+  PSD_LOG_INFO("serving on {}{} ({} engine threads{}{})", server->Address(),
+               rdma_server ? absl::StrCat(" and rdma://", rdma_server->Address()) : "",
+               config.workers, exposer ? absl::StrCat(", metrics on ", exposer->address()) : "",
                config.checkpoint_dir.empty()
                    ? ""
                    : absl::StrCat(", checkpoints in ", config.checkpoint_dir));
@@ -396,8 +478,9 @@ int Main(int argc, char** argv) {
   if (heartbeats) heartbeats->Stop();
   if (coord) (void)coord->Deregister("shutting down");
   server->Stop();
+  if (rdma_server) rdma_server->Stop();
   replicas->Stop();
-  (*ctx)->Close();
+  transports.Close();
   PSD_LOG_INFO("stopped");  // stop_on_exit joins the metrics thread
   return rc;
 }

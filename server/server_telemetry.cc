@@ -9,10 +9,12 @@ namespace poseidon::server {
 
 namespace v1 = ::poseidon::v1;
 
-ServerTelemetry::ServerTelemetry(Source source, absl::Duration interval, Send send)
+ServerTelemetry::ServerTelemetry(Source source, absl::Duration interval, Send send,
+                                 TransportOf transport_of)
     : source_(std::move(source)),
       interval_(interval),
       send_(std::move(send)),
+      transport_of_(std::move(transport_of)),
       window_start_(absl::Now()) {}
 
 ServerTelemetry::~ServerTelemetry() {
@@ -58,7 +60,8 @@ v1::ReportTelemetryRequest ServerTelemetry::Collect(absl::Time now) {
     v1::LinkTelemetry* link = request.add_links();
     link->set_peer_job_id(absl::StrCat(row.totals->job_id));
     link->set_peer_rank(row.totals->rank);
-    link->set_transport(v1::TRANSPORT_KIND_TCP);
+    link->set_transport(transport_of_ ? transport_of_(row.totals->job_id, row.totals->rank)
+                                      : v1::TRANSPORT_KIND_TCP);
     link->set_bytes(row.sent);
     link->set_received_bytes(row.received);
     link->set_window_ns(window_ns);

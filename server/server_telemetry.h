@@ -37,7 +37,11 @@ class ServerTelemetry {
   // Links reported at most per window (the coordinator's limit); the busiest peers first beyond.
   static constexpr size_t kMaxLinks = 4096;
 
-  ServerTelemetry(Source source, absl::Duration interval, Send send = {});
+  // The transport a peer's connections use (the listener it came in by); TCP when not set.
+  using TransportOf = std::function<poseidon::v1::TransportKind(uint64_t job_id, uint32_t rank)>;
+
+  ServerTelemetry(Source source, absl::Duration interval, Send send = {},
+                  TransportOf transport_of = {});
   ~ServerTelemetry();
   ServerTelemetry(const ServerTelemetry&) = delete;
   ServerTelemetry& operator=(const ServerTelemetry&) = delete;
@@ -56,6 +60,7 @@ class ServerTelemetry {
   const Source source_;
   const absl::Duration interval_;
   const Send send_;
+  const TransportOf transport_of_;  // called by Collect under mu_
 
   std::mutex mu_;  // Collect
   absl::Time window_start_;

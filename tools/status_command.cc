@@ -269,12 +269,14 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     std::printf("\n");
   }
   // Every node's links, from its latest telemetry (achieved throughput over its window).
-  std::vector<std::vector<std::string>> links = {
-      {"LINK FROM", "TO", "SENT", "RECEIVED", "WINDOW", "BYTES/S", "BANDWIDTH", "LATENCY"}};
+  std::vector<std::vector<std::string>> links = {{"LINK FROM", "TO", "TRANSPORT", "SENT",
+                                                  "RECEIVED", "WINDOW", "BYTES/S", "BANDWIDTH",
+                                                  "LATENCY"}};
   for (const v1::NodeStatus& n : status.nodes()) {
     for (const v1::LinkStatus& link : n.links()) {
       links.push_back(
-          {NodeName(n), Peer(n, link), Bytes(link.sent_bytes()), Bytes(link.received_bytes()),
+          {NodeName(n), Peer(n, link), TransportName(link.transport()), Bytes(link.sent_bytes()),
+           Bytes(link.received_bytes()),
            link.window_ns() == 0 ? "-" : Seconds(static_cast<double>(link.window_ns()) / 1e9),
            Throughput(link.bytes_per_second()), Bandwidth(link), Latency(link.latency_ns())});
     }
