@@ -113,6 +113,14 @@ set(CPACK_DEBIAN_PYTHON_PACKAGE_SUGGESTS "python3-torch")
 set(CPACK_DEBIAN_CLI_PACKAGE_DEPENDS "python3-poseidon (= ${PROJECT_VERSION}-1)")
 set(CPACK_DEBIAN_CLI_PACKAGE_RECOMMENDS "poseidon-server, poseidon-coordinator, poseidon-agent")
 set(CPACK_DEBIAN_CUDA_PACKAGE_DEPENDS "poseidon-agent (= ${PROJECT_VERSION}-1)")
+# With the RDMA transport every executable linking poseidon_transport (poseidon-server,
+# poseidon-agent) needs libibverbs.so.1: dpkg-shlibdeps adds `libibverbs1` to their Depends from
+# the linked library (as for gRPC and protobuf). The verbs providers that drive a real device come
+# from ibverbs-providers (rdma-core), recommended: without one, --transport=auto falls back to TCP.
+if(POSEIDON_RDMA_ENABLED)
+  set(CPACK_DEBIAN_SERVER_PACKAGE_RECOMMENDS "ibverbs-providers")
+  set(CPACK_DEBIAN_AGENT_PACKAGE_RECOMMENDS "ibverbs-providers")
+endif()
 # The CUDA runtime and cuBLAS come from NVIDIA's toolkit under /usr/local/cuda, not a Debian
 # package: dpkg-shlibdeps cannot name a package for them.
 set(CPACK_DEBIAN_CUDA_PACKAGE_SHLIBDEPS OFF)
