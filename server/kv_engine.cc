@@ -619,8 +619,9 @@ void KvEngine::OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<
   });
 }
 
-void KvEngine::Push(RequestContext ctx, PooledBuffer data, std::function<void()> done) {
-  OnKeyWorker(std::move(ctx), std::move(data), std::move(done),
+void KvEngine::Push(RequestContext request, PooledBuffer payload,
+                    std::function<void()> finished) {
+  OnKeyWorker(std::move(request), std::move(payload), std::move(finished),
               [this](Worker& w, Key& k, const RequestContext& ctx, PooledBuffer& data,
                      std::function<void()>& done, const auto& fail) {
     const FrameHeader& h = ctx.header;
@@ -876,8 +877,9 @@ absl::Status KvEngine::CheckEpoch(Key& k, const FrameHeader& h) {
   return absl::OkStatus();
 }
 
-void KvEngine::Replicate(RequestContext ctx, PooledBuffer data, std::function<void()> done) {
-  OnKeyWorker(std::move(ctx), std::move(data), std::move(done),
+void KvEngine::Replicate(RequestContext request, PooledBuffer payload,
+                    std::function<void()> finished) {
+  OnKeyWorker(std::move(request), std::move(payload), std::move(finished),
               [this](Worker&, Key& k, const RequestContext& ctx, PooledBuffer& data,
                      std::function<void()>& done, const auto& fail) {
     const FrameHeader& h = ctx.header;
