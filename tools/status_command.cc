@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "coordinator/client.h"
+#include "coordinator/endpoint_choice.h"
 #include "tools/coordinator_cli.h"
 #include "tools/json_writer.h"
 
@@ -90,16 +91,7 @@ std::string SchemeName(v1::SyncScheme scheme) {
 }
 
 std::string TransportName(v1::TransportKind kind) {
-  switch (kind) {
-    case v1::TRANSPORT_KIND_TCP:
-      return "tcp";
-    case v1::TRANSPORT_KIND_RDMA:
-      return "rdma";
-    case v1::TRANSPORT_KIND_INPROC:
-      return "inproc";
-    default:
-      return "?";
-  }
+  return std::string(coordinator::TransportKindName(kind));
 }
 
 std::string Endpoints(const v1::NodeStatus& node) {
