@@ -28,24 +28,7 @@ using std::chrono::milliseconds;
 
 constexpr char kSecret[] = "e2e-secret";
 
-// A loopback port that is free now, below the ephemeral range (32768+), so that no outgoing
-// connection can take it before the agent binds it. Another test may still pick the same one:
-// Cluster retries with new ports when an agent cannot bind.
-int FreePort() {
-  static std::mt19937 rng(static_cast<unsigned>(::getpid()) * 7919u +
-                          static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
-  while (true) {
-    const int port = 20000 + static_cast<int>(rng() % 12000);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    close(fd);
-    if (ok) return port;
-  }
-}
+int FreePort() { return FreeLoopbackPort(); }
 
 std::string Join(const std::vector<std::string>& v) {
   std::string s;

@@ -3,6 +3,14 @@
 // child so a failing test never leaves processes behind.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <random>
+
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -115,5 +123,25 @@ class Subprocess {
   bool exited_ = false;
   int code_ = -1;
 };
+
+// A loopback port that is free now, below the ephemeral range (32768+), so that no outgoing
+// connection can take it before the agent binds it. Another test may still pick the same one:
+// Cluster retries with new ports when an agent cannot bind.
+inline int FreeLoopbackPort() {
+  static std::mt19937 rng(static_cast<unsigned>(::getpid()) * 7919u +
+                          static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  while (true) {
+    const int port = 20000 + static_cast<int>(rng() % 12000);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (ok) return port;
+  }
+}
+
 
 }  // namespace poseidon::testing

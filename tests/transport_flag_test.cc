@@ -115,22 +115,7 @@ std::string TrainTinyModel(const std::string& transport_flag) {
   if (address.empty()) return "";
   // Both agents' peer ports: free loopback ports below the ephemeral range, chosen here; one
   // taken meanwhile (by another test) makes that agent refuse at once: start both again.
-  std::mt19937 rng(
-      static_cast<unsigned>(::getpid()) ^
-      static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
-  auto free_port = [&] {
-    while (true) {
-      const int port = 20000 + static_cast<int>(rng() % 12000);
-      int fd = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      a.sin_port = htons(static_cast<uint16_t>(port));
-      const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-      close(fd);
-      if (ok) return "127.0.0.1:" + std::to_string(port);
-    }
-  };
+  auto free_port = [] { return "127.0.0.1:" + std::to_string(FreeLoopbackPort()); };
   std::vector<std::unique_ptr<Subprocess>> agents, synths;
   std::vector<std::string> segments, said;
   auto unlink_segments = [&] {
@@ -146,7 +131,8 @@ std::string TrainTinyModel(const std::string& transport_flag) {
     segments.clear();
     said.assign(2, "");
     const std::string peers = free_port() + "," + free_port();
-    const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(rng() % 100000);
+    static int clusters = 0;  // unique per cluster: a killed agent leaves its segment behind
+    const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(clusters++);
     for (int r = 0; r < 2; ++r) {
       segments.push_back("/psd-tflag-" + tag + "-" + std::to_string(r));
       std::vector<std::string> argv = AgentArgs(
