@@ -289,6 +289,12 @@ void KvClient::OnDone(Ticket ticket, std::function<void(absl::Status)> done) {
 }
 
 void KvClient::FailAll(const absl::Status& status) {
+  // Every connection goes, so that every send still in flight completes (with an error, or OK
+  // if it was handed to the network first). A request whose send is not done yet keeps its
+  // callback until it is (Finish): the transport may still be reading its buffers, which the
+  // caller may reuse once the callback ran (a server's key state, replicated without a copy,
+  // is overwritten by the next clock).
+  for (auto& c : conns_) c->Close();
   std::vector<std::pair<std::function<void(absl::Status)>, absl::Status>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -296,12 +302,12 @@ void KvClient::FailAll(const absl::Status& status) {
     for (auto it = pending_.begin(); it != pending_.end();) {
       Pending& p = it->second;
       if (!p.answered || !p.send_done) {
-        p.answered = p.send_done = true;
+        p.answered = true;
         if (p.status.ok()) {
           p.status = absl::Status(status.code(), absl::StrCat(p.what, ": ", status.message()));
           if (p.answer_started) p.status.SetPayload(kAnswerStarted, absl::Cord("1"));
         }
-        if (p.on_done) {
+        if (p.on_done && p.send_done) {
           callbacks.emplace_back(std::move(p.on_done), p.status);
           it = pending_.erase(it);
           continue;

@@ -123,6 +123,9 @@ struct KvEngine::Key {
   bool fenced = false;
   bool replicating = false;
   uint64_t replicating_clock = 0;
+  // Every rank pushed the next clock while a replica was being sent: it completes once every
+  // backup answered (the replica is sent from the key's own state, which completing changes).
+  bool complete_deferred = false;
   int replicas_outstanding = 0;
   std::vector<uint8_t> backup_lost;  // by chain position: given up after a failed send
   uint64_t steps_wire = 0;           // the optimizer's step count as the REPLICATE frame's prefix
@@ -714,7 +717,13 @@ void KvEngine::Push(RequestContext request, PooledBuffer payload,
     stats_.push_bytes.fetch_add(data.size(), std::memory_order_relaxed);
     data = PooledBuffer();  // back to the pool before the reply
     ack();
-    if (k.count == k.workers) Complete(w, k);
+    if (k.count == k.workers) {
+      if (k.replicating) {
+        k.complete_deferred = true;
+      } else {
+        Complete(w, k);
+      }
+    }
   });
 }
 
@@ -749,7 +758,9 @@ bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
   h.key = k.key;
   h.clock = clock;
   // The key's own buffers, without a copy: nothing changes them before every backup answered
-  // (the pulls of this clock wait for that, and no rank pushes the next clock before its pull).
+  // (the pulls of this clock wait for that, and no rank pushes the next clock before its pull;
+  // the initial value's replica is pulled by no one, so a clock that completes while it is
+  // still being sent waits for it: Key::complete_deferred).
   std::vector<transport::ConstBuffer> payload;
   if (k.IsSum()) {
     payload.emplace_back(std::as_bytes(std::span<const float>(k.result)));
@@ -774,9 +785,13 @@ bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
     const uint32_t server = k.chain[p];
     options_.replica_sender->Send(
         k.job->job_id, k.job->self, k.job->servers[server], h, payload,
-        [this, worker, key, p, clock](absl::Status s) {
-          worker->Post([this, worker, key, p, clock, s = std::move(s)] {
-            OnReplicated(*worker, *key, p, clock, s);
+        [this, worker, key, p, clock](const absl::Status& s) {
+          // A status of its own for the worker thread: a shared one's reference count lives in
+          // Abseil (not built with ThreadSanitizer), so its release on this thread and the
+          // worker's read of the message look racy.
+          worker->Post([this, worker, key, p, clock, code = s.code(),
+                        message = std::string(s.message())] {
+            OnReplicated(*worker, *key, p, clock, absl::Status(code, message));
           });
         });
   }
@@ -823,12 +838,17 @@ void KvEngine::OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock,
   if (--k.replicas_outstanding > 0) return;
   k.replicating = false;
   if (k.fenced) {
+    k.complete_deferred = false;  // a later epoch's primary aggregates it
     FailPulls(k, absl::AbortedError(absl::StrCat(
                      k.Name(), " moved off this server (", j.Server(j.self), ", epoch ", k.epoch,
                      "): a later epoch's primary serves it")));
     return;
   }
   AnswerPulls(w, k);
+  if (k.complete_deferred) {
+    k.complete_deferred = false;
+    Complete(w, k);
+  }
 }
 
 void KvEngine::FailPulls(Key& k, const absl::Status& why) {
