@@ -717,7 +717,8 @@ absl::Status Agent::Register() {
         "--scheme=allreduce needs several ranks and a coordinator (Gloo's rendezvous store), "
         "and no server-side update rule");
   }
-  to.bucket_bytes = config_.bucket_bytes;
+  to.fusion_from_plan = config_.fusion == "plan";
+  to.bucket_bytes = config_.fusion == "bytes" ? config_.bucket_bytes : 0;
   if (config_.scheme == "sfb" && !to.sfb_possible) {
     return absl::FailedPreconditionError(
         absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
@@ -780,8 +781,13 @@ absl::Status Agent::Register() {
   if (!table_.buckets.empty()) {
     size_t fused = 0;
     for (const BucketSpec& b : table_.buckets) fused += b.members.size();
-    PSD_LOG_INFO("{} small layers fused into {} buckets of at most {} bytes", fused,
-                 table_.buckets.size(), config_.bucket_bytes);
+    uint64_t largest = 0;
+    for (const BucketSpec& b : table_.buckets) largest = std::max(largest, b.chunk.length);
+    PSD_LOG_INFO("{} small layers fused into {} buckets (largest {} bytes; {})", fused,
+                 table_.buckets.size(), largest,
+                 config_.fusion == "plan"
+                     ? absl::StrCat("the plan's, target ", plan.bucket_bytes(), " bytes")
+                     : absl::StrCat("--bucket_bytes=", config_.bucket_bytes));
   }
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
   if (any_sfb_capable && config_.world_size > 1) {

@@ -52,8 +52,11 @@ struct AgentConfig {
   bool allreduce = true;  // ring all-reduce may be planned (needs a coordinator and 2+ ranks)
   uint64_t block_bytes = uint64_t{4} << 20;
   uint64_t credit_bytes = uint64_t{64} << 20;
-  // Consecutive small PS layers (each a single chunk) are fused into one key of at most this
-  // many bytes, synchronised once all of them are ready (0: off).
+  // Fusion of consecutive small PS layers (each a single chunk) into one key, synchronised once
+  // all of them are ready: "plan" (the plan's buckets: the planner decides from the per-key
+  // cost and the overlap lost, docs/planner.md "Fusion"), "bytes" (runs of at most bucket_bytes)
+  // or "off".
+  std::string fusion = "plan";
   uint64_t bucket_bytes = uint64_t{512} << 10;
   // With a coordinator: each KV server link is measured with a probe of this many bytes (a PING
   // payload the server drops) after the rendezvous and reported as a capacity sample, so that

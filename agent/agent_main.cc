@@ -30,6 +30,7 @@ struct Flags {
   bool allreduce = true;
   uint64_t block_bytes = 4u << 20;
   uint64_t credit_bytes = 64u << 20;
+  std::string fusion = "plan";
   uint64_t bucket_bytes = 512u << 10;
   uint64_t probe_bytes = 4u << 20;
   uint64_t capacity_min_bytes = 1u << 20;
@@ -91,8 +92,13 @@ poseidon::ConfigSchema<Flags> Schema() {
                      InRange<uint64_t>(4096, uint64_t{1} << 30))
       .ByteSizeField("credit_bytes", &Flags::credit_bytes, "bytes in flight before queueing",
                      AtLeast<uint64_t>(4096))
+      .Field("fusion", &Flags::fusion,
+             "fuse consecutive small PS layers into one key: plan (the buckets the planner "
+             "chose from the per-key cost and the overlap lost), bytes (runs of at most "
+             "--bucket_bytes) or off; every rank the same",
+             poseidon::OneOf({"plan", "bytes", "off"}))
       .ByteSizeField("bucket_bytes", &Flags::bucket_bytes,
-                     "fuse consecutive small PS layers into keys of at most this size (0: off)",
+                     "with --fusion=bytes: the largest bucket (0: no fusion)",
                      InRange<uint64_t>(0, uint64_t{1} << 30))
       .ByteSizeField("probe_bytes", &Flags::probe_bytes,
                      "with a coordinator: measure each server link with a probe this large at "
@@ -177,6 +183,7 @@ int main(int argc, char** argv) {
   c.allreduce = f.allreduce;
   c.block_bytes = f.block_bytes;
   c.credit_bytes = f.credit_bytes;
+  c.fusion = f.fusion;
   c.bucket_bytes = f.bucket_bytes;
   c.probe_bytes = f.probe_bytes;
   c.capacity_min_bytes = f.capacity_min_bytes;

@@ -92,11 +92,19 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
     }
   }
   table.data_bytes = std::max<uint64_t>(offset, kBufferAlign);
-  table.buckets = FormBuckets(table.layers, options.bucket_bytes);
+  if (options.fusion_from_plan) {
+    std::vector<uint32_t> plan_buckets;
+    plan_buckets.reserve(descs.size());
+    for (const v1::LayerPlan& lp : plan.layers()) plan_buckets.push_back(lp.bucket());
+    table.buckets = FormBuckets(table.layers, plan.max_chunk_bytes(), &plan_buckets);
+  } else {
+    table.buckets = FormBuckets(table.layers, options.bucket_bytes);
+  }
   return table;
 }
 
-std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes) {
+std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes,
+                                    const std::vector<uint32_t>* plan_buckets) {
   std::vector<BucketSpec> buckets;
   if (bucket_bytes == 0) return buckets;
   std::vector<uint32_t> run;
@@ -119,15 +127,17 @@ std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t buc
   for (uint32_t i = 0; i < layers.size(); ++i) {
     const LayerSpec& st = layers[i];
     const uint64_t bytes = st.desc.elements * sizeof(float);
+    const uint32_t planned = plan_buckets != nullptr ? (*plan_buckets)[i] : 1;
     if (!st.desc.fusable || st.layout.scheme != PSD_SCHEME_PS || st.chunks.size() != 1 ||
-        bytes >= bucket_bytes) {
+        bytes >= bucket_bytes || planned == 0) {
       close();
       continue;
     }
     const uint64_t start = st.layout.grad_offset;
     // Members must be adjacent in the data segment (nothing but alignment between them): an
     // SFB-capable layer's factors sit between it and the next gradient, so it ends a run.
-    if (!run.empty() && (start != AlignUp(run_end) || start + bytes - run_start > bucket_bytes)) {
+    if (!run.empty() && (start != AlignUp(run_end) || start + bytes - run_start > bucket_bytes ||
+                         (plan_buckets != nullptr && (*plan_buckets)[run.back()] != planned))) {
       close();
     }
     if (run.empty()) run_start = start;

@@ -73,7 +73,10 @@ struct LayerTableOptions {
   // (--scheme=allreduce).
   bool allreduce_possible = false;
   bool force_allreduce = false;
-  uint64_t bucket_bytes = 0;  // 0: no fusion
+  // Fusion: the plan's buckets (LayerPlan.bucket, the planner's decision: docs/planner.md,
+  // "Fusion"), or, when false, consecutive small PS layers up to bucket_bytes (0: no fusion).
+  bool fusion_from_plan = false;
+  uint64_t bucket_bytes = 0;
 };
 
 // Whether a layer keeps buffers for SFB, so that a later plan may switch it to SFB: an FC layer
@@ -86,13 +89,17 @@ bool SfbCapable(const LayerDesc& desc, bool planned_sfb);
 // becomes PS): validates the plan against the layers (one
 // entry per layer, chunks inside the tensor, a multiple of 4 bytes), lays out the buffers (every
 // layer's gradient, then U and V of SFB-capable layers, each 64-byte aligned, in layer order;
-// more than kMaxDataBytes is refused) and forms the buckets.
+// more than kMaxDataBytes is refused) and forms the buckets (the plan's, at most its
+// max_chunk_bytes each, or by options.bucket_bytes).
 absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
                                            const v1::Plan& plan, const LayerTableOptions& options);
 
 // Fuses runs of at least two adjacent, fusable, single-chunk PS layers smaller than bucket_bytes
-// into buckets of at most bucket_bytes; sets the members' `bucket`.
-std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes);
+// into buckets of at most bucket_bytes; sets the members' `bucket`. With `plan_buckets` (one entry
+// per layer, LayerPlan.bucket) a run also ends wherever the plan's bucket number changes or is 0:
+// the agent fuses what the plan says, split where it cannot (a layer not fusable or not adjacent).
+std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes,
+                                    const std::vector<uint32_t>* plan_buckets = nullptr);
 
 // A layer's scheme by iteration: `before` for iterations < switch_at, `after` from switch_at on.
 // Packed into one word (PSD_SCHEDULE_* in common/shm_layout.h), which the agent publishes in the

@@ -131,6 +131,42 @@ TEST(LayerTable, BucketsFuseAdjacentSmallFusableLayersOnly) {
   EXPECT_TRUE(off->buckets.empty());
 }
 
+// --fusion=plan: the plan's buckets, split where the agent cannot fuse (a layer the framework
+// did not mark fusable) and never joined across two of the plan's buckets.
+TEST(LayerTable, ThePlansBucketsAreFormedWhereTheLayersAllowIt) {
+  const std::vector<LayerDesc> descs = {Bias("b1", 16), Bias("b2", 16), Bias("b3", 16, false),
+                                        Bias("b4", 16), Bias("b5", 16), Bias("b6", 16),
+                                        Bias("b7", 16)};
+  v1::Plan plan = PlanFor(descs, std::vector(7, v1::SYNC_SCHEME_PS));
+  plan.set_max_chunk_bytes(4 << 20);
+  const uint32_t planned[] = {1, 1, 1, 2, 2, 3, 3};
+  for (int i = 0; i < 7; ++i) plan.mutable_layers(i)->set_bucket(planned[i]);
+  // bucket_bytes is not what decides here.
+  auto table = BuildLayerTable(descs, plan, {.fusion_from_plan = true, .bucket_bytes = 0});
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_EQ(table->buckets.size(), 3u);
+  EXPECT_EQ(table->buckets[0].members, (std::vector<uint32_t>{0, 1}));
+  EXPECT_EQ(table->buckets[1].members, (std::vector<uint32_t>{3, 4}));
+  EXPECT_EQ(table->buckets[2].members, (std::vector<uint32_t>{5, 6}));
+  EXPECT_EQ(table->layers[2].bucket, -1);
+  // A plan without buckets (or from a coordinator that sets no size) fuses nothing.
+  for (int i = 0; i < 7; ++i) plan.mutable_layers(i)->set_bucket(0);
+  auto none = BuildLayerTable(descs, plan, {.fusion_from_plan = true});
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->buckets.empty());
+  for (int i = 0; i < 7; ++i) plan.mutable_layers(i)->set_bucket(1);
+  plan.set_max_chunk_bytes(0);
+  auto unsized = BuildLayerTable(descs, plan, {.fusion_from_plan = true});
+  ASSERT_TRUE(unsized.ok());
+  EXPECT_TRUE(unsized->buckets.empty());
+  // A plan's bucket larger than its own chunk size is cut there.
+  plan.set_max_chunk_bytes(128);
+  auto capped = BuildLayerTable(descs, plan, {.fusion_from_plan = true});
+  ASSERT_TRUE(capped.ok());
+  for (const BucketSpec& b : capped->buckets) EXPECT_LE(b.chunk.length, 128u);
+  EXPECT_EQ(capped->buckets.size(), 3u);  // {0, 1}, {3, 4}, {5, 6}
+}
+
 TEST(Schedule, PacksAndAnswersByIteration) {
   const Schedule s{PSD_SCHEME_PS, PSD_SCHEME_SFB, 42};
   EXPECT_EQ(s.At(41), PSD_SCHEME_PS);

@@ -41,6 +41,7 @@ struct CoordinatorConfig {
   uint64_t block_size = uint64_t{4} << 20;
   int64_t batch_per_worker = 0;
   std::string scheme_rule = "time";
+  std::string fusion = "cost";
   bool allreduce_by_cost = false;
   double replan_threshold = 0.2;
   absl::Duration replan_min_interval = absl::Seconds(10);
@@ -108,6 +109,10 @@ ConfigSchema<CoordinatorConfig> Schema() {
       .Field("scheme_rule", &C::scheme_rule,
              "time: SFB when predicted faster (re-plans on telemetry); bytes: Poseidon's rule",
              OneOf({"time", "bytes"}))
+      .Field("fusion", &C::fusion,
+             "cost: the plan fuses small PS layers into buckets where the cost model says it "
+             "pays (docs/planner.md, Fusion); off: none (agents with --fusion=bytes still fuse)",
+             OneOf({"cost", "off"}))
       .Field("allreduce_by_cost", &C::allreduce_by_cost,
              "let the time rule put layers on ring all-reduce from the agents' measured ring "
              "step (off: only --scheme=allreduce and overrides use it; docs/planner.md)")
@@ -235,6 +240,7 @@ int Main(int argc, char** argv) {
   registry.batch_per_worker = static_cast<uint32_t>(config.batch_per_worker);
   registry.scheme_rule =
       config.scheme_rule == "bytes" ? planner::SchemeRule::kBytes : planner::SchemeRule::kTime;
+  registry.fusion = config.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
   registry.allreduce_by_cost = config.allreduce_by_cost;
   registry.replan_threshold = config.replan_threshold;
   registry.plan_lead_iterations = static_cast<uint64_t>(config.plan_lead);

@@ -733,6 +733,7 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.latency_seconds = latency;
   config.block_bytes = options_.block_bytes;
   config.scheme_rule = options_.scheme_rule;
+  config.fusion = options_.fusion;
   config.allreduce = job.model->allreduce;
   if (options_.allreduce_by_cost) config.allreduce_step_seconds = AllreduceStep(job);
   config.job_id = job.id;
@@ -746,7 +747,8 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   for (size_t i = 0; i < servers.size(); ++i) {
     *result.plan.mutable_servers(static_cast<int>(i)) = servers[i];
   }
-  // A re-plan of the same world keeps every layer's chunks exactly (plan.proto, LayerPlan.chunks):
+  // A re-plan of the same world keeps every layer's chunks and buckets exactly (plan.proto,
+  // LayerPlan.chunks and .bucket):
   // the planner's partition does not depend on schemes, and carrying the current chunks over
   // makes that a guarantee rather than a property of the planner.
   if (job.plan.has_value() && job.plan->layers_size() == result.plan.layers_size() &&
@@ -768,7 +770,10 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
           }
         }
         *layer->mutable_chunks() = previous.chunks();
+        // The buckets too: the agents formed them from the world's first plan (plan.proto).
+        layer->set_bucket(previous.bucket());
       }
+      result.plan.set_bucket_bytes(job.plan->bucket_bytes());
       if (moved) {
         PSD_LOG_WARN("job {}: the planner moved chunks within one world; epoch {} keeps epoch {}'s",
                      job.id, epoch, job.plan->plan_epoch());

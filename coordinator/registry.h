@@ -50,6 +50,7 @@ struct RegistryOptions {
   // K for every layer; 0 takes each layer's batch_per_worker from the registered model.
   uint32_t batch_per_worker = 0;
   planner::SchemeRule scheme_rule = planner::SchemeRule::kTime;
+  planner::FusionRule fusion = planner::FusionRule::kCost;
   // The time rule may choose ring all-reduce (from the agents' measured step); off, only
   // --scheme=allreduce and operator overrides put layers on it.
   bool allreduce_by_cost = false;

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "common/status.h"
+#include "coordinator/planner/planner.h"
 #include "coordinator/test_util.h"
 #include "coordinator/validate.h"
 
@@ -605,6 +606,61 @@ TEST_F(PlanChangeTest, EveryEpochOfAWorldKeepsTheFirstPlansChunks) {
   ASSERT_EQ(PlanEpoch(), 4u);
   EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_SFB);
   EXPECT_EQ(ChunksOf(*registry_.CurrentPlan("job")), ChunksOf(first));
+}
+
+// Every layer's bucket number of a plan.
+std::vector<uint32_t> BucketsOf(const v1::Plan& plan) {
+  std::vector<uint32_t> buckets;
+  for (const v1::LayerPlan& layer : plan.layers()) buckets.push_back(layer.bucket());
+  return buckets;
+}
+
+// The agents form their buckets once, from the world's first plan: a re-plan at another
+// bandwidth, whose own fusion target would group the layers differently, keeps them.
+TEST_F(PlanChangeTest, EveryEpochOfAWorldKeepsTheFirstPlansBuckets) {
+  planner::PlannerConfig config;
+  config.workers = 2;
+  config.servers = 2;
+  config.colocated = true;
+  config.latency_seconds = 7e-6;
+  config.bandwidth_bytes_per_second = 10e9 / 8;
+  // Six biases of 2/5 of the target at 10 Gbit/s: two to a bucket there, none at 7 Gbit/s.
+  const uint64_t target = planner::BuildPlan(BoundaryModel(), config)->plan.max_chunk_bytes();
+  v1::ModelSpec model = BoundaryModel();
+  v1::ModelSpec probe = model;
+  v1::LayerSpec* one = probe.add_layers();
+  one->set_name("b");
+  one->set_kind(v1::LAYER_KIND_BIAS);
+  one->add_shape(4);
+  one->set_batch_per_worker(513);
+  v1::LayerSpec* two = probe.add_layers();
+  *two = *one;
+  two->set_name("c");
+  const uint64_t b_star = planner::BuildPlan(probe, config)->plan.bucket_bytes();
+  ASSERT_GT(b_star, 0u);
+  ASSERT_LE(b_star, target);
+  for (int i = 0; i < 6; ++i) {
+    v1::LayerSpec* bias = model.add_layers();
+    bias->set_name(absl::StrCat("b", i));
+    bias->set_kind(v1::LAYER_KIND_BIAS);
+    bias->add_shape(b_star * 2 / 5 / 4);
+    bias->set_batch_per_worker(513);
+  }
+  FormJob(model);
+  const v1::Plan first = *registry_.CurrentPlan("job");
+  ASSERT_EQ(first.layers(0).scheme(), v1::SYNC_SCHEME_SFB);
+  ASSERT_GT(first.bucket_bytes(), 0u);
+  config.bandwidth_bytes_per_second = 7e9 / 8;
+  const absl::StatusOr<planner::PlanResult> fresh = planner::BuildPlan(model, config);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_NE(BucketsOf(fresh->plan), BucketsOf(first));  // the re-plan would fuse otherwise
+
+  now_ += absl::Seconds(11);
+  Report(agents_[0], {Capacity(agents_[1], 7)}, {}, 50);
+  ASSERT_EQ(PlanEpoch(), 2u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(BucketsOf(*registry_.CurrentPlan("job")), BucketsOf(first));
+  EXPECT_EQ(registry_.CurrentPlan("job")->bucket_bytes(), first.bucket_bytes());
 }
 
 TEST_F(PlanChangeTest, TheEffectiveIterationAccountsForTheStalenessOfTheView) {

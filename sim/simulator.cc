@@ -669,8 +669,8 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
 
   std::vector<Layer> layers(L);
   std::vector<Unit> units;
-  // The agent's buckets (agent/layer_table.cc FormBuckets): runs of consecutive PS layers of one
-  // chunk smaller than the bucket, adjacent in the data segment (an SFB-capable layer's factor
+  // The agent's buckets (agent/layer_table.cc FormBuckets): the plan's (or runs by size), of
+  // consecutive PS layers of one chunk smaller than the bucket, adjacent in the data segment (an SFB-capable layer's factor
   // buffers follow its gradient and end a run), spanning at most the bucket.
   std::vector<int> bucket_of(L, -1);
   std::vector<std::pair<uint32_t, uint32_t>> buckets;  // first, last
@@ -698,13 +698,17 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
         offset = AlignUp(offset + uint64_t{rep.batch_per_worker} * rep.shape[0] * 4);
         offset = AlignUp(offset + uint64_t{rep.batch_per_worker} * rep.shape[1] * 4);
       }
-      if (options.bucket_bytes == 0 || lp.scheme() != poseidon::v1::SYNC_SCHEME_PS ||
-          lp.chunks_size() != 1 || bytes >= options.bucket_bytes) {
+      const uint64_t cap = options.fusion_from_plan ? plan.max_chunk_bytes() : options.bucket_bytes;
+      const uint32_t planned_bucket = options.fusion_from_plan ? lp.bucket() : 1;
+      if (cap == 0 || planned_bucket == 0 || lp.scheme() != poseidon::v1::SYNC_SCHEME_PS ||
+          lp.chunks_size() != 1 || bytes >= cap) {
         close();
         continue;
       }
       if (!run.empty() &&
-          (start != AlignUp(run_end) || start + bytes - run_start > options.bucket_bytes)) {
+          (start != AlignUp(run_end) || start + bytes - run_start > cap ||
+           (options.fusion_from_plan &&
+            plan.layers(static_cast<int>(run.back())).bucket() != planned_bucket))) {
         close();
       }
       if (run.empty()) run_start = start;

@@ -68,7 +68,10 @@ struct SimOptions {
   bool wfbp = true;
   bool priority = true;  // false: tasks in the order they are posted (agent --priority=false)
   uint64_t credit_bytes = uint64_t{64} << 20;  // agent --credit_bytes
-  uint64_t bucket_bytes = uint64_t{512} << 10;  // agent --bucket_bytes; 0: no fusion
+  // agent --fusion: the plan's buckets (LayerPlan.bucket, within Plan.max_chunk_bytes), or when
+  // false runs of at most bucket_bytes (--fusion=bytes; 0: no fusion, --fusion=off).
+  bool fusion_from_plan = true;
+  uint64_t bucket_bytes = uint64_t{512} << 10;  // agent --bucket_bytes
   double alpha_seconds = 0;                     // per message, at its sender
   // Every link's token bucket (tc tbf, as bench/cluster shapes its links): after idling, a link
   // sends up to this many bytes at once, then at its rate. 0: a plain rate (a switch port).

@@ -53,6 +53,7 @@ planner::PlannerConfig Cluster(uint32_t workers, uint32_t servers, bool colocate
 SimOptions Options(uint32_t iterations = 11) {
   SimOptions o;
   o.iterations = iterations;
+  o.fusion_from_plan = false;
   o.bucket_bytes = 0;
   return o;
 }

@@ -183,11 +183,11 @@ TEST_P(EndToEnd, FourWorkersTwoServersTwentyIterationsVerified) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, EndToEnd, ::testing::Values("ps", "sfb", "auto"));
 
-// Small PS layers fused into buckets (the default) and not fused give the same exact sums; the
-// agent says what it fused.
+// Small PS layers fused into buckets (as the plan says, the default, or by size) and not fused
+// give the same exact sums; the agent says what it fused.
 TEST(Buckets, FusedAndUnfusedSmallLayersGiveTheExactSums) {
-  for (const char* bucket : {"--bucket_bytes=0", "--bucket_bytes=512KiB"}) {
-    Cluster cluster(1, 2, "ps", {bucket, "--log_level=info"});
+  for (const char* bucket : {"--fusion=off", "--fusion=bytes", "--fusion=plan"}) {
+    Cluster cluster(1, 2, "ps", {bucket, "--bucket_bytes=512KiB", "--log_level=info"});
     ASSERT_TRUE(cluster.ok());
     std::vector<std::unique_ptr<Subprocess>> synths;
     for (int r = 0; r < 2; ++r) synths.push_back(cluster.Synth(r, kTiny, 10));
@@ -198,10 +198,15 @@ TEST(Buckets, FusedAndUnfusedSmallLayersGiveTheExactSums) {
     }
     const std::string log = cluster.agent(0).ReadAll(milliseconds(20000));
     // tiny, all PS: conv1.weight + conv1.bias, then fc1.bias .. fc3.bias (fc1.weight is 1 MiB).
-    if (std::string(bucket) == "--bucket_bytes=0") {
+    if (std::string(bucket) == "--fusion=off") {
       EXPECT_EQ(log.find("fused"), std::string::npos) << log;
-    } else {
+    } else if (std::string(bucket) == "--fusion=bytes") {
       EXPECT_NE(log.find("7 small layers fused into 2 buckets"), std::string::npos) << log;
+      EXPECT_NE(log.find("--bucket_bytes=524288"), std::string::npos) << log;
+    } else {
+      // The planner's target at 10 Gbit/s and 50 us (B* ~ 0.4 MB) takes the same two runs.
+      EXPECT_NE(log.find("7 small layers fused into 2 buckets"), std::string::npos) << log;
+      EXPECT_NE(log.find("the plan's"), std::string::npos) << log;
     }
   }
 }
@@ -367,7 +372,7 @@ void ExpectEveryTrialToSurviveALostServer(int signal, int trials) {
                                       << victim << " signalled " << delay_ms
                                       << " ms after iteration 2");
     Cluster cluster(4, 4, "ps",
-                    {"--replicas=1", "--peer_timeout=2s", "--bucket_bytes=0",
+                    {"--replicas=1", "--peer_timeout=2s", "--fusion=off",
                      "--block_bytes=65536", "--sync_timeout=60s"},
                     {"--peer_timeout=2s"});
     ASSERT_TRUE(cluster.ok());

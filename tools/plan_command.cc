@@ -28,6 +28,7 @@ struct PlanFlags {
   bool colocated = false;
   std::string gpu = "titanx";
   uint64_t block_size = planner::kDefaultBlockBytes;
+  std::string fusion = "cost";
   bool json = false;
 };
 
@@ -57,6 +58,9 @@ ConfigSchema<PlanFlags> PlanFlagsSchema() {
              "GPU rate for compute time from FLOPs: titanx, v100, a100, h100, a FLOP/s number "
              "(12.5T), or none")
       .ByteSizeField("block_size", &PlanFlags::block_size, "largest PS chunk (4MiB)")
+      .Field("fusion", &PlanFlags::fusion,
+             "cost: small PS layers fused into buckets where the cost model says it pays; off",
+             OneOf({"cost", "off"}))
       .Field("json", &PlanFlags::json, "print JSON instead of a table");
   return schema;
 }
@@ -102,6 +106,7 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   config.bandwidth_bytes_per_second = flags.bandwidth;
   config.latency_seconds = absl::ToDoubleSeconds(flags.latency);
   config.block_bytes = flags.block_size;
+  config.fusion = flags.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
   if (absl::AsciiStrToLower(flags.gpu) != "none") {
     absl::StatusOr<planner::GpuRate> gpu = planner::ParseGpuRate(flags.gpu);
     if (!gpu.ok()) return Fail(gpu.status());

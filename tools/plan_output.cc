@@ -257,6 +257,15 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
                     ", mean ", HumanBytes(Mean(report.server_bytes)), ", max ", HumanBytes(*max),
                     " (largest chunk ", HumanBytes(report.largest_chunk_bytes), ")\n");
   }
+  if (report.buckets > 0) {
+    absl::StrAppend(&out, "fusion   ", report.fused_layers, " small PS layers in ",
+                    report.buckets, " buckets of at most ", HumanBytes(report.bucket_target_bytes),
+                    report.fusion_by_model ? " (ends chosen by the iteration model)"
+                                           : " (by size: compute unknown)",
+                    "\n");
+  } else {
+    absl::StrAppend(&out, "fusion   none\n");
+  }
   return out;
 }
 
@@ -385,6 +394,14 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
   w.EndArray();
   w.Key("largest_chunk_bytes");
   w.Unsigned(report.largest_chunk_bytes);
+  w.Key("buckets");
+  w.Unsigned(report.buckets);
+  w.Key("fused_layers");
+  w.Unsigned(report.fused_layers);
+  w.Key("bucket_target_bytes");
+  w.Unsigned(report.bucket_target_bytes);
+  w.Key("fusion_by_model");
+  w.Bool(report.fusion_by_model);
   w.EndObject();
 
   w.Key("plan");

@@ -44,6 +44,7 @@ struct SimulateFlags {
   bool wfbp = true;
   bool priority = true;
   uint64_t credit_bytes = uint64_t{64} << 20;
+  std::string fusion = "plan";
   uint64_t bucket_bytes = uint64_t{512} << 10;
   uint32_t iterations = 20;
   std::string calibration;
@@ -60,11 +61,11 @@ struct SimulateFlags {
 };
 
 // Positions of the fields a calibration sets, in declaration order (LoadedConfig::origins).
-constexpr size_t kAlphaField = 16;
-constexpr size_t kOverheadField = 17;
-constexpr size_t kJitterField = 18;
-constexpr size_t kJitterSigmaField = 19;
-constexpr size_t kLayerJitterSigmaField = 20;
+constexpr size_t kAlphaField = 17;
+constexpr size_t kOverheadField = 18;
+constexpr size_t kJitterField = 19;
+constexpr size_t kJitterSigmaField = 20;
+constexpr size_t kLayerJitterSigmaField = 21;
 
 ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
   ConfigSchema<SimulateFlags> schema("poseidon simulate", "POSEIDON_SIMULATE_");
@@ -103,8 +104,11 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
              "the agents' priority queue (false: in the order layers are posted)")
       .ByteSizeField("credit_bytes", &SimulateFlags::credit_bytes,
                      "the agents' bytes in flight (64MiB)")
+      .Field("fusion", &SimulateFlags::fusion,
+             "the agents' fusion: plan (the plan's buckets), bytes (runs of at most "
+             "--bucket_bytes) or off", OneOf({"plan", "bytes", "off"}))
       .ByteSizeField("bucket_bytes", &SimulateFlags::bucket_bytes,
-                     "the agents' fusion bucket (512KiB; 0: none)")
+                     "with --fusion=bytes: the agents' fusion bucket (512KiB)")
       .Field("iterations", &SimulateFlags::iterations, "iterations per run (the first is warm-up)",
              AtLeast(2u))
       .Field("calibration", &SimulateFlags::calibration,
@@ -311,7 +315,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   options.wfbp = flags.wfbp;
   options.priority = flags.priority;
   options.credit_bytes = flags.credit_bytes;
-  options.bucket_bytes = flags.bucket_bytes;
+  options.fusion_from_plan = flags.fusion == "plan";
+  options.bucket_bytes = flags.fusion == "bytes" ? flags.bucket_bytes : 0;
   options.alpha_seconds = absl::ToDoubleSeconds(flags.alpha);
   options.compute_overhead_seconds = absl::ToDoubleSeconds(flags.compute_overhead);
   options.jitter = {*jitter, flags.jitter_sigma, flags.layer_jitter_sigma};
@@ -383,8 +388,10 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Bool(flags.priority);
     w.Key("credit_bytes");
     w.Unsigned(flags.credit_bytes);
+    w.Key("fusion");
+    w.String(flags.fusion);
     w.Key("bucket_bytes");
-    w.Unsigned(flags.bucket_bytes);
+    w.Unsigned(flags.fusion == "bytes" ? flags.bucket_bytes : 0);
     w.Key("block_bytes");
     w.Unsigned(flags.block_size);
     w.Key("iterations");

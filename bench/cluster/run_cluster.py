@@ -14,7 +14,9 @@ the unscaled cluster.
     bench/cluster/run_cluster.py --baseline_set --record bench/cluster/baseline.json  # re-record
 
 Sizes the agents get (--bucket_bytes, --block_bytes, --credit_bytes) are the unscaled cluster's and
-are passed divided by s^2, like the bytes they bound.
+are passed divided by s^2, like the bytes they bound. Without --bucket_bytes the agents fuse as the
+plan says (--fusion=plan: the planner sizes buckets from the emulated, scaled bandwidth); with it,
+--fusion=bytes.
 
 Modes: poseidon (--scheme auto), bf16 (poseidon with --wire=bf16: PS in bfloat16), no-replicas
 (poseidon with --replicas=0: no backups of the PS keys), ps (--scheme ps),
@@ -184,6 +186,8 @@ def scaled_sizes(args, s):
     out = {}
     for name, default in AGENT_SIZE_DEFAULTS.items():
         given = getattr(args, name)
+        if name == "bucket_bytes" and given is None:
+            continue  # the plan's buckets (--fusion=plan): sized from the emulated bandwidth
         unscaled = default if given is None else parse_bytes(given)
         out[name] = 0 if unscaled == 0 else max(AGENT_SIZE_FLOORS[name] or 1, unscaled // (s * s))
     return out
@@ -439,6 +443,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 f"--wire={'bf16' if mode == 'bf16' else 'fp32'}",
                 f"--replicas={0 if mode == 'no-replicas' else 1}",
                 *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
+                f"--fusion={'bytes' if 'bucket_bytes' in args.agent_sizes else 'plan'}",
                 f"--segment={seg}", "--log_level=warn"], logdir, env=env)
             agents.append((p, seg))
         for p, _ in agents:

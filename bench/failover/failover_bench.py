@@ -60,7 +60,7 @@ def run(build, victim_signal, delay, iterations, compute_scale, peer_timeout, lo
             p = subprocess.Popen([os.path.join(b, "agent", "poseidon-agent"), f"--secret={SECRET}",
                                   f"--rank={r}", "--world_size=4", f"--servers={','.join(addresses)}",
                                   f"--peers={peers}", "--scheme=ps", f"--segment=/{tag}-{r}",
-                                  "--log_level=warn", "--replicas=1", "--bucket_bytes=0",
+                                  "--log_level=warn", "--replicas=1", "--fusion=off",
                                   "--block_bytes=65536", f"--peer_timeout={peer_timeout}"],
                                  stdout=log, stderr=subprocess.STDOUT)
             procs.append(p)

@@ -84,17 +84,58 @@ void Accumulate(const LayerCost& cost, poseidon::v1::SyncScheme scheme, double s
   totals.sync_seconds += seconds;
 }
 
-// Fills totals.iteration and totals.speedup from per-layer compute and sync times.
+// The iteration model's input for one layer: its compute (zero when unknown) and its sync under
+// the plan's scheme or under PS.
+LayerTiming TimingOf(const LayerReport& layer, bool use_plan) {
+  // An SFB layer and an all-reduce are one piece each.
+  const bool one_piece = use_plan && layer.cost.scheme != poseidon::v1::SYNC_SCHEME_PS;
+  return LayerTiming{layer.compute ? layer.compute->forward : 0,
+                     layer.compute ? layer.compute->backward : 0,
+                     use_plan ? layer.seconds : layer.ps_seconds,
+                     one_piece ? uint64_t{1} : layer.ps_chunks};
+}
+
+// Fusion's view of the layers (fusion.h) and its options for this cluster.
+std::vector<FusionLayer> FusionLayers(const std::vector<LayerReport>& layers, bool enabled) {
+  std::vector<FusionLayer> out;
+  out.reserve(layers.size());
+  for (const LayerReport& layer : layers) {
+    FusionLayer f;
+    f.bytes = layer.cost.parameters * layer.cost.element_bytes;
+    f.element_bytes = layer.cost.element_bytes;
+    f.eligible = enabled && layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS && layer.chunks == 1;
+    f.timing = TimingOf(layer, /*use_plan=*/true);
+    out.push_back(f);
+  }
+  return out;
+}
+
+FusionOptions FusionOptionsFor(const PlannerConfig& config, bool compute_known) {
+  FusionOptions o;
+  o.max_bucket_bytes = config.block_bytes;
+  o.message_seconds = 2 * config.latency_seconds;  // PsSeconds' two legs
+  const ClusterShape cluster{config.workers, config.servers, 1, config.colocated};
+  const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
+  const bool colocated = config.colocated;
+  // PS volume is linear in the elements: in bytes for a key of `bytes` bytes.
+  o.sync_seconds = [cluster, network, colocated](uint64_t bytes) {
+    return PsSeconds(PsElements(bytes, cluster), colocated, network);
+  };
+  o.compute_known = compute_known;
+  return o;
+}
+
+// Fills totals.iteration and totals.speedup from per-layer compute and sync times; under the
+// plan with its buckets (`bucket`, empty for none).
 void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t workers,
+             const std::vector<uint32_t>& bucket, const FusionOptions& fusion,
              SchemeTotals& totals) {
   std::vector<LayerTiming> timings;
-  timings.reserve(layers.size());
-  for (const LayerReport& layer : layers) {
-    // An SFB layer and an all-reduce are one piece each.
-    const bool sfb = use_plan && layer.cost.scheme != poseidon::v1::SYNC_SCHEME_PS;
-    timings.push_back(LayerTiming{layer.compute->forward, layer.compute->backward,
-                                  use_plan ? layer.seconds : layer.ps_seconds,
-                                  sfb ? uint64_t{1} : layer.ps_chunks});
+  if (use_plan && !bucket.empty()) {
+    timings = FusedTimings(FusionLayers(layers, true), bucket, fusion);
+  } else {
+    timings.reserve(layers.size());
+    for (const LayerReport& layer : layers) timings.push_back(TimingOf(layer, use_plan));
   }
   totals.iteration = PredictIteration(timings);
   if (totals.iteration->iteration_seconds > 0) {
@@ -246,9 +287,25 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     report.largest_chunk_bytes = std::max(report.largest_chunk_bytes, chunk.length);
   }
 
-  if (report.compute_unknown_reason.empty()) {
-    Predict(report.layers, /*use_plan=*/true, config.workers, report.plan);
-    Predict(report.layers, /*use_plan=*/false, config.workers, report.ps_only);
+  const bool compute_known = report.compute_unknown_reason.empty();
+  const FusionOptions fusion = FusionOptionsFor(config, compute_known);
+  const FusionResult fused =
+      PlanFusion(FusionLayers(report.layers, config.fusion == FusionRule::kCost), fusion);
+  report.buckets = fused.buckets;
+  report.fusion_by_model = fused.model_consulted && fused.buckets > 0;
+  if (fused.buckets > 0) {
+    report.bucket_target_bytes = fused.target_bytes;
+    plan.set_bucket_bytes(fused.target_bytes);
+  }
+  for (size_t i = 0; i < report.layers.size(); ++i) {
+    report.layers[i].bucket = fused.bucket[i];
+    plan.mutable_layers(static_cast<int>(i))->set_bucket(fused.bucket[i]);
+    if (fused.bucket[i] != 0) ++report.fused_layers;
+  }
+
+  if (compute_known) {
+    Predict(report.layers, /*use_plan=*/true, config.workers, fused.bucket, fusion, report.plan);
+    Predict(report.layers, /*use_plan=*/false, config.workers, {}, fusion, report.ps_only);
   }
   return result;
 }

@@ -16,7 +16,11 @@
 //      forward pass needs first get 0", and layers are listed in forward order, so layer 0 (the
 //      first the next forward pass needs) gets 0 and the top layer, whose gradient is ready first,
 //      gets the largest number.
-//   5. Predicts the iteration time and the speed-up, for the plan and for PS everywhere.
+//   5. Fusion (fusion.h): which consecutive small single-chunk PS layers share one key (a bucket),
+//      from the per-key cost α = 2·latency against the overlap a bucket loses; LayerPlan.bucket
+//      and Plan.bucket_bytes. Like the chunks, a world's first plan decides it for the world.
+//   6. Predicts the iteration time and the speed-up, for the plan (its buckets included) and for
+//      PS everywhere (no buckets).
 // LayerPlan.predicted_bytes_per_worker is the per-worker column of the chosen scheme (PS: 2·S,
 // SFB: 2·K·(P1−1)·(M+N), times the element size); predicted_seconds its synchronisation time.
 
@@ -29,6 +33,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "coordinator/planner/cost_model.h"
+#include "coordinator/planner/fusion.h"
 #include "coordinator/planner/time_model.h"
 #include "poseidon/v1/model.pb.h"
 #include "poseidon/v1/plan.pb.h"
@@ -58,6 +63,12 @@ enum class SchemeRule {
   kTime,
 };
 
+// Whether the plan fuses small PS layers into buckets.
+enum class FusionRule {
+  kOff,   // every layer its own keys
+  kCost,  // the cost model decides (fusion.h)
+};
+
 // The cluster and the plan's bookkeeping.
 struct PlannerConfig {
   uint32_t workers = 1;  // P1
@@ -71,6 +82,7 @@ struct PlannerConfig {
   // The rate that turns a spec's FLOPs into compute time; without it only measured times count.
   std::optional<GpuRate> gpu;
   SchemeRule scheme_rule = SchemeRule::kBytes;
+  FusionRule fusion = FusionRule::kCost;
   // Ring all-reduce is on the menu (the agents can run it: P1 > 1 and a coordinator for its
   // rendezvous). The time rule chooses it only with a measured cost of one ring step (the
   // agents' tiny all-reduce, which holds the collective library's per-message overhead, not
@@ -111,6 +123,7 @@ struct LayerReport {
   uint32_t chunks = 0;      // chunks of the layer in the plan (an SFB layer's are used under PS)
   uint64_t ps_chunks = 0;   // chunks the layer has on PS (the same as chunks)
   bool overridden = false;  // the scheme came from PlannerConfig::scheme_overrides
+  uint32_t bucket = 0;      // LayerPlan.bucket: 0 alone, else the bucket it is fused into
 };
 
 // Totals over all layers when every layer uses the given schemes (bytes per iteration).
@@ -137,6 +150,12 @@ struct PlanReport {
   // partition's balance).
   std::vector<uint64_t> server_bytes;
   uint64_t largest_chunk_bytes = 0;
+  // Fusion: the buckets of the plan, the target size B* they grew to (0: no fusion), and whether
+  // the iteration model decided their ends (every layer's compute known) or the size alone.
+  uint32_t buckets = 0;
+  uint32_t fused_layers = 0;
+  uint64_t bucket_target_bytes = 0;
+  bool fusion_by_model = false;
 };
 
 // The plan and its report.

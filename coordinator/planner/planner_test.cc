@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <numeric>
 
 #include "coordinator/planner/model_spec.h"
@@ -500,6 +501,76 @@ TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
   result = BuildPlan(ConvAndBias(), one);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_FALSE(result->report.layers[0].cost.allreduce_bytes.has_value());
+}
+
+// Fusion as the plan's decision (fusion.h): buckets of consecutive single-chunk PS layers, each
+// within Plan.bucket_bytes; none when fusion is off; the prediction with the buckets is no worse
+// than without them (the iteration model decided where each ends).
+TEST(PlannerTest, ThePlanFusesSmallPsLayersIntoBucketsWithinTheTarget) {
+  const ModelSpec model = Builtin("inception-v3");
+  PlannerConfig config = PaperCluster(8);
+  const absl::StatusOr<PlanResult> fused = BuildPlan(model, config);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  const Plan& plan = fused->plan;
+  EXPECT_GT(fused->report.buckets, 10u);
+  EXPECT_TRUE(fused->report.fusion_by_model);
+  EXPECT_GT(plan.bucket_bytes(), 0u);
+  EXPECT_LE(plan.bucket_bytes(), plan.max_chunk_bytes());
+  std::map<uint32_t, std::vector<int>> members;
+  for (int i = 0; i < plan.layers_size(); ++i) {
+    const auto& layer = plan.layers(i);
+    EXPECT_EQ(layer.bucket(), fused->report.layers[i].bucket);
+    if (layer.bucket() == 0) continue;
+    EXPECT_EQ(layer.scheme(), poseidon::v1::SYNC_SCHEME_PS) << layer.layer_name();
+    EXPECT_EQ(layer.chunks_size(), 1) << layer.layer_name();
+    members[layer.bucket()].push_back(i);
+  }
+  EXPECT_EQ(members.size(), fused->report.buckets);
+  uint32_t expected_number = 1;
+  for (const auto& [number, layers] : members) {
+    EXPECT_EQ(number, expected_number++);  // numbered 1, 2, … in forward order
+    EXPECT_GE(layers.size(), 2u);
+    uint64_t bytes = 0;
+    for (size_t j = 0; j < layers.size(); ++j) {
+      if (j > 0) EXPECT_EQ(layers[j], layers[j - 1] + 1) << "bucket " << number;
+      bytes += plan.layers(layers[j]).chunks(0).length();
+    }
+    EXPECT_LE(bytes, plan.bucket_bytes()) << "bucket " << number;
+  }
+  config.fusion = FusionRule::kOff;
+  const absl::StatusOr<PlanResult> alone = BuildPlan(model, config);
+  ASSERT_TRUE(alone.ok());
+  EXPECT_EQ(alone->report.buckets, 0u);
+  EXPECT_EQ(alone->plan.bucket_bytes(), 0u);
+  for (const auto& layer : alone->plan.layers()) EXPECT_EQ(layer.bucket(), 0u);
+  // Fusion changes no chunk.
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(ChunksOf(plan),
+                                                                 ChunksOf(alone->plan)));
+  ASSERT_TRUE(fused->report.plan.iteration.has_value());
+  ASSERT_TRUE(alone->report.plan.iteration.has_value());
+  EXPECT_LE(fused->report.plan.iteration->iteration_seconds,
+            alone->report.plan.iteration->iteration_seconds);
+}
+
+TEST(PlannerTest, TheFusionTargetFollowsTheNetwork) {
+  // B* is where a key's transfer is 8 times its two legs of latency: four times the bandwidth,
+  // four times the bytes (until the block size caps it); without compute times only the size
+  // rule decides.
+  const ModelSpec model = Builtin("resnet-152");
+  PlannerConfig config = PaperCluster(4);
+  config.gpu.reset();
+  const absl::StatusOr<PlanResult> slow = BuildPlan(model, config);
+  config.bandwidth_bytes_per_second *= 4;
+  const absl::StatusOr<PlanResult> fast = BuildPlan(model, config);
+  ASSERT_TRUE(slow.ok() && fast.ok());
+  EXPECT_FALSE(slow->report.fusion_by_model);
+  ASSERT_LT(fast->plan.bucket_bytes(), fast->plan.max_chunk_bytes());
+  EXPECT_NEAR(static_cast<double>(fast->plan.bucket_bytes()),
+              4.0 * static_cast<double>(slow->plan.bucket_bytes()), 40);
+  config.bandwidth_bytes_per_second *= 100;
+  EXPECT_EQ(BuildPlan(model, config)->plan.bucket_bytes(), config.block_bytes);
+  EXPECT_LT(fast->report.buckets, slow->report.buckets);
+  EXPECT_GE(fast->report.fused_layers, slow->report.fused_layers);
 }
 
 }  // namespace
