@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_split.h"
 #include "agent/agent.h"
+#include "agent/syncer.h"
 #include "common/fd_limit.h"
 #include "common/config.h"
 #include "common/log.h"
@@ -35,6 +36,7 @@ struct Flags {
   uint64_t probe_bytes = 4u << 20;
   uint64_t capacity_min_bytes = 1u << 20;
   int64_t sync_threads = 8;
+  int64_t blas_threads = 1;
   bool priority = true;
   absl::Duration sync_timeout = absl::Seconds(60);
   absl::Duration attach_timeout = absl::Seconds(120);
@@ -109,6 +111,11 @@ poseidon::ConfigSchema<Flags> Schema() {
                      "pull responses", InRange<uint64_t>(1, uint64_t{1} << 40))
       .Field("sync_threads", &Flags::sync_threads, "synchronisation threads",
              InRange<int64_t>(1, 256))
+      .Field("blas_threads", &Flags::blas_threads,
+             "threads of one host-side SFB rebuild (OpenBLAS): 1, as the sync threads already "
+             "rebuild layers side by side and OpenBLAS's own threads spin between calls "
+             "(sched_yield), taking the cores of the training process and the other agents",
+             InRange<int64_t>(1, 256))
       .Field("priority", &Flags::priority,
              "synchronise the layer the next forward needs first (false: in ready order)")
       .Field("sync_timeout", &Flags::sync_timeout, "a layer's synchronisation must finish within")
@@ -159,6 +166,7 @@ int main(int argc, char** argv) {
   stop.sa_handler = [](int) { poseidon::agent::RequestAgentStop(); };
   sigaction(SIGTERM, &stop, nullptr);
   sigaction(SIGINT, &stop, nullptr);
+  poseidon::agent::SetHostBlasThreads(static_cast<int>(f.blas_threads));
   poseidon::agent::AgentConfig c;
   c.segment = f.segment;
   c.job_id = f.job_id;

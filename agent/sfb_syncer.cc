@@ -430,6 +430,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
 
 }  // namespace
 
+void SetHostBlasThreads(int threads) { openblas_set_num_threads(std::max(threads, 1)); }
+
 std::unique_ptr<Syncer> MakeSfbSyncer(SyncEnv& env) {
   return std::make_unique<SfbSyncer>(env);
 }

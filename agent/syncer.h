@@ -173,6 +173,8 @@ const std::vector<SyncerRow>& SyncerTable();
 // The rows' factories (one per syncer file).
 std::unique_ptr<Syncer> MakePsSyncer(SyncEnv& env);
 std::unique_ptr<Syncer> MakeSfbSyncer(SyncEnv& env);
+// Threads of one host-side SFB rebuild (OpenBLAS's, process-wide; at least 1).
+void SetHostBlasThreads(int threads);
 std::unique_ptr<Syncer> MakeBucketSyncer(SyncEnv& env);
 std::unique_ptr<Syncer> MakeAllreduceSyncer(SyncEnv& env);
 

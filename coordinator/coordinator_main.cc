@@ -109,7 +109,7 @@ ConfigSchema<CoordinatorConfig> Schema() {
       .Field("scheme_rule", &C::scheme_rule,
              "time: SFB when predicted faster (re-plans on telemetry); bytes: Poseidon's rule",
              OneOf({"time", "bytes"}))
-      .Field("fusion", &C::fusion,
+      .Field("plan_fusion", &C::fusion,
              "cost: the plan fuses small PS layers into buckets where the cost model says it "
              "pays (docs/planner.md, Fusion); off: none (agents with --fusion=bytes still fuse)",
              OneOf({"cost", "off"}))
