@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "agent/connect_fallback.h"
 #include "agent/device_stager.h"
 #include "agent/gloo_store.h"
 #include "agent/layer_table.h"
@@ -183,6 +184,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // its endpoint chosen by kind (coordinator::ChooseEndpoint), or all false without a
   // coordinator unless --transport=rdma.
   std::vector<bool> server_rdma_, peer_rdma_;
+  // The TCP endpoint of a server or peer reached by RDMA, if RDMA fails (connect_fallback.h).
+  std::vector<std::string> server_tcp_fallback_, peer_tcp_fallback_;
   std::vector<std::string> peer_unusable_;  // by rank: why no endpoint of that peer fits
   // The servers' addresses for each other, sent to them for replication
   // (coordinator::ServerToServerAddresses; config_.servers without a coordinator).
@@ -298,6 +301,8 @@ int Agent::Run() {
     const bool rdma_only = transports_.tcp == nullptr;
     server_rdma_.assign(config_.servers.size(), rdma_only);
     peer_rdma_.assign(config_.world_size, rdma_only);
+    server_tcp_fallback_.assign(config_.servers.size(), "");
+    peer_tcp_fallback_.assign(config_.world_size, "");
     peer_unusable_.assign(config_.world_size, "");
     replication_servers_ = config_.servers;
   }
@@ -538,6 +543,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   membership_epoch_ = world.membership_epoch;
   config_.peers.clear();
   peer_rdma_.assign(config_.world_size, false);
+  peer_tcp_fallback_.assign(config_.world_size, "");
   peer_unusable_.assign(config_.world_size, "");
   for (const auto& peer : world.peers) {
     const size_t p = config_.peers.size();
@@ -550,7 +556,10 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
       config_.peers.push_back("");
       continue;
     }
-    if (p < peer_rdma_.size()) peer_rdma_[p] = chosen->kind == v1::TRANSPORT_KIND_RDMA;
+    if (p < peer_rdma_.size()) {
+      peer_rdma_[p] = chosen->kind == v1::TRANSPORT_KIND_RDMA;
+      peer_tcp_fallback_[p] = chosen->tcp_fallback;
+    }
     config_.peers.push_back(chosen->address);
   }
   coordinator::CoordinatorClient::HeartbeatOptions hb;
@@ -677,6 +686,7 @@ absl::Status Agent::Register() {
                                                  AllreducePossible()));
     config_.servers.clear();
     server_rdma_.clear();
+    server_tcp_fallback_.clear();
     for (const auto& server : plan.servers()) {
       if (server.endpoints_size() == 0) {
         return absl::FailedPreconditionError(
@@ -687,6 +697,7 @@ absl::Status Agent::Register() {
                                                    absl::StrCat("server ", server.node_id())));
       if (telemetry_) telemetry_->SetServerTransport(config_.servers.size(), chosen.kind);
       server_rdma_.push_back(chosen.kind == v1::TRANSPORT_KIND_RDMA);
+      server_tcp_fallback_.push_back(chosen.tcp_fallback);
       config_.servers.push_back(chosen.address);
     }
     replication_servers_ = config_.servers;
@@ -927,17 +938,25 @@ absl::Status Agent::ConnectServers() {
   const std::vector<bool> measured = MeasuredServers(config_.servers, own_host_);
   if (telemetry_) telemetry_->SetCapacityMinBytes(config_.capacity_min_bytes);
   for (size_t s = 0; s < config_.servers.size(); ++s) {
-    absl::StatusOr<std::shared_ptr<server::KvClient>> client;
-    while (true) {
-      client =
-          server::KvClient::Connect(ContextFor(server_rdma_[s]), config_.servers[s], config_.job_id,
-                                    config_.rank, creds_.server_key(), absl::Seconds(10));
-      if (client.ok() || absl::Now() > deadline) break;
-      absl::SleepFor(absl::Milliseconds(200));
-    }
-    if (!client.ok()) {
-      return Annotate(client.status(), absl::StrCat("KV server ", config_.servers[s]));
-    }
+    ConnectTarget target{server_rdma_[s], config_.servers[s], server_tcp_fallback_[s]};
+    const std::string what = absl::StrCat("KV server ", config_.servers[s]);
+    absl::StatusOr<std::shared_ptr<server::KvClient>> client =
+        ConnectWithFallback<std::shared_ptr<server::KvClient>>(
+            target,
+            [&](bool rdma, const std::string& address) {
+              return server::KvClient::Connect(ContextFor(rdma), address, config_.job_id,
+                                               config_.rank, creds_.server_key(),
+                                               absl::Seconds(10));
+            },
+            deadline, absl::Milliseconds(200), [&](const absl::Status& why) {
+              PSD_LOG_WARN("{}: RDMA connection failed ({}) while TCP at {} works: this link "
+                           "falls back to TCP",
+                           what, why.message(), target.address);
+              if (telemetry_) telemetry_->SetServerTransport(s, v1::TRANSPORT_KIND_TCP);
+            });
+    if (!client.ok()) return Annotate(client.status(), what);
+    server_rdma_[s] = target.rdma;
+    config_.servers[s] = target.address;
     if (telemetry_ && measured[s]) {
       // The capacity estimate of this link: large pull responses, from header to last byte.
       (*client)->SetPullObserver(kCapacityTransferBytes,
@@ -968,18 +987,25 @@ absl::Status Agent::ConnectPeers() {
   for (uint32_t p = 0; p < config_.world_size; ++p) {
     if (p == config_.rank) continue;
     if (!peer_unusable_[p].empty()) return absl::FailedPreconditionError(peer_unusable_[p]);
-    absl::StatusOr<std::shared_ptr<transport::Connection>> conn;
-    while (true) {
-      conn = transport::ConnectAuthenticated(ContextFor(peer_rdma_[p]), config_.peers[p],
-                                             config_.job_id, config_.rank, *creds_.PeerKey(p),
-                                             absl::Seconds(10));
-      if (conn.ok() || absl::Now() > deadline) break;
-      absl::SleepFor(absl::Milliseconds(200));
-    }
-    if (!conn.ok()) {
-      return Annotate(conn.status(),
-                      absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]));
-    }
+    ConnectTarget target{peer_rdma_[p], config_.peers[p], peer_tcp_fallback_[p]};
+    const std::string what = absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]);
+    absl::StatusOr<std::shared_ptr<transport::Connection>> conn =
+        ConnectWithFallback<std::shared_ptr<transport::Connection>>(
+            target,
+            [&](bool rdma, const std::string& address) {
+              return transport::ConnectAuthenticated(ContextFor(rdma), address, config_.job_id,
+                                                     config_.rank, *creds_.PeerKey(p),
+                                                     absl::Seconds(10));
+            },
+            deadline, absl::Milliseconds(200), [&](const absl::Status& why) {
+              PSD_LOG_WARN("{}: RDMA connection failed ({}) while TCP at {} works: this link "
+                           "falls back to TCP",
+                           what, why.message(), target.address);
+              if (telemetry_) telemetry_->SetPeerTransport(p, v1::TRANSPORT_KIND_TCP);
+            });
+    if (!conn.ok()) return Annotate(conn.status(), what);
+    peer_rdma_[p] = target.rdma;
+    config_.peers[p] = target.address;
     env_.peers[p] = *conn;
     CountLink(peer_rdma_[p]);
   }

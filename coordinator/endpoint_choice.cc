@@ -38,7 +38,15 @@ absl::StatusOr<ChosenEndpoint> ChooseEndpoint(
   for (const v1::TransportKind kind : {v1::TRANSPORT_KIND_RDMA, v1::TRANSPORT_KIND_TCP}) {
     const bool usable = kind == v1::TRANSPORT_KIND_RDMA ? local.rdma : local.tcp;
     if (!usable) continue;
-    if (const v1::Endpoint* e = Find(endpoints, kind)) return ChosenEndpoint{kind, e->address()};
+    if (const v1::Endpoint* e = Find(endpoints, kind)) {
+      ChosenEndpoint chosen{kind, e->address(), ""};
+      if (kind == v1::TRANSPORT_KIND_RDMA && local.tcp) {
+        if (const v1::Endpoint* tcp = Find(endpoints, v1::TRANSPORT_KIND_TCP)) {
+          chosen.tcp_fallback = tcp->address();
+        }
+      }
+      return chosen;
+    }
   }
   std::vector<std::string> offered;
   for (const v1::Endpoint& e : endpoints) {

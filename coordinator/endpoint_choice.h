@@ -26,6 +26,9 @@ struct LocalTransports {
 struct ChosenEndpoint {
   poseidon::v1::TransportKind kind = poseidon::v1::TRANSPORT_KIND_UNSPECIFIED;
   std::string address;
+  // With RDMA chosen: the peer's TCP endpoint when it advertises one and this side has TCP,
+  // the fallback if RDMA connections fail while TCP ones succeed (agent/connect_fallback.h).
+  std::string tcp_fallback;
 };
 
 // RDMA when `local.rdma` and the peer advertises an RDMA endpoint, else TCP when `local.tcp`

@@ -29,6 +29,7 @@ TEST(ChooseEndpoint, RdmaWhenBothSidesCanWhateverItsPosition) {
   ASSERT_TRUE(chosen.ok()) << chosen.status();
   EXPECT_EQ(chosen->kind, v1::TRANSPORT_KIND_RDMA);
   EXPECT_EQ(chosen->address, "10.0.0.1:7101");
+  EXPECT_EQ(chosen->tcp_fallback, "10.0.0.1:7100");  // if RDMA connections fail, TCP ones not
 }
 
 TEST(ChooseEndpoint, TcpWhenThisSideHasNoRdma) {
@@ -54,6 +55,7 @@ TEST(ChooseEndpoint, RdmaOnlySideTakesTheRdmaEndpoint) {
   auto chosen = ChooseEndpoint(endpoints, kRdmaOnly, "server s-1");
   ASSERT_TRUE(chosen.ok()) << chosen.status();
   EXPECT_EQ(chosen->kind, v1::TRANSPORT_KIND_RDMA);
+  EXPECT_EQ(chosen->tcp_fallback, "");  // no TCP here to fall back to
 }
 
 TEST(ChooseEndpoint, NothingUsableIsAnErrorNamingThePeerAndWhatItOffers) {
