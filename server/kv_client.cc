@@ -49,7 +49,6 @@ KvClient::~KvClient() {
 }
 
 void KvClient::Close() {
-  for (auto& c : conns_) c->Close();
   FailAll(absl::UnavailableError(absl::StrCat("client of ", address_, " closed")));
 }
 
@@ -121,7 +120,6 @@ bool KvClient::FailIfSilent(absl::Duration limit) {
   }
   const int64_t silent = static_cast<int64_t>(MonotonicNs()) - last_heard_ns_.load();
   if (silent < absl::ToInt64Nanoseconds(limit)) return false;
-  for (auto& c : conns_) c->Close();
   FailAll(absl::UnavailableError(absl::StrCat(
       "server ", address_, " is silent: nothing on its connection for ",
       absl::FormatDuration(absl::Trunc(absl::Nanoseconds(silent), absl::Milliseconds(100))),
@@ -413,7 +411,6 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
     default:
       FailAll(absl::InternalError(
           absl::StrCat("server sent an unexpected ", transport::FrameTypeName(h.type), " frame")));
-      c.Close();
       return;
   }
 }
