@@ -942,16 +942,13 @@ absl::Status Agent::ConnectServers() {
     const std::string what = absl::StrCat("KV server ", config_.servers[s]);
     absl::StatusOr<std::shared_ptr<server::KvClient>> client =
         ConnectWithFallback<std::shared_ptr<server::KvClient>>(
-            target,
+            what, target,
             [&](bool rdma, const std::string& address) {
               return server::KvClient::Connect(ContextFor(rdma), address, config_.job_id,
                                                config_.rank, creds_.server_key(),
                                                absl::Seconds(10));
             },
-            deadline, absl::Milliseconds(200), [&](const absl::Status& why) {
-              PSD_LOG_WARN("{}: RDMA connection failed ({}) while TCP at {} works: this link "
-                           "falls back to TCP",
-                           what, why.message(), target.address);
+            deadline, absl::Milliseconds(200), [&](const absl::Status&) {
               if (telemetry_) telemetry_->SetServerTransport(s, v1::TRANSPORT_KIND_TCP);
             });
     if (!client.ok()) return Annotate(client.status(), what);
@@ -991,16 +988,13 @@ absl::Status Agent::ConnectPeers() {
     const std::string what = absl::StrCat("peer agent of rank ", p, " at ", config_.peers[p]);
     absl::StatusOr<std::shared_ptr<transport::Connection>> conn =
         ConnectWithFallback<std::shared_ptr<transport::Connection>>(
-            target,
+            what, target,
             [&](bool rdma, const std::string& address) {
               return transport::ConnectAuthenticated(ContextFor(rdma), address, config_.job_id,
                                                      config_.rank, *creds_.PeerKey(p),
                                                      absl::Seconds(10));
             },
-            deadline, absl::Milliseconds(200), [&](const absl::Status& why) {
-              PSD_LOG_WARN("{}: RDMA connection failed ({}) while TCP at {} works: this link "
-                           "falls back to TCP",
-                           what, why.message(), target.address);
+            deadline, absl::Milliseconds(200), [&](const absl::Status&) {
               if (telemetry_) telemetry_->SetPeerTransport(p, v1::TRANSPORT_KIND_TCP);
             });
     if (!conn.ok()) return Annotate(conn.status(), what);

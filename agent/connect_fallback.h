@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/log.h"
 
 namespace poseidon::agent {
 
@@ -23,12 +24,13 @@ struct ConnectTarget {
 // Tries `attempt(rdma, address)` until it succeeds or `deadline` passes, every `retry`. When an
 // RDMA attempt fails and the target has a TCP fallback, TCP is tried at once: if it succeeds,
 // the peer is up and its RDMA path is what fails (no device on its fabric, a port down, a
-// provider error), so the target moves to TCP for good and `on_fallback` is told why; if it
-// fails too, the peer is not up yet, and both are tried again next time (RDMA first). Returns
-// the last attempt's error, naming the transports tried.
+// provider error), so the target moves to TCP for good, the fallback is logged once naming
+// `what`, and `on_fallback` is told why (may be null); if it fails too, the peer is not up yet,
+// and both are tried again next time (RDMA first). Returns the last attempt's error, naming the
+// transports tried.
 template <typename T>
 absl::StatusOr<T> ConnectWithFallback(
-    ConnectTarget& target,
+    const std::string& what, ConnectTarget& target,
     const std::function<absl::StatusOr<T>(bool rdma, const std::string& address)>& attempt,
     absl::Time deadline, absl::Duration retry,
     const std::function<void(const absl::Status& rdma_error)>& on_fallback) {
@@ -41,6 +43,9 @@ absl::StatusOr<T> ConnectWithFallback(
         target.rdma = false;
         target.address = target.tcp_fallback;
         target.tcp_fallback.clear();
+        PSD_LOG_WARN("{}: RDMA connection failed ({}) while TCP at {} works: this link falls "
+                     "back to TCP",
+                     what, result.status().message(), target.address);
         if (on_fallback) on_fallback(result.status());
         return tcp;
       }

@@ -31,7 +31,7 @@ TEST(ConnectWithFallback, RdmaWhenItWorks) {
   ConnectTarget target{true, "s:7101", "s:7100"};
   Attempts a;
   int fallbacks = 0;
-  auto r = ConnectWithFallback<int>(target, a.Fn(), absl::Now() + absl::Seconds(5),
+  auto r = ConnectWithFallback<int>("server s", target, a.Fn(), absl::Now() + absl::Seconds(5),
                                     absl::Milliseconds(1), [&](const absl::Status&) { ++fallbacks; });
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(*r, 1);
@@ -45,7 +45,7 @@ TEST(ConnectWithFallback, TcpWhenRdmaFailsAndTcpWorks) {
   Attempts a;
   a.rdma_failures_left = -1;
   absl::Status why;
-  auto r = ConnectWithFallback<int>(target, a.Fn(), absl::Now() + absl::Seconds(5),
+  auto r = ConnectWithFallback<int>("server s", target, a.Fn(), absl::Now() + absl::Seconds(5),
                                     absl::Milliseconds(1), [&](const absl::Status& s) { why = s; });
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(*r, 2);
@@ -63,7 +63,7 @@ TEST(ConnectWithFallback, APeerNotUpYetKeepsRdmaAndIsTriedAgain) {
   a.rdma_failures_left = 2;
   a.tcp_failures_left = 2;
   int fallbacks = 0;
-  auto r = ConnectWithFallback<int>(target, a.Fn(), absl::Now() + absl::Seconds(5),
+  auto r = ConnectWithFallback<int>("server s", target, a.Fn(), absl::Now() + absl::Seconds(5),
                                     absl::Milliseconds(1), [&](const absl::Status&) { ++fallbacks; });
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(*r, 1);
@@ -78,7 +78,7 @@ TEST(ConnectWithFallback, WithoutAFallbackOrPastTheDeadlineTheErrorNamesWhatWasT
   Attempts a;
   a.rdma_failures_left = -1;
   a.tcp_failures_left = -1;
-  auto r = ConnectWithFallback<int>(target, a.Fn(), absl::Now(), absl::Milliseconds(1), nullptr);
+  auto r = ConnectWithFallback<int>("server s", target, a.Fn(), absl::Now(), absl::Milliseconds(1), nullptr);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(r.status().message(), "over RDMA: rdma refused; over TCP (s:7100): tcp refused");
@@ -87,7 +87,7 @@ TEST(ConnectWithFallback, WithoutAFallbackOrPastTheDeadlineTheErrorNamesWhatWasT
   ConnectTarget tcp_only{false, "s:7100", ""};
   Attempts b;
   b.tcp_failures_left = -1;
-  auto t = ConnectWithFallback<int>(tcp_only, b.Fn(), absl::Now(), absl::Milliseconds(1), nullptr);
+  auto t = ConnectWithFallback<int>("server s", tcp_only, b.Fn(), absl::Now(), absl::Milliseconds(1), nullptr);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().message(), "tcp refused");
   EXPECT_EQ(b.tried, (std::vector<std::string>{"tcp:s:7100"}));
