@@ -127,12 +127,13 @@ FusionOptions FusionOptionsFor(const PlannerConfig& config, bool compute_known) 
 
 // Fills totals.iteration and totals.speedup from per-layer compute and sync times; under the
 // plan with its buckets (`bucket`, empty for none).
+// `fused` is fusion's view of the layers (FusionLayers) when `bucket` is not empty.
 void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t workers,
-             const std::vector<uint32_t>& bucket, const FusionOptions& fusion,
-             SchemeTotals& totals) {
+             const std::vector<FusionLayer>& fused, const std::vector<uint32_t>& bucket,
+             const FusionOptions& fusion, SchemeTotals& totals) {
   std::vector<LayerTiming> timings;
   if (use_plan && !bucket.empty()) {
-    timings = FusedTimings(FusionLayers(layers, true), bucket, fusion);
+    timings = FusedTimings(fused, bucket, fusion);
   } else {
     timings.reserve(layers.size());
     for (const LayerReport& layer : layers) timings.push_back(TimingOf(layer, use_plan));
@@ -289,8 +290,9 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
 
   const bool compute_known = report.compute_unknown_reason.empty();
   const FusionOptions fusion = FusionOptionsFor(config, compute_known);
-  const FusionResult fused =
-      PlanFusion(FusionLayers(report.layers, config.fusion == FusionRule::kCost), fusion);
+  const std::vector<FusionLayer> fusion_layers =
+      FusionLayers(report.layers, config.fusion == FusionRule::kCost);
+  const FusionResult fused = PlanFusion(fusion_layers, fusion);
   report.buckets = fused.buckets;
   report.fusion_by_model = fused.model_consulted && fused.buckets > 0;
   if (fused.buckets > 0) {
@@ -304,8 +306,10 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
   }
 
   if (compute_known) {
-    Predict(report.layers, /*use_plan=*/true, config.workers, fused.bucket, fusion, report.plan);
-    Predict(report.layers, /*use_plan=*/false, config.workers, {}, fusion, report.ps_only);
+    Predict(report.layers, /*use_plan=*/true, config.workers, fusion_layers, fused.bucket, fusion,
+            report.plan);
+    Predict(report.layers, /*use_plan=*/false, config.workers, fusion_layers, {}, fusion,
+            report.ps_only);
   }
   return result;
 }
