@@ -29,8 +29,11 @@ if [[ "${POSEIDON_SKIP_TSAN:-0}" != 1 && $# -eq 0 ]]; then
     agent_e2e_test poseidon-agent poseidon-server poseidon-synth poseidon-coordinator)
   # The RDMA backend's tests carry the transport label too: built where libibverbs is (every
   # test labelled below must be built, or ctest reports it "Not Run").
+  # (The target list is read whole first: under pipefail, `ninja ... | grep -q` fails whenever
+  # grep exits before ninja has written everything and ninja dies of SIGPIPE.)
+  ALL_TSAN_TARGETS=$(ninja -C "$TSAN_BUILD" -t targets all)
   for t in transport_rdma_test transport_set_test transport_conformance_rdma_hw; do
-    if ninja -C "$TSAN_BUILD" -t targets all | grep -q "^$t:"; then TSAN_TARGETS+=("$t"); fi
+    if grep -q "^$t:" <<<"$ALL_TSAN_TARGETS"; then TSAN_TARGETS+=("$t"); fi
   done
   cmake --build "$TSAN_BUILD" -j "${JOBS:-2}" --target "${TSAN_TARGETS[@]}"
   TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp} \
