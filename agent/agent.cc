@@ -713,6 +713,7 @@ absl::Status Agent::Register() {
     pc.block_bytes = config_.block_bytes;
     pc.job_id = absl::StrCat(config_.job_id);
     pc.allreduce = false;  // its rendezvous needs the coordinator
+    pc.lossy_wire = *planner::ParseWireType(config_.plan_lossy_wire);  // checked by OneOf
     ASSIGN_OR_RETURN(planner::PlanResult planned, planner::BuildPlan(model, pc));
     plan = std::move(planned.plan);
   }
@@ -729,6 +730,13 @@ absl::Status Agent::Register() {
         "and no server-side update rule");
   }
   to.fusion_from_plan = config_.fusion == "plan";
+  if (config_.wire != "plan") to.force_wire = ParseWireName(config_.wire);
+  to.lossy_possible = server_rule_.rule == 0;
+  if (to.force_wire.has_value() && IsLossy(*to.force_wire) && !to.lossy_possible) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--wire=", config_.wire, " needs the sum rule, and the training process asked for a "
+        "server-side update rule (its pulls return parameters, which must stay exact)"));
+  }
   to.bucket_bytes = config_.fusion == "bytes" ? config_.bucket_bytes : 0;
   if (config_.scheme == "sfb" && !to.sfb_possible) {
     return absl::FailedPreconditionError(
@@ -774,6 +782,8 @@ absl::Status Agent::Register() {
   env_.stager = &stager_;
   env_.peer_gate = peer_gate_.get();
   env_.server_rule = server_rule_.rule;
+  env_.wire_guard.check_every = config_.wire_check_every;
+  env_.wire_guard.max_error = config_.wire_max_error;
   if (to.allreduce_possible) {
     // Keys of this world only (a later world of the job rendezvouses afresh).
     rendezvous_ = std::make_unique<CoordinatorStore>(
@@ -799,6 +809,28 @@ absl::Status Agent::Register() {
                  config_.fusion == "plan"
                      ? absl::StrCat("the plan's, target ", plan.bucket_bytes(), " bytes")
                      : absl::StrCat("--bucket_bytes=", config_.bucket_bytes));
+  }
+  {
+    std::map<std::string, size_t> lossy;  // by wire name
+    size_t planned_lossy = 0;
+    for (int i = 0; i < plan.layers_size(); ++i) {
+      const LayerSpec& st = table_.layers[static_cast<size_t>(i)];
+      if (st.chunks.empty()) continue;
+      if (IsLossy(st.wire)) ++lossy[WireName(st.wire)];
+      const v1::ElementType planned = plan.layers(i).wire_type();
+      if (planned == v1::ELEMENT_TYPE_BF16 || planned == v1::ELEMENT_TYPE_F16) ++planned_lossy;
+    }
+    std::vector<std::string> parts;
+    for (const auto& [name, count] : lossy) parts.push_back(absl::StrCat(count, " ", name));
+    if (!parts.empty()) {
+      PSD_LOG_INFO("{} of {} layers' PS keys on a lossy wire ({}; error feedback)",
+                   absl::StrJoin(parts, ", "), table_.layers.size(),
+                   config_.wire == "plan" ? "the plan's" : absl::StrCat("--wire=", config_.wire));
+    }
+    if (config_.wire == "plan" && !to.lossy_possible && planned_lossy > 0) {
+      PSD_LOG_WARN("the plan puts {} layers on a lossy wire; with a server-side update rule "
+                   "(exact parameters) they stay float32", planned_lossy);
+    }
   }
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
   if (any_sfb_capable && config_.world_size > 1) {
@@ -881,25 +913,21 @@ absl::Status Agent::ConnectServers() {
   struct TableSource {
     std::string name;
     std::vector<PsChunk> chunks;
+    WireType wire = WireType::kF32;
   };
-  const bool bf16 = config_.wire == "bf16";
-  if (bf16 && server_rule_.rule != 0) {
-    return absl::FailedPreconditionError(
-        "--wire=bf16 needs the sum rule, and the training process asked for a server-side "
-        "update rule (its pulls return parameters, which must stay exact)");
-  }
   std::vector<TableSource> sources;
   for (const LayerSpec& st : table_.layers) {
     if (st.chunks.empty() || st.bucket >= 0) continue;
-    sources.push_back({st.desc.name, st.chunks});
+    sources.push_back({st.desc.name, st.chunks, st.wire});
   }
-  for (const BucketSpec& b : table_.buckets) sources.push_back({b.name, {b.chunk}});
-  auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary) {
+  for (const BucketSpec& b : table_.buckets) sources.push_back({b.name, {b.chunk}, b.wire});
+  auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary, WireType wire) {
     v1::KvTableSpec* t = requests[holder].add_tables();
     t->set_name(name);
     if (replicas > 0) t->set_primary(primary);
     t->set_element_type(v1::ELEMENT_TYPE_F32);
-    if (bf16) t->set_wire_type(v1::ELEMENT_TYPE_BF16);
+    if (wire == WireType::kBf16) t->set_wire_type(v1::ELEMENT_TYPE_BF16);
+    if (wire == WireType::kF16) t->set_wire_type(v1::ELEMENT_TYPE_F16);
     auto* u = t->mutable_update_rule();
     if (server_rule_.rule == 0) {
       u->set_rule(v1::UPDATE_RULE_SUM);
@@ -926,12 +954,15 @@ absl::Status Agent::ConnectServers() {
       for (uint32_t copy = 0; copy <= replicas; ++copy) {
         const uint32_t holder = (c.server + copy) % n;
         auto*& t = tables[{c.server, copy}];
-        if (t == nullptr) t = new_table(holder, src.name, c.server);
+        if (t == nullptr) t = new_table(holder, src.name, c.server, src.wire);
         auto* key = t->add_keys();
         key->set_key(c.key);
         key->set_elements(c.length / sizeof(float));
       }
-      if (bf16) env_.bf16[c.key] = std::make_unique<Bf16Wire>(c.length / sizeof(float));
+      if (IsLossy(src.wire)) {
+        env_.lossy[c.key] =
+            std::make_unique<LossyWire>(src.wire, c.length / sizeof(float), src.name);
+      }
     }
   }
   const absl::Time deadline = absl::Now() + config_.connect_timeout;

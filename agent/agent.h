@@ -38,10 +38,20 @@ struct AgentConfig {
   // without a usable device). With both, each server and peer is reached by RDMA when it
   // advertises an RDMA endpoint, else by TCP.
   std::string transport = "auto";
-  // What PS pushes and pulls carry: "fp32" (exact) or "bf16" (half the bytes, lossy, with error
-  // feedback on both ends; the sum rule only). A job setting: every rank must give the same (the
-  // servers refuse a registration that differs).
-  std::string wire = "fp32";
+  // What PS pushes and pulls carry: "plan" (each layer's LayerPlan.wire_type: float32 unless
+  // the job allows a lossy wire and the cost model chose it), or for every layer "fp32" (exact),
+  // "bf16" or "fp16" (half the bytes, lossy, with error feedback on both ends; the sum rule
+  // only). A job setting: every rank must give the same (the servers refuse a registration that
+  // differs).
+  std::string wire = "plan";
+  // Without a coordinator, the job setting its local plan gets (the coordinator's
+  // --plan_lossy_wire otherwise): "none" (exact), "bf16" or "fp16" (allowed where it pays).
+  std::string plan_lossy_wire = "none";
+  // The divergence guard of a lossy wire (agent/wire_guard.h): on clock 1 and every
+  // wire_check_every-th clock (0: off), a key whose 16-bit encoding is further than
+  // wire_max_error (relative L2) from its gradient falls back to float32 for the rest of the job.
+  uint32_t wire_check_every = 100;
+  double wire_max_error = 0.05;
   // Replication (DESIGN.md "Faults"): every PS key is also held by the next `replicas` servers
   // (capped at servers - 1), which its primary keeps up to date each clock before answering it;
   // when a server is lost, its keys go on at the next one, which holds every answered clock. A

@@ -24,7 +24,10 @@ struct Flags {
   std::string listen;
   std::string scheme = "auto";
   std::string transport = "auto";
-  std::string wire = "fp32";
+  std::string wire = "plan";
+  std::string plan_lossy_wire = "none";
+  int64_t wire_check_every = 100;
+  double wire_max_error = 0.05;
   int64_t replicas = 1;
   double bandwidth = 1.25e9;
   bool colocated = true;
@@ -79,9 +82,23 @@ poseidon::ConfigSchema<Flags> Schema() {
              "without a coordinator), tcp, or rdma (only; refused without a device)",
              poseidon::OneOf({"auto", "tcp", "rdma"}))
       .Field("wire", &Flags::wire,
-             "what PS pushes and pulls carry: fp32 (exact) or bf16 (half the bytes, lossy, with "
-             "error feedback; not with a server-side update rule); every rank the same",
-             poseidon::OneOf({"fp32", "bf16"}))
+             "what PS pushes and pulls carry: plan (each layer's wire from the plan: exact unless "
+             "the job allows a lossy wire), or for every layer fp32 (exact), bf16 or fp16 (half "
+             "the bytes, lossy, with error feedback; not with a server-side update rule); every "
+             "rank the same",
+             poseidon::OneOf({"plan", "fp32", "bf16", "fp16"}))
+      .Field("plan_lossy_wire", &Flags::plan_lossy_wire,
+             "without a coordinator: the lossy wire the agent's own plan may choose where it "
+             "pays (none: exact; with a coordinator, its --plan_lossy_wire decides)",
+             poseidon::OneOf({"none", "bf16", "fp16"}))
+      .Field("wire_check_every", &Flags::wire_check_every,
+             "lossy wire's divergence guard: compare what a key sends with its exact gradient on "
+             "clock 1 and every this many clocks (0: off)",
+             InRange<int64_t>(0, int64_t{1} << 30))
+      .Field("wire_max_error", &Flags::wire_max_error,
+             "the guard's limit: a key whose 16-bit encoding is further than this (relative L2 "
+             "error) from its gradient falls back to float32 for the rest of the job",
+             InRange<double>(1e-6, 10.0))
       .Field("replicas", &Flags::replicas,
              "backups of every PS key on the next servers (0: none; at most servers - 1): a "
              "killed server's keys are served on by its backup; every rank the same",
@@ -185,6 +202,9 @@ int main(int argc, char** argv) {
   c.scheme = f.scheme;
   c.transport = f.transport;
   c.wire = f.wire;
+  c.plan_lossy_wire = f.plan_lossy_wire;
+  c.wire_check_every = static_cast<uint32_t>(f.wire_check_every);
+  c.wire_max_error = f.wire_max_error;
   c.replicas = static_cast<uint32_t>(f.replicas);
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;

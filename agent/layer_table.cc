@@ -51,6 +51,26 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
     const bool allreduce = !sfb && options.allreduce_possible &&
                            (options.force_allreduce || lp.scheme() == v1::SYNC_SCHEME_ALLREDUCE);
     st.allreduce_capable = options.allreduce_possible;
+    if (options.force_wire.has_value()) {
+      st.wire = *options.force_wire;
+    } else {
+      switch (lp.wire_type()) {
+        case v1::ELEMENT_TYPE_UNSPECIFIED:
+        case v1::ELEMENT_TYPE_F32:
+          st.wire = WireType::kF32;
+          break;
+        case v1::ELEMENT_TYPE_BF16:
+          st.wire = options.lossy_possible ? WireType::kBf16 : WireType::kF32;
+          break;
+        case v1::ELEMENT_TYPE_F16:
+          st.wire = options.lossy_possible ? WireType::kF16 : WireType::kF32;
+          break;
+        default:
+          return absl::InternalError(absl::StrCat("the plan gives layer ", descs[i].name,
+                                                  " wire type ", static_cast<int>(lp.wire_type()),
+                                                  " (float32, bfloat16 or float16 expected)"));
+      }
+    }
     LayerLayout& lay = st.layout;
     lay.scheme = sfb ? PSD_SCHEME_SFB : allreduce ? PSD_SCHEME_ALLREDUCE : PSD_SCHEME_PS;
     lay.priority = lp.priority();
@@ -119,6 +139,7 @@ std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t buc
       b.chunk.server = layers[run.front()].chunks[0].server;
       b.name = absl::StrCat("bucket ", layers[run.front()].desc.name, " .. ",
                             layers[run.back()].desc.name);
+      b.wire = layers[run.front()].wire;
       for (uint32_t l : run) layers[l].bucket = static_cast<int>(buckets.size());
       buckets.push_back(std::move(b));
     }
@@ -137,6 +158,7 @@ std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t buc
     // Members must be adjacent in the data segment (nothing but alignment between them): an
     // SFB-capable layer's factors sit between it and the next gradient, so it ends a run.
     if (!run.empty() && (start != AlignUp(run_end) || start + bytes - run_start > bucket_bytes ||
+                         layers[run.back()].wire != st.wire ||
                          (plan_buckets != nullptr && (*plan_buckets)[run.back()] != planned))) {
       close();
     }

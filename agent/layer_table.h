@@ -9,12 +9,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "agent/shm_endpoint.h"
 #include "common/shm_layout.h"
+#include "common/wire_codec.h"
 #include "poseidon/v1/plan.pb.h"
 
 namespace poseidon::agent {
@@ -45,6 +47,9 @@ struct LayerSpec {
   // server-side rule), now or after a plan change; never a bucket's member.
   bool allreduce_capable = false;
   int bucket = -1;  // the bucket it is fused into (then always PS), or -1
+  // What its PS keys carry (common/wire_codec.h): the first plan's LayerPlan.wire_type, or the
+  // agent's --wire; fixed for the job (the servers' tables are registered with it).
+  WireType wire = WireType::kF32;
 };
 
 // Consecutive small PS layers fused into one key (DDP's bucketing): their gradients are adjacent
@@ -54,6 +59,7 @@ struct BucketSpec {
   std::vector<uint32_t> members;  // layer indices, consecutive
   PsChunk chunk;                  // offset relative to the first member's gradient
   std::string name;               // "bucket fc1.bias .. fc3.bias"
+  WireType wire = WireType::kF32;  // its members' (a bucket's members share one wire)
 };
 
 struct LayerTable {
@@ -77,6 +83,11 @@ struct LayerTableOptions {
   // "Fusion"), or, when false, consecutive small PS layers up to bucket_bytes (0: no fusion).
   bool fusion_from_plan = false;
   uint64_t bucket_bytes = 0;
+  // Wire precision: every layer's forced (--wire=fp32|bf16|fp16), or nullopt for the plan's
+  // (LayerPlan.wire_type). A lossy wire needs the sum rule: without it (lossy_possible false) a
+  // plan's lossy layer is float32 (every rank has the same rule, so all of them agree).
+  std::optional<WireType> force_wire;
+  bool lossy_possible = true;
 };
 
 // Whether a layer keeps buffers for SFB, so that a later plan may switch it to SFB: an FC layer
@@ -94,7 +105,7 @@ bool SfbCapable(const LayerDesc& desc, bool planned_sfb);
 absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
                                            const v1::Plan& plan, const LayerTableOptions& options);
 
-// Fuses runs of at least two adjacent, fusable, single-chunk PS layers smaller than bucket_bytes
+// Fuses runs of at least two adjacent, fusable, single-chunk PS layers on one wire, smaller than bucket_bytes
 // into buckets of at most bucket_bytes; sets the members' `bucket`. With `plan_buckets` (one entry
 // per layer, LayerPlan.bucket) a run also ends wherever the plan's bucket number changes or is 0:
 // the agent fuses what the plan says, split where it cannot (a layer not fusable or not adjacent).

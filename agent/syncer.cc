@@ -1,7 +1,7 @@
 #include "agent/syncer.h"
 
 #include "agent/telemetry_reporter.h"
-#include "common/bf16.h"
+#include "common/wire_codec.h"
 #include "common/log.h"
 
 namespace poseidon::agent {
@@ -82,10 +82,12 @@ struct PushPullOp {
   bool init;
   std::shared_ptr<Credit> credit;
   std::function<void(absl::Status)> done;
-  Bf16Wire* bf16;
+  LossyWire* lossy;
   // A re-send whose earlier answer had begun to overwrite `values` (the lost server had
   // completed the clock, so its backup holds it): pushed with kFlagReplay, never summed.
   bool replay = false;
+  // A lossy key's push of this clock is float32 (the key fell back).
+  bool exact_push = false;
 };
 
 void Attempt(std::shared_ptr<PushPullOp> op) {
@@ -95,17 +97,23 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
   const uint32_t server = env.replication.ServerAt(chunk.server, epoch);
   std::shared_ptr<server::KvClient> kv = env.servers[server];
   const bool pushes = !op->init || env.config->rank == 0;
-  const uint64_t bytes = op->bf16 != nullptr ? chunk.length / 2 : chunk.length;
+  // A lossy key's push goes as 16 bits until it falls back (PushPull decided, once per clock).
+  const bool sixteen = op->lossy != nullptr && !op->exact_push;
+  const uint64_t bytes = sixteen ? chunk.length / 2 : chunk.length;
   std::optional<server::Ticket> push;
   server::Ticket pull;
-  if (op->bf16 != nullptr) {
-    // Encoded with error feedback (once: a re-send sends the same bytes); the answer lands in
-    // the pull buffer and is decoded into the gradient before the layer is told (a sum-rule
-    // key: no initial push).
-    push = kv->PushBytes(chunk.key, op->clock, std::as_bytes(std::span(op->bf16->push)), epoch,
-                         false, op->replay);
-    pull = kv->PullBytes(chunk.key, op->clock, std::as_writable_bytes(std::span(op->bf16->pull)),
-                         env.config->sync_timeout, epoch);
+  if (op->lossy != nullptr) {
+    // Encoded with error feedback (once: a re-send sends the same bytes), or float32 after a
+    // fallback (kFlagExactWire); the answer, 16-bit or float32 (the key fell back), lands in
+    // the gradient's buffer and is decoded there before the layer is told (a sum-rule key: no
+    // initial push).
+    push = sixteen ? kv->PushBytes(chunk.key, op->clock, std::as_bytes(std::span(op->lossy->push)),
+                                   epoch, false, op->replay)
+                   : kv->PushBytes(chunk.key, op->clock, std::as_bytes(op->values), epoch, false,
+                                   op->replay, /*exact_wire=*/true);
+    pull = kv->PullBytes(chunk.key, op->clock, std::as_writable_bytes(op->values),
+                         env.config->sync_timeout, epoch, chunk.length / 2,
+                         &op->lossy->received);
   } else {
     if (pushes) {
       // A re-send pushes `values` again: the server answers a clock only once every rank's
@@ -139,7 +147,18 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
       if (s.GetPayload(server::KvClient::kAnswerStarted).has_value()) op->replay = true;
       return Attempt(op);  // only queues requests: fine on this transport thread
     }
-    if (s.ok() && op->bf16 != nullptr) DecodeBf16(op->bf16->pull, op->values);
+    if (s.ok() && op->lossy != nullptr) {
+      LossyWire& wire = *op->lossy;
+      if (wire.received == op->chunk->length / 2) {
+        DecodeWire16InPlace(wire.type, op->values);
+      } else if (!wire.exact.exchange(true)) {
+        // Another rank's guard: the server answered this clock in float32, and from the next
+        // one on every rank pushes float32.
+        PSD_LOG_WARN("{} (key {}): the server answered clock {} in float32: another rank's "
+                     "divergence guard fell back from the {} wire; float32 from now on",
+                     wire.name, op->chunk->key, op->clock, WireName(wire.type));
+      }
+    }
     if (s.ok()) {
       if (e->metrics.pull_bytes[server]) e->metrics.pull_bytes[server]->Increment(bytes);
       if (e->telemetry) e->telemetry->AddServerBytes(server, 0, bytes);
@@ -162,9 +181,42 @@ void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint6
   op->init = init;
   op->credit = std::move(credit);
   op->done = std::move(done);
-  const auto wire = env.bf16.find(chunk.key);
-  op->bf16 = wire == env.bf16.end() ? nullptr : wire->second.get();
-  if (op->bf16 != nullptr) EncodeBf16WithFeedback(values, op->bf16->residual, op->bf16->push);
+  const auto found = env.lossy.find(chunk.key);
+  op->lossy = found == env.lossy.end() ? nullptr : found->second.get();
+  if (op->lossy != nullptr) {
+    LossyWire& wire = *op->lossy;
+    if (!wire.exact.load(std::memory_order_acquire)) {
+      EncodeWithFeedback(wire.type, values, wire.residual, wire.push);
+      // The divergence guard, on sampled clocks: what goes out against the exact gradient.
+      if (ShouldCheckWire(env.wire_guard, clock)) {
+        const double error = RelativeWireError(wire.type, values, wire.push);
+        if (WireDiverged(env.wire_guard, error)) {
+          PSD_LOG_WARN("{} (key {}): the {} wire's error is {:.3g} of the gradient's norm at "
+                       "clock {} (limit {}): falling back to float32 (exact) for the rest of "
+                       "the job",
+                       wire.name, chunk.key, WireName(wire.type), error, clock,
+                       env.wire_guard.max_error);
+          wire.exact.store(true, std::memory_order_release);
+        }
+      }
+      if (wire.exact.load(std::memory_order_relaxed)) {
+        // This clock goes as float32: the gradient plus what earlier roundings held back
+        // (decode(push) + new residual = gradient + previous residual).
+        for (size_t i = 0; i < values.size(); ++i) {
+          values[i] = FromWire16(wire.type, wire.push[i]) + wire.residual[i];
+        }
+        std::fill(wire.residual.begin(), wire.residual.end(), 0.0f);
+        wire.residual_released = true;
+      }
+    } else if (!wire.residual_released) {
+      // Fallen back by the server's float32 answer: what this rank's roundings held back goes
+      // with its first float32 push.
+      for (size_t i = 0; i < values.size(); ++i) values[i] += wire.residual[i];
+      std::fill(wire.residual.begin(), wire.residual.end(), 0.0f);
+      wire.residual_released = true;
+    }
+    op->exact_push = wire.exact.load(std::memory_order_acquire);
+  }
   Attempt(std::move(op));
 }
 

@@ -26,6 +26,7 @@
 #include "agent/layer_table.h"
 #include "agent/scheduler.h"
 #include "agent/shm_endpoint.h"
+#include "agent/wire_guard.h"
 #include "common/metrics.h"
 #include "server/kv_client.h"
 #include "transport/frame_server.h"
@@ -66,12 +67,22 @@ struct SyncMetrics {
   prometheus::Counter* allreduce_bytes = nullptr;  // each all-reduce's gradient bytes
 };
 
-// A PS key's bfloat16 wire (AgentConfig::wire): the error-feedback residual and the encoded
-// push and pull payloads. One clock of a key is in flight at a time (BSP), so it needs no lock.
-struct Bf16Wire {
-  explicit Bf16Wire(size_t elements) : residual(elements, 0.0f), push(elements), pull(elements) {}
+// A PS key's lossy wire (bfloat16 or fp16: LayerSpec::wire, from the plan or --wire): the
+// error-feedback residual and the encoded push and pull payloads. One clock of a key is in
+// flight at a time (BSP), so it needs no lock.
+// The answer lands in the key's float32 values and is decoded in place. `exact`: the key fell
+// back to float32 (this rank's divergence guard, agent/wire_guard.h, or the server's float32
+// answer after another rank's), for the rest of the job; set by the syncer or a transport thread.
+struct LossyWire {
+  LossyWire(WireType t, size_t elements, std::string key_name)
+      : type(t), name(std::move(key_name)), residual(elements, 0.0f), push(elements) {}
+  WireType type;
+  std::string name;  // the layer's or bucket's, for logs
   std::vector<float> residual;
-  std::vector<uint16_t> push, pull;
+  std::vector<uint16_t> push;
+  std::atomic<bool> exact{false};
+  bool residual_released = false;  // after the fallback, the residual went out (PushPull only)
+  size_t received = 0;             // the size of the pull's answer (the pull's callback)
 };
 
 // Replication of the PS keys (AgentConfig::replicas, DESIGN.md "Faults"): a chunk's key is held by
@@ -111,9 +122,10 @@ struct SyncEnv {
   // Server-side update rule (0: sum): iteration 1 then carries rank 0's initial parameters.
   uint32_t server_rule = 0;
   std::vector<std::shared_ptr<server::KvClient>> servers;      // plan order
-  // The PS keys on a bfloat16 wire (every chunk and bucket key with AgentConfig::wire "bf16";
-  // empty: float32). Built at registration, then only read.
-  std::map<uint64_t, std::unique_ptr<Bf16Wire>> bf16;
+  // The PS keys on a lossy wire (the chunks and bucket keys of layers whose LayerSpec::wire is
+  // not float32). Built at registration, then only read.
+  std::map<uint64_t, std::unique_ptr<LossyWire>> lossy;
+  WireGuardOptions wire_guard;
   Replication replication;
   std::vector<std::shared_ptr<transport::Connection>> peers;  // by rank, null for ourselves
   // All-reduce: Gloo's rendezvous store (the agent's, over the coordinator; null: no

@@ -42,6 +42,7 @@ struct CoordinatorConfig {
   int64_t batch_per_worker = 0;
   std::string scheme_rule = "time";
   std::string fusion = "cost";
+  std::string lossy_wire = "none";
   bool allreduce_by_cost = false;
   double replan_threshold = 0.2;
   absl::Duration replan_min_interval = absl::Seconds(10);
@@ -113,6 +114,11 @@ ConfigSchema<CoordinatorConfig> Schema() {
              "cost: the plan fuses small PS layers into buckets where the cost model says it "
              "pays (docs/planner.md, Fusion); off: none (agents with --fusion=bytes still fuse)",
              OneOf({"cost", "off"}))
+      .Field("plan_lossy_wire", &C::lossy_wire,
+             "none: every layer exact; bf16 or fp16: the job allows that lossy 16-bit wire, and "
+             "the plan puts a PS layer on it where the cost model says it pays (docs/planner.md, "
+             "Wire precision)",
+             OneOf({"none", "bf16", "fp16"}))
       .Field("allreduce_by_cost", &C::allreduce_by_cost,
              "let the time rule put layers on ring all-reduce from the agents' measured ring "
              "step (off: only --scheme=allreduce and overrides use it; docs/planner.md)")
@@ -241,6 +247,7 @@ int Main(int argc, char** argv) {
   registry.scheme_rule =
       config.scheme_rule == "bytes" ? planner::SchemeRule::kBytes : planner::SchemeRule::kTime;
   registry.fusion = config.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
+  registry.lossy_wire = *planner::ParseWireType(config.lossy_wire);  // checked by OneOf
   registry.allreduce_by_cost = config.allreduce_by_cost;
   registry.replan_threshold = config.replan_threshold;
   registry.plan_lead_iterations = static_cast<uint64_t>(config.plan_lead);

@@ -734,6 +734,7 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.block_bytes = options_.block_bytes;
   config.scheme_rule = options_.scheme_rule;
   config.fusion = options_.fusion;
+  config.lossy_wire = options_.lossy_wire;
   config.allreduce = job.model->allreduce;
   if (options_.allreduce_by_cost) config.allreduce_step_seconds = AllreduceStep(job);
   config.job_id = job.id;
@@ -772,6 +773,8 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
         *layer->mutable_chunks() = previous.chunks();
         // The buckets too: the agents formed them from the world's first plan (plan.proto).
         layer->set_bucket(previous.bucket());
+        // And the wire (the servers' tables were registered with it).
+        layer->set_wire_type(previous.wire_type());
       }
       result.plan.set_bucket_bytes(job.plan->bucket_bytes());
       if (moved) {
@@ -1394,6 +1397,7 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
         status->set_name(layer.layer_name());
         status->set_scheme(layer.scheme());
         status->set_bytes(layer.predicted_bytes_per_worker());
+        status->set_wire_type(layer.wire_type());
       }
     }
     FillSyncStatus(job, now, out);

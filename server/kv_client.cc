@@ -82,7 +82,7 @@ Ticket KvClient::Push(uint64_t key, uint64_t clock, std::span<const float> data,
 }
 
 Ticket KvClient::PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload,
-                           uint32_t epoch, bool init, bool replay) {
+                           uint32_t epoch, bool init, bool replay, bool exact_wire) {
   FrameHeader h;
   h.type = FrameType::kPush;
   h.key = key;
@@ -90,16 +90,18 @@ Ticket KvClient::PushBytes(uint64_t key, uint64_t clock, std::span<const std::by
   h.epoch = epoch;
   if (init) h.flags |= transport::kFlagInit;
   if (replay) h.flags |= transport::kFlagReplay;
+  if (exact_wire) h.flags |= transport::kFlagExactWire;
   Pending p;
   p.what = absl::StrCat(init ? "initial push" : "push", " of key ", key, " clock ", clock, " to ",
                         address_);
   return Start(key % conns_.size(), h, {payload}, std::move(p));
 }
 
-Ticket KvClient::Replicate(uint64_t key, uint64_t clock, uint32_t epoch,
+Ticket KvClient::Replicate(uint64_t key, uint64_t clock, uint32_t epoch, uint8_t flags,
                            std::vector<transport::ConstBuffer> payload) {
   FrameHeader h;
   h.type = FrameType::kReplicate;
+  h.flags = flags & transport::kFlagExactWire;
   h.key = key;
   h.clock = clock;
   h.epoch = epoch;
@@ -133,18 +135,22 @@ Ticket KvClient::Pull(uint64_t key, uint64_t clock, std::span<float> into,
 }
 
 Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> into,
-                           absl::Duration server_timeout, uint32_t epoch) {
+                           absl::Duration server_timeout, uint32_t epoch, size_t lossy_bytes,
+                           size_t* received) {
   FrameHeader h;
   h.type = FrameType::kPull;
   h.key = key;
   h.clock = clock;
   h.epoch = epoch;
+  if (lossy_bytes != 0) h.flags |= transport::kFlagExactWire;
   auto timeout = std::make_shared<std::vector<std::byte>>(8);
   const auto ms = static_cast<uint64_t>(absl::ToInt64Milliseconds(server_timeout));
   for (int i = 0; i < 8; ++i) (*timeout)[i] = std::byte{static_cast<unsigned char>(ms >> (8 * i))};
   Pending p;
   p.what = absl::StrCat("pull of key ", key, " clock ", clock, " from ", address_);
   p.into = into;
+  p.lossy_bytes = lossy_bytes;
+  p.received = received;
   return Start(key % conns_.size(), h, {*timeout}, std::move(p), timeout);
 }
 
@@ -375,22 +381,28 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
     case FrameType::kPullResponse: {
       std::span<std::byte> into;
       bool known = false;
+      size_t* received = nullptr;
+      bool fits = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = pending_.find(h.sequence);
         if (it != pending_.end()) {
           into = it->second.into;
           known = true;
-          it->second.answer_started = into.size_bytes() == h.payload_length;
+          received = it->second.received;
+          // A lossy key's pull takes its 16-bit answer, or float32 where the key fell back.
+          fits = into.size_bytes() == h.payload_length ||
+                 (it->second.lossy_bytes != 0 && it->second.lossy_bytes == h.payload_length);
+          it->second.answer_started = fits;
         }
       }
-      const bool fits = known && into.size_bytes() == h.payload_length;
       const absl::Time header_at = absl::Now();
-      auto after = [weak, h, fits, known, conn, size = into.size_bytes(),
-                    header_at](absl::Status s) {
+      auto after = [weak, h, fits, known, conn, size = into.size_bytes(), header_at,
+                    received](absl::Status s) {
         auto self = weak.lock();
         if (!self) return;
         if (!s.ok()) return self->FailAll(s);
+        if (fits && received != nullptr) *received = h.payload_length;
         if (fits && self->pull_observer_ && h.payload_length >= self->observe_min_bytes_) {
           self->pull_observer_(h.payload_length, absl::Now() - header_at);
         }
@@ -405,7 +417,7 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
         self->ReadLoop(conn);
       };
       if (h.payload_length == 0) return after(absl::OkStatus());
-      if (fits) return c.ReadPayload(into, std::move(after));
+      if (fits) return c.ReadPayload(into.first(h.payload_length), std::move(after));
       return c.DiscardPayload(std::move(after));
     }
     default:

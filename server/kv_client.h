@@ -54,21 +54,30 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
 
   // The same on raw payloads, for a key whose wire type is not float32 (bf16: 2 bytes per
   // element, common/bf16.h), or a server-side rule's initial value (init).
+  // exact_wire: a float32 payload for a key on a lossy wire (transport::kFlagExactWire: the
+  // rank's divergence guard fell back).
   Ticket PushBytes(uint64_t key, uint64_t clock, std::span<const std::byte> payload,
-                   uint32_t epoch = 0, bool init = false, bool replay = false);
+                   uint32_t epoch = 0, bool init = false, bool replay = false,
+                   bool exact_wire = false);
 
   // A pull that failed after its answer had begun to land in its destination (the destination
   // may be partly overwritten) carries this payload in its status (absl::Status::GetPayload):
   // the server had completed that clock.
   static constexpr char kAnswerStarted[] = "poseidon.kv/answer-started";
+  // A key on a lossy wire: `into` holds the float32 value, and `lossy_bytes` (non-zero) is the
+  // size of its 16-bit answer; either size is accepted (the pull says so, kFlagExactWire), the
+  // answer lands at the start of `into` and `*received` (set before the ticket finishes) says
+  // how many bytes it had.
   Ticket PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> into,
-                   absl::Duration server_timeout = absl::Seconds(30), uint32_t epoch = 0);
+                   absl::Duration server_timeout = absl::Seconds(30), uint32_t epoch = 0,
+                   size_t lossy_bytes = 0, size_t* received = nullptr);
 
   // Replication between servers (a client authenticated as transport::ServerRank): the key's
   // state after `clock` at assignment `epoch`, in `payload` (gathered, used in place until the
   // ticket finishes); answered by REPLICATE_ACK or an error (Aborted: the backup is at a later
   // epoch).
-  Ticket Replicate(uint64_t key, uint64_t clock, uint32_t epoch,
+  // `flags`: transport::kFlagExactWire where the key fell back to float32 at or before `clock`.
+  Ticket Replicate(uint64_t key, uint64_t clock, uint32_t epoch, uint8_t flags,
                    std::vector<transport::ConstBuffer> payload);
 
   // Whether the connection failed or was closed (requests then fail at once): what tells a
@@ -125,6 +134,8 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   struct Pending {
     std::string what;        // for errors: "push key 3 clock 7"
     std::span<std::byte> into;  // pulls
+    size_t lossy_bytes = 0;     // a lossy key's pull: the other size its answer may have
+    size_t* received = nullptr;  // where that pull reports the size it got
     bool answer_started = false;  // a pull's payload began to be read into `into`
     bool send_done = false;  // the push payload has left our buffer
     bool answered = false;

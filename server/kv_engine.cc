@@ -13,7 +13,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/bf16.h"
+#include "common/wire_codec.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "server/update_rules.h"
@@ -26,6 +26,18 @@ using transport::FrameType;
 
 namespace {
 
+// A table's wire type (validated: float32, bfloat16 or float16).
+WireType WireOfTable(const v1::KvTableSpec& t) {
+  switch (t.wire_type()) {
+    case v1::ELEMENT_TYPE_BF16:
+      return WireType::kBf16;
+    case v1::ELEMENT_TYPE_F16:
+      return WireType::kF16;
+    default:
+      return WireType::kF32;
+  }
+}
+
 void SendError(const RequestContext& ctx, const absl::Status& status) {
   auto frame =
       std::make_shared<transport::ErrorFrame>(transport::MakeErrorFrame(ctx.header.job_id, status));
@@ -36,9 +48,11 @@ void SendError(const RequestContext& ctx, const absl::Status& status) {
   ctx.peer->connection().Send(frame->header, std::move(payload), [frame](absl::Status) {});
 }
 
-void SendReply(const RequestContext& ctx, FrameType type, std::span<const std::byte> payload) {
+void SendReply(const RequestContext& ctx, FrameType type, std::span<const std::byte> payload,
+               uint8_t flags = 0) {
   FrameHeader h;
   h.type = type;
+  h.flags = flags;
   h.job_id = ctx.header.job_id;
   h.epoch = ctx.header.epoch;
   h.key = ctx.header.key;
@@ -107,12 +121,17 @@ struct KvEngine::Key {
   bool init_pushed = false;  // initial value comes from rank 0
   bool initialized = true;
   std::vector<float> params, agg, result;
-  // A bfloat16 wire (sum rule): pushes decoded into agg, each result rounded into result_wire
-  // with error feedback (residual).
-  bool bf16_wire = false;
+  // A lossy wire (bfloat16 or fp16, sum rule; common/wire_codec.h): pushes decoded into agg,
+  // each result rounded into result_wire with error feedback (residual).
+  WireType wire = WireType::kF32;
   std::vector<float> residual;
   std::vector<uint16_t> result_wire;
-  size_t WireBytes() const { return elements * (bf16_wire ? 2 : sizeof(float)); }
+  bool LossyWire() const { return IsLossy(wire); }
+  size_t WireBytes() const { return elements * WireElementBytes(wire); }
+  // A lossy key that fell back to float32 (a rank pushed with kFlagExactWire): the first clock
+  // whose result is float32 (0: still lossy). From then on pushes and pulls are float32.
+  uint64_t exact_from = 0;
+  bool ExactAt(uint64_t clock) const { return exact_from != 0 && clock >= exact_from; }
   uint64_t completed = 0;
   // Replication: the servers holding the key (indices into JobState::servers; the first primary
   // first; empty: not replicated), the assignment epoch this server knows (chain[epoch] is the
@@ -140,10 +159,10 @@ struct KvEngine::Key {
   bool IsSum() const { return rule == v1::UPDATE_RULE_SUM; }
   bool Replicated() const { return !chain.empty(); }
   bool IsPrimary() const { return !Replicated() || chain[epoch] == job->self; }
-  // A REPLICATE frame: sum rule: the result (and, on a bfloat16 wire, the residual and the
+  // A REPLICATE frame: sum rule: the result (and, on a lossy wire, the residual and the
   // rounded result); a server-side rule: the step count, the parameters and every state vector.
   uint64_t ReplicaBytes() const {
-    if (IsSum()) return elements * (bf16_wire ? 10 : sizeof(float));
+    if (IsSum()) return elements * (LossyWire() ? 10 : sizeof(float));
     return sizeof(uint64_t) +
            elements * sizeof(float) * (1 + static_cast<size_t>(optimizer ? optimizer->StateCount() : 0));
   }
@@ -363,26 +382,27 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
           absl::StrCat("table ", t.name(), ": ", hp.status().message()));
     }
     if (t.wire_type() != v1::ELEMENT_TYPE_UNSPECIFIED && t.wire_type() != v1::ELEMENT_TYPE_F32 &&
-        t.wire_type() != v1::ELEMENT_TYPE_BF16) {
+        t.wire_type() != v1::ELEMENT_TYPE_BF16 && t.wire_type() != v1::ELEMENT_TYPE_F16) {
       return absl::UnimplementedError(absl::StrCat(
           "table ", t.name(), ": wire type ", v1::ElementType_Name(t.wire_type()),
-          " (float32 and bfloat16 are supported)"));
+          " (float32, bfloat16 and float16 are supported)"));
     }
-    if (t.wire_type() == v1::ELEMENT_TYPE_BF16 &&
+    if (IsLossy(WireOfTable(t)) &&
         t.update_rule().rule() != v1::UPDATE_RULE_SUM &&
         t.update_rule().rule() != v1::UPDATE_RULE_UNSPECIFIED) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "table ", t.name(), ": a bfloat16 wire needs the sum rule (pulls of a server-side "
+          "table ", t.name(), ": a lossy (", WireName(WireOfTable(t)),
+          ") wire needs the sum rule (pulls of a server-side "
           "rule return parameters, which must stay exact)"));
     }
     if (t.keys_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " has no keys"));
     }
     const v1::UpdateRule rule = t.update_rule().rule();
-    // bf16: a residual (a float each) and the encoded result (half a float each) besides.
+    // A lossy wire: a residual (a float each) and the encoded result (half a float each) besides.
     const uint64_t copies = rule == v1::UPDATE_RULE_ADAM       ? 4
                             : rule == v1::UPDATE_RULE_MOMENTUM ? 3
-                            : t.wire_type() == v1::ELEMENT_TYPE_BF16 ? 4
+                            : IsLossy(WireOfTable(t))          ? 4
                                                                : 2;
     for (const auto& k : t.keys()) {
       if (k.elements() == 0 || k.elements() > options.max_key_bytes / sizeof(float)) {
@@ -529,8 +549,8 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
         if (!k->IsSum()) k->params.assign(k->elements, 0.0f);
         k->agg.assign(k->elements, 0.0f);
         if (k->IsSum()) k->result.assign(k->elements, 0.0f);
-        k->bf16_wire = t.wire_type() == v1::ELEMENT_TYPE_BF16;
-        if (k->bf16_wire) {
+        k->wire = WireOfTable(t);
+        if (k->LossyWire()) {
           k->residual.assign(k->elements, 0.0f);
           k->result_wire.assign(k->elements, 0);
         }
@@ -548,7 +568,7 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   created.wait();
   auto sizes = std::make_shared<KeySizes>(*key_sizes_.load());
   for (const auto& t : spec.tables()) {
-    const bool bf16 = t.wire_type() == v1::ELEMENT_TYPE_BF16;
+    const bool lossy = IsLossy(WireOfTable(t));
     // The same count the keys' optimizers report (KvEngine::Key::ReplicaBytes).
     const std::unique_ptr<Optimizer> rule = MakeOptimizer(
         t.update_rule().rule(), *HyperParamsFromSpec(t.update_rule()), 0);
@@ -556,9 +576,10 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
     const int states = sum ? 0 : rule->StateCount();
     for (const auto& kspec : t.keys()) {
       KeySize& size = (*sizes)[{job_id, kspec.key()}];
-      size.push = kspec.elements() * (bf16 ? 2 : sizeof(float));
+      size.push = kspec.elements() * (lossy ? 2 : sizeof(float));
+      size.float_push = kspec.elements() * sizeof(float);
       if (spec.replicas() > 0) {
-        size.replica = sum ? kspec.elements() * (bf16 ? 10 : sizeof(float))
+        size.replica = sum ? kspec.elements() * (lossy ? 10 : sizeof(float))
                            : sizeof(uint64_t) + kspec.elements() * sizeof(float) * (1 + states);
       }
     }
@@ -569,16 +590,18 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   return absl::OkStatus();
 }
 
-absl::Status KvEngine::CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes) const {
+absl::Status KvEngine::CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes,
+                                     bool exact_wire) const {
   const std::shared_ptr<const KeySizes> sizes = key_sizes_.load();
   const auto it = sizes->find({job_id, key});
   if (it == sizes->end()) {
     return absl::NotFoundError(absl::StrCat("job ", job_id, " has no key ", key, " on this server"));
   }
-  if (bytes != it->second.push) {
+  const uint64_t expected = exact_wire ? it->second.float_push : it->second.push;
+  if (bytes != expected) {
     return absl::InvalidArgumentError(absl::StrCat("push for key ", key, " of job ", job_id,
                                                    " declares ", bytes, " bytes, expected ",
-                                                   it->second.push));
+                                                   expected));
   }
   return absl::OkStatus();
 }
@@ -628,10 +651,13 @@ void KvEngine::Push(RequestContext request, PooledBuffer payload,
               [this](Worker& w, Key& k, const RequestContext& ctx, PooledBuffer& data,
                      std::function<void()>& done, const auto& fail) {
     const FrameHeader& h = ctx.header;
-    if (data.size() != k.WireBytes()) {
+    // A float32 push on a lossy key: a rank's fallback (kFlagExactWire).
+    const bool exact_push = (h.flags & transport::kFlagExactWire) != 0 || !k.LossyWire();
+    const size_t expected = exact_push ? k.elements * sizeof(float) : k.WireBytes();
+    if (data.size() != expected) {
       return fail(absl::InvalidArgumentError(absl::StrCat("push for ", k.Name(), " carries ",
                                                           data.size(), " bytes, expected ",
-                                                          k.WireBytes())));
+                                                          expected)));
     }
     if (h.sender_rank >= k.workers) {
       return fail(absl::InvalidArgumentError(absl::StrCat(
@@ -695,13 +721,26 @@ void KvEngine::Push(RequestContext request, PooledBuffer payload,
       stats_.duplicate_pushes.fetch_add(1, std::memory_order_relaxed);
       return ack();
     }
-    if (k.bf16_wire) {
+    if (k.LossyWire() && !exact_push && k.ExactAt(h.clock - 1)) {
+      // Every rank switched once it pulled clock exact_from (answered in float32).
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          k.Name(), " fell back to float32 at clock ", k.exact_from,
+          " (a rank's divergence guard): rank ", h.sender_rank, "'s 16-bit push of clock ",
+          h.clock, " is refused")));
+    }
+    if (k.LossyWire() && exact_push && k.exact_from == 0) {
+      k.exact_from = h.clock;
+      PSD_LOG_WARN("{}: rank {} pushed clock {} in float32 (its divergence guard): the key's "
+                   "{} wire falls back to float32 from this clock on",
+                   k.Name(), h.sender_rank, h.clock, WireName(k.wire));
+    }
+    if (k.LossyWire() && !exact_push) {
       const std::span<const uint16_t> grad(reinterpret_cast<const uint16_t*>(data.bytes().data()),
                                            k.elements);
       if (k.count == 0) {
-        DecodeBf16(grad, k.agg);
+        DecodeWire16(k.wire, grad, k.agg);
       } else {
-        AddBf16Into(k.agg, grad);
+        AddWire16Into(k.wire, k.agg, grad);
       }
     } else {
       const std::span<const float> grad = data.floats();
@@ -731,7 +770,15 @@ void KvEngine::Complete(Worker& w, Key& k) {
   if (k.grad_scale != 1.0f) Scale(k.agg, k.grad_scale);
   if (k.IsSum()) {
     std::swap(k.result, k.agg);
-    if (k.bf16_wire) EncodeBf16WithFeedback(k.result, k.residual, k.result_wire);
+    if (k.LossyWire() && k.ExactAt(k.completed + 1)) {
+      // The clock the key falls back at releases what the rounding held back.
+      if (k.exact_from == k.completed + 1) {
+        AddInto(k.result, k.residual);
+        std::fill(k.residual.begin(), k.residual.end(), 0.0f);
+      }
+    } else if (k.LossyWire()) {
+      EncodeWithFeedback(k.wire, k.result, k.residual, k.result_wire);
+    }
   } else {
     k.optimizer->Step(k.params, k.agg);
   }
@@ -757,6 +804,7 @@ bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
   h.epoch = k.epoch;
   h.key = k.key;
   h.clock = clock;
+  if (k.LossyWire() && k.ExactAt(clock)) h.flags = transport::kFlagExactWire;
   // The key's own buffers, without a copy: nothing changes them before every backup answered
   // (the pulls of this clock wait for that, and no rank pushes the next clock before its pull;
   // the initial value's replica is pulled by no one, so a clock that completes while it is
@@ -764,7 +812,7 @@ bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
   std::vector<transport::ConstBuffer> payload;
   if (k.IsSum()) {
     payload.emplace_back(std::as_bytes(std::span<const float>(k.result)));
-    if (k.bf16_wire) {
+    if (k.LossyWire()) {
       payload.emplace_back(std::as_bytes(std::span<const float>(k.residual)));
       payload.emplace_back(std::as_bytes(std::span<const uint16_t>(k.result_wire)));
     }
@@ -944,9 +992,12 @@ void KvEngine::Replicate(RequestContext request, PooledBuffer payload,
       std::memcpy(dst.data(), in, dst.size_bytes());
       in += dst.size_bytes();
     };
+    if (k.LossyWire() && (h.flags & transport::kFlagExactWire) != 0 && k.exact_from == 0) {
+      k.exact_from = h.clock;  // the primary's key fell back at this clock
+    }
     if (k.IsSum()) {
       take(k.result);
-      if (k.bf16_wire) {
+      if (k.LossyWire()) {
         take(k.residual);
         std::memcpy(k.result_wire.data(), in, k.result_wire.size() * sizeof(uint16_t));
       }
@@ -983,8 +1034,23 @@ void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
 }
 
 void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
+  if (k.LossyWire() && k.ExactAt(k.completed)) {
+    if ((ctx.header.flags & transport::kFlagExactWire) == 0) {
+      stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
+      SendError(ctx, absl::FailedPreconditionError(absl::StrCat(
+                         k.Name(), " fell back to float32 at clock ", k.exact_from,
+                         " and this pull does not accept a float32 answer (kFlagExactWire)")));
+      return;
+    }
+    const std::span<const std::byte> value = std::as_bytes(std::span<const float>(k.result));
+    stats_.pulls.fetch_add(1, std::memory_order_relaxed);
+    stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
+    if (ctx.traffic) ctx.traffic->sent.fetch_add(value.size_bytes(), std::memory_order_relaxed);
+    SendReply(ctx, FrameType::kPullResponse, value, transport::kFlagExactWire);
+    return;
+  }
   const std::span<const std::byte> value =
-      k.bf16_wire ? std::as_bytes(std::span<const uint16_t>(k.result_wire))
+      k.LossyWire() ? std::as_bytes(std::span<const uint16_t>(k.result_wire))
       : k.IsSum() ? std::as_bytes(std::span<const float>(k.result))
                   : std::as_bytes(std::span<const float>(k.params));
   stats_.pulls.fetch_add(1, std::memory_order_relaxed);
@@ -1177,7 +1243,7 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
       k->params = s.params;
       if (k->IsSum()) k->result = s.result;
       // The residual is not checkpointed: a restored key rounds its last result afresh.
-      if (k->bf16_wire) EncodeBf16(k->result, k->result_wire);
+      if (k->LossyWire()) EncodeWire16(k->wire, k->result, k->result_wire);
       if (k->optimizer) {
         k->optimizer->set_steps(s.optimizer_steps);
         for (int i = 0; i < k->optimizer->StateCount(); ++i) {

@@ -134,7 +134,9 @@ class KvEngine {
 
   // Before a push's payload is received (and memory taken for it): the key must exist and
   // `bytes` be its registered size. Any thread; lock-free (reads a snapshot of the key sizes).
-  absl::Status CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes) const;
+  // `exact_wire`: the push carries kFlagExactWire (float32 on a lossy key).
+  absl::Status CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes,
+                             bool exact_wire = false) const;
 
   // Replication, on a backup: a REPLICATE frame from the key's primary (ctx.header.sender_rank
   // is its ServerRank) carrying the key's state after clock ctx.header.clock at its assignment
@@ -210,6 +212,7 @@ class KvEngine {
   // (and, for a replicated key, the size of its REPLICATE frames; 0: not replicated).
   struct KeySize {
     uint64_t push = 0;
+    uint64_t float_push = 0;  // a float32 push (kFlagExactWire on a lossy key)
     uint64_t replica = 0;
   };
   using KeySizes = std::map<std::pair<uint64_t, uint64_t>, KeySize>;

@@ -10,7 +10,7 @@
 
 #include <thread>
 
-#include "common/bf16.h"
+#include "common/wire_codec.h"
 #include "server/kv_client.h"
 #include "server/kv_service.h"
 #include "server/server_telemetry.h"
@@ -288,15 +288,20 @@ TEST_F(KvServerTest, ARankWhoseLastConnectionClosesIsNamedToEveryPullThatNeedsIt
   EXPECT_EQ(out, std::vector<float>(4, 3.0f));
 }
 
-// A bfloat16 wire (issue 15): pushes and pulls carry 2 bytes an element; ranks encode with
-// error feedback and the server rounds each result with its own, so that over many clocks the
-// pulled sums add up to the exact ones within a few roundings, where plain rounding drifts.
-TEST_F(KvServerTest, ABfloat16WireKeepsTheSumsOverClocksWithinAFewRoundings) {
+// A lossy wire (issue 15): pushes and pulls carry 2 bytes an element (bfloat16 or fp16); ranks
+// encode with error feedback and the server rounds each result with its own, so that over many
+// clocks the pulled sums add up to the exact ones within a few roundings, where plain rounding
+// drifts.
+class LossyWireTest : public KvServerTest, public ::testing::WithParamInterface<WireType> {};
+
+TEST_P(LossyWireTest, TheSumsOverClocksStayWithinAFewRoundings) {
+  const WireType type = GetParam();
   constexpr uint32_t kRanks = 3;
   constexpr size_t kElements = 999;  // odd: a payload that is not a whole number of floats
   constexpr int kClocks = 40;
   v1::RegisterTablesRequest spec = Spec(kRanks, v1::UPDATE_RULE_SUM, {kElements});
-  spec.mutable_tables(0)->set_wire_type(v1::ELEMENT_TYPE_BF16);
+  spec.mutable_tables(0)->set_wire_type(type == WireType::kF16 ? v1::ELEMENT_TYPE_F16
+                                                               : v1::ELEMENT_TYPE_BF16);
   std::vector<std::shared_ptr<KvClient>> clients;
   for (uint32_t r = 0; r < kRanks; ++r) {
     clients.push_back(Client(r));
@@ -307,11 +312,15 @@ TEST_F(KvServerTest, ABfloat16WireKeepsTheSumsOverClocksWithinAFewRoundings) {
   absl::Status refused = clients[0]->Wait(clients[0]->Push(100, 1, wide), kWait);
   EXPECT_NE(refused.message().find("expected 1998"), std::string::npos) << refused;
 
+  // The type's unit just above 1: 2^-7 for bfloat16, 2^-10 for fp16. Everything below is in
+  // that unit, so both types face the same test.
+  const double unit = type == WireType::kF16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
+  const auto scale = static_cast<float>(unit / std::ldexp(1.0, -7));
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> noise(-1.0f, 1.0f);
-  // 1 + 2^-10 is not a bfloat16 (its next value above 1 is 1 + 2^-7): plain rounding loses the
-  // 2^-10 of every push.
-  const float bias = 1.0f + 1.0f / 1024;
+  // 1 + unit/8 is not representable (its next value above 1 is 1 + unit): plain rounding loses
+  // the unit/8 of every push.
+  const auto bias = static_cast<float>(1.0 + unit / 8);
   std::vector<std::vector<float>> residual(kRanks, std::vector<float>(kElements, 0.0f));
   std::vector<double> exact_total(kElements, 0), pulled_total(kElements, 0),
       plain_total(kElements, 0);
@@ -323,11 +332,11 @@ TEST_F(KvServerTest, ABfloat16WireKeepsTheSumsOverClocksWithinAFewRoundings) {
     for (uint32_t r = 0; r < kRanks; ++r) {
       std::vector<float> g(kElements);
       for (size_t i = 0; i < kElements; ++i) {
-        g[i] = bias + 0.01f * noise(rng);
+        g[i] = bias + 0.01f * scale * noise(rng);
         exact[i] += g[i];
-        plain_total[i] += FromBf16(ToBf16(g[i]));
+        plain_total[i] += FromWire16(type, ToWire16(type, g[i]));
       }
-      EncodeBf16WithFeedback(g, residual[r], wire[r]);
+      EncodeWithFeedback(type, g, residual[r], wire[r]);
       pushes.push_back(clients[r]->PushBytes(100, clock, std::as_bytes(std::span(wire[r]))));
     }
     std::vector<uint16_t> pulled(kElements);
@@ -335,7 +344,7 @@ TEST_F(KvServerTest, ABfloat16WireKeepsTheSumsOverClocksWithinAFewRoundings) {
     for (uint32_t r = 0; r < kRanks; ++r) ASSERT_TRUE(clients[r]->Wait(pushes[r], kWait).ok());
     ASSERT_TRUE(clients[0]->Wait(pull, kWait).ok());
     for (size_t i = 0; i < kElements; ++i) {
-      const double value = FromBf16(pulled[i]);
+      const double value = FromWire16(type, pulled[i]);
       worst_clock_error = std::max(worst_clock_error, std::abs(value - exact[i]));
       exact_total[i] += exact[i];
       pulled_total[i] += value;
@@ -346,23 +355,105 @@ TEST_F(KvServerTest, ABfloat16WireKeepsTheSumsOverClocksWithinAFewRoundings) {
     drift = std::max(drift, std::abs(pulled_total[i] - exact_total[i]));
     plain_drift = std::max(plain_drift, std::abs(plain_total[i] - exact_total[i]));
   }
-  // One bfloat16 rounding of a value near 3 is at most 2^-7; the residuals left at the end (one
-  // per rank and the server's) bound the drift whatever the number of clocks.
-  EXPECT_LT(worst_clock_error, 0.05) << "a clock's sum is near the exact one";
-  EXPECT_LT(drift, 4 * std::ldexp(1.0, -7)) << "over " << kClocks << " clocks";
-  // The control: rounding each push without feedback loses up to 2^-10 per push (the noise
-  // rounds some up): ~0.09 over the 120 pushes, several times the bound above.
-  EXPECT_GT(plain_drift, 2 * 4 * std::ldexp(1.0, -7)) << "with feedback: " << drift;
+  // One rounding of a value near 3 is at most one unit (half of [2, 4)'s unit of 2·unit); the
+  // residuals left at the end (one per rank and the server's) bound the drift whatever the
+  // number of clocks.
+  EXPECT_LT(worst_clock_error, 0.05 * scale) << "a clock's sum is near the exact one";
+  EXPECT_LT(drift, 4 * unit) << "over " << kClocks << " clocks";
+  // The control: rounding each push without feedback loses up to unit/8 per push (the noise
+  // rounds some up): ~12 units over the 120 pushes, several times the bound above.
+  EXPECT_GT(plain_drift, 2 * 4 * unit) << "with feedback: " << drift;
 }
 
-TEST_F(KvServerTest, ABfloat16WireNeedsTheSumRule) {
+INSTANTIATE_TEST_SUITE_P(Types, LossyWireTest, ::testing::Values(WireType::kBf16, WireType::kF16),
+                         [](const auto& info) { return std::string(WireName(info.param)); });
+
+// A rank's divergence guard falls a lossy key back to float32 (kFlagExactWire): its float32
+// push switches the key at that clock; the clock's result releases what the server's rounding
+// held back, so the pulled sums over clocks are the pushed ones; later 16-bit pushes are refused,
+// and a pull that does not accept float32 is told why.
+TEST_F(KvServerTest, ALossyKeyFallsBackToFloat32AtTheClockARankPushesFloat32) {
+  constexpr size_t kElements = 257;
+  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {kElements});
+  spec.mutable_tables(0)->set_wire_type(v1::ELEMENT_TYPE_BF16);
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  ASSERT_TRUE(c1->RegisterTables(spec, kWait).ok());
+  // Rank 0 sends 1, rank 1 1 + 2^-7 (both bfloat16): their sum 2 + 2^-7 is not one (the unit
+  // above 2 is 2^-6), so the server's rounding holds 2^-7 back.
+  const float bias = 1.0f + 1.0f / 1024;
+  std::vector<float> g(kElements, bias);
+  const std::vector<uint16_t> wire0(kElements, ToBf16(1.0f));
+  const std::vector<uint16_t> wire(kElements, ToBf16(1.0f + 1.0f / 128));
+  const float decoded = FromBf16(wire[0]);
+  ASSERT_EQ(decoded, 1.0f + 1.0f / 128);
+  double pushed_total = 0, pulled_total = 0;
+  // Clock 1, both 16-bit: the answer is 16-bit (received says so).
+  ASSERT_TRUE(c0->Wait(c0->PushBytes(100, 1, std::as_bytes(std::span(wire0))), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->PushBytes(100, 1, std::as_bytes(std::span(wire))), kWait).ok());
+  pushed_total += 1.0 + decoded;
+  std::vector<float> out(kElements);
+  size_t received = 0;
+  ASSERT_TRUE(c0->Wait(c0->PullBytes(100, 1, std::as_writable_bytes(std::span(out)), kWait, 0,
+                                     kElements * 2, &received),
+                       kWait)
+                  .ok());
+  EXPECT_EQ(received, kElements * 2);
+  DecodeWire16InPlace(WireType::kBf16, out);
+  pulled_total += out[0];
+  // Clock 2: rank 0 falls back (float32 with kFlagExactWire), rank 1 still sends 16 bits.
+  ASSERT_TRUE(c0->Wait(c0->PushBytes(100, 2, std::as_bytes(std::span(g)), 0, false, false,
+                                     /*exact_wire=*/true),
+                       kWait)
+                  .ok());
+  ASSERT_TRUE(c1->Wait(c1->PushBytes(100, 2, std::as_bytes(std::span(wire))), kWait).ok());
+  pushed_total += bias + decoded;
+  // A pull that takes only 16 bits is refused, naming the fallback.
+  std::vector<uint16_t> narrow(kElements);
+  const absl::Status refused =
+      c1->Wait(c1->PullBytes(100, 2, std::as_writable_bytes(std::span(narrow))), kWait);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("fell back to float32 at clock 2"), std::string::npos)
+      << refused;
+  ASSERT_TRUE(c1->Wait(c1->PullBytes(100, 2, std::as_writable_bytes(std::span(out)), kWait, 0,
+                                     kElements * 2, &received),
+                       kWait)
+                  .ok());
+  EXPECT_EQ(received, kElements * sizeof(float)) << "answered in float32";
+  pulled_total += out[0];
+  // The fallback clock released the server's residual: the pulled sums are the pushed ones.
+  EXPECT_NEAR(pulled_total, pushed_total, 1e-5);
+  EXPECT_NE(1.0 + decoded, pulled_total - out[0]) << "clock 1 was rounded";
+  // Clock 3: a 16-bit push is refused; float32 ones are summed and answered in float32.
+  const absl::Status late = c1->Wait(c1->PushBytes(100, 3, std::as_bytes(std::span(wire))), kWait);
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition) << late;
+  EXPECT_NE(late.message().find("16-bit push of clock 3 is refused"), std::string::npos) << late;
+  for (auto* c : {c0.get(), c1.get()}) {
+    ASSERT_TRUE(c->Wait(c->PushBytes(100, 3, std::as_bytes(std::span(g)), 0, false, false, true),
+                        kWait)
+                    .ok());
+  }
+  ASSERT_TRUE(c0->Wait(c0->PullBytes(100, 3, std::as_writable_bytes(std::span(out)), kWait, 0,
+                                     kElements * 2, &received),
+                       kWait)
+                  .ok());
+  EXPECT_EQ(received, kElements * sizeof(float));
+  EXPECT_EQ(out, std::vector<float>(kElements, 2 * bias)) << "exact from the fallback on";
+}
+
+TEST_F(KvServerTest, ALossyWireNeedsTheSumRule) {
   auto c = Client(0);
   v1::RegisterTablesRequest spec = Spec(1, v1::UPDATE_RULE_MOMENTUM, {8});
   spec.mutable_tables(0)->set_wire_type(v1::ELEMENT_TYPE_BF16);
   const absl::Status s = c->RegisterTables(spec, kWait);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_NE(s.message().find("a bfloat16 wire needs the sum rule"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("a lossy (bf16) wire needs the sum rule"), std::string::npos) << s;
   spec.mutable_tables(0)->set_wire_type(v1::ELEMENT_TYPE_F16);
+  const absl::Status f16 = c->RegisterTables(spec, kWait);
+  EXPECT_EQ(f16.code(), absl::StatusCode::kInvalidArgument) << f16;
+  EXPECT_NE(f16.message().find("a lossy (fp16) wire needs the sum rule"), std::string::npos) << f16;
+  spec.mutable_tables(0)->set_wire_type(v1::ELEMENT_TYPE_F64);
   EXPECT_EQ(c->RegisterTables(spec, kWait).code(), absl::StatusCode::kUnimplemented);
 }
 

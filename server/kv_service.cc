@@ -180,7 +180,9 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
       // The declared length against the key's registered size before any memory is taken: a
       // wrong one is read off the wire into nothing and answered with an error (the connection
       // lives, as for any refused push).
-      if (absl::Status s = engine_->CheckPushSize(header.job_id, header.key, header.payload_length);
+      if (absl::Status s = engine_->CheckPushSize(
+              header.job_id, header.key, header.payload_length,
+              (header.flags & transport::kFlagExactWire) != 0);
           !s.ok()) {
         state->push_error = std::move(s);
         return PayloadTarget::Discard();

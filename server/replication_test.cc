@@ -315,7 +315,7 @@ TEST_F(ReplicationTest, MisdirectedRequestsAndForgedReplicasAreRefused) {
   // A REPLICATE from an agent's rank: refused, and its connection closed.
   auto forged = Client(*backup_, 1);
   std::vector<float> state(kN, 1.0f);
-  s = forged->Wait(forged->Replicate(kKey, 1, 0, {std::as_bytes(std::span(state))}), kWait);
+  s = forged->Wait(forged->Replicate(kKey, 1, 0, 0, {std::as_bytes(std::span(state))}), kWait);
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(backup_->server->Stats().protocol_errors, 1u) << "disconnected for it";
   EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 0u);
@@ -329,14 +329,14 @@ TEST_F(ReplicationTest, MisdirectedRequestsAndForgedReplicasAreRefused) {
     return *c;
   };
   auto s1 = as_server(1);
-  s = s1->Wait(s1->Replicate(kKey, 1, 0, {std::as_bytes(std::span(state))}), kWait);
+  s = s1->Wait(s1->Replicate(kKey, 1, 0, 0, {std::as_bytes(std::span(state))}), kWait);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   auto s0 = as_server(0);
-  s = s0->Wait(s0->Replicate(kKey, 3, 0, {std::as_bytes(std::span(state))}), kWait);
+  s = s0->Wait(s0->Replicate(kKey, 3, 0, 0, {std::as_bytes(std::span(state))}), kWait);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   EXPECT_NE(s.message().find("gap"), std::string::npos) << s;
   std::vector<float> short_state(kN - 1, 1.0f);
-  s = s0->Wait(s0->Replicate(kKey, 1, 0, {std::as_bytes(std::span(short_state))}), kWait);
+  s = s0->Wait(s0->Replicate(kKey, 1, 0, 0, {std::as_bytes(std::span(short_state))}), kWait);
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 0u);
   // The real primary still replicates fine afterwards.

@@ -36,7 +36,7 @@ void KvReplicaSender::Stop() {
 }
 
 void KvReplicaSender::SendOn(KvClient& client, Queued q) {
-  const Ticket t = client.Replicate(q.header.key, q.header.clock, q.header.epoch,
+  const Ticket t = client.Replicate(q.header.key, q.header.clock, q.header.epoch, q.header.flags,
                                     std::move(q.payload));
   client.OnDone(t, std::move(q.done));
 }

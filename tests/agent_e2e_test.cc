@@ -247,12 +247,18 @@ TEST_P(GpuEndToEnd, TwoProcessesOnOneGpuMatchTheExactSums) {
 
 INSTANTIATE_TEST_SUITE_P(Schemes, GpuEndToEnd, ::testing::Values("ps", "sfb"));
 
-// A bfloat16 wire (--wire=bf16): every PS result is the sum within bfloat16's rounding of the
-// inputs (values up to 11 in magnitude, whose rounding unit is 2^-4; each rank's and the
-// server's error feedback may release up to one unit in a clock), and not exactly the sum: the
-// pushes carry values a bfloat16 cannot hold (x + 2^-10).
-TEST(Wire, Bfloat16ResultsAreTheSumsWithinRounding) {
-  Cluster cluster(1, 2, "ps", {"--wire=bf16"});
+// A lossy wire: every PS result is the sum within the type's rounding of the inputs (values up
+// to 11 in magnitude, whose rounding unit is 2^-4 in bfloat16 and 2^-7 in fp16; each rank's and
+// the server's error feedback may release up to one unit in a clock), and not exactly the sum:
+// the pushes carry values neither type can hold (x + 2^-10, x >= 2). The wire is forced
+// (--wire=bf16|fp16) or the plan's: without a coordinator the agent's own plan, which the job
+// allows bfloat16 (--plan_lossy_wire) and which takes it at 1 Gbit/s (half the bytes save more
+// than the casts cost; at 10 Gbit/s, colocated with 2 workers and a server, they do not:
+// coordinator/planner/planner_test.cc).
+class LossyWire : public ::testing::TestWithParam<std::vector<std::string>> {};
+
+TEST_P(LossyWire, ResultsAreTheSumsWithinRoundingAndNotExactly) {
+  Cluster cluster(1, 2, "ps", GetParam());
   ASSERT_TRUE(cluster.ok());
   std::vector<std::unique_ptr<Subprocess>> synths;
   for (int r = 0; r < 2; ++r) {
@@ -265,8 +271,8 @@ TEST(Wire, Bfloat16ResultsAreTheSumsWithinRounding) {
     EXPECT_NE(out.find("verified 80 results, 0 mismatches"), std::string::npos) << out;
   }
   for (int r = 0; r < 2; ++r) EXPECT_EQ(cluster.agent(r).Wait(milliseconds(20000)), 0);
-  // The same job checked exactly: bfloat16 rounding shows.
-  Cluster exact(1, 2, "ps", {"--wire=bf16"});
+  // The same job checked exactly: the rounding shows.
+  Cluster exact(1, 2, "ps", GetParam());
   ASSERT_TRUE(exact.ok());
   std::vector<std::unique_ptr<Subprocess>> strict;
   for (int r = 0; r < 2; ++r) {
@@ -275,6 +281,67 @@ TEST(Wire, Bfloat16ResultsAreTheSumsWithinRounding) {
   const std::string out = strict[0]->ReadAll(milliseconds(60000));
   strict[1]->ReadAll(milliseconds(60000));
   EXPECT_EQ(out.find(" 0 mismatches"), std::string::npos) << "a lossy wire: " << out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Wire, LossyWire,
+    ::testing::Values(std::vector<std::string>{"--wire=bf16"},
+                      std::vector<std::string>{"--wire=fp16"},
+                      std::vector<std::string>{"--plan_lossy_wire=bf16", "--bandwidth=1Gbit"}),
+    [](const auto& info) {
+      return std::string(info.param[0] == "--wire=bf16"   ? "ForcedBf16"
+                         : info.param[0] == "--wire=fp16" ? "ForcedFp16"
+                                                          : "PlannedBf16");
+    });
+
+// The divergence guard (agent/wire_guard.h): gradients beyond fp16's range (±65504) saturate on
+// an fp16 wire. With the guard a rank that sees it on a key falls the key back to float32 at
+// clock 1 (the server switches every rank); the other ranks' last roundings go out with their
+// clock-2 pushes (error feedback), so from clock 3 on every result is the exact sum; without the
+// guard (--wire_check_every=0) the saturated results stay wrong.
+TEST(Wire, TheDivergenceGuardFallsBackToAnExactWire) {
+  const std::vector<std::string> scale = {"--verify", "--verify_from=3", "--grad_scale=8192"};
+  for (const bool guard : {true, false}) {
+    Cluster cluster(1, 2, "ps",
+                    {"--wire=fp16", guard ? "--wire_check_every=100" : "--wire_check_every=0",
+                     "--log_level=warn"});
+    ASSERT_TRUE(cluster.ok());
+    std::vector<std::unique_ptr<Subprocess>> synths;
+    for (int r = 0; r < 2; ++r) synths.push_back(cluster.Synth(r, kTiny, 6, scale));
+    for (int r = 0; r < 2; ++r) {
+      const std::string out = synths[r]->ReadAll(milliseconds(60000));
+      if (guard) {
+        ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
+        EXPECT_NE(out.find("verified 32 results, 0 mismatches"), std::string::npos) << out;
+      } else {
+        EXPECT_EQ(out.find(" 0 mismatches"), std::string::npos) << "saturated: " << out;
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      const std::string log = cluster.agent(r).ReadAll(milliseconds(20000));
+      const std::optional<int> code = cluster.agent(r).Wait(milliseconds(10000));
+      if (!guard) continue;
+      EXPECT_EQ(code, 0) << log;
+      EXPECT_NE(log.find("falling back to float32 (exact)"), std::string::npos) << log;
+    }
+  }
+}
+
+// The job allows bfloat16, but at 100 Gbit/s the casts cost more than the bytes they save: the
+// plan keeps every layer exact, and every result is the exact sum.
+TEST(Wire, AnAllowedLossyWireThatDoesNotPayIsNotUsed) {
+  Cluster cluster(1, 2, "ps", {"--plan_lossy_wire=bf16", "--bandwidth=100Gbit"});
+  ASSERT_TRUE(cluster.ok());
+  std::vector<std::unique_ptr<Subprocess>> synths;
+  for (int r = 0; r < 2; ++r) {
+    synths.push_back(cluster.Synth(r, kTiny, 5, {"--verify", "--grad_fraction=0.0009765625"}));
+  }
+  for (int r = 0; r < 2; ++r) {
+    const std::string out = synths[r]->ReadAll(milliseconds(60000));
+    ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
+    EXPECT_NE(out.find("verified 40 results, 0 mismatches"), std::string::npos) << out;
+  }
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(cluster.agent(r).Wait(milliseconds(20000)), 0);
 }
 
 TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {

@@ -62,6 +62,39 @@ TEST(PlanCliTest, TableNamesEveryLayerAndTheTotals) {
   }
 }
 
+// Wire precision: the lossy column and the wire appear only when the job allows a lossy wire;
+// an override is marked.
+TEST(PlanCliTest, TheLossyWireColumnShowsTheChoiceAndOverrides) {
+  const CliRun exact = Stdout(kPaperCluster);
+  ASSERT_EQ(exact.exit_code, 0) << exact.output;
+  EXPECT_EQ(exact.output.find("PS-16/worker"), std::string::npos) << exact.output;
+  const CliRun lossy = Stdout(std::string(kPaperCluster) +
+                              " --lossy_wire bf16 --wire conv1_1.weight=fp32 --json");
+  ASSERT_EQ(lossy.exit_code, 0) << lossy.output;
+  google::protobuf::Struct root;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(lossy.output, &root).ok());
+  int bf16 = 0;
+  for (const auto& layer : Field(root, "layers").list_value().values()) {
+    const auto& fields = layer.struct_value();
+    const std::string name = Field(fields, "name").string_value();
+    const std::string wire = Field(fields, "wire").string_value();
+    if (name == "conv1_1.weight" || Field(fields, "scheme").string_value() == "SFB") {
+      EXPECT_EQ(wire, "fp32") << name;
+    } else {
+      EXPECT_EQ(wire, "bf16") << name;
+      ++bf16;
+    }
+  }
+  EXPECT_EQ(Field(Field(root, "totals").struct_value(), "lossy_layers").number_value(), bf16);
+  const CliRun table =
+      Stdout(std::string(kPaperCluster) + " --lossy_wire bf16 --wire conv1_1.weight=fp32");
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  for (const std::string& text : {std::string("PS-16/worker"), std::string("fp32*"),
+                                 "wire     " + std::to_string(bf16) + " of 38 layers lossy"}) {
+    EXPECT_NE(table.output.find(text), std::string::npos) << text << "\n" << table.output;
+  }
+}
+
 TEST(PlanCliTest, UnknownModelIsOneLineAndExitCode2) {
   const CliRun run = Stderr("plan --model no-such-net --workers 4 --batch 32 --bandwidth 10Gbit");
   EXPECT_EQ(run.exit_code, 2);
@@ -84,6 +117,10 @@ TEST(PlanCliTest, BadInputIsOneLineAndExitCode2) {
       "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit stray",
       "plan --model /dev/null --workers 4 --batch 32 --bandwidth 10Gbit",
       "plan --workers 4 --batch 32 --bandwidth 10Gbit",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --lossy_wire fp8",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --wire fc6.weight=fp8",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --wire fc6.weight",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --wire nope=bf16",
       "frobnicate",
   };
   for (const char* args : bad) {

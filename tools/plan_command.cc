@@ -2,11 +2,14 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
+#include <utility>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "coordinator/planner/model_spec.h"
@@ -29,6 +32,8 @@ struct PlanFlags {
   std::string gpu = "titanx";
   uint64_t block_size = planner::kDefaultBlockBytes;
   std::string fusion = "cost";
+  std::string lossy_wire = "none";
+  std::string wire;  // "layer=bf16,other=fp32"
   bool json = false;
 };
 
@@ -61,6 +66,13 @@ ConfigSchema<PlanFlags> PlanFlagsSchema() {
       .Field("fusion", &PlanFlags::fusion,
              "cost: small PS layers fused into buckets where the cost model says it pays; off",
              OneOf({"cost", "off"}))
+      .Field("lossy_wire", &PlanFlags::lossy_wire,
+             "none: every byte exact; bf16 or fp16: a PS layer may use that 16-bit wire (lossy, "
+             "error feedback) where the cost model says it pays",
+             OneOf({"none", "bf16", "fp16"}))
+      .Field("wire", &PlanFlags::wire,
+             "per-layer wire overrides, 'fc6.weight=bf16,conv1.weight=fp32' (fp32 keeps a layer "
+             "exact; bf16/fp16 puts a PS layer on that wire whatever the cost)")
       .Field("json", &PlanFlags::json, "print JSON instead of a table");
   return schema;
 }
@@ -107,6 +119,16 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   config.latency_seconds = absl::ToDoubleSeconds(flags.latency);
   config.block_bytes = flags.block_size;
   config.fusion = flags.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
+  config.lossy_wire = *planner::ParseWireType(flags.lossy_wire);  // checked by OneOf
+  for (absl::string_view entry : absl::StrSplit(flags.wire, ',', absl::SkipEmpty())) {
+    const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(entry, '=');
+    const std::optional<poseidon::v1::ElementType> wire = planner::ParseWireType(std::string(kv.second));
+    if (kv.first.empty() || !wire.has_value()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--wire: '", entry, "' is not LAYER=fp32, LAYER=bf16 or LAYER=fp16")));
+    }
+    config.wire_overrides[std::string(kv.first)] = *wire;
+  }
   if (absl::AsciiStrToLower(flags.gpu) != "none") {
     absl::StatusOr<planner::GpuRate> gpu = planner::ParseGpuRate(flags.gpu);
     if (!gpu.ok()) return Fail(gpu.status());

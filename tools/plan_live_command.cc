@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "coordinator/client.h"
+#include "coordinator/planner/cost_model.h"
 #include "tools/coordinator_cli.h"
 #include "tools/json_writer.h"
 
@@ -110,12 +111,12 @@ void PrintText(const Shown& shown) {
   size_t width = 5;
   for (const v1::LayerPlan& layer : plan.layers())
     width = std::max(width, layer.layer_name().size());
-  std::printf("%-*s  %-9s%s\n", static_cast<int>(width), "LAYER", "SCHEME",
+  std::printf("%-*s  %-9s  %-5s%s\n", static_cast<int>(width), "LAYER", "SCHEME", "WIRE",
               shown.overriding ? "  OVERRIDDEN" : "");
   for (const v1::LayerPlan& layer : plan.layers()) {
     const bool forced = shown.overrides.contains(layer.layer_name());
-    std::printf("%-*s  %-9s%s\n", static_cast<int>(width), layer.layer_name().c_str(),
-                SchemeName(layer.scheme()).c_str(),
+    std::printf("%-*s  %-9s  %-5s%s\n", static_cast<int>(width), layer.layer_name().c_str(),
+                SchemeName(layer.scheme()).c_str(), planner::WireTypeName(layer.wire_type()),
                 shown.overriding ? (forced ? "  yes" : "  -") : "");
   }
 }
@@ -157,6 +158,8 @@ void PrintJson(const Shown& shown) {
     w.String(layer.layer_name());
     w.Key("scheme");
     w.String(SchemeName(layer.scheme()));
+    w.Key("wire");
+    w.String(planner::WireTypeName(layer.wire_type()));
     w.Key("chunks");
     w.Unsigned(static_cast<uint64_t>(layer.chunks_size()));
     w.EndObject();

@@ -192,7 +192,19 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
     right.push_back(true);
     header.push_back("PS/machine");
   }
-  for (const char* column : {"SFB/worker", "AR/worker", "chunks", "sync ms"}) {
+  for (const char* column : {"SFB/worker", "AR/worker"}) {
+    right.push_back(true);
+    header.emplace_back(column);
+  }
+  // The PS-16 column and the wire chosen, when the job allows a lossy wire anywhere.
+  const bool lossy_column = std::any_of(report.layers.begin(), report.layers.end(),
+                                        [](const LayerReport& l) { return l.ps_lossy_seconds; });
+  if (lossy_column) {
+    right.insert(right.end(), {true, false});
+    header.emplace_back("PS-16/worker");
+    header.emplace_back("wire");
+  }
+  for (const char* column : {"chunks", "sync ms"}) {
     right.push_back(true);
     header.emplace_back(column);
   }
@@ -213,6 +225,12 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
     row.push_back(layer.cost.allreduce_bytes.has_value()
                       ? HumanBytes(layer.cost.allreduce_bytes->per_worker)
                       : "-");
+    if (lossy_column) {
+      row.push_back(layer.cost.ps_lossy_bytes.has_value()
+                        ? HumanBytes(layer.cost.ps_lossy_bytes->per_worker)
+                        : "-");
+      row.push_back(absl::StrCat(planner::WireTypeName(layer.cost.wire), layer.wire_overridden ? "*" : ""));
+    }
     row.push_back(absl::StrCat(layer.chunks));
     row.push_back(Millis(layer.seconds));
     table.Add(std::move(row));
@@ -248,6 +266,11 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
   if (!report.compute_unknown_reason.empty()) {
     absl::StrAppend(&out, "iteration time and speed-up unknown: ", report.compute_unknown_reason,
                     "\n");
+  }
+  if (lossy_column) {
+    absl::StrAppend(&out, "wire     ", report.lossy_layers, " of ", model.layers_size(),
+                    " layers lossy (PS-16 where it predicts less time than fp32, casts included",
+                    "; * an operator's override)\n");
   }
   if (!report.server_bytes.empty()) {
     const auto [min, max] =
@@ -362,6 +385,14 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
     } else {
       w.Null();
     }
+    w.Key("ps_lossy");
+    if (layer.cost.ps_lossy_bytes.has_value()) {
+      WriteVolume(w, *layer.cost.ps_lossy_bytes, *layer.ps_lossy_seconds);
+    } else {
+      w.Null();
+    }
+    w.Key("wire");
+    w.String(planner::WireTypeName(layer.cost.wire));
     w.Key("sync_seconds");
     w.Number(layer.seconds);
     w.Key("forward_seconds");
@@ -386,6 +417,8 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
   w.Unsigned(report.sfb_layers);
   w.Key("allreduce_layers");
   w.Unsigned(report.allreduce_layers);
+  w.Key("lossy_layers");
+  w.Unsigned(report.lossy_layers);
   w.Key("compute_unknown_reason");
   report.compute_unknown_reason.empty() ? w.Null() : w.String(report.compute_unknown_reason);
   w.Key("server_bytes");

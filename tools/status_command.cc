@@ -17,6 +17,7 @@
 #include "common/config.h"
 #include "coordinator/client.h"
 #include "coordinator/endpoint_choice.h"
+#include "coordinator/planner/cost_model.h"
 #include "tools/coordinator_cli.h"
 #include "tools/json_writer.h"
 
@@ -304,12 +305,20 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       std::printf("  no plan yet (the model is registered when every rank has joined)\n");
       continue;
     }
-    std::vector<std::vector<std::string>> rows = {{"  LAYER", "SCHEME", "BYTES", "SYNC"}};
+    std::vector<std::vector<std::string>> rows = {{"  LAYER", "SCHEME", "WIRE", "BYTES", "SYNC"}};
+    int lossy = 0;
     for (const v1::LayerStatus& layer : job.layers()) {
+      const std::string wire = planner::WireTypeName(layer.wire_type());
+      if (wire != "fp32") ++lossy;
       rows.push_back({absl::StrCat("  ", layer.name()), SchemeName(layer.scheme()),
+                      wire == "fp32" ? wire : absl::StrCat(wire, " (lossy)"),
                       absl::StrCat(layer.bytes()), Seconds(layer.sync_seconds())});
     }
     PrintTable(rows);
+    if (lossy > 0) {
+      std::printf("  %d of %d layers on a lossy wire (error feedback; the job allows it)\n", lossy,
+                  job.layers_size());
+    }
   }
 }
 
@@ -435,6 +444,8 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.String(layer.name());
       w.Key("scheme");
       w.String(SchemeName(layer.scheme()));
+      w.Key("wire");
+      w.String(planner::WireTypeName(layer.wire_type()));
       w.Key("bytes");
       w.Unsigned(layer.bytes());
       w.Key("sync_seconds");

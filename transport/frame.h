@@ -67,9 +67,14 @@ enum FrameFlag : uint8_t {
   // payload may be overwritten): the new server must already hold that clock, and only
   // acknowledges it; otherwise it refuses it (DataLoss) rather than sum the payload.
   kFlagReplay = 1u << 3,
+  // A key on a lossy wire (bfloat16/fp16) falling back to float32 (docs/server.md, "Lossy
+  // wires"): on a PUSH, the payload is float32 (a rank's divergence guard found the 16-bit
+  // encoding too far from the gradient); on a PULL, the puller accepts a float32 answer; on a
+  // PULL_RESPONSE or a REPLICATE, the key is on float32 from this clock on.
+  kFlagExactWire = 1u << 4,
 };
 inline constexpr uint8_t kKnownFrameFlags =
-    kFlagPayloadChecksum | kFlagLast | kFlagInit | kFlagReplay;
+    kFlagPayloadChecksum | kFlagLast | kFlagInit | kFlagReplay | kFlagExactWire;
 
 // The rank a KV server authenticates as towards another server of the job (replication):
 // above every worker rank, and its RankKey is derived from the job's secret, which agents never

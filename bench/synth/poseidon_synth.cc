@@ -34,6 +34,12 @@ ABSL_FLAG(bool, verify, false, "check every synchronised result against the exac
 ABSL_FLAG(double, grad_fraction, 0,
           "added to every PS gradient value (the values are small integers: exact in any "
           "wire); 2^-10 = 0.0009765625 is not a bfloat16 near 1..11");
+ABSL_FLAG(double, grad_scale, 1,
+          "multiplies every PS gradient value's integer part (a power of two keeps sums exact); "
+          "8192 puts values beyond fp16's range (±65504), which its wire cannot carry");
+ABSL_FLAG(uint64_t, verify_from, 1,
+          "with --verify: check the results of this iteration and later ones only (a lossy "
+          "wire's fallback is exact from the clock after it)");
 ABSL_FLAG(double, tolerance, 0,
           "with --verify: accept |result - exact| <= tolerance * max(1, |exact|) (a lossy wire, "
           "agent --wire=bf16); 0: exact");
@@ -57,9 +63,11 @@ using Clock = std::chrono::steady_clock;
 // Small integers (sums exact in float32 in any order), plus --grad_fraction (e.g. 2^-10: values
 // a bfloat16 wire cannot carry exactly).
 float grad_fraction = 0;  // --grad_fraction, read once in main
+float grad_scale = 1;     // --grad_scale, likewise
 inline float GradValue(uint32_t rank, uint64_t t, uint32_t layer, uint64_t i) {
   return static_cast<float>(
-             static_cast<int64_t>(((rank + 1) * 7 + t * 3 + layer * 5 + i % 17) % 23) - 11) +
+             static_cast<int64_t>(((rank + 1) * 7 + t * 3 + layer * 5 + i % 17) % 23) - 11) *
+             grad_scale +
          grad_fraction;
 }
 inline float UValue(uint32_t rank, uint64_t t, uint32_t layer, uint64_t k, uint64_t m) {
@@ -133,6 +141,7 @@ uint64_t Verify(const Layer& layer, const float* grad, uint32_t l, uint64_t t, u
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   grad_fraction = static_cast<float>(absl::GetFlag(FLAGS_grad_fraction));
+  grad_scale = static_cast<float>(absl::GetFlag(FLAGS_grad_scale));
   auto spec = poseidon::planner::LoadModel(absl::GetFlag(FLAGS_model));
   if (!spec.ok()) {
     std::fprintf(stderr, "poseidon-synth: %s\n", spec.status().ToString().c_str());
@@ -219,6 +228,7 @@ int main(int argc, char** argv) {
   }
   const uint64_t iterations = absl::GetFlag(FLAGS_iterations);
   const bool verify = absl::GetFlag(FLAGS_verify);
+  const uint64_t verify_from = absl::GetFlag(FLAGS_verify_from);
   const bool wfbp = absl::GetFlag(FLAGS_wfbp);
   uint64_t mismatches = 0, verified = 0;
   const auto L = static_cast<uint32_t>(layers.size());
@@ -244,7 +254,7 @@ int main(int argc, char** argv) {
     } else if (psd_status s = psd_wait_layer(ctx, l, t, timeout); s != PSD_OK) {
       Die("wait", s);
     }
-    if (verify) {
+    if (verify && t >= verify_from) {
       mismatches += Verify(layers[l], result, l, t, world);
       ++verified;
     }

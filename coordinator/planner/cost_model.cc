@@ -65,6 +65,38 @@ SchemeVolume Scale(SchemeVolume v, uint64_t element_bytes) {
 
 }  // namespace
 
+double WireCastSecondsPerElement(poseidon::v1::ElementType wire) {
+  switch (wire) {
+    case poseidon::v1::ELEMENT_TYPE_BF16:
+      return kBf16CastSecondsPerElement;
+    case poseidon::v1::ELEMENT_TYPE_F16:
+      return kF16CastSecondsPerElement;
+    default:
+      return 0;
+  }
+}
+
+const char* WireTypeName(poseidon::v1::ElementType wire) {
+  switch (wire) {
+    case poseidon::v1::ELEMENT_TYPE_UNSPECIFIED:
+    case poseidon::v1::ELEMENT_TYPE_F32:
+      return "fp32";
+    case poseidon::v1::ELEMENT_TYPE_BF16:
+      return "bf16";
+    case poseidon::v1::ELEMENT_TYPE_F16:
+      return "fp16";
+    default:
+      return "?";
+  }
+}
+
+std::optional<poseidon::v1::ElementType> ParseWireType(std::string_view name) {
+  if (name == "fp32" || name == "none") return poseidon::v1::ELEMENT_TYPE_F32;
+  if (name == "bf16") return poseidon::v1::ELEMENT_TYPE_BF16;
+  if (name == "fp16") return poseidon::v1::ELEMENT_TYPE_F16;
+  return std::nullopt;
+}
+
 LayerCost CostOfLayer(const LayerSpec& layer, uint64_t element_bytes, const ClusterShape& cluster) {
   LayerCost cost;
   cost.element_bytes = element_bytes;

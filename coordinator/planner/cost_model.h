@@ -10,6 +10,7 @@
 //   PS     | 2·P1·S/P2    | 2·S               | 2·S·(P1+P2−2)/P2
 //   SFB    | 0            | 2·K·(P1−1)·(M+N)  | 2·K·(P1−1)·(M+N)
 //   AR     | 0            | 4·S·(P1−1)/P1     | 4·S·(P1−1)/P1
+//   PS-16  | PS's, in 2-byte elements: bfloat16 or fp16 on the wire (lossy, error feedback)
 //
 // PS: each worker pushes its S-element gradient and pulls S elements back (2·S); the servers share
 // the layer evenly, so each receives S/P2 from every worker and sends S/P2 back to each
@@ -21,6 +22,10 @@
 // receives S/P1 elements in each of 2·(P1−1) steps: the bytes of colocated PS with P2 = P1, without
 // the servers (and their incast), at the price of 2·(P1−1) message latencies instead of two. AR
 // is not part of the bytes rule below (the paper's); the time rule (planner.h) weighs it.
+// PS-16 (issue 15, "Wire precision"): PS with every push and pull in a 16-bit type, half the
+// bytes of float32 (of any element size: the agents' buffers and the exact wire are float32),
+// at the price of the casts (WireCastSecondsPerElement) and of being lossy: a column only when
+// the job allows it (PlannerConfig::lossy_wire, wire_overrides), and only PS layers use it.
 //
 // The selection rule (Poseidon's, between PS and SFB): an FC layer uses SFB when its SFB cost is at most its PS cost,
 // where the two numbers compared are those of the busiest link that differs between the schemes,
@@ -36,6 +41,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string_view>
 
 #include "poseidon/v1/model.pb.h"
 #include "poseidon/v1/plan.pb.h"
@@ -72,11 +78,31 @@ bool SfbNoCostlierThanPs(uint64_t m, uint64_t n, const ClusterShape& cluster);
 // The volume the selection rule compares: per machine when colocated, per worker otherwise.
 double ComparedVolume(const SchemeVolume& volume, bool colocated);
 
+// What one element costs in casts on a lossy wire, summed over its trips: the agent's encode with
+// error feedback, the server's decode into the float32 sum, the server's encode of the result
+// with feedback and the agent's decode (common/wire_codec.h). Measured on this project's 2-vCPU
+// build host with `build/release/bench/poseidon-bench-wire-codec` (docs/benchmarks.md, "Wire
+// precision"): ~1.8 ns for bfloat16 (shifts), ~6.5 ns for fp16 (re-biasing, subnormals).
+inline constexpr double kBf16CastSecondsPerElement = 2e-9;
+inline constexpr double kF16CastSecondsPerElement = 6.5e-9;
+// 0 for F32 (and anything not lossy).
+double WireCastSecondsPerElement(poseidon::v1::ElementType wire);
+// "fp32" (F32 or UNSPECIFIED), "bf16", "fp16" (common/wire_codec.h's names), "?" otherwise.
+const char* WireTypeName(poseidon::v1::ElementType wire);
+// The inverse, for flags: "fp32" (or "none") -> F32, "bf16" -> BF16, "fp16" -> F16; nullopt
+// otherwise.
+std::optional<poseidon::v1::ElementType> ParseWireType(std::string_view name);
+
 // One layer's costs under both schemes, in bytes, and the scheme the rule picks.
 struct LayerCost {
   uint64_t parameters = 0;
   uint64_t element_bytes = 0;
   SchemeVolume ps_bytes;
+  // PS with a 16-bit wire (set by the planner when the job allows a lossy wire for the layer).
+  std::optional<SchemeVolume> ps_lossy_bytes;
+  // What the layer's PS pushes and pulls carry: F32 (exact), or BF16 / F16 when the planner
+  // chose the PS-16 column (the layer's scheme is then PS).
+  poseidon::v1::ElementType wire = poseidon::v1::ELEMENT_TYPE_F32;
   std::optional<SchemeVolume> sfb_bytes;  // FC layers only
   std::optional<SchemeVolume> allreduce_bytes;  // P1 > 1 only
   poseidon::v1::SyncScheme scheme = poseidon::v1::SYNC_SCHEME_PS;

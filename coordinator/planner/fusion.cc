@@ -39,7 +39,10 @@ std::vector<LayerTiming> FusedTimings(const std::vector<FusionLayer>& layers,
         timings[j].sync_seconds = 0;
         timings[j].pieces = 1;
       }
-      timings[i].sync_seconds = options.sync_seconds(bytes);
+      const uint32_t wire = layers[i].wire;
+      timings[i].sync_seconds = wire > 1 && options.wire_sync_seconds
+                                    ? options.wire_sync_seconds(bytes, wire)
+                                    : options.sync_seconds(bytes);
     }
     i = end;
   }
@@ -60,6 +63,7 @@ FusionResult PlanFusion(const std::vector<FusionLayer>& layers, const FusionOpti
   uint32_t open_id = 0;  // 0: no bucket open
   uint32_t next_id = 1;
   uint64_t open_bytes = 0, open_element = 0;
+  uint32_t open_wire = 0;
   auto close = [&] {
     open_id = 0;
     open_bytes = 0;
@@ -71,7 +75,8 @@ FusionResult PlanFusion(const std::vector<FusionLayer>& layers, const FusionOpti
       continue;
     }
     if (open_id != 0 &&
-        (layer.element_bytes != open_element || open_bytes + layer.bytes > target)) {
+        (layer.element_bytes != open_element || layer.wire != open_wire ||
+         open_bytes + layer.bytes > target)) {
       close();
     }
     if (open_id != 0 && model) {
@@ -86,6 +91,7 @@ FusionResult PlanFusion(const std::vector<FusionLayer>& layers, const FusionOpti
     if (open_id == 0) {
       open_id = next_id++;
       open_element = layer.element_bytes;
+      open_wire = layer.wire;
     }
     assign[l] = open_id;
     open_bytes += layer.bytes;

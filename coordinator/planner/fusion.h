@@ -41,6 +41,8 @@ inline constexpr size_t kFusionModelMaxLayers = 1024;
 struct FusionLayer {
   uint64_t bytes = 0;          // the gradient's bytes (one key's payload when alone)
   uint64_t element_bytes = 4;  // members of one bucket have one element size
+  // The wire its PS key would use (ElementType: F32, BF16, F16): members of one bucket share it.
+  uint32_t wire = 1;
   // PS with one chunk: it may share a key with its neighbours.
   bool eligible = false;
   // Its compute and its synchronisation alone, for the iteration model (used only when
@@ -53,6 +55,8 @@ struct FusionOptions {
   double message_seconds = 0;     // α: what one key costs besides its bytes (PS: 2·latency)
   // One PS key's synchronisation time for `bytes` bytes, α included (PsSeconds of its volume).
   std::function<double(uint64_t bytes)> sync_seconds;
+  // The same for a key on a lossy wire (FusionLayer::wire not F32); unset: sync_seconds.
+  std::function<double(uint64_t bytes, uint32_t wire)> wire_sync_seconds;
   bool compute_known = false;  // every layer's timing.forward/backward_seconds is known
 };
 

@@ -54,6 +54,14 @@ absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
                                                    "': rate must be a finite FLOP/s > 0, got ",
                                                    config.gpu->flops_per_second));
   }
+  if (config.lossy_wire != poseidon::v1::ELEMENT_TYPE_UNSPECIFIED &&
+      config.lossy_wire != poseidon::v1::ELEMENT_TYPE_F32 &&
+      config.lossy_wire != poseidon::v1::ELEMENT_TYPE_BF16 &&
+      config.lossy_wire != poseidon::v1::ELEMENT_TYPE_F16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lossy_wire must be F32 (none), BF16 or F16, got ",
+                     poseidon::v1::ElementType_Name(config.lossy_wire)));
+  }
   if (!config.server_node_ids.empty() && config.server_node_ids.size() != config.servers) {
     return absl::InvalidArgumentError(absl::StrCat("server_node_ids has ",
                                                    config.server_node_ids.size(), " entries for ",
@@ -71,12 +79,23 @@ uint64_t ToBytes(double bytes) {
   return static_cast<uint64_t>(std::round(bytes));
 }
 
-// Adds one layer's bytes under `scheme` to `totals`.
-void Accumulate(const LayerCost& cost, poseidon::v1::SyncScheme scheme, double seconds,
-                bool colocated, SchemeTotals& totals) {
-  const SchemeVolume& volume = scheme == poseidon::v1::SYNC_SCHEME_SFB         ? *cost.sfb_bytes
-                               : scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? *cost.allreduce_bytes
-                                                                               : cost.ps_bytes;
+bool Lossy(poseidon::v1::ElementType wire) {
+  return wire == poseidon::v1::ELEMENT_TYPE_BF16 || wire == poseidon::v1::ELEMENT_TYPE_F16;
+}
+
+// The bytes of a layer under `scheme`, on `wire` when PS.
+const SchemeVolume& VolumeOf(const LayerCost& cost, poseidon::v1::SyncScheme scheme,
+                             poseidon::v1::ElementType wire) {
+  if (scheme == poseidon::v1::SYNC_SCHEME_SFB) return *cost.sfb_bytes;
+  if (scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) return *cost.allreduce_bytes;
+  return Lossy(wire) ? *cost.ps_lossy_bytes : cost.ps_bytes;
+}
+
+// Adds one layer's bytes under `scheme` (on `wire` when PS) to `totals`.
+void Accumulate(const LayerCost& cost, poseidon::v1::SyncScheme scheme,
+                poseidon::v1::ElementType wire, double seconds, bool colocated,
+                SchemeTotals& totals) {
+  const SchemeVolume& volume = VolumeOf(cost, scheme, wire);
   totals.bytes_per_worker += volume.per_worker;
   totals.bytes_per_server += volume.per_server;
   totals.bytes_per_machine += volume.per_machine;
@@ -104,6 +123,7 @@ std::vector<FusionLayer> FusionLayers(const std::vector<LayerReport>& layers, bo
     f.bytes = layer.cost.parameters * layer.cost.element_bytes;
     f.element_bytes = layer.cost.element_bytes;
     f.eligible = enabled && layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS && layer.chunks == 1;
+    f.wire = static_cast<uint32_t>(layer.cost.wire);
     f.timing = TimingOf(layer, /*use_plan=*/true);
     out.push_back(f);
   }
@@ -120,6 +140,13 @@ FusionOptions FusionOptionsFor(const PlannerConfig& config, bool compute_known) 
   // PS volume is linear in the elements: in bytes for a key of `bytes` bytes.
   o.sync_seconds = [cluster, network, colocated](uint64_t bytes) {
     return PsSeconds(PsElements(bytes, cluster), colocated, network);
+  };
+  // A bucket on a 16-bit wire: half the bytes, and the casts of its bytes / 4 elements.
+  o.wire_sync_seconds = [cluster, network, colocated](uint64_t bytes, uint32_t wire) {
+    const uint64_t elements = bytes / sizeof(float);
+    return PsSeconds(PsElements(elements * 2, cluster), colocated, network) +
+           static_cast<double>(elements) *
+               WireCastSecondsPerElement(static_cast<poseidon::v1::ElementType>(wire));
   };
   o.compute_known = compute_known;
   return o;
@@ -177,6 +204,26 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     }
   }
 
+  for (const auto& [name, wire] : config.wire_overrides) {
+    if (std::none_of(model.layers().begin(), model.layers().end(),
+                     [&name = name](const LayerSpec& spec) { return spec.name() == name; })) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("wire override for layer '", name, "': the model has no such layer"));
+    }
+    if (wire != poseidon::v1::ELEMENT_TYPE_F32 && !Lossy(wire)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("wire override for layer '", name, "': the wire must be F32, BF16 or F16, got ",
+                       poseidon::v1::ElementType_Name(wire)));
+    }
+    const auto scheme = config.scheme_overrides.find(name);
+    if (Lossy(wire) && scheme != config.scheme_overrides.end() &&
+        scheme->second != poseidon::v1::SYNC_SCHEME_PS) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "wire override for layer '", name, "': a lossy wire is for PS, and the layer's scheme "
+          "is forced to ", poseidon::v1::SyncScheme_Name(scheme->second)));
+    }
+  }
+
   const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
   const GpuRate* gpu = config.gpu.has_value() ? &*config.gpu : nullptr;
   PlanResult result;
@@ -204,11 +251,31 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
                                config.colocated};
     layer.cost = CostOfLayer(spec, element_bytes, cluster);
     layer.ps_seconds = PsSeconds(layer.cost.ps_bytes, config.colocated, network);
+    // The wire a PS layer would use: the job's lossy type where it pays, or the override's.
+    poseidon::v1::ElementType ps_wire = poseidon::v1::ELEMENT_TYPE_F32;
+    {
+      const auto forced = config.wire_overrides.find(spec.name());
+      const poseidon::v1::ElementType lossy =
+          forced != config.wire_overrides.end() ? forced->second : config.lossy_wire;
+      layer.wire_overridden = forced != config.wire_overrides.end();
+      if (Lossy(lossy)) {
+        SchemeVolume half = PsElements(layer.cost.parameters, cluster);
+        half.per_worker *= 2;
+        half.per_server *= 2;
+        half.per_machine *= 2;
+        layer.cost.ps_lossy_bytes = half;
+        layer.ps_lossy_seconds =
+            PsSeconds(half, config.colocated, network) +
+            static_cast<double>(layer.cost.parameters) * WireCastSecondsPerElement(lossy);
+        if (layer.wire_overridden || *layer.ps_lossy_seconds < layer.ps_seconds) ps_wire = lossy;
+      }
+    }
+    const double ps_best = Lossy(ps_wire) ? *layer.ps_lossy_seconds : layer.ps_seconds;
     if (layer.cost.sfb_bytes.has_value()) {
       layer.sfb_seconds = SfbSeconds(*layer.cost.sfb_bytes, network);
       if (config.scheme_rule == SchemeRule::kTime) {
-        layer.cost.scheme = *layer.sfb_seconds <= layer.ps_seconds ? poseidon::v1::SYNC_SCHEME_SFB
-                                                                   : poseidon::v1::SYNC_SCHEME_PS;
+        layer.cost.scheme = *layer.sfb_seconds <= ps_best ? poseidon::v1::SYNC_SCHEME_SFB
+                                                          : poseidon::v1::SYNC_SCHEME_PS;
       }
     }
     if (!config.allreduce) layer.cost.allreduce_bytes.reset();
@@ -217,7 +284,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
                                                  network, config.allreduce_step_seconds.value_or(0));
       const double best_other = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
                                     ? *layer.sfb_seconds
-                                    : layer.ps_seconds;
+                                    : ps_best;
       if (config.scheme_rule == SchemeRule::kTime && config.allreduce_step_seconds.has_value() &&
           *layer.allreduce_seconds < best_other) {
         layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
@@ -228,10 +295,12 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       layer.cost.scheme = forced->second;  // checked above: PS, all-reduce, or SFB for FC
       layer.overridden = true;
     }
+    // Only a PS layer is on a lossy wire (an SFB or all-reduce layer stays exact).
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) layer.cost.wire = ps_wire;
     layer.seconds = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds
                     : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE
                         ? *layer.allreduce_seconds
-                        : layer.ps_seconds;
+                        : ps_best;
     layer.compute = LayerComputeSeconds(spec, layer.batch_per_worker, gpu);
     if (!layer.compute.has_value() && report.compute_unknown_reason.empty()) {
       report.compute_unknown_reason =
@@ -243,9 +312,11 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     partitioned.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) ++report.allreduce_layers;
-    Accumulate(layer.cost, layer.cost.scheme, layer.seconds, config.colocated, report.plan);
-    Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, layer.ps_seconds, config.colocated,
-               report.ps_only);
+    if (Lossy(layer.cost.wire)) ++report.lossy_layers;
+    Accumulate(layer.cost, layer.cost.scheme, layer.cost.wire, layer.seconds, config.colocated,
+               report.plan);
+    Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, poseidon::v1::ELEMENT_TYPE_F32,
+               layer.ps_seconds, config.colocated, report.ps_only);
     report.layers.push_back(std::move(layer));
   }
 
@@ -269,11 +340,9 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     out->set_layer_name(layer.name);
     out->set_scheme(layer.cost.scheme);
     out->set_priority(layer.index);
-    const SchemeVolume& volume =
-        layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB         ? *layer.cost.sfb_bytes
-        : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? *layer.cost.allreduce_bytes
-                                                                   : layer.cost.ps_bytes;
+    const SchemeVolume& volume = VolumeOf(layer.cost, layer.cost.scheme, layer.cost.wire);
     out->set_predicted_bytes_per_worker(ToBytes(volume.per_worker));
+    if (Lossy(layer.cost.wire)) out->set_wire_type(layer.cost.wire);
     out->set_predicted_seconds(layer.seconds);
   }
   // Chunks come grouped by layer in layer order, in offset order within a layer.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <set>
 #include <numeric>
 
 #include "coordinator/planner/model_spec.h"
@@ -571,6 +572,142 @@ TEST(PlannerTest, TheFusionTargetFollowsTheNetwork) {
   EXPECT_EQ(BuildPlan(model, config)->plan.bucket_bytes(), config.block_bytes);
   EXPECT_LT(fast->report.buckets, slow->report.buckets);
   EXPECT_GE(fast->report.fused_layers, slow->report.fused_layers);
+}
+
+// Wire precision (issue 15): a lossy wire is never chosen unless the job allows it; allowed, a
+// PS layer takes it where half the bytes save more time than the casts cost; overrides pin a
+// layer exact or lossy; SFB and all-reduce layers stay exact.
+TEST(PlannerTest, ALossyWireIsChosenOnlyWhereAllowedAndWhereItPays) {
+  const ModelSpec model = Builtin("vgg19-22k");
+  PlannerConfig config = PaperCluster(8);
+  config.fusion = FusionRule::kOff;
+  const absl::StatusOr<PlanResult> exact = BuildPlan(model, config);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  EXPECT_EQ(exact->report.lossy_layers, 0u);
+  for (const auto& layer : exact->plan.layers()) {
+    EXPECT_EQ(layer.wire_type(), poseidon::v1::ELEMENT_TYPE_UNSPECIFIED) << layer.layer_name();
+  }
+  for (const LayerReport& layer : exact->report.layers) EXPECT_FALSE(layer.ps_lossy_seconds);
+
+  // 10 Gbit/s, 8 machines colocated: PS moves 3.5 elements through a machine's interface for
+  // each one of the layer, 5.6 ns in float32, 2.8 ns in bfloat16 plus its 2 ns of casts: every
+  // PS layer goes lossy, the SFB layers stay exact.
+  config.lossy_wire = poseidon::v1::ELEMENT_TYPE_BF16;
+  const absl::StatusOr<PlanResult> bf16 = BuildPlan(model, config);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  uint32_t ps_layers = 0;
+  for (int i = 0; i < bf16->plan.layers_size(); ++i) {
+    const auto& layer = bf16->plan.layers(i);
+    const LayerReport& report = bf16->report.layers[i];
+    ASSERT_TRUE(report.ps_lossy_seconds.has_value()) << layer.layer_name();
+    EXPECT_LT(*report.ps_lossy_seconds, report.ps_seconds) << layer.layer_name();
+    if (layer.scheme() == poseidon::v1::SYNC_SCHEME_PS) {
+      ++ps_layers;
+      EXPECT_EQ(layer.wire_type(), poseidon::v1::ELEMENT_TYPE_BF16) << layer.layer_name();
+      EXPECT_DOUBLE_EQ(layer.predicted_seconds(), *report.ps_lossy_seconds);
+      EXPECT_EQ(layer.predicted_bytes_per_worker(),
+                exact->plan.layers(i).predicted_bytes_per_worker() / 2)
+          << layer.layer_name();
+    } else {
+      EXPECT_EQ(layer.wire_type(), poseidon::v1::ELEMENT_TYPE_UNSPECIFIED) << layer.layer_name();
+    }
+    // Schemes and chunks as in the exact plan (the bytes rule does not look at the wire).
+    EXPECT_EQ(layer.scheme(), exact->plan.layers(i).scheme()) << layer.layer_name();
+  }
+  EXPECT_EQ(bf16->report.lossy_layers, ps_layers);
+  EXPECT_GT(ps_layers, 10u);
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(ChunksOf(bf16->plan),
+                                                                 ChunksOf(exact->plan)));
+  EXPECT_LT(bf16->report.plan.bytes_per_worker, exact->report.plan.bytes_per_worker);
+  EXPECT_EQ(bf16->report.ps_only.bytes_per_worker, exact->report.ps_only.bytes_per_worker)
+      << "the PS-only comparison stays float32";
+  EXPECT_LT(bf16->report.plan.iteration->iteration_seconds,
+            exact->report.plan.iteration->iteration_seconds);
+
+  // 100 Gbit/s: the bytes saved are worth 0.28 ns an element, less than the casts: exact.
+  config.bandwidth_bytes_per_second = 100e9 / 8;
+  const absl::StatusOr<PlanResult> fast = BuildPlan(model, config);
+  ASSERT_TRUE(fast.ok());
+  EXPECT_EQ(fast->report.lossy_layers, 0u);
+  // fp16's casts cost more (6.5 ns): it does not pay at 10 Gbit/s, and does at 1 Gbit/s (28 ns
+  // saved an element).
+  config.bandwidth_bytes_per_second = 10e9 / 8;
+  config.lossy_wire = poseidon::v1::ELEMENT_TYPE_F16;
+  const absl::StatusOr<PlanResult> fp16 = BuildPlan(model, config);
+  ASSERT_TRUE(fp16.ok());
+  EXPECT_EQ(fp16->report.lossy_layers, 0u);
+  config.bandwidth_bytes_per_second = 1e9 / 8;
+  const absl::StatusOr<PlanResult> slow = BuildPlan(model, config);
+  ASSERT_TRUE(slow.ok());
+  EXPECT_EQ(slow->report.lossy_layers, ps_layers);
+  for (const auto& layer : slow->plan.layers()) {
+    if (layer.scheme() == poseidon::v1::SYNC_SCHEME_PS) {
+      EXPECT_EQ(layer.wire_type(), poseidon::v1::ELEMENT_TYPE_F16) << layer.layer_name();
+    }
+  }
+}
+
+TEST(PlannerTest, WireOverridesPinALayerAndAreChecked) {
+  const ModelSpec model = Builtin("alexnet");
+  PlannerConfig config = PaperCluster(4);
+  config.bandwidth_bytes_per_second = 100e9 / 8;  // nothing lossy pays here
+  config.wire_overrides["conv1.weight"] = poseidon::v1::ELEMENT_TYPE_F16;
+  const absl::StatusOr<PlanResult> forced = BuildPlan(model, config);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->report.lossy_layers, 1u);
+  EXPECT_EQ(FindLayer(forced->plan, "conv1.weight")->wire_type(), poseidon::v1::ELEMENT_TYPE_F16);
+  EXPECT_TRUE(forced->report.layers[0].wire_overridden);
+
+  // F32 keeps a layer exact where the job allows more.
+  config.bandwidth_bytes_per_second = 1e9 / 8;
+  config.wire_overrides.clear();
+  config.lossy_wire = poseidon::v1::ELEMENT_TYPE_BF16;
+  config.wire_overrides["conv2.weight"] = poseidon::v1::ELEMENT_TYPE_F32;
+  const absl::StatusOr<PlanResult> pinned = BuildPlan(model, config);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_EQ(FindLayer(pinned->plan, "conv2.weight")->wire_type(),
+            poseidon::v1::ELEMENT_TYPE_UNSPECIFIED);
+  EXPECT_EQ(FindLayer(pinned->plan, "conv1.weight")->wire_type(), poseidon::v1::ELEMENT_TYPE_BF16);
+
+  auto error = [&](PlannerConfig c) {
+    const absl::StatusOr<PlanResult> r = BuildPlan(model, c);
+    return r.ok() ? std::string("ok") : std::string(r.status().message());
+  };
+  PlannerConfig bad = config;
+  bad.wire_overrides = {{"nope", poseidon::v1::ELEMENT_TYPE_BF16}};
+  EXPECT_NE(error(bad).find("'nope': the model has no such layer"), std::string::npos) << error(bad);
+  bad.wire_overrides = {{"conv1.weight", poseidon::v1::ELEMENT_TYPE_F64}};
+  EXPECT_NE(error(bad).find("must be F32, BF16 or F16"), std::string::npos) << error(bad);
+  bad.wire_overrides = {{"conv1.weight", poseidon::v1::ELEMENT_TYPE_BF16}};
+  bad.scheme_overrides = {{"conv1.weight", poseidon::v1::SYNC_SCHEME_ALLREDUCE}};
+  EXPECT_NE(error(bad).find("a lossy wire is for PS"), std::string::npos) << error(bad);
+  bad = config;
+  bad.lossy_wire = poseidon::v1::ELEMENT_TYPE_F64;
+  EXPECT_NE(error(bad).find("lossy_wire must be F32 (none), BF16 or F16"), std::string::npos);
+}
+
+TEST(PlannerTest, ABucketHasOneWire) {
+  // Inception-V3's small layers fuse; with every other layer pinned exact no bucket mixes wires.
+  const ModelSpec model = Builtin("inception-v3");
+  PlannerConfig config = PaperCluster(8);
+  config.lossy_wire = poseidon::v1::ELEMENT_TYPE_BF16;
+  for (int i = 0; i < model.layers_size(); i += 2) {
+    config.wire_overrides[model.layers(i).name()] = poseidon::v1::ELEMENT_TYPE_F32;
+  }
+  const absl::StatusOr<PlanResult> result = BuildPlan(model, config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const Plan& plan = result->plan;
+  std::map<uint32_t, std::set<int>> wires;
+  for (const auto& layer : plan.layers()) {
+    if (layer.bucket() != 0) wires[layer.bucket()].insert(layer.wire_type());
+  }
+  for (const auto& [bucket, types] : wires) EXPECT_EQ(types.size(), 1u) << "bucket " << bucket;
+  // Alternating wires leave no two neighbours to fuse.
+  EXPECT_EQ(result->report.buckets, 0u);
+  config.wire_overrides.clear();
+  const absl::StatusOr<PlanResult> uniform = BuildPlan(model, config);
+  ASSERT_TRUE(uniform.ok());
+  EXPECT_GT(uniform->report.buckets, 0u);
 }
 
 }  // namespace

@@ -94,9 +94,15 @@ def main(argv=None):
                     help="backups of every PS key on the next servers (with --servers 2 or "
                          "more): a dead server's keys go on at their backup; 0: none")
     ap.add_argument("--scheme", choices=["auto", "ps", "sfb", "allreduce"], default="auto")
-    ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32",
-                    help="what PS pushes and pulls carry: fp32 (exact) or bf16 (half the bytes, "
-                         "lossy, with error feedback; not with a server-side optimizer)")
+    ap.add_argument("--wire", choices=["plan", "fp32", "bf16", "fp16"], default="plan",
+                    help="what PS pushes and pulls carry: plan (each layer's wire from the plan: "
+                         "exact unless --lossy_wire allows more), or for every layer fp32 "
+                         "(exact), bf16 or fp16 (half the bytes, lossy, with error feedback; not "
+                         "with a server-side optimizer)")
+    ap.add_argument("--lossy_wire", choices=["none", "bf16", "fp16"], default="none",
+                    help="the job allows that lossy 16-bit wire: the planner puts a PS layer on "
+                         "it where its cost model says it pays (the local coordinator's "
+                         "--plan_lossy_wire); none: every layer exact")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
     ap.add_argument("--allreduce", choices=["auto", "off", "by-cost"], default="auto",
                     help="ring all-reduce: auto (for --scheme allreduce and operator overrides), "
@@ -144,6 +150,9 @@ def main(argv=None):
     joining = bool(args.coordinator)
     if joining and (not args.token or not args.job):
         ap.error("joining a cluster needs --token and --job (or POSEIDON_TOKEN, POSEIDON_JOB_ID)")
+    if joining and args.lossy_wire != "none":
+        ap.error("--lossy_wire is the job's setting on its coordinator (poseidon-coordinator "
+                 "--plan_lossy_wire); joining, the coordinator's plan decides")
     if args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
         ap.error(f"node rank {args.node_rank} is not in [0, {args.nodes})")
     if args.nodes > 1 and not joining:
@@ -216,6 +225,7 @@ def main(argv=None):
             p = Proc("coordinator", [coord_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
                                      f"--min_servers={args.servers}",
                                      f"--bandwidth={args.bandwidth}", "--log_level=warn",
+                                     f"--plan_lossy_wire={args.lossy_wire}",
                                      *(["--allreduce_by_cost"] if args.allreduce == "by-cost"
                                        else [])],
                      env=env_with(job_token=token))
