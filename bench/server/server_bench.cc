@@ -1,7 +1,10 @@
 // poseidon-bench-server: (1) aggregation throughput of the engine's summation loop against
 // memcpy of the same bytes, measured in the same run; (2) push+pull throughput of a real
-// poseidon-server engine behind TCP on loopback with 1, 2, 4 and 8 clients (each a rank of one
-// job, sum rule, BSP), against the transport's raw frame throughput as the reference line.
+// poseidon-server engine behind the transport (--transport=tcp on loopback, the default, or
+// --transport=rdma) with 1, 2, 4 and 8 clients (each a rank of one job, sum rule, BSP). On RDMA
+// hardware compare with perftest's ib_write_bw on the same machines; poseidon-bench-server-fake
+// (transport/CMakeLists.txt) runs --transport=rdma over the test verbs provider: proof that the
+// path works, no speed figures.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,13 +21,17 @@
 #include "server/kv_service.h"
 #include "server/update_rules.h"
 #include "transport/credentials.h"
+#include "transport/rdma/rdma_context.h"
 #include "transport/tcp/tcp_context.h"
+#include "transport/transport.h"
 
 ABSL_FLAG(bool, quick, false, "small sizes, one client count (smoke test)");
 ABSL_FLAG(int, engine_workers, 2, "engine threads of the server");
 ABSL_FLAG(uint64_t, key_bytes, 4 << 20, "bytes per key (chunk) for push+pull");
 ABSL_FLAG(int, keys, 8, "keys in the push+pull table");
 ABSL_FLAG(int, connections, 1, "connections per client to the server (keys spread over them)");
+ABSL_FLAG(std::string, transport, "tcp", "the transport the server and its clients use: tcp or rdma");
+ABSL_FLAG(std::string, rdma_device, "", "RDMA device (empty: the first with an active port)");
 
 namespace poseidon::bench {
 namespace {
@@ -70,22 +77,44 @@ void Aggregation(bool quick) {
   std::printf("(GB/s of input summed; target >= 0.5 of memcpy)\n\n");
 }
 
+std::shared_ptr<transport::Context> MakeTransport() {
+  transport::TcpOptions tcp;
+  transport::RdmaOptions rdma;
+  rdma.device = absl::GetFlag(FLAGS_rdma_device);
+  auto ctx = transport::MakeContext(absl::GetFlag(FLAGS_transport), tcp, rdma);
+  if (!ctx.ok()) {
+    std::fprintf(stderr, "transport: %s\n", ctx.status().ToString().c_str());
+    std::exit(2);
+  }
+  return *ctx;
+}
+
 void PushPull(bool quick) {
   const int keys = quick ? 2 : absl::GetFlag(FLAGS_keys);
   const uint64_t key_bytes = quick ? 256 << 10 : absl::GetFlag(FLAGS_key_bytes);
   const uint64_t elements = key_bytes / sizeof(float);
   const std::vector<uint32_t> counts =
       quick ? std::vector<uint32_t>{2} : std::vector<uint32_t>{1, 2, 4, 8};
+  const std::string kind = absl::GetFlag(FLAGS_transport);
   std::printf(
-      "Push+pull on loopback: one job, sum rule, BSP; %d keys of %s; %d engine threads; %d "
-      "connection(s) per client\n",
-      keys, absl::StrCat(key_bytes >> 10, " KiB").c_str(), absl::GetFlag(FLAGS_engine_workers),
-      absl::GetFlag(FLAGS_connections));
+      "Push+pull over %s on loopback: one job, sum rule, BSP; %d keys of %s; %d engine threads; "
+      "%d connection(s) per client\n",
+      kind.c_str(), keys, absl::StrCat(key_bytes >> 10, " KiB").c_str(),
+      absl::GetFlag(FLAGS_engine_workers), absl::GetFlag(FLAGS_connections));
+  if (kind == "rdma") {
+#ifdef POSEIDON_BENCH_FAKE_VERBS
+    std::printf(
+        "WARNING: linked with the test verbs provider (memcpy under one lock): this run proves "
+        "the server's RDMA path works; its numbers mean nothing\n");
+#else
+    std::printf("reference on RDMA hardware: perftest ib_write_bw, same machines\n");
+#endif
+  }
   std::printf("%-8s | %10s %14s %14s %12s\n", "clients", "clocks/s", "push GB/s", "push+pull GB/s",
               "per client");
   std::printf("%s\n", std::string(68, '-').c_str());
   for (uint32_t clients : counts) {
-    auto ctx = *transport::CreateTcpContext(transport::TcpOptions{});
+    auto ctx = MakeTransport();
     server::EngineOptions eo;
     eo.workers = absl::GetFlag(FLAGS_engine_workers);
     auto engine = std::make_shared<server::KvEngine>(eo);
@@ -112,12 +141,18 @@ void PushPull(bool quick) {
     std::atomic<bool> go{false};
     Clock::time_point start, end;
     std::vector<std::shared_ptr<transport::Context>> client_ctx;
-    for (uint32_t r = 0; r < clients; ++r) client_ctx.push_back(*transport::CreateTcpContext({}));
+    for (uint32_t r = 0; r < clients; ++r) client_ctx.push_back(MakeTransport());
     for (uint32_t r = 0; r < clients; ++r) {
       ranks.emplace_back([&, r] {
-        auto c = *server::KvClient::Connect(*client_ctx[r], fs->Address(), 1, r,
-                                              transport::RankKey("bench", 1, r),
-                                            absl::Seconds(10), absl::GetFlag(FLAGS_connections));
+        auto connected = server::KvClient::Connect(*client_ctx[r], fs->Address(), 1, r,
+                                                   transport::RankKey("bench", 1, r),
+                                                   absl::Seconds(10),
+                                                   absl::GetFlag(FLAGS_connections));
+        if (!connected.ok()) {
+          std::fprintf(stderr, "rank %u: %s\n", r, connected.status().ToString().c_str());
+          std::exit(1);
+        }
+        auto c = *connected;
         (void)c->RegisterTables(spec, absl::Seconds(30));
         std::vector<std::vector<float>> grads(keys, std::vector<float>(elements, 1.0f));
         std::vector<std::vector<float>> out(keys, std::vector<float>(elements));

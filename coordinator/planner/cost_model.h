@@ -82,9 +82,9 @@ double ComparedVolume(const SchemeVolume& volume, bool colocated);
 // error feedback, the server's decode into the float32 sum, the server's encode of the result
 // with feedback and the agent's decode (common/wire_codec.h). Measured on this project's 2-vCPU
 // build host with `build/release/bench/poseidon-bench-wire-codec` (docs/benchmarks.md, "Wire
-// precision"): ~1.8 ns for bfloat16 (shifts), ~6.5 ns for fp16 (re-biasing, subnormals).
+// precision"): 1.8-2.0 ns for bfloat16 (shifts), 6.6-7.3 ns for fp16 (re-biasing, subnormals).
 inline constexpr double kBf16CastSecondsPerElement = 2e-9;
-inline constexpr double kF16CastSecondsPerElement = 6.5e-9;
+inline constexpr double kF16CastSecondsPerElement = 7e-9;
 // 0 for F32 (and anything not lossy).
 double WireCastSecondsPerElement(poseidon::v1::ElementType wire);
 // "fp32" (F32 or UNSPECIFIED), "bf16", "fp16" (common/wire_codec.h's names), "?" otherwise.

@@ -629,7 +629,7 @@ TEST(PlannerTest, ALossyWireIsChosenOnlyWhereAllowedAndWhereItPays) {
   const absl::StatusOr<PlanResult> fast = BuildPlan(model, config);
   ASSERT_TRUE(fast.ok());
   EXPECT_EQ(fast->report.lossy_layers, 0u);
-  // fp16's casts cost more (6.5 ns): it does not pay at 10 Gbit/s, and does at 1 Gbit/s (28 ns
+  // fp16's casts cost more (7 ns): it does not pay at 10 Gbit/s, and does at 1 Gbit/s (28 ns
   // saved an element).
   config.bandwidth_bytes_per_second = 10e9 / 8;
   config.lossy_wire = poseidon::v1::ELEMENT_TYPE_F16;
