@@ -18,7 +18,8 @@ are passed divided by s^2, like the bytes they bound. Without --bucket_bytes the
 plan says (--fusion=plan: the planner sizes buckets from the emulated, scaled bandwidth); with it,
 --fusion=bytes.
 
-Modes: poseidon (--scheme auto), bf16 (poseidon with --wire=bf16: PS in bfloat16), no-replicas
+Modes: poseidon (--scheme auto), bf16 (poseidon with --wire=bf16: PS in bfloat16), lossy (poseidon
+where the job allows bfloat16 and each layer's wire is the plan's: --plan_lossy_wire=bf16), no-replicas
 (poseidon with --replicas=0: no backups of the PS keys), ps (--scheme ps),
 no-wfbp (synth --wfbp=false), no-priority
 (agents synchronise layers in the order they become ready: --priority=false), sep-servers
@@ -54,6 +55,9 @@ MODES = {
     "no-wfbp": ("auto", False, False, False),
     "no-priority": ("auto", True, False, False),  # arrival order (--priority=false)
     "bf16": ("auto", True, False, False),  # PS pushes and pulls in bfloat16 (--wire=bf16)
+    # The plan's wire where the job allows bfloat16 (--plan_lossy_wire=bf16: the agents' own
+    # plans, from the emulated bandwidth, put a PS layer on it where it pays).
+    "lossy": ("auto", True, False, False),
     # Poseidon without replicas of the PS keys (--replicas=0): what replication costs.
     "no-replicas": ("auto", True, False, False),
     "sep-servers": ("auto", True, True, False),
@@ -440,7 +444,8 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 f"--listen={cluster.addr(r)}:7200", f"--scheme={scheme}",
                 f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
                 f"--priority={'false' if mode == 'no-priority' else 'true'}",
-                f"--wire={'bf16' if mode == 'bf16' else 'fp32'}",
+                *({"bf16": ["--wire=bf16"], "lossy": ["--wire=plan", "--plan_lossy_wire=bf16"]}
+                  .get(mode, ["--wire=fp32"])),
                 f"--replicas={0 if mode == 'no-replicas' else 1}",
                 *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
                 f"--fusion={'bytes' if 'bucket_bytes' in args.agent_sizes else 'plan'}",
