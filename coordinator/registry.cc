@@ -1217,6 +1217,15 @@ absl::Status Registry::ReportTelemetry(const Caller& caller,
     node->telemetry_links.push_back(link);
   }
   node->telemetry_layers.assign(request.layers().begin(), request.layers().end());
+  node->telemetry_replication.clear();
+  if (node->role == v1::NODE_ROLE_SERVER) {
+    for (const v1::ReplicationTelemetry& r : request.replication()) {
+      // Within the reporter's scope (a job's server reports that job only).
+      if (caller.job_id.empty() || r.job_id() == caller.job_id) {
+        node->telemetry_replication.push_back(r);
+      }
+    }
+  }
   node->telemetry_at = now;
   if (node->role == v1::NODE_ROLE_AGENT) {
     node->iteration = std::max(node->iteration, request.iteration());
@@ -1347,6 +1356,9 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
       out->set_telemetry_age_ms(Millis(now - *node->telemetry_at));
     }
     if (!FreshTelemetry(*node, now)) continue;
+    for (const v1::ReplicationTelemetry& r : node->telemetry_replication) {
+      if (caller.job_id.empty() || r.job_id() == caller.job_id) *out->add_replication() = r;
+    }
     for (const v1::LinkTelemetry& link : node->telemetry_links) {
       const Node* peer = FindNode(link.peer_node_id());
       const LinkSample* sample = links_.Find(node->id, link.peer_node_id());

@@ -225,6 +225,7 @@ class Registry {
     // The latest ReportTelemetry: its links to known nodes, its layers (agents), and when.
     std::vector<poseidon::v1::LinkTelemetry> telemetry_links;
     std::vector<poseidon::v1::LayerTelemetry> telemetry_layers;
+    std::vector<poseidon::v1::ReplicationTelemetry> telemetry_replication;  // servers
     std::optional<absl::Time> telemetry_at;
   };
   struct RankSlot {

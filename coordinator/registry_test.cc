@@ -459,6 +459,59 @@ TEST_F(RegistryTelemetryTest, AServersReportShowsPerLinkAndAgentsLatencyToo) {
   EXPECT_EQ(scoped_status->links(0).peer_node_id(), agents_[1]);
 }
 
+// Replication (issue 17): a server's report of its primary and backup keys shows in the status
+// view, each job's only to that job's callers; a job-scoped server reports its job only; a report
+// that counts more degraded keys than primaries is refused.
+TEST_F(RegistryTelemetryTest, AServersReplicationShowsInTheStatus) {
+  FormJob(TinyModel());
+  auto entry = [](const std::string& job, uint64_t primaries, uint64_t backups, uint64_t degraded) {
+    v1::ReplicationTelemetry r;
+    r.set_job_id(job);
+    r.set_primary_keys(primaries);
+    r.set_backup_keys(backups);
+    r.set_degraded_keys(degraded);
+    r.set_max_backup_lag_clocks(1);
+    return r;
+  };
+  v1::ReportTelemetryRequest request;
+  request.mutable_header()->set_node_id(servers_[0]);
+  *request.add_replication() = entry("job", 5, 3, 1);
+  *request.add_replication() = entry("other", 2, 0, 0);
+  ASSERT_TRUE(ValidateRequest(request).ok());
+  ASSERT_TRUE(registry_.ReportTelemetry(Caller{""}, request, now_).ok());
+  auto shown = [&](const Caller& caller) {
+    v1::GetClusterStatusResponse out;
+    EXPECT_TRUE(registry_.ClusterStatus(caller, now_, &out).ok());
+    const v1::NodeStatus* server = NodeOf(out, servers_[0]);
+    EXPECT_NE(server, nullptr);
+    return server == nullptr ? std::vector<v1::ReplicationTelemetry>{}
+                             : std::vector<v1::ReplicationTelemetry>(server->replication().begin(),
+                                                                     server->replication().end());
+  };
+  const auto all = shown(Caller{""});
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].job_id(), "job");
+  EXPECT_EQ(all[0].primary_keys(), 5u);
+  EXPECT_EQ(all[0].backup_keys(), 3u);
+  EXPECT_EQ(all[0].degraded_keys(), 1u);
+  EXPECT_EQ(all[0].max_backup_lag_clocks(), 1u);
+  const auto mine = shown(job_);
+  ASSERT_EQ(mine.size(), 1u) << "another job's keys are not this job's business";
+  EXPECT_EQ(mine[0].job_id(), "job");
+  // Stale telemetry is not shown.
+  now_ += absl::Minutes(10);
+  EXPECT_TRUE(shown(Caller{""}).empty());
+  // Counts that cannot be are refused.
+  v1::ReportTelemetryRequest bad;
+  bad.mutable_header()->set_node_id(servers_[0]);
+  *bad.add_replication() = entry("job", 1, 0, 2);
+  const absl::Status refused = ValidateRequest(bad);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("replication[0]"), std::string::npos) << refused;
+  *bad.mutable_replication(0) = entry("", 1, 0, 0);
+  EXPECT_FALSE(ValidateRequest(bad).ok());
+}
+
 class PlannerTelemetryTest : public RegistryTelemetryTest {
  protected:
   PlannerTelemetryTest() : RegistryTelemetryTest(PlannerOptions()) {}

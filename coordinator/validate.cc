@@ -266,6 +266,19 @@ absl::Status ValidateRequest(const v1::GetPlanRequest& /*request*/) {
 
 absl::Status ValidateRequest(const v1::ReportTelemetryRequest& request) {
   RETURN_IF_ERROR(CheckNodeId(request.header()));
+  if (request.replication_size() > kMaxLinks) {
+    return Invalid("replication", absl::StrCat(request.replication_size(), " entries; at most ",
+                                               kMaxLinks, " allowed"));
+  }
+  for (int i = 0; i < request.replication_size(); ++i) {
+    const v1::ReplicationTelemetry& r = request.replication(i);
+    RETURN_IF_ERROR(ValidateId(absl::StrCat("replication[", i, "].job_id"), r.job_id()));
+    if (r.degraded_keys() > r.primary_keys() || r.replicating_keys() > r.primary_keys()) {
+      return Invalid(absl::StrCat("replication[", i, "]"),
+                     "degraded_keys and replicating_keys count primary keys: at most "
+                     "primary_keys");
+    }
+  }
   if (request.links_size() > kMaxLinks) {
     return Invalid("links",
                    absl::StrCat(request.links_size(), " entries; at most ", kMaxLinks, " allowed"));

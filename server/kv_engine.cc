@@ -308,6 +308,64 @@ std::string LostBlocking(const KvEngine::Key& k, uint64_t clock) {
 
 }  // namespace
 
+std::vector<ReplicationCounts> KvEngine::ReplicationStatus(absl::Duration timeout,
+                                                           bool* complete) {
+  struct Gather {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t pending = 0;
+    std::map<uint64_t, ReplicationCounts> by_job;
+  };
+  auto gather = std::make_shared<Gather>();
+  gather->pending = workers_.size();
+  for (auto& worker : workers_) {
+    Worker* w = worker.get();
+    w->Post([w, gather] {
+      std::map<uint64_t, ReplicationCounts> mine;
+      for (const auto& [id, key] : w->keys) {
+        const Key& k = *key;
+        if (!k.Replicated()) continue;
+        ReplicationCounts& c = mine[id.first];
+        c.job_id = id.first;
+        if (k.fenced) continue;  // a later epoch took the key from this server
+        if (!k.IsPrimary()) {
+          ++c.backup_keys;
+          continue;
+        }
+        ++c.primary_keys;
+        bool degraded = false;
+        for (size_t p = k.epoch + 1; p < k.chain.size(); ++p) degraded |= k.backup_lost[p] != 0;
+        if (degraded) ++c.degraded_keys;
+        if (k.replicating) {
+          ++c.replicating_keys;
+          // The live backups have the clock before the one being sent.
+          c.max_backup_lag_clocks = std::max<uint64_t>(
+              c.max_backup_lag_clocks,
+              k.replicating_clock > 0 ? k.completed - (k.replicating_clock - 1) : 0);
+        }
+      }
+      std::lock_guard<std::mutex> lock(gather->mu);
+      for (const auto& [job, c] : mine) {
+        ReplicationCounts& total = gather->by_job[job];
+        total.job_id = job;
+        total.primary_keys += c.primary_keys;
+        total.backup_keys += c.backup_keys;
+        total.degraded_keys += c.degraded_keys;
+        total.replicating_keys += c.replicating_keys;
+        total.max_backup_lag_clocks = std::max(total.max_backup_lag_clocks, c.max_backup_lag_clocks);
+      }
+      if (--gather->pending == 0) gather->cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> lock(gather->mu);
+  const bool done = gather->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                                        [&] { return gather->pending == 0; });
+  if (complete != nullptr) *complete = done;
+  std::vector<ReplicationCounts> out;
+  for (const auto& [job, c] : gather->by_job) out.push_back(c);
+  return out;
+}
+
 std::shared_ptr<JobState> KvEngine::FindJob(uint64_t job_id) const {
   std::lock_guard<std::mutex> lock(jobs_mu_);
   const auto it = jobs_.find(job_id);

@@ -114,6 +114,16 @@ struct RequestContext {
   std::shared_ptr<PeerTraffic> traffic;  // the peer's byte counters; may be null
 };
 
+// What this server holds of one replicated job (ReplicationStatus; poseidon.v1.ReplicationTelemetry).
+struct ReplicationCounts {
+  uint64_t job_id = 0;
+  uint64_t primary_keys = 0;
+  uint64_t backup_keys = 0;
+  uint64_t degraded_keys = 0;
+  uint64_t replicating_keys = 0;
+  uint64_t max_backup_lag_clocks = 0;
+};
+
 struct JobState;  // kv_engine.cc
 
 class KvEngine {
@@ -122,6 +132,12 @@ class KvEngine {
   ~KvEngine();  // stops the workers (pending pulls get Unavailable)
 
   const EngineStats& stats() const { return stats_; }
+
+  // The replication of every replicated job's keys on this server, by job id: each worker
+  // counts its own keys (a task on its thread). Waits up to `timeout` for the workers; a worker
+  // still busy then is left out (the counts are then partial: `complete` false). Any thread.
+  std::vector<ReplicationCounts> ReplicationStatus(absl::Duration timeout,
+                                                   bool* complete = nullptr);
 
   // Creates job `job_id`'s tables, or checks that `spec` equals the registered one (every rank
   // may register). Errors: InvalidArgument (bad spec), FailedPrecondition (differs; names the

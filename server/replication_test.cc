@@ -295,6 +295,37 @@ TEST_F(ReplicationTest, ADeadBackupIsGivenUpAndThePrimaryServesOn) {
   EXPECT_GE(primary_->engine->stats().backups_lost.load(), 1u);
 }
 
+// What `poseidon status` shows (ReplicationStatus, reported as ReplicationTelemetry): each
+// server's primary and backup keys, the keys whose backups were given up, and the backup lag.
+TEST_F(ReplicationTest, TheStatusCountsPrimariesBackupsAndDegradedKeys) {
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  Clock(*primary_, 1, 0);
+  auto one = [](KvEngine& engine) {
+    bool complete = false;
+    const std::vector<ReplicationCounts> all = engine.ReplicationStatus(kWait, &complete);
+    EXPECT_TRUE(complete);
+    EXPECT_EQ(all.size(), 1u);
+    return all.empty() ? ReplicationCounts{} : all[0];
+  };
+  ReplicationCounts p = one(*primary_->engine);
+  EXPECT_EQ(p.job_id, 1u);
+  EXPECT_EQ(p.primary_keys, 1u);
+  EXPECT_EQ(p.backup_keys, 0u);
+  EXPECT_EQ(p.degraded_keys, 0u);
+  EXPECT_EQ(p.replicating_keys, 0u) << "clock 1 is answered: its replica is in";
+  EXPECT_EQ(p.max_backup_lag_clocks, 0u);
+  ReplicationCounts b = one(*backup_->engine);
+  EXPECT_EQ(b.primary_keys, 0u);
+  EXPECT_EQ(b.backup_keys, 1u);
+  // The backup dies: the primary gives it up at the next clock and its key is degraded.
+  backup_->Kill();
+  Clock(*primary_, 2, 0);
+  p = one(*primary_->engine);
+  EXPECT_EQ(p.primary_keys, 1u);
+  EXPECT_EQ(p.degraded_keys, 1u);
+}
+
 // Requests that break the chain's rules get errors naming the rule; nothing is applied.
 TEST_F(ReplicationTest, MisdirectedRequestsAndForgedReplicasAreRefused) {
   ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());

@@ -442,7 +442,10 @@ int Main(int argc, char** argv) {
             return rdma_only || (rdma_server && rdma_server->HasPeer(job, rank))
                        ? v1::TRANSPORT_KIND_RDMA
                        : v1::TRANSPORT_KIND_TCP;
-          });
+          },
+          // Each report waits at most a second for the engine's workers (a busy one is left
+          // out of that report).
+          [engine] { return engine->ReplicationStatus(absl::Seconds(1)); });
       telemetry->Start();
     }
   }

@@ -10,11 +10,12 @@ namespace poseidon::server {
 namespace v1 = ::poseidon::v1;
 
 ServerTelemetry::ServerTelemetry(Source source, absl::Duration interval, Send send,
-                                 TransportOf transport_of)
+                                 TransportOf transport_of, ReplicationOf replication_of)
     : source_(std::move(source)),
       interval_(interval),
       send_(std::move(send)),
       transport_of_(std::move(transport_of)),
+      replication_of_(std::move(replication_of)),
       window_start_(absl::Now()) {}
 
 ServerTelemetry::~ServerTelemetry() {
@@ -66,6 +67,17 @@ v1::ReportTelemetryRequest ServerTelemetry::Collect(absl::Time now) {
     link->set_received_bytes(row.received);
     link->set_window_ns(window_ns);
     link->set_bytes_per_second(static_cast<double>(std::max(row.sent, row.received)) / seconds);
+  }
+  if (replication_of_) {
+    for (const ReplicationCounts& c : replication_of_()) {
+      v1::ReplicationTelemetry* r = request.add_replication();
+      r->set_job_id(absl::StrCat(c.job_id));
+      r->set_primary_keys(c.primary_keys);
+      r->set_backup_keys(c.backup_keys);
+      r->set_degraded_keys(c.degraded_keys);
+      r->set_replicating_keys(c.replicating_keys);
+      r->set_max_backup_lag_clocks(c.max_backup_lag_clocks);
+    }
   }
   return request;
 }

@@ -4,7 +4,9 @@
 // busier direction). A server knows its peers only from the handshake, so links name them by job
 // and rank (LinkTelemetry.peer_job_id, peer_rank; the job id is the data-plane job id in decimal,
 // as agents register it) and the coordinator resolves them to the agents' node ids. Latency is
-// not measured here (agents ping servers and report it on their side of the link).
+// not measured here (agents ping servers and report it on their side of the link). With
+// replication, each replicated job's primary and backup keys, degraded keys and backup lag
+// (ReplicationTelemetry; `poseidon status` shows them).
 // Thread-safety: Start and Stop from the owner's thread; Collect is for the reporter thread and
 // tests.
 #pragma once
@@ -22,6 +24,7 @@
 #include "absl/time/time.h"
 #include "common/periodic.h"
 #include "poseidon/v1/coordinator.pb.h"
+#include "server/kv_engine.h"
 #include "server/kv_service.h"
 
 namespace poseidon::server {
@@ -40,8 +43,11 @@ class ServerTelemetry {
   // The transport a peer's connections use (the listener it came in by); TCP when not set.
   using TransportOf = std::function<poseidon::v1::TransportKind(uint64_t job_id, uint32_t rank)>;
 
+  // The replication of the jobs' keys on this server (KvEngine::ReplicationStatus).
+  using ReplicationOf = std::function<std::vector<ReplicationCounts>()>;
+
   ServerTelemetry(Source source, absl::Duration interval, Send send = {},
-                  TransportOf transport_of = {});
+                  TransportOf transport_of = {}, ReplicationOf replication_of = {});
   ~ServerTelemetry();
   ServerTelemetry(const ServerTelemetry&) = delete;
   ServerTelemetry& operator=(const ServerTelemetry&) = delete;
@@ -61,6 +67,7 @@ class ServerTelemetry {
   const absl::Duration interval_;
   const Send send_;
   const TransportOf transport_of_;  // called by Collect under mu_
+  const ReplicationOf replication_of_;  // likewise
 
   std::mutex mu_;  // Collect
   absl::Time window_start_;

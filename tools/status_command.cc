@@ -280,6 +280,28 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     PrintTable(links);
     std::printf("\n");
   }
+  // Replication (issue 17): per server and replicated job, from the server's latest telemetry.
+  std::vector<std::vector<std::string>> replication = {
+      {"REPLICATION", "JOB", "PRIMARY KEYS", "BACKUP KEYS", "DEGRADED", "REPLICATING",
+       "BACKUP LAG"}};
+  uint64_t degraded = 0;
+  for (const v1::NodeStatus& n : status.nodes()) {
+    for (const v1::ReplicationTelemetry& r : n.replication()) {
+      degraded += r.degraded_keys();
+      replication.push_back({NodeName(n), r.job_id(), absl::StrCat(r.primary_keys()),
+                             absl::StrCat(r.backup_keys()), absl::StrCat(r.degraded_keys()),
+                             absl::StrCat(r.replicating_keys()),
+                             absl::StrCat(r.max_backup_lag_clocks(), " clocks")});
+    }
+  }
+  if (replication.size() > 1) {
+    PrintTable(replication);
+    if (degraded > 0) {
+      std::printf("%llu primary keys have lost a backup: their replication factor is degraded\n",
+                  static_cast<unsigned long long>(degraded));
+    }
+    std::printf("\n");
+  }
   if (status.jobs().empty()) std::printf("no jobs\n");
   for (const v1::JobStatus& job : status.jobs()) {
     std::printf("job %s: model %s, world size %u, plan epoch %llu (from iteration %llu)%s\n",
@@ -383,6 +405,27 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.String(n.slowest_layer());
       w.Key("slowest_layer_sync_seconds");
       w.Number(n.slowest_layer_sync_seconds());
+    }
+    if (n.role() == v1::NODE_ROLE_SERVER) {
+      w.Key("replication");
+      w.BeginArray();
+      for (const v1::ReplicationTelemetry& r : n.replication()) {
+        w.BeginObject();
+        w.Key("job_id");
+        w.String(r.job_id());
+        w.Key("primary_keys");
+        w.Unsigned(r.primary_keys());
+        w.Key("backup_keys");
+        w.Unsigned(r.backup_keys());
+        w.Key("degraded_keys");
+        w.Unsigned(r.degraded_keys());
+        w.Key("replicating_keys");
+        w.Unsigned(r.replicating_keys());
+        w.Key("max_backup_lag_clocks");
+        w.Unsigned(r.max_backup_lag_clocks());
+        w.EndObject();
+      }
+      w.EndArray();
     }
     w.Key("links");
     w.BeginArray();
