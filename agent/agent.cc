@@ -914,13 +914,17 @@ absl::Status Agent::ConnectServers() {
     std::string name;
     std::vector<PsChunk> chunks;
     WireType wire = WireType::kF32;
+    std::vector<uint32_t> layers;  // the layer, or the bucket's members
   };
   std::vector<TableSource> sources;
-  for (const LayerSpec& st : table_.layers) {
+  for (uint32_t i = 0; i < table_.layers.size(); ++i) {
+    const LayerSpec& st = table_.layers[i];
     if (st.chunks.empty() || st.bucket >= 0) continue;
-    sources.push_back({st.desc.name, st.chunks, st.wire});
+    sources.push_back({st.desc.name, st.chunks, st.wire, {i}});
   }
-  for (const BucketSpec& b : table_.buckets) sources.push_back({b.name, {b.chunk}, b.wire});
+  for (const BucketSpec& b : table_.buckets) {
+    sources.push_back({b.name, {b.chunk}, b.wire, b.members});
+  }
   auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary, WireType wire) {
     v1::KvTableSpec* t = requests[holder].add_tables();
     t->set_name(name);
@@ -960,8 +964,9 @@ absl::Status Agent::ConnectServers() {
         key->set_elements(c.length / sizeof(float));
       }
       if (IsLossy(src.wire)) {
-        env_.lossy[c.key] =
-            std::make_unique<LossyWire>(src.wire, c.length / sizeof(float), src.name);
+        auto wire = std::make_unique<LossyWire>(src.wire, c.length / sizeof(float), src.name);
+        wire->layers = src.layers;
+        env_.lossy[c.key] = std::move(wire);
       }
     }
   }

@@ -154,6 +154,9 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
       } else if (!wire.exact.exchange(true)) {
         // Another rank's guard: the server answered this clock in float32, and from the next
         // one on every rank pushes float32.
+        if (e->telemetry) {
+          for (uint32_t l : wire.layers) e->telemetry->LayerWireFellBack(l);
+        }
         PSD_LOG_WARN("{} (key {}): the server answered clock {} in float32: another rank's "
                      "divergence guard fell back from the {} wire; float32 from now on",
                      wire.name, op->chunk->key, op->clock, WireName(wire.type));
@@ -197,6 +200,9 @@ void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint6
                        wire.name, chunk.key, WireName(wire.type), error, clock,
                        env.wire_guard.max_error);
           wire.exact.store(true, std::memory_order_release);
+          if (env.telemetry) {
+            for (uint32_t l : wire.layers) env.telemetry->LayerWireFellBack(l);
+          }
         }
       }
       if (wire.exact.load(std::memory_order_relaxed)) {

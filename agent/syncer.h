@@ -78,6 +78,7 @@ struct LossyWire {
       : type(t), name(std::move(key_name)), residual(elements, 0.0f), push(elements) {}
   WireType type;
   std::string name;  // the layer's or bucket's, for logs
+  std::vector<uint32_t> layers;  // the layer, or the bucket's members (telemetry)
   std::vector<float> residual;
   std::vector<uint16_t> push;
   std::atomic<bool> exact{false};

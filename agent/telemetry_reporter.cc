@@ -162,6 +162,11 @@ void TelemetryReporter::LayerSynced(uint32_t layer, uint64_t iteration, absl::Du
   c.synced_iteration.store(iteration, std::memory_order_release);
 }
 
+void TelemetryReporter::LayerWireFellBack(uint32_t layer) {
+  if (layer >= layer_count_.load(std::memory_order_acquire)) return;
+  layers_[layer].wire_fell_back.store(true, std::memory_order_relaxed);
+}
+
 v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
   std::lock_guard<std::mutex> lock(mu_);
   v1::ReportTelemetryRequest request;
@@ -224,11 +229,13 @@ v1::ReportTelemetryRequest TelemetryReporter::Collect(absl::Time now) {
     prev_syncs_[l] = syncs_total;
     prev_sync_ns_[l] = ns_total;
     const bool waiting = ready_iteration > synced_iteration;
-    if (syncs == 0 && !waiting) continue;
+    const bool fell_back = c.wire_fell_back.load(std::memory_order_relaxed);
+    if (syncs == 0 && !waiting && !fell_back) continue;
     v1::LayerTelemetry* layer = request.add_layers();
     layer->set_index(static_cast<uint32_t>(l));
     layer->set_name(layer_names_[l]);
     layer->set_syncs(syncs);
+    if (fell_back) layer->set_wire_fell_back(true);
     if (syncs > 0) {
       layer->set_mean_sync_seconds(static_cast<double>(ns) / static_cast<double>(syncs) / 1e9);
       layer->set_max_sync_seconds(static_cast<double>(max_ns) / 1e9);

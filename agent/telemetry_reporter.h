@@ -81,6 +81,8 @@ class TelemetryReporter {
   // A layer posted ready for `iteration`, and its synchronisation done after `took`.
   void LayerReady(uint32_t layer, uint64_t iteration, absl::Time at);
   void LayerSynced(uint32_t layer, uint64_t iteration, absl::Duration took);
+  // The layer's keys fell back from a lossy wire to float32 (reported from then on).
+  void LayerWireFellBack(uint32_t layer);
 
   // Reports every interval from a thread of its own until Stop (also called by the destructor).
   // Each call has a deadline of min(interval, 2s), so Stop returns within about that long.
@@ -117,6 +119,7 @@ class TelemetryReporter {
     std::atomic<int64_t> ready_at_ns{0};     // Unix nanoseconds of the latest ready
     std::atomic<uint64_t> ready_iteration{0};
     std::atomic<uint64_t> synced_iteration{0};
+    std::atomic<bool> wire_fell_back{false};
   };
   void Tick();  // one window: ping, collect, report
 

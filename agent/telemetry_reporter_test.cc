@@ -60,6 +60,19 @@ TEST(TelemetryReporterTest, OneWindowPerReport) {
   EXPECT_EQ(report.layers(0).index(), 2u);
   EXPECT_EQ(report.layers(0).syncs(), 1u);
   EXPECT_EQ(report.layers(0).waiting_seconds(), 0);
+  EXPECT_FALSE(report.layers(0).wire_fell_back());
+
+  // A layer whose keys fell back from a lossy wire says so in every report from then on, with or
+  // without a synchronisation in the window.
+  reporter.LayerWireFellBack(1);
+  reporter.LayerWireFellBack(7);  // unknown: ignored
+  for (int window = 0; window < 2; ++window) {
+    report = reporter.Collect(start + absl::Seconds(4 + window));
+    ASSERT_EQ(report.layers_size(), 1);
+    EXPECT_EQ(report.layers(0).index(), 1u);
+    EXPECT_TRUE(report.layers(0).wire_fell_back());
+    EXPECT_EQ(report.layers(0).syncs(), 0u);
+  }
 }
 
 TEST(TelemetryReporterTest, ServerLinksReportTheShortestPingOfTheWindow) {

@@ -1424,6 +1424,7 @@ bool Registry::FreshTelemetry(const Node& node, absl::Time now) const {
 void Registry::FillSyncStatus(const Job& job, absl::Time now, v1::JobStatus* out) const {
   // Per layer index: the sum and count of the ranks' mean sync times, and a reported name.
   std::map<uint32_t, std::tuple<double, int, std::string>> layers;
+  std::map<uint32_t, uint32_t> fell_back;  // per layer index: ranks whose keys left the lossy wire
   double slowest_rank_seconds = 0;
   double waiting_seconds = 0;
   for (const RankSlot& slot : job.ranks) {
@@ -1436,6 +1437,7 @@ void Registry::FillSyncStatus(const Job& job, absl::Time now, v1::JobStatus* out
       slowest_rank_seconds = summary.total_seconds;
     }
     for (const v1::LayerTelemetry& layer : agent->telemetry_layers) {
+      if (layer.wire_fell_back()) ++fell_back[layer.index()];
       if (layer.syncs() > 0) {
         auto& [sum, count, name] = layers[layer.index()];
         sum += layer.mean_sync_seconds();
@@ -1452,6 +1454,11 @@ void Registry::FillSyncStatus(const Job& job, absl::Time now, v1::JobStatus* out
     }
   }
   if (out->has_slowest_rank()) out->set_slowest_rank_sync_seconds(slowest_rank_seconds);
+  for (const auto& [index, ranks] : fell_back) {
+    if (index < static_cast<uint32_t>(out->layers_size())) {
+      out->mutable_layers(static_cast<int>(index))->set_wire_fallback_ranks(ranks);
+    }
+  }
   double slowest = -1;
   for (const auto& [index, entry] : layers) {
     const auto& [sum, count, name] = entry;

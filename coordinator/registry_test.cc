@@ -361,9 +361,16 @@ TEST_F(RegistryTelemetryTest, ReportsShowPerLinkThroughputAndTheSlowestRankAndLa
   EXPECT_EQ(job.waiting_iteration(), 43u);
   EXPECT_EQ(job.waiting_seconds(), 4);
 
-  // A newer report replaces the old one: rank 0 is now the slowest.
-  Report(agents_[0], {}, {Layer(0, 0.100), Layer(2, 0.030)}, 45);
+  EXPECT_EQ(job.layers(2).wire_fallback_ranks(), 0u);
+
+  // A newer report replaces the old one: rank 0 is now the slowest; its layer 2 fell back from a
+  // lossy wire (its divergence guard), which the job's layer shows.
+  v1::LayerTelemetry fell_back = Layer(2, 0.030);
+  fell_back.set_wire_fell_back(true);
+  Report(agents_[0], {}, {Layer(0, 0.100), fell_back}, 45);
   status = Status();
+  EXPECT_EQ(status.jobs(0).layers(2).wire_fallback_ranks(), 1u);
+  EXPECT_EQ(status.jobs(0).layers(0).wire_fallback_ranks(), 0u);
   EXPECT_EQ(status.jobs(0).slowest_rank(), 0u);
   EXPECT_EQ(NodeOf(status, agents_[0])->links_size(), 0);
 

@@ -20,6 +20,14 @@ using poseidon::v1::SyncScheme;
 
 uint64_t AlignUp(uint64_t x) { return PSD_SHM_ALIGN_UP(x); }
 
+// The bytes a PS key of `float_bytes` (float32) moves each way on `wire` (LayerPlan.wire_type): half
+// on a 16-bit wire. The casts' CPU time is not simulated (the planner weighs it).
+uint64_t WireBytes(poseidon::v1::ElementType wire, uint64_t float_bytes) {
+  return wire == poseidon::v1::ELEMENT_TYPE_BF16 || wire == poseidon::v1::ELEMENT_TYPE_F16
+             ? float_bytes / 2
+             : float_bytes;
+}
+
 // What one scheduler task moves. PS chunks and buckets are keys on a server.
 enum class UnitKind : uint8_t { kChunk, kBucket, kSfb };
 struct Unit {
@@ -707,6 +715,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
       }
       if (!run.empty() &&
           (start != AlignUp(run_end) || start + bytes - run_start > cap ||
+           plan.layers(static_cast<int>(run.back())).wire_type() != lp.wire_type() ||
            (options.fusion_from_plan &&
             plan.layers(static_cast<int>(run.back())).bucket() != planned_bucket))) {
         close();
@@ -735,7 +744,9 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
         u.layer = first;
         u.last = last;
         u.server = lp.chunks(0).server_index();
-        u.bytes = u.task_bytes = bucket_span[static_cast<size_t>(bucket_of[i])];
+        // A bucket's members share one wire (LayerPlan.wire_type): a 16-bit one halves its bytes.
+        u.bytes = u.task_bytes =
+            WireBytes(lp.wire_type(), bucket_span[static_cast<size_t>(bucket_of[i])]);
         layer.units.push_back(static_cast<uint32_t>(units.size()));
         units.push_back(u);
       }
@@ -771,7 +782,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
           u.kind = UnitKind::kChunk;
           u.layer = i;
           u.server = c.server_index();
-          u.bytes = u.task_bytes = c.length();
+          u.bytes = u.task_bytes = WireBytes(lp.wire_type(), c.length());
           layer.units.push_back(static_cast<uint32_t>(units.size()));
           units.push_back(u);
         }

@@ -128,6 +128,27 @@ TEST(SimulatorTest, PureBandwidthBound) {
   EXPECT_EQ(r->tasks_per_iteration, 64u);
 }
 
+// A 16-bit wire (the plan's LayerPlan.wire_type, where the job allows it and it pays) moves half
+// the bytes: the bandwidth-bound period above halves with it (its bound at half the volume).
+TEST(SimulatorTest, ALossyWireHalvesTheBandwidthBoundPeriod) {
+  const auto model = Model({{"a", kOther, {16u << 20}, 0.001, 0.001}});
+  planner::PlannerConfig c = Cluster(4, 4, true, 1e9);
+  c.block_bytes = 1u << 20;
+  absl::StatusOr<SimResult> exact = Simulate(model, c, Options());
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  c.lossy_wire = poseidon::v1::ELEMENT_TYPE_BF16;
+  absl::StatusOr<SimResult> lossy = Simulate(model, c, Options());
+  ASSERT_TRUE(lossy.ok()) << lossy.status();
+  planner::ClusterShape shape{4, 4, 1, true};
+  planner::SchemeVolume ps = planner::PsElements(16u << 20, shape);
+  ps.per_machine *= 2;  // 2-byte elements
+  const double bound = planner::PsSeconds(ps, true, {1e9, 0});
+  EXPECT_GE(lossy->period_seconds, bound);
+  EXPECT_LE(lossy->period_seconds, 1.1 * bound);
+  EXPECT_NEAR(lossy->period_seconds / exact->period_seconds, 0.5, 0.05);
+  EXPECT_EQ(lossy->tasks_per_iteration, exact->tasks_per_iteration) << "the same chunks";
+}
+
 // P workers push one 1 MB chunk to one server on its own host: its switch port takes the P
 // pushes one after the other, its uplink the P answers (1 ms each at 1 GB/s). In iteration 1 all
 // push at once, so the last worker's answer comes 2·P ms after its post; from then on the

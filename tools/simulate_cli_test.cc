@@ -64,6 +64,21 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
   EXPECT_NEAR(Field(row3, "compute_overhead_seconds").number_value(), 1e-04 + 2 * 1e-05, 1e-12);
 }
 
+// With a lossy wire allowed on a slow network the plan puts PS layers on bfloat16 and the
+// simulated iteration is shorter (half the PS bytes).
+TEST(SimulateCliTest, ALossyWireShortensABandwidthBoundIteration) {
+  const std::string base =
+      "simulate --model resnet-152 --batch 32 --bandwidth 1Gbit --iterations 5 --workers 8 --json";
+  const google::protobuf::Struct exact = Json(Stdout(base));
+  const google::protobuf::Struct lossy = Json(Stdout(base + " --lossy_wire bf16"));
+  EXPECT_EQ(Field(Field(lossy, "settings").struct_value(), "lossy_wire").string_value(), "bf16");
+  const double e = Field(Field(exact, "rows").list_value().values(0).struct_value(),
+                         "period_seconds").number_value();
+  const double l = Field(Field(lossy, "rows").list_value().values(0).struct_value(),
+                         "period_seconds").number_value();
+  EXPECT_LT(l, 0.8 * e) << "exact " << e << " s, lossy " << l << " s";
+}
+
 TEST(SimulateCliTest, BadInputIsOneLineAndExitCode2) {
   CliRun run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --workers 0");
   EXPECT_EQ(run.exit_code, 2);
@@ -71,6 +86,9 @@ TEST(SimulateCliTest, BadInputIsOneLineAndExitCode2) {
   run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --calibration /nope");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_NE(run.output.find("/nope"), std::string::npos) << run.output;
+  run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --lossy_wire fp8");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("lossy_wire"), std::string::npos) << run.output;
   run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --gpu none");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_NE(run.output.find("compute time unknown"), std::string::npos) << run.output;

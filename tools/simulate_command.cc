@@ -41,6 +41,7 @@ struct SimulateFlags {
   std::string gpu = "titanx";
   uint64_t block_size = planner::kDefaultBlockBytes;
   std::string scheme = "auto";
+  std::string lossy_wire = "none";
   bool wfbp = true;
   bool priority = true;
   uint64_t credit_bytes = uint64_t{64} << 20;
@@ -60,7 +61,8 @@ struct SimulateFlags {
   bool json = false;
 };
 
-// Positions of the fields a calibration sets, in declaration order (LoadedConfig::origins).
+// Positions of the fields a calibration sets, in declaration order (LoadedConfig::origins): a new
+// field goes after them (at the end of SimulateFlagsSchema).
 constexpr size_t kAlphaField = 17;
 constexpr size_t kOverheadField = 18;
 constexpr size_t kJitterField = 19;
@@ -133,7 +135,12 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
       .Field("link_burst", &SimulateFlags::link_burst,
              "every link a token bucket of this many seconds of its rate (bench/cluster's tc "
              "tbf: 10ms); 0: plain rate")
-      .Field("json", &SimulateFlags::json, "print JSON instead of a table");
+      .Field("json", &SimulateFlags::json, "print JSON instead of a table")
+      // Last: the calibration's fields are found by position (kAlphaField ...).
+      .Field("lossy_wire", &SimulateFlags::lossy_wire,
+             "none: every PS byte float32; bf16 or fp16: the plan puts a PS layer on that 16-bit "
+             "wire where the cost model says it pays (half its bytes; docs/planner.md)",
+             OneOf({"none", "bf16", "fp16"}));
   return schema;
 }
 
@@ -298,6 +305,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   base.bandwidth_bytes_per_second = flags.bandwidth;
   base.latency_seconds = absl::ToDoubleSeconds(flags.latency);
   base.block_bytes = flags.block_size;
+  base.lossy_wire = *planner::ParseWireType(flags.lossy_wire);  // checked by OneOf
   if (absl::AsciiStrToLower(flags.gpu) != "none") {
     absl::StatusOr<planner::GpuRate> gpu = planner::ParseGpuRate(flags.gpu);
     if (!gpu.ok()) return Fail(gpu.status());
@@ -390,6 +398,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Unsigned(flags.credit_bytes);
     w.Key("fusion");
     w.String(flags.fusion);
+    w.Key("lossy_wire");
+    w.String(flags.lossy_wire);
     w.Key("bucket_bytes");
     w.Unsigned(flags.fusion == "bytes" ? flags.bucket_bytes : 0);
     w.Key("block_bytes");

@@ -328,18 +328,25 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       continue;
     }
     std::vector<std::vector<std::string>> rows = {{"  LAYER", "SCHEME", "WIRE", "BYTES", "SYNC"}};
-    int lossy = 0;
+    int lossy = 0, fell_back = 0;
     for (const v1::LayerStatus& layer : job.layers()) {
       const std::string wire = planner::WireTypeName(layer.wire_type());
       if (wire != "fp32") ++lossy;
-      rows.push_back({absl::StrCat("  ", layer.name()), SchemeName(layer.scheme()),
-                      wire == "fp32" ? wire : absl::StrCat(wire, " (lossy)"),
+      if (wire != "fp32" && layer.wire_fallback_ranks() > 0) ++fell_back;
+      // A lossy layer whose keys fell back (a divergence guard) is float32 now.
+      const std::string shown =
+          wire == "fp32"                     ? wire
+          : layer.wire_fallback_ranks() > 0 ? absl::StrCat(wire, " -> fp32 (guard)")
+                                             : absl::StrCat(wire, " (lossy)");
+      rows.push_back({absl::StrCat("  ", layer.name()), SchemeName(layer.scheme()), shown,
                       absl::StrCat(layer.bytes()), Seconds(layer.sync_seconds())});
     }
     PrintTable(rows);
     if (lossy > 0) {
-      std::printf("  %d of %d layers on a lossy wire (error feedback; the job allows it)\n", lossy,
+      std::printf("  %d of %d layers on a lossy wire (error feedback; the job allows it)", lossy,
                   job.layers_size());
+      if (fell_back > 0) std::printf("; %d fell back to fp32 (divergence guard)", fell_back);
+      std::printf("\n");
     }
   }
 }
@@ -489,6 +496,8 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.String(SchemeName(layer.scheme()));
       w.Key("wire");
       w.String(planner::WireTypeName(layer.wire_type()));
+      w.Key("wire_fallback_ranks");
+      w.Unsigned(layer.wire_fallback_ranks());
       w.Key("bytes");
       w.Unsigned(layer.bytes());
       w.Key("sync_seconds");
