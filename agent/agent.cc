@@ -36,6 +36,7 @@
 #include "coordinator/client.h"
 #include "coordinator/endpoint_choice.h"
 #include "coordinator/planner/planner.h"
+#include "proto/wire_type.h"
 #include "server/kv_client.h"
 #include "transport/frame_server.h"
 #include "transport/credentials.h"
@@ -818,7 +819,7 @@ absl::Status Agent::Register() {
       if (st.chunks.empty()) continue;
       if (IsLossy(st.wire)) ++lossy[WireName(st.wire)];
       const v1::ElementType planned = plan.layers(i).wire_type();
-      if (planned == v1::ELEMENT_TYPE_BF16 || planned == v1::ELEMENT_TYPE_F16) ++planned_lossy;
+      if (planner::IsLossyWire(planned)) ++planned_lossy;
     }
     std::vector<std::string> parts;
     for (const auto& [name, count] : lossy) parts.push_back(absl::StrCat(count, " ", name));
@@ -930,8 +931,7 @@ absl::Status Agent::ConnectServers() {
     t->set_name(name);
     if (replicas > 0) t->set_primary(primary);
     t->set_element_type(v1::ELEMENT_TYPE_F32);
-    if (wire == WireType::kBf16) t->set_wire_type(v1::ELEMENT_TYPE_BF16);
-    if (wire == WireType::kF16) t->set_wire_type(v1::ELEMENT_TYPE_F16);
+    if (IsLossy(wire)) t->set_wire_type(WireToProto(wire));
     auto* u = t->mutable_update_rule();
     if (server_rule_.rule == 0) {
       u->set_rule(v1::UPDATE_RULE_SUM);

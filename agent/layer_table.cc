@@ -1,6 +1,7 @@
 #include "agent/layer_table.h"
 
 #include "absl/strings/str_cat.h"
+#include "proto/wire_type.h"
 
 namespace poseidon::agent {
 namespace {
@@ -54,22 +55,13 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
     if (options.force_wire.has_value()) {
       st.wire = *options.force_wire;
     } else {
-      switch (lp.wire_type()) {
-        case v1::ELEMENT_TYPE_UNSPECIFIED:
-        case v1::ELEMENT_TYPE_F32:
-          st.wire = WireType::kF32;
-          break;
-        case v1::ELEMENT_TYPE_BF16:
-          st.wire = options.lossy_possible ? WireType::kBf16 : WireType::kF32;
-          break;
-        case v1::ELEMENT_TYPE_F16:
-          st.wire = options.lossy_possible ? WireType::kF16 : WireType::kF32;
-          break;
-        default:
-          return absl::InternalError(absl::StrCat("the plan gives layer ", descs[i].name,
-                                                  " wire type ", static_cast<int>(lp.wire_type()),
-                                                  " (float32, bfloat16 or float16 expected)"));
+      const std::optional<WireType> planned = WireFromProto(lp.wire_type());
+      if (!planned.has_value()) {
+        return absl::InternalError(absl::StrCat("the plan gives layer ", descs[i].name,
+                                                " wire type ", static_cast<int>(lp.wire_type()),
+                                                " (float32, bfloat16 or float16 expected)"));
       }
+      st.wire = options.lossy_possible ? *planned : WireType::kF32;
     }
     LayerLayout& lay = st.layout;
     lay.scheme = sfb ? PSD_SCHEME_SFB : allreduce ? PSD_SCHEME_ALLREDUCE : PSD_SCHEME_PS;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/wire_codec.h"
+#include "proto/wire_type.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "server/update_rules.h"
@@ -26,16 +27,9 @@ using transport::FrameType;
 
 namespace {
 
-// A table's wire type (validated: float32, bfloat16 or float16).
+// A table's wire type (float32 for an unknown one: ValidateSpec refuses those first).
 WireType WireOfTable(const v1::KvTableSpec& t) {
-  switch (t.wire_type()) {
-    case v1::ELEMENT_TYPE_BF16:
-      return WireType::kBf16;
-    case v1::ELEMENT_TYPE_F16:
-      return WireType::kF16;
-    default:
-      return WireType::kF32;
-  }
+  return WireFromProto(t.wire_type()).value_or(WireType::kF32);
 }
 
 void SendError(const RequestContext& ctx, const absl::Status& status) {
@@ -439,8 +433,7 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
       return absl::InvalidArgumentError(
           absl::StrCat("table ", t.name(), ": ", hp.status().message()));
     }
-    if (t.wire_type() != v1::ELEMENT_TYPE_UNSPECIFIED && t.wire_type() != v1::ELEMENT_TYPE_F32 &&
-        t.wire_type() != v1::ELEMENT_TYPE_BF16 && t.wire_type() != v1::ELEMENT_TYPE_F16) {
+    if (!WireFromProto(t.wire_type()).has_value()) {
       return absl::UnimplementedError(absl::StrCat(
           "table ", t.name(), ": wire type ", v1::ElementType_Name(t.wire_type()),
           " (float32, bfloat16 and float16 are supported)"));
@@ -1092,29 +1085,23 @@ void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
 }
 
 void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
-  if (k.LossyWire() && k.ExactAt(k.completed)) {
-    if ((ctx.header.flags & transport::kFlagExactWire) == 0) {
-      stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
-      SendError(ctx, absl::FailedPreconditionError(absl::StrCat(
-                         k.Name(), " fell back to float32 at clock ", k.exact_from,
-                         " and this pull does not accept a float32 answer (kFlagExactWire)")));
-      return;
-    }
-    const std::span<const std::byte> value = std::as_bytes(std::span<const float>(k.result));
-    stats_.pulls.fetch_add(1, std::memory_order_relaxed);
-    stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
-    if (ctx.traffic) ctx.traffic->sent.fetch_add(value.size_bytes(), std::memory_order_relaxed);
-    SendReply(ctx, FrameType::kPullResponse, value, transport::kFlagExactWire);
+  // A lossy key that fell back answers its float32 result, flagged, to pulls that accept it.
+  const bool fell_back = k.LossyWire() && k.ExactAt(k.completed);
+  if (fell_back && (ctx.header.flags & transport::kFlagExactWire) == 0) {
+    stats_.request_errors.fetch_add(1, std::memory_order_relaxed);
+    SendError(ctx, absl::FailedPreconditionError(absl::StrCat(
+                       k.Name(), " fell back to float32 at clock ", k.exact_from,
+                       " and this pull does not accept a float32 answer (kFlagExactWire)")));
     return;
   }
   const std::span<const std::byte> value =
-      k.LossyWire() ? std::as_bytes(std::span<const uint16_t>(k.result_wire))
-      : k.IsSum() ? std::as_bytes(std::span<const float>(k.result))
-                  : std::as_bytes(std::span<const float>(k.params));
+      k.LossyWire() && !fell_back ? std::as_bytes(std::span<const uint16_t>(k.result_wire))
+      : k.IsSum()                 ? std::as_bytes(std::span<const float>(k.result))
+                                  : std::as_bytes(std::span<const float>(k.params));
   stats_.pulls.fetch_add(1, std::memory_order_relaxed);
   stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
   if (ctx.traffic) ctx.traffic->sent.fetch_add(value.size_bytes(), std::memory_order_relaxed);
-  SendReply(ctx, FrameType::kPullResponse, value);
+  SendReply(ctx, FrameType::kPullResponse, value, fell_back ? transport::kFlagExactWire : 0);
 }
 
 void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {

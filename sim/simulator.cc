@@ -23,9 +23,7 @@ uint64_t AlignUp(uint64_t x) { return PSD_SHM_ALIGN_UP(x); }
 // The bytes a PS key of `float_bytes` (float32) moves each way on `wire` (LayerPlan.wire_type): half
 // on a 16-bit wire. The casts' CPU time is not simulated (the planner weighs it).
 uint64_t WireBytes(poseidon::v1::ElementType wire, uint64_t float_bytes) {
-  return wire == poseidon::v1::ELEMENT_TYPE_BF16 || wire == poseidon::v1::ELEMENT_TYPE_F16
-             ? float_bytes / 2
-             : float_bytes;
+  return planner::IsLossyWire(wire) ? float_bytes / 2 : float_bytes;
 }
 
 // What one scheduler task moves. PS chunks and buckets are keys on a server.

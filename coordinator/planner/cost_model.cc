@@ -1,6 +1,7 @@
 #include "coordinator/planner/cost_model.h"
 
 #include "absl/numeric/int128.h"
+#include "proto/wire_type.h"
 
 namespace poseidon::planner {
 
@@ -76,25 +77,25 @@ double WireCastSecondsPerElement(poseidon::v1::ElementType wire) {
   }
 }
 
+bool IsLossyWire(poseidon::v1::ElementType wire) {
+  const std::optional<WireType> type = WireFromProto(wire);
+  return type.has_value() && IsLossy(*type);
+}
+
 const char* WireTypeName(poseidon::v1::ElementType wire) {
-  switch (wire) {
-    case poseidon::v1::ELEMENT_TYPE_UNSPECIFIED:
-    case poseidon::v1::ELEMENT_TYPE_F32:
-      return "fp32";
-    case poseidon::v1::ELEMENT_TYPE_BF16:
-      return "bf16";
-    case poseidon::v1::ELEMENT_TYPE_F16:
-      return "fp16";
-    default:
-      return "?";
-  }
+  const std::optional<WireType> type = WireFromProto(wire);
+  return type.has_value() ? WireName(*type) : "?";
 }
 
 std::optional<poseidon::v1::ElementType> ParseWireType(std::string_view name) {
-  if (name == "fp32" || name == "none") return poseidon::v1::ELEMENT_TYPE_F32;
-  if (name == "bf16") return poseidon::v1::ELEMENT_TYPE_BF16;
-  if (name == "fp16") return poseidon::v1::ELEMENT_TYPE_F16;
-  return std::nullopt;
+  if (name == "none") return poseidon::v1::ELEMENT_TYPE_F32;
+  const std::optional<WireType> type = ParseWireName(name);
+  if (!type.has_value()) return std::nullopt;
+  return WireToProto(*type);
+}
+
+SchemeVolume ScaleVolume(SchemeVolume volume, uint64_t element_bytes) {
+  return Scale(volume, element_bytes);
 }
 
 LayerCost CostOfLayer(const LayerSpec& layer, uint64_t element_bytes, const ClusterShape& cluster) {

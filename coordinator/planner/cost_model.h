@@ -87,6 +87,10 @@ inline constexpr double kBf16CastSecondsPerElement = 2e-9;
 inline constexpr double kF16CastSecondsPerElement = 7e-9;
 // 0 for F32 (and anything not lossy).
 double WireCastSecondsPerElement(poseidon::v1::ElementType wire);
+// BF16 or F16 (proto/wire_type.h's mapping).
+bool IsLossyWire(poseidon::v1::ElementType wire);
+// A volume in elements as bytes of `element_bytes` each.
+SchemeVolume ScaleVolume(SchemeVolume volume, uint64_t element_bytes);
 // "fp32" (F32 or UNSPECIFIED), "bf16", "fp16" (common/wire_codec.h's names), "?" otherwise.
 const char* WireTypeName(poseidon::v1::ElementType wire);
 // The inverse, for flags: "fp32" (or "none") -> F32, "bf16" -> BF16, "fp16" -> F16; nullopt

@@ -9,6 +9,7 @@
 #include "common/status.h"
 #include "coordinator/planner/model_spec.h"
 #include "coordinator/planner/partition.h"
+#include "proto/wire_type.h"
 
 namespace poseidon::planner {
 
@@ -54,10 +55,7 @@ absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
                                                    "': rate must be a finite FLOP/s > 0, got ",
                                                    config.gpu->flops_per_second));
   }
-  if (config.lossy_wire != poseidon::v1::ELEMENT_TYPE_UNSPECIFIED &&
-      config.lossy_wire != poseidon::v1::ELEMENT_TYPE_F32 &&
-      config.lossy_wire != poseidon::v1::ELEMENT_TYPE_BF16 &&
-      config.lossy_wire != poseidon::v1::ELEMENT_TYPE_F16) {
+  if (!WireFromProto(config.lossy_wire).has_value()) {
     return absl::InvalidArgumentError(
         absl::StrCat("lossy_wire must be F32 (none), BF16 or F16, got ",
                      poseidon::v1::ElementType_Name(config.lossy_wire)));
@@ -79,16 +77,12 @@ uint64_t ToBytes(double bytes) {
   return static_cast<uint64_t>(std::round(bytes));
 }
 
-bool Lossy(poseidon::v1::ElementType wire) {
-  return wire == poseidon::v1::ELEMENT_TYPE_BF16 || wire == poseidon::v1::ELEMENT_TYPE_F16;
-}
-
 // The bytes of a layer under `scheme`, on `wire` when PS.
 const SchemeVolume& VolumeOf(const LayerCost& cost, poseidon::v1::SyncScheme scheme,
                              poseidon::v1::ElementType wire) {
   if (scheme == poseidon::v1::SYNC_SCHEME_SFB) return *cost.sfb_bytes;
   if (scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) return *cost.allreduce_bytes;
-  return Lossy(wire) ? *cost.ps_lossy_bytes : cost.ps_bytes;
+  return IsLossyWire(wire) ? *cost.ps_lossy_bytes : cost.ps_bytes;
 }
 
 // Adds one layer's bytes under `scheme` (on `wire` when PS) to `totals`.
@@ -210,13 +204,13 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       return absl::InvalidArgumentError(
           absl::StrCat("wire override for layer '", name, "': the model has no such layer"));
     }
-    if (wire != poseidon::v1::ELEMENT_TYPE_F32 && !Lossy(wire)) {
+    if (wire != poseidon::v1::ELEMENT_TYPE_F32 && !IsLossyWire(wire)) {
       return absl::InvalidArgumentError(
           absl::StrCat("wire override for layer '", name, "': the wire must be F32, BF16 or F16, got ",
                        poseidon::v1::ElementType_Name(wire)));
     }
     const auto scheme = config.scheme_overrides.find(name);
-    if (Lossy(wire) && scheme != config.scheme_overrides.end() &&
+    if (IsLossyWire(wire) && scheme != config.scheme_overrides.end() &&
         scheme->second != poseidon::v1::SYNC_SCHEME_PS) {
       return absl::InvalidArgumentError(absl::StrCat(
           "wire override for layer '", name, "': a lossy wire is for PS, and the layer's scheme "
@@ -258,11 +252,8 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       const poseidon::v1::ElementType lossy =
           forced != config.wire_overrides.end() ? forced->second : config.lossy_wire;
       layer.wire_overridden = forced != config.wire_overrides.end();
-      if (Lossy(lossy)) {
-        SchemeVolume half = PsElements(layer.cost.parameters, cluster);
-        half.per_worker *= 2;
-        half.per_server *= 2;
-        half.per_machine *= 2;
+      if (IsLossyWire(lossy)) {
+        const SchemeVolume half = ScaleVolume(PsElements(layer.cost.parameters, cluster), 2);
         layer.cost.ps_lossy_bytes = half;
         layer.ps_lossy_seconds =
             PsSeconds(half, config.colocated, network) +
@@ -270,7 +261,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
         if (layer.wire_overridden || *layer.ps_lossy_seconds < layer.ps_seconds) ps_wire = lossy;
       }
     }
-    const double ps_best = Lossy(ps_wire) ? *layer.ps_lossy_seconds : layer.ps_seconds;
+    const double ps_best = IsLossyWire(ps_wire) ? *layer.ps_lossy_seconds : layer.ps_seconds;
     if (layer.cost.sfb_bytes.has_value()) {
       layer.sfb_seconds = SfbSeconds(*layer.cost.sfb_bytes, network);
       if (config.scheme_rule == SchemeRule::kTime) {
@@ -312,7 +303,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     partitioned.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) ++report.allreduce_layers;
-    if (Lossy(layer.cost.wire)) ++report.lossy_layers;
+    if (IsLossyWire(layer.cost.wire)) ++report.lossy_layers;
     Accumulate(layer.cost, layer.cost.scheme, layer.cost.wire, layer.seconds, config.colocated,
                report.plan);
     Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, poseidon::v1::ELEMENT_TYPE_F32,
@@ -342,7 +333,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     out->set_priority(layer.index);
     const SchemeVolume& volume = VolumeOf(layer.cost, layer.cost.scheme, layer.cost.wire);
     out->set_predicted_bytes_per_worker(ToBytes(volume.per_worker));
-    if (Lossy(layer.cost.wire)) out->set_wire_type(layer.cost.wire);
+    if (IsLossyWire(layer.cost.wire)) out->set_wire_type(layer.cost.wire);
     out->set_predicted_seconds(layer.seconds);
   }
   // Chunks come grouped by layer in layer order, in offset order within a layer.
