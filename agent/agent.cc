@@ -124,6 +124,15 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void ProbeServers(const coordinator::World& world);
   absl::Status Register();
   absl::Status ConnectServers();
+  // Checkpoints (AgentConfig::checkpoint_every): the job's label of this process's iteration,
+  // and the request to every server once the iteration is complete on every layer.
+  uint64_t JobIteration(uint64_t iteration) const {
+    return iteration + std::max<uint64_t>(config_.resumed_iteration, 1) - 1;
+  }
+  void MaybeCheckpoint(uint64_t next_iteration, bool final);
+  absl::Status NoteRestoredClocks(size_t server, const v1::RegisterTablesRequest& request,
+                                  const std::vector<uint64_t>& clocks,
+                                  std::map<uint64_t, uint32_t>& restored_at);
   absl::Status ConnectPeers();
   void OnReady(const Event& event);
   void Finished(uint32_t layer, uint64_t iteration, int part, const absl::Status& status);
@@ -222,6 +231,9 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
 
   std::mutex layers_mu_;
   std::vector<LayerProgress> progress_;
+  // Checkpoints (main thread): the highest iteration an event named, the last one checkpointed.
+  uint64_t last_iteration_seen_ = 0;
+  uint64_t last_checkpoint_ = 0;
 
   // Plan epochs. The watcher thread puts the newest plan in pending_plan_ (under plan_mu_); the
   // main thread applies it. applied_* and deferred_ are the main thread's.
@@ -503,6 +515,7 @@ int Agent::Run() {
         break;
       case PSD_EVENT_DETACH:
         PSD_LOG_INFO("the training process detached; the agent of rank {} exits", config_.rank);
+        MaybeCheckpoint(0, /*final=*/true);
         return stop(0);
       default:
         break;
@@ -972,6 +985,7 @@ absl::Status Agent::ConnectServers() {
   }
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
   const std::vector<bool> measured = MeasuredServers(config_.servers, own_host_);
+  std::map<uint64_t, uint32_t> restored_at;  // a restored key: the first server that said so
   if (telemetry_) telemetry_->SetCapacityMinBytes(config_.capacity_min_bytes);
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     ConnectTarget target{server_rdma_[s], config_.servers[s], server_tcp_fallback_[s]};
@@ -999,7 +1013,9 @@ absl::Status Agent::ConnectServers() {
                                  });
     }
     if (requests[s].tables_size() > 0) {
-      RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30)));
+      std::vector<uint64_t> clocks;
+      RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30), &clocks));
+      RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], clocks, restored_at));
     }
     env_.servers.push_back(*client);
     CountLink(server_rdma_[s]);
@@ -1012,6 +1028,73 @@ absl::Status Agent::ConnectServers() {
             .value_or(nullptr));
   }
   return absl::OkStatus();
+}
+
+// A resumed job's servers answer each key's restored clock (0 for a new job): the PS syncers go
+// on from there. Every copy of a key must have been restored at the same clock.
+absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRequest& request,
+                                       const std::vector<uint64_t>& clocks,
+                                       std::map<uint64_t, uint32_t>& restored_at) {
+  size_t i = 0;
+  for (const auto& t : request.tables()) {
+    for (const auto& k : t.keys()) {
+      const uint64_t clock = i < clocks.size() ? clocks[i] : 0;
+      ++i;
+      auto [it, fresh] = env_.restored_clocks.try_emplace(k.key(), clock);
+      if (fresh) {
+        restored_at[k.key()] = static_cast<uint32_t>(server);
+      } else if (it->second != clock) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "table ", t.name(), " key ", k.key(), " was restored at clock ", it->second,
+            " on KV server ", config_.servers[restored_at[k.key()]], " and at clock ", clock,
+            " on ", config_.servers[server],
+            ": the servers' checkpoints are of different clocks (resume from a consistent set)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Rank 0, at the first event of `next_iteration` (final: the training process detached): if the
+// iteration before it completed on every layer and is due, every KV server writes the job's
+// completed state now, before any push of the next iteration (so no key can have moved on:
+// BSP waits for this rank). The servers' answers come before this returns.
+void Agent::MaybeCheckpoint(uint64_t next_iteration, bool final) {
+  const uint64_t done = final ? last_iteration_seen_ : next_iteration - 1;
+  if (!final) last_iteration_seen_ = next_iteration;
+  const bool due = final ? config_.checkpoint_at_end
+                         : config_.checkpoint_every != 0 &&
+                               JobIteration(done) % config_.checkpoint_every == 0;
+  if (config_.rank != 0 || !due || env_.servers.empty() || done < 2 || done <= last_checkpoint_) {
+    return;  // iteration 1: a new job's initial broadcast, or a resumed one's re-read
+  }
+  const uint64_t label = JobIteration(done);
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    for (size_t i = 0; i < progress_.size(); ++i) {
+      const LayerProgress& st = progress_[i];
+      // A layer behind `done` did not run since (the initial broadcast): its keys are at
+      // their last clock. One in flight or failed would make the state half an iteration.
+      if (st.posted > done || st.in_progress != 0 || st.failed) {
+        PSD_LOG_WARN("no checkpoint after iteration {}: layer {} is at iteration {}{}", label,
+                     table_.layers[i].desc.name, st.posted,
+                     st.in_progress != 0 ? " (in flight)" : st.failed ? " (failed)" : "");
+        return;
+      }
+    }
+  }
+  last_checkpoint_ = done;
+  const absl::Time start = absl::Now();
+  for (size_t s = 0; s < env_.servers.size(); ++s) {
+    if (const absl::Status st = env_.servers[s]->Checkpoint(absl::Seconds(120), label); !st.ok()) {
+      PSD_LOG_ERROR("checkpoint after iteration {} on KV server {} failed: {}", label,
+                    config_.servers[s], st.message());
+      CountError("checkpoint");
+      return;
+    }
+  }
+  PSD_LOG_INFO("checkpoint after iteration {} written by {} KV servers in {}", label,
+               env_.servers.size(), absl::FormatDuration(absl::Now() - start));
 }
 
 absl::Status Agent::ConnectPeers() {
@@ -1051,6 +1134,7 @@ void Agent::OnReady(const Event& e) {
     PSD_LOG_WARN("ready event for unknown layer {} ignored", layer);
     return;
   }
+  if (iteration > last_iteration_seen_) MaybeCheckpoint(iteration, /*final=*/false);
   const LayerSpec& spec = table_.layers[layer];
   const uint32_t scheme = schedules_->At(layer, iteration);
   Post post;

@@ -57,6 +57,15 @@ struct AgentConfig {
   // when a server is lost, its keys go on at the next one, which holds every answered clock. A
   // job setting: every rank the same.
   uint32_t replicas = 1;
+  // Checkpoints (rank 0's agent asks every KV server, docs/server.md "Checkpoints"): after
+  // every checkpoint_every-th iteration (0: none), between that iteration and the next, and with
+  // checkpoint_at_end when the training process detaches cleanly, each server writes every
+  // key's completed state, labelled with the job's iteration. resumed_iteration: the label the
+  // job resumed from (0: a new job); the training process's iteration 1 then re-reads it, so
+  // its iteration i is the job's i + resumed_iteration - 1.
+  uint64_t checkpoint_every = 0;
+  bool checkpoint_at_end = false;
+  uint64_t resumed_iteration = 0;
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
   bool allreduce = true;  // ring all-reduce may be planned (needs a coordinator and 2+ ranks)

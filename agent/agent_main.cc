@@ -29,6 +29,9 @@ struct Flags {
   int64_t wire_check_every = 100;
   double wire_max_error = 0.05;
   int64_t replicas = 1;
+  int64_t checkpoint_every = 0;
+  bool checkpoint_at_end = false;
+  int64_t resumed_iteration = 0;
   double bandwidth = 1.25e9;
   bool colocated = true;
   bool allreduce = true;
@@ -103,6 +106,16 @@ poseidon::ConfigSchema<Flags> Schema() {
              "backups of every PS key on the next servers (0: none; at most servers - 1): a "
              "killed server's keys are served on by its backup; every rank the same",
              InRange<int64_t>(0, 8))
+      .Field("checkpoint_every", &Flags::checkpoint_every,
+             "rank 0: ask every KV server for a checkpoint after every N-th iteration (0: "
+             "never; the servers need a checkpoint_dir)",
+             AtLeast<int64_t>(0))
+      .Field("checkpoint_at_end", &Flags::checkpoint_at_end,
+             "rank 0: ask every KV server for a checkpoint when training ends cleanly")
+      .Field("resumed_iteration", &Flags::resumed_iteration,
+             "the iteration the job's checkpoint was taken at, when it resumes from one (0: a "
+             "new job); checkpoints go on counting from it",
+             AtLeast<int64_t>(0))
       .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
       .Field("colocated", &Flags::colocated, "servers share machines with workers")
       .Field("allreduce", &Flags::allreduce,
@@ -206,6 +219,9 @@ int main(int argc, char** argv) {
   c.wire_check_every = static_cast<uint32_t>(f.wire_check_every);
   c.wire_max_error = f.wire_max_error;
   c.replicas = static_cast<uint32_t>(f.replicas);
+  c.checkpoint_every = static_cast<uint64_t>(f.checkpoint_every);
+  c.checkpoint_at_end = f.checkpoint_at_end;
+  c.resumed_iteration = static_cast<uint64_t>(f.resumed_iteration);
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;
   c.allreduce = f.allreduce;

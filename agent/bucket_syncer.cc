@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/syncer.h"
+#include "common/status.h"
 #include "agent/timeline.h"
 
 namespace poseidon::agent {
@@ -19,6 +20,14 @@ class BucketSyncer final : public Syncer {
   explicit BucketSyncer(SyncEnv& env) : env_(env), gathering_(env.table->buckets.size()) {}
 
   int Parts(uint32_t) const override { return 1; }
+
+  absl::Status Ready() override {  // a resumed job: as PsSyncer::Ready
+    for (size_t b = 0; b < gathering_.size(); ++b) {
+      const BucketSpec& bucket = env_.table->buckets[b];
+      ASSIGN_OR_RETURN(gathering_[b].clocks, RestoredClock(env_, bucket.name, {bucket.chunk}));
+    }
+    return absl::OkStatus();
+  }
 
   void Start(const Post& post) override {
     const int b = env_.table->layers[post.layer].bucket;

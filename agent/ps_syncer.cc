@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/syncer.h"
+#include "common/status.h"
 #include "agent/timeline.h"
 
 namespace poseidon::agent {
@@ -22,6 +23,18 @@ class PsSyncer final : public Syncer {
 
   int Parts(uint32_t layer) const override {
     return static_cast<int>(env_.table->layers[layer].chunks.size());
+  }
+
+  // A resumed job: each layer's clock goes on from its keys' restored clock C (the first PS
+  // iteration then is clock C + 1, or C again under a server-side rule: its answer is the
+  // restored parameters).
+  absl::Status Ready() override {
+    for (uint32_t l = 0; l < clocks_.size(); ++l) {
+      const LayerSpec& spec = env_.table->layers[l];
+      if (spec.bucket >= 0) continue;  // the bucket syncer's key
+      ASSIGN_OR_RETURN(clocks_[l], RestoredClock(env_, spec.desc.name, spec.chunks));
+    }
+    return absl::OkStatus();
   }
 
   void Start(const Post& post) override {

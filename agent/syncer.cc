@@ -174,6 +174,23 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
 
 }  // namespace
 
+absl::StatusOr<uint64_t> RestoredClock(const SyncEnv& env, const std::string& name,
+                                       const std::vector<PsChunk>& chunks) {
+  auto clock_of = [&](uint64_t key) {
+    const auto it = env.restored_clocks.find(key);
+    return it == env.restored_clocks.end() ? uint64_t{0} : it->second;
+  };
+  const uint64_t clock = chunks.empty() ? 0 : clock_of(chunks.front().key);
+  for (const PsChunk& c : chunks) {
+    if (clock_of(c.key) != clock) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          name, ": its keys were restored at clocks ", clock, " and ", clock_of(c.key),
+          " (key ", c.key, "): a resumed job needs every key of a layer at one clock"));
+    }
+  }
+  return clock;
+}
+
 void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint64_t clock,
               bool init, std::shared_ptr<Credit> credit, std::function<void(absl::Status)> done) {
   auto op = std::make_shared<PushPullOp>();

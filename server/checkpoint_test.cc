@@ -49,6 +49,25 @@ class CheckpointTest : public ::testing::Test {
   std::filesystem::path dir_;
 };
 
+// An agent's checkpoint between iterations: keys of layers that ran fewer times are behind the
+// label and come back so; a key past it is a corrupt file.
+TEST_F(CheckpointTest, KeysBehindTheLabelRoundTripAndAKeyPastItIsRefused) {
+  JobSnapshot s = Sample();
+  s.keys[1].completed_clock = 0;
+  ASSERT_TRUE(WriteCheckpoint(dir_, s).ok());
+  auto loaded = LoadCheckpoints(dir_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->size(), 1u);
+  EXPECT_EQ((*loaded)[0].keys[0].completed_clock, 12u);
+  EXPECT_EQ((*loaded)[0].keys[1].completed_clock, 0u);
+  s.keys[1].completed_clock = 13;
+  ASSERT_TRUE(WriteCheckpoint(dir_, s).ok());
+  loaded = LoadCheckpoints(dir_);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_NE(loaded.status().message().find("past the snapshot's clock"), std::string::npos)
+      << loaded.status();
+}
+
 TEST_F(CheckpointTest, RoundTripsEveryField) {
   const JobSnapshot s = Sample();
   ASSERT_TRUE(WriteCheckpoint(dir_, s).ok());

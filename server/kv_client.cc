@@ -155,14 +155,24 @@ Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> in
 }
 
 absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
-                                      absl::Duration timeout) {
+                                      absl::Duration timeout, std::vector<uint64_t>* clocks) {
   auto bytes = std::make_shared<std::vector<std::byte>>(request.ByteSizeLong());
   request.SerializeToArray(bytes->data(), static_cast<int>(bytes->size()));
+  size_t keys = 0;
+  for (const auto& t : request.tables()) keys += static_cast<size_t>(t.keys_size());
+  // The answer (a clock per key) is read like a pull's, into a buffer that lives until it came.
+  auto answer = std::make_shared<std::vector<uint64_t>>(keys);
   FrameHeader h;
   h.type = FrameType::kRegisterTables;
   Pending p;
   p.what = absl::StrCat("table registration on ", address_);
-  return Wait(Start(0, h, {*bytes}, std::move(p), bytes), timeout);
+  p.into = std::as_writable_bytes(std::span(*answer));
+  const Ticket ticket = Start(0, h, {*bytes}, std::move(p), bytes);
+  const absl::Status status = Wait(ticket, timeout);
+  if (absl::IsDeadlineExceeded(status)) OnDone(ticket, [answer](absl::Status) {});
+  if (!status.ok()) return status;
+  if (clocks != nullptr) *clocks = *answer;
+  return absl::OkStatus();
 }
 
 Ticket KvClient::Ping(size_t connection) {
@@ -219,9 +229,10 @@ absl::StatusOr<KvClient::Probe> KvClient::MeasureBandwidth(uint64_t bytes, int p
   return best;
 }
 
-absl::Status KvClient::Checkpoint(absl::Duration timeout) {
+absl::Status KvClient::Checkpoint(absl::Duration timeout, uint64_t iteration) {
   FrameHeader h;
   h.type = FrameType::kCheckpoint;
+  h.clock = iteration;
   Pending p;
   p.what = absl::StrCat("checkpoint on ", address_);
   return Wait(Start(0, h, {}, std::move(p)), timeout);
@@ -350,7 +361,6 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
   std::weak_ptr<KvClient> weak = weak_from_this();
   switch (h.type) {
     case FrameType::kPushAck:
-    case FrameType::kRegisterTablesAck:
     case FrameType::kCheckpointAck:
     case FrameType::kReplicateAck:
     case FrameType::kPong:
@@ -378,7 +388,8 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
       if (h.payload_length == 0) return after(absl::OkStatus());
       return c.ReadPayload(error_buffer, std::move(after));
     }
-    case FrameType::kPullResponse: {
+    case FrameType::kPullResponse:
+    case FrameType::kRegisterTablesAck: {  // its key clocks, read like a pull's answer
       std::span<std::byte> into;
       bool known = false;
       size_t* received = nullptr;

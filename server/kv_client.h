@@ -39,7 +39,10 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
       const std::string& key, absl::Duration timeout, int connections = 1);
   ~KvClient();
 
-  absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout);
+  // Registers the job's tables on this server. `clocks` (if set) gets every key's completed
+  // clock in request order: all 0 for a new job, the restored clocks for a resumed one.
+  absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout,
+                              std::vector<uint64_t>* clocks = nullptr);
 
   // Pushes `data` as this rank's gradient of `key` for `clock` (init: the key's initial value,
   // rank 0 only, clock 0). `epoch`: the key's assignment epoch (replicated keys: the position of
@@ -118,7 +121,10 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   absl::StatusOr<Probe> MeasureBandwidth(uint64_t bytes, int probes, absl::Duration timeout);
 
   // Asks the server to checkpoint this job now and waits for it.
-  absl::Status Checkpoint(absl::Duration timeout);
+  // Asks the server to write a checkpoint of the job: iteration 0, at its next clock boundary
+  // (every key at one clock); else every key's completed state at once, labelled `iteration`,
+  // which the caller (rank 0's agent) sends between two of its iterations.
+  absl::Status Checkpoint(absl::Duration timeout, uint64_t iteration = 0);
 
   // Called (on an I/O thread) for every pull response of at least `min_bytes` once its payload is
   // in, with the time from its header's arrival: the rate the link delivered it at, for a

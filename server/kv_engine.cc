@@ -97,6 +97,9 @@ struct JobState {
   std::set<std::pair<uint32_t, uint32_t>> promotions_logged;  // (first primary, epoch)
   std::set<uint32_t> backups_lost;
   std::set<uint32_t> fenced_by;  // the servers that took keys over from this one
+  // Restored from a checkpoint and not registered since (under KvEngine::jobs_mu_): the first
+  // registration may name the servers at new addresses (a resumed job's servers listen afresh).
+  bool awaiting_addresses = false;
   std::string Server(uint32_t index) const {
     return index < servers.size() ? absl::StrCat("server ", index, " (", servers[index], ")")
                                   : absl::StrCat("server ", index);
@@ -540,11 +543,36 @@ void KvEngine::RunOnAllWorkers(const std::function<void(Worker&)>& fn) {
   done.wait();
 }
 
+namespace {
+// A registration with the servers' addresses left out (what a resumed job may change).
+std::string WithoutAddresses(const v1::RegisterTablesRequest& spec) {
+  v1::RegisterTablesRequest copy = spec;
+  copy.clear_servers();
+  return copy.SerializeAsString();
+}
+}  // namespace
+
 absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequest& spec) {
   ASSIGN_OR_RETURN(const uint64_t bytes, ValidateSpec(spec, options_));
   std::lock_guard<std::mutex> lock(jobs_mu_);
   if (auto it = jobs_.find(job_id); it != jobs_.end()) {
-    if (it->second->spec.SerializeAsString() == spec.SerializeAsString()) return absl::OkStatus();
+    JobState& job = *it->second;
+    if (job.spec.SerializeAsString() == spec.SerializeAsString()) {
+      job.awaiting_addresses = false;
+      return absl::OkStatus();
+    }
+    if (job.awaiting_addresses && WithoutAddresses(job.spec) == WithoutAddresses(spec)) {
+      // A resumed job: the same tables on servers that listen at new addresses. The key workers
+      // read the addresses (replication) only for this job's requests, which come after this
+      // registration; the posts below order the write before them.
+      job.servers.assign(spec.servers().begin(), spec.servers().end());
+      job.spec = spec;
+      job.awaiting_addresses = false;
+      RunOnAllWorkers([](Worker&) {});
+      PSD_LOG_INFO("job {} resumed: its servers are at {}", job_id,
+                   absl::StrJoin(job.servers, ", "));
+      return absl::OkStatus();
+    }
     // Name the first difference.
     const auto& old = it->second->spec;
     if (old.num_workers() != spec.num_workers()) {
@@ -1172,6 +1200,25 @@ void KvEngine::ContributeSnapshot(Key& k) {
   }
 }
 
+namespace {
+// Pending snapshots of clocks before `before` are dropped (with j.mu held): a key that is not
+// pushed every clock (a layer that ran once, or by SFB) never reaches them, and each holds a
+// copy of every key that did.
+void PruneSnapshots(JobState& j, uint64_t before) {
+  while (!j.snapshots.empty() && j.snapshots.begin()->first < before) {
+    auto node = j.snapshots.extract(j.snapshots.begin());
+    const PendingSnapshot& p = node.mapped();
+    const std::string why = absl::StrCat(
+        "job ", j.job_id, ": no snapshot at clock ", node.key(), ": only ", p.snapshot.keys.size(),
+        " of its ", p.expected_keys, " keys reached that clock (keys not pushed every clock; "
+        "checkpoint between iterations instead: KvClient::Checkpoint with an iteration)");
+    PSD_LOG_WARN("{}", why);
+    for (const auto& waiter : p.waiters) waiter(absl::FailedPreconditionError(why));
+  }
+  j.any_pending.store(!j.snapshots.empty(), std::memory_order_release);
+}
+}  // namespace
+
 void KvEngine::MaybeSchedulePeriodicSnapshot(Key& k) {
   if (options_.snapshot_every == 0 || !options_.on_periodic_snapshot) return;
   const uint64_t next = k.completed + 1;
@@ -1180,6 +1227,7 @@ void KvEngine::MaybeSchedulePeriodicSnapshot(Key& k) {
   std::lock_guard<std::mutex> lock(j.mu);
   auto [it, inserted] = j.snapshots.try_emplace(next);
   if (inserted) {
+    if (next > options_.snapshot_every) PruneSnapshots(j, next - options_.snapshot_every);
     it->second.expected_keys = j.total_keys;
     it->second.snapshot.job_id = j.job_id;
     it->second.snapshot.spec = j.spec;
@@ -1233,6 +1281,7 @@ absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration t
     std::lock_guard<std::mutex> lock(job->mu);
     auto [it, inserted] = job->snapshots.try_emplace(target);
     if (inserted) {
+      PruneSnapshots(*job, target - 1);
       it->second.expected_keys = job->total_keys;
       it->second.snapshot.job_id = job_id;
       it->second.snapshot.spec = job->spec;
@@ -1250,6 +1299,48 @@ absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration t
   return future.get();
 }
 
+absl::StatusOr<JobSnapshot> KvEngine::SnapshotCompleted(uint64_t job_id, uint64_t iteration) {
+  JobSnapshot s;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+    s.spec = it->second->spec;
+  }
+  s.job_id = job_id;
+  s.clock = iteration;
+  std::mutex mu;
+  RunOnAllWorkers([&](Worker& w) {
+    for (auto& [id, k] : w.keys) {
+      if (id.first != job_id) continue;
+      KeySnapshot snap = k->Snap();
+      std::lock_guard<std::mutex> lock(mu);
+      s.keys.push_back(std::move(snap));
+    }
+  });
+  std::sort(s.keys.begin(), s.keys.end(),
+            [](const KeySnapshot& a, const KeySnapshot& b) { return a.key < b.key; });
+  return s;
+}
+
+uint64_t SnapshotProgress(const JobSnapshot& snapshot) {
+  uint64_t total = 0;
+  for (const KeySnapshot& k : snapshot.keys) total += k.completed_clock + (k.initialized ? 1 : 0);
+  return total;
+}
+
+uint64_t KvEngine::Progress(uint64_t job_id) {
+  std::atomic<uint64_t> total{0};
+  RunOnAllWorkers([&](Worker& w) {
+    uint64_t mine = 0;
+    for (auto& [id, k] : w.keys) {
+      if (id.first == job_id) mine += k->completed + (k->initialized ? 1 : 0);
+    }
+    total.fetch_add(mine, std::memory_order_relaxed);
+  });
+  return total.load();
+}
+
 absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
   if (auto s = ValidateSpec(snapshot.spec, options_); !s.ok()) return s.status();
   {
@@ -1259,6 +1350,10 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
     }
   }
   if (auto s = RegisterJob(snapshot.job_id, snapshot.spec); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    jobs_[snapshot.job_id]->awaiting_addresses = true;
+  }
   absl::flat_hash_map<uint64_t, const KeySnapshot*> by_key;
   for (const auto& k : snapshot.keys) by_key[k.key] = &k;
   std::mutex mu;
@@ -1303,6 +1398,24 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
     }
   });
   return status;
+}
+
+std::vector<uint64_t> KvEngine::CompletedClocks(uint64_t job_id,
+                                                const v1::RegisterTablesRequest& spec) {
+  std::vector<uint64_t> keys;
+  for (const auto& t : spec.tables()) {
+    for (const auto& k : t.keys()) keys.push_back(k.key());
+  }
+  std::vector<uint64_t> clocks(keys.size(), 0);
+  RunOnAllWorkers([&](Worker& w) {  // each worker fills its own keys' entries
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (&WorkerFor(job_id, keys[i]) != &w) continue;
+      if (auto it = w.keys.find({job_id, keys[i]}); it != w.keys.end()) {
+        clocks[i] = it->second->completed;
+      }
+    }
+  });
+  return clocks;
 }
 
 std::vector<uint64_t> KvEngine::Jobs() const {

@@ -35,10 +35,16 @@ struct KeySnapshot {
   std::vector<std::vector<float>> optimizer_state;
 };
 
+// A snapshot's KvEngine::Progress.
+struct JobSnapshot;
+uint64_t SnapshotProgress(const JobSnapshot& snapshot);
+
 struct JobSnapshot {
   uint64_t job_id = 0;
   v1::RegisterTablesRequest spec;
-  uint64_t clock = 0;  // every key's completed clock
+  // Its label: the clock boundary every key completed (Snapshot), or the job's iteration rank 0's
+  // agent asked at (SnapshotCompleted). No key's completed clock is past it.
+  uint64_t clock = 0;
   std::vector<KeySnapshot> keys;
 };
 
@@ -179,8 +185,20 @@ class KvEngine {
   // same clock (at most `timeout`), then copies their state. Used for checkpoints.
   absl::StatusOr<JobSnapshot> Snapshot(uint64_t job_id, absl::Duration timeout);
 
-  // Installs a restored job (at start, before serving). Errors if the job exists.
+  // Every key's completed state now (a clock half-aggregated is left out: it aggregates afresh
+  // after a restore), labelled `iteration`. Consistent when asked by one rank between two of
+  // its iterations: under BSP no key can complete a clock that rank has not pushed, so every key
+  // is at the clock of that rank's last iteration (or earlier, if its layer did not run since).
+  absl::StatusOr<JobSnapshot> SnapshotCompleted(uint64_t job_id, uint64_t iteration);
+  // How far the job has come: the sum over its keys of the completed clock (+1 once
+  // initialised). Changes whenever a key completes a clock.
+  uint64_t Progress(uint64_t job_id);
+  // Installs a restored job (at start, before serving). Errors if the job exists. Its first
+  // registration may name the servers at new addresses (a resumed job); nothing else may differ.
   absl::Status Restore(const JobSnapshot& snapshot);
+  // The completed clock of every key of `spec` (a registered job's), in the spec's order: 0 for
+  // a new job, the restored clocks for a resumed one (the registration's answer).
+  std::vector<uint64_t> CompletedClocks(uint64_t job_id, const v1::RegisterTablesRequest& spec);
 
   // Job ids registered, for checkpoints.
   std::vector<uint64_t> Jobs() const;

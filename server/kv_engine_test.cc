@@ -554,6 +554,52 @@ TEST_F(KvServerTest, SnapshotRestoresIntoAFreshEngineThatContinuesIdentically) {
   }
 }
 
+// Rank 0's agent asks for a checkpoint between two of its iterations: every key's completed
+// state, whatever clock each is at (a layer that ran fewer times is behind), with a clock half
+// aggregated left out. Restored, the job answers each key's clock and continues exactly like
+// the engine that went on.
+TEST_F(KvServerTest, ASnapshotOfCompletedStateTakesEachKeyAtItsOwnClock) {
+  auto spec = Spec(2, v1::UPDATE_RULE_SUM, {8, 8});
+  auto c0 = Client(0), c1 = Client(1);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  ASSERT_TRUE(c1->RegisterTables(spec, kWait).ok());
+  std::vector<float> out(8);
+  for (uint64_t clock = 1; clock <= 3; ++clock) {
+    for (uint64_t key : {uint64_t{100}, uint64_t{101}}) {
+      if (key == 101 && clock == 3) continue;  // key 101's layer ran twice only
+      ASSERT_TRUE(c0->Wait(c0->Push(key, clock, Grad(0, clock, key, 8)), kWait).ok());
+      ASSERT_TRUE(c1->Wait(c1->Push(key, clock, Grad(1, clock, key, 8)), kWait).ok());
+    }
+  }
+  // Rank 1 is ahead: its push of clock 4 is half an aggregation, not part of the snapshot.
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 4, Grad(1, 4, 100, 8)), kWait).ok());
+  EXPECT_EQ(engine_->Snapshot(1, absl::Milliseconds(200)).status().code(),
+            absl::StatusCode::kDeadlineExceeded)
+      << "the keys are never at one clock boundary";
+  auto snap = engine_->SnapshotCompleted(1, 7);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->clock, 7u) << "labelled with the agent's iteration";
+  ASSERT_EQ(snap->keys.size(), 2u);
+  EXPECT_EQ(snap->keys[0].completed_clock, 3u);
+  EXPECT_EQ(snap->keys[1].completed_clock, 2u);
+  EXPECT_EQ(SnapshotProgress(*snap), 2u + 3 + 2) << "initialised keys count one each";
+  EXPECT_EQ(engine_->Progress(1), SnapshotProgress(*snap));
+  KvEngine fresh(EngineOptions{});
+  ASSERT_TRUE(fresh.Restore(*snap).ok());
+  EXPECT_EQ(fresh.CompletedClocks(1, spec), (std::vector<uint64_t>{3, 2}));
+  EXPECT_EQ(engine_->CompletedClocks(1, spec), (std::vector<uint64_t>{3, 2}));
+  // The restored key holds clock 3's sum, as the running engine does.
+  auto again = fresh.SnapshotCompleted(1, 7);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->keys[0].result, snap->keys[0].result);
+  std::vector<float> expected(8);
+  for (uint32_t r = 0; r < 2; ++r) {
+    const auto g = Grad(r, 3, 100, 8);
+    for (size_t i = 0; i < 8; ++i) expected[i] += g[i];
+  }
+  EXPECT_EQ(again->keys[0].result, expected);
+}
+
 TEST_F(KvServerTest, PingMeasuresARoundTripOnEveryConnection) {
   auto c = Client(0, 1, kSecret, /*connections=*/2);
   ASSERT_NE(c, nullptr);

@@ -62,7 +62,7 @@ void ReplyError(const std::shared_ptr<PeerSession>& peer, const FrameHeader& req
 }  // namespace
 
 KvService::KvService(std::shared_ptr<KvEngine> engine, std::shared_ptr<BufferPool> pool,
-                     KvServiceOptions options, std::function<absl::Status(uint64_t)> checkpoint)
+                     KvServiceOptions options, std::function<absl::Status(uint64_t, uint64_t)> checkpoint)
     : engine_(std::move(engine)),
       pool_(std::move(pool)),
       options_(options),
@@ -310,7 +310,18 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
       }
       const absl::Status s = engine_->RegisterJob(header.job_id, request);
       if (s.ok()) {
-        Reply(peer, header, FrameType::kRegisterTablesAck);
+        // The answer: every key's completed clock, in request order (u64 little-endian; all
+        // 0 but for a resumed job), from which the agents' clocks go on.
+        auto clocks = std::make_shared<std::vector<uint64_t>>(
+            engine_->CompletedClocks(header.job_id, request));
+        FrameHeader h;
+        h.type = FrameType::kRegisterTablesAck;
+        h.job_id = header.job_id;
+        h.sequence = header.sequence;
+        h.payload_length = clocks->size() * sizeof(uint64_t);
+        std::vector<transport::ConstBuffer> answer;
+        if (!clocks->empty()) answer.emplace_back(std::as_bytes(std::span(*clocks)));
+        peer->connection().Send(h, std::move(answer), [clocks](absl::Status) {});
       } else {
         ReplyError(peer, header, s);
       }
@@ -325,7 +336,9 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
       }
       // Writing may wait for a clock boundary: never block the I/O thread on it.
       std::thread([checkpoint = checkpoint_, peer, header] {
-        const absl::Status s = checkpoint(header.job_id);
+        // clock 0: at the next clock boundary; else an agent's "every key's completed state
+        // now, after my iteration `clock`" (KvEngine::SnapshotCompleted).
+        const absl::Status s = checkpoint(header.job_id, header.clock);
         if (s.ok()) {
           Reply(peer, header, FrameType::kCheckpointAck);
         } else {

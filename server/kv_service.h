@@ -42,9 +42,10 @@ struct PeerTrafficTotals {
 
 class KvService : public transport::FrameHandler {
  public:
-  // `checkpoint` writes a checkpoint of one job now (for CHECKPOINT requests); may be empty.
+  // `checkpoint` writes a checkpoint of one job (for CHECKPOINT requests: the job and the
+  // request's iteration, 0 for the next clock boundary); may be empty.
   KvService(std::shared_ptr<KvEngine> engine, std::shared_ptr<BufferPool> pool,
-            KvServiceOptions options, std::function<absl::Status(uint64_t job_id)> checkpoint = {});
+            KvServiceOptions options, std::function<absl::Status(uint64_t job_id, uint64_t iteration)> checkpoint = {});
 
   absl::StatusOr<transport::PayloadTarget> OnHeader(
       const std::shared_ptr<transport::PeerSession>& peer,
@@ -75,7 +76,7 @@ class KvService : public transport::FrameHandler {
   std::shared_ptr<KvEngine> engine_;
   std::shared_ptr<BufferPool> pool_;
   KvServiceOptions options_;
-  std::function<absl::Status(uint64_t)> checkpoint_;
+  std::function<absl::Status(uint64_t, uint64_t)> checkpoint_;
 
   std::mutex traffic_mu_;  // a peer's first frame and close, TakeTraffic: never per frame
   std::map<std::pair<uint64_t, uint32_t>, TrafficEntry> traffic_;  // (job, rank)

@@ -375,5 +375,86 @@ TEST_F(ReplicationTest, MisdirectedRequestsAndForgedReplicasAreRefused) {
   EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 1u);
 }
 
+// `poseidon run --resume`: both servers checkpointed at clock 3 and start afresh at new
+// addresses. The restored job takes the first registration naming them (only the addresses may
+// differ), replicates to the new backup and continues exactly where it stopped; a job that was
+// not restored refuses a change of addresses.
+TEST_F(ReplicationTest, AResumedJobTakesItsServersNewAddressesAndContinuesIdentically) {
+  const v1::UpdateRule rule = v1::UPDATE_RULE_MOMENTUM;
+  std::vector<uint64_t> fresh;
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait, &fresh).ok());
+  EXPECT_EQ(fresh, std::vector<uint64_t>{0}) << "a new job's keys are at clock 0";
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
+  std::vector<float> init(kN, 0.5f);
+  {
+    auto c = Rank(*primary_, 0);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
+  }
+  auto hp = *HyperParamsFromSpec(Spec(0, rule).tables(0).update_rule());
+  auto reference = MakeOptimizer(rule, hp, kN);
+  std::vector<float> params = init;
+  auto expected = [&](uint64_t clock) {
+    std::vector<float> agg(kN);
+    for (uint32_t r = 0; r < 2; ++r) {
+      const auto g = Grad(r, clock, kN);
+      for (size_t i = 0; i < kN; ++i) agg[i] += g[i] * 0.5f;
+    }
+    reference->Step(params, agg);
+    return params;
+  };
+  for (uint64_t clock = 1; clock <= 3; ++clock) {
+    EXPECT_EQ(Clock(*primary_, clock, 0), expected(clock)) << "clock " << clock;
+  }
+  auto snap0 = primary_->engine->Snapshot(1, kWait);
+  auto snap1 = backup_->engine->Snapshot(1, kWait);
+  ASSERT_TRUE(snap0.ok()) << snap0.status();
+  ASSERT_TRUE(snap1.ok()) << snap1.status();
+  EXPECT_EQ(snap0->clock, 3u);
+  EXPECT_EQ(snap1->clock, 3u);
+  // A running job does not take other addresses.
+  std::vector<std::string> old = addresses_;
+  addresses_ = {"127.0.0.1:1", "127.0.0.1:2"};
+  auto moved = Rank(*primary_, 1)->RegisterTables(Spec(0, rule), kWait);
+  EXPECT_EQ(moved.code(), absl::StatusCode::kFailedPrecondition) << moved;
+  clients_.clear();
+  primary_.reset();
+  backup_.reset();
+  // The resumed job: fresh servers, restored from the snapshots, at new addresses.
+  primary_ = std::make_unique<Shard>(ctx_);
+  backup_ = std::make_unique<Shard>(ctx_);
+  ASSERT_TRUE(primary_->engine->Restore(*snap0).ok());
+  ASSERT_TRUE(backup_->engine->Restore(*snap1).ok());
+  addresses_ = {primary_->server->Address(), backup_->server->Address()};
+  ASSERT_NE(addresses_, old);
+  v1::RegisterTablesRequest other = Spec(0, rule);
+  other.mutable_tables(0)->mutable_keys(0)->set_elements(kN + 1);
+  auto differs = Rank(*primary_, 0)->RegisterTables(other, kWait);
+  EXPECT_EQ(differs.code(), absl::StatusCode::kFailedPrecondition) << differs;
+  for (uint32_t r = 0; r < 2; ++r) {
+    std::vector<uint64_t> clocks;
+    ASSERT_TRUE(Rank(*primary_, r)->RegisterTables(Spec(0, rule), kWait, &clocks).ok());
+    EXPECT_EQ(clocks, std::vector<uint64_t>{3}) << "the answer names the restored clock";
+    ASSERT_TRUE(Rank(*backup_, r)->RegisterTables(Spec(1, rule), kWait, &clocks).ok());
+    EXPECT_EQ(clocks, std::vector<uint64_t>{3});
+  }
+  // Clock 3 is answered again (a re-sent push is a duplicate), then training goes on.
+  {
+    auto c = Rank(*primary_, 0);
+    std::vector<float> out(kN);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 3, Grad(0, 3, kN)), kWait).ok());
+    ASSERT_TRUE(c->Wait(c->Pull(kKey, 3, out, kWait), kWait).ok());
+    EXPECT_EQ(out, params);
+  }
+  for (uint64_t clock = 4; clock <= 6; ++clock) {
+    EXPECT_EQ(Clock(*primary_, clock, 0), expected(clock)) << "clock " << clock;
+  }
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 3u)
+      << "the primary replicates to the backup at its new address";
+  // Once registered, the addresses are fixed again.
+  addresses_ = {"127.0.0.1:1", "127.0.0.1:2"};
+  auto again = Rank(*primary_, 1)->RegisterTables(Spec(0, rule), kWait);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+}
+
 }  // namespace
 }  // namespace poseidon::server

@@ -46,6 +46,7 @@ struct ServerConfig {
   uint64_t max_memory = uint64_t{16} << 30;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
+  bool checkpoint_on_exit = true;
   absl::Duration shutdown_timeout = absl::Seconds(30);
   absl::Duration handshake_timeout = absl::Seconds(10);
   absl::Duration peer_timeout = absl::Seconds(15);
@@ -91,6 +92,9 @@ ConfigSchema<ServerConfig> Schema() {
              "directory for checkpoints; restored from at start")
       .Field("checkpoint_every", &ServerConfig::checkpoint_every,
              "checkpoint every N clocks (0: only on request and at shutdown)", AtLeast<int64_t>(0))
+      .Field("checkpoint_on_exit", &ServerConfig::checkpoint_on_exit,
+             "on SIGTERM, checkpoint each job at its clock boundary (false: keep the last one "
+             "written, e.g. the ones rank 0's agent asks for between iterations)")
       .Field("shutdown_timeout", &ServerConfig::shutdown_timeout,
              "on SIGTERM, wait at most this long for the clock in flight")
       .Field("handshake_timeout", &ServerConfig::handshake_timeout,
@@ -189,12 +193,15 @@ int Main(int argc, char** argv) {
     }
   }
 
-  // Checkpoints are written by one thread, in order.
+  // Checkpoints are written by one thread, in order. `written`: each job's progress
+  // (KvEngine::Progress) in its last checkpoint, so that shutdown does not write it again.
   std::mutex ckpt_mu;
+  std::map<uint64_t, uint64_t> written;
   auto write_checkpoint = [&](const JobSnapshot& snap) {
     std::lock_guard<std::mutex> lock(ckpt_mu);
     const absl::Status s = WriteCheckpoint(config.checkpoint_dir, snap);
     if (s.ok()) {
+      written[snap.job_id] = SnapshotProgress(snap);
       PSD_LOG_INFO("checkpoint of job {} at clock {} written", snap.job_id, snap.clock);
     } else {
       PSD_LOG_ERROR("checkpoint of job {} at clock {} failed: {}", snap.job_id, snap.clock,
@@ -253,15 +260,20 @@ int Main(int argc, char** argv) {
         PSD_LOG_ERROR("refusing to start: restoring job {}: {}", snap.job_id, s.message());
         return 2;
       }
-      PSD_LOG_INFO("restored job {} at clock {} ({} keys)", snap.job_id, snap.clock,
-                   snap.keys.size());
+      // On stdout like the listening line: `poseidon run --resume` checks that every server
+      // restored the job at the same clock.
+      std::printf("poseidon-server restored job %llu at clock %llu (%zu keys)\n",
+                  static_cast<unsigned long long>(snap.job_id),
+                  static_cast<unsigned long long>(snap.clock), snap.keys.size());
+      std::fflush(stdout);
     }
   }
 
-  std::function<absl::Status(uint64_t)> checkpoint_now;
+  std::function<absl::Status(uint64_t, uint64_t)> checkpoint_now;
   if (!config.checkpoint_dir.empty()) {
-    checkpoint_now = [&, engine](uint64_t job) -> absl::Status {
-      auto snap = engine->Snapshot(job, absl::Seconds(60));
+    checkpoint_now = [&, engine](uint64_t job, uint64_t iteration) -> absl::Status {
+      auto snap = iteration != 0 ? engine->SnapshotCompleted(job, iteration)
+                                 : engine->Snapshot(job, absl::Seconds(60));
       if (!snap.ok()) return snap.status();
       return write_checkpoint(*snap);
     };
@@ -468,8 +480,15 @@ int Main(int argc, char** argv) {
                  absl::FormatDuration(config.shutdown_timeout));
   }
   int rc = 0;
-  if (!config.checkpoint_dir.empty()) {
+  if (!config.checkpoint_dir.empty() && config.checkpoint_on_exit) {
     for (uint64_t job : engine->Jobs()) {
+      {
+        std::lock_guard<std::mutex> lock(ckpt_mu);
+        if (auto it = written.find(job); it != written.end() && it->second == engine->Progress(job)) {
+          PSD_LOG_INFO("job {} has not changed since its last checkpoint", job);
+          continue;
+        }
+      }
       auto snap = engine->Snapshot(job, absl::Seconds(1));
       if (!snap.ok() || !write_checkpoint(*snap).ok()) {
         PSD_LOG_ERROR("final checkpoint of job {} failed", job);

@@ -12,7 +12,9 @@ rank 0 writes the step count and the switches too),
 cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-accumulate (the
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
 kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
-must go on at the keys' backups and train exactly the same)."""
+must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
+3 before step S: a job that dies). A job resumed by `poseidon run --resume` starts at
+poseidon.torch.resumed_steps() (with server-adam the servers hold the rest of the state)."""
 import os
 import signal
 import sys
@@ -88,8 +90,15 @@ def main(out, modes=()):
                 assert buf is None or buf.device == torch.device(device), (layer.name, buf.device)
     kill = next((m.split("=", 1)[1] for m in modes if m.startswith("kill-server=")), None)
     kill_index, kill_step = (int(v) for v in kill.split("@")) if kill else (None, None)
+    crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
+    start = poseidon.torch.resumed_steps()
+    if start:
+        print(f"resumed at step {start}", flush=True)
     steps, switches, last, stop_at = STEPS, [], None, None
-    for step in range(SWITCH_STEPS if switch else STEPS):
+    for step in range(start, SWITCH_STEPS if switch else STEPS):
+        if rank == 1 and step == crash_at:
+            print(f"step {step}: rank 1 crashes", flush=True)
+            os._exit(3)
         if rank == 0 and step == kill_step:
             victim = job_servers()[kill_index]
             os.kill(victim, signal.SIGKILL)

@@ -163,6 +163,45 @@ class Equivalence(WorkersTest):
                                        expect_output=["killed KV server pid"])
                 self.assert_close(got, want, f"server-side Adam, server {victim} killed")
 
+    def test_a_job_stopped_and_resumed_trains_as_if_uninterrupted(self):
+        # The servers run Adam (parameters and both moments on them, two servers, each key on
+        # both). The first run checkpoints after every 5th iteration and dies at step 17 (rank 1
+        # exits); `--resume` restarts it from the servers' checkpoints of iteration 15 (14
+        # steps) and trains to the end: the same as one process on the 2x batch all along.
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01), workers=2)
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt, out = os.path.join(tmp, "ckpt"), os.path.join(tmp, "params.pt")
+            worker = [PY, os.path.join(HERE, "equivalence_worker.py"), out]
+            common = ["-n", "2", "--servers", "2", "--checkpoint_dir", ckpt]
+            r = launch([*common, "--checkpoint_every", "5", "--", *worker,
+                        "server-adam,workers=2,crash-at=17"])
+            self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertFalse(os.path.exists(out))
+            for s in (0, 1):
+                self.assertTrue(os.listdir(os.path.join(ckpt, f"server-{s}")), f"server {s}")
+            # A new job refuses a directory holding another job's checkpoints; a resumed one
+            # needs the same workers.
+            r = launch([*common, "--", *worker, "server-adam,workers=2"])
+            self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+            self.assertIn("pass --resume", r.stderr)
+            r = launch(["-n", "3", "--servers", "2", "--checkpoint_dir", ckpt, "--resume", "--",
+                        *worker, "server-adam,workers=3"])
+            self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+            self.assertIn("ran 2 workers and 2 servers", r.stderr)
+            r = launch([*common, "--checkpoint_every", "5", "--resume", "--", *worker,
+                        "server-adam,workers=2"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("resumes after iteration 15", r.stderr)
+            self.assertIn("resumed at step 14", r.stdout)
+            self.assert_close(torch.load(out), want, "server-side Adam, stopped and resumed")
+            # It ended cleanly: its last checkpoint is the end, and resuming trains nothing more.
+            os.unlink(out)
+            r = launch([*common, "--resume", "--", *worker, "server-adam,workers=2"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn(f"resumed at step {equivalence_worker.STEPS}", r.stdout)
+            self.assert_close(torch.load(out), want, "resumed after the end")
+
     def test_poseidon_equals_torch_ddp_over_gloo(self):
         with tempfile.TemporaryDirectory() as tmp:
             port = free_port()
@@ -403,9 +442,13 @@ class Launcher(unittest.TestCase):
         # /proc/<pid>/cmdline is world-readable: the launcher hands secrets over in the daemons'
         # environments (readable by their owner only), and the rank sees none of them.
         code = ("import os, poseidon; poseidon.init(); "
-                "job = os.environ['POSEIDON_SEGMENT'].split('-')[1]; "
-                "argvs = [open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0') "
-                "for p in os.listdir('/proc') if p.isdigit()]; "
+                "job = os.environ['POSEIDON_SEGMENT'].split('-')[1]\n"
+                "def cmdline(p):  # a process may end between listdir and open\n"
+                "    try:\n"
+                "        return open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')\n"
+                "    except OSError:\n"
+                "        return []\n"
+                "argvs = [cmdline(p) for p in os.listdir('/proc') if p.isdigit()]; "
                 "mine = [[a.decode() for a in v] for v in argvs if v and "
                 "os.path.basename(v[0]).startswith(b'poseidon-') and f'--job_id={job}'.encode() in v]; "
                 "print('daemons:', sorted({os.path.basename(v[0]) for v in mine})); "

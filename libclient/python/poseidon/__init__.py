@@ -60,6 +60,15 @@ def local_rank():
     return int(os.environ.get("POSEIDON_LOCAL_RANK", rank()))
 
 
+def resumed_iteration():
+    """The iteration the job's KV servers were restored at (`poseidon run --resume` sets
+    $POSEIDON_RESUMED_ITERATION; 0 for a new job). See poseidon.torch.resumed_steps."""
+    value = os.environ.get("POSEIDON_RESUMED_ITERATION", "0")
+    if not value.isdigit():
+        raise PoseidonError(1, f"POSEIDON_RESUMED_ITERATION={value!r} is not an iteration")
+    return int(value)
+
+
 def shutdown():
     """Detaches from the agent (which then exits cleanly)."""
     global _ctx

@@ -8,8 +8,13 @@ process's output prefixed with its name, and stops everything when the job ends.
 daemon fails, everything is stopped, and the exit code is non-zero with a message naming it;
 except a KV server when the keys have backups (--servers 2 or more, --replicas 1, the default):
 the job goes on at the backups (docs/server.md, "Replication and failover").
+
+With --checkpoint_dir the job can stop and resume: every KV server writes the job's state under
+it after every --checkpoint_every-th iteration and at the end (rank 0's agent asks, between two
+iterations), and `--resume` starts the same job from there (docs/operations.md, "Stop and resume").
 """
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -60,6 +65,7 @@ class Proc:
         self.watch = watch
         self.seen = threading.Event()
         self.tail = []
+        self.restored = []  # a KV server's "poseidon-server restored job J at clock C" lines
         self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
 
@@ -72,6 +78,8 @@ class Proc:
                     continue
                 line = segments[-1]
             self.tail = (self.tail + [line])[-5:]
+            if line.startswith("poseidon-server restored job "):
+                self.restored.append(line)
             if self.watch and self.watch in line:
                 self.seen.set()
                 if line.startswith("poseidon-"):
@@ -134,6 +142,18 @@ def main(argv=None):
     ap.add_argument("--listen-host", dest="listen_host",
                     default=os.environ.get("POSEIDON_LISTEN_HOST", "127.0.0.1"),
                     help="the address other machines reach this one's agents at")
+    ap.add_argument("--checkpoint_dir", default="",
+                    help="keep the job's checkpoints here (each KV server under server-<i>): "
+                         "taken after every --checkpoint_every-th iteration and at the end of "
+                         "training; such a job plans without the start-up probe, so that a "
+                         "resumed run lays out the same tables")
+    ap.add_argument("--checkpoint_every", type=int, default=0,
+                    help="with --checkpoint_dir: also after every N-th iteration (0: only at "
+                         "the end)")
+    ap.add_argument("--resume", action="store_true",
+                    help="start the job of --checkpoint_dir again from its checkpoints (the same "
+                         "workers and servers); the ranks read where from "
+                         "poseidon.torch.resumed_steps() ($POSEIDON_RESUMED_ITERATION)")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -159,6 +179,14 @@ def main(argv=None):
         ap.error("several nodes share one cluster: give its --coordinator (and --token, --job)")
     world = args.nodes * args.workers
     first_rank = args.node_rank * args.workers
+    if args.checkpoint_every < 0:
+        ap.error("--checkpoint_every must be 0 or more")
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        ap.error("--resume and --checkpoint_every need --checkpoint_dir")
+    if args.checkpoint_dir and joining:
+        ap.error("--checkpoint_dir is for a local cluster: a joined cluster's servers keep their "
+                 "own (poseidon-server --checkpoint_dir)")
+    saved = _job_file(ap, args, world) if args.checkpoint_dir else None
     # Secrets travel in the daemons' environments (POSEIDON_<FLAG>, readable by the owner only),
     # never on command lines (/proc/<pid>/cmdline is world-readable). A local cluster has one
     # token for the control plane and another secret for the data plane; joining, the data-plane
@@ -181,7 +209,13 @@ def main(argv=None):
     def agent_env(**values):
         return dict(without_secrets(os.environ),
                     **{f"POSEIDON_{k.upper()}": v for k, v in values.items()})
-    job = args.job if joining else os.getpid()
+    job = args.job if joining else saved["job"] if args.resume else os.getpid()
+    if saved is not None and not args.resume:
+        os.makedirs(args.checkpoint_dir, mode=0o700, exist_ok=True)
+        with open(os.path.join(args.checkpoint_dir, "job.json"), "w") as f:
+            json.dump(dict(job=job, workers=world, servers=args.servers, replicas=args.replicas), f)
+            f.write("\n")
+    resumed = 0
     procs = []
     failed = None
 
@@ -233,13 +267,23 @@ def main(argv=None):
             servers.append(p)
             coordinator = address_of(p)
             for s in range(args.servers):
+                # Checkpoints are rank 0's agent's to ask for (between iterations), not the
+                # servers' own at exit (a job stopped mid-iteration is not at one).
+                ckpt = ([f"--checkpoint_dir={os.path.join(args.checkpoint_dir, f'server-{s}')}",
+                         "--checkpoint_on_exit=false"] if args.checkpoint_dir else [])
                 p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
-                                         f"--coordinator={coordinator}", "--log_level=warn"],
+                                         f"--coordinator={coordinator}", "--log_level=warn",
+                                         *ckpt],
                          env=env_with(job_secret=secret, coordinator_token=token))
                 procs.append(p)
                 servers.append(p)
-            for p in servers[1:]:
+                # One at a time: each has registered once it listens, so server s is the
+                # plan's server s in every run (a resumed job's servers hold their own keys).
                 address_of(p)
+            if args.resume:
+                resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir)
+                print(f"poseidon run: job {job} resumes after iteration {resumed}",
+                      file=sys.stderr, flush=True)
         agents = []
         for local in range(args.workers):
             r = first_rank + local
@@ -251,7 +295,12 @@ def main(argv=None):
                                     f"--scheme={args.scheme}", f"--wire={args.wire}",
                                     f"--replicas={args.replicas}",
                                     f"--bandwidth={args.bandwidth}", f"--segment={segment}",
-                                    *([] if args.probe else ["--probe_bytes=0"]),
+                                    *([] if args.probe and not args.checkpoint_dir
+                                      else ["--probe_bytes=0"]),
+                                    *([f"--checkpoint_every={args.checkpoint_every}",
+                                       "--checkpoint_at_end=true",
+                                       f"--resumed_iteration={resumed}"]
+                                      if args.checkpoint_dir else []),
                                     *(["--allreduce=false"] if args.allreduce == "off" else []),
                                     "--log_level=warn"], watch="poseidon-agent ready",
                      env=agent_env(keyring=make_keyring(secret, job, r, world),
@@ -267,6 +316,7 @@ def main(argv=None):
             r = first_rank + local
             env = dict(without_secrets(os.environ), POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
                        POSEIDON_WORLD_SIZE=str(world), POSEIDON_LOCAL_RANK=str(local),
+                       POSEIDON_RESUMED_ITERATION=str(resumed),
                        PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
             p = Proc(f"rank {r}", command, env=env)
             procs.append(p)
@@ -320,6 +370,45 @@ def main(argv=None):
               file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _job_file(ap, args, world):
+    """--checkpoint_dir's job.json: what a resumed run must match (read for --resume; a new job
+    refuses a directory that holds one)."""
+    path = os.path.join(args.checkpoint_dir, "job.json")
+    if not args.resume:
+        if os.path.exists(path):
+            ap.error(f"{args.checkpoint_dir} holds the checkpoints of an earlier job: pass "
+                     "--resume to go on with it, or give another --checkpoint_dir")
+        return {}
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        job, workers, servers = (int(saved[k]) for k in ("job", "workers", "servers"))
+    except FileNotFoundError:
+        ap.error(f"--resume: {args.checkpoint_dir} holds no job to resume (no job.json)")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--resume: {path} is unreadable: {e}")
+    if job <= 0 or (workers, servers) != (world, args.servers):
+        ap.error(f"--resume: job {job} ran {workers} workers and {servers} servers; this run has "
+                 f"{world} and {args.servers}: give the same -n and --servers")
+    return saved
+
+
+def _resumed_iteration(servers, job, checkpoint_dir):
+    """The iteration every KV server restored the job at (they must agree)."""
+    at = {}
+    for s, p in enumerate(servers):
+        lines = [l for l in p.restored if l.startswith(f"poseidon-server restored job {job} ")]
+        if not lines:
+            raise RuntimeError(f"server {s} has no checkpoint of job {job} in "
+                               f"{os.path.join(checkpoint_dir, f'server-{s}')}: nothing to resume")
+        at[s] = int(lines[0].split(" at clock ")[1].split()[0])
+    if len(set(at.values())) != 1:
+        which = ", ".join(f"server {s} after iteration {c}" for s, c in sorted(at.items()))
+        raise RuntimeError(f"the servers' checkpoints of job {job} are of different iterations "
+                           f"({which}): no consistent set to resume from")
+    return at[0]
 
 
 if __name__ == "__main__":

@@ -405,6 +405,9 @@ class _Engine:
             self.sync.ready(idx, 1, "initial sync")
         for layer in self.layers:
             self.sync.wait(layer.index, 1, self.timeout_ms, "initial sync")
+            if server:  # the servers' parameters: rank 0's, or a resumed job's restored ones
+                with torch.no_grad():
+                    layer.param.copy_(layer.grad.view(layer.param.shape))
         for idx, _ in extra:
             self.sync.wait(idx, 1, self.timeout_ms, "initial sync")
 
@@ -854,6 +857,14 @@ class DistributedOptimizer:
 
 
 SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
+
+
+def resumed_steps():
+    """The optimizer steps a resumed job's checkpoint holds (`poseidon run --resume`; 0 for a new
+    job): a training loop starts at this step, and with a server-side optimizer the servers'
+    parameters and optimizer state are those after it. Iteration 1 of this integration is the
+    initial broadcast, so a checkpoint after iteration N holds N - 1 steps."""
+    return max(0, poseidon.resumed_iteration() - 1)
 
 
 def _server_rule(server_optimizer):
