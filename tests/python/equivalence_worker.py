@@ -13,7 +13,7 @@ cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-acc
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
 kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
-3 before step S: a job that dies). A job resumed by `poseidon run --resume` starts at
+3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too). A job resumed by `poseidon run --resume` starts at
 poseidon.torch.resumed_steps() (with server-adam the servers hold the rest of the state)."""
 import os
 import signal
@@ -91,13 +91,17 @@ def main(out, modes=()):
     kill = next((m.split("=", 1)[1] for m in modes if m.startswith("kill-server=")), None)
     kill_index, kill_step = (int(v) for v in kill.split("@")) if kill else (None, None)
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
+    if os.environ.get("POSEIDON_RESTART_COUNT", "0") != "0":
+        crash_at = None  # restarted by poseidon run --max_restarts: it went away
+    crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-always-at=")),
+                    crash_at)
     start = poseidon.torch.resumed_steps()
     if start:
-        print(f"resumed at step {start}", flush=True)
+        print(f"resumed at step {start} at {time.time():.3f}", flush=True)
     steps, switches, last, stop_at = STEPS, [], None, None
     for step in range(start, SWITCH_STEPS if switch else STEPS):
         if rank == 1 and step == crash_at:
-            print(f"step {step}: rank 1 crashes", flush=True)
+            print(f"step {step}: rank 1 crashes at {time.time():.3f}", flush=True)
             os._exit(3)
         if rank == 0 and step == kill_step:
             victim = job_servers()[kill_index]
@@ -120,6 +124,8 @@ def main(out, modes=()):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if step == start and start:
+            print(f"first resumed step done at {time.time():.3f}", flush=True)
         steps = step + 1
     opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
     if rank == 0:

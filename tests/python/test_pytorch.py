@@ -202,6 +202,36 @@ class Equivalence(WorkersTest):
             self.assertIn(f"resumed at step {equivalence_worker.STEPS}", r.stdout)
             self.assert_close(torch.load(out), want, "resumed after the end")
 
+    def test_a_crashed_rank_restarts_the_job_from_its_last_checkpoint(self):
+        # --max_restarts: rank 1 dies at step 17; the launcher starts the job again from the
+        # servers' checkpoint of iteration 15 (rank 1 does not crash again) and it ends with the
+        # parameters of one process on the 2x batch.
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01), workers=2)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "2", "--servers", "2", "--checkpoint_dir", os.path.join(tmp, "c"),
+                        "--checkpoint_every", "5", "--max_restarts", "2", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out,
+                        "server-adam,workers=2,crash-at=17"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("restart 1 of 2", r.stderr)
+            self.assertIn("starts again from its last checkpoint", r.stderr)
+            self.assertIn("resumed at step 14", r.stdout)
+            self.assert_close(torch.load(out), want, "server-side Adam, restarted")
+
+    def test_a_rank_that_keeps_crashing_exhausts_its_restarts(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(["-n", "2", "--max_restarts", "2", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), os.path.join(tmp, "p.pt"),
+                        "workers=2,crash-always-at=3"])
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+            self.assertIn("restart 2 of 2", r.stderr)
+            self.assertIn("starts again from the beginning (no checkpoint yet)", r.stderr)
+            self.assertEqual(r.stdout.count("rank 1 crashes"), 3, r.stdout)
+            self.assertIn("rank 1 failed with exit code 3: no restart left (--max_restarts 2 "
+                          "used); the job failed", r.stderr)
+
     def test_poseidon_equals_torch_ddp_over_gloo(self):
         with tempfile.TemporaryDirectory() as tmp:
             port = free_port()

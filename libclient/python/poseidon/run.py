@@ -12,6 +12,8 @@ the job goes on at the backups (docs/server.md, "Replication and failover").
 With --checkpoint_dir the job can stop and resume: every KV server writes the job's state under
 it after every --checkpoint_every-th iteration and at the end (rank 0's agent asks, between two
 iterations), and `--resume` starts the same job from there (docs/operations.md, "Stop and resume").
+With --max_restarts N a failed job starts again by itself, at most N times, from its last
+checkpoint (or from the beginning without one).
 """
 import argparse
 import json
@@ -154,6 +156,11 @@ def main(argv=None):
                     help="start the job of --checkpoint_dir again from its checkpoints (the same "
                          "workers and servers); the ranks read where from "
                          "poseidon.torch.resumed_steps() ($POSEIDON_RESUMED_ITERATION)")
+    ap.add_argument("--max_restarts", type=int, default=0,
+                    help="a job whose rank, agent or server fails starts again, at most N times: "
+                         "from its last checkpoint with --checkpoint_dir (only the iterations "
+                         "since are lost), else from the beginning; the ranks see "
+                         "$POSEIDON_RESTART_COUNT (a local cluster only)")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -183,6 +190,11 @@ def main(argv=None):
         ap.error("--checkpoint_every must be 0 or more")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         ap.error("--resume and --checkpoint_every need --checkpoint_dir")
+    if not 0 <= args.max_restarts <= 100:
+        ap.error("--max_restarts must be in [0, 100]")
+    if args.max_restarts and joining:
+        ap.error("--max_restarts restarts a local cluster; joined to a cluster, restart the job "
+                 "from the scheduler (its servers keep their state)")
     if args.checkpoint_dir and joining:
         ap.error("--checkpoint_dir is for a local cluster: a joined cluster's servers keep their "
                  "own (poseidon-server --checkpoint_dir)")
@@ -215,161 +227,196 @@ def main(argv=None):
         with open(os.path.join(args.checkpoint_dir, "job.json"), "w") as f:
             json.dump(dict(job=job, workers=world, servers=args.servers, replicas=args.replicas), f)
             f.write("\n")
-    resumed = 0
-    procs = []
-    failed = None
+    def attempt(resume, restart):
+        """One run of the whole job (servers, agents, ranks): None once every rank finished
+        with 0, else what failed (every process stopped)."""
+        resumed = 0
+        procs = []
+        failed = None
 
-    segments = []
+        segments = []
 
-    def stop_all(grace=10.0):
-        """SIGTERM to every process, SIGKILL to what is still running after `grace` seconds."""
-        for p in procs:
-            p.stop()
-        deadline = time.time() + grace
-        for p in procs:
-            try:
-                p.proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.stop(signal.SIGKILL)
-                p.proc.wait()
-        # An agent that was killed could not unlink its shared memory: do it for it.
-        for segment in segments:
-            for name in (segment, segment + ".data"):
+        def stop_all(grace=10.0):
+            """SIGTERM to every process, SIGKILL to what is still running after `grace` seconds."""
+            for p in procs:
+                p.stop()
+            deadline = time.time() + grace
+            for p in procs:
                 try:
-                    os.unlink("/dev/shm" + name)
-                except FileNotFoundError:
-                    pass
+                    p.proc.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.stop(signal.SIGKILL)
+                    p.proc.wait()
+            # An agent that was killed could not unlink its shared memory: do it for it.
+            for segment in segments:
+                for name in (segment, segment + ".data"):
+                    try:
+                        os.unlink("/dev/shm" + name)
+                    except FileNotFoundError:
+                        pass
 
-    signal.signal(signal.SIGINT, lambda *_: (stop_all(), sys.exit(130)))
-    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
-    def address_of(p):
-        deadline = time.time() + 30
-        while not any("listening on " in l for l in p.tail):
-            if p.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
-            time.sleep(0.02)
-        return next(l for l in p.tail if "listening on " in l).split("listening on ")[1].strip()
+        signal.signal(signal.SIGINT, lambda *_: (stop_all(), sys.exit(130)))
+        signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
+        def address_of(p):
+            deadline = time.time() + 30
+            while not any("listening on " in l for l in p.tail):
+                if p.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
+                time.sleep(0.02)
+            return next(l for l in p.tail if "listening on " in l).split("listening on ")[1].strip()
 
-    servers = []
-    try:
-        coordinator = args.coordinator
-        if not joining:
-            # A whole local cluster: the coordinator, then the servers registering with it.
-            coord_bin = find_binary("poseidon-coordinator", "coordinator")
-            p = Proc("coordinator", [coord_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
-                                     f"--min_servers={args.servers}",
-                                     f"--bandwidth={args.bandwidth}", "--log_level=warn",
-                                     f"--plan_lossy_wire={args.lossy_wire}",
-                                     *(["--allreduce_by_cost"] if args.allreduce == "by-cost"
-                                       else [])],
-                     env=env_with(job_token=token))
-            procs.append(p)
-            servers.append(p)
-            coordinator = address_of(p)
-            for s in range(args.servers):
-                # Checkpoints are rank 0's agent's to ask for (between iterations), not the
-                # servers' own at exit (a job stopped mid-iteration is not at one).
-                ckpt = ([f"--checkpoint_dir={os.path.join(args.checkpoint_dir, f'server-{s}')}",
-                         "--checkpoint_on_exit=false"] if args.checkpoint_dir else [])
-                p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
-                                         f"--coordinator={coordinator}", "--log_level=warn",
-                                         *ckpt],
-                         env=env_with(job_secret=secret, coordinator_token=token))
+        servers = []
+        try:
+            coordinator = args.coordinator
+            if not joining:
+                # A whole local cluster: the coordinator, then the servers registering with it.
+                coord_bin = find_binary("poseidon-coordinator", "coordinator")
+                p = Proc("coordinator", [coord_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
+                                         f"--min_servers={args.servers}",
+                                         f"--bandwidth={args.bandwidth}", "--log_level=warn",
+                                         f"--plan_lossy_wire={args.lossy_wire}",
+                                         *(["--allreduce_by_cost"] if args.allreduce == "by-cost"
+                                           else [])],
+                         env=env_with(job_token=token))
                 procs.append(p)
                 servers.append(p)
-                # One at a time: each has registered once it listens, so server s is the
-                # plan's server s in every run (a resumed job's servers hold their own keys).
-                address_of(p)
-            if args.resume:
-                resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir)
-                print(f"poseidon run: job {job} resumes after iteration {resumed}",
-                      file=sys.stderr, flush=True)
-        agents = []
-        for local in range(args.workers):
-            r = first_rank + local
-            segment = f"/poseidon-{job}-{r}"
-            segments.append(segment)
-            p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--rank={r}",
-                                    f"--world_size={world}", f"--coordinator={coordinator}",
-                                    f"--listen={args.listen_host}:0",
-                                    f"--scheme={args.scheme}", f"--wire={args.wire}",
-                                    f"--replicas={args.replicas}",
-                                    f"--bandwidth={args.bandwidth}", f"--segment={segment}",
-                                    *([] if args.probe and not args.checkpoint_dir
-                                      else ["--probe_bytes=0"]),
-                                    *([f"--checkpoint_every={args.checkpoint_every}",
-                                       "--checkpoint_at_end=true",
-                                       f"--resumed_iteration={resumed}"]
-                                      if args.checkpoint_dir else []),
-                                    *(["--allreduce=false"] if args.allreduce == "off" else []),
-                                    "--log_level=warn"], watch="poseidon-agent ready",
-                     env=agent_env(keyring=make_keyring(secret, job, r, world),
-                                   coordinator_token=token))
-            procs.append(p)
-            agents.append((p, segment))
-        for p, _ in agents:
-            if not p.seen.wait(30):
-                raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
-        workers = []
-        pythonpath = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
-        for local, (_, segment) in enumerate(agents):
-            r = first_rank + local
-            env = dict(without_secrets(os.environ), POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
-                       POSEIDON_WORLD_SIZE=str(world), POSEIDON_LOCAL_RANK=str(local),
-                       POSEIDON_RESUMED_ITERATION=str(resumed),
-                       PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
-            p = Proc(f"rank {r}", command, env=env)
-            procs.append(p)
-            workers.append(p)
-        # Watch: every worker must finish with 0; no daemon may die before that (but a server
-        # whose keys have backups: said once, and the job goes on).
-        survived = set()
-        while True:
-            for p in workers:
-                code = p.proc.poll()
-                if code not in (None, 0):
-                    failed = f"{p.name} failed with exit code {code}"
-                    break
-            if failed:
-                break
-            for p in procs:
-                if p in workers:
-                    continue
-                code = p.proc.poll()
-                # An agent exits 0 when its worker detaches; anything else while a worker still
-                # runs is a failure.
-                if code not in (None, 0) or (code == 0 and p in servers):
-                    if survivable and p.name.startswith("server ") and p.name not in survived:
-                        survived.add(p.name)
-                        print(f"poseidon run: {p.name} died (exit code {code}); its keys go on "
-                              f"at their backups", file=sys.stderr, flush=True)
-                        continue
-                    if p.name in survived:
-                        continue
-                    if any(w.proc.poll() is None for w in workers):
-                        failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
+                coordinator = address_of(p)
+                for s in range(args.servers):
+                    # Checkpoints are rank 0's agent's to ask for (between iterations), not the
+                    # servers' own at exit (a job stopped mid-iteration is not at one).
+                    ckpt = ([f"--checkpoint_dir={os.path.join(args.checkpoint_dir, f'server-{s}')}",
+                             "--checkpoint_on_exit=false"] if args.checkpoint_dir else [])
+                    p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
+                                             f"--coordinator={coordinator}", "--log_level=warn",
+                                             *ckpt],
+                             env=env_with(job_secret=secret, coordinator_token=token))
+                    procs.append(p)
+                    servers.append(p)
+                    # One at a time: each has registered once it listens, so server s is the
+                    # plan's server s in every run (a resumed job's servers hold their own keys).
+                    address_of(p)
+                if resume:
+                    resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir)
+                    print(f"poseidon run: job {job} resumes after iteration {resumed}",
+                          file=sys.stderr, flush=True)
+            agents = []
+            for local in range(args.workers):
+                r = first_rank + local
+                segment = f"/poseidon-{job}-{r}"
+                segments.append(segment)
+                p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--rank={r}",
+                                        f"--world_size={world}", f"--coordinator={coordinator}",
+                                        f"--listen={args.listen_host}:0",
+                                        f"--scheme={args.scheme}", f"--wire={args.wire}",
+                                        f"--replicas={args.replicas}",
+                                        f"--bandwidth={args.bandwidth}", f"--segment={segment}",
+                                        *([] if args.probe and not args.checkpoint_dir
+                                          else ["--probe_bytes=0"]),
+                                        *([f"--checkpoint_every={args.checkpoint_every}",
+                                           "--checkpoint_at_end=true",
+                                           f"--resumed_iteration={resumed}"]
+                                          if args.checkpoint_dir else []),
+                                        *(["--allreduce=false"] if args.allreduce == "off" else []),
+                                        "--log_level=warn"], watch="poseidon-agent ready",
+                         env=agent_env(keyring=make_keyring(secret, job, r, world),
+                                       coordinator_token=token))
+                procs.append(p)
+                agents.append((p, segment))
+            for p, _ in agents:
+                if not p.seen.wait(30):
+                    raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
+            workers = []
+            pythonpath = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+            for local, (_, segment) in enumerate(agents):
+                r = first_rank + local
+                env = dict(without_secrets(os.environ), POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
+                           POSEIDON_WORLD_SIZE=str(world), POSEIDON_LOCAL_RANK=str(local),
+                           POSEIDON_RESUMED_ITERATION=str(resumed),
+                       POSEIDON_RESTART_COUNT=str(restart),
+                           PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
+                p = Proc(f"rank {r}", command, env=env)
+                procs.append(p)
+                workers.append(p)
+            # Watch: every worker must finish with 0; no daemon may die before that (but a server
+            # whose keys have backups: said once, and the job goes on).
+            survived = set()
+            while True:
+                for p in workers:
+                    code = p.proc.poll()
+                    if code not in (None, 0):
+                        failed = f"{p.name} failed with exit code {code}"
                         break
-            if failed or all(w.proc.poll() == 0 for w in workers):
-                break
-            time.sleep(0.05)
-    except RuntimeError as e:
-        failed = str(e)
-    if failed:
-        time.sleep(0.2)  # let the failing process's last lines through
-        # Said at once, not after the others stopped: a server finishing its clock on SIGTERM
-        # takes a while, and the job is over anyway (so they get 3 s, not 10).
-        print(f"poseidon run: {failed}; stopping every process", file=sys.stderr, flush=True)
-        started = time.time()
-        stop_all(grace=3.0)
-    else:
-        stop_all()
-    for p in procs:
-        p.thread.join(timeout=2)
-    if failed:
-        print(f"poseidon run: stopped every process ({time.time() - started:.1f} s)",
+                if failed:
+                    break
+                for p in procs:
+                    if p in workers:
+                        continue
+                    code = p.proc.poll()
+                    # An agent exits 0 when its worker detaches; anything else while a worker still
+                    # runs is a failure.
+                    if code not in (None, 0) or (code == 0 and p in servers):
+                        if survivable and p.name.startswith("server ") and p.name not in survived:
+                            survived.add(p.name)
+                            print(f"poseidon run: {p.name} died (exit code {code}); its keys go on "
+                                  f"at their backups", file=sys.stderr, flush=True)
+                            continue
+                        if p.name in survived:
+                            continue
+                        if any(w.proc.poll() is None for w in workers):
+                            failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
+                            break
+                if failed or all(w.proc.poll() == 0 for w in workers):
+                    break
+                time.sleep(0.05)
+        except RuntimeError as e:
+            failed = str(e)
+        if failed:
+            time.sleep(0.2)  # let the failing process's last lines through
+            # Said at once, not after the others stopped: a server finishing its clock on SIGTERM
+            # takes a while, and the job is over anyway (so they get 3 s, not 10).
+            print(f"poseidon run: {failed}; stopping every process", file=sys.stderr, flush=True)
+            started = time.time()
+            # The KV servers and the coordinator hold nothing to save (this launcher's servers
+            # write no checkpoint at exit), and a server would wait for the clock in flight:
+            # killed at once, so that a restart (--max_restarts) does not wait for them.
+            for p in servers:
+                p.stop(signal.SIGKILL)
+            stop_all(grace=3.0)
+        else:
+            stop_all()
+        for p in procs:
+            p.thread.join(timeout=2)
+        if failed:
+            print(f"poseidon run: stopped every process ({time.time() - started:.1f} s)",
+                  file=sys.stderr, flush=True)
+            return failed
+        return None
+
+
+    # --max_restarts: a failed job starts again, from its servers' last checkpoint when it has
+    # one (--checkpoint_dir), else from the beginning; the ranks see $POSEIDON_RESTART_COUNT.
+    resume, restart = args.resume, 0
+    while True:
+        failed = attempt(resume, restart)
+        if failed is None:
+            return 0
+        if restart >= args.max_restarts:
+            if args.max_restarts:
+                print(f"poseidon run: {failed}: no restart left (--max_restarts "
+                      f"{args.max_restarts} used); the job failed", file=sys.stderr, flush=True)
+            return 1
+        restart += 1
+        resume = bool(args.checkpoint_dir) and _has_checkpoint(args.checkpoint_dir, job)
+        print(f"poseidon run: restart {restart} of {args.max_restarts}: job {job} starts again from "
+              f"{'its last checkpoint' if resume else 'the beginning (no checkpoint yet)'}",
               file=sys.stderr, flush=True)
-        return 1
-    return 0
+
+
+def _has_checkpoint(checkpoint_dir, job):
+    """Whether a KV server of the job wrote a checkpoint under checkpoint_dir."""
+    return any(os.path.exists(os.path.join(checkpoint_dir, d, f"job-{job}.ckpt"))
+               for d in (os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else ())
+               if d.startswith("server-"))
 
 
 def _job_file(ap, args, world):
