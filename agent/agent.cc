@@ -124,6 +124,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void ProbeServers(const coordinator::World& world);
   absl::Status Register();
   absl::Status ConnectServers();
+  absl::Status StartAtBackups(const std::map<uint32_t, absl::Status>& unreachable);
   // Checkpoints (AgentConfig::checkpoint_every): the job's label of this process's iteration,
   // and the request to every server once the iteration is complete on every layer.
   uint64_t JobIteration(uint64_t iteration) const {
@@ -986,6 +987,7 @@ absl::Status Agent::ConnectServers() {
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
   const std::vector<bool> measured = MeasuredServers(config_.servers, own_host_);
   std::map<uint64_t, uint32_t> restored_at;  // a restored key: the first server that said so
+  std::map<uint32_t, absl::Status> unreachable;  // servers lost before we connected
   if (telemetry_) telemetry_->SetCapacityMinBytes(config_.capacity_min_bytes);
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     ConnectTarget target{server_rdma_[s], config_.servers[s], server_tcp_fallback_[s]};
@@ -1001,7 +1003,14 @@ absl::Status Agent::ConnectServers() {
             deadline, absl::Milliseconds(200), [&](const absl::Status&) {
               if (telemetry_) telemetry_->SetServerTransport(s, v1::TRANSPORT_KIND_TCP);
             });
-    if (!client.ok()) return Annotate(client.status(), what);
+    if (!client.ok() && replicas > 0) {
+      // Lost during start-up: its keys start at a backup (below); it stays unreachable.
+      unreachable[static_cast<uint32_t>(s)] = Annotate(client.status(), what);
+      client = server::KvClient::Unreachable(config_.servers[s], config_.job_id, config_.rank,
+                                             unreachable[static_cast<uint32_t>(s)]);
+    } else if (!client.ok()) {
+      return Annotate(client.status(), what);
+    }
     server_rdma_[s] = target.rdma;
     config_.servers[s] = target.address;
     if (telemetry_ && measured[s]) {
@@ -1012,7 +1021,7 @@ absl::Status Agent::ConnectServers() {
                                    telemetry->AddServerTransfer(s, bytes, busy);
                                  });
     }
-    if (requests[s].tables_size() > 0) {
+    if (requests[s].tables_size() > 0 && !unreachable.contains(static_cast<uint32_t>(s))) {
       std::vector<uint64_t> clocks;
       RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30), &clocks));
       RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], clocks, restored_at));
@@ -1026,6 +1035,32 @@ absl::Status Agent::ConnectServers() {
     env_.metrics.pull_bytes.push_back(
         metrics_.GetCounter("poseidon_agent_pull_bytes_total", "Result bytes pulled", labels)
             .value_or(nullptr));
+  }
+  return StartAtBackups(unreachable);
+}
+
+// The keys first held by a server that could not be reached at start go to the first server of
+// their chain that could (its backup holds them from clock 0), as a failover at clock 0 would;
+// none left is an error naming them all.
+absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unreachable) {
+  const uint32_t n = static_cast<uint32_t>(env_.servers.size());
+  for (const auto& [s, why] : unreachable) {
+    uint32_t epoch = 1;
+    while (epoch <= env_.replication.replicas && unreachable.contains((s + epoch) % n)) ++epoch;
+    if (epoch > env_.replication.replicas) {
+      std::vector<std::string> lost;
+      for (uint32_t e = 0; e <= env_.replication.replicas; ++e) {
+        lost.push_back(config_.servers[(s + e) % n]);
+      }
+      return absl::UnavailableError(absl::StrCat(
+          "the keys first held by KV server ", s, " have no reachable copy: ",
+          absl::StrJoin(lost, ", "), " cannot be reached (", why.message(), ")"));
+    }
+    env_.replication.epoch[s].store(epoch);
+    PSD_LOG_WARN("KV server {} ({}) cannot be reached at start ({}): its keys start at server "
+                 "{} ({}), epoch {}",
+                 s, config_.servers[s], why.message(), (s + epoch) % n,
+                 config_.servers[(s + epoch) % n], epoch);
   }
   return absl::OkStatus();
 }

@@ -35,6 +35,13 @@ absl::StatusOr<std::shared_ptr<KvClient>> KvClient::Connect(
   return client;
 }
 
+std::shared_ptr<KvClient> KvClient::Unreachable(const std::string& address, uint64_t job_id,
+                                                uint32_t rank, absl::Status why) {
+  std::shared_ptr<KvClient> client(new KvClient({}, address, job_id, rank));
+  client->broken_ = why.ok() ? absl::UnavailableError(absl::StrCat(address, " unreachable")) : why;
+  return client;
+}
+
 KvClient::KvClient(std::vector<std::shared_ptr<transport::Connection>> conns, std::string address,
                    uint64_t job_id, uint32_t rank)
     : conns_(std::move(conns)),
@@ -94,7 +101,7 @@ Ticket KvClient::PushBytes(uint64_t key, uint64_t clock, std::span<const std::by
   Pending p;
   p.what = absl::StrCat(init ? "initial push" : "push", " of key ", key, " clock ", clock, " to ",
                         address_);
-  return Start(key % conns_.size(), h, {payload}, std::move(p));
+  return Start(ConnFor(key), h, {payload}, std::move(p));
 }
 
 Ticket KvClient::Replicate(uint64_t key, uint64_t clock, uint32_t epoch, uint8_t flags,
@@ -107,7 +114,7 @@ Ticket KvClient::Replicate(uint64_t key, uint64_t clock, uint32_t epoch, uint8_t
   h.epoch = epoch;
   Pending p;
   p.what = absl::StrCat("replica of key ", key, " clock ", clock, " to ", address_);
-  return Start(key % conns_.size(), h, std::move(payload), std::move(p));
+  return Start(ConnFor(key), h, std::move(payload), std::move(p));
 }
 
 bool KvClient::Broken() {
@@ -151,7 +158,7 @@ Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> in
   p.into = into;
   p.lossy_bytes = lossy_bytes;
   p.received = received;
-  return Start(key % conns_.size(), h, {*timeout}, std::move(p), timeout);
+  return Start(ConnFor(key), h, {*timeout}, std::move(p), timeout);
 }
 
 absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
@@ -180,7 +187,7 @@ Ticket KvClient::Ping(size_t connection) {
   h.type = FrameType::kPing;
   Pending p;
   p.what = absl::StrCat("ping of ", address_);
-  return Start(connection % conns_.size(), h, {}, std::move(p));
+  return Start(ConnFor(connection), h, {}, std::move(p));
 }
 
 absl::StatusOr<absl::Duration> KvClient::MeasureRoundTrip(absl::Duration timeout,

@@ -37,6 +37,11 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   static absl::StatusOr<std::shared_ptr<KvClient>> Connect(
       transport::Context& context, const std::string& address, uint64_t job_id, uint32_t rank,
       const std::string& key, absl::Duration timeout, int connections = 1);
+  // A client of a server that could not be reached (`why`): every request fails at once with
+  // `why` (an agent's stand-in for a server lost before it connected, whose keys go on at their
+  // backups).
+  static std::shared_ptr<KvClient> Unreachable(const std::string& address, uint64_t job_id,
+                                               uint32_t rank, absl::Status why);
   ~KvClient();
 
   // Registers the job's tables on this server. `clocks` (if set) gets every key's completed
@@ -156,6 +161,9 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   Ticket Start(size_t conn, transport::FrameHeader header,
                std::vector<transport::ConstBuffer> payload, Pending pending,
                std::shared_ptr<std::vector<std::byte>> owned = nullptr);
+  // The connection of a key (or a connection index); 0 for an Unreachable client, whose Start
+  // fails before it touches a connection.
+  size_t ConnFor(uint64_t n) const { return conns_.empty() ? 0 : n % conns_.size(); }
   void ReadLoop(size_t conn);
   void OnResponse(size_t conn, const transport::FrameHeader& header);
   void Finish(uint64_t sequence, absl::Status status, bool answer);

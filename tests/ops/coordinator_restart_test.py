@@ -1,0 +1,121 @@
+#!/usr/bin/python3
+"""A coordinator restarted during a failover (issue 17): four KV servers and four agents train the
+tiny model through a coordinator, every key with a backup (--replicas=1); one server is SIGKILLed
+while training runs and, right after, the coordinator too, which starts again on the same address
+(empty: nodes register again). Every rank must run every iteration with every result exactly the
+sum over the ranks (poseidon-synth --verify) and every agent must exit 0; no process is left
+behind (every daemon is killed, every segment removed, on every path). Trials at random moments."""
+
+import argparse
+import os
+import random
+import signal
+import sys
+import time
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+from metrics_test import Daemon, free_port, job_environment, stop_all  # noqa: E402
+
+TOKEN = "ops-coordinator-restart-token"
+SECRET = "ops-coordinator-restart-secret"
+SERVERS, RANKS, ITERATIONS = 4, 4, 40
+
+
+def coordinator(args, address):
+    return Daemon("poseidon-coordinator", [args.coordinator, f"--listen={address}", "--job_id=1",
+                                           f"--min_servers={SERVERS}", "--log_level=warn",
+                                           "--liveness_timeout=5s"])
+
+
+def trial(args, rng, number):
+    daemons, segments = [], []
+    try:
+        address = f"127.0.0.1:{free_port()}"
+        daemons.append(coordinator(args, address))
+        daemons[-1].wait_for(r"poseidon-coordinator listening on")
+        servers = []
+        for s in range(SERVERS):
+            server = Daemon(f"server {s}", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
+                                            f"--coordinator={address}", "--log_level=warn",
+                                            "--peer_timeout=2s"])
+            daemons.append(server)
+            servers.append(server)
+            server.wait_for(r"poseidon-server listening on")  # one at a time: a stable order
+        agents = []
+        for rank in range(RANKS):
+            segment = f"/psd-ops-crestart-{os.getpid()}-{number}-{rank}"
+            segments.append(segment)
+            agent = Daemon(f"agent {rank}", [
+                args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}", f"--world_size={RANKS}",
+                f"--coordinator={address}", "--listen=127.0.0.1:0", f"--segment={segment}",
+                "--replicas=1", "--fusion=off", "--block_bytes=65536", "--peer_timeout=2s",
+                "--scheme=ps", "--log_level=warn"])
+            daemons.append(agent)
+            agents.append(agent)
+        for agent in agents:
+            agent.wait_for(r"poseidon-agent ready")
+        synths = []
+        for rank, segment in enumerate(segments):
+            synth = Daemon(f"synth {rank}", [
+                args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
+                f"--iterations={ITERATIONS}", "--compute_scale=20", "--verify",
+                *(["--print_iterations"] if rank == 0 else [])])
+            daemons.append(synth)
+            synths.append(synth)
+        synths[0].wait_for(r"iteration 2 ends", timeout=60)
+        victim = rng.randrange(SERVERS)
+        delay = rng.uniform(0, 0.5)
+        gap = rng.uniform(0, 0.3)
+        print(f"trial {number}: server {victim} killed {delay:.2f} s after iteration 2, the "
+              f"coordinator {gap:.2f} s later", flush=True)
+        time.sleep(delay)
+        os.kill(servers[victim].proc.pid, signal.SIGKILL)
+        time.sleep(gap)
+        os.kill(daemons[0].proc.pid, signal.SIGKILL)
+        daemons[0].wait(10)
+        time.sleep(0.5)
+        daemons[0] = coordinator(args, address)  # again, on the same address
+        daemons[0].wait_for(r"poseidon-coordinator listening on")
+        ok = True
+        for rank, synth in enumerate(synths):
+            code = synth.wait(120)
+            out = "\n".join(synth.lines + synth.stderr)
+            good = code == 0 and f"{ITERATIONS} iterations" in out and ", 0 mismatches" in out
+            if not good:
+                print(out[-1500:])
+            ok &= check(good, f"trial {number}: rank {rank} ran every iteration, every result "
+                              "exact")
+        for rank, agent in enumerate(agents):
+            code = agent.wait(30)
+            if code != 0:
+                print("\n".join(agent.stderr[-20:]))
+            ok &= check(code == 0, f"trial {number}: agent {rank} exited 0")
+        return ok
+    finally:
+        stop_all(daemons, segments)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for flag in ("coordinator", "server", "agent", "synth", "model"):
+        ap.add_argument(f"--{flag}", required=True)
+    ap.add_argument("--trials", type=int, default=int(os.environ.get("POSEIDON_TRIALS", "3")))
+    args = ap.parse_args()
+    job_environment(TOKEN, SECRET)
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}", flush=True)
+    rng = random.Random(seed)
+    for number in range(args.trials):
+        try:
+            if not trial(args, rng, number):
+                break
+        except RuntimeError as e:
+            check(False, f"trial {number}: {e}")
+            break
+    finish("PASS: a coordinator restarted during a failover costs the job nothing")
+
+
+if __name__ == "__main__":
+    main()
