@@ -3,7 +3,8 @@
 tiny model through a coordinator, every key with a backup (--replicas=1); one server is SIGKILLed
 while training runs and, right after, the coordinator too, which starts again on the same address
 (empty: nodes register again). Every rank must run every iteration with every result exactly the
-sum over the ranks (poseidon-synth --verify) and every agent must exit 0; no process is left
+sum over the ranks (poseidon-synth --verify), every agent must exit 0, and the live servers must
+register again with the new coordinator (same node ids); no process is left
 behind (every daemon is killed, every segment removed, on every path). Trials at random moments."""
 
 import argparse
@@ -20,7 +21,7 @@ from metrics_test import Daemon, free_port, job_environment, stop_all  # noqa: E
 
 TOKEN = "ops-coordinator-restart-token"
 SECRET = "ops-coordinator-restart-secret"
-SERVERS, RANKS, ITERATIONS = 4, 4, 40
+SERVERS, RANKS, ITERATIONS = 4, 4, 150
 
 
 def coordinator(args, address):
@@ -60,7 +61,7 @@ def trial(args, rng, number):
         for rank, segment in enumerate(segments):
             synth = Daemon(f"synth {rank}", [
                 args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
-                f"--iterations={ITERATIONS}", "--compute_scale=20", "--verify",
+                f"--iterations={ITERATIONS}", "--compute_scale=100", "--verify",
                 *(["--print_iterations"] if rank == 0 else [])])
             daemons.append(synth)
             synths.append(synth)
@@ -87,6 +88,14 @@ def trial(args, rng, number):
                 print(out[-1500:])
             ok &= check(good, f"trial {number}: rank {rank} ran every iteration, every result "
                               "exact")
+        for s, server in enumerate(servers):
+            if s != victim:
+                server.wait_for(r"registered again with the coordinator", timeout=20)
+        ok &= check(True, f"trial {number}: the live servers registered again with the new "
+                          "coordinator")
+        if os.environ.get("POSEIDON_VERBOSE"):
+            for agent in agents[:1] + servers:
+                print("\n".join(agent.stderr[-15:]))
         for rank, agent in enumerate(agents):
             code = agent.wait(30)
             if code != 0:
