@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <filesystem>
 #include <random>
 
 #include "common/shm_layout.h"
@@ -46,7 +47,9 @@ class Cluster {
                                     std::string("--job_secret=") + kSecret, "--log_level=warn"};
       args.insert(args.end(), server_extra.begin(), server_extra.end());
       servers_.push_back(std::make_unique<Subprocess>(args));
+      server_early_.emplace_back();
       while (auto line = servers_.back()->ReadLine(milliseconds(20000))) {
+        server_early_.back() += *line + "\n";
         if (auto at = line->find("listening on "); at != std::string::npos) {
           addresses_.push_back(line->substr(at + 13));
           break;
@@ -136,12 +139,13 @@ class Cluster {
   Subprocess& agent(int r) { return *agents_[r]; }
   Subprocess& server(int s) { return *servers_[s]; }
   const std::string& segment(int r) const { return segments_[r]; }
-  // What an agent printed before it was ready.
+  // What an agent printed before it was ready; a server before it listened.
   const std::string& early_output(int r) const { return early_[r]; }
+  const std::string& server_early_output(int s) const { return server_early_[s]; }
 
  private:
   std::vector<std::unique_ptr<Subprocess>> servers_, agents_;
-  std::vector<std::string> addresses_, peers_, segments_, early_;
+  std::vector<std::string> addresses_, peers_, segments_, early_, server_early_;
 };
 
 const std::string kTiny = POSEIDON_TEST_MODELS "/tiny.json";
@@ -485,6 +489,52 @@ TEST(Failover, AKilledServerIsReplacedByItsBackupAndEveryResultStaysExact) {
 // is resumed 3 s later, while the run goes on.
 TEST(Failover, AFrozenServerIsReplacedByItsBackupAndEveryResultStaysExact) {
   ExpectEveryTrialToSurviveALostServer(SIGSTOP, 3);
+}
+
+// Stop and resume (docs/operations.md): rank 0's agent has the server checkpoint the job after
+// iterations 5 and 10 and at the end (12); a new server restores it and new agents, told the
+// iteration, go on from every key's restored clock: every result exact (a clock out of step would
+// be refused by the server's BSP check), through PS layers and fused buckets alike.
+TEST(Checkpoints, AJobCheckpointedBetweenIterationsResumesOnFreshDaemons) {
+  const std::string dir = ::testing::TempDir() + "psd-e2e-ckpt-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  const std::vector<std::string> server_flags = {"--checkpoint_dir=" + dir,
+                                                 "--checkpoint_on_exit=false"};
+  {
+    Cluster cluster(1, 2, "ps", {"--checkpoint_every=5", "--checkpoint_at_end=true",
+                                 "--log_level=info"},
+                    server_flags);
+    ASSERT_TRUE(cluster.ok());
+    auto s0 = cluster.Synth(0, kTiny, 12), s1 = cluster.Synth(1, kTiny, 12);
+    for (auto* s : {s0.get(), s1.get()}) {
+      const std::string out = s->ReadAll(milliseconds(60000));
+      ASSERT_EQ(s->Wait(milliseconds(10000)), 0) << out;
+      EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+    }
+    const std::string log = cluster.agent(0).ReadAll(milliseconds(30000));
+    for (int label : {5, 10, 12}) {
+      EXPECT_NE(log.find("checkpoint after iteration " + std::to_string(label) + " written"),
+                std::string::npos)
+          << log;
+    }
+  }
+  {
+    Cluster cluster(1, 2, "ps", {"--resumed_iteration=12", "--checkpoint_every=5"},
+                    server_flags);
+    ASSERT_TRUE(cluster.ok());
+    EXPECT_NE(cluster.server_early_output(0).find("restored job 1 at clock 12"),
+              std::string::npos)
+        << cluster.server_early_output(0);
+    auto s0 = cluster.Synth(0, kTiny, 8), s1 = cluster.Synth(1, kTiny, 8);
+    for (auto* s : {s0.get(), s1.get()}) {
+      const std::string out = s->ReadAll(milliseconds(60000));
+      EXPECT_EQ(s->Wait(milliseconds(10000)), 0) << out;
+      EXPECT_NE(out.find("8 iterations"), std::string::npos) << out;
+      EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+    }
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(cluster.agent(r).Wait(milliseconds(20000)), 0);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // A server lost during start-up, before the agents connected to it: with backups its keys start
