@@ -127,6 +127,28 @@ class ReplicationTest : public ::testing::Test {
     EXPECT_EQ(results[0], results[1]);
     return results[0];
   }
+  // The rule on one engine that never fails: what each clock must answer (the sum of both
+  // ranks' Grad, or the parameters after the rule's step on their average), from `init`.
+  struct Reference {
+    Reference(const v1::RegisterTablesRequest& spec, std::vector<float> init)
+        : rule(spec.tables(0).update_rule().rule()),
+          optimizer(MakeOptimizer(rule, *HyperParamsFromSpec(spec.tables(0).update_rule()), kN)),
+          params(std::move(init)) {}
+    std::vector<float> operator()(uint64_t clock) {
+      const bool sum = rule == v1::UPDATE_RULE_SUM;
+      std::vector<float> agg(kN);
+      for (uint32_t r = 0; r < 2; ++r) {
+        const auto g = Grad(r, clock, kN);
+        for (size_t i = 0; i < kN; ++i) agg[i] += sum ? g[i] : g[i] * 0.5f;
+      }
+      if (sum) return agg;
+      optimizer->Step(params, agg);
+      return params;
+    }
+    v1::UpdateRule rule;
+    std::unique_ptr<Optimizer> optimizer;
+    std::vector<float> params;
+  };
   std::shared_ptr<transport::Context> ctx_;
   std::unique_ptr<Shard> primary_, backup_;
   std::map<std::pair<const Shard*, uint32_t>, std::shared_ptr<KvClient>> clients_;
@@ -150,20 +172,8 @@ TEST_P(ReplicationRuleTest, ABackupTakesOverEveryAnsweredClockAndContinuesIdenti
     auto c = Rank(*primary_, 0);
     ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
   }
-  // The reference: the same rule on one engine that never fails.
-  auto hp = *HyperParamsFromSpec(Spec(0, rule).tables(0).update_rule());
-  auto reference = MakeOptimizer(rule, hp, kN);
-  std::vector<float> params = init;
-  auto expected = [&](uint64_t clock) {
-    std::vector<float> agg(kN);
-    for (uint32_t r = 0; r < 2; ++r) {
-      const auto g = Grad(r, clock, kN);
-      for (size_t i = 0; i < kN; ++i) agg[i] += sum ? g[i] : g[i] * 0.5f;
-    }
-    if (sum) return agg;
-    reference->Step(params, agg);
-    return params;
-  };
+  Reference expected(Spec(0, rule), init);
+  const std::vector<float>& params = expected.params;
   for (uint64_t clock = 1; clock <= 3; ++clock) {
     EXPECT_EQ(Clock(*primary_, clock, 0), expected(clock)) << "clock " << clock;
   }
@@ -390,18 +400,8 @@ TEST_F(ReplicationTest, AResumedJobTakesItsServersNewAddressesAndContinuesIdenti
     auto c = Rank(*primary_, 0);
     ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
   }
-  auto hp = *HyperParamsFromSpec(Spec(0, rule).tables(0).update_rule());
-  auto reference = MakeOptimizer(rule, hp, kN);
-  std::vector<float> params = init;
-  auto expected = [&](uint64_t clock) {
-    std::vector<float> agg(kN);
-    for (uint32_t r = 0; r < 2; ++r) {
-      const auto g = Grad(r, clock, kN);
-      for (size_t i = 0; i < kN; ++i) agg[i] += g[i] * 0.5f;
-    }
-    reference->Step(params, agg);
-    return params;
-  };
+  Reference expected(Spec(0, rule), init);
+  const std::vector<float>& params = expected.params;
   for (uint64_t clock = 1; clock <= 3; ++clock) {
     EXPECT_EQ(Clock(*primary_, clock, 0), expected(clock)) << "clock " << clock;
   }
