@@ -132,7 +132,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   }
   void MaybeCheckpoint(uint64_t next_iteration, bool final);
   absl::Status NoteRestoredClocks(size_t server, const v1::RegisterTablesRequest& request,
-                                  const std::vector<uint64_t>& clocks,
+                                  const std::vector<server::KeyProgress>& progress,
                                   std::map<uint64_t, uint32_t>& restored_at);
   absl::Status ConnectPeers();
   void OnReady(const Event& event);
@@ -232,6 +232,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
 
   std::mutex layers_mu_;
   std::vector<LayerProgress> progress_;
+  // A resumed job's keys as their servers answered the registration (main thread).
+  std::map<uint64_t, server::KeyProgress> restored_progress_;
   // Checkpoints (main thread): the highest iteration an event named, the last one checkpointed.
   uint64_t last_iteration_seen_ = 0;
   uint64_t last_checkpoint_ = 0;
@@ -1022,9 +1024,9 @@ absl::Status Agent::ConnectServers() {
                                  });
     }
     if (requests[s].tables_size() > 0 && !unreachable.contains(static_cast<uint32_t>(s))) {
-      std::vector<uint64_t> clocks;
-      RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30), &clocks));
-      RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], clocks, restored_at));
+      std::vector<server::KeyProgress> progress;
+      RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30), &progress));
+      RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], progress, restored_at));
     }
     env_.servers.push_back(*client);
     CountLink(server_rdma_[s]);
@@ -1066,24 +1068,33 @@ absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unrea
 }
 
 // A resumed job's servers answer each key's restored clock (0 for a new job): the PS syncers go
-// on from there. Every copy of a key must have been restored at the same clock.
+// on from there, and a lossy key that had fallen back to float32 stays there. Every copy of a
+// key must have been restored alike.
 absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRequest& request,
-                                       const std::vector<uint64_t>& clocks,
+                                       const std::vector<server::KeyProgress>& progress,
                                        std::map<uint64_t, uint32_t>& restored_at) {
   size_t i = 0;
   for (const auto& t : request.tables()) {
     for (const auto& k : t.keys()) {
-      const uint64_t clock = i < clocks.size() ? clocks[i] : 0;
+      const server::KeyProgress p = i < progress.size() ? progress[i] : server::KeyProgress{};
       ++i;
-      auto [it, fresh] = env_.restored_clocks.try_emplace(k.key(), clock);
-      if (fresh) {
-        restored_at[k.key()] = static_cast<uint32_t>(server);
-      } else if (it->second != clock) {
+      auto [it, fresh] = restored_progress_.try_emplace(k.key(), p);
+      if (!fresh && !(it->second == p)) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "table ", t.name(), " key ", k.key(), " was restored at clock ", it->second,
-            " on KV server ", config_.servers[restored_at[k.key()]], " and at clock ", clock,
+            "table ", t.name(), " key ", k.key(), " was restored at clock ", it->second.completed,
+            " on KV server ", config_.servers[restored_at[k.key()]], " and at clock ", p.completed,
             " on ", config_.servers[server],
-            ": the servers' checkpoints are of different clocks (resume from a consistent set)"));
+            ": the servers' checkpoints differ (resume from a consistent set)"));
+      }
+      if (!fresh) continue;
+      restored_at[k.key()] = static_cast<uint32_t>(server);
+      env_.restored_clocks[k.key()] = p.completed;
+      if (auto lossy = env_.lossy.find(k.key()); p.exact_from != 0 && lossy != env_.lossy.end()) {
+        // Fell back before the checkpoint (its residual was not kept): float32 from the start.
+        lossy->second->exact.store(true);
+        lossy->second->residual_released = true;
+        PSD_LOG_INFO("{} (key {}) fell back to float32 at clock {} before the checkpoint: it "
+                     "stays float32", lossy->second->name, k.key(), p.exact_from);
       }
     }
   }

@@ -20,7 +20,8 @@ namespace {
 
 constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
 constexpr char kEndMagic[8] = {'P', 'S', 'D', 'E', 'N', 'D', '0', '1'};
-constexpr uint32_t kVersion = 1;
+// 2: each key record ends with its exact_from (a lossy key's fallback); 1 is still read.
+constexpr uint32_t kVersion = 2;
 constexpr size_t kTrailerBytes = 4 + 8;
 
 absl::Status Errno(absl::string_view what, const std::string& path) {
@@ -101,7 +102,7 @@ absl::Status WriteCheckpoint(const std::string& dir, const JobSnapshot& snapshot
   const std::string spec = snapshot.spec.SerializeAsString();
   uint64_t total = sizeof(kMagic) + 4 + 4 + 8 + 8 + 8 + 4 + spec.size() + 8;
   for (const auto& k : snapshot.keys) {
-    total += 8 + 8 + 8 + 8 + FloatsBytes(k.params) + FloatsBytes(k.result) + 4;
+    total += 8 + 8 + 8 + 8 + FloatsBytes(k.params) + FloatsBytes(k.result) + 4 + 8;
     for (const auto& st : k.optimizer_state) total += FloatsBytes(st);
   }
   total += kTrailerBytes;
@@ -129,6 +130,7 @@ absl::Status WriteCheckpoint(const std::string& dir, const JobSnapshot& snapshot
     w.Floats(k.result);
     w.U32(static_cast<uint32_t>(k.optimizer_state.size()));
     for (const auto& st : k.optimizer_state) w.Floats(st);
+    w.U64(k.exact_from);
   }
   const uint32_t crc = w.crc();
   w.U32(crc);
@@ -199,7 +201,9 @@ absl::StatusOr<JobSnapshot> ReadCheckpoint(const std::string& path) {
       !r.U64(&s.job_id) || !r.U64(&s.clock) || !r.U32(&spec_len)) {
     return corrupt("truncated header");
   }
-  if (version != kVersion) return corrupt(absl::StrCat("unsupported version ", version));
+  if (version != kVersion && version != 1) {
+    return corrupt(absl::StrCat("unsupported version ", version));
+  }
   if (total != size) return corrupt(absl::StrCat("length field ", total, " != file size ", size));
   // Checked before the allocation: a length field of up to 4 GiB in a small file.
   if (spec_len > r.remaining()) return corrupt("bad spec");
@@ -220,6 +224,9 @@ absl::StatusOr<JobSnapshot> ReadCheckpoint(const std::string& path) {
     k.optimizer_state.resize(states);
     for (auto& v : k.optimizer_state) {
       if (!r.Floats(&v)) return corrupt("bad optimizer state");
+    }
+    if (version >= 2 && (!r.U64(&k.exact_from) || k.exact_from > k.completed_clock + 1)) {
+      return corrupt(absl::StrCat("bad fallback clock of key ", k.key));
     }
     // The snapshot's clock is its label (a clock boundary, or the iteration rank 0's agent
     // asked at): no key can be past it; keys of layers that ran fewer times are behind.

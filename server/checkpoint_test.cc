@@ -32,6 +32,7 @@ JobSnapshot Sample() {
     ks.completed_clock = 12;
     ks.initialized = true;
     ks.optimizer_steps = 12;
+    ks.exact_from = key == 2 ? 13 : 0;  // a key that fell back at the clock after the label
     ks.params = {1.5f, -2.0f, static_cast<float>(key)};
     ks.optimizer_state = {{0.1f, 0.2f, 0.3f}, {1.0f, 2.0f, 3.0f}};
     s.keys.push_back(ks);
@@ -54,6 +55,7 @@ class CheckpointTest : public ::testing::Test {
 TEST_F(CheckpointTest, KeysBehindTheLabelRoundTripAndAKeyPastItIsRefused) {
   JobSnapshot s = Sample();
   s.keys[1].completed_clock = 0;
+  s.keys[1].exact_from = 1;  // fell back at the clock after its last
   ASSERT_TRUE(WriteCheckpoint(dir_, s).ok());
   auto loaded = LoadCheckpoints(dir_);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
@@ -82,6 +84,8 @@ TEST_F(CheckpointTest, RoundTripsEveryField) {
   EXPECT_EQ(r.keys[1].params, s.keys[1].params);
   EXPECT_EQ(r.keys[1].optimizer_state, s.keys[1].optimizer_state);
   EXPECT_EQ(r.keys[0].optimizer_steps, 12u);
+  EXPECT_EQ(r.keys[0].exact_from, 0u);
+  EXPECT_EQ(r.keys[1].exact_from, 13u);
 }
 
 TEST_F(CheckpointTest, EveryTruncationAndEveryByteFlipIsRefused) {

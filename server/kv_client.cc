@@ -162,13 +162,14 @@ Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> in
 }
 
 absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
-                                      absl::Duration timeout, std::vector<uint64_t>* clocks) {
+                                      absl::Duration timeout, std::vector<KeyProgress>* keys) {
   auto bytes = std::make_shared<std::vector<std::byte>>(request.ByteSizeLong());
   request.SerializeToArray(bytes->data(), static_cast<int>(bytes->size()));
-  size_t keys = 0;
-  for (const auto& t : request.tables()) keys += static_cast<size_t>(t.keys_size());
-  // The answer (a clock per key) is read like a pull's, into a buffer that lives until it came.
-  auto answer = std::make_shared<std::vector<uint64_t>>(keys);
+  size_t count = 0;
+  for (const auto& t : request.tables()) count += static_cast<size_t>(t.keys_size());
+  // The answer (a KeyProgress per key) is read like a pull's, into a buffer that lives until it
+  // came; the client takes no other length.
+  auto answer = std::make_shared<std::vector<KeyProgress>>(count);
   FrameHeader h;
   h.type = FrameType::kRegisterTables;
   Pending p;
@@ -178,7 +179,7 @@ absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
   const absl::Status status = Wait(ticket, timeout);
   if (absl::IsDeadlineExceeded(status)) OnDone(ticket, [answer](absl::Status) {});
   if (!status.ok()) return status;
-  if (clocks != nullptr) *clocks = *answer;
+  if (keys != nullptr) *keys = *answer;
   return absl::OkStatus();
 }
 

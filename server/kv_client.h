@@ -25,6 +25,16 @@ namespace poseidon::server {
 
 using Ticket = uint64_t;
 
+// A key's progress as its server answers a registration (docs/wire.md): the completed clock (0
+// for a new job, a resumed job's restored clock) and, for a lossy key that fell back to float32
+// (a rank's divergence guard), the first float32 clock (0: still on its registered wire).
+struct KeyProgress {
+  uint64_t completed = 0;
+  uint64_t exact_from = 0;
+  bool operator==(const KeyProgress&) const = default;
+};
+static_assert(sizeof(KeyProgress) == 16, "the registration answer's layout (docs/wire.md)");
+
 // The largest PING payload a server reads (a bandwidth probe).
 inline constexpr uint64_t kMaxProbeBytes = uint64_t{16} << 20;
 
@@ -44,10 +54,10 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
                                                uint32_t rank, absl::Status why);
   ~KvClient();
 
-  // Registers the job's tables on this server. `clocks` (if set) gets every key's completed
-  // clock in request order: all 0 for a new job, the restored clocks for a resumed one.
+  // Registers the job's tables on this server. `keys` (if set) gets every key's progress in
+  // request order: all 0 for a new job, the restored state of a resumed one.
   absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout,
-                              std::vector<uint64_t>* clocks = nullptr);
+                              std::vector<KeyProgress>* keys = nullptr);
 
   // Pushes `data` as this rank's gradient of `key` for `clock` (init: the key's initial value,
   // rank 0 only, clock 0). `epoch`: the key's assignment epoch (replicated keys: the position of

@@ -171,6 +171,7 @@ struct KvEngine::Key {
     s.key = key;
     s.completed_clock = completed;
     s.initialized = initialized;
+    s.exact_from = exact_from;
     s.params = params;
     s.result = result;
     if (optimizer) {
@@ -1380,6 +1381,7 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
       }
       k->completed = s.completed_clock;
       k->initialized = s.initialized;
+      k->exact_from = k->LossyWire() ? s.exact_from : 0;
       k->params = s.params;
       if (k->IsSum()) k->result = s.result;
       // The residual is not checkpointed: a restored key rounds its last result afresh.
@@ -1400,22 +1402,22 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
   return status;
 }
 
-std::vector<uint64_t> KvEngine::CompletedClocks(uint64_t job_id,
+std::vector<KeyProgress> KvEngine::KeyProgressOf(uint64_t job_id,
                                                 const v1::RegisterTablesRequest& spec) {
   std::vector<uint64_t> keys;
   for (const auto& t : spec.tables()) {
     for (const auto& k : t.keys()) keys.push_back(k.key());
   }
-  std::vector<uint64_t> clocks(keys.size(), 0);
+  std::vector<KeyProgress> progress(keys.size());
   RunOnAllWorkers([&](Worker& w) {  // each worker fills its own keys' entries
     for (size_t i = 0; i < keys.size(); ++i) {
       if (&WorkerFor(job_id, keys[i]) != &w) continue;
       if (auto it = w.keys.find({job_id, keys[i]}); it != w.keys.end()) {
-        clocks[i] = it->second->completed;
+        progress[i] = {it->second->completed, it->second->exact_from};
       }
     }
   });
-  return clocks;
+  return progress;
 }
 
 std::vector<uint64_t> KvEngine::Jobs() const {

@@ -22,6 +22,8 @@
 #include "transport/frame.h"
 #include "transport/frame_server.h"
 
+#include "server/kv_client.h"  // KeyProgress
+
 namespace poseidon::server {
 
 // The state of one key, as saved in a checkpoint.
@@ -30,6 +32,7 @@ struct KeySnapshot {
   uint64_t completed_clock = 0;
   bool initialized = false;
   uint64_t optimizer_steps = 0;
+  uint64_t exact_from = 0;  // a lossy key that fell back: its first float32 clock (Key::exact_from)
   std::vector<float> params;  // optimizer rules
   std::vector<float> result;  // sum rule: result of completed_clock
   std::vector<std::vector<float>> optimizer_state;
@@ -196,9 +199,9 @@ class KvEngine {
   // Installs a restored job (at start, before serving). Errors if the job exists. Its first
   // registration may name the servers at new addresses (a resumed job); nothing else may differ.
   absl::Status Restore(const JobSnapshot& snapshot);
-  // The completed clock of every key of `spec` (a registered job's), in the spec's order: 0 for
-  // a new job, the restored clocks for a resumed one (the registration's answer).
-  std::vector<uint64_t> CompletedClocks(uint64_t job_id, const v1::RegisterTablesRequest& spec);
+  // The progress of every key of `spec` (a registered job's), in the spec's order: all 0 for a
+  // new job, the restored state of a resumed one (the registration's answer).
+  std::vector<KeyProgress> KeyProgressOf(uint64_t job_id, const v1::RegisterTablesRequest& spec);
 
   // Job ids registered, for checkpoints.
   std::vector<uint64_t> Jobs() const;

@@ -440,6 +440,15 @@ TEST_F(KvServerTest, ALossyKeyFallsBackToFloat32AtTheClockARankPushesFloat32) {
                   .ok());
   EXPECT_EQ(received, kElements * sizeof(float));
   EXPECT_EQ(out, std::vector<float>(kElements, 2 * bias)) << "exact from the fallback on";
+  // The fallback is part of the key's state: a checkpoint keeps it and a restored job answers it
+  // at registration, so the resumed agents push float32 from the start.
+  auto snap = engine_->SnapshotCompleted(1, 3);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->keys[0].exact_from, 2u);
+  KvEngine fresh(EngineOptions{});
+  ASSERT_TRUE(fresh.Restore(*snap).ok());
+  EXPECT_EQ(fresh.KeyProgressOf(1, spec), (std::vector<KeyProgress>{{3, 2}}));
+  EXPECT_EQ(engine_->KeyProgressOf(1, spec), (std::vector<KeyProgress>{{3, 2}}));
 }
 
 TEST_F(KvServerTest, ALossyWireNeedsTheSumRule) {
@@ -586,8 +595,9 @@ TEST_F(KvServerTest, ASnapshotOfCompletedStateTakesEachKeyAtItsOwnClock) {
   EXPECT_EQ(engine_->Progress(1), SnapshotProgress(*snap));
   KvEngine fresh(EngineOptions{});
   ASSERT_TRUE(fresh.Restore(*snap).ok());
-  EXPECT_EQ(fresh.CompletedClocks(1, spec), (std::vector<uint64_t>{3, 2}));
-  EXPECT_EQ(engine_->CompletedClocks(1, spec), (std::vector<uint64_t>{3, 2}));
+  const std::vector<KeyProgress> want = {{3, 0}, {2, 0}};
+  EXPECT_EQ(fresh.KeyProgressOf(1, spec), want);
+  EXPECT_EQ(engine_->KeyProgressOf(1, spec), want);
   // The restored key holds clock 3's sum, as the running engine does.
   auto again = fresh.SnapshotCompleted(1, 7);
   ASSERT_TRUE(again.ok());

@@ -310,15 +310,15 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
       }
       const absl::Status s = engine_->RegisterJob(header.job_id, request);
       if (s.ok()) {
-        // The answer: every key's completed clock, in request order (u64 little-endian; all
-        // 0 but for a resumed job), from which the agents' clocks go on.
-        auto clocks = std::make_shared<std::vector<uint64_t>>(
-            engine_->CompletedClocks(header.job_id, request));
+        // The answer: every key's progress, in request order (docs/wire.md; all 0 but for a
+        // resumed job), from which the agents' clocks and wires go on.
+        auto clocks = std::make_shared<std::vector<KeyProgress>>(
+            engine_->KeyProgressOf(header.job_id, request));
         FrameHeader h;
         h.type = FrameType::kRegisterTablesAck;
         h.job_id = header.job_id;
         h.sequence = header.sequence;
-        h.payload_length = clocks->size() * sizeof(uint64_t);
+        h.payload_length = clocks->size() * sizeof(KeyProgress);
         std::vector<transport::ConstBuffer> answer;
         if (!clocks->empty()) answer.emplace_back(std::as_bytes(std::span(*clocks)));
         peer->connection().Send(h, std::move(answer), [clocks](absl::Status) {});

@@ -391,9 +391,9 @@ TEST_F(ReplicationTest, MisdirectedRequestsAndForgedReplicasAreRefused) {
 // not restored refuses a change of addresses.
 TEST_F(ReplicationTest, AResumedJobTakesItsServersNewAddressesAndContinuesIdentically) {
   const v1::UpdateRule rule = v1::UPDATE_RULE_MOMENTUM;
-  std::vector<uint64_t> fresh;
+  std::vector<KeyProgress> fresh;
   ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait, &fresh).ok());
-  EXPECT_EQ(fresh, std::vector<uint64_t>{0}) << "a new job's keys are at clock 0";
+  EXPECT_EQ(fresh, std::vector<KeyProgress>{{}}) << "a new job's keys are at clock 0";
   ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
   std::vector<float> init(kN, 0.5f);
   {
@@ -431,11 +431,11 @@ TEST_F(ReplicationTest, AResumedJobTakesItsServersNewAddressesAndContinuesIdenti
   auto differs = Rank(*primary_, 0)->RegisterTables(other, kWait);
   EXPECT_EQ(differs.code(), absl::StatusCode::kFailedPrecondition) << differs;
   for (uint32_t r = 0; r < 2; ++r) {
-    std::vector<uint64_t> clocks;
-    ASSERT_TRUE(Rank(*primary_, r)->RegisterTables(Spec(0, rule), kWait, &clocks).ok());
-    EXPECT_EQ(clocks, std::vector<uint64_t>{3}) << "the answer names the restored clock";
-    ASSERT_TRUE(Rank(*backup_, r)->RegisterTables(Spec(1, rule), kWait, &clocks).ok());
-    EXPECT_EQ(clocks, std::vector<uint64_t>{3});
+    std::vector<KeyProgress> keys;
+    ASSERT_TRUE(Rank(*primary_, r)->RegisterTables(Spec(0, rule), kWait, &keys).ok());
+    EXPECT_EQ(keys, (std::vector<KeyProgress>{{3, 0}})) << "the answer names the restored clock";
+    ASSERT_TRUE(Rank(*backup_, r)->RegisterTables(Spec(1, rule), kWait, &keys).ok());
+    EXPECT_EQ(keys, (std::vector<KeyProgress>{{3, 0}}));
   }
   // Clock 3 is answered again (a re-sent push is a duplicate), then training goes on.
   {
