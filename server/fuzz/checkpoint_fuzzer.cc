@@ -3,7 +3,8 @@
 // trailer (the CRC-32C of the bytes, then the end marker; a random CRC would stop every input at
 // the checksum), bit 1 sets the header's length field to the file's size. A crash, a sanitizer
 // report, or an accepted snapshot that breaks the format's rules (the CHECKs: every key at the
-// snapshot's clock, at most two optimizer states) or does not survive the writer (WriteCheckpoint
+// snapshot's clock or behind it, a fallback clock at most one past the key's, at most two
+// optimizer states) or does not survive the writer (WriteCheckpoint
 // of it must read back equal, and write again to the same bytes) is a finding.
 //
 // POSEIDON_WRITE_SEEDS=<dir> ./checkpoint_fuzzer writes the seed corpus (committed in
@@ -79,6 +80,7 @@ bool Same(const server::JobSnapshot& a, const server::JobSnapshot& b) {
     const server::KeySnapshot& y = b.keys[i];
     if (x.key != y.key || x.completed_clock != y.completed_clock ||
         x.initialized != y.initialized || x.optimizer_steps != y.optimizer_steps ||
+        x.exact_from != y.exact_from ||
         !SameFloats(x.params, y.params) || !SameFloats(x.result, y.result) ||
         x.optimizer_state.size() != y.optimizer_state.size()) {
       return false;
@@ -182,7 +184,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!read.ok()) return 0;
   const server::JobSnapshot& s = *read;
   for (const server::KeySnapshot& k : s.keys) {
-    CHECK(k.completed_clock == s.clock);
+    CHECK(k.completed_clock <= s.clock);  // the clock is the snapshot's label
+    CHECK(k.exact_from <= k.completed_clock + 1);
     CHECK(k.optimizer_state.size() <= 2);
   }
   // The writer's output of it reads back the same, and writes the same bytes again.
