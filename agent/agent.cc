@@ -232,8 +232,6 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
 
   std::mutex layers_mu_;
   std::vector<LayerProgress> progress_;
-  // A resumed job's keys as their servers answered the registration (main thread).
-  std::map<uint64_t, server::KeyProgress> restored_progress_;
   // Checkpoints (main thread): the highest iteration an event named, the last one checkpointed.
   uint64_t last_iteration_seen_ = 0;
   uint64_t last_checkpoint_ = 0;
@@ -1078,7 +1076,7 @@ absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRe
     for (const auto& k : t.keys()) {
       const server::KeyProgress p = i < progress.size() ? progress[i] : server::KeyProgress{};
       ++i;
-      auto [it, fresh] = restored_progress_.try_emplace(k.key(), p);
+      auto [it, fresh] = env_.restored.try_emplace(k.key(), p);
       if (!fresh && !(it->second == p)) {
         return absl::FailedPreconditionError(absl::StrCat(
             "table ", t.name(), " key ", k.key(), " was restored at clock ", it->second.completed,
@@ -1088,7 +1086,6 @@ absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRe
       }
       if (!fresh) continue;
       restored_at[k.key()] = static_cast<uint32_t>(server);
-      env_.restored_clocks[k.key()] = p.completed;
       if (auto lossy = env_.lossy.find(k.key()); p.exact_from != 0 && lossy != env_.lossy.end()) {
         // Fell back before the checkpoint (its residual was not kept): float32 from the start.
         lossy->second->exact.store(true);

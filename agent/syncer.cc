@@ -177,8 +177,8 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
 absl::StatusOr<uint64_t> RestoredClock(const SyncEnv& env, const std::string& name,
                                        const std::vector<PsChunk>& chunks) {
   auto clock_of = [&](uint64_t key) {
-    const auto it = env.restored_clocks.find(key);
-    return it == env.restored_clocks.end() ? uint64_t{0} : it->second;
+    const auto it = env.restored.find(key);
+    return it == env.restored.end() ? uint64_t{0} : it->second.completed;
   };
   const uint64_t clock = chunks.empty() ? 0 : clock_of(chunks.front().key);
   for (const PsChunk& c : chunks) {

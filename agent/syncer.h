@@ -124,9 +124,9 @@ struct SyncEnv {
   // Server-side update rule (0: sum): iteration 1 then carries rank 0's initial parameters.
   uint32_t server_rule = 0;
   std::vector<std::shared_ptr<server::KvClient>> servers;      // plan order
-  // Every PS key's completed clock as its servers answered the registration (0 for a new job;
-  // a resumed job's restored clocks): the PS and bucket syncers' clocks start there (Ready).
-  std::map<uint64_t, uint64_t> restored_clocks;
+  // Every PS key's progress as its servers answered the registration (all 0 for a new job; a
+  // resumed job's restored state): the PS and bucket syncers' clocks start there (Ready).
+  std::map<uint64_t, server::KeyProgress> restored;
   // The PS keys on a lossy wire (the chunks and bucket keys of layers whose LayerSpec::wire is
   // not float32). Built at registration, then only read.
   std::map<uint64_t, std::unique_ptr<LossyWire>> lossy;
@@ -202,7 +202,7 @@ std::unique_ptr<Syncer> MakeAllreduceSyncer(SyncEnv& env);
 void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint64_t clock,
               bool init, std::shared_ptr<Credit> credit, std::function<void(absl::Status)> done);
 
-// The clock a PS layer's or bucket's keys were restored at (SyncEnv::restored_clocks; 0 for a
+// The clock a PS layer's or bucket's keys were restored at (SyncEnv::restored; 0 for a
 // new job). A layer whose chunks were restored at different clocks is an error naming it.
 absl::StatusOr<uint64_t> RestoredClock(const SyncEnv& env, const std::string& name,
                                        const std::vector<PsChunk>& chunks);
