@@ -1086,8 +1086,12 @@ absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRe
       }
       if (!fresh) continue;
       restored_at[k.key()] = static_cast<uint32_t>(server);
-      if (auto lossy = env_.lossy.find(k.key()); p.exact_from != 0 && lossy != env_.lossy.end()) {
-        // Fell back before the checkpoint (its residual was not kept): float32 from the start.
+      // A key that fell back at a completed clock (before the checkpoint; its residual was not
+      // kept) is float32 from the start. One falling back at the clock in flight (exact_from =
+      // completed + 1: a rank of a new job pushed it before this one registered) still takes
+      // this rank's 16-bit push of that clock, and its float32 answer switches this rank too.
+      if (auto lossy = env_.lossy.find(k.key());
+          p.exact_from != 0 && p.exact_from <= p.completed && lossy != env_.lossy.end()) {
         lossy->second->exact.store(true);
         lossy->second->residual_released = true;
         PSD_LOG_INFO("{} (key {}) fell back to float32 at clock {} before the checkpoint: it "
