@@ -4,7 +4,8 @@ tiny model through a coordinator, every key with a backup (--replicas=1); one se
 while training runs and, right after, the coordinator too, which starts again on the same address
 (empty: nodes register again). Every rank must run every iteration with every result exactly the
 sum over the ranks (poseidon-synth --verify), every agent must exit 0, and the live servers must
-register again with the new coordinator (same node ids); no process is left
+register again with the new coordinator (same node ids), and so must every agent (its rank); no
+process is left
 behind (every daemon is killed, every segment removed, on every path). Trials at random moments."""
 
 import argparse
@@ -92,6 +93,11 @@ def trial(args, rng, number):
             if s != victim:
                 server.wait_for(r"registered again with the coordinator", timeout=20)
         ok &= check(True, f"trial {number}: the live servers registered again with the new "
+                          "coordinator")
+        for agent in agents:
+            agent.wait_for(r"registered again with the coordinator as \S+ \(rank \d+\)",
+                           timeout=20)
+        ok &= check(True, f"trial {number}: every agent registered again with the new "
                           "coordinator")
         if os.environ.get("POSEIDON_VERBOSE"):
             for agent in agents[:1] + servers:
