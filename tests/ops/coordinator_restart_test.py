@@ -4,9 +4,9 @@ tiny model through a coordinator, every key with a backup (--replicas=1); one se
 while training runs and, right after, the coordinator too, which starts again on the same address
 (empty: nodes register again). Every rank must run every iteration with every result exactly the
 sum over the ranks (poseidon-synth --verify), every agent must exit 0, and the live servers must
-register again with the new coordinator (same node ids), and so must every agent (its rank); no
-process is left
-behind (every daemon is killed, every segment removed, on every path). Trials at random moments."""
+register again with the new coordinator (same node ids), and so must every agent (its rank), which
+`poseidon status` then lists; no process is left behind (every daemon is killed, every segment
+removed, on every path). Trials at random moments."""
 
 import argparse
 import json
