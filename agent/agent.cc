@@ -298,6 +298,7 @@ int Agent::Run() {
   {
     transport::TcpOptions tcp;
     tcp.io_threads = 2;
+    tcp.tls = config_.data_tls;
     transport::RdmaOptions rdma;
     // Without a coordinator the address lists (--servers, --peers) are of one kind: TCP unless
     // --transport=rdma.
@@ -308,10 +309,13 @@ int Agent::Run() {
       return 2;
     }
     transports_ = *std::move(set);
-    PSD_LOG_INFO("transport: {}",
+    PSD_LOG_INFO("transport: {}{}",
                  lists_only ? std::string("tcp (--transport=auto without a coordinator: --servers "
                                           "and --peers are TCP addresses)")
-                            : transports_.choice);
+                            : transports_.choice,
+                 tcp.tls.enabled && transports_.tcp
+                     ? "; TCP with TLS (data_tls; ring all-reduce off: Gloo has no TLS)"
+                     : "");
     const bool rdma_only = transports_.tcp == nullptr;
     server_rdma_.assign(config_.servers.size(), rdma_only);
     peer_rdma_.assign(config_.world_size, rdma_only);

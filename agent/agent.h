@@ -16,6 +16,7 @@
 
 #include "absl/time/time.h"
 #include "coordinator/tls.h"
+#include "transport/tcp/tcp_context.h"
 
 namespace poseidon::agent {
 
@@ -95,6 +96,7 @@ struct AgentConfig {
   std::string coordinator;
   std::string coordinator_token;
   coordinator::ClientTlsOptions coordinator_tls;  // the coordinator_tls* settings
+  transport::TlsOptions data_tls;                 // the data_tls* settings (TCP data plane)
   // Observability: Prometheus /metrics address (empty: not served), Chrome-trace timeline file
   // (empty: off), and how long a layer may take before the stall detector reports what it waits
   // for.

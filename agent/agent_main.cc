@@ -9,6 +9,7 @@
 #include "common/fd_limit.h"
 #include "common/config.h"
 #include "common/log.h"
+#include "transport/tcp/tls_config.h"
 
 namespace {
 
@@ -55,6 +56,12 @@ struct Flags {
   std::string coordinator_tls_cert;
   std::string coordinator_tls_key;
   std::string coordinator_tls_server_name;
+  bool data_tls = false;
+  std::string data_tls_cert;
+  std::string data_tls_key;
+  std::string data_tls_ca;
+  std::string data_tls_server_name;
+  bool data_tls_verify_clients = false;
   std::string metrics_listen;
   std::string timeline;
   absl::Duration stall_timeout = absl::Seconds(10);
@@ -175,6 +182,7 @@ poseidon::ConfigSchema<Flags> Schema() {
       .Field("log_level", &Flags::log_level, "trace, debug, info, warn, error",
              poseidon::OneOf({"trace", "debug", "info", "warn", "error"}));
   poseidon::coordinator::AddCoordinatorTlsFields(s);
+  poseidon::transport::AddDataTlsFields(s);
   return s;
 }
 
@@ -239,6 +247,7 @@ int main(int argc, char** argv) {
   c.coordinator = f.coordinator;
   c.coordinator_token = f.coordinator_token;
   c.coordinator_tls = poseidon::coordinator::CoordinatorTls(f);
+  c.data_tls = poseidon::transport::DataTls(f);
   c.metrics_listen = f.metrics_listen;
   c.timeline = f.timeline;
   c.stall_timeout = f.stall_timeout;
@@ -249,6 +258,15 @@ int main(int argc, char** argv) {
                  c.world_size);
     return 2;
   }
+  if (c.data_tls.enabled && c.scheme == "allreduce") {
+    std::fprintf(stderr,
+                 "poseidon-agent: --scheme=allreduce cannot run with data_tls: ring all-reduce "
+                 "goes through Gloo, whose transport (Debian's libgloo) has no TLS\n");
+    return 2;
+  }
+  // With TLS no tensor may cross the network in clear: Gloo's ring is off, and the planner,
+  // told so at registration, gives its layers PS or SFB.
+  if (c.data_tls.enabled) c.allreduce = false;
   if (!c.peers.empty() && c.peers.size() != c.world_size) {
     std::fprintf(stderr, "poseidon-agent: --peers has %zu entries for world_size %u\n",
                  c.peers.size(), c.world_size);

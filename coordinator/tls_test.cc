@@ -7,6 +7,7 @@
 #include <iterator>
 #include <string>
 
+#include "common/testing/pki.h"
 #include "coordinator/auth.h"
 #include "coordinator/test_util.h"
 #include "grpcpp/security/credentials.h"
@@ -23,19 +24,8 @@ class CoordinatorTlsTest : public CoordinatorFixture {
     const char* made = mkdtemp(pattern);
     ASSERT_NE(made, nullptr);
     dir_ = made;
-    // EC keys: quick to make. The server certificate names 127.0.0.1 and localhost.
-    const std::string script = absl::StrCat(
-        "set -e; cd ", dir_, "; ",
-        "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out $1; }; ",
-        "ca() { key $1.key; openssl req -x509 -new -key $1.key -out $1.pem -days 2 "
-        "-subj /CN=$1; }; ",
-        "leaf() { key $1.key; openssl req -new -key $1.key -out $1.csr -subj /CN=$1; ",
-        "printf '%s\\n' \"$3\" > $1.ext; ",
-        "openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial -out $1.pem "
-        "-days 2 -extfile $1.ext; }; ",
-        "ca ca; ca other-ca; ", "leaf server ca 'subjectAltName=IP:127.0.0.1,DNS:localhost'; ",
-        "leaf client ca 'extendedKeyUsage=clientAuth'; ", ") >/dev/null 2>&1");
-    ASSERT_EQ(std::system(absl::StrCat("(", script).c_str()), 0) << "openssl failed";
+    // The server certificate names 127.0.0.1 and localhost.
+    ASSERT_TRUE(poseidon::testing::MakeTestPki(dir_)) << "openssl failed";
   }
 
   static void TearDownTestSuite() {

@@ -28,6 +28,7 @@
 #include "transport/frame_server.h"
 #include "transport/rdma/rdma_context.h"
 #include "transport/tcp/tcp_context.h"
+#include "transport/tcp/tls_config.h"
 
 namespace poseidon::server {
 namespace {
@@ -60,6 +61,12 @@ struct ServerConfig {
   std::string coordinator_tls_cert;
   std::string coordinator_tls_key;
   std::string coordinator_tls_server_name;
+  bool data_tls = false;
+  std::string data_tls_cert;
+  std::string data_tls_key;
+  std::string data_tls_ca;
+  std::string data_tls_server_name;
+  bool data_tls_verify_clients = false;
 };
 
 ConfigSchema<ServerConfig> Schema() {
@@ -122,6 +129,7 @@ ConfigSchema<ServerConfig> Schema() {
       .Field("log_level", &ServerConfig::log_level, "trace, debug, info, warn, error",
              OneOf({"trace", "debug", "info", "warn", "error"}));
   coordinator::AddCoordinatorTlsFields(s);
+  transport::AddDataTlsFields(s);
   return s;
 }
 
@@ -213,6 +221,7 @@ int Main(int argc, char** argv) {
   transport::TcpOptions tcp;
   tcp.io_threads = static_cast<int>(config.io_threads);
   tcp.limits.max_payload_bytes = config.max_payload;
+  tcp.tls = transport::DataTls(config);
   transport::RdmaOptions rdma;
   rdma.limits.max_payload_bytes = config.max_payload;
   // Without a coordinator agents reach this server by their --servers list: TCP unless
@@ -225,9 +234,11 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const transport::TransportSet transports = *std::move(transport_set);
-  PSD_LOG_INFO("transport: {}", lists_only ? std::string("tcp (--transport=auto without a "
-                                                         "coordinator: agents use --servers)")
-                                           : transports.choice);
+  PSD_LOG_INFO("transport: {}{}",
+               lists_only ? std::string("tcp (--transport=auto without a coordinator: agents "
+                                        "use --servers)")
+                          : transports.choice,
+               tcp.tls.enabled && transports.tcp ? "; TCP with TLS (data_tls)" : "");
   // Replicas of the keys this server is the primary of go to their backups from here: over TCP
   // when this server has it (agents send the backups' TCP addresses then), else RDMA
   // (coordinator::ServerToServerAddresses).

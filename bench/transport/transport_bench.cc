@@ -8,6 +8,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/opensslv.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -30,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/log.h"
+#include "common/testing/pki.h"
 #include "transport/credentials.h"
 #include "transport/handshake.h"
 #include "transport/rdma/rdma_context.h"
@@ -48,6 +50,12 @@ ABSL_FLAG(std::string, transport, "tcp", "the Poseidon transport measured: tcp o
 ABSL_FLAG(bool, register_memory, true,
           "register the send and receive buffers with the transport (RDMA: zero-copy READs)");
 ABSL_FLAG(std::string, rdma_device, "", "RDMA device (empty: the first with an active port)");
+ABSL_FLAG(bool, tls, false,
+          "also measure the TCP transport with TLS (data_tls) in the same run: columns 'tls' "
+          "and tls/psd (the cost of encryption)");
+ABSL_FLAG(std::string, tls_dir, "",
+          "with --tls: a directory holding ca.pem, server.pem and server.key (empty: a throwaway "
+          "CA made with openssl in a temporary directory)");
 
 namespace poseidon::bench {
 namespace {
@@ -241,8 +249,30 @@ struct PoseidonPair {
 
   std::vector<std::unique_ptr<MemoryRegion>> regions;
 
-  static std::shared_ptr<Context> MakeOne() {
+  // The certificates of --tls (made once).
+  static const std::string& TlsDir() {
+    static const std::string dir = [] {
+      std::string d = absl::GetFlag(FLAGS_tls_dir);
+      if (!d.empty()) return d;
+      char pattern[] = "/tmp/poseidon-bench-tls-XXXXXX";
+      const char* made = mkdtemp(pattern);
+      if (made == nullptr || !poseidon::testing::MakeTestPki(made)) {
+        std::fprintf(stderr, "--tls: could not make a throwaway CA with openssl\n");
+        std::exit(1);
+      }
+      return std::string(made);
+    }();
+    return dir;
+  }
+
+  static std::shared_ptr<Context> MakeOne(bool tls) {
     TcpOptions options;
+    if (tls) {
+      options.tls.enabled = true;
+      options.tls.cert_file = TlsDir() + "/server.pem";
+      options.tls.key_file = TlsDir() + "/server.key";
+      options.tls.ca_file = TlsDir() + "/ca.pem";
+    }
     options.socket_buffer_bytes = absl::GetFlag(FLAGS_socket_buffer);
     options.limits.max_payload_bytes = uint64_t{1} << 30;
     RdmaOptions rdma;
@@ -267,9 +297,9 @@ struct PoseidonPair {
     regions.push_back(std::move(*region));
   }
 
-  PoseidonPair() {
-    server_ctx = MakeOne();
-    client_ctx = MakeOne();
+  explicit PoseidonPair(bool tls = false) {
+    server_ctx = MakeOne(tls);
+    client_ctx = MakeOne(tls);
     auto listener = *server_ctx->Listen("127.0.0.1:0");
     auto secrets = std::make_shared<SecretStore>();
     secrets->Set(kJob, kSecret);
@@ -340,8 +370,8 @@ struct SinkServer : std::enable_shared_from_this<SinkServer> {
 
 constexpr int kWindow = 4;  // frames queued ahead of the socket
 
-double PoseidonThroughput(size_t size, int messages) {
-  PoseidonPair pair;
+double PoseidonThroughput(size_t size, int messages, bool tls = false) {
+  PoseidonPair pair(tls);
   auto sink = std::make_shared<SinkServer>();
   sink->conn = pair.server;
   sink->buffer.resize(size);
@@ -366,7 +396,7 @@ double PoseidonThroughput(size_t size, int messages) {
   } sender{pair.client.get(), src, messages};
   const auto start = Clock::now();
   for (int i = 0; i < std::min(messages, kWindow); ++i) sender.Send(i);
-  auto ack = testing::SyncReadHeader(*pair.client, absl::Seconds(120));
+  auto ack = poseidon::transport::testing::SyncReadHeader(*pair.client, absl::Seconds(120));
   const double secs = Seconds(Clock::now() - start);
   while (sender.sent.load() < messages && ack.ok()) std::this_thread::yield();
   if (!ack.ok()) {
@@ -377,8 +407,8 @@ double PoseidonThroughput(size_t size, int messages) {
 }
 
 // The client also runs in callbacks: on each echo, send the next request.
-double PoseidonRoundTrip(size_t size, int round_trips) {
-  PoseidonPair pair;
+double PoseidonRoundTrip(size_t size, int round_trips, bool tls = false) {
+  PoseidonPair pair(tls);
   auto echo = std::make_shared<SinkServer>();
   echo->conn = pair.server;
   echo->buffer.resize(size);
@@ -427,6 +457,7 @@ double PoseidonRoundTrip(size_t size, int round_trips) {
 struct Row {
   size_t size;
   double psd_bps, raw_bps, psd_rtt, raw_rtt;
+  double tls_bps = 0, tls_rtt = 0;  // with --tls
 };
 
 int Run() {
@@ -471,31 +502,57 @@ int Run() {
                   ? absl::StrCat(absl::GetFlag(FLAGS_socket_buffer), " bytes").c_str()
                   : "kernel autotuning",
               repeats, seconds);
-  std::printf("%-8s | %12s %12s %6s | %14s %14s %6s\n", "size", "psd GB/s", "raw GB/s", "ratio",
+  const bool tls = absl::GetFlag(FLAGS_tls);
+  if (tls && transport != "tcp") {
+    std::fprintf(stderr, "--tls measures the TCP transport: use it with --transport=tcp\n");
+    return 2;
+  }
+  if (tls) {
+    std::printf(
+        "tls: the same transport with TLS on both ends (data_tls; OpenSSL %s, P-256 "
+        "certificates), measured in this run next to plaintext\n",
+        OPENSSL_VERSION_TEXT);
+  }
+  std::printf("%-8s | %12s %12s %6s | %14s %14s %6s", "size", "psd GB/s", "raw GB/s", "ratio",
               "psd RTT us", "raw RTT us", "ratio");
-  std::printf("%s\n", std::string(84, '-').c_str());
+  if (tls) std::printf(" | %8s %7s %10s %7s", "tls GB/s", "tls/psd", "tls RTT us", "tls/psd");
+  std::printf("\n%s\n", std::string(tls ? 122 : 84, '-').c_str());
   std::vector<Row> rows;
   for (size_t size : sizes) {
     const int messages = MessagesFor(size, seconds);
     const int round_trips = std::max(4, std::min(20000, MessagesFor(size, seconds) / 2));
-    std::vector<double> pb, rb, pr, rr;
+    std::vector<double> pb, rb, pr, rr, tb, tr;
     const std::string only = absl::GetFlag(FLAGS_only);
     for (int r = 0; r < repeats; ++r) {
       rb.push_back(only == "poseidon" ? 1 : RawThroughput(size, messages));
       pb.push_back(only == "raw" ? 1 : PoseidonThroughput(size, messages));
       rr.push_back(only == "poseidon" ? 1 : RawRoundTrip(size, round_trips));
       pr.push_back(only == "raw" ? 1 : PoseidonRoundTrip(size, round_trips));
+      if (tls) {
+        tb.push_back(PoseidonThroughput(size, messages, /*tls=*/true));
+        tr.push_back(PoseidonRoundTrip(size, round_trips, /*tls=*/true));
+      }
     }
     Row row{size, Median(pb), Median(rb), Median(pr), Median(rr)};
+    if (tls) {
+      row.tls_bps = Median(tb);
+      row.tls_rtt = Median(tr);
+    }
     rows.push_back(row);
-    std::printf("%-8s | %12.2f %12.2f %6.2f | %14.1f %14.1f %6.2f\n", HumanSize(size).c_str(),
+    std::printf("%-8s | %12.2f %12.2f %6.2f | %14.1f %14.1f %6.2f", HumanSize(size).c_str(),
                 row.psd_bps / 1e9, row.raw_bps / 1e9, row.psd_bps / row.raw_bps, row.psd_rtt * 1e6,
                 row.raw_rtt * 1e6, row.psd_rtt / row.raw_rtt);
+    if (tls) {
+      std::printf(" | %8.2f %7.2f %10.1f %7.2f", row.tls_bps / 1e9, row.tls_bps / row.psd_bps,
+                  row.tls_rtt * 1e6, row.tls_rtt / row.psd_rtt);
+    }
+    std::printf("\n");
     std::fflush(stdout);
   }
   std::printf(
       "\nthroughput ratio = poseidon / raw (higher is better; target >= 0.95 at >= 1 MiB)\n");
   std::printf("RTT ratio = poseidon / raw (lower is better; target <= 1.5 for small messages)\n");
+  if (tls) std::printf("tls/psd = with TLS / plaintext, same transport (the cost of TLS)\n");
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream out(path);
     out << "{\"host\": \"" << host << "\", \"rows\": [";
@@ -503,7 +560,9 @@ int Run() {
       const Row& r = rows[i];
       out << (i ? ", " : "") << "{\"size\": " << r.size
           << ", \"poseidon_bytes_per_s\": " << r.psd_bps << ", \"raw_bytes_per_s\": " << r.raw_bps
-          << ", \"poseidon_rtt_s\": " << r.psd_rtt << ", \"raw_rtt_s\": " << r.raw_rtt << "}";
+          << ", \"poseidon_rtt_s\": " << r.psd_rtt << ", \"raw_rtt_s\": " << r.raw_rtt;
+      if (tls) out << ", \"tls_bytes_per_s\": " << r.tls_bps << ", \"tls_rtt_s\": " << r.tls_rtt;
+      out << "}";
     }
     out << "]}\n";
   }

@@ -1,10 +1,13 @@
 #!/usr/bin/python3
-"""TLS on the control plane from every daemon that calls the coordinator (issue 19): a coordinator
-serving TLS with a throwaway CA (made with the openssl command line); a poseidon-server and two
-poseidon-agents given coordinator_tls_ca register through it (the agents then train the tiny
-model with poseidon-synth); the same server without TLS, or trusting another CA, is refused with
-one line and exit 2 (gRPC's own log lines go to the debug log); `poseidon status` over TLS
-lists the server and the agents under this machine's hostname.
+"""TLS everywhere (issue 19), with a throwaway CA made with the openssl command line (pki.py).
+Control plane: a coordinator serving TLS; two poseidon-servers and two poseidon-agents given
+coordinator_tls_ca register through it; the same server without TLS, or trusting another CA, is
+refused with one line and exit 2 (gRPC's own log lines go to the debug log); `poseidon status`
+over TLS lists the servers and the agents under this machine's hostname.
+Data plane: the servers and agents also have data_tls settings (the agents from the
+environment, POSEIDON_DATA_TLS_*): every push, pull and backup replica (--replicas=1) goes over
+TLS, and 20 iterations of the tiny model through poseidon-synth --verify are exact; an agent
+without data_tls against those servers, and one trusting another CA, fail naming the reason.
 
     tls_test.py --cli POSEIDON --coordinator BIN --server BIN --agent BIN --synth BIN --model JSON
 """
@@ -20,6 +23,7 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import check, finish  # noqa: E402
 from metrics_test import Daemon, stop_all  # noqa: E402
+from pki import have_openssl, make_pki  # noqa: E402
 
 ap = argparse.ArgumentParser()
 for flag in ("cli", "coordinator", "server", "agent", "synth", "model"):
@@ -27,24 +31,17 @@ for flag in ("cli", "coordinator", "server", "agent", "synth", "model"):
 args = ap.parse_args()
 
 
-if subprocess.run(["sh", "-c", "command -v openssl"], capture_output=True).returncode != 0:
+if not have_openssl():
     print("SKIP: openssl is not installed")
     sys.exit(77)
 
 daemons, segments = [], []
 with tempfile.TemporaryDirectory() as tmp:
-    script = (
-        "set -e; "
-        "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out $1; }; "
-        "ca() { key $1.key; openssl req -x509 -new -key $1.key -out $1.pem -days 2 -subj /CN=$1; }; "
-        "ca ca; ca other-ca; key server.key; "
-        "openssl req -new -key server.key -out server.csr -subj /CN=coordinator; "
-        "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > server.ext; "
-        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
-        "-out server.pem -days 2 -extfile server.ext")
-    r = subprocess.run(["sh", "-c", script], cwd=tmp, capture_output=True, text=True)
-    check(r.returncode == 0, f"openssl made the certificates {r.stderr[-500:]}")
+    made, err = make_pki(tmp)
+    check(made, f"openssl made the certificates {err}")
     ca, other = os.path.join(tmp, "ca.pem"), os.path.join(tmp, "other-ca.pem")
+    data_tls = [f"--data_tls_cert={tmp}/server.pem", f"--data_tls_key={tmp}/server.key",
+                f"--data_tls_ca={ca}"]
     env = dict(os.environ, POSEIDON_JOB_TOKEN="tls-token", POSEIDON_COORDINATOR_TOKEN="tls-token",
                POSEIDON_JOB_SECRET="tls-secret", POSEIDON_SECRET="tls-secret")
     os.environ.update(env)  # Daemon passes this process's environment on
@@ -68,32 +65,74 @@ with tempfile.TemporaryDirectory() as tmp:
             check(p.returncode == 2 and len(lines) == 1 and "refusing to start" in lines[0],
                   f"a server {what} is refused: exit {p.returncode}, {lines}")
 
-        good = Daemon("server", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
-                                 f"--coordinator={addr}", f"--coordinator_tls_ca={ca}",
-                                 "--log_level=warn"])
-        daemons.append(good)
-        good.wait_for(r"listening on")
-        check(True, "a server with coordinator_tls_ca registers")
+        good = [Daemon(f"server {i}", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
+                                       f"--coordinator={addr}", f"--coordinator_tls_ca={ca}",
+                                       *data_tls, "--log_level=info"])
+                for i in range(2)]
+        daemons.extend(good)
+        for s in good:
+            s.wait_for(r"listening on")
+        check(all(s.wait_for(r"transport: .*TCP with TLS \(data_tls\)") for s in good),
+              "servers with coordinator_tls_ca register and serve the data plane over TLS")
+        server_addr = good[0].wait_for(r"listening on (\S+)").group(1)
+
+        def lone_agent(extra_env):
+            """A one-rank agent without a coordinator reaching server 0 by address, and its
+            framework (it connects when the framework registers the model)."""
+            segment = f"/psd-ops-tls-lone-{os.getpid()}"
+            agent = subprocess.Popen([args.agent, "--job_id=1", "--rank=0", "--world_size=1",
+                                      f"--servers={server_addr}", "--listen=127.0.0.1:0",
+                                      f"--segment={segment}", "--connect_timeout=10s",
+                                      "--log_level=warn"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     env=dict(env, **extra_env))
+            try:
+                synth = subprocess.run([args.synth, f"--segment={segment}",
+                                        f"--model={args.model}", "--batch=8", "--iterations=2",
+                                        "--compute_scale=0", "--verify"], capture_output=True,
+                                       text=True, timeout=90)
+                out = agent.communicate(timeout=60)[0]
+            finally:
+                if agent.poll() is None:
+                    agent.kill()
+                    agent.wait()
+            return synth.returncode, agent.returncode, out + synth.stdout + synth.stderr
+
+        rc, arc, out = lone_agent({})
+        check(rc != 0 and arc != 0 and "on a TLS listener" in out and "data_tls" in out,
+              f"an agent without data_tls is told the servers serve TLS: exits {rc}, {arc}, "
+              f"{out[-600:]}")
+        rc, arc, out = lone_agent({"POSEIDON_DATA_TLS_CA": other,
+                                  "POSEIDON_DATA_TLS_CERT": f"{tmp}/stranger.pem",
+                                  "POSEIDON_DATA_TLS_KEY": f"{tmp}/stranger.key"})
+        check(rc != 0 and arc != 0 and "certificate verify failed" in out,
+              f"an agent trusting another CA refuses the servers: exits {rc}, {arc}, "
+              f"{out[-600:]}")
 
         agents = []
+        agent_env = dict(env, POSEIDON_DATA_TLS_CERT=f"{tmp}/server.pem",
+                         POSEIDON_DATA_TLS_KEY=f"{tmp}/server.key", POSEIDON_DATA_TLS_CA=ca)
         for rank in range(2):
             segment = f"/psd-ops-tls-{os.getpid()}-{rank}"
             segments.append(segment)
             agent = Daemon(f"agent {rank}", [
                 args.agent, "--job_id=1", f"--rank={rank}", "--world_size=2",
                 f"--coordinator={addr}", f"--coordinator_tls_ca={ca}", "--listen=127.0.0.1:0",
-                f"--segment={segment}", "--log_level=warn"])
+                f"--segment={segment}", "--replicas=1", "--log_level=info"], env=agent_env)
             daemons.append(agent)
             agents.append(agent)
         for agent in agents:
             agent.wait_for(r"poseidon-agent ready")
+        check(all(a.wait_for(r"transport: .*TCP with TLS") for a in agents),
+              "the agents take data_tls from the environment")
         synths = [subprocess.Popen([args.synth, f"--segment={s}", f"--model={args.model}",
                                     "--batch=8", "--iterations=20", "--compute_scale=0", "--verify"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for s in segments]
         outs = [p.communicate(timeout=120)[0] for p in synths]
         check(all(p.returncode == 0 for p in synths),
-              f"two agents registered over TLS train 20 verified iterations {outs[0][-800:]}")
+              f"two agents over TLS (control and data plane, with backups) train 20 verified "
+              f"iterations {outs[0][-800:]}")
 
         # The daemons' setting, from the environment (an operator's env file serves the CLI too).
         st = subprocess.run([args.cli, "status", f"--coordinator={addr}", "--job_id=1",

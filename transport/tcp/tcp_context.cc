@@ -1,10 +1,14 @@
 #include "transport/tcp/tcp_context.h"
 
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 #include <charconv>
 #include <deque>
 #include <future>
@@ -83,6 +87,9 @@ class IoService {
 
   asio::io_context& io() { return io_; }
   const TcpOptions& options() const { return options_; }
+  // The OpenSSL context of every connection (null without TLS); set before Start.
+  void SetTls(std::shared_ptr<asio::ssl::context> tls) { tls_ = std::move(tls); }
+  asio::ssl::context* tls() const { return tls_.get(); }
   bool closed() const { return closed_.load(std::memory_order_acquire); }
 
   void Register(const std::shared_ptr<Closeable>& object) {
@@ -117,6 +124,7 @@ class IoService {
 
  private:
   TcpOptions options_;
+  std::shared_ptr<asio::ssl::context> tls_;
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> work_;
   std::vector<std::thread> threads_;
@@ -140,14 +148,33 @@ class TcpConnection final : public Connection,
                             public Closeable,
                             public std::enable_shared_from_this<TcpConnection> {
  public:
-  TcpConnection(std::shared_ptr<IoService> service, tcp::socket socket)
+  // With TLS (the service has an OpenSSL context) the connection is a TLS client (it connected,
+  // verifying `server_name` in the listener's certificate) or a TLS server (it was accepted).
+  enum class Role { kClient, kServer };
+
+  TcpConnection(std::shared_ptr<IoService> service, tcp::socket socket, Role role,
+                std::string server_name = {})
       : service_(std::move(service)),
         strand_(asio::make_strand(service_->io())),
         socket_(std::move(socket)),
-        timer_(strand_) {
+        timer_(strand_),
+        role_(role),
+        server_name_(std::move(server_name)) {
     ErrorCode ec;
     const auto remote = socket_.remote_endpoint(ec);
     peer_ = ec ? std::string("unknown-peer") : EndpointString(remote);
+    if (service_->tls() != nullptr) {
+      tls_ = std::make_unique<asio::ssl::stream<tcp::socket&>>(socket_, *service_->tls());
+      tls_ready_ = false;
+    }
+  }
+
+  // Starts the TLS handshake (nothing without TLS). Reads and writes asked for meanwhile wait for
+  // it; a handshake that fails closes the connection with the reason, one that stalls is bounded
+  // by the header timeout.
+  void Start() {
+    if (!tls_) return;
+    asio::post(strand_, [self = shared_from_this()] { self->StartTlsHandshake(); });
   }
 
   // A small frame on an idle connection is written at once from the calling thread (one
@@ -168,8 +195,8 @@ class TcpConnection final : public Connection,
     op.bytes = kFrameHeaderSize + total;
     {
       std::unique_lock<std::mutex> lock(fast_mu_);
-      if (invalid.ok() && strand_frames_ == 0 && !fast_closed_ && op.bytes <= kDirectSendBytes &&
-          op.payload.size() < kDirectSendIov) {
+      if (!tls_ && invalid.ok() && strand_frames_ == 0 && !fast_closed_ &&
+          op.bytes <= kDirectSendBytes && op.payload.size() < kDirectSendIov) {
         const size_t n = WriteNow(op);
         if (n == op.bytes) {
           lock.unlock();
@@ -310,7 +337,7 @@ class TcpConnection final : public Connection,
       return;
     }
     send_queue_.push_back(std::move(op));
-    if (!writing_) StartWrite();
+    if (!writing_ && tls_ready_) StartWrite();
   }
 
   void StartWrite() {
@@ -334,11 +361,135 @@ class TcpConnection final : public Connection,
       ++batch_frames_;
     }
     writing_ = true;
-    asio::async_write(
-        socket_, write_buffers_,
-        asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec, size_t n) {
-          self->OnWrite(ec, n);
+    auto on_write = asio::bind_executor(
+        strand_,
+        [self = shared_from_this()](const ErrorCode& ec, size_t n) { self->OnWrite(ec, n); });
+    if (!tls_) {
+      asio::async_write(socket_, write_buffers_, std::move(on_write));
+      return;
+    }
+    // TLS encrypts one buffer per record: a batch of small frames is copied into one buffer
+    // first, so that it goes as one record instead of one per header and payload.
+    if (batch_bytes <= kTlsCoalesceBytes && write_buffers_.size() > 1) {
+      tls_staging_.resize(batch_bytes);
+      asio::buffer_copy(asio::buffer(tls_staging_), write_buffers_);
+      write_buffers_.assign(1, asio::const_buffer(tls_staging_.data(), tls_staging_.size()));
+    }
+    asio::async_write(*tls_, write_buffers_, std::move(on_write));
+  }
+
+  // ---- TLS (strand only) ----
+  void StartTlsHandshake() {
+    if (closed_) return;
+    handshake_deadline_ = SteadyClock::now() + ToChrono(service_->options().header_timeout);
+    UpdateWatchdog();
+    SSL* ssl = tls_->native_handle();
+    if (role_ == Role::kClient) {
+      ErrorCode ec;
+      asio::ip::make_address(server_name_, ec);
+      // SNI for a name (never for an address, RFC 6066); the name or address is verified.
+      if (ec) SSL_set_tlsext_host_name(ssl, server_name_.c_str());
+      tls_->set_verify_mode(asio::ssl::verify_peer);
+      tls_->set_verify_callback(asio::ssl::host_name_verification(server_name_));
+    } else if (service_->options().tls.verify_clients) {
+      tls_->set_verify_mode(asio::ssl::verify_peer | asio::ssl::verify_fail_if_no_peer_cert);
+    } else {
+      tls_->set_verify_mode(asio::ssl::verify_none);
+    }
+    if (role_ == Role::kServer) {
+      // A plaintext Poseidon peer (no data_tls settings) is told why in a frame it can read,
+      // instead of a TLS alert it cannot: look at its first bytes before OpenSSL does.
+      socket_.async_wait(
+          tcp::socket::wait_read,
+          asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec) {
+            self->OnFirstBytes(ec);
+          }));
+      return;
+    }
+    Handshake();
+  }
+
+  void OnFirstBytes(const ErrorCode& ec) {
+    if (ec) {
+      OnTlsHandshake(ec);
+      return;
+    }
+    uint8_t first[4] = {};
+    ssize_t n;
+    do {
+      n = ::recv(socket_.native_handle(), first, sizeof(first), MSG_PEEK | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    uint8_t magic[4];  // the header's first field, little-endian
+    for (int i = 0; i < 4; ++i) magic[i] = static_cast<uint8_t>(kFrameMagic >> (8 * i));
+    if (n == static_cast<ssize_t>(sizeof(first)) && std::memcmp(first, magic, sizeof(magic)) == 0) {
+      tls_.reset();  // speak the peer's plaintext for this one error frame
+      tls_ready_ = true;
+      handshake_deadline_ = kNever;
+      FailConnection(absl::FailedPreconditionError(absl::StrCat(
+                         "plaintext frame from ", peer_,
+                         " on a TLS listener: this end serves TLS on the data plane (data_tls); "
+                         "every daemon of a job needs the same data_tls settings")),
+                     /*notify_peer=*/true);
+      CompletePendingHeader(close_reason_);
+      return;
+    }
+    Handshake();
+  }
+
+  // A header read asked for before the handshake completed, which no socket read serves yet.
+  void CompletePendingHeader(const absl::Status& status) {
+    if (read_state_ != ReadState::kHeader || !header_done_) return;
+    read_state_ = ReadState::kIdle;
+    auto done = std::move(header_done_);
+    done(status);
+  }
+
+  void Handshake() {
+    tls_->async_handshake(
+        role_ == Role::kClient ? asio::ssl::stream_base::client : asio::ssl::stream_base::server,
+        asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec) {
+          self->OnTlsHandshake(ec);
         }));
+  }
+
+  void OnTlsHandshake(const ErrorCode& ec) {
+    handshake_deadline_ = kNever;
+    if (closed_) {
+      CompletePendingHeader(ClosedError());
+      return;
+    }
+    if (ec) {
+      absl::Status status;
+      if (timer_fired_) {
+        status = absl::DeadlineExceededError(timeout_reason_);
+      } else {
+        std::string reason = ec.message();
+        if (ec.category() == asio::error::get_ssl_category()) {
+          const long verify = SSL_get_verify_result(tls_->native_handle());
+          if (verify != X509_V_OK) {
+            absl::StrAppend(&reason, " (", X509_verify_cert_error_string(verify), ")");
+          }
+          if (ERR_GET_REASON(ec.value()) == SSL_R_WRONG_VERSION_NUMBER ||
+              ERR_GET_REASON(ec.value()) == SSL_R_PACKET_LENGTH_TOO_LONG) {
+            absl::StrAppend(&reason,
+                            "; is the peer serving TLS? every daemon of a job needs the "
+                            "same data_tls settings");
+          }
+        }
+        status = absl::UnavailableError(absl::StrCat("TLS handshake ",
+                                                     role_ == Role::kClient ? "with " : "from ",
+                                                     peer_, " failed: ", reason));
+      }
+      PSD_LOG_WARN("closing connection {} {}: {}", role_ == Role::kClient ? "to" : "from", peer_,
+                   status.message());
+      DoClose(status);
+      CompletePendingHeader(status);
+      return;
+    }
+    tls_ready_ = true;
+    UpdateWatchdog();
+    if (read_state_ == ReadState::kHeader) ReadSomeHeader();
+    if (!writing_ && !send_queue_.empty()) StartWrite();
   }
 
   void OnWrite(const ErrorCode& ec, size_t n) {
@@ -376,6 +527,10 @@ class TcpConnection final : public Connection,
       done(ClosedError());
       return;
     }
+    if (close_after_flush_) {  // failed (an error frame on its way out): nothing more is read
+      done(close_reason_);
+      return;
+    }
     if (read_state_ != ReadState::kIdle) {
       done(absl::FailedPreconditionError(
           read_state_ == ReadState::kAwaitPayload
@@ -391,11 +546,20 @@ class TcpConnection final : public Connection,
       user_deadline_ = SteadyClock::now() + ToChrono(timeout);
       UpdateWatchdog();
     }
-    ReadSomeHeader();
+    if (tls_ready_) ReadSomeHeader();
+  }
+
+  template <typename Buffer, typename Handler>
+  void AsyncReadSome(const Buffer& buffer, Handler&& handler) {
+    if (tls_) {
+      tls_->async_read_some(buffer, std::forward<Handler>(handler));
+    } else {
+      socket_.async_read_some(buffer, std::forward<Handler>(handler));
+    }
   }
 
   void ReadSomeHeader() {
-    socket_.async_read_some(
+    AsyncReadSome(
         asio::buffer(header_buf_.data() + header_got_, kFrameHeaderSize - header_got_),
         asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec, size_t n) {
           self->OnHeaderBytes(ec, n);
@@ -424,8 +588,15 @@ class TcpConnection final : public Connection,
     auto done = std::move(header_done_);
     if (!header.ok()) {
       read_state_ = ReadState::kIdle;
-      const absl::Status status(header.status().code(), absl::StrCat("bad frame from ", peer_, ": ",
-                                                                     header.status().message()));
+      // A TLS record (handshake, version 3.x) where a frame should be: a peer with data_tls.
+      const bool tls_record =
+          !tls_ && header_buf_[0] == std::byte{0x16} && header_buf_[1] == std::byte{0x03};
+      const absl::Status status(
+          header.status().code(),
+          absl::StrCat("bad frame from ", peer_, ": ", header.status().message(),
+                       tls_record ? " (the peer speaks TLS: this end has no data_tls settings; "
+                                    "every daemon of a job needs the same)"
+                                  : ""));
       FailConnection(status, /*notify_peer=*/true);
       done(status);
       return;
@@ -466,7 +637,7 @@ class TcpConnection final : public Connection,
     UpdateWatchdog();
     // For a large payload, wake up only once a good slice has arrived (SO_RCVLOWAT): far fewer
     // wake-ups and larger copies per read, as a blocking reader gets from the kernel.
-    if (pending_header_.payload_length >= 2 * kReceiveLowWatermark) {
+    if (!tls_ && pending_header_.payload_length >= 2 * kReceiveLowWatermark) {
       SetReceiveLowWatermark(kReceiveLowWatermark);
     }
     ReadSomePayload();
@@ -484,11 +655,10 @@ class TcpConnection final : public Connection,
         payload_discard_
             ? asio::buffer(scratch_.data(), std::min<uint64_t>(remaining, scratch_.size()))
             : asio::buffer(payload_into_.data() + payload_got_, remaining);
-    socket_.async_read_some(
-        target,
-        asio::bind_executor(strand_, [self = shared_from_this()](const ErrorCode& ec, size_t n) {
-          self->OnPayloadBytes(ec, n);
-        }));
+    AsyncReadSome(target, asio::bind_executor(
+                              strand_, [self = shared_from_this()](const ErrorCode& ec, size_t n) {
+                                self->OnPayloadBytes(ec, n);
+                              }));
   }
 
   void OnPayloadBytes(const ErrorCode& ec, size_t n) {
@@ -530,7 +700,7 @@ class TcpConnection final : public Connection,
       status = absl::DeadlineExceededError(timeout_reason_);
     } else if (closed_) {
       status = ClosedError();
-    } else if (ec == asio::error::eof) {
+    } else if (ec == asio::error::eof || ec == asio::ssl::error::stream_truncated) {
       if (read_state_ == ReadState::kHeader && header_got_ > 0) {
         status = absl::UnavailableError(
             absl::StrCat("connection closed by peer ", peer_, " in the middle of a frame header (",
@@ -568,7 +738,7 @@ class TcpConnection final : public Connection,
   // that must flush. It is armed for the earliest active deadline and re-armed only when that
   // moves earlier, so steady-state traffic costs no timer operations at all.
   SteadyClock::time_point NextDeadline() const {
-    SteadyClock::time_point next = kNever;
+    SteadyClock::time_point next = handshake_deadline_;
     if (read_state_ == ReadState::kHeader)
       next = std::min({next, user_deadline_, header_deadline_});
     if (read_state_ == ReadState::kPayload) {
@@ -602,7 +772,11 @@ class TcpConnection final : public Connection,
       DoClose(close_reason_);
       return;
     }
-    if (read_state_ == ReadState::kHeader && now >= user_deadline_) {
+    if (now >= handshake_deadline_) {
+      reason = absl::StrCat("TLS handshake ", role_ == Role::kClient ? "with " : "from ", peer_,
+                            " did not complete within ",
+                            absl::FormatDuration(service_->options().header_timeout));
+    } else if (read_state_ == ReadState::kHeader && now >= user_deadline_) {
       reason =
           absl::StrCat("no frame from ", peer_, " within ", absl::FormatDuration(user_timeout_));
     } else if (read_state_ == ReadState::kHeader && now >= header_deadline_) {
@@ -653,7 +827,7 @@ class TcpConnection final : public Connection,
       ++strand_frames_;
     }
     send_queue_.push_back(std::move(op));
-    if (!writing_) StartWrite();
+    if (!writing_ && tls_ready_) StartWrite();
     // A peer that does not read must not keep the connection open.
     flush_deadline_ = SteadyClock::now() + std::chrono::seconds(1);
     UpdateWatchdog();
@@ -698,6 +872,15 @@ class TcpConnection final : public Connection,
   tcp::socket socket_;
   asio::steady_timer timer_;
   std::string peer_;
+  const Role role_;
+  const std::string server_name_;
+  // With TLS (strand only): the stream over socket_ (declared after it: destroyed first), whether
+  // its handshake completed, and the buffer small frames are coalesced into.
+  std::unique_ptr<asio::ssl::stream<tcp::socket&>> tls_;
+  bool tls_ready_ = true;
+  SteadyClock::time_point handshake_deadline_ = kNever;
+  std::vector<uint8_t> tls_staging_;
+  static constexpr size_t kTlsCoalesceBytes = 64 * 1024;
 
   // Strand-owned state.
   std::deque<PendingSend> send_queue_;
@@ -806,8 +989,10 @@ class TcpListener final : public Listener,
             self->delay_ = absl::ZeroDuration();
           }
           ConfigureSocket(socket, self->service_->options());
-          auto conn = std::make_shared<TcpConnection>(self->service_, std::move(socket));
+          auto conn = std::make_shared<TcpConnection>(self->service_, std::move(socket),
+                                                      TcpConnection::Role::kServer);
           self->service_->Register(conn);
+          conn->Start();
           done(std::shared_ptr<Connection>(conn));
         }));
   }
@@ -872,6 +1057,10 @@ class TcpContext final : public Context {
 
   absl::StatusOr<std::shared_ptr<Listener>> Listen(absl::string_view address) override {
     if (service_->closed()) return absl::FailedPreconditionError("transport context is closed");
+    if (service_->tls() != nullptr && service_->options().tls.cert_file.empty()) {
+      return absl::FailedPreconditionError(
+          "a TLS listener needs a certificate: set data_tls_cert and data_tls_key");
+    }
     std::string host, port;
     if (auto s = SplitHostPort(address, &host, &port); !s.ok()) return s;
     ErrorCode ec;
@@ -947,8 +1136,12 @@ class TcpContext final : public Context {
     if (!status.ok()) return status;
     ConfigureSocket(state->socket, service_->options());
     // Move the socket onto a fresh strand owned by the connection.
-    auto conn = std::make_shared<TcpConnection>(service_, std::move(state->socket));
+    const TlsOptions& tls = service_->options().tls;
+    auto conn = std::make_shared<TcpConnection>(service_, std::move(state->socket),
+                                                TcpConnection::Role::kClient,
+                                                tls.server_name.empty() ? host : tls.server_name);
     service_->Register(conn);
+    conn->Start();
     return std::shared_ptr<Connection>(conn);
   }
 
@@ -957,6 +1150,52 @@ class TcpContext final : public Context {
  private:
   std::shared_ptr<IoService> service_;
 };
+
+// The OpenSSL context of a TLS transport: TLS 1.2 or later, this end's certificate and key
+// (checked to match), the CA peers are verified against.
+absl::StatusOr<std::shared_ptr<asio::ssl::context>> MakeTlsContext(const TlsOptions& tls) {
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "data_tls_cert and data_tls_key go together: set both or neither");
+  }
+  if (tls.verify_clients && tls.ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "data_tls_verify_clients needs data_tls_ca: the CA client certificates are checked "
+        "against");
+  }
+  auto ctx = std::make_shared<asio::ssl::context>(asio::ssl::context::tls);
+  ctx->set_options(asio::ssl::context::default_workarounds | asio::ssl::context::no_sslv2 |
+                   asio::ssl::context::no_sslv3 | asio::ssl::context::no_tlsv1 |
+                   asio::ssl::context::no_tlsv1_1 | asio::ssl::context::single_dh_use);
+  SSL_CTX_set_min_proto_version(ctx->native_handle(), TLS1_2_VERSION);
+  ErrorCode ec;
+  auto failed = [&ec](absl::string_view what, const std::string& file) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " '", file, "' cannot be used: ", ec.message()));
+  };
+  if (!tls.cert_file.empty()) {
+    ctx->use_certificate_chain_file(tls.cert_file, ec);
+    if (ec) return failed("data_tls_cert", tls.cert_file);
+    ctx->use_private_key_file(tls.key_file, asio::ssl::context::pem, ec);
+    if (ec) return failed("data_tls_key", tls.key_file);
+    if (SSL_CTX_check_private_key(ctx->native_handle()) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("data_tls_key '", tls.key_file,
+                                                     "' is not the key of data_tls_cert '",
+                                                     tls.cert_file, "'"));
+    }
+  }
+  if (!tls.ca_file.empty()) {
+    ctx->load_verify_file(tls.ca_file, ec);
+    if (ec) return failed("data_tls_ca", tls.ca_file);
+  } else {
+    ctx->set_default_verify_paths(ec);
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the system's CA certificates cannot be loaded: ", ec.message()));
+    }
+  }
+  return ctx;
+}
 
 }  // namespace
 
@@ -973,6 +1212,11 @@ absl::StatusOr<std::shared_ptr<Context>> CreateTcpContext(const TcpOptions& opti
     return absl::InvalidArgumentError("header_timeout and payload_idle_timeout must be positive");
   }
   auto service = std::make_shared<IoService>(options);
+  if (options.tls.enabled) {
+    auto tls = MakeTlsContext(options.tls);
+    if (!tls.ok()) return tls.status();
+    service->SetTls(*std::move(tls));
+  }
   service->Start();
   return std::shared_ptr<Context>(std::make_shared<TcpContext>(std::move(service)));
 }
