@@ -26,6 +26,7 @@ if [[ "${POSEIDON_SKIP_TSAN:-0}" != 1 && $# -eq 0 ]]; then
     -DPOSEIDON_TSAN=ON -DPOSEIDON_WERROR=ON -DPOSEIDON_WITH_CUDA=OFF
   TSAN_TARGETS=(agent_unit_test agent_telemetry_reporter_test server_unit_test
     server_multiprocess_test kv_test_client transport_unit_test transport_conformance_test
+    transport_tls_test
     agent_e2e_test poseidon-agent poseidon-server poseidon-synth poseidon-coordinator)
   # The RDMA backend's tests carry the transport label too: built where libibverbs is (every
   # test labelled below must be built, or ctest reports it "Not Run").
