@@ -20,7 +20,8 @@ plan says (--fusion=plan: the planner sizes buckets from the emulated, scaled ba
 
 Modes: poseidon (--scheme auto), bf16 (poseidon with --wire=bf16: PS in bfloat16), lossy (poseidon
 where the job allows bfloat16 and each layer's wire is the plan's: --plan_lossy_wire=bf16), no-replicas
-(poseidon with --replicas=0: no backups of the PS keys), ps (--scheme ps),
+(poseidon with --replicas=0: no backups of the PS keys), tls (poseidon with TLS on every
+data-plane connection: data_tls, one throwaway certificate), ps (--scheme ps),
 no-wfbp (synth --wfbp=false), no-priority
 (agents synchronise layers in the order they become ready: --priority=false), sep-servers
 (servers on N hosts of their own; --sep_models), ddp (PyTorch DDP with gloo, ddp_worker.py).
@@ -60,6 +61,9 @@ MODES = {
     "lossy": ("auto", True, False, False),
     # Poseidon without replicas of the PS keys (--replicas=0): what replication costs.
     "no-replicas": ("auto", True, False, False),
+    # Poseidon with TLS on every data-plane connection (data_tls; one throwaway certificate for
+    # the cluster's name, tests/ops/pki.py): what encryption costs.
+    "tls": ("auto", True, False, False),
     "sep-servers": ("auto", True, True, False),
     # Ring all-reduce (Gloo) for every layer; its rendezvous needs the coordinator.
     "allreduce": ("allreduce", True, False, True),
@@ -379,6 +383,20 @@ def coordinated_env(token):
     return env
 
 
+def tls_flags(logdir):
+    """data_tls flags for every daemon: one certificate for the cluster's name (the hosts'
+    addresses are verified as that name: data_tls_server_name)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "ops"))
+    from pki import make_pki  # noqa: E402
+    tls_dir = os.path.join(logdir, "tls")
+    os.makedirs(tls_dir, exist_ok=True)
+    made, err = make_pki(tls_dir)
+    if not made:
+        raise RuntimeError(f"openssl could not make the cluster's certificate: {err}")
+    return [f"--data_tls_cert={tls_dir}/server.pem", f"--data_tls_key={tls_dir}/server.key",
+            f"--data_tls_ca={tls_dir}/ca.pem", "--data_tls_server_name=localhost"]
+
+
 def start_coordinator(cluster, build, subnet, logdir, env, flags, log_level="warn"):
     """poseidon-coordinator for job 1 in the switch namespace, reachable from every host; returns
     its address once it listens."""
@@ -411,6 +429,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
         if scheme is None:
             return run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir)
         server_hosts = list(range(n, 2 * n)) if separate else list(range(n))
+        tls = tls_flags(logdir) if mode == "tls" else []
         env, joined = None, []
         if coordinated:
             env = dict(coordinated_env(COORD_TOKEN), POSEIDON_JOB_SECRET=secret)
@@ -425,7 +444,8 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
         for j, h in enumerate(server_hosts):
             p = cluster.start(h, f"server{j}", [
                 os.path.join(b, "server", "poseidon-server"), f"--listen={cluster.addr(h)}:7100",
-                f"--job_id={job}", *(joined or [f"--job_secret={secret}"]), "--log_level=warn"],
+                f"--job_id={job}", *(joined or [f"--job_secret={secret}"]), *tls,
+                "--log_level=warn"],
                 logdir, env=env)
             servers.append(p)
         for p in servers:
@@ -449,7 +469,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 f"--replicas={0 if mode == 'no-replicas' else 1}",
                 *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
                 f"--fusion={'bytes' if 'bucket_bytes' in args.agent_sizes else 'plan'}",
-                f"--segment={seg}", "--log_level=warn"], logdir, env=env)
+                *tls, f"--segment={seg}", "--log_level=warn"], logdir, env=env)
             agents.append((p, seg))
         for p, _ in agents:
             wait_for(p, "poseidon-agent ready", 120)

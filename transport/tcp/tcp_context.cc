@@ -1168,6 +1168,18 @@ absl::StatusOr<std::shared_ptr<asio::ssl::context>> MakeTlsContext(const TlsOpti
                    asio::ssl::context::no_sslv3 | asio::ssl::context::no_tlsv1 |
                    asio::ssl::context::no_tlsv1_1 | asio::ssl::context::single_dh_use);
   SSL_CTX_set_min_proto_version(ctx->native_handle(), TLS1_2_VERSION);
+  // AEAD suites only, AES-128-GCM first: tensors are bulk data, and AES-128-GCM encrypts ~1.6x
+  // faster than AES-256-GCM (`openssl speed`, 16 KiB blocks: 3.2 against 2.0 GB/s here) at a
+  // strength well beyond what a job's lifetime needs. Both ends are Poseidon's: the listener's
+  // order decides.
+  SSL_CTX_set_ciphersuites(ctx->native_handle(),
+                           "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:"
+                           "TLS_CHACHA20_POLY1305_SHA256");
+  SSL_CTX_set_cipher_list(ctx->native_handle(),
+                          "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256:"
+                          "ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-RSA-AES256-GCM-SHA384:"
+                          "ECDHE-ECDSA-CHACHA20-POLY1305:ECDHE-RSA-CHACHA20-POLY1305");
+  SSL_CTX_set_options(ctx->native_handle(), SSL_OP_CIPHER_SERVER_PREFERENCE);
   ErrorCode ec;
   auto failed = [&ec](absl::string_view what, const std::string& file) {
     return absl::InvalidArgumentError(
