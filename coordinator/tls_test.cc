@@ -1,8 +1,6 @@
 // TLS on the coordinator's channel: a throwaway CA, server and client certificates made with the
 // openssl command line; a TLS client connects, an insecure one (or one trusting another CA) does
 // not; with a client CA configured, only clients with a certificate get in.
-#include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -20,18 +18,12 @@ using ::testing::HasSubstr;
 class CoordinatorTlsTest : public CoordinatorFixture {
  protected:
   static void SetUpTestSuite() {
-    char pattern[] = "/tmp/poseidon-coordinator-tls-XXXXXX";
-    const char* made = mkdtemp(pattern);
-    ASSERT_NE(made, nullptr);
-    dir_ = made;
     // The server certificate names 127.0.0.1 and localhost.
-    ASSERT_TRUE(poseidon::testing::MakeTestPki(dir_)) << "openssl failed";
+    dir_ = poseidon::testing::MakeTestPkiDir("poseidon-coordinator-tls");
+    ASSERT_FALSE(dir_.empty()) << "openssl failed";
   }
 
-  static void TearDownTestSuite() {
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
-  }
+  static void TearDownTestSuite() { poseidon::testing::RemoveTestPkiDir(dir_); }
 
   static std::string File(const std::string& name) { return absl::StrCat(dir_, "/", name); }
 

@@ -5,7 +5,6 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <filesystem>
 #include <functional>
 #include <future>
 #include <thread>
@@ -49,16 +48,9 @@ void PrintTo(const Backend& backend, std::ostream* os) {
 const std::string& PkiDir() {
   // Never destroyed: the exit handler below still reads it.
   static const std::string* const dir = [] {
-    char pattern[] = "/tmp/poseidon-conformance-tls-XXXXXX";
-    const char* made = mkdtemp(pattern);
-    auto* d = new std::string(made != nullptr ? made : "");
-    if (d->empty() || !poseidon::testing::MakeTestPki(*d)) {
-      ADD_FAILURE() << "could not make the TLS test certificates (openssl)";
-    }
-    std::atexit([] {
-      std::error_code ignored;
-      std::filesystem::remove_all(PkiDir(), ignored);
-    });
+    auto* d = new std::string(poseidon::testing::MakeTestPkiDir("poseidon-conformance-tls"));
+    if (d->empty()) ADD_FAILURE() << "could not make the TLS test certificates (openssl)";
+    std::atexit([] { poseidon::testing::RemoveTestPkiDir(PkiDir()); });
     return d;
   }();
   return *dir;

@@ -75,6 +75,16 @@ inline absl::StatusOr<std::shared_ptr<Connection>> SyncAccept(Listener& listener
   return f.get();
 }
 
+// A data frame of job 1 for `key`, carrying `length` bytes.
+inline FrameHeader DataHeader(uint64_t key, uint64_t length) {
+  FrameHeader h;
+  h.type = FrameType::kData;
+  h.job_id = 1;
+  h.key = key;
+  h.payload_length = length;
+  return h;
+}
+
 inline std::vector<std::byte> Pattern(size_t n, uint64_t seed) {
   std::vector<std::byte> v(n);
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;

@@ -254,13 +254,12 @@ struct PoseidonPair {
     static const std::string dir = [] {
       std::string d = absl::GetFlag(FLAGS_tls_dir);
       if (!d.empty()) return d;
-      char pattern[] = "/tmp/poseidon-bench-tls-XXXXXX";
-      const char* made = mkdtemp(pattern);
-      if (made == nullptr || !poseidon::testing::MakeTestPki(made)) {
+      d = poseidon::testing::MakeTestPkiDir("poseidon-bench-tls");
+      if (d.empty()) {
         std::fprintf(stderr, "--tls: could not make a throwaway CA with openssl\n");
         std::exit(1);
       }
-      return std::string(made);
+      return d;
     }();
     return dir;
   }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 namespace poseidon::testing {
@@ -30,6 +31,23 @@ inline bool MakeTestPki(const std::string& dir) {
       "leaf stranger other-ca 'subjectAltName=IP:127.0.0.1,DNS:localhost'; "
       ") >/dev/null 2>&1";
   return std::system(script.c_str()) == 0;
+}
+
+inline void RemoveTestPkiDir(const std::string& dir) {
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// A fresh directory under /tmp named after `prefix`, with the files made in it; "" when either
+// failed.
+inline std::string MakeTestPkiDir(const std::string& prefix) {
+  std::string pattern = "/tmp/" + prefix + "-XXXXXX";
+  if (mkdtemp(pattern.data()) == nullptr) return "";
+  if (!MakeTestPki(pattern)) {
+    RemoveTestPkiDir(pattern);
+    return "";
+  }
+  return pattern;
 }
 
 }  // namespace poseidon::testing

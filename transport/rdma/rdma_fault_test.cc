@@ -20,6 +20,7 @@
 namespace poseidon::transport {
 namespace {
 
+using testing::DataHeader;
 using testing::Pattern;
 using testing::SyncAccept;
 using testing::SyncReadFrame;
@@ -28,15 +29,6 @@ using testing::SyncReadPayload;
 namespace fv = fake_verbs;
 
 constexpr absl::Duration kWait = absl::Seconds(20);
-
-FrameHeader DataHeader(uint64_t key, uint64_t length) {
-  FrameHeader h;
-  h.type = FrameType::kData;
-  h.job_id = 1;
-  h.key = key;
-  h.payload_length = length;
-  return h;
-}
 
 // Waits at most kWait for `f`; nullopt (and a test failure naming `what`) when it did not come.
 template <typename T>

@@ -13,8 +13,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <filesystem>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -28,20 +26,12 @@ namespace poseidon::transport {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::DataHeader;
 using testing::Pattern;
 using testing::SyncAccept;
 using testing::SyncReadFrame;
 using testing::SyncReadHeader;
 using testing::SyncSend;
-
-FrameHeader DataHeader(uint64_t key, uint64_t length) {
-  FrameHeader h;
-  h.type = FrameType::kData;
-  h.job_id = 1;
-  h.key = key;
-  h.payload_length = length;
-  return h;
-}
 
 int PortOf(const std::string& address) {
   int port = 0;
@@ -63,16 +53,10 @@ int RawConnect(const std::string& address) {
 class TlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    char pattern[] = "/tmp/poseidon-transport-tls-XXXXXX";
-    const char* made = mkdtemp(pattern);
-    ASSERT_NE(made, nullptr);
-    dir_ = made;
-    ASSERT_TRUE(poseidon::testing::MakeTestPki(dir_)) << "openssl failed";
+    dir_ = poseidon::testing::MakeTestPkiDir("poseidon-transport-tls");
+    ASSERT_FALSE(dir_.empty()) << "openssl failed";
   }
-  static void TearDownTestSuite() {
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
-  }
+  static void TearDownTestSuite() { poseidon::testing::RemoveTestPkiDir(dir_); }
   static std::string File(const std::string& name) { return absl::StrCat(dir_, "/", name); }
 
   // A TLS end with `leaf`'s certificate (empty: none) trusting `ca`.
