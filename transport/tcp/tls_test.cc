@@ -25,8 +25,8 @@
 namespace poseidon::transport {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::DataHeader;
+using ::testing::HasSubstr;
 using testing::Pattern;
 using testing::SyncAccept;
 using testing::SyncReadFrame;
