@@ -5,11 +5,13 @@
 #include <openssl/x509.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/asio/ssl.hpp>
 #include <charconv>
+#include <cstring>
 #include <deque>
 #include <future>
 #include <mutex>
@@ -1182,6 +1184,11 @@ absl::StatusOr<std::shared_ptr<asio::ssl::context>> MakeTlsContext(const TlsOpti
   SSL_CTX_set_options(ctx->native_handle(), SSL_OP_CIPHER_SERVER_PREFERENCE);
   ErrorCode ec;
   auto failed = [&ec](absl::string_view what, const std::string& file) {
+    // OpenSSL reports a missing file as a bare "asio.ssl error": say what the system says.
+    if (::access(file.c_str(), R_OK) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " '", file, "' cannot be read: ", std::strerror(errno)));
+    }
     return absl::InvalidArgumentError(
         absl::StrCat(what, " '", file, "' cannot be used: ", ec.message()));
   };

@@ -285,6 +285,7 @@ TEST_F(TlsTest, BadSettingsAreRefusedWhenTheContextIsMade) {
   TcpOptions o = Tls("server");
   o.tls.cert_file = File("missing.pem");
   code_and(o, "data_tls_cert '");
+  code_and(o, "cannot be read: No such file or directory");
   o = Tls("server");
   o.tls.key_file = File("client.key");
   code_and(o, "data_tls_key '");
