@@ -68,8 +68,4 @@ ClientTlsOptions CoordinatorTls(const T& c) {
   return tls;
 }
 
-// The contents of a PEM file (at most 1 MiB, must contain "-----BEGIN "); `what` names it in
-// errors.
-absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view what);
-
 }  // namespace poseidon::coordinator

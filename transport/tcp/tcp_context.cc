@@ -5,7 +5,6 @@
 #include <openssl/x509.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
@@ -22,6 +21,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/pem.h"
+#include "common/status.h"
 #include "transport/checksum.h"
 #include "transport/error_frame.h"
 
@@ -1182,29 +1183,30 @@ absl::StatusOr<std::shared_ptr<asio::ssl::context>> MakeTlsContext(const TlsOpti
                           "ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-RSA-AES256-GCM-SHA384:"
                           "ECDHE-ECDSA-CHACHA20-POLY1305:ECDHE-RSA-CHACHA20-POLY1305");
   SSL_CTX_set_options(ctx->native_handle(), SSL_OP_CIPHER_SERVER_PREFERENCE);
+  // The files are read (and checked to be PEM) by the same helper as the coordinator's TLS
+  // files, then handed to OpenSSL from memory: its own file errors say only "asio.ssl error".
   ErrorCode ec;
   auto failed = [&ec](absl::string_view what, const std::string& file) {
-    // OpenSSL reports a missing file as a bare "asio.ssl error": say what the system says.
-    if (::access(file.c_str(), R_OK) != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, " '", file, "' cannot be read: ", std::strerror(errno)));
-    }
     return absl::InvalidArgumentError(
-        absl::StrCat(what, " '", file, "' cannot be used: ", ec.message()));
+        absl::StrCat(what, " ", file, " cannot be used: ", ec.message()));
+  };
+  auto read = [](const std::string& file, absl::string_view what) -> absl::StatusOr<std::string> {
+    auto pem = ReadPemFile(file, what);
+    if (!pem.ok()) return absl::InvalidArgumentError(pem.status().message());  // a bad setting
+    return pem;
   };
   if (!tls.cert_file.empty()) {
-    ctx->use_certificate_chain_file(tls.cert_file, ec);
+    ASSIGN_OR_RETURN(const std::string cert, read(tls.cert_file, "data_tls_cert"));
+    ASSIGN_OR_RETURN(const std::string key, read(tls.key_file, "data_tls_key"));
+    ctx->use_certificate_chain(asio::buffer(cert), ec);
     if (ec) return failed("data_tls_cert", tls.cert_file);
-    ctx->use_private_key_file(tls.key_file, asio::ssl::context::pem, ec);
+    // Checked against the certificate just loaded: a key of another one is refused here.
+    ctx->use_private_key(asio::buffer(key), asio::ssl::context::pem, ec);
     if (ec) return failed("data_tls_key", tls.key_file);
-    if (SSL_CTX_check_private_key(ctx->native_handle()) != 1) {
-      return absl::InvalidArgumentError(absl::StrCat("data_tls_key '", tls.key_file,
-                                                     "' is not the key of data_tls_cert '",
-                                                     tls.cert_file, "'"));
-    }
   }
   if (!tls.ca_file.empty()) {
-    ctx->load_verify_file(tls.ca_file, ec);
+    ASSIGN_OR_RETURN(const std::string ca, read(tls.ca_file, "data_tls_ca"));
+    ctx->add_certificate_authority(asio::buffer(ca), ec);
     if (ec) return failed("data_tls_ca", tls.ca_file);
   } else {
     ctx->set_default_verify_paths(ec);

@@ -180,7 +180,10 @@ TEST_F(TlsTest, APlaintextPeerOnATlsListenerIsToldWhy) {
   EXPECT_THAT(told.message(), HasSubstr("on a TLS listener")) << told;
   EXPECT_THAT(told.message(), HasSubstr("data_tls")) << told;
   const auto at_server = reading.get();
-  EXPECT_EQ(at_server.status().code(), absl::StatusCode::kFailedPrecondition) << at_server.status();
+  // The reason, whether the read was asked for before the close (FailedPrecondition) or after it
+  // (Unavailable: closed, with the reason).
+  EXPECT_FALSE(at_server.ok());
+  EXPECT_THAT(at_server.status().message(), HasSubstr("on a TLS listener")) << at_server.status();
   plain->Close();
   EXPECT_TRUE(Exchange(Tls("")).ok());  // the listener goes on serving TLS peers
 }
@@ -284,18 +287,21 @@ TEST_F(TlsTest, BadSettingsAreRefusedWhenTheContextIsMade) {
   };
   TcpOptions o = Tls("server");
   o.tls.cert_file = File("missing.pem");
-  code_and(o, "data_tls_cert '");
-  code_and(o, "cannot be read: No such file or directory");
+  code_and(o, "cannot read data_tls_cert");
   o = Tls("server");
   o.tls.key_file = File("client.key");
-  code_and(o, "data_tls_key '");
+  code_and(o, "data_tls_key");
   code_and(o, "key values mismatch");
   o = Tls("server");
   o.tls.key_file.clear();
   code_and(o, "set both or neither");
   o = Tls("server");
   o.tls.ca_file = File("server.csr");  // PEM, but not a certificate
-  code_and(o, "data_tls_ca '");
+  code_and(o, "data_tls_ca");
+  code_and(o, "cannot be used");
+  o = Tls("server");
+  o.tls.ca_file = File("server.ext");  // not PEM at all
+  code_and(o, "is not a PEM file");
   o = Tls("server");
   o.tls.ca_file.clear();
   o.tls.verify_clients = true;
