@@ -152,10 +152,13 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Status ApplyPlan(const v1::Plan& plan);
   void ApplyChange(uint32_t layer, uint32_t scheme, uint64_t switch_at, uint64_t epoch);
   uint32_t PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const;
-  // Ring all-reduce can run: several ranks, a coordinator for Gloo's rendezvous, and the scheme
-  // not forced to PS (which a server-side rule does) or SFB.
+  // Ring all-reduce can run: several ranks, a coordinator for Gloo's rendezvous, the scheme not
+  // forced to PS (which a server-side rule does) or SFB, and no data_tls (Gloo's transport has
+  // no TLS: no tensor may cross the network in clear; the planner, told at registration, gives
+  // those layers PS or SFB).
   bool AllreducePossible() const {
-    return config_.allreduce && coord_ != nullptr && config_.world_size > 1 &&
+    return config_.allreduce && !config_.data_tls.enabled && coord_ != nullptr &&
+           config_.world_size > 1 &&
            (config_.scheme == "auto" || config_.scheme == "allreduce");
   }
   uint64_t RunningEpoch() const;

@@ -264,9 +264,6 @@ int main(int argc, char** argv) {
                  "goes through Gloo, whose transport (Debian's libgloo) has no TLS\n");
     return 2;
   }
-  // With TLS no tensor may cross the network in clear: Gloo's ring is off, and the planner,
-  // told so at registration, gives its layers PS or SFB.
-  if (c.data_tls.enabled) c.allreduce = false;
   if (!c.peers.empty() && c.peers.size() != c.world_size) {
     std::fprintf(stderr, "poseidon-agent: --peers has %zu entries for world_size %u\n",
                  c.peers.size(), c.world_size);
