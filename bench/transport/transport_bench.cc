@@ -259,6 +259,8 @@ struct PoseidonPair {
         std::fprintf(stderr, "--tls: could not make a throwaway CA with openssl\n");
         std::exit(1);
       }
+      static const std::string* const made = new std::string(d);  // never destroyed
+      std::atexit([] { poseidon::testing::RemoveTestPkiDir(*made); });
       return d;
     }();
     return dir;
