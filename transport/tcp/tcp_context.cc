@@ -3,6 +3,7 @@
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -1154,6 +1155,28 @@ class TcpContext final : public Context {
   std::shared_ptr<IoService> service_;
 };
 
+// OpenSSL computes a certificate's X.509v3 extension data (key identifiers, flags) on its first
+// use and caches it in the X509 object: under the certificate's write lock, but read afterwards
+// through a lock-free atomic fast path. The objects of an SSL_CTX (this end's certificate and
+// chain, the CA store) are shared by every connection, so two first handshakes on two I/O threads
+// race to fill that cache (OpenSSL issues 25202 and 32609; ThreadSanitizer cannot see libcrypto's
+// atomics, so it reports the reader against the writer: CI's mutual-TLS conformance run). Filling
+// it here, before any connection exists, leaves the handshakes only reading it.
+void CacheCertificateExtensions(SSL_CTX* ctx) {
+  auto cache = [](X509* cert) {
+    if (cert != nullptr) X509_check_purpose(cert, -1, 0);  // purpose -1: cache, check nothing
+  };
+  cache(SSL_CTX_get0_certificate(ctx));
+  STACK_OF(X509)* chain = nullptr;
+  if (SSL_CTX_get0_chain_certs(ctx, &chain) == 1 && chain != nullptr) {
+    for (int i = 0; i < sk_X509_num(chain); ++i) cache(sk_X509_value(chain, i));
+  }
+  STACK_OF(X509_OBJECT)* objects = X509_STORE_get0_objects(SSL_CTX_get_cert_store(ctx));
+  for (int i = 0; objects != nullptr && i < sk_X509_OBJECT_num(objects); ++i) {
+    cache(X509_OBJECT_get0_X509(sk_X509_OBJECT_value(objects, i)));
+  }
+}
+
 // The OpenSSL context of a TLS transport: TLS 1.2 or later, this end's certificate and key
 // (checked to match), the CA peers are verified against.
 absl::StatusOr<std::shared_ptr<asio::ssl::context>> MakeTlsContext(const TlsOptions& tls) {
@@ -1215,6 +1238,7 @@ absl::StatusOr<std::shared_ptr<asio::ssl::context>> MakeTlsContext(const TlsOpti
           absl::StrCat("the system's CA certificates cannot be loaded: ", ec.message()));
     }
   }
+  CacheCertificateExtensions(ctx->native_handle());
   return ctx;
 }
 
