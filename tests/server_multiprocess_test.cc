@@ -186,9 +186,27 @@ TEST_F(ServerProcessTest, KillDuringCheckpointingNeverLeavesATornSnapshot) {
     const std::string address =
         StartServer(server, {"--checkpoint_dir=" + ckpt, "--checkpoint_every=1"});
     ASSERT_FALSE(address.empty());
-    // One worker training forever; the server checkpoints after every clock.
+    // One worker training forever; the server checkpoints after every clock. The kill comes a
+    // random moment after the first checkpoint write began (even trials: during or after the
+    // first snapshot, with nothing older on disk) or after a first snapshot completed (odd
+    // trials: during a later one, an older one on disk), not at a fixed time from the start: a
+    // loaded machine (CI, ThreadSanitizer) can take longer than any fixed delay to get there.
     auto client = StartClient(address, 0, 1, "sum", 2, kElements, 1, 0, "");
-    std::this_thread::sleep_for(milliseconds(100 + rng() % 700));
+    const bool after_a_snapshot = trial % 2 == 1;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    bool reached = false;
+    while (!reached && std::chrono::steady_clock::now() < deadline) {
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(ckpt, ec)) {
+        const bool tmp = e.path().string().find(".tmp.") != std::string::npos;
+        if (!after_a_snapshot || !tmp) reached = true;
+      }
+      if (!reached) std::this_thread::sleep_for(milliseconds(2));
+    }
+    ASSERT_TRUE(reached) << "trial " << trial << ": no checkpoint "
+                         << (after_a_snapshot ? "completed" : "begun") << " in " << ckpt
+                         << " within 60 s";
+    std::this_thread::sleep_for(milliseconds(rng() % 300));
     server->Signal(SIGKILL);
     ASSERT_TRUE(server->Wait(milliseconds(10000)).has_value());
     client->Signal(SIGKILL);
