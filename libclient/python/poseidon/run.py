@@ -172,9 +172,10 @@ def main(argv=None):
         ap.error("replicas must be in [0, 8]")
     # A server may die without ending the job when its keys have a backup.
     survivable = min(args.replicas, args.servers - 1) > 0
-    server_bin = find_binary("poseidon-server", "server")
-    agent_bin = find_binary("poseidon-agent", "agent")
     joining = bool(args.coordinator)
+    # Joining a cluster starts agents only: its servers run elsewhere (a server image, say).
+    server_bin = None if joining else find_binary("poseidon-server", "server")
+    agent_bin = find_binary("poseidon-agent", "agent")
     if joining and (not args.token or not args.job):
         ap.error("joining a cluster needs --token and --job (or POSEIDON_TOKEN, POSEIDON_JOB_ID)")
     if joining and args.lossy_wire != "none":

@@ -321,8 +321,13 @@ function parseDockerfile(file, text) {
       if (from) {
         const stage = stages.find((s) => s.name === from.slice(7));
         const [src, dst] = plain;
-        if (stage && src.replace(/\/$/, "") === "/out") {
-          for (const f of outFiles(stage)) img.files.add(path.posix.join(dst, f));
+        // `COPY --from=build /out/ /` or one image's part of a shared build stage, `/out/<name>/`.
+        const dir = src.replace(/\/$/, "");
+        if (stage && (dir === "/out" || dir.startsWith("/out/"))) {
+          const sub = dir.slice("/out".length);
+          for (const f of outFiles(stage)) {
+            if (sub === "" || f.startsWith(sub + "/")) img.files.add(path.posix.join(dst, f.slice(sub.length)));
+          }
         } else {
           img.files.add(dst.endsWith("/") ? dst + path.basename(src) : dst);
         }
@@ -610,8 +615,8 @@ const GPU_OK = [
   { file: JOB, from: "            limits: {memory: 8Gi}", to: "            limits: {memory: 8Gi, nvidia.com/gpu: 1}" },
   { file: "docker/Dockerfile.train", from: "python3-torch ", to: "python3-torch-cuda " },
   { file: "docker/Dockerfile.agent",
-    from: "install -D -m 0755 build/agent/poseidon-agent /out/usr/local/bin/poseidon-agent",
-    to: "install -D -m 0755 build/agent/poseidon-agent /out/usr/local/bin/poseidon-agent && install -D -m 0644 build/agent/libposeidon_cuda_stager.so /out/usr/lib/poseidon/libposeidon_cuda_stager.so" },
+    from: "install -D -m 0755 build/agent/poseidon-agent /out/agent/usr/local/bin/poseidon-agent",
+    to: "install -D -m 0755 build/agent/poseidon-agent /out/agent/usr/local/bin/poseidon-agent && install -D -m 0644 build/agent/libposeidon_cuda_stager.so /out/agent/usr/lib/poseidon/libposeidon_cuda_stager.so" },
 ];
 
 function selfTest(root) {
