@@ -99,10 +99,14 @@ def cleanup():
 try:
     # The base: Debian's packages only, with the same suites as this machine's apt.
     base = os.path.join(WORK, "debian-12-minbase.tar")
-    if not os.path.exists(base):
+    if not os.path.isfile(base):
         started = time.monotonic()
+        part = os.path.join(WORK, "debian-12-minbase.part.tar")  # mmdebstrap: format by suffix
+        for leftover in (base, part):
+            if os.path.isdir(leftover):
+                shutil.rmtree(leftover)
         r = subprocess.run(
-            ["mmdebstrap", "--variant=minbase", "--mode=root", "bookworm", base + ".part",
+            ["mmdebstrap", "--variant=minbase", "--mode=root", "--format=tar", "bookworm", part,
              "deb http://deb.debian.org/debian bookworm main",
              "deb http://deb.debian.org/debian bookworm-updates main",
              "deb http://deb.debian.org/debian-security bookworm-security main"],
@@ -110,7 +114,7 @@ try:
         if r.returncode != 0:
             skip_if_offline(r.stdout + r.stderr, "mmdebstrap")
         need(r.returncode == 0, "mmdebstrap makes a Debian 12 base", r.stderr)
-        os.rename(base + ".part", base)
+        os.rename(part, base)
         print(f"base image made in {time.monotonic() - started:.0f} s")
     r = podman("import", base, "docker.io/library/debian:12")
     need(r.returncode == 0, "podman imports the base as debian:12", r.stderr)

@@ -313,8 +313,12 @@ class PlanChange(unittest.TestCase):
         token = "plan-change-token"
         env = dict(os.environ, POSEIDON_JOB_TOKEN=token, POSEIDON_JOB_SECRET=token,
                    POSEIDON_COORDINATOR_TOKEN=token)
+        # A lead of 6 s (default 2 s) before each switch: on a loaded machine (CI) the ranks
+        # learnt a new plan epoch only after its switch iteration had passed, and the job failed
+        # ("the coordinator's lead was too short").
         coord = subprocess.Popen([launcher.find_binary("poseidon-coordinator", "coordinator"),
-                                  "--listen=127.0.0.1:0", f"--job_id={job}", "--log_level=warn"],
+                                  "--listen=127.0.0.1:0", f"--job_id={job}", "--log_level=warn",
+                                  "--plan_lead_time=6s"],
                                  stdout=subprocess.PIPE, text=True, env=env)
         procs = [coord]
         cli = launcher.find_binary("poseidon", "tools")
