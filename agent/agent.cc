@@ -544,7 +544,8 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   coordinator::AgentRegistration reg;
   char host[256] = {};
   reg.host = gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "unknown-host";
-  reg.gpu_index = config_.rank;
+  reg.gpu_index =
+      config_.local_rank >= 0 ? static_cast<uint32_t>(config_.local_rank) : config_.rank;
   // Every kind this agent serves (an RDMA-only agent's one listener is its RDMA endpoint).
   if (transports_.tcp) {
     reg.endpoints.push_back(coordinator::MakeEndpoint(v1::TRANSPORT_KIND_TCP, listen));

@@ -29,6 +29,10 @@ struct AgentConfig {
   std::string secret;
   std::string keyring;
   uint32_t rank = 0;
+  // This worker's index on its host (its GPU): with the host name, the agent's identity at the
+  // coordinator (a rank asked for again from another host or GPU is refused, not taken as a
+  // restart). Negative: the rank.
+  int64_t local_rank = -1;
   uint32_t world_size = 1;
   std::vector<std::string> servers;  // KV servers, in plan order
   std::vector<std::string> peers;    // every agent's SFB address, rank order (may be empty: no SFB)

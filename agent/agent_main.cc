@@ -19,6 +19,7 @@ struct Flags {
   std::string secret;
   std::string keyring;
   int64_t rank = 0;
+  int64_t local_rank = -1;
   int64_t world_size = 1;
   std::string servers;
   std::string peers;
@@ -79,6 +80,10 @@ poseidon::ConfigSchema<Flags> Schema() {
       .SecretField("keyring", &Flags::keyring,
                    "this rank's keys, as poseidon run writes them (instead of the secret)")
       .Field("rank", &Flags::rank, "this worker's rank", InRange<int64_t>(0, 65535))
+      .Field("local_rank", &Flags::local_rank,
+             "this worker's index on its host (its GPU): with the host name, the agent's "
+             "identity at the coordinator; -1: the rank",
+             InRange<int64_t>(-1, 65535))
       .Field("world_size", &Flags::world_size, "number of workers (P1)", InRange<int64_t>(1, 65536))
       .Field("servers", &Flags::servers, "KV servers, comma-separated host:port")
       .Field("peers", &Flags::peers, "every agent's SFB address, comma-separated, in rank order")
@@ -216,6 +221,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   c.rank = static_cast<uint32_t>(f.rank);
+  c.local_rank = f.local_rank;
   c.world_size = static_cast<uint32_t>(f.world_size);
   c.servers = List(f.servers);
   c.peers = List(f.peers);

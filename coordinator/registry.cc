@@ -412,7 +412,8 @@ absl::Status Registry::RegisterAgent(const Caller& caller, const v1::RegisterAge
       if (holder->host != request.host() || holder->gpu_index != request.gpu_index()) {
         return absl::AlreadyExistsError(
             absl::StrCat("duplicate rank: rank ", rank, " of job '", job.id, "' is held by ",
-                         DescribeNode(*holder, now),
+                         DescribeNode(*holder, now), "; asked for by host ", request.host(),
+                         " gpu ", request.gpu_index(),
                          "; a replacement can take the rank once that agent "
                          "deregisters or is declared dead after ",
                          Ago(options_.lease), " of silence"));

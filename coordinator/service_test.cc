@@ -133,6 +133,15 @@ TEST_F(CoordinatorServiceTest, DuplicateRankIsRefused) {
   const absl::Status status = second->RegisterAgent(Agent(1, 2, 1)).status();
   EXPECT_STATUS(status, kAlreadyExists, "duplicate rank: rank 1 of job 'job-a' is held by");
   EXPECT_THAT(std::string(status.message()), HasSubstr("gpu 0, alive"));
+  // Both are named: the holder above, and the agent that asked.
+  EXPECT_THAT(std::string(status.message()), HasSubstr("; asked for by host "));
+  EXPECT_THAT(std::string(status.message()), HasSubstr(" gpu 1;"));
+  // The same GPU index on another host is another agent too, not the holder restarted.
+  auto elsewhere = Client();
+  const absl::Status other = elsewhere->RegisterAgent(Agent(0, 2, 1, "node-b")).status();
+  EXPECT_STATUS(other, kAlreadyExists, "duplicate rank: rank 1 of job 'job-a' is held by");
+  EXPECT_THAT(std::string(other.message()), HasSubstr("on host 127.0.0.1 gpu 0"));
+  EXPECT_THAT(std::string(other.message()), HasSubstr("asked for by host node-b gpu 0;"));
 
   // With every rank held, an agent without a requested rank is refused too.
   auto third = Client();

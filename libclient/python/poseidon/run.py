@@ -306,6 +306,7 @@ def main(argv=None):
                 segment = f"/poseidon-{job}-{r}"
                 segments.append(segment)
                 p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--rank={r}",
+                                        f"--local_rank={local}",
                                         f"--world_size={world}", f"--coordinator={coordinator}",
                                         f"--listen={args.listen_host}:0",
                                         f"--scheme={args.scheme}", f"--wire={args.wire}",
