@@ -79,8 +79,31 @@ def podman(*argv, timeout=300, **kw):
 def skip_if_offline(text, what):
     if any(s in text for s in FETCH_FAILED):
         print(f"SKIP: {what} could not reach Debian's mirror:\n{text[-1500:]}")
-        cleanup()
-        sys.exit(77)
+        sys.exit(77)  # the finally below cleans up
+
+
+def wait_listening(name, timeout=60):
+    """Waits until container `name` prints its "listening on" line (a server's comes after its
+    registration with the coordinator); False if it exits or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if " listening on " in podman("logs", name).stdout:
+            return True
+        state = podman("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
+        if state != "true":
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def build_stage(dockerfile):
+    """The instructions of a Dockerfile's first stage (the build stage every image shares),
+    without comments and blank lines."""
+    with open(dockerfile) as f:
+        text = f.read()
+    start = text.index("FROM debian:12 AS build")
+    lines = text[start:text.index("\nFROM ", start)].splitlines()
+    return "\n".join(l for l in lines if l.strip() and not l.lstrip().startswith("#"))
 
 
 def cleanup():
@@ -118,6 +141,11 @@ try:
         print(f"base image made in {time.monotonic() - started:.0f} s")
     r = podman("import", base, "docker.io/library/debian:12")
     need(r.returncode == 0, "podman imports the base as debian:12", r.stderr)
+
+    # One build stage for the four images (an engine builds it once): it must stay the same text.
+    stages = {n: build_stage(os.path.join(SOURCE, "docker", f"Dockerfile.{n}")) for n in IMAGES}
+    check(len(set(stages.values())) == 1,
+          "the Dockerfiles' build stages are the same text (else each image compiles it again)")
 
     for name in IMAGES:
         started = time.monotonic()
@@ -158,13 +186,17 @@ try:
     r = podman("run", "-d", "--name", f"{tag}-coordinator", "--network", network, "--ip", coord,
                *RUN_OPTS, "-e", f"POSEIDON_JOB_TOKEN={token}", "poseidon/coordinator:latest",
                f"--listen={coord}:7070", f"--job_id={job}", "--min_servers=1")
-    need(r.returncode == 0, "the coordinator image starts", r.stderr)
+    need(r.returncode == 0 and wait_listening(f"{tag}-coordinator"),
+         "the coordinator image starts and listens within 60 s",
+         r.stderr + podman("logs", f"{tag}-coordinator").stderr)
     r = podman("run", "-d", "--name", f"{tag}-server", "--network", network, "--ip", server,
                *RUN_OPTS, "-e", f"POSEIDON_JOB_SECRET={secret}",
                "-e", f"POSEIDON_COORDINATOR_TOKEN={token}", "poseidon/server:latest",
                "--listen=0.0.0.0:7100", f"--advertise={server}:7100", f"--job_id={job}",
                f"--coordinator={coord}:7070")
-    need(r.returncode == 0, "the server image starts", r.stderr)
+    need(r.returncode == 0 and wait_listening(f"{tag}-server"),
+         "the server image starts, registers with the coordinator and listens within 60 s",
+         r.stderr + podman("logs", f"{tag}-server").stderr)
     script = os.path.join(SOURCE, "tests", "ops", "containers_train.py")
     r = podman("run", "--rm", "--name", f"{tag}-train", "--network", network, "--ip", train,
                *RUN_OPTS, "-e", f"POSEIDON_TOKEN={token}", "-e", f"POSEIDON_SECRET={secret}",
