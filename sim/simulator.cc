@@ -156,6 +156,7 @@ class Simulation {
     down_rate_.assign(hosts_, bw);
     up_free_.assign(hosts_, 0);
     cpu_free_.assign(hosts_, 0);
+    shared_cpu_free_.assign(options.shared_cpus, 0);
     up_bucket_.assign(hosts_, Bucket{});
     down_bucket_.assign(hosts_, Bucket{});
     down_free_.assign(hosts_, 0);
@@ -497,9 +498,20 @@ class Simulation {
     }
     ++message_count_;
     Message& msg = messages_[id];
-    // The sender's per-message work (alpha), one message after the other, pipelined with the
-    // link: while message k crosses the link, message k+1 is being prepared.
-    const double cpu_end = std::max(now_, cpu_free_[msg.src]) + options_.alpha_seconds;
+    // The sender's per-message work (alpha and per byte), one message after the other,
+    // pipelined with the link: while message k crosses the link, message k+1 is being prepared.
+    // On shared CPUs it also waits for the first of them to be free (FIFO: messages are sent in
+    // the order of simulated time).
+    const double work =
+        options_.alpha_seconds + options_.cpu_seconds_per_byte * static_cast<double>(msg.bytes);
+    cpu_work_ += work;
+    double cpu_start = std::max(now_, cpu_free_[msg.src]);
+    if (!shared_cpu_free_.empty()) {
+      auto cpu = std::min_element(shared_cpu_free_.begin(), shared_cpu_free_.end());
+      cpu_start = std::max(cpu_start, *cpu);
+      *cpu = cpu_start + work;
+    }
+    const double cpu_end = cpu_start + work;
     cpu_free_[msg.src] = cpu_end;
     if (msg.src == msg.dst) {
       msg.up_end = cpu_end;
@@ -605,6 +617,7 @@ class Simulation {
       r.tasks_per_iteration += static_cast<uint32_t>(l.units.size());
     }
     r.messages = message_count_;
+    r.cpu_seconds_per_iteration = cpu_work_ / static_cast<double>(options_.iterations);
     r.events = event_count_;
     r.max_port_queue = max_port_queue_;
     r.max_port_queue_host = max_port_queue_host_;
@@ -621,6 +634,8 @@ class Simulation {
   uint32_t P1_ = 1, P2_ = 1, hosts_ = 1;
   double latency_ = 0;
   std::vector<double> up_rate_, down_rate_, up_free_, down_free_, up_busy_, down_busy_, cpu_free_;
+  std::vector<double> shared_cpu_free_;  // per shared CPU (SimOptions::shared_cpus)
+  double cpu_work_ = 0;                  // the senders' CPU work, every host, every iteration
   std::vector<Bucket> up_bucket_, down_bucket_;
   std::vector<uint32_t> port_queue_;
   uint32_t max_port_queue_ = 0, max_port_queue_host_ = 0;
@@ -649,9 +664,11 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
   if (options.iterations < 2) {
     return absl::InvalidArgumentError("iterations must be at least 2 (the first is warm-up)");
   }
-  if (options.alpha_seconds < 0 || options.compute_overhead_seconds < 0 ||
-      options.jitter.iteration_sigma < 0 || options.jitter.layer_sigma < 0) {
-    return absl::InvalidArgumentError("alpha, compute overhead and jitter must be >= 0");
+  if (!(options.alpha_seconds >= 0) || !(options.compute_overhead_seconds >= 0) ||
+      !(options.cpu_seconds_per_byte >= 0) || !(options.jitter.iteration_sigma >= 0) ||
+      !(options.jitter.layer_sigma >= 0)) {
+    return absl::InvalidArgumentError(
+        "alpha, CPU per byte, compute overhead and jitter must be numbers >= 0");
   }
   planner::PlannerConfig forced = config;
   for (const poseidon::v1::LayerSpec& layer : model.layers()) {

@@ -1,5 +1,6 @@
 #include "sim/simulator.h"
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -205,6 +206,46 @@ TEST(SimulatorTest, PerMessageCostBoundsSmallMessages) {
   EXPECT_EQ(r->tasks_per_iteration, 100u);
   // 0.002 ms of compute; the transfers of 4 KB at 1 TB/s add 4 ns each.
   EXPECT_THAT(r->period_seconds, DoubleNear(1.010 * kMs + 0.002 * kMs, 1e-7));
+}
+
+// Shared CPUs (an emulated cluster: every host a process on one machine). Four workers push one
+// 4 KB chunk each to one server on its own host at 1 TB/s; a message costs its sender alpha
+// 60 us + 10 ns per byte = 100.96 us of CPU. Each host with CPUs of its own: the pushes go at
+// once, the server answers the four one after the other, and in the steady state the last
+// worker's next push leaves 2 us (its compute) + one message after its answer: a period of
+// 2 us + 5 messages. On one shared CPU all eight messages of an iteration take turns: 8
+// messages (the compute hides behind the others' turns). On as many CPUs as hosts, nothing waits
+// for a CPU and it is the first case again.
+TEST(SimulatorTest, SharedCpusMakeEveryHostsSendingTakeTurns) {
+  const auto model = Model({{"a", kOther, {1024}, 0.001, 0.001}});
+  const planner::PlannerConfig c = Cluster(4, 1, false, 1e12);
+  constexpr double kWork = 60e-6 + 10e-9 * 4096;
+  auto run = [&](uint32_t shared_cpus) {
+    SimOptions o = Options(21);
+    o.alpha_seconds = 60e-6;
+    o.cpu_seconds_per_byte = 10e-9;
+    o.shared_cpus = shared_cpus;
+    absl::StatusOr<SimResult> r = Simulate(model, c, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : SimResult{};
+  };
+  const SimResult own = run(0), one = run(1), enough = run(5);
+  EXPECT_THAT(own.cpu_seconds_per_iteration, DoubleNear(8 * kWork, kEps));
+  EXPECT_THAT(one.cpu_seconds_per_iteration, DoubleNear(8 * kWork, kEps));
+  EXPECT_THAT(own.period_seconds, DoubleNear(0.002 * kMs + 5 * kWork, 1e-7));
+  // (each message's 4 ns on the links, out of the CPU's shadow, adds about 0.1 us)
+  EXPECT_THAT(one.period_seconds, DoubleNear(8 * kWork, 0.5e-6));
+  EXPECT_EQ(enough.period_seconds, own.period_seconds);
+  EXPECT_EQ(enough.events, own.events);
+}
+
+TEST(SimulatorTest, RejectsNegativeOrNanCpuPerByte) {
+  const auto model = Model({{"a", kOther, {1024}, 1, 1}});
+  SimOptions o = Options();
+  o.cpu_seconds_per_byte = -1e-9;
+  EXPECT_FALSE(Simulate(model, Cluster(2, 2, true, 1e9), o).ok());
+  o.cpu_seconds_per_byte = std::nan("");
+  EXPECT_FALSE(Simulate(model, Cluster(2, 2, true, 1e9), o).ok());
 }
 
 // A token-bucket link (tc tbf): after the compute the bucket is full again, so the first

@@ -49,7 +49,9 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
     std::ofstream out(path);
     out << R"({"alpha_seconds": 4e-05, "jitter": {"kind": "lognormal", "iteration_sigma": 0.02},
               "emulation": {"compute_overhead_seconds": 1e-04,
-                            "overhead_per_extra_host_seconds": 1e-05}, "validation": []})";
+                            "overhead_per_extra_host_seconds": 1e-05,
+                            "cpu_seconds_per_byte": 2e-11, "shared_cpus": 2},
+              "validation": []})";
   }
   const std::string with = std::string(kGooglenet) + " --workers 3 --calibration " + path;
   const google::protobuf::Struct plain = Json(Stdout(with));
@@ -58,10 +60,30 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
   EXPECT_EQ(Field(settings, "jitter").string_value(), "lognormal");
   const auto& row = Field(plain, "rows").list_value().values(0).struct_value();
   EXPECT_EQ(Field(row, "compute_overhead_seconds").number_value(), 0);  // not without --emulation
+  EXPECT_EQ(Field(settings, "cpu_seconds_per_byte").number_value(), 0);
+  EXPECT_EQ(Field(settings, "shared_cpus").number_value(), 0);
   const google::protobuf::Struct emulated = Json(Stdout(with + " --emulation --alpha 0us"));
   EXPECT_EQ(Field(Field(emulated, "settings").struct_value(), "alpha_seconds").number_value(), 0);
   const auto& row3 = Field(emulated, "rows").list_value().values(0).struct_value();
   EXPECT_NEAR(Field(row3, "compute_overhead_seconds").number_value(), 1e-04 + 2 * 1e-05, 1e-12);
+  const auto& emulated_settings = Field(emulated, "settings").struct_value();
+  EXPECT_NEAR(Field(emulated_settings, "cpu_seconds_per_byte").number_value(), 2e-11, 1e-20);
+  EXPECT_EQ(Field(emulated_settings, "shared_cpus").number_value(), 2);
+  // A flag still wins over the calibration.
+  const google::protobuf::Struct own = Json(Stdout(with + " --emulation --shared_cpus 0"));
+  EXPECT_EQ(Field(Field(own, "settings").struct_value(), "shared_cpus").number_value(), 0);
+}
+
+TEST(SimulateCliTest, ACalibrationsSharedCpusMustBeAWholeNumber) {
+  const std::string path = ::testing::TempDir() + "/bad_calibration.json";
+  {
+    std::ofstream out(path);
+    out << R"({"emulation": {"shared_cpus": 1.5}})";
+  }
+  const CliRun run = Stderr(std::string(kGooglenet) + " --workers 2 --emulation --calibration " +
+                            path);
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("shared_cpus"), std::string::npos) << run.output;
 }
 
 // With a lossy wire allowed on a slow network the plan puts PS layers on bfloat16 and the

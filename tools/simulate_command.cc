@@ -59,6 +59,8 @@ struct SimulateFlags {
   bool emulation = false;
   absl::Duration link_burst = absl::ZeroDuration();
   bool json = false;
+  double cpu_ns_per_byte = 0;
+  uint32_t shared_cpus = 0;
 };
 
 // Positions of the fields a calibration sets, in declaration order (LoadedConfig::origins): a new
@@ -68,6 +70,8 @@ constexpr size_t kOverheadField = 18;
 constexpr size_t kJitterField = 19;
 constexpr size_t kJitterSigmaField = 20;
 constexpr size_t kLayerJitterSigmaField = 21;
+constexpr size_t kCpuPerByteField = 28;
+constexpr size_t kSharedCpusField = 29;
 
 ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
   ConfigSchema<SimulateFlags> schema("poseidon simulate", "POSEIDON_SIMULATE_");
@@ -130,8 +134,9 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
       .Field("seed", &SimulateFlags::seed, "seed of the jitter")
       .Field("emulation", &SimulateFlags::emulation,
              "with --calibration: add its emulation terms, the compute overhead per pass of the "
-             "emulated cluster (sleep overshoot, and CPU shared by all its hosts: c0 + c1·(N−1)); "
-             "for comparing with bench/cluster runs, not for predicting a real cluster")
+             "emulated cluster (sleep overshoot, gradient writes: c0 + c1·(N−1)), the senders' "
+             "CPU per byte and the machine's CPUs shared by every emulated host's sending; for "
+             "comparing with bench/cluster runs, not for predicting a real cluster")
       .Field("link_burst", &SimulateFlags::link_burst,
              "every link a token bucket of this many seconds of its rate (bench/cluster's tc "
              "tbf: 10ms); 0: plain rate")
@@ -140,7 +145,17 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
       .Field("lossy_wire", &SimulateFlags::lossy_wire,
              "none: every PS byte float32; bf16 or fp16: the plan puts a PS layer on that 16-bit "
              "wire where the cost model says it pays (half its bytes; docs/planner.md)",
-             OneOf({"none", "bf16", "fp16"}));
+             OneOf({"none", "bf16", "fp16"}))
+      .Field("cpu_ns_per_byte", &SimulateFlags::cpu_ns_per_byte,
+             "the sender's CPU per byte of a message, in ns, beside alpha (0; with --emulation "
+             "the calibration's)",
+             [](const double& v) {
+               return v >= 0 ? absl::OkStatus() : absl::InvalidArgumentError("must be >= 0");
+             })
+      .Field("shared_cpus", &SimulateFlags::shared_cpus,
+             "0: every host has its own CPUs; k: the senders' per-message work of all hosts "
+             "shares k CPUs (an emulated cluster on one machine; with --emulation the "
+             "calibration's)");
   return schema;
 }
 
@@ -179,6 +194,8 @@ struct Calibration {
   double alpha_seconds = 0;
   double compute_overhead_seconds = 0;           // emulation: c0
   double overhead_per_extra_host_seconds = 0;    // emulation: c1
+  double cpu_seconds_per_byte = 0;               // emulation: the senders' CPU per byte
+  double shared_cpus = 0;                        // emulation: the machine's CPUs
   std::string jitter = "none";
   double iteration_sigma = 0;
   double layer_sigma = 0;
@@ -224,6 +241,15 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
                                 &c.overhead_per_extra_host_seconds);
         !s.ok()) {
       return s;
+    }
+    if (absl::Status s = number(e, "cpu_seconds_per_byte", &c.cpu_seconds_per_byte); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = number(e, "shared_cpus", &c.shared_cpus); !s.ok()) return s;
+    if (c.shared_cpus != static_cast<double>(static_cast<uint32_t>(c.shared_cpus)) ||
+        c.shared_cpus > 4096) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "calibration ", path, ": 'shared_cpus' must be a whole number of CPUs (0..4096)"));
     }
   }
   if (auto it = root.fields().find("jitter"); it != root.fields().end()) {
@@ -290,6 +316,12 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
       overhead_per_host = c->overhead_per_extra_host_seconds;
       flags.compute_overhead = absl::Seconds(overhead_base);
     }
+    if (flags.emulation && from_default(kCpuPerByteField)) {
+      flags.cpu_ns_per_byte = c->cpu_seconds_per_byte * 1e9;
+    }
+    if (flags.emulation && from_default(kSharedCpusField)) {
+      flags.shared_cpus = static_cast<uint32_t>(c->shared_cpus);
+    }
     if (from_default(kJitterField)) flags.jitter = c->jitter;
     if (from_default(kJitterSigmaField)) flags.jitter_sigma = c->iteration_sigma;
     if (from_default(kLayerJitterSigmaField)) flags.layer_jitter_sigma = c->layer_sigma;
@@ -327,6 +359,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   options.bucket_bytes = flags.fusion == "bytes" ? flags.bucket_bytes : 0;
   options.alpha_seconds = absl::ToDoubleSeconds(flags.alpha);
   options.compute_overhead_seconds = absl::ToDoubleSeconds(flags.compute_overhead);
+  options.cpu_seconds_per_byte = flags.cpu_ns_per_byte * 1e-9;
+  options.shared_cpus = flags.shared_cpus;
   options.jitter = {*jitter, flags.jitter_sigma, flags.layer_jitter_sigma};
   options.sfb_rebuild = flags.sfb_rebuild;
   options.seed = flags.seed;
@@ -424,6 +458,10 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Bool(flags.emulation);
     w.Key("link_burst_bytes");
     w.Unsigned(options.link_burst_bytes);
+    w.Key("cpu_seconds_per_byte");
+    w.Number(options.cpu_seconds_per_byte);
+    w.Key("shared_cpus");
+    w.Unsigned(options.shared_cpus);
     w.EndObject();
     w.Key("rows");
     w.BeginArray();
@@ -468,6 +506,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
       w.Number(r.link_busy_fraction);
       w.Key("compute_overhead_seconds");
       w.Number(row.overhead_seconds);
+      w.Key("cpu_seconds_per_iteration");
+      w.Number(r.cpu_seconds_per_iteration);
       w.Key("wall_seconds");
       w.Number(row.wall_seconds);
       w.EndObject();
@@ -479,8 +519,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   } else {
     std::string out = absl::StrFormat(
         "poseidon simulate: %s, K = %u, %s, %s per host and direction, latency %s, %s; scheme "
-        "%s%s%s; alpha %s, compute overhead %s per pass%s, jitter %s (σ %g per iteration, %g per "
-        "layer); %u iterations, seed %u\n\n",
+        "%s%s%s; alpha %s%s, compute overhead %s per pass%s, jitter %s (σ %g per iteration, %g "
+        "per layer)%s; %u iterations, seed %u\n\n",
         model->name(), batch_for_samples,
         base.gpu ? absl::StrFormat("%s (%g TFLOP/s)", base.gpu->name,
                                    base.gpu->flops_per_second / 1e12)
@@ -488,12 +528,19 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
         FormatBandwidth(flags.bandwidth), absl::FormatDuration(flags.latency),
         flags.colocated ? "servers colocated" : "servers on hosts of their own", flags.scheme,
         flags.wfbp ? "" : ", no WFBP", flags.priority ? "" : ", no priority",
-        absl::FormatDuration(flags.alpha), absl::FormatDuration(flags.compute_overhead),
+        absl::FormatDuration(flags.alpha),
+        flags.cpu_ns_per_byte > 0 ? absl::StrFormat(" + %g ns per byte", flags.cpu_ns_per_byte)
+                                  : std::string(),
+        absl::FormatDuration(flags.compute_overhead),
         overhead_per_host > 0
             ? absl::StrCat(" + ", absl::FormatDuration(absl::Seconds(overhead_per_host)),
                            " per extra host (emulation)")
             : std::string(),
-        flags.jitter, flags.jitter_sigma, flags.layer_jitter_sigma, flags.iterations, flags.seed);
+        flags.jitter, flags.jitter_sigma, flags.layer_jitter_sigma,
+        flags.shared_cpus > 0
+            ? absl::StrFormat(", every host's sending on %u shared CPUs", flags.shared_cpus)
+            : std::string(),
+        flags.iterations, flags.seed);
     absl::StrAppend(&out,
                     "| N | s/iter | compute s | exposed s | waiting s | samples/s | speed-up | "
                     "efficiency | SFB layers | max port queue | busiest link | sim s |\n"

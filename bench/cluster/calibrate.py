@@ -11,11 +11,15 @@ validates it there.
    - the emulation's compute overhead c0 per layer pass (sleep overshoot, gradient writing) from
      the N = 1 runs (no network: nothing else separates them from the spec's compute);
    - alpha, the per-message overhead, from the no-wfbp runs at N = 2 and 4 (the only ones whose
-     communication is exposed), and c1, the overhead per pass each further emulated host adds
-     (all hosts share this machine's CPUs), from every mode at N = 2 and 4; twice round.
-   N = 8 is left out of the fit: it is the check of what the fit predicts. c0 and c1 are the
-   emulation's (a real cluster has CPUs per host and no sleeps): `poseidon simulate` applies them
-   only with --emulation.
+     communication is exposed); beta, the senders' CPU per byte (the emulated links are veth
+     pairs through this machine's TCP stack: every byte costs CPU), and c1, the overhead per
+     pass each further emulated host adds, from every mode at N = 2 and 4; three times round.
+     Every simulation of the fit and the check runs the senders' work (alpha + beta x bytes) of
+     all emulated hosts on the machine's CPUs, shared (`--shared_cpus`, os.cpu_count() when
+     measured): the 3N processes of an N-host emulation take turns on them.
+   N = 8 is left out of the fit: it is the check of what the fit predicts. c0, c1, beta and the
+   shared CPUs are the emulation's (a real cluster has CPUs per host and no sleeps): `poseidon
+   simulate` applies them only with --emulation.
 3. Write bench/cluster/calibration.json (what `poseidon simulate --calibration` reads: alpha,
    overhead, jitter, and the measurements and validation it came from) and print the validation
    table: measured, simulated, error, for every run.
@@ -24,6 +28,7 @@ validates it there.
     bench/cluster/calibrate.py --from_results bench/cluster/results/calib-<time>   # refit only
 """
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -79,7 +84,7 @@ def patch_harness():
 
 def measure(args, out):
     patch_harness()
-    load = {"before": os.getloadavg(), "commit": git_commit(),
+    load = {"before": os.getloadavg(), "commit": git_commit(), "cpus": os.cpu_count(),
             "build_time": datetime.datetime.fromtimestamp(os.path.getmtime(
                 os.path.join(args.build, "agent", "poseidon-agent"))).isoformat()}
     sets = [("poseidon", "1,2,4,8", "poseidon"), ("modes", "2,4,8", "ps,no-wfbp")]
@@ -111,8 +116,9 @@ def load_rows(out):
     return rows
 
 
-def simulate(cli, model, mode, n, iterations, alpha, overhead, sigma):
+def simulate(cli, model, mode, n, iterations, alpha, overhead, sigma, beta, cpus):
     cmd = [cli, "simulate", f"--model={model}", "--batch=32", "--bandwidth=10Gbit",
+           f"--cpu_ns_per_byte={beta * 1e9:.6f}", f"--shared_cpus={cpus}",
            f"--latency={LATENCY}", f"--link_burst={BURST}", "--colocated=true", "--gpu=titanx",
            f"--iterations={iterations}", f"--workers={n}", "--json",
            f"--alpha={alpha * 1e6:.3f}us", f"--compute_overhead={overhead * 1e6:.3f}us",
@@ -136,7 +142,7 @@ def grid_fit(values, loss):
     return best, loss(best)
 
 
-def fit(args, rows):
+def fit(args, rows, cpus):
     cli = os.path.join(args.build, "tools", "poseidon")
     n1 = [r for r in rows if r["n"] == 1 and r["mode"] == "poseidon"]
     # Jitter: the pooled coefficient of variation of the N = 1 per-iteration times.
@@ -149,36 +155,46 @@ def fit(args, rows):
             cvs.append(var / mean ** 2)
     sigma = (sum(cvs) / len(cvs)) ** 0.5 if cvs else 0.0
 
-    def loss(subset, alpha, c0, c1):
-        err = 0.0
-        for r in subset:
-            s = simulate(cli, r["model"], r["mode"], r["n"], r["iterations"], alpha,
-                         c0 + c1 * (r["n"] - 1), sigma)
-            err += ((s - r["seconds_per_iteration"]) / r["seconds_per_iteration"]) ** 2
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+
+    def loss(subset, alpha, c0, c1, beta):
+        sims = pool.map(lambda r: simulate(cli, r["model"], r["mode"], r["n"], r["iterations"],
+                                           alpha, c0 + c1 * (r["n"] - 1), sigma, beta, cpus),
+                        subset)
+        err = sum(((s - r["seconds_per_iteration"]) / r["seconds_per_iteration"]) ** 2
+                  for s, r in zip(sims, subset))
         return err / max(1, len(subset))
 
     # c0: N = 1 has no network, so only the emulation's overhead per pass separates it from the
     # spec's compute.
-    c0, _ = grid_fit([i * 5e-6 for i in range(0, 61)], lambda c: loss(n1, 0.0, c, 0.0))
-    # alpha from the runs whose communication is exposed (no WFBP), c1 (the CPU the emulated
-    # hosts share) from every mode, at N = 2 and 4; twice round, each given the other.
+    c0, _ = grid_fit([i * 5e-6 for i in range(0, 61)], lambda c: loss(n1, 0.0, c, 0.0, 0.0))
+    # alpha from the runs whose communication is exposed (no WFBP), beta and c1 (the CPU the
+    # emulated hosts share) from every mode, at N = 2 and 4; three times round, each given the
+    # others.
     exposed = [r for r in rows if r["mode"] == "no-wfbp" and r["n"] in (2, 4)]
     small = [r for r in rows if r["n"] in (2, 4)]
     alphas = [i * 10e-6 for i in range(0, 41)]
+    # per byte of the unscaled model: the emulation moves 1/s^2 of them, so 0.01 ns here is
+    # 0.64 ns per byte that crosses an emulated link at s = 8
+    betas = [0.0] + [0.001e-9 * 1.25 ** k for k in range(0, 28)]
     c1s = [i * 1e-6 for i in range(0, 31)]
-    c1 = 0.0
-    for _ in range(2):
-        alpha, _ = grid_fit(alphas, lambda a: loss(exposed, a, c0, c1))
-        c1, err = grid_fit(c1s, lambda c: loss(small, alpha, c0, c))
+    c1, beta = 0.0, 0.0
+    for _ in range(3):
+        alpha, _ = grid_fit(alphas, lambda a: loss(exposed, a, c0, c1, beta))
+        beta, _ = grid_fit(betas, lambda b: loss(small, alpha, c0, c1, b))
+        c1, err = grid_fit(c1s, lambda c: loss(small, alpha, c0, c, beta))
     return {"alpha_seconds": alpha,
             "jitter": {"kind": "lognormal" if sigma > 0 else "none", "iteration_sigma": sigma,
                        "layer_sigma": 0.0},
-            "emulation": {"compute_overhead_seconds": c0, "overhead_per_extra_host_seconds": c1},
+            "emulation": {"compute_overhead_seconds": c0, "overhead_per_extra_host_seconds": c1,
+                          "cpu_seconds_per_byte": beta, "shared_cpus": cpus},
             "fit": {"latency": LATENCY, "link_burst": BURST,
                     "jitter_from": "pooled CV of the per-iteration times, poseidon N = 1",
                     "compute_overhead_from": "poseidon N = 1 (grid 0..300 us, 5 us)",
                     "alpha_from": "no-wfbp N = 2, 4 (grid 0..400 us, 10 us)",
                     "overhead_per_extra_host_from": "all modes N = 2, 4 (grid 0..30 us, 1 us)",
+                    "cpu_per_byte_from": "all modes N = 2, 4 (grid 0, 0.001 ns x 1.25^k, k < 28)",
+                    "shared_cpus_from": "os.cpu_count() of the measuring machine",
                     "mean_squared_relative_error_n2_n4": err}}, cli, sigma
 
 
@@ -190,7 +206,7 @@ def validate(cli, rows, cal, sigma):
         e = cal["emulation"]
         s = simulate(cli, r["model"], r["mode"], r["n"], r["iterations"], cal["alpha_seconds"],
                      e["compute_overhead_seconds"] + e["overhead_per_extra_host_seconds"] *
-                     (r["n"] - 1), sigma)
+                     (r["n"] - 1), sigma, e["cpu_seconds_per_byte"], e["shared_cpus"])
         m = r["seconds_per_iteration"]
         in_fit = r["n"] in (1, 2, 4)
         table.append({"model": r["model"], "mode": r["mode"], "n": r["n"], "measured": m,
@@ -240,7 +256,11 @@ def main():
         os.makedirs(out, exist_ok=True)
         measure(args, out)
     rows = load_rows(out)
-    cal, cli, sigma = fit(args, rows)
+    cpus = os.cpu_count()
+    if os.path.exists(os.path.join(out, "loadavg.json")):
+        with open(os.path.join(out, "loadavg.json")) as f:
+            cpus = json.load(f).get("cpus") or cpus
+    cal, cli, sigma = fit(args, rows, cpus)
     table = validate(cli, rows, cal, sigma)
     with open(os.path.join(out, "poseidon", "results.json")) as f:
         first = json.load(f)
@@ -264,7 +284,8 @@ def main():
     e = cal["emulation"]
     print(f"alpha {cal['alpha_seconds'] * 1e6:.0f} us, jitter lognormal sigma {sigma:.4f} per "
           f"iteration; emulation: compute overhead {e['compute_overhead_seconds'] * 1e6:.0f} us "
-          f"per pass + {e['overhead_per_extra_host_seconds'] * 1e6:.0f} us per extra host")
+          f"per pass + {e['overhead_per_extra_host_seconds'] * 1e6:.0f} us per extra host, "
+          f"{e['cpu_seconds_per_byte'] * 1e9:.4f} ns per byte, on {e['shared_cpus']} shared CPUs")
     print(markdown(table))
     for name, sel in (("in the fit (N <= 4)", True), ("out of the fit (N = 8)", False)):
         errors = [abs(t["error"]) for t in table if t["in_fit"] == sel]
