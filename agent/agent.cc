@@ -588,20 +588,11 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   coordinator::CoordinatorClient::HeartbeatOptions hb;
   hb.iteration = [this] { return last_iteration_.load(); };
   hb.plan_epoch = [this] { return RunningEpoch(); };
-  hb.on_result = [this, reg](const absl::StatusOr<v1::HeartbeatResponse>& result) {
+  // The world this rank joined is the one it runs: a restarted coordinator gets the same rank.
+  hb.register_again = [this, reg] { return coord_->RegisterAgent(reg).status(); };
+  hb.on_result = [this](const absl::StatusOr<v1::HeartbeatResponse>& result) {
     if (!result.ok()) {
       PSD_LOG_WARN("heartbeat to the coordinator failed: {}", result.status().message());
-      if (!absl::IsNotFound(result.status())) return;
-      // A restarted coordinator starts empty and answers NOT_FOUND: register this rank again
-      // (the data plane never stopped; the world it joined is the one it runs), so that the
-      // coordinator lists the job's ranks again and watches their liveness.
-      if (auto again = coord_->RegisterAgent(reg); again.ok()) {
-        PSD_LOG_WARN("registered again with the coordinator as {} (rank {})", coord_->node_id(),
-                     config_.rank);
-      } else {
-        PSD_LOG_WARN("registering again with the coordinator failed: {}",
-                     again.status().message());
-      }
       return;
     }
     if (result->shutdown()) {

@@ -414,6 +414,17 @@ void HeartbeatLoop::Run() {
       PSD_LOG_WARN("the coordinator asks {} to shut down (declared dead or replaced)",
                    client_->node_id());
     }
+    if (!result.ok() && absl::IsNotFound(result.status()) && options_.register_again) {
+      const std::string was = client_->node_id();
+      if (absl::Status again = options_.register_again(); again.ok()) {
+        PSD_LOG_WARN("registered again with the coordinator as {} (it did not know {}: restarted?)",
+                     client_->node_id(), was);
+      } else {
+        PSD_LOG_WARN("registering again with the coordinator failed (it did not know {}: "
+                     "restarted?): {}",
+                     was, again.message());
+      }
+    }
     const absl::Duration interval = options_.interval > absl::ZeroDuration()
                                         ? options_.interval
                                         : client_->heartbeat_interval();

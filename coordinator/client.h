@@ -150,6 +150,11 @@ class CoordinatorClient {
     std::function<uint64_t()> plan_epoch;            // null: the last plan epoch seen
     // Every result, on the loop's thread (keep it short). Null: failures are logged.
     std::function<void(const absl::StatusOr<poseidon::v1::HeartbeatResponse>&)> on_result;
+    // Called on the loop's thread when a heartbeat is answered NOT_FOUND (a restarted
+    // coordinator starts empty): register this node again (the data plane never stopped), so
+    // that the coordinator lists it again and watches its liveness; the loop logs the outcome
+    // and goes on beating either way. Null: nothing is registered again.
+    std::function<absl::Status()> register_again;
   };
   std::unique_ptr<HeartbeatLoop> StartHeartbeats(HeartbeatOptions options);
 

@@ -560,6 +560,70 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsDeclaredDeadAndCanBeReplaced) {
   server_heartbeats->Stop();
 }
 
+// A restarted coordinator starts empty and answers heartbeats NOT_FOUND: a heartbeat loop with
+// register_again registers its node again (the server under its old id, the agent with its
+// rank), and the new coordinator lists both alive.
+TEST_F(CoordinatorServiceTest, HeartbeatsRegisterTheirNodeAgainWithARestartedCoordinator) {
+  CoordinatorServerOptions options = DefaultServerOptions();
+  StartServer(options);
+  std::unique_ptr<CoordinatorClient> server = Client("", kClusterToken);
+  ServerRegistration reg;
+  reg.host = "127.0.0.1";
+  reg.endpoints.push_back(MakeEndpoint(v1::TRANSPORT_KIND_TCP, "127.0.0.1:7100"));
+  ASSERT_TRUE(server->RegisterServer(reg).ok());
+  const std::string server_id = server->node_id();
+  std::unique_ptr<CoordinatorClient> agent = Client();
+  ASSERT_TRUE(agent->RegisterAgentAndRendezvous(Agent(0, 1), absl::Seconds(30)).ok());
+
+  int server_again = 0, agent_again = 0;  // written by the loops' threads, read after Stop()
+  CoordinatorClient::HeartbeatOptions server_beat;
+  server_beat.interval = absl::Milliseconds(25);
+  server_beat.register_again = [&] {
+    ++server_again;
+    ServerRegistration again = reg;
+    again.previous_node_id = server->node_id();
+    return server->RegisterServer(again).status();
+  };
+  CoordinatorClient::HeartbeatOptions agent_beat;
+  agent_beat.interval = absl::Milliseconds(25);
+  agent_beat.register_again = [&] {
+    ++agent_again;
+    return agent->RegisterAgent(Agent(0, 1)).status();
+  };
+  auto server_loop = server->StartHeartbeats(server_beat);
+  auto agent_loop = agent->StartHeartbeats(agent_beat);
+
+  // The coordinator restarts on the same address, knowing nobody.
+  options.listen = server_->address();
+  server_->Shutdown(absl::Seconds(5));
+  server_.reset();
+  StartServer(options);
+
+  auto alive = [&](const std::string& node) {
+    auto status = Client("", kClusterToken)->GetClusterStatus();
+    if (!status.ok()) return false;
+    for (const v1::NodeStatus& n : status->nodes()) {
+      if (n.node_id() == node) return n.state() == v1::NODE_STATE_ALIVE;
+    }
+    return false;
+  };
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (!(alive(server_id) && alive(agent->node_id())) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  server_loop->Stop();
+  agent_loop->Stop();
+  EXPECT_TRUE(alive(server_id)) << "the server, under its old id " << server_id;
+  EXPECT_TRUE(alive(agent->node_id())) << "the agent";
+  EXPECT_EQ(server->node_id(), server_id);
+  EXPECT_GE(server_again, 1);
+  EXPECT_GE(agent_again, 1);
+  // The agent holds its rank in the new coordinator's world.
+  auto world = agent->Rendezvous(absl::Seconds(10));
+  ASSERT_TRUE(world.ok()) << world.status();
+  EXPECT_EQ(world->rank, 0u);
+}
+
 TEST_F(CoordinatorServiceTest, AgentWaitingInRendezvousStaysAlive) {
   CoordinatorServerOptions options = DefaultServerOptions();
   options.service.registry.lease = absl::Milliseconds(200);

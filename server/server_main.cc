@@ -452,20 +452,12 @@ int Main(int argc, char** argv) {
       return 2;
     }
     coord = std::move(*client);
-    // A restarted coordinator starts empty and answers NOT_FOUND: register again under the same
-    // node id (the data plane never stopped), so that it lists this server again.
+    // A restarted coordinator registers this server again under the same node id.
     coordinator::CoordinatorClient::HeartbeatOptions hb;
-    hb.on_result = [client = coord.get(), reg](const absl::StatusOr<v1::HeartbeatResponse>& r) {
-      if (r.ok()) return;
-      PSD_LOG_WARN("heartbeat of {} failed: {}", client->node_id(), r.status().message());
-      if (!absl::IsNotFound(r.status())) return;
+    hb.register_again = [client = coord.get(), reg] {
       coordinator::ServerRegistration again = reg;
       again.previous_node_id = client->node_id();
-      if (auto s = client->RegisterServer(again); s.ok()) {
-        PSD_LOG_WARN("registered again with the coordinator as {}", client->node_id());
-      } else {
-        PSD_LOG_WARN("registering again with the coordinator failed: {}", s.status().message());
-      }
+      return client->RegisterServer(again).status();
     };
     heartbeats = coord->StartHeartbeats(std::move(hb));
     if (config.telemetry_interval > absl::ZeroDuration()) {

@@ -64,7 +64,7 @@ def trial(args, rng, number):
         for rank, segment in enumerate(segments):
             synth = Daemon(f"synth {rank}", [
                 args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
-                f"--iterations={ITERATIONS}", "--compute_scale=100", "--verify",
+                f"--iterations={ITERATIONS}", "--compute_scale=20000", "--verify",
                 *(["--print_iterations"] if rank == 0 else [])])
             daemons.append(synth)
             synths.append(synth)
@@ -86,7 +86,7 @@ def trial(args, rng, number):
         # While the job runs, every agent registers again as its rank, and `poseidon status`
         # against the new coordinator lists all of them and the live servers.
         for agent in agents:
-            agent.wait_for(r"registered again with the coordinator as \S+ \(rank \d+\)",
+            agent.wait_for(r"registered again with the coordinator as \S+",
                            timeout=20)
         for s, server in enumerate(servers):
             if s != victim:
