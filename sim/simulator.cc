@@ -48,7 +48,9 @@ struct Layer {
   double ring_seconds = 0;   // all-reduce
 };
 
-enum class EventType : uint8_t { kWake, kPost, kArrive, kDeliver, kPark, kSfbDone, kRingDone };
+enum class EventType : uint8_t {
+  kWake, kPost, kArrive, kDeliver, kPark, kSfbDone, kRingDone, kReplicated
+};
 struct Event {
   double t;
   uint64_t seq;
@@ -59,7 +61,7 @@ struct Event {
   bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
 };
 
-enum class MessageKind : uint8_t { kPush, kAnswer, kFactors };
+enum class MessageKind : uint8_t { kPush, kAnswer, kFactors, kReplicate };
 struct Message {
   MessageKind kind;
   uint32_t src, dst;  // hosts
@@ -68,6 +70,7 @@ struct Message {
   uint64_t iteration;
   uint64_t bytes;
   double up_end;
+  bool received = false;  // the receiver's CPU work is done (or under way): deliver on the next
 };
 
 struct Task {
@@ -156,6 +159,7 @@ class Simulation {
     down_rate_.assign(hosts_, bw);
     up_free_.assign(hosts_, 0);
     cpu_free_.assign(hosts_, 0);
+    rx_free_.assign(hosts_, 0);
     shared_cpu_free_.assign(options.shared_cpus, 0);
     up_bucket_.assign(hosts_, Bucket{});
     down_bucket_.assign(hosts_, Bucket{});
@@ -180,6 +184,8 @@ class Simulation {
     }
     keys_.resize(units_.size());
     key_order_.resize(units_.size());
+    replicas_pending_.assign(units_.size(), 0);
+    replicas_ = std::min(options.replicas, P2_ > 0 ? P2_ - 1 : 0);
     last_post_.assign(L * 2, Slot{});
     ring_posted_.assign(L * 2, Slot{});
     sfb_index_.assign(units_.size(), 0);
@@ -217,6 +223,9 @@ class Simulation {
           break;
         case EventType::kRingDone:
           for (uint32_t w = 0; w < P1_; ++w) LayerSynced(w, e.b);
+          break;
+        case EventType::kReplicated:
+          if (--replicas_pending_[e.a] == 0) Answer(e.a, e.c);
           break;
       }
     }
@@ -485,6 +494,20 @@ class Simulation {
     return seconds;
   }
 
+  // `work` seconds of CPU from now on, after what `host_free` (one host's FIFO) and, with shared
+  // CPUs, the first free of them hold; returns when it ends.
+  double CpuWork(double& host_free, double work) {
+    cpu_work_ += work;
+    double start = std::max(now_, host_free);
+    if (!shared_cpu_free_.empty()) {
+      auto cpu = std::min_element(shared_cpu_free_.begin(), shared_cpu_free_.end());
+      start = std::max(start, *cpu);
+      *cpu = start + work;
+    }
+    host_free = start + work;
+    return host_free;
+  }
+
   // Returns when the message has left the sender's link.
   double Send(const Message& m) {
     uint32_t id;
@@ -502,17 +525,9 @@ class Simulation {
     // pipelined with the link: while message k crosses the link, message k+1 is being prepared.
     // On shared CPUs it also waits for the first of them to be free (FIFO: messages are sent in
     // the order of simulated time).
-    const double work =
-        options_.alpha_seconds + options_.cpu_seconds_per_byte * static_cast<double>(msg.bytes);
-    cpu_work_ += work;
-    double cpu_start = std::max(now_, cpu_free_[msg.src]);
-    if (!shared_cpu_free_.empty()) {
-      auto cpu = std::min_element(shared_cpu_free_.begin(), shared_cpu_free_.end());
-      cpu_start = std::max(cpu_start, *cpu);
-      *cpu = cpu_start + work;
-    }
-    const double cpu_end = cpu_start + work;
-    cpu_free_[msg.src] = cpu_end;
+    const double cpu_end = CpuWork(
+        cpu_free_[msg.src],
+        options_.alpha_seconds + options_.cpu_seconds_per_byte * static_cast<double>(msg.bytes));
     if (msg.src == msg.dst) {
       msg.up_end = cpu_end;
       Schedule(msg.up_end, EventType::kDeliver, id);
@@ -542,10 +557,31 @@ class Simulation {
     Schedule(end, EventType::kDeliver, id);
   }
 
+  // The key's pull answers for `iteration`, one per worker in the order the pushes arrived.
+  void Answer(uint32_t unit, uint64_t iteration) {
+    std::vector<uint32_t>& order = key_order_[unit];
+    const uint32_t host = ServerHost(units_[unit].server);
+    for (uint32_t w : order) {
+      Send(Message{MessageKind::kAnswer, host, w, w, unit, iteration, units_[unit].bytes, 0});
+    }
+    order.clear();
+  }
+
   void Deliver(uint32_t id) {
+    if (Message& m = messages_[id]; !m.received) {
+      m.received = true;
+      if (m.src != m.dst) --port_queue_[m.dst];
+      if (options_.cpu_seconds_per_byte > 0 && m.bytes > 0) {
+        // The receiver's work per byte (reading, summing, copying), one message after another
+        // on that host: the message counts once it is done.
+        Schedule(CpuWork(rx_free_[m.dst],
+                         options_.cpu_seconds_per_byte * static_cast<double>(m.bytes)),
+                 EventType::kDeliver, id);
+        return;
+      }
+    }
     const Message msg = messages_[id];
     free_messages_.push_back(id);
-    if (msg.src != msg.dst) --port_queue_[msg.dst];
     switch (msg.kind) {
       case MessageKind::kPush: {
         // The acknowledgement parks the sender's credit one latency later.
@@ -559,16 +595,28 @@ class Simulation {
         }
         order.push_back(msg.worker);
         if (++key.count == P1_) {
-          const uint32_t host = ServerHost(units_[msg.unit].server);
-          for (uint32_t w : order) {
-            Send(Message{MessageKind::kAnswer, host, w, w, msg.unit, msg.iteration,
+          key = Slot{};
+          if (replicas_ == 0) {
+            Answer(msg.unit, msg.iteration);
+            break;
+          }
+          // Replicate after aggregation: the key's state to each backup (the next servers in
+          // plan order); the answers leave once every backup acknowledged it.
+          const uint32_t server = units_[msg.unit].server;
+          replicas_pending_[msg.unit] = replicas_;
+          for (uint32_t r = 1; r <= replicas_; ++r) {
+            Send(Message{MessageKind::kReplicate, ServerHost(server),
+                         ServerHost((server + r) % P2_), 0, msg.unit, msg.iteration,
                          units_[msg.unit].bytes, 0});
           }
-          key = Slot{};
-          order.clear();
         }
         break;
       }
+      case MessageKind::kReplicate:
+        // The acknowledgement is back one latency later.
+        Schedule(now_ + (msg.src == msg.dst ? 0 : latency_), EventType::kReplicated, msg.unit, 0,
+                 msg.iteration);
+        break;
       case MessageKind::kAnswer: {
         const uint32_t w = msg.worker;
         Worker& s = workers_[w];
@@ -634,6 +682,7 @@ class Simulation {
   uint32_t P1_ = 1, P2_ = 1, hosts_ = 1;
   double latency_ = 0;
   std::vector<double> up_rate_, down_rate_, up_free_, down_free_, up_busy_, down_busy_, cpu_free_;
+  std::vector<double> rx_free_;          // per host: its receiving work (per byte)
   std::vector<double> shared_cpu_free_;  // per shared CPU (SimOptions::shared_cpus)
   double cpu_work_ = 0;                  // the senders' CPU work, every host, every iteration
   std::vector<Bucket> up_bucket_, down_bucket_;
@@ -642,6 +691,8 @@ class Simulation {
   std::vector<Worker> workers_;
   std::vector<Slot> keys_;
   std::vector<std::vector<uint32_t>> key_order_;
+  std::vector<uint32_t> replicas_pending_;  // per unit: backups yet to acknowledge its clock
+  uint32_t replicas_ = 0;                   // backups per key: min(replicas, P2 - 1)
   std::vector<Slot> last_post_;
   std::vector<Slot> ring_posted_;
   std::vector<uint32_t> sfb_index_;  // per unit: its place among the SFB units

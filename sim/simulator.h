@@ -16,9 +16,10 @@
 //     uplink; it reaches the switch `latency` after its first byte left, queues at the
 //     destination's port (FIFO in order of arrival: incast shows as queueing there) and is
 //     delivered when its last byte has crossed the port: at max(port start + S/B, uplink end +
-//     latency) (cut-through). A message's CPU work is alpha plus cpu_seconds_per_byte per byte;
-//     with shared_cpus = k the work of all hosts shares k CPUs (an emulated cluster on one
-//     machine), otherwise each host has its own. With link_burst_bytes every link is a token bucket instead (the
+//     latency) (cut-through). A message's CPU work is alpha plus cpu_seconds_per_byte per byte
+//     at its sender and cpu_seconds_per_byte per byte at its receiver (after the link, one
+//     message after another per host); with shared_cpus = k the work of all hosts shares k CPUs
+//     (an emulated cluster on one machine), otherwise each host has its own. With link_burst_bytes every link is a token bucket instead (the
 //     emulated cluster's tc tbf): what its bucket holds crosses at once. Traffic between a worker and the server on its own host costs
 //     alpha and no link.
 //   - Compute. Per layer, forward and backward seconds from the planner (the spec's measured times,
@@ -37,7 +38,9 @@
 //     time of time_model.h AllreduceSeconds with steps of max(latency, alpha); it does not share
 //     the links with PS and SFB traffic.
 //   - Servers. BSP: a key's pull answers for clock t leave (one message per worker, in the order
-//     the pushes arrived) once all P1 pushes of t are in.
+//     the pushes arrived) once all P1 pushes of t are in; with replicas = k, once the key's
+//     bytes went to each of the next k servers (its backups) and their acknowledgements (one
+//     latency, no bytes) are back.
 //   - Measures, as bench/synth reports them: per worker (backward end of the last iteration plus
 //     its final waits − backward end of the first) / (iterations − 1), the slowest worker's.
 
@@ -75,17 +78,22 @@ struct SimOptions {
   bool fusion_from_plan = true;
   uint64_t bucket_bytes = uint64_t{512} << 10;  // agent --bucket_bytes
   double alpha_seconds = 0;                     // per message, at its sender
-  // The sender's CPU per byte of a message, beside alpha (copies, checksums, the TCP stack).
+  // CPU per byte of a message at each end, the sender's beside alpha before its link, the
+  // receiver's (one message after another per host) before it counts as delivered: copies,
+  // checksums, the TCP stack, a server's summation.
   double cpu_seconds_per_byte = 0;
-  // 0: every host has CPUs of its own (a real cluster). k > 0: the senders' per-message work
-  // (alpha + cpu_seconds_per_byte x bytes) of every host runs on k CPUs they share, first come
-  // first served: an emulated cluster whose hosts are processes on one k-CPU machine.
+  // 0: every host has CPUs of its own (a real cluster). k > 0: that CPU work of every host
+  // (alpha and per byte, sending and receiving) runs on k CPUs they share, first come first
+  // served: an emulated cluster whose hosts are processes on one k-CPU machine.
   uint32_t shared_cpus = 0;
   // Every link's token bucket (tc tbf, as bench/cluster shapes its links): after idling, a link
   // sends up to this many bytes at once, then at its rate. 0: a plain rate (a switch port).
   uint64_t link_burst_bytes = 0;
   double compute_overhead_seconds = 0;          // added to every layer's forward and backward
   bool sfb_rebuild = true;                      // count the SFB rebuild at the GPU rate
+  // Backups per PS key (agent --replicas; capped at servers - 1): a completed clock goes to each
+  // backup, and its answers leave once every backup acknowledged it (docs/server.md).
+  uint32_t replicas = 0;
   JitterModel jitter;
   uint64_t seed = 1;
 };
@@ -112,7 +120,8 @@ struct SimResult {
   uint32_t allreduce_layers = 0;
   uint32_t tasks_per_iteration = 0;  // one worker's scheduler tasks (chunks, buckets, SFB layers)
   uint64_t messages = 0;
-  // The senders' CPU work (alpha and per byte), summed over every host, per iteration.
+  // The CPU work of messages (alpha and per byte, both ends), summed over every host, per
+  // iteration.
   double cpu_seconds_per_iteration = 0;
   uint64_t events = 0;
   // The longest FIFO seen at a switch output port (messages waiting or crossing) and its host.

@@ -208,22 +208,53 @@ TEST(SimulatorTest, PerMessageCostBoundsSmallMessages) {
   EXPECT_THAT(r->period_seconds, DoubleNear(1.010 * kMs + 0.002 * kMs, 1e-7));
 }
 
+// Replicate after aggregation: one worker, one 1 MB chunk (1 ms a leg at 1 GB/s) on one of two
+// servers on hosts of their own. Without backups: push and answer, 2 ms + 2 ms of compute. With
+// one backup the server first sends the aggregated chunk to the other server (1 ms on its
+// uplink) and answers once the acknowledgement is back (no latency here): 5 ms. With one
+// server there is nobody to replicate to (replicas are capped at servers - 1).
+TEST(SimulatorTest, ReplicationDelaysTheAnswersByOneCopyToTheBackup) {
+  const auto model = Model({{"a", kOther, {250000}, 1, 1}});
+  auto period = [&](uint32_t servers, uint32_t replicas) {
+    SimOptions o = Options();
+    o.replicas = replicas;
+    absl::StatusOr<SimResult> r = Simulate(model, Cluster(1, servers, false, 1e9), o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->period_seconds : 0.0;
+  };
+  EXPECT_THAT(period(2, 0), DoubleNear(4 * kMs, kEps));
+  EXPECT_THAT(period(2, 1), DoubleNear(5 * kMs, kEps));
+  EXPECT_THAT(period(2, 3), DoubleNear(5 * kMs, kEps)) << "capped at one backup";
+  EXPECT_THAT(period(1, 1), DoubleNear(4 * kMs, kEps)) << "no other server";
+}
+
+// CPU per byte at both ends: one worker, one 1 MB chunk to a server on its own host over
+// links too fast to matter, 1 ns per byte: the push costs 1 ms at the worker and 1 ms at the
+// server, the answer 1 ms at the server and 1 ms at the worker: 4 ms + 2 ms of compute.
+TEST(SimulatorTest, CpuPerByteCostsBothEnds) {
+  const auto model = Model({{"a", kOther, {250000}, 1, 1}});
+  SimOptions o = Options();
+  o.cpu_seconds_per_byte = 1e-9;
+  absl::StatusOr<SimResult> r = Simulate(model, Cluster(1, 1, false, 1e15), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(6 * kMs, 1e-7));
+  EXPECT_THAT(r->cpu_seconds_per_iteration, DoubleNear(4 * kMs, kEps));
+}
+
 // Shared CPUs (an emulated cluster: every host a process on one machine). Four workers push one
-// 4 KB chunk each to one server on its own host at 1 TB/s; a message costs its sender alpha
-// 60 us + 10 ns per byte = 100.96 us of CPU. Each host with CPUs of its own: the pushes go at
-// once, the server answers the four one after the other, and in the steady state the last
-// worker's next push leaves 2 us (its compute) + one message after its answer: a period of
-// 2 us + 5 messages. On one shared CPU all eight messages of an iteration take turns: 8
-// messages (the compute hides behind the others' turns). On as many CPUs as hosts, nothing waits
-// for a CPU and it is the first case again.
+// tiny chunk each to one server on its own host at 1 TB/s; a message costs its sender alpha =
+// 100 us. Each host with CPUs of its own: the pushes go at once, the server answers the four one
+// after the other, and in the steady state the last worker's next push leaves 2 us (its
+// compute) + one message after its answer: a period of 2 us + 5 messages. On one shared CPU all
+// eight messages of an iteration take turns: 8 messages (the compute hides behind the others'
+// turns). On as many CPUs as hosts nothing waits for a CPU: the first case again.
 TEST(SimulatorTest, SharedCpusMakeEveryHostsSendingTakeTurns) {
   const auto model = Model({{"a", kOther, {1024}, 0.001, 0.001}});
   const planner::PlannerConfig c = Cluster(4, 1, false, 1e12);
-  constexpr double kWork = 60e-6 + 10e-9 * 4096;
+  constexpr double kWork = 100e-6;
   auto run = [&](uint32_t shared_cpus) {
     SimOptions o = Options(21);
-    o.alpha_seconds = 60e-6;
-    o.cpu_seconds_per_byte = 10e-9;
+    o.alpha_seconds = kWork;
     o.shared_cpus = shared_cpus;
     absl::StatusOr<SimResult> r = Simulate(model, c, o);
     EXPECT_TRUE(r.ok()) << r.status();

@@ -61,6 +61,7 @@ struct SimulateFlags {
   bool json = false;
   double cpu_ns_per_byte = 0;
   uint32_t shared_cpus = 0;
+  uint32_t replicas = 1;
 };
 
 // Positions of the fields a calibration sets, in declaration order (LoadedConfig::origins): a new
@@ -155,7 +156,10 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
       .Field("shared_cpus", &SimulateFlags::shared_cpus,
              "0: every host has its own CPUs; k: the senders' per-message work of all hosts "
              "shares k CPUs (an emulated cluster on one machine; with --emulation the "
-             "calibration's)");
+             "calibration's)")
+      .Field("replicas", &SimulateFlags::replicas,
+             "backups per PS key, as the agents' --replicas (default 1, capped at servers - 1; "
+             "0: no replication)");
   return schema;
 }
 
@@ -361,6 +365,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   options.compute_overhead_seconds = absl::ToDoubleSeconds(flags.compute_overhead);
   options.cpu_seconds_per_byte = flags.cpu_ns_per_byte * 1e-9;
   options.shared_cpus = flags.shared_cpus;
+  options.replicas = flags.replicas;
   options.jitter = {*jitter, flags.jitter_sigma, flags.layer_jitter_sigma};
   options.sfb_rebuild = flags.sfb_rebuild;
   options.seed = flags.seed;
@@ -462,6 +467,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Number(options.cpu_seconds_per_byte);
     w.Key("shared_cpus");
     w.Unsigned(options.shared_cpus);
+    w.Key("replicas");
+    w.Unsigned(options.replicas);
     w.EndObject();
     w.Key("rows");
     w.BeginArray();
@@ -519,7 +526,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   } else {
     std::string out = absl::StrFormat(
         "poseidon simulate: %s, K = %u, %s, %s per host and direction, latency %s, %s; scheme "
-        "%s%s%s; alpha %s%s, compute overhead %s per pass%s, jitter %s (σ %g per iteration, %g "
+        "%s%s%s%s; alpha %s%s, compute overhead %s per pass%s, jitter %s (σ %g per iteration, %g "
         "per layer)%s; %u iterations, seed %u\n\n",
         model->name(), batch_for_samples,
         base.gpu ? absl::StrFormat("%s (%g TFLOP/s)", base.gpu->name,
@@ -528,6 +535,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
         FormatBandwidth(flags.bandwidth), absl::FormatDuration(flags.latency),
         flags.colocated ? "servers colocated" : "servers on hosts of their own", flags.scheme,
         flags.wfbp ? "" : ", no WFBP", flags.priority ? "" : ", no priority",
+        flags.replicas > 0 ? absl::StrFormat(", %u backup(s) per key", flags.replicas)
+                           : std::string(", no backups"),
         absl::FormatDuration(flags.alpha),
         flags.cpu_ns_per_byte > 0 ? absl::StrFormat(" + %g ns per byte", flags.cpu_ns_per_byte)
                                   : std::string(),

@@ -47,6 +47,9 @@ LATENCY = "20us"  # one-way, the order of the agents' measured pings here (docs/
 # run_cluster.py's tc tbf bucket, max(64 KiB, 10 ms of the rate) on the scaled links: 10 ms of
 # the rate on the unscaled ones (the 64 KiB floor is 4 MiB unscaled, below 10 ms of 10 Gbit/s).
 BURST = "10ms"
+# run_cluster.py's modes poseidon, ps and no-wfbp run the agents with their default --replicas=1
+# (every PS key has a backup on the next server): the simulation replicates the same.
+REPLICAS = 1
 
 
 def cpu_times():
@@ -119,6 +122,7 @@ def load_rows(out):
 def simulate(cli, model, mode, n, iterations, alpha, overhead, sigma, beta, cpus):
     cmd = [cli, "simulate", f"--model={model}", "--batch=32", "--bandwidth=10Gbit",
            f"--cpu_ns_per_byte={beta * 1e9:.6f}", f"--shared_cpus={cpus}",
+           f"--replicas={REPLICAS}",
            f"--latency={LATENCY}", f"--link_burst={BURST}", "--colocated=true", "--gpu=titanx",
            f"--iterations={iterations}", f"--workers={n}", "--json",
            f"--alpha={alpha * 1e6:.3f}us", f"--compute_overhead={overhead * 1e6:.3f}us",
@@ -274,6 +278,7 @@ def main():
             saved = json.load(f)
         cal["measured"]["commit"] = saved.pop("commit", cal["measured"]["commit"])
         cal["measured"]["build_time"] = saved.pop("build_time", None)
+        cal["measured"]["cpus"] = saved.pop("cpus", None)
         cal["measured"]["loadavg"] = saved
     cal["validation"] = table
     with open(args.out, "w") as f:
