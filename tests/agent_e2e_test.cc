@@ -14,6 +14,7 @@
 #include <fstream>
 #include <filesystem>
 #include <random>
+#include <regex>
 
 #include "common/shm_layout.h"
 #ifdef POSEIDON_HAVE_CUDA
@@ -833,8 +834,38 @@ TEST(Buckets, AFusedLayerPostedOnTheGpuIsRefused) {
   EXPECT_EQ(psd_detach(ctx), PSD_OK);
 }
 
+// Which layer the agent starts a chunk of, in the order it started them: the "queue" spans of
+// its timeline (written as each chunk starts), and where each layer's "ready" came in among them
+// (-1 - layer). The timeline is written in that order under one mutex.
+std::vector<int> StartsAndReadies(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<int> out;
+  std::string line;
+  const std::regex event("\"name\": \"(queue|ready)\".*\"tid\": ([0-9]+)");
+  while (std::getline(in, line)) {
+    std::smatch m;
+    if (!std::regex_search(line, m, event)) continue;
+    const int layer = std::stoi(m[2].str());
+    out.push_back(m[1].str() == "queue" ? layer : -1 - layer);
+  }
+  return out;
+}
+
+// Layers posted top first (as backward does) are synchronised by priority: layer 0, which the
+// next forward needs first, overtakes the queued chunks of the larger layers posted before it.
+// Checked on the agent's own record of what it started when, so that how fast the posts follow
+// each other (a test thread descheduled under load) does not matter: once layer 0 is ready the
+// next chunk started is layer 0's (one other may be starting as it arrives: with 4 KiB of credit
+// and 64 KiB chunks a chunk starts only when every one in flight is parked), and once all four
+// are ready chunks start in layer order (after at most one already starting).
 TEST(Scheduling, TheLayerTheNextForwardNeedsFirstIsSynchronisedFirst) {
-  Cluster cluster(1, 1, "ps", {"--sync_threads=1", "--credit_bytes=4096", "--block_bytes=65536"});
+  const std::string timeline =
+      "/tmp/psd-timeline-sched-" + std::to_string(::getpid()) + "-{rank}.json";
+  std::string path = timeline;
+  path.replace(path.find("{rank}"), 6, "0");
+  Cluster cluster(1, 1, "ps",
+                  {"--sync_threads=1", "--credit_bytes=4096", "--block_bytes=65536",
+                   "--timeline=" + timeline});
   psd_config config;
   psd_config_init(&config);
   const std::string segment = cluster.segment(0);
@@ -848,19 +879,40 @@ TEST(Scheduling, TheLayerTheNextForwardNeedsFirstIsSynchronisedFirst) {
                               {"l3", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0, 0}};
   ASSERT_EQ(psd_register_layers(ctx, layers, 4, 30000), PSD_OK) << psd_last_error();
   for (uint32_t l = 4; l-- > 0;) ASSERT_EQ(psd_layer_ready(ctx, l, 1), PSD_OK);
-  std::vector<uint32_t> order;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (order.size() < 4 && std::chrono::steady_clock::now() < deadline) {
-    for (uint32_t l = 0; l < 4; ++l) {
-      if (std::find(order.begin(), order.end(), l) != order.end()) continue;
-      if (psd_wait_layer(ctx, l, 1, 0) == PSD_OK) order.push_back(l);
-    }
+  for (uint32_t l = 0; l < 4; ++l) {
+    ASSERT_EQ(psd_wait_layer(ctx, l, 1, 60000), PSD_OK) << "layer " << l << ": "
+                                                        << psd_last_error();
   }
-  ASSERT_EQ(order.size(), 4u);
-  EXPECT_EQ(order.front(), 0u) << "completion order " << order[0] << order[1] << order[2]
-                               << order[3];
-  EXPECT_EQ(order.back(), 3u) << "the first-posted layer still had its chunks queued";
-  psd_detach(ctx);
+  EXPECT_EQ(psd_detach(ctx), PSD_OK);
+  EXPECT_EQ(cluster.agent(0).Wait(milliseconds(20000)), 0);  // the timeline is closed
+
+  const std::vector<int> record = StartsAndReadies(path);
+  std::remove(path.c_str());
+  std::string text;
+  for (int e : record) text += (e < 0 ? "r" + std::to_string(-1 - e) : std::to_string(e)) + " ";
+  const auto ready_of = [&](int layer) {
+    return std::find(record.begin(), record.end(), -1 - layer) - record.begin();
+  };
+  ASSERT_EQ(std::count_if(record.begin(), record.end(), [](int e) { return e >= 0; }),
+            1 + 3 * 64)
+      << "one chunk for l0, 64 of 64 KiB for each 4 MiB layer: " << text;
+  for (int l = 0; l < 4; ++l) ASSERT_LT(ready_of(l), static_cast<long>(record.size())) << text;
+  // After l0 is ready: at most one other chunk starts before l0's.
+  const long l0_ready = ready_of(0);
+  const long l0_start = std::find(record.begin() + l0_ready, record.end(), 0) - record.begin();
+  ASSERT_LT(l0_start, static_cast<long>(record.size())) << text;
+  long others = 0;
+  for (long i = l0_ready + 1; i < l0_start; ++i) others += record[static_cast<size_t>(i)] > 0;
+  EXPECT_LE(others, 1) << "chunks started after l0 was ready and before l0's: " << text;
+  // After all four are ready: layer order, after at most one chunk already starting.
+  const long all_ready = std::max({ready_of(0), ready_of(1), ready_of(2), ready_of(3)});
+  std::vector<int> after;
+  for (long i = all_ready + 1; i < static_cast<long>(record.size()); ++i) {
+    if (record[static_cast<size_t>(i)] >= 0) after.push_back(record[static_cast<size_t>(i)]);
+  }
+  if (!after.empty()) after.erase(after.begin());
+  EXPECT_TRUE(std::is_sorted(after.begin(), after.end()))
+      << "chunk starts once every layer was ready: " << text;
 }
 
 }  // namespace
