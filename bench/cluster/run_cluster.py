@@ -53,6 +53,8 @@ MODES = {
     # name: (agent scheme, synth wfbp, servers on separate hosts, through a coordinator)
     "poseidon": ("auto", True, False, False),
     "ps": ("ps", True, False, False),
+    # SFB for every FC layer (the rest PS), whatever the cost model says.
+    "sfb": ("sfb", True, False, False),
     "no-wfbp": ("auto", False, False, False),
     "no-priority": ("auto", True, False, False),  # arrival order (--priority=false)
     "bf16": ("auto", True, False, False),  # PS pushes and pulls in bfloat16 (--wire=bf16)
