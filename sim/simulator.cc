@@ -70,7 +70,7 @@ struct Message {
   uint64_t iteration;
   uint64_t bytes;
   double up_end;
-  bool received = false;  // the receiver's CPU work is done (or under way): deliver on the next
+  bool received = false;  // off the link; its receiver's CPU work (if any) is done or under way
 };
 
 struct Task {
