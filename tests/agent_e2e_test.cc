@@ -803,8 +803,6 @@ TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
 namespace poseidon::testing {
 namespace {
 
-// Layers posted top first (as backward does) are synchronised by priority: layer 0, which the
-// next forward needs first, overtakes the queued chunks of the larger layers posted before it.
 // Fused layers are synchronised from host memory only: one posted "on the GPU" fails clearly.
 TEST(Buckets, AFusedLayerPostedOnTheGpuIsRefused) {
   Cluster cluster(1, 1, "ps");
