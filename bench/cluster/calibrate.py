@@ -48,8 +48,7 @@ LATENCY = "20us"  # one-way, the order of the agents' measured pings here (docs/
 # the rate on the unscaled ones (the 64 KiB floor is 4 MiB unscaled, below 10 ms of 10 Gbit/s).
 BURST = "10ms"
 # run_cluster.py's modes poseidon, ps and no-wfbp run the agents with their default --replicas=1
-# (every PS key has a backup on the next server): the simulation replicates the same.
-REPLICAS = 1
+# (every PS key has a backup on the next server): the simulation replicates the same (--replicas).
 
 
 def cpu_times():
@@ -119,14 +118,19 @@ def load_rows(out):
     return rows
 
 
-def simulate(cli, model, mode, n, iterations, alpha, overhead, sigma, beta, cpus):
+def simulate(cli, run, m):
+    """The simulated s/iter of measured run `run` under model settings `m` (a dict: alpha, c0,
+    c1, beta, sigma, cpus, replicas)."""
+    model, mode, n = run["model"], run["mode"], run["n"]
+    overhead = m["c0"] + m["c1"] * (n - 1)
     cmd = [cli, "simulate", f"--model={model}", "--batch=32", "--bandwidth=10Gbit",
-           f"--cpu_ns_per_byte={beta * 1e9:.6f}", f"--shared_cpus={cpus}",
-           f"--replicas={REPLICAS}",
+           f"--cpu_ns_per_byte={m['beta'] * 1e9:.6f}", f"--shared_cpus={m['cpus']}",
+           f"--replicas={m['replicas']}",
            f"--latency={LATENCY}", f"--link_burst={BURST}", "--colocated=true", "--gpu=titanx",
-           f"--iterations={iterations}", f"--workers={n}", "--json",
-           f"--alpha={alpha * 1e6:.3f}us", f"--compute_overhead={overhead * 1e6:.3f}us",
-           "--jitter=lognormal" if sigma > 0 else "--jitter=none", f"--jitter_sigma={sigma}",
+           f"--iterations={run['iterations']}", f"--workers={n}", "--json",
+           f"--alpha={m['alpha'] * 1e6:.3f}us", f"--compute_overhead={overhead * 1e6:.3f}us",
+           "--jitter=lognormal" if m["sigma"] > 0 else "--jitter=none",
+           f"--jitter_sigma={m['sigma']}",
            "--scheme=ps" if mode == "ps" else "--scheme=auto",
            "--wfbp=false" if mode == "no-wfbp" else "--wfbp=true"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -134,8 +138,10 @@ def simulate(cli, model, mode, n, iterations, alpha, overhead, sigma, beta, cpus
     return row["iteration_seconds"]
 
 
-def sim_command(model, mode, n, iterations):
+def sim_command(model, mode, n, iterations, replicas):
     extra = " --scheme ps" if mode == "ps" else " --wfbp=false" if mode == "no-wfbp" else ""
+    if replicas != 1:  # the simulator's default, as the agents'
+        extra += f" --replicas {replicas}"
     return (f"poseidon simulate --model {model} --batch 32 --bandwidth 10Gbit --latency {LATENCY}"
             f" --link_burst {BURST} --iterations {iterations} --workers {n}{extra} --calibration "
             "bench/cluster/calibration.json --emulation")
@@ -146,7 +152,7 @@ def grid_fit(values, loss):
     return best, loss(best)
 
 
-def fit(args, rows, cpus):
+def fit(args, rows, cpus, pool):
     cli = os.path.join(args.build, "tools", "poseidon")
     n1 = [r for r in rows if r["n"] == 1 and r["mode"] == "poseidon"]
     # Jitter: the pooled coefficient of variation of the N = 1 per-iteration times.
@@ -159,12 +165,13 @@ def fit(args, rows, cpus):
             cvs.append(var / mean ** 2)
     sigma = (sum(cvs) / len(cvs)) ** 0.5 if cvs else 0.0
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    # --no_cpu_terms: every host its own CPUs and no CPU per byte (the model before they existed).
+    cpus = 0 if args.no_cpu_terms else cpus
 
     def loss(subset, alpha, c0, c1, beta):
-        sims = pool.map(lambda r: simulate(cli, r["model"], r["mode"], r["n"], r["iterations"],
-                                           alpha, c0 + c1 * (r["n"] - 1), sigma, beta, cpus),
-                        subset)
+        m = dict(alpha=alpha, c0=c0, c1=c1, beta=beta, sigma=sigma, cpus=cpus,
+                 replicas=args.replicas)
+        sims = pool.map(lambda r: simulate(cli, r, m), subset)
         err = sum(((s - r["seconds_per_iteration"]) / r["seconds_per_iteration"]) ** 2
                   for s, r in zip(sims, subset))
         return err / max(1, len(subset))
@@ -180,7 +187,7 @@ def fit(args, rows, cpus):
     alphas = [i * 10e-6 for i in range(0, 41)]
     # per byte of the unscaled model: the emulation moves 1/s^2 of them, so 0.01 ns here is
     # 0.64 ns per byte that crosses an emulated link at s = 8
-    betas = [0.0] + [0.001e-9 * 1.25 ** k for k in range(0, 28)]
+    betas = [0.0] + ([] if args.no_cpu_terms else [0.001e-9 * 1.25 ** k for k in range(0, 28)])
     c1s = [i * 1e-6 for i in range(0, 31)]
     c1, beta = 0.0, 0.0
     for _ in range(3):
@@ -198,25 +205,28 @@ def fit(args, rows, cpus):
                     "alpha_from": "no-wfbp N = 2, 4 (grid 0..400 us, 10 us)",
                     "overhead_per_extra_host_from": "all modes N = 2, 4 (grid 0..30 us, 1 us)",
                     "cpu_per_byte_from": "all modes N = 2, 4 (grid 0, 0.001 ns x 1.25^k, k < 28)",
+                    "replicas": args.replicas,
                     "shared_cpus_from": "os.cpu_count() of the measuring machine",
                     "mean_squared_relative_error_n2_n4": err}}, cli, sigma
 
 
-def validate(cli, rows, cal, sigma):
+def validate(cli, rows, cal, sigma, pool):
     table = []
     order = {"poseidon": 0, "ps": 1, "no-wfbp": 2}
-    for r in sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 9,
-                                         order.get(r["mode"], 9), r["n"])):
-        e = cal["emulation"]
-        s = simulate(cli, r["model"], r["mode"], r["n"], r["iterations"], cal["alpha_seconds"],
-                     e["compute_overhead_seconds"] + e["overhead_per_extra_host_seconds"] *
-                     (r["n"] - 1), sigma, e["cpu_seconds_per_byte"], e["shared_cpus"])
+    e = cal["emulation"]
+    settings = dict(alpha=cal["alpha_seconds"], c0=e["compute_overhead_seconds"],
+                    c1=e["overhead_per_extra_host_seconds"], beta=e["cpu_seconds_per_byte"],
+                    sigma=sigma, cpus=e["shared_cpus"], replicas=cal["fit"]["replicas"])
+    rows = sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 9,
+                                       order.get(r["mode"], 9), r["n"]))
+    for r, s in zip(rows, pool.map(lambda r: simulate(cli, r, settings), rows)):
         m = r["seconds_per_iteration"]
         in_fit = r["n"] in (1, 2, 4)
         table.append({"model": r["model"], "mode": r["mode"], "n": r["n"], "measured": m,
                       "simulated": s, "error": (s - m) / m, "in_fit": in_fit,
                       "cpu_busy": r.get("cpu_busy"),
-                      "command": sim_command(r["model"], r["mode"], r["n"], r["iterations"])})
+                      "command": sim_command(r["model"], r["mode"], r["n"], r["iterations"],
+                                             settings["replicas"])})
     return table
 
 
@@ -249,6 +259,11 @@ def main():
     ap.add_argument("--from_results", default=None,
                     help="a directory of an earlier measurement: fit and validate only")
     ap.add_argument("--out", default=os.path.join(HERE, "calibration.json"))
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="backups per key the simulations model (the harness's agents: 1)")
+    ap.add_argument("--no_cpu_terms", action="store_true",
+                    help="fit without the CPU per byte and the shared CPUs (the earlier model, "
+                         "to see what they buy)")
     args = ap.parse_args()
     args.build = os.path.abspath(args.build)
     args.models = [m for m in args.models.split(",") if m]
@@ -264,8 +279,9 @@ def main():
     if os.path.exists(os.path.join(out, "loadavg.json")):
         with open(os.path.join(out, "loadavg.json")) as f:
             cpus = json.load(f).get("cpus") or cpus
-    cal, cli, sigma = fit(args, rows, cpus)
-    table = validate(cli, rows, cal, sigma)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        cal, cli, sigma = fit(args, rows, cpus, pool)
+        table = validate(cli, rows, cal, sigma, pool)
     with open(os.path.join(out, "poseidon", "results.json")) as f:
         first = json.load(f)
     cal["measured"] = {"results": os.path.relpath(out, ROOT), "commit": git_commit(),
