@@ -721,6 +721,10 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
     return absl::InvalidArgumentError(
         "alpha, CPU per byte, compute overhead and jitter must be numbers >= 0");
   }
+  if (options.shared_cpus > kMaxSharedCpus) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared_cpus must be at most ", kMaxSharedCpus, ", not ", options.shared_cpus));
+  }
   planner::PlannerConfig forced = config;
   for (const poseidon::v1::LayerSpec& layer : model.layers()) {
     if (options.scheme == AgentScheme::kAllreduce && config.workers > 1) {

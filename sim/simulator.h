@@ -67,6 +67,8 @@ struct JitterModel {
   double layer_sigma = 0;      // one factor per layer pass
 };
 
+inline constexpr uint32_t kMaxSharedCpus = 4096;
+
 struct SimOptions {
   uint32_t iterations = 20;  // >= 2; the first is warm-up
   AgentScheme scheme = AgentScheme::kAuto;
@@ -85,7 +87,7 @@ struct SimOptions {
   // 0: every host has CPUs of its own (a real cluster). k > 0: that CPU work of every host
   // (alpha and per byte, sending and receiving) runs on k CPUs they share, first come first
   // served: an emulated cluster whose hosts are processes on one k-CPU machine.
-  uint32_t shared_cpus = 0;
+  uint32_t shared_cpus = 0;  // at most kMaxSharedCpus
   // Every link's token bucket (tc tbf, as bench/cluster shapes its links): after idling, a link
   // sends up to this many bytes at once, then at its rate. 0: a plain rate (a switch port).
   uint64_t link_burst_bytes = 0;

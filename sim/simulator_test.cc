@@ -270,12 +270,15 @@ TEST(SimulatorTest, SharedCpusMakeEveryHostsSendingTakeTurns) {
   EXPECT_EQ(enough.events, own.events);
 }
 
-TEST(SimulatorTest, RejectsNegativeOrNanCpuPerByte) {
+TEST(SimulatorTest, RejectsBadCpuSettings) {
   const auto model = Model({{"a", kOther, {1024}, 1, 1}});
   SimOptions o = Options();
   o.cpu_seconds_per_byte = -1e-9;
   EXPECT_FALSE(Simulate(model, Cluster(2, 2, true, 1e9), o).ok());
   o.cpu_seconds_per_byte = std::nan("");
+  EXPECT_FALSE(Simulate(model, Cluster(2, 2, true, 1e9), o).ok());
+  o.cpu_seconds_per_byte = 0;
+  o.shared_cpus = kMaxSharedCpus + 1;  // not an allocation of billions of CPUs
   EXPECT_FALSE(Simulate(model, Cluster(2, 2, true, 1e9), o).ok());
 }
 

@@ -111,6 +111,9 @@ TEST(SimulateCliTest, BadInputIsOneLineAndExitCode2) {
   run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --lossy_wire fp8");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_NE(run.output.find("lossy_wire"), std::string::npos) << run.output;
+  run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --shared_cpus 4000000000");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("shared_cpus"), std::string::npos) << run.output;
   run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --gpu none");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_NE(run.output.find("compute time unknown"), std::string::npos) << run.output;

@@ -154,12 +154,14 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
                return v >= 0 ? absl::OkStatus() : absl::InvalidArgumentError("must be >= 0");
              })
       .Field("shared_cpus", &SimulateFlags::shared_cpus,
-             "0: every host has its own CPUs; k: the senders' per-message work of all hosts "
+             "0: every host has its own CPUs; k: the message work (both ends) of all hosts "
              "shares k CPUs (an emulated cluster on one machine; with --emulation the "
-             "calibration's)")
+             "calibration's)",
+             InRange(0u, sim::kMaxSharedCpus))
       .Field("replicas", &SimulateFlags::replicas,
              "backups per PS key, as the agents' --replicas (default 1, capped at servers - 1; "
-             "0: no replication)");
+             "0: no replication)",
+             InRange(0u, 8u));
   return schema;
 }
 
@@ -250,10 +252,11 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
       return s;
     }
     if (absl::Status s = number(e, "shared_cpus", &c.shared_cpus); !s.ok()) return s;
-    if (c.shared_cpus != static_cast<double>(static_cast<uint32_t>(c.shared_cpus)) ||
-        c.shared_cpus > 4096) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "calibration ", path, ": 'shared_cpus' must be a whole number of CPUs (0..4096)"));
+    if (c.shared_cpus > sim::kMaxSharedCpus ||
+        c.shared_cpus != static_cast<double>(static_cast<uint32_t>(c.shared_cpus))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration ", path, ": 'shared_cpus' must be a whole number of CPUs (0..",
+                       sim::kMaxSharedCpus, ")"));
     }
   }
   if (auto it = root.fields().find("jitter"); it != root.fields().end()) {
