@@ -589,7 +589,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   hb.iteration = [this] { return last_iteration_.load(); };
   hb.plan_epoch = [this] { return RunningEpoch(); };
   // The world this rank joined is the one it runs: a restarted coordinator gets the same rank.
-  hb.register_again = [this, reg] { return coord_->RegisterAgent(reg).status(); };
+  hb.register_again = true;
   hb.on_result = [this](const absl::StatusOr<v1::HeartbeatResponse>& result) {
     if (!result.ok()) {
       PSD_LOG_WARN("heartbeat to the coordinator failed: {}", result.status().message());

@@ -98,12 +98,17 @@ void CoordinatorClient::Prepare(grpc::ClientContext* context, absl::Duration tim
 absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::RegisterAgent(
     const AgentRegistration& agent) {
   v1::RegisterAgentRequest request;
-  FillHeader(request.mutable_header());
   request.set_host(agent.host);
   request.set_gpu_index(agent.gpu_index);
   for (const v1::Endpoint& endpoint : agent.endpoints) *request.add_endpoints() = endpoint;
   request.set_world_size(agent.world_size);
   if (agent.requested_rank.has_value()) request.set_requested_rank(*agent.requested_rank);
+  return SendRegistration(std::move(request));
+}
+
+absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::SendRegistration(
+    v1::RegisterAgentRequest request) {
+  FillHeader(request.mutable_header());
   v1::RegisterAgentResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);
@@ -112,6 +117,8 @@ absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::RegisterAgent(
   std::lock_guard<std::mutex> lock(mu_);
   node_id_ = response.node_id();
   role_ = v1::NODE_ROLE_AGENT;
+  agent_registration_ = std::move(request);
+  server_registration_.reset();
   if (response.heartbeat_interval_ms() > 0) {
     heartbeat_interval_ = absl::Milliseconds(response.heartbeat_interval_ms());
   }
@@ -121,12 +128,17 @@ absl::StatusOr<v1::RegisterAgentResponse> CoordinatorClient::RegisterAgent(
 absl::StatusOr<v1::RegisterServerResponse> CoordinatorClient::RegisterServer(
     const ServerRegistration& server) {
   v1::RegisterServerRequest request;
-  FillHeader(request.mutable_header());
   request.set_host(server.host);
   for (const v1::Endpoint& endpoint : server.endpoints) *request.add_endpoints() = endpoint;
   *request.mutable_capacity() = server.capacity;
   request.set_previous_node_id(server.previous_node_id);
   for (const std::string& job : server.jobs) request.add_jobs(job);
+  return SendRegistration(std::move(request));
+}
+
+absl::StatusOr<v1::RegisterServerResponse> CoordinatorClient::SendRegistration(
+    v1::RegisterServerRequest request) {
+  FillHeader(request.mutable_header());
   v1::RegisterServerResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);
@@ -136,10 +148,26 @@ absl::StatusOr<v1::RegisterServerResponse> CoordinatorClient::RegisterServer(
   std::lock_guard<std::mutex> lock(mu_);
   node_id_ = response.node_id();
   role_ = v1::NODE_ROLE_SERVER;
+  server_registration_ = std::move(request);
+  agent_registration_.reset();
   if (response.heartbeat_interval_ms() > 0) {
     heartbeat_interval_ = absl::Milliseconds(response.heartbeat_interval_ms());
   }
   return response;
+}
+
+absl::Status CoordinatorClient::RegisterAgain() {
+  std::optional<v1::RegisterAgentRequest> agent;
+  std::optional<v1::RegisterServerRequest> server;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    agent = agent_registration_;
+    server = server_registration_;
+    if (server) server->set_previous_node_id(node_id_);  // the same node, not a new one
+  }
+  if (agent) return SendRegistration(std::move(*agent)).status();
+  if (server) return SendRegistration(std::move(*server)).status();
+  return absl::FailedPreconditionError("not registered yet: nothing to register again");
 }
 
 absl::StatusOr<World> CoordinatorClient::Rendezvous(absl::Duration timeout) {
@@ -416,7 +444,7 @@ void HeartbeatLoop::Run() {
     }
     if (!result.ok() && absl::IsNotFound(result.status()) && options_.register_again) {
       const std::string was = client_->node_id();
-      if (absl::Status again = options_.register_again(); again.ok()) {
+      if (absl::Status again = client_->RegisterAgain(); again.ok()) {
         PSD_LOG_WARN("registered again with the coordinator as {} (it did not know {}: restarted?)",
                      client_->node_id(), was);
       } else {

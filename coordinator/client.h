@@ -89,6 +89,9 @@ class CoordinatorClient {
   absl::StatusOr<poseidon::v1::RegisterAgentResponse> RegisterAgent(const AgentRegistration& agent);
   absl::StatusOr<poseidon::v1::RegisterServerResponse> RegisterServer(
       const ServerRegistration& server);
+  // Sends this client's last successful registration again, a server's under its node id (for
+  // a coordinator that restarted and knows nobody). FAILED_PRECONDITION before any registration.
+  absl::Status RegisterAgain();
 
   // Waits (at most `timeout`) until the job's world is complete; the rank, the peers and the
   // servers. DEADLINE_EXCEEDED names the ranks that are missing.
@@ -150,11 +153,10 @@ class CoordinatorClient {
     std::function<uint64_t()> plan_epoch;            // null: the last plan epoch seen
     // Every result, on the loop's thread (keep it short). Null: failures are logged.
     std::function<void(const absl::StatusOr<poseidon::v1::HeartbeatResponse>&)> on_result;
-    // Called on the loop's thread when a heartbeat is answered NOT_FOUND (a restarted
-    // coordinator starts empty): register this node again (the data plane never stopped), so
-    // that the coordinator lists it again and watches its liveness; the loop logs the outcome
-    // and goes on beating either way. Null: nothing is registered again.
-    std::function<absl::Status()> register_again;
+    // When a heartbeat is answered NOT_FOUND (a restarted coordinator starts empty), the loop
+    // calls RegisterAgain() (the data plane never stopped), so that the coordinator lists this
+    // node again and watches its liveness; it logs the outcome and goes on beating either way.
+    bool register_again = false;
   };
   std::unique_ptr<HeartbeatLoop> StartHeartbeats(HeartbeatOptions options);
 
@@ -169,6 +171,11 @@ class CoordinatorClient {
  private:
   CoordinatorClient(CoordinatorClientOptions options,
                     std::unique_ptr<poseidon::v1::Coordinator::Stub> stub);
+  // Sends a registration (its header filled here) and keeps it for RegisterAgain.
+  absl::StatusOr<poseidon::v1::RegisterAgentResponse> SendRegistration(
+      poseidon::v1::RegisterAgentRequest request);
+  absl::StatusOr<poseidon::v1::RegisterServerResponse> SendRegistration(
+      poseidon::v1::RegisterServerRequest request);
   void FillHeader(poseidon::v1::RequestHeader* header) const;
   void Observe(const poseidon::v1::ResponseHeader& header);
   // Every call: its deadline, and its job and token as metadata (auth.h) besides the header.
@@ -182,6 +189,9 @@ class CoordinatorClient {
   absl::Duration heartbeat_interval_ = absl::Seconds(3);               // guarded by mu_
   uint64_t membership_epoch_ = 0;                                      // guarded by mu_
   uint64_t plan_epoch_ = 0;                                            // guarded by mu_
+  // The last successful registration (its header is filled anew when it is sent again).
+  std::optional<poseidon::v1::RegisterAgentRequest> agent_registration_;    // guarded by mu_
+  std::optional<poseidon::v1::RegisterServerRequest> server_registration_;  // guarded by mu_
 };
 
 // A running heartbeat thread (CoordinatorClient::StartHeartbeats). Stops when destroyed.

@@ -454,11 +454,7 @@ int Main(int argc, char** argv) {
     coord = std::move(*client);
     // A restarted coordinator registers this server again under the same node id.
     coordinator::CoordinatorClient::HeartbeatOptions hb;
-    hb.register_again = [client = coord.get(), reg] {
-      coordinator::ServerRegistration again = reg;
-      again.previous_node_id = client->node_id();
-      return client->RegisterServer(again).status();
-    };
+    hb.register_again = true;
     heartbeats = coord->StartHeartbeats(std::move(hb));
     if (config.telemetry_interval > absl::ZeroDuration()) {
       telemetry = std::make_unique<ServerTelemetry>(
