@@ -3,6 +3,18 @@
 // Gloo's TCP transport, connected once at registration through the rendezvous store (the
 // coordinator's, agent/gloo_store.h). Exact like PS: N ranks' sum of the same gradients.
 //
+// On a lossy wire (the layer's LayerSpec::wire: bfloat16 or fp16, from the plan or --wire) a ring
+// would round every partial sum on every hop; instead the layer is split into one shard per rank
+// and each rank sums its shard in float32, as a server does: every rank encodes its gradient with
+// error feedback (common/wire_codec.h) and sends each shard to its owner (Gloo's alltoallv), the
+// owner decodes the W contributions into a float32 sum in rank order, encodes it with error
+// feedback of its own and the shards are gathered on every rank (Gloo's allgatherv). The same
+// bytes as the ring at half the element size, and every rank ends with the same bits. The
+// divergence guard (agent/wire_guard.h) runs on the same sampled all-reduces on every rank; when
+// any rank's encoding diverges, a one-element all-reduce of the ranks' verdicts makes every rank
+// run that all-reduce and every later one in float32, each rank's (and each owner's) held-back
+// residual added to it: from that all-reduce on, the results are exact.
+//
 // Concurrency: Gloo's collectives block. Each posted layer's all-reduce runs on a thread of its
 // own (a pool that grows to the number of layers in flight, never beyond the layer count) with
 // the layer's index as Gloo's tag, so collectives of different layers proceed side by side and
@@ -18,6 +30,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <map>
+#include <span>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -28,7 +42,10 @@
 #include "agent/timeline.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/wire_codec.h"
+#include "gloo/allgatherv.h"
 #include "gloo/allreduce.h"
+#include "gloo/alltoallv.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/transport/tcp/device.h"
@@ -43,6 +60,24 @@ std::chrono::milliseconds Millis(absl::Duration d) {
 // The step probes at connection (Ready) and their tag, above every layer's.
 constexpr int kStepProbes = 15;
 constexpr uint32_t kProbeTag = 0xffffffffu;
+// A lossy layer's collectives after its alltoallv (whose tag is the layer's): the allgatherv and
+// the guard's vote, each in a tag space of its own.
+constexpr uint32_t kGatherTagBase = 1u << 29;
+constexpr uint32_t kVoteTagBase = 2u << 29;
+
+// A layer on a lossy wire (LayerSpec::wire): its residuals and buffers, allocated in Ready and
+// then used only by the pool thread running the layer's all-reduce (one at a time).
+struct LossyRing {
+  WireType type = WireType::kF32;
+  std::vector<size_t> shard;      // elements of each rank's shard (balanced, every one >= 1)
+  size_t own_begin = 0;           // this rank's shard: [own_begin, own_begin + shard[rank])
+  std::vector<float> residual;    // this rank's encoding of the whole gradient
+  std::vector<float> owner_residual;  // this rank's encoding of its shard's sum
+  std::vector<uint16_t> send, received, gathered;
+  std::vector<float> sum;         // the shard's float32 sum
+  uint64_t clock = 0;             // all-reduces of the layer so far (the guard's sampling)
+  bool exact = false;             // fell back: float32 from now on (every rank alike)
+};
 
 class AllreduceSyncer final : public Syncer {
  public:
@@ -90,6 +125,7 @@ class AllreduceSyncer final : public Syncer {
       seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
     }
     std::nth_element(seconds.begin(), seconds.begin() + kStepProbes / 2, seconds.end());
+    if (const absl::Status s = PrepareLossy(); !s.ok()) return s;
     const absl::Duration step = absl::Seconds(seconds[kStepProbes / 2] / (2.0 * (world - 1)));
     if (env_.telemetry) env_.telemetry->SetAllreduceStep(step);
     PSD_LOG_INFO("all-reduce: Gloo ring of {} ranks connected ({}), {} per step", world, host,
@@ -174,6 +210,11 @@ class AllreduceSyncer final : public Syncer {
       absl::Status s = broken.ok() ? Reduce(post) : broken;
       const LayerSpec& spec = env_.table->layers[post.layer];
       const uint64_t bytes = spec.desc.elements * sizeof(float);
+      // What went on the wire: half the bytes while the layer is lossy (one that fell back in
+      // this Reduce sent float32; this thread is the only one using the entry now).
+      const auto lossy = lossy_.find(post.layer);
+      const uint64_t wire_bytes =
+          lossy != lossy_.end() && !lossy->second->exact ? bytes / 2 : bytes;
       if (env_.timeline) {
         env_.timeline->Span("allreduce", post.layer, spec.desc.name, post.iteration, start,
                             absl::Now());
@@ -185,7 +226,7 @@ class AllreduceSyncer final : public Syncer {
         // The ring's bytes: 2 (P - 1) / P of the gradient to the right neighbour, as much from
         // the left (`poseidon status`'s peer links).
         const uint32_t w = env_.config->world_size;
-        const uint64_t moved = 2 * (w - 1) * bytes / w;
+        const uint64_t moved = 2 * (w - 1) * wire_bytes / w;
         env_.telemetry->AddPeerBytes(Right(), moved, 0);
         env_.telemetry->AddPeerBytes(Left(), 0, moved);
       }
@@ -221,19 +262,149 @@ class AllreduceSyncer final : public Syncer {
     return absl::OkStatus();
   }
 
+  // The state of every all-reduce-capable layer on a lossy wire. A layer with fewer elements than
+  // ranks (a shard would be empty) stays float32: it saves nothing.
+  absl::Status PrepareLossy() {
+    const uint32_t world = env_.config->world_size, rank = env_.config->rank;
+    if (env_.table->layers.size() >= kGatherTagBase) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "all-reduce: ", env_.table->layers.size(), " layers; at most ", kGatherTagBase - 1));
+    }
+    size_t lossy = 0;
+    for (uint32_t l = 0; l < env_.table->layers.size(); ++l) {
+      const LayerSpec& spec = env_.table->layers[l];
+      if (!spec.allreduce_capable || !IsLossy(spec.wire) || spec.desc.elements < world) continue;
+      auto ring = std::make_unique<LossyRing>();
+      ring->type = spec.wire;
+      const uint64_t n = spec.desc.elements;
+      for (uint32_t j = 0; j < world; ++j) {
+        const uint64_t begin = n * j / world, end = n * (j + 1) / world;
+        if (j == rank) ring->own_begin = begin;
+        ring->shard.push_back(end - begin);
+      }
+      ring->residual.assign(n, 0.0f);
+      ring->owner_residual.assign(ring->shard[rank], 0.0f);
+      ring->send.resize(n);
+      ring->received.resize(ring->shard[rank] * world);
+      ring->gathered.resize(n);
+      ring->sum.resize(ring->shard[rank]);
+      lossy_[l] = std::move(ring);
+      ++lossy;
+    }
+    if (lossy > 0) {
+      PSD_LOG_INFO("all-reduce: {} layers on a lossy wire when on the ring (float32 sums by "
+                   "shard, error feedback)", lossy);
+    }
+    return absl::OkStatus();
+  }
+
+  // The guard's vote on a sampled all-reduce: whether any rank's encoding diverged.
+  absl::StatusOr<bool> AnyDiverged(bool mine, uint32_t layer) {
+    float votes = mine ? 1.0f : 0.0f;
+    RETURN_IF_ERROR(Sum(&votes, 1, kVoteTagBase + layer));
+    return votes > 0;
+  }
+
+  // One lossy all-reduce (the file's comment): alltoallv of the encoded shards, a float32 sum of
+  // this rank's shard, allgatherv of the encoded sums, decoded in place.
+  absl::Status LossyReduce(const Post& post, LossyRing& ring) {
+    const LayerSpec& spec = env_.table->layers[post.layer];
+    const uint32_t world = env_.config->world_size, rank = env_.config->rank;
+    float* grad = env_.shm->Grad(post.layer);
+    const size_t n = spec.desc.elements;
+    const std::span<float> values(grad, n);
+    ++ring.clock;
+    if (!ring.exact) {
+      EncodeWithFeedback(ring.type, values, ring.residual, ring.send);
+      if (ShouldCheckWire(env_.wire_guard, ring.clock)) {
+        const double error = RelativeWireError(ring.type, values, ring.send);
+        const bool mine = WireDiverged(env_.wire_guard, error);
+        if (mine) {
+          PSD_LOG_WARN("{} (all-reduce): the {} wire's error is {:.3g} of the gradient's norm at "
+                       "all-reduce {} (limit {})", spec.desc.name, WireName(ring.type), error,
+                       ring.clock, env_.wire_guard.max_error);
+        }
+        ASSIGN_OR_RETURN(const bool any, AnyDiverged(mine, post.layer));
+        if (any) {
+          PSD_LOG_WARN("{} (all-reduce): the divergence guard of {} fell back from the {} wire at "
+                       "all-reduce {}: falling back to float32 (exact) for the rest of the job",
+                       spec.desc.name, mine ? "this rank" : "another rank", WireName(ring.type),
+                       ring.clock);
+          ring.exact = true;
+          if (env_.telemetry) env_.telemetry->LayerWireFellBack(post.layer);
+          // This all-reduce goes as float32 with what the roundings held back: the gradient plus
+          // this rank's residual (decode(send) + new residual), and on its own shard the
+          // residual of its sums (added once: only the owner holds it).
+          for (size_t i = 0; i < n; ++i) {
+            values[i] = FromWire16(ring.type, ring.send[i]) + ring.residual[i];
+          }
+          for (size_t i = 0; i < ring.owner_residual.size(); ++i) {
+            values[ring.own_begin + i] += ring.owner_residual[i];
+          }
+          ring.residual = {};
+          ring.owner_residual = {};
+          ring.send = {};
+          ring.received = {};
+          ring.gathered = {};
+          ring.sum = {};
+        }
+      }
+    }
+    if (ring.exact) return Sum(grad, n, post.layer);
+    try {
+      gloo::AlltoallvOptions scatter(context_);
+      std::vector<int64_t> out_counts(world);
+      std::vector<int64_t> in_counts(world, static_cast<int64_t>(ring.shard[rank]));
+      for (uint32_t j = 0; j < world; ++j) out_counts[j] = static_cast<int64_t>(ring.shard[j]);
+      scatter.setInput(ring.send.data(), out_counts);
+      scatter.setOutput(ring.received.data(), in_counts);
+      scatter.setTag(post.layer);
+      scatter.setTimeout(Millis(env_.config->sync_timeout));
+      gloo::alltoallv(scatter);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("exchanging the shards (alltoallv): ", e.what()));
+    }
+    // The shard's sum in float32, in rank order (deterministic, as a server's).
+    const size_t mine = ring.shard[rank];
+    SumShardWithFeedback(ring.type, ring.received, ring.sum, ring.owner_residual,
+                         std::span<uint16_t>(ring.send.data() + ring.own_begin, mine));
+    try {
+      gloo::AllgathervOptions gather(context_);
+      gather.setInput(ring.send.data() + ring.own_begin, mine);
+      gather.setOutput(ring.gathered.data(), ring.shard);
+      gather.setTag(kGatherTagBase + post.layer);
+      gather.setTimeout(Millis(env_.config->sync_timeout));
+      gloo::allgatherv(gather);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("gathering the sums (allgatherv): ", e.what()));
+    }
+    DecodeWire16(ring.type, ring.gathered, values);
+    return absl::OkStatus();
+  }
+
   absl::Status Reduce(const Post& post) {
     const LayerSpec& spec = env_.table->layers[post.layer];
+    const auto lossy = lossy_.find(post.layer);
+    const bool sixteen = lossy != lossy_.end() && !lossy->second->exact;
     // The layer is the tag: unique among the collectives running (one iteration a layer).
-    return Annotate(Sum(env_.shm->Grad(post.layer), spec.desc.elements, post.layer),
-                    absl::StrCat("all-reduce of layer ", post.layer, " (", spec.desc.name,
+    const absl::Status s =
+        lossy != lossy_.end() ? LossyReduce(post, *lossy->second)
+                              : Sum(env_.shm->Grad(post.layer), spec.desc.elements, post.layer);
+    return Annotate(s, absl::StrCat("all-reduce of layer ", post.layer, " (", spec.desc.name,
                                  ") iteration ", post.iteration, " in the Gloo ring of ",
                                  env_.config->world_size, " ranks (neighbours: ranks ", Left(),
-                                 " and ", Right(), ")"));
+                                 " and ", Right(), ")",
+                                 sixteen ? absl::StrCat(", ", WireName(lossy->second->type),
+                                                        " wire")
+                                         : ""));
   }
 
   SyncEnv& env_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;  // set in Ready, before any layer is posted
+  // Lossy layers by index: built in Ready, then the map is only read and each entry is used by
+  // the thread running its layer (one iteration of a layer at a time).
+  std::map<uint32_t, std::unique_ptr<LossyRing>> lossy_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -7,6 +7,7 @@
 // float32 sum). Thread-safety: pure functions; a residual belongs to one caller.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -103,6 +104,21 @@ inline void AddWire16Into(WireType type, std::span<float> acc, std::span<const u
   } else {
     AddBf16Into(acc, in);
   }
+}
+
+// A shard owner's step of a lossy all-reduce (agent/allreduce_syncer.cc): `received` holds the
+// W contributions to a shard of `sum.size()` elements one after another (rank 0's first), each
+// encoded by its rank with feedback; their float32 sum, in that order, goes to `sum` and out
+// encoded with the owner's feedback (`residual`). Sizes: received W · m, sum, residual and out m.
+inline void SumShardWithFeedback(WireType type, std::span<const uint16_t> received,
+                                 std::span<float> sum, std::span<float> residual,
+                                 std::span<uint16_t> out) {
+  const size_t m = sum.size();
+  std::fill(sum.begin(), sum.end(), 0.0f);
+  for (size_t at = 0; m > 0 && at + m <= received.size(); at += m) {
+    AddWire16Into(type, sum, received.subspan(at, m));
+  }
+  EncodeWithFeedback(type, sum, residual, out);
 }
 
 }  // namespace poseidon

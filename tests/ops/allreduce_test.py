@@ -2,7 +2,10 @@
 """Ring all-reduce across processes: four agents joined through a coordinator run every layer of
 the tiny model by Gloo's ring (--scheme=allreduce, the rendezvous through the coordinator's
 store); four poseidon-synth training processes verify every result against the exact sum over
-the ranks. Then rank 3's agent is killed (SIGKILL): rank 0's training process fails within
+the ranks. On a lossy wire (--wire=bf16: each rank sums its shard in float32 from 16-bit
+contributions) every result is the sum within bfloat16's rounding and not exactly; with fp16 and
+gradients beyond its range the divergence guard makes every rank fall back to float32 at the
+first all-reduce, so every result is exact, and without the guard they are not. Then rank 3's agent is killed (SIGKILL): rank 0's training process fails within
 seconds (inside the 60 s sync timeout) with an error naming the all-reduce, the layer and the
 ring (rank 3's neighbours, which read the reset), or rank 3 as declared dead by the coordinator
 (a rank whose collective waits on a live neighbour, within the 15 s lease). Every process is
@@ -26,10 +29,31 @@ SECRET = "ops-allreduce-secret"
 RANKS = 4
 
 
-def synth(args, rank, segment, iterations):
+def synth(args, rank, segment, iterations, extra=()):
     return Daemon(f"synth {rank}", [
         args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
-        f"--iterations={iterations}", "--compute_scale=0", "--timeout_ms=120000", "--verify"])
+        f"--iterations={iterations}", "--compute_scale=0", "--timeout_ms=120000", "--verify",
+        *extra])
+
+
+def ring_job(args, name, daemons, segments, iterations, agent_flags=(), synth_flags=()):
+    """A job of RANKS agents with every layer on the ring; returns each rank's training process's
+    return code and "verified N results, M mismatches" as (N, M) (None when absent), and the
+    agents' logs, once every process ended."""
+    _, agents = coordinated_job(args, name, SECRET, daemons, segments, ranks=RANKS,
+                                agent_flags=["--scheme=allreduce", "--sync_timeout=60s",
+                                             *agent_flags])
+    synths = [synth(args, r, s, iterations, synth_flags) for r, s in enumerate(segments)]
+    daemons.extend(synths)
+    for s in synths:
+        s.wait(120)
+    results = []
+    for s in synths:
+        m = re.search(r"verified (\d+) results, (\d+) mismatches", "\n".join(s.lines + s.stderr))
+        results.append((s.proc.returncode, (int(m.group(1)), int(m.group(2))) if m else None))
+    for a in agents:
+        a.wait(30)  # an agent exits once its training process detached
+    return results, "\n".join(l for a in agents for l in a.lines + a.stderr)
 
 
 def main():
@@ -41,26 +65,54 @@ def main():
     daemons, segments = [], []
     try:
         # Exact sums: 30 iterations of every layer through the ring.
-        _, agents = coordinated_job(args, "ring", SECRET, daemons, segments, ranks=RANKS,
-                                    agent_flags=["--scheme=allreduce", "--sync_timeout=60s"])
-        synths = [synth(args, r, s, 30) for r, s in enumerate(segments)]
-        daemons.extend(synths)
-        for s in synths:
-            s.wait(120)
-        for r, s in enumerate(synths):
-            out = "\n".join(s.lines + s.stderr)
-            check(s.proc.returncode == 0, f"rank {r}'s training process exits 0")
-            m = re.search(r"verified (\d+) results, (\d+) mismatches", out)
-            check(m is not None and int(m.group(1)) > 0 and m.group(2) == "0",
-                  f"rank {r}: every all-reduced result is the exact sum ({m.group(0) if m else out[-300:]})")
-        for a in agents:
-            a.wait(30)  # an agent exits once its training process detached
-        logs = "\n".join(l for a in agents for l in a.lines + a.stderr)
+        results, logs = ring_job(args, "ring", daemons, segments, 30)
+        for r, (code, verified) in enumerate(results):
+            check(code == 0, f"rank {r}'s training process exits 0")
+            check(verified is not None and verified[0] == 30 * 8 and verified[1] == 0,
+                  f"rank {r}: every all-reduced result is the exact sum ({verified})")
         check(logs.count("Gloo ring of 4 ranks connected") == RANKS,
               "every agent connected the ring through the coordinator's store")
         check(logs.count("0 on SFB, 8 on all-reduce") == RANKS, "every layer runs on the ring")
         stop_all(daemons, segments)
         daemons, segments = [], []
+
+        # A bfloat16 wire: values up to 4 x 11 with a part of 2^-10 that bfloat16 cannot hold;
+        # within its rounding (each rank's and each owner's error feedback may release a unit of
+        # the clock before), not exactly.
+        fraction = "--grad_fraction=0.0009765625"
+        results, logs = ring_job(args, "ringbf16", daemons, segments, 10, ["--wire=bf16"],
+                                 [fraction, "--tolerance=0.2"])
+        for r, (code, verified) in enumerate(results):
+            check(code == 0 and verified == (80, 0),
+                  f"bf16: rank {r}'s results are the sums within rounding ({code}, {verified})")
+        check(logs.count("layers on a lossy wire when on the ring") == RANKS,
+              "bf16: every agent puts its layers on the lossy wire")
+        stop_all(daemons, segments)
+        daemons, segments = [], []
+        results, _ = ring_job(args, "ringbf16x", daemons, segments, 3, ["--wire=bf16"], [fraction])
+        check(all(v is not None and v[1] > 0 for _, v in results),
+              f"bf16: checked exactly, the rounding shows ({[v for _, v in results]})")
+        stop_all(daemons, segments)
+        daemons, segments = [], []
+
+        # The divergence guard: gradients up to 8192 x 11 saturate fp16 (±65504). With the guard
+        # every rank falls back at the first all-reduce of every layer: every result is exact.
+        for guard in (True, False):
+            results, logs = ring_job(
+                args, f"ringguard{int(guard)}", daemons, segments, 5,
+                ["--wire=fp16", f"--wire_check_every={100 if guard else 0}"],
+                ["--grad_scale=8192"])
+            if guard:
+                for r, (code, verified) in enumerate(results):
+                    check(code == 0 and verified == (40, 0),
+                          f"fp16 with the guard: rank {r}'s results are exact ({code}, {verified})")
+                check(logs.count("falling back to float32 (exact)") >= RANKS * 8,
+                      "fp16 with the guard: every rank falls back on every layer, logged")
+            else:
+                check(all(v is None or v[1] > 0 for _, v in results),
+                      f"fp16 without the guard: the results saturate ({[v for _, v in results]})")
+            stop_all(daemons, segments)
+            daemons, segments = [], []
 
         # A killed agent: its neighbours' collectives fail at once, naming the ring.
         _, agents = coordinated_job(args, "ringkill", SECRET, daemons, segments, ranks=RANKS,
