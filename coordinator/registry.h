@@ -51,7 +51,8 @@ struct RegistryOptions {
   uint32_t batch_per_worker = 0;
   planner::SchemeRule scheme_rule = planner::SchemeRule::kTime;
   planner::FusionRule fusion = planner::FusionRule::kCost;
-  // The lossy wire a PS layer may use where it pays (PlannerConfig::lossy_wire; F32: none).
+  // The lossy wire a PS or all-reduce layer may use where it pays (PlannerConfig::lossy_wire;
+  // F32: none).
   poseidon::v1::ElementType lossy_wire = poseidon::v1::ELEMENT_TYPE_F32;
   // The time rule may choose ring all-reduce (from the agents' measured step); off, only
   // --scheme=allreduce and operator overrides put layers on it.

@@ -841,7 +841,11 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
       }
       case poseidon::v1::SYNC_SCHEME_ALLREDUCE: {
         layer.mode = LayerMode::kRing;
-        const planner::SchemeVolume& v = rep.cost.allreduce_bytes.value_or(planner::SchemeVolume{});
+        // A 16-bit wire (AR-16) moves half the ring's bytes.
+        const planner::SchemeVolume v =
+            planner::IsLossyWire(lp.wire_type()) && rep.cost.allreduce_lossy_bytes.has_value()
+                ? *rep.cost.allreduce_lossy_bytes
+                : rep.cost.allreduce_bytes.value_or(planner::SchemeVolume{});
         layer.ring_seconds = planner::AllreduceSeconds(v, P1, network, options.alpha_seconds);
         break;
       }

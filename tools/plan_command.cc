@@ -67,12 +67,12 @@ ConfigSchema<PlanFlags> PlanFlagsSchema() {
              "cost: small PS layers fused into buckets where the cost model says it pays; off",
              OneOf({"cost", "off"}))
       .Field("lossy_wire", &PlanFlags::lossy_wire,
-             "none: every byte exact; bf16 or fp16: a PS layer may use that 16-bit wire (lossy, "
-             "error feedback) where the cost model says it pays",
+             "none: every byte exact; bf16 or fp16: a PS or all-reduce layer may use that 16-bit "
+             "wire (lossy, error feedback) where the cost model says it pays",
              OneOf({"none", "bf16", "fp16"}))
       .Field("wire", &PlanFlags::wire,
              "per-layer wire overrides, 'fc6.weight=bf16,conv1.weight=fp32' (fp32 keeps a layer "
-             "exact; bf16/fp16 puts a PS layer on that wire whatever the cost)")
+             "exact; bf16/fp16 puts a PS or all-reduce layer on that wire whatever the cost)")
       .Field("json", &PlanFlags::json, "print JSON instead of a table");
   return schema;
 }

@@ -196,12 +196,21 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
     right.push_back(true);
     header.emplace_back(column);
   }
-  // The PS-16 column and the wire chosen, when the job allows a lossy wire anywhere.
+  // The PS-16 column (and AR-16 where all-reduce is possible) and the wire chosen, when the job
+  // allows a lossy wire anywhere.
   const bool lossy_column = std::any_of(report.layers.begin(), report.layers.end(),
                                         [](const LayerReport& l) { return l.ps_lossy_seconds; });
+  const bool lossy_allreduce_column =
+      std::any_of(report.layers.begin(), report.layers.end(),
+                  [](const LayerReport& l) { return l.allreduce_lossy_seconds; });
   if (lossy_column) {
-    right.insert(right.end(), {true, false});
+    right.push_back(true);
     header.emplace_back("PS-16/worker");
+    if (lossy_allreduce_column) {
+      right.push_back(true);
+      header.emplace_back("AR-16/worker");
+    }
+    right.push_back(false);
     header.emplace_back("wire");
   }
   for (const char* column : {"chunks", "sync ms"}) {
@@ -229,6 +238,11 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
       row.push_back(layer.cost.ps_lossy_bytes.has_value()
                         ? HumanBytes(layer.cost.ps_lossy_bytes->per_worker)
                         : "-");
+      if (lossy_allreduce_column) {
+        row.push_back(layer.cost.allreduce_lossy_bytes.has_value()
+                          ? HumanBytes(layer.cost.allreduce_lossy_bytes->per_worker)
+                          : "-");
+      }
       row.push_back(absl::StrCat(planner::WireTypeName(layer.cost.wire), layer.wire_overridden ? "*" : ""));
     }
     row.push_back(absl::StrCat(layer.chunks));
@@ -269,7 +283,8 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
   }
   if (lossy_column) {
     absl::StrAppend(&out, "wire     ", report.lossy_layers, " of ", model.layers_size(),
-                    " layers lossy (PS-16 where it predicts less time than fp32, casts included",
+                    " layers lossy (PS-16", lossy_allreduce_column ? " or AR-16" : "",
+                    " where it predicts less time than fp32, casts included",
                     "; * an operator's override)\n");
   }
   if (!report.server_bytes.empty()) {
@@ -388,6 +403,12 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
     w.Key("ps_lossy");
     if (layer.cost.ps_lossy_bytes.has_value()) {
       WriteVolume(w, *layer.cost.ps_lossy_bytes, *layer.ps_lossy_seconds);
+    } else {
+      w.Null();
+    }
+    w.Key("allreduce_lossy");
+    if (layer.cost.allreduce_lossy_bytes.has_value()) {
+      WriteVolume(w, *layer.cost.allreduce_lossy_bytes, *layer.allreduce_lossy_seconds);
     } else {
       w.Null();
     }

@@ -11,6 +11,7 @@
 //   SFB    | 0            | 2·K·(P1−1)·(M+N)  | 2·K·(P1−1)·(M+N)
 //   AR     | 0            | 4·S·(P1−1)/P1     | 4·S·(P1−1)/P1
 //   PS-16  | PS's, in 2-byte elements: bfloat16 or fp16 on the wire (lossy, error feedback)
+//   AR-16  | AR's, in 2-byte elements (each rank sums its shard in float32: no rounding on a hop)
 //
 // PS: each worker pushes its S-element gradient and pulls S elements back (2·S); the servers share
 // the layer evenly, so each receives S/P2 from every worker and sends S/P2 back to each
@@ -25,7 +26,9 @@
 // PS-16 (issue 15, "Wire precision"): PS with every push and pull in a 16-bit type, half the
 // bytes of float32 (of any element size: the agents' buffers and the exact wire are float32),
 // at the price of the casts (WireCastSecondsPerElement) and of being lossy: a column only when
-// the job allows it (PlannerConfig::lossy_wire, wire_overrides), and only PS layers use it.
+// the job allows it (PlannerConfig::lossy_wire, wire_overrides). AR-16 is all-reduce's
+// counterpart (agent/allreduce_syncer.cc: 16-bit shards to their owners, float32 sums, 16-bit
+// sums back), at the same casts; SFB layers stay float32.
 //
 // The selection rule (Poseidon's, between PS and SFB): an FC layer uses SFB when its SFB cost is at most its PS cost,
 // where the two numbers compared are those of the busiest link that differs between the schemes,
@@ -104,11 +107,14 @@ struct LayerCost {
   SchemeVolume ps_bytes;
   // PS with a 16-bit wire (set by the planner when the job allows a lossy wire for the layer).
   std::optional<SchemeVolume> ps_lossy_bytes;
-  // What the layer's PS pushes and pulls carry: F32 (exact), or BF16 / F16 when the planner
-  // chose the PS-16 column (the layer's scheme is then PS).
+  // What the layer's PS pushes and pulls or all-reduce carry: F32 (exact), or BF16 / F16 when
+  // the planner chose the PS-16 or AR-16 column (the layer's scheme is then PS or all-reduce).
   poseidon::v1::ElementType wire = poseidon::v1::ELEMENT_TYPE_F32;
   std::optional<SchemeVolume> sfb_bytes;  // FC layers only
   std::optional<SchemeVolume> allreduce_bytes;  // P1 > 1 only
+  // All-reduce with a 16-bit wire (set by the planner when the job allows a lossy wire for the
+  // layer and all-reduce is possible).
+  std::optional<SchemeVolume> allreduce_lossy_bytes;
   poseidon::v1::SyncScheme scheme = poseidon::v1::SYNC_SCHEME_PS;
 };
 

@@ -77,15 +77,17 @@ uint64_t ToBytes(double bytes) {
   return static_cast<uint64_t>(std::round(bytes));
 }
 
-// The bytes of a layer under `scheme`, on `wire` when PS.
+// The bytes of a layer under `scheme`, on `wire` when PS or all-reduce.
 const SchemeVolume& VolumeOf(const LayerCost& cost, poseidon::v1::SyncScheme scheme,
                              poseidon::v1::ElementType wire) {
   if (scheme == poseidon::v1::SYNC_SCHEME_SFB) return *cost.sfb_bytes;
-  if (scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) return *cost.allreduce_bytes;
+  if (scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
+    return IsLossyWire(wire) ? *cost.allreduce_lossy_bytes : *cost.allreduce_bytes;
+  }
   return IsLossyWire(wire) ? *cost.ps_lossy_bytes : cost.ps_bytes;
 }
 
-// Adds one layer's bytes under `scheme` (on `wire` when PS) to `totals`.
+// Adds one layer's bytes under `scheme` (on `wire` when PS or all-reduce) to `totals`.
 void Accumulate(const LayerCost& cost, poseidon::v1::SyncScheme scheme,
                 poseidon::v1::ElementType wire, double seconds, bool colocated,
                 SchemeTotals& totals) {
@@ -211,10 +213,10 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     }
     const auto scheme = config.scheme_overrides.find(name);
     if (IsLossyWire(wire) && scheme != config.scheme_overrides.end() &&
-        scheme->second != poseidon::v1::SYNC_SCHEME_PS) {
+        scheme->second == poseidon::v1::SYNC_SCHEME_SFB) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "wire override for layer '", name, "': a lossy wire is for PS, and the layer's scheme "
-          "is forced to ", poseidon::v1::SyncScheme_Name(scheme->second)));
+          "wire override for layer '", name, "': a lossy wire is for PS and all-reduce, and the "
+          "layer's scheme is forced to ", poseidon::v1::SyncScheme_Name(scheme->second)));
     }
   }
 
@@ -247,11 +249,11 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     layer.ps_seconds = PsSeconds(layer.cost.ps_bytes, config.colocated, network);
     // The wire a PS layer would use: the job's lossy type where it pays, or the override's.
     poseidon::v1::ElementType ps_wire = poseidon::v1::ELEMENT_TYPE_F32;
+    const auto forced_wire = config.wire_overrides.find(spec.name());
+    const poseidon::v1::ElementType lossy =
+        forced_wire != config.wire_overrides.end() ? forced_wire->second : config.lossy_wire;
     {
-      const auto forced = config.wire_overrides.find(spec.name());
-      const poseidon::v1::ElementType lossy =
-          forced != config.wire_overrides.end() ? forced->second : config.lossy_wire;
-      layer.wire_overridden = forced != config.wire_overrides.end();
+      layer.wire_overridden = forced_wire != config.wire_overrides.end();
       if (IsLossyWire(lossy)) {
         const SchemeVolume half = ScaleVolume(PsElements(layer.cost.parameters, cluster), 2);
         layer.cost.ps_lossy_bytes = half;
@@ -270,14 +272,31 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       }
     }
     if (!config.allreduce) layer.cost.allreduce_bytes.reset();
+    // The wire an all-reduce layer would use (AR-16 where it pays, or the override's); a layer
+    // with fewer elements than workers stays float32 (the agents' shards would be empty).
+    poseidon::v1::ElementType allreduce_wire = poseidon::v1::ELEMENT_TYPE_F32;
+    double allreduce_best = 0;
     if (layer.cost.allreduce_bytes.has_value()) {
-      layer.allreduce_seconds = AllreduceSeconds(*layer.cost.allreduce_bytes, config.workers,
-                                                 network, config.allreduce_step_seconds.value_or(0));
+      const double step = config.allreduce_step_seconds.value_or(0);
+      layer.allreduce_seconds =
+          AllreduceSeconds(*layer.cost.allreduce_bytes, config.workers, network, step);
+      allreduce_best = *layer.allreduce_seconds;
+      if (IsLossyWire(lossy) && layer.cost.parameters >= config.workers) {
+        layer.cost.allreduce_lossy_bytes =
+            ScaleVolume(AllreduceElements(layer.cost.parameters, cluster), 2);
+        layer.allreduce_lossy_seconds =
+            AllreduceSeconds(*layer.cost.allreduce_lossy_bytes, config.workers, network, step) +
+            static_cast<double>(layer.cost.parameters) * WireCastSecondsPerElement(lossy);
+        if (layer.wire_overridden || *layer.allreduce_lossy_seconds < allreduce_best) {
+          allreduce_wire = lossy;
+          allreduce_best = *layer.allreduce_lossy_seconds;
+        }
+      }
       const double best_other = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
                                     ? *layer.sfb_seconds
                                     : ps_best;
       if (config.scheme_rule == SchemeRule::kTime && config.allreduce_step_seconds.has_value() &&
-          *layer.allreduce_seconds < best_other) {
+          allreduce_best < best_other) {
         layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
       }
     }
@@ -286,12 +305,12 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       layer.cost.scheme = forced->second;  // checked above: PS, all-reduce, or SFB for FC
       layer.overridden = true;
     }
-    // Only a PS layer is on a lossy wire (an SFB or all-reduce layer stays exact).
+    // Only a PS or all-reduce layer is on a lossy wire (an SFB layer stays exact).
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) layer.cost.wire = ps_wire;
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) layer.cost.wire = allreduce_wire;
     layer.seconds = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds
-                    : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE
-                        ? *layer.allreduce_seconds
-                        : ps_best;
+                    : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? allreduce_best
+                                                                               : ps_best;
     layer.compute = LayerComputeSeconds(spec, layer.batch_per_worker, gpu);
     if (!layer.compute.has_value() && report.compute_unknown_reason.empty()) {
       report.compute_unknown_reason =

@@ -19,11 +19,12 @@
 //   5. Fusion (fusion.h): which consecutive small single-chunk PS layers share one key (a bucket),
 //      from the per-key cost α = 2·latency against the overlap a bucket loses; LayerPlan.bucket
 //      and Plan.bucket_bytes. Like the chunks, a world's first plan decides it for the world.
-//   2b. Wire precision (PS-16 in cost_model.h): where the job allows a lossy wire
-//      (PlannerConfig::lossy_wire, wire_overrides), a PS layer uses it when that predicts less
-//      time than float32, casts included; the scheme rule (time rule) compares the faster of the
-//      two PS columns with SFB and all-reduce. LayerPlan.wire_type; a world's first plan decides
-//      it for the world (the servers' tables are registered with it).
+//   2b. Wire precision (PS-16 and AR-16 in cost_model.h): where the job allows a lossy wire
+//      (PlannerConfig::lossy_wire, wire_overrides), a PS or all-reduce layer uses it when that
+//      predicts less time than float32, casts included; the scheme rule (time rule) compares the
+//      faster of the two PS columns with SFB and with the faster of the two all-reduce columns.
+//      LayerPlan.wire_type; a world's first plan decides it for the world (the servers' tables
+//      are registered with it).
 //   6. Predicts the iteration time and the speed-up, for the plan (its buckets included) and for
 //      PS everywhere (no buckets).
 // LayerPlan.predicted_bytes_per_worker is the per-worker column of the chosen scheme (PS: 2·S,
@@ -98,14 +99,15 @@ struct PlannerConfig {
   // SYNC_SCHEME_PS or SYNC_SCHEME_ALLREDUCE for any layer, SYNC_SCHEME_SFB only for FC layers;
   // an unknown name, SFB for a non-FC layer or any other value is an error naming the layer.
   std::map<std::string, poseidon::v1::SyncScheme, std::less<>> scheme_overrides;
-  // Wire precision (issue 15; cost_model.h, PS-16): the lossy type (BF16 or F16) a PS layer may
-  // use where its predicted synchronisation time, casts included, is lower than float32's. F32
+  // Wire precision (issue 15; cost_model.h, PS-16, AR-16): the lossy type (BF16 or F16) a PS or
+  // all-reduce layer may use where its predicted synchronisation time, casts included, is lower
+  // than float32's. F32
   // (or UNSPECIFIED), the default: exact only, a lossy wire is never chosen.
   poseidon::v1::ElementType lossy_wire = poseidon::v1::ELEMENT_TYPE_F32;
   // Layer name -> wire forced instead of the rule's choice: F32 keeps the layer exact whatever
-  // lossy_wire allows; BF16 or F16 puts it on that wire whenever it is on PS (an operator's
-  // per-layer allowance). An unknown name, another type, or a lossy wire for a layer whose
-  // scheme override is not PS is an error naming the layer.
+  // lossy_wire allows; BF16 or F16 puts it on that wire whenever it is on PS or all-reduce (an
+  // operator's per-layer allowance). An unknown name, another type, or a lossy wire for a layer
+  // whose scheme override is SFB is an error naming the layer.
   std::map<std::string, poseidon::v1::ElementType, std::less<>> wire_overrides;
 
   // Copied into the Plan.
@@ -134,6 +136,8 @@ struct LayerReport {
   std::optional<double> allreduce_seconds;  // P1 > 1
   // PS on the lossy wire the job allows for this layer (casts included); unset: none allowed.
   std::optional<double> ps_lossy_seconds;
+  // All-reduce on that lossy wire (AR-16, casts included); unset: none allowed or no all-reduce.
+  std::optional<double> allreduce_lossy_seconds;
   bool wire_overridden = false;  // the wire came from PlannerConfig::wire_overrides
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;
@@ -161,7 +165,7 @@ struct PlanReport {
   SchemeTotals ps_only;  // PS for every layer, for comparison
   uint32_t sfb_layers = 0;
   uint32_t allreduce_layers = 0;
-  uint32_t lossy_layers = 0;  // PS layers on a 16-bit wire (LayerCost::wire)
+  uint32_t lossy_layers = 0;  // PS and all-reduce layers on a 16-bit wire (LayerCost::wire)
   // Empty when every layer's compute time is known; else why not (names the first such layer).
   std::string compute_unknown_reason;
   // Bytes of the chunks placed on each server (every layer's, SFB layers' included: the
