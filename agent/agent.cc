@@ -763,6 +763,7 @@ absl::Status Agent::Register() {
         "server-side update rule (its pulls return parameters, which must stay exact)"));
   }
   to.bucket_bytes = config_.fusion == "bytes" ? config_.bucket_bytes : 0;
+  to.allreduce_bucket_bytes = config_.allreduce_bucket_bytes;
   if (config_.scheme == "sfb" && !to.sfb_possible) {
     return absl::FailedPreconditionError(
         absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
@@ -834,6 +835,17 @@ absl::Status Agent::Register() {
                  config_.fusion == "plan"
                      ? absl::StrCat("the plan's, target ", plan.bucket_bytes(), " bytes")
                      : absl::StrCat("--bucket_bytes=", config_.bucket_bytes));
+  }
+  if (!table_.ring_groups.empty()) {
+    size_t fused = 0;
+    uint64_t largest = 0;
+    for (const RingGroupSpec& g : table_.ring_groups) {
+      fused += g.members.size();
+      largest = std::max(largest, g.bytes);
+    }
+    PSD_LOG_INFO("{} all-reduce layers fused into {} all-reduce buckets (largest {} bytes; "
+                 "--allreduce_bucket_bytes={})", fused, table_.ring_groups.size(), largest,
+                 config_.allreduce_bucket_bytes);
   }
   {
     std::map<std::string, size_t> lossy;  // by wire name
@@ -1227,7 +1239,7 @@ void Agent::OnReady(const Event& e) {
                                  " input, but the plan runs the layer by ", SchemeName(scheme),
                                  " at that iteration"));
     }
-    if (on_device && spec.bucket >= 0) {
+    if (on_device && (spec.bucket >= 0 || spec.ring_group >= 0)) {
       // Fused layers are synchronised from host memory only (the device path for them has
       // never run on a GPU): a framework must not mark CUDA layers PSD_LAYER_FUSABLE.
       return refuse(absl::StrCat(

@@ -82,6 +82,10 @@ struct AgentConfig {
   // or "off".
   std::string fusion = "plan";
   uint64_t bucket_bytes = uint64_t{512} << 10;
+  // Fusion of consecutive all-reduce layers (host memory, adjacent in the data segment) into one
+  // collective of at most this many bytes, once all of them are ready: DDP's bucket_cap_mb (25
+  // MiB). 0: one collective per layer. Every rank the same.
+  uint64_t allreduce_bucket_bytes = uint64_t{25} << 20;
   // With a coordinator: each KV server link is measured with a probe of this many bytes (a PING
   // payload the server drops) after the rendezvous and reported as a capacity sample, so that
   // the first plan uses the measured bandwidth (0: off; --bandwidth is then the assumption).

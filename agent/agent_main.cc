@@ -41,6 +41,7 @@ struct Flags {
   uint64_t credit_bytes = 64u << 20;
   std::string fusion = "plan";
   uint64_t bucket_bytes = 512u << 10;
+  uint64_t allreduce_bucket_bytes = uint64_t{25} << 20;
   uint64_t probe_bytes = 4u << 20;
   uint64_t capacity_min_bytes = 1u << 20;
   int64_t sync_threads = 8;
@@ -144,6 +145,11 @@ poseidon::ConfigSchema<Flags> Schema() {
       .ByteSizeField("bucket_bytes", &Flags::bucket_bytes,
                      "with --fusion=bytes: the largest bucket (0: no fusion)",
                      InRange<uint64_t>(0, uint64_t{1} << 30))
+      .ByteSizeField("allreduce_bucket_bytes", &Flags::allreduce_bucket_bytes,
+                     "consecutive all-reduce layers fused into one collective of at most this "
+                     "many bytes, run once all of them are ready (DDP's bucket_cap_mb; 0: one "
+                     "collective per layer); every rank the same",
+                     InRange<uint64_t>(0, uint64_t{1} << 30))
       .ByteSizeField("probe_bytes", &Flags::probe_bytes,
                      "with a coordinator: measure each server link with a probe this large at "
                      "start-up, for the first plan (0: off, the plan assumes --bandwidth)",
@@ -243,6 +249,7 @@ int main(int argc, char** argv) {
   c.credit_bytes = f.credit_bytes;
   c.fusion = f.fusion;
   c.bucket_bytes = f.bucket_bytes;
+  c.allreduce_bucket_bytes = f.allreduce_bucket_bytes;
   c.probe_bytes = f.probe_bytes;
   c.capacity_min_bytes = f.capacity_min_bytes;
   c.sync_threads = static_cast<int>(f.sync_threads);

@@ -15,6 +15,11 @@
 // run that all-reduce and every later one in float32, each rank's (and each owner's) held-back
 // residual added to it: from that all-reduce on, the results are exact.
 //
+// All-reduce buckets (LayerTable::ring_groups, DDP's buckets): consecutive host-memory layers
+// adjacent in the data segment go as one collective over their span once every member of the
+// iteration is ready, and every member completes with it; a layer not in a bucket is a unit of
+// its own. Everything below works on units (a collective's tag is its first layer's index).
+//
 // Concurrency: Gloo's collectives block. Each posted layer's all-reduce runs on a thread of its
 // own (a pool that grows to the number of layers in flight, never beyond the layer count) with
 // the layer's index as Gloo's tag, so collectives of different layers proceed side by side and
@@ -65,8 +70,16 @@ constexpr uint32_t kProbeTag = 0xffffffffu;
 constexpr uint32_t kGatherTagBase = 1u << 29;
 constexpr uint32_t kVoteTagBase = 2u << 29;
 
-// A layer on a lossy wire (LayerSpec::wire): its residuals and buffers, allocated in Ready and
-// then used only by the pool thread running the layer's all-reduce (one at a time).
+// What one collective covers: a layer, or an all-reduce bucket of consecutive layers.
+struct Unit {
+  uint32_t first = 0;             // the first layer (the tag; its gradient starts the span)
+  std::vector<uint32_t> members;  // every layer it completes
+  size_t elements = 0;            // floats of the span
+  std::string name;               // the layer's or the bucket's
+};
+
+// A unit on a lossy wire (LayerSpec::wire): its residuals and buffers, allocated in Ready and
+// then used only by the pool thread running the unit's all-reduce (one at a time).
 struct LossyRing {
   WireType type = WireType::kF32;
   std::vector<size_t> shard;      // elements of each rank's shard (balanced, every one >= 1)
@@ -81,7 +94,32 @@ struct LossyRing {
 
 class AllreduceSyncer final : public Syncer {
  public:
-  explicit AllreduceSyncer(SyncEnv& env) : env_(env) {}
+  explicit AllreduceSyncer(SyncEnv& env)
+      : env_(env), unit_of_(env.table->layers.size()), gathering_(env.table->ring_groups.size()) {
+    // Bucket members are consecutive: the units follow the layers in order.
+    const LayerTable& table = *env.table;
+    for (uint32_t l = 0; l < table.layers.size(); ++l) {
+      const int group = table.layers[l].ring_group;
+      if (group >= 0 && table.ring_groups[static_cast<size_t>(group)].members.front() != l) {
+        unit_of_[l] = unit_of_[l - 1];
+        continue;
+      }
+      Unit u;
+      u.first = l;
+      if (group >= 0) {
+        const RingGroupSpec& g = table.ring_groups[static_cast<size_t>(group)];
+        u.members = g.members;
+        u.elements = g.bytes / sizeof(float);
+        u.name = g.name;
+      } else {
+        u.members = {l};
+        u.elements = table.layers[l].desc.elements;
+        u.name = table.layers[l].desc.name;
+      }
+      unit_of_[l] = static_cast<uint32_t>(units_.size());
+      units_.push_back(std::move(u));
+    }
+  }
   ~AllreduceSyncer() override { Stop(); }
 
   int Parts(uint32_t) const override { return 1; }
@@ -140,6 +178,22 @@ class AllreduceSyncer final : public Syncer {
                         "all-reduce is not connected (one rank, or no rendezvous store)"));
       return;
     }
+    const int group = env_.table->layers[post.layer].ring_group;
+    if (group >= 0) {
+      // A bucket's member (host memory only: the agent refuses one posted on the GPU). The
+      // bucket goes once its last member of the iteration is ready.
+      Gathering& g = gathering_[static_cast<size_t>(group)];
+      const RingGroupSpec& bucket = env_.table->ring_groups[static_cast<size_t>(group)];
+      if (g.iteration != post.iteration) {
+        g.iteration = post.iteration;
+        g.waiting = bucket.members.size();
+      }
+      if (--g.waiting != 0) return;
+      Post whole = post;
+      whole.layer = bucket.members.front();
+      Launch(whole);
+      return;
+    }
     if (!post.on_device) {
       Launch(post);
       return;
@@ -153,13 +207,24 @@ class AllreduceSyncer final : public Syncer {
     if (!s.ok()) env_.finished(post.layer, post.iteration, 0, s);
   }
 
-  std::string Waiting(uint32_t layer, uint64_t, const std::vector<uint8_t>&) const override {
+  std::string Waiting(uint32_t layer, uint64_t iteration,
+                      const std::vector<uint8_t>&) const override {
+    const Unit& unit = units_[unit_of_[layer]];
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok()) return absl::StrCat("all-reduce (the ring failed: ", broken_.message(), ")");
-    if (running_.count(layer) != 0) {
-      return absl::StrCat("all-reduce in the Gloo ring of ", env_.config->world_size,
+    if (running_.count(unit.first) != 0) {
+      return absl::StrCat("all-reduce", unit.members.size() > 1 ? " of " + unit.name : "",
+                          " in the Gloo ring of ", env_.config->world_size,
                           " ranks (this rank's neighbours: ranks ", Left(), " and ", Right(),
-                          "; ", running_.size(), " layers in the ring)");
+                          "; ", running_.size(), " collectives in the ring)");
+    }
+    if (const int group = env_.table->layers[layer].ring_group; group >= 0) {
+      const Gathering& g = gathering_[static_cast<size_t>(group)];  // the main thread's
+      if (g.iteration == iteration && g.waiting > 0) {
+        return absl::StrCat("all-reduce of ", unit.name, ": ", g.waiting, " of its ",
+                            unit.members.size(), " layers not yet ready at iteration ",
+                            iteration);
+      }
     }
     return "all-reduce (queued for a thread)";
   }
@@ -207,16 +272,16 @@ class AllreduceSyncer final : public Syncer {
       lock.unlock();
 
       const absl::Time start = absl::Now();
-      absl::Status s = broken.ok() ? Reduce(post) : broken;
-      const LayerSpec& spec = env_.table->layers[post.layer];
-      const uint64_t bytes = spec.desc.elements * sizeof(float);
+      const Unit& unit = units_[unit_of_[post.layer]];
+      absl::Status s = broken.ok() ? Reduce(post, unit) : broken;
+      const uint64_t bytes = unit.elements * sizeof(float);
       // What went on the wire: half the bytes while the layer is lossy (one that fell back in
       // this Reduce sent float32; this thread is the only one using the entry now).
       const auto lossy = lossy_.find(post.layer);
       const uint64_t wire_bytes =
           lossy != lossy_.end() && !lossy->second->exact ? bytes / 2 : bytes;
       if (env_.timeline) {
-        env_.timeline->Span("allreduce", post.layer, spec.desc.name, post.iteration, start,
+        env_.timeline->Span("allreduce", post.layer, unit.name, post.iteration, start,
                             absl::Now());
       }
       if (s.ok() && env_.metrics.allreduce_bytes) {
@@ -230,9 +295,10 @@ class AllreduceSyncer final : public Syncer {
         env_.telemetry->AddPeerBytes(Right(), moved, 0);
         env_.telemetry->AddPeerBytes(Left(), 0, moved);
       }
-      if (s.ok() && post.on_device) {
+      if (s.ok() && post.on_device) {  // a layer of its own (buckets are host memory)
         s = env_.stager->load(std::memory_order_acquire)
-                ->StageIn(post.layer, {spec.layout.grad_offset, bytes});
+                ->StageIn(post.layer,
+                          {env_.table->layers[post.layer].layout.grad_offset, bytes});
       }
       {
         std::lock_guard<std::mutex> relock(mu_);
@@ -240,7 +306,7 @@ class AllreduceSyncer final : public Syncer {
         // After a failed collective the ring's state is unknown: every later one fails too.
         if (!s.ok() && broken_.ok()) broken_ = s;
       }
-      env_.finished(post.layer, post.iteration, 0, s);
+      for (uint32_t member : unit.members) env_.finished(member, post.iteration, 0, s);
       lock.lock();
     }
   }
@@ -271,12 +337,13 @@ class AllreduceSyncer final : public Syncer {
           "all-reduce: ", env_.table->layers.size(), " layers; at most ", kGatherTagBase - 1));
     }
     size_t lossy = 0;
-    for (uint32_t l = 0; l < env_.table->layers.size(); ++l) {
-      const LayerSpec& spec = env_.table->layers[l];
-      if (!spec.allreduce_capable || !IsLossy(spec.wire) || spec.desc.elements < world) continue;
+    for (const Unit& unit : units_) {
+      // A bucket's members share one wire.
+      const LayerSpec& spec = env_.table->layers[unit.first];
+      if (!spec.allreduce_capable || !IsLossy(spec.wire) || unit.elements < world) continue;
       auto ring = std::make_unique<LossyRing>();
       ring->type = spec.wire;
-      const uint64_t n = spec.desc.elements;
+      const uint64_t n = unit.elements;
       for (uint32_t j = 0; j < world; ++j) {
         const uint64_t begin = n * j / world, end = n * (j + 1) / world;
         if (j == rank) ring->own_begin = begin;
@@ -288,12 +355,12 @@ class AllreduceSyncer final : public Syncer {
       ring->received.resize(ring->shard[rank] * world);
       ring->gathered.resize(n);
       ring->sum.resize(ring->shard[rank]);
-      lossy_[l] = std::move(ring);
+      lossy_[unit.first] = std::move(ring);
       ++lossy;
     }
     if (lossy > 0) {
-      PSD_LOG_INFO("all-reduce: {} layers on a lossy wire when on the ring (float32 sums by "
-                   "shard, error feedback)", lossy);
+      PSD_LOG_INFO("all-reduce: {} layers or buckets on a lossy wire when on the ring (float32 "
+                   "sums by shard, error feedback)", lossy);
     }
     return absl::OkStatus();
   }
@@ -307,11 +374,10 @@ class AllreduceSyncer final : public Syncer {
 
   // One lossy all-reduce (the file's comment): alltoallv of the encoded shards, a float32 sum of
   // this rank's shard, allgatherv of the encoded sums, decoded in place.
-  absl::Status LossyReduce(const Post& post, LossyRing& ring) {
-    const LayerSpec& spec = env_.table->layers[post.layer];
+  absl::Status LossyReduce(const Post& post, const Unit& unit, LossyRing& ring) {
     const uint32_t world = env_.config->world_size, rank = env_.config->rank;
     float* grad = env_.shm->Grad(post.layer);
-    const size_t n = spec.desc.elements;
+    const size_t n = unit.elements;
     const std::span<float> values(grad, n);
     ++ring.clock;
     if (!ring.exact) {
@@ -321,17 +387,19 @@ class AllreduceSyncer final : public Syncer {
         const bool mine = WireDiverged(env_.wire_guard, error);
         if (mine) {
           PSD_LOG_WARN("{} (all-reduce): the {} wire's error is {:.3g} of the gradient's norm at "
-                       "all-reduce {} (limit {})", spec.desc.name, WireName(ring.type), error,
+                       "all-reduce {} (limit {})", unit.name, WireName(ring.type), error,
                        ring.clock, env_.wire_guard.max_error);
         }
         ASSIGN_OR_RETURN(const bool any, AnyDiverged(mine, post.layer));
         if (any) {
           PSD_LOG_WARN("{} (all-reduce): the divergence guard of {} fell back from the {} wire at "
                        "all-reduce {}: falling back to float32 (exact) for the rest of the job",
-                       spec.desc.name, mine ? "this rank" : "another rank", WireName(ring.type),
+                       unit.name, mine ? "this rank" : "another rank", WireName(ring.type),
                        ring.clock);
           ring.exact = true;
-          if (env_.telemetry) env_.telemetry->LayerWireFellBack(post.layer);
+          if (env_.telemetry) {
+            for (uint32_t member : unit.members) env_.telemetry->LayerWireFellBack(member);
+          }
           // This all-reduce goes as float32 with what the roundings held back: the gradient plus
           // this rank's residual (decode(send) + new residual), and on its own shard the
           // residual of its sums (added once: only the owner holds it).
@@ -382,16 +450,19 @@ class AllreduceSyncer final : public Syncer {
     return absl::OkStatus();
   }
 
-  absl::Status Reduce(const Post& post) {
-    const LayerSpec& spec = env_.table->layers[post.layer];
+  // The unit's all-reduce; post.layer is its first layer.
+  absl::Status Reduce(const Post& post, const Unit& unit) {
     const auto lossy = lossy_.find(post.layer);
     const bool sixteen = lossy != lossy_.end() && !lossy->second->exact;
-    // The layer is the tag: unique among the collectives running (one iteration a layer).
+    // The first layer is the tag: unique among the collectives running (one iteration a unit).
     const absl::Status s =
-        lossy != lossy_.end() ? LossyReduce(post, *lossy->second)
-                              : Sum(env_.shm->Grad(post.layer), spec.desc.elements, post.layer);
-    return Annotate(s, absl::StrCat("all-reduce of layer ", post.layer, " (", spec.desc.name,
-                                 ") iteration ", post.iteration, " in the Gloo ring of ",
+        lossy != lossy_.end() ? LossyReduce(post, unit, *lossy->second)
+                              : Sum(env_.shm->Grad(post.layer), unit.elements, post.layer);
+    const std::string what =
+        unit.members.size() > 1
+            ? absl::StrCat("layers ", unit.members.front(), "-", unit.members.back())
+            : absl::StrCat("layer ", post.layer);
+    return Annotate(s, absl::StrCat("all-reduce of ", what, " (", unit.name, ") iteration ", post.iteration, " in the Gloo ring of ",
                                  env_.config->world_size, " ranks (neighbours: ranks ", Left(),
                                  " and ", Right(), ")",
                                  sixteen ? absl::StrCat(", ", WireName(lossy->second->type),
@@ -402,16 +473,25 @@ class AllreduceSyncer final : public Syncer {
   SyncEnv& env_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;  // set in Ready, before any layer is posted
-  // Lossy layers by index: built in Ready, then the map is only read and each entry is used by
-  // the thread running its layer (one iteration of a layer at a time).
+  // The units, and each layer's (built at construction, then only read).
+  std::vector<Unit> units_;
+  std::vector<uint32_t> unit_of_;
+  // Lossy units by first layer: built in Ready, then the map is only read and each entry is used
+  // by the thread running its unit (one iteration of a unit at a time).
   std::map<uint32_t, std::unique_ptr<LossyRing>> lossy_;
+  // The buckets' members ready so far in their current iteration (the main thread's).
+  struct Gathering {
+    uint64_t iteration = UINT64_MAX;
+    size_t waiting = 0;
+  };
+  std::vector<Gathering> gathering_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Post> queue_;           // posted, waiting for a thread
   std::vector<std::thread> threads_;  // the pool (grows; joined by Stop)
   size_t idle_ = 0;                  // threads waiting for work
-  std::set<uint32_t> running_;       // layers in the ring now
+  std::set<uint32_t> running_;       // units in the ring now (by first layer)
   absl::Status broken_;              // the first failure: every later all-reduce fails with it
   bool stopping_ = false;
 };

@@ -112,7 +112,47 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
   } else {
     table.buckets = FormBuckets(table.layers, options.bucket_bytes);
   }
+  table.ring_groups = FormRingGroups(table.layers, options.allreduce_bucket_bytes);
   return table;
+}
+
+std::vector<RingGroupSpec> FormRingGroups(std::vector<LayerSpec>& layers, uint64_t bytes) {
+  std::vector<RingGroupSpec> groups;
+  if (bytes == 0) return groups;
+  std::vector<uint32_t> run;
+  uint64_t run_start = 0, run_end = 0;
+  auto close = [&] {
+    if (run.size() >= 2) {
+      RingGroupSpec g;
+      g.members = run;
+      g.bytes = run_end - run_start;
+      g.name = absl::StrCat("all-reduce bucket ", layers[run.front()].desc.name, " .. ",
+                            layers[run.back()].desc.name);
+      for (uint32_t l : run) layers[l].ring_group = static_cast<int>(groups.size());
+      groups.push_back(std::move(g));
+    }
+    run.clear();
+  };
+  for (uint32_t i = 0; i < layers.size(); ++i) {
+    const LayerSpec& st = layers[i];
+    const uint64_t size = st.desc.elements * sizeof(float);
+    if (!st.desc.fusable || st.layout.scheme != PSD_SCHEME_ALLREDUCE || size >= bytes) {
+      close();
+      continue;
+    }
+    const uint64_t start = st.layout.grad_offset;
+    // Adjacent only (an SFB-capable layer's factors sit after its gradient), within the size,
+    // on one wire.
+    if (!run.empty() && (start != AlignUp(run_end) || start + size - run_start > bytes ||
+                         layers[run.back()].wire != st.wire)) {
+      close();
+    }
+    if (run.empty()) run_start = start;
+    run.push_back(i);
+    run_end = start + size;
+  }
+  close();
+  return groups;
 }
 
 std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes,
@@ -189,6 +229,9 @@ ScheduleChange ComposeSchedule(const LayerSpec& layer, const Schedule& current, 
   }
   if (scheme != PSD_SCHEME_PS && layer.bucket >= 0) {
     return refuse("it is fused into a bucket, which stays on PS");
+  }
+  if (scheme != PSD_SCHEME_ALLREDUCE && layer.ring_group >= 0) {
+    return refuse("it is fused into an all-reduce bucket, which stays on all-reduce");
   }
   if (scheme == PSD_SCHEME_PS && layer.chunks.empty()) {
     return refuse("the plan gave it no PS chunks");

@@ -47,6 +47,8 @@ struct LayerSpec {
   // server-side rule), now or after a plan change; never a bucket's member.
   bool allreduce_capable = false;
   int bucket = -1;  // the bucket it is fused into (then always PS), or -1
+  // The all-reduce bucket it is fused into (then always all-reduce), or -1.
+  int ring_group = -1;
   // What its PS keys carry (common/wire_codec.h): the first plan's LayerPlan.wire_type, or the
   // agent's --wire; fixed for the job (the servers' tables are registered with it).
   WireType wire = WireType::kF32;
@@ -62,9 +64,19 @@ struct BucketSpec {
   WireType wire = WireType::kF32;  // its members' (a bucket's members share one wire)
 };
 
+// Consecutive all-reduce layers fused into one collective (DDP's buckets): their gradients are
+// adjacent in the data segment, so the collective covers [first member's gradient, last one's
+// end), alignment padding included (zeros, which sum to zeros).
+struct RingGroupSpec {
+  std::vector<uint32_t> members;  // layer indices, consecutive
+  uint64_t bytes = 0;             // from the first member's gradient
+  std::string name;               // "all-reduce bucket fc1.bias .. fc3.bias"
+};
+
 struct LayerTable {
   std::vector<LayerSpec> layers;
   std::vector<BucketSpec> buckets;
+  std::vector<RingGroupSpec> ring_groups;
   uint64_t data_bytes = 0;  // the data segment's size (at least kBufferAlign)
 };
 
@@ -83,6 +95,9 @@ struct LayerTableOptions {
   // "Fusion"), or, when false, consecutive small PS layers up to bucket_bytes (0: no fusion).
   bool fusion_from_plan = false;
   uint64_t bucket_bytes = 0;
+  // All-reduce buckets: runs of the first plan's all-reduce layers, at most this many bytes
+  // (0: none).
+  uint64_t allreduce_bucket_bytes = 0;
   // Wire precision: every layer's forced (--wire=fp32|bf16|fp16), or nullopt for the plan's
   // (LayerPlan.wire_type). A lossy wire needs the sum rule: without it (lossy_possible false) a
   // plan's lossy layer is float32 (every rank has the same rule, so all of them agree).
@@ -111,6 +126,10 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
 // the agent fuses what the plan says, split where it cannot (a layer not fusable or not adjacent).
 std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes,
                                     const std::vector<uint32_t>* plan_buckets = nullptr);
+
+// Fuses runs of at least two adjacent, fusable layers that the first plan puts on all-reduce, on
+// one wire, into groups of at most `bytes` bytes; sets the members' `ring_group`.
+std::vector<RingGroupSpec> FormRingGroups(std::vector<LayerSpec>& layers, uint64_t bytes);
 
 // A layer's scheme by iteration: `before` for iterations < switch_at, `after` from switch_at on.
 // Packed into one word (PSD_SCHEDULE_* in common/shm_layout.h), which the agent publishes in the

@@ -276,6 +276,54 @@ TEST(ComposeSchedule, RefusesWhatTheLayerCannotRun) {
   EXPECT_EQ(ComposeSchedule(ring, Schedule::Fixed(PSD_SCHEME_PS), PSD_SCHEME_ALLREDUCE, 20, 1)
                 .outcome,
             ScheduleChange::kRefused);
+  // An all-reduce bucket's member stays on all-reduce.
+  LayerSpec grouped = CapableLayer();
+  grouped.allreduce_capable = true;
+  grouped.ring_group = 0;
+  for (const uint32_t away : {PSD_SCHEME_PS, PSD_SCHEME_SFB}) {
+    const ScheduleChange change =
+        ComposeSchedule(grouped, Schedule::Fixed(PSD_SCHEME_ALLREDUCE), away, 20, 1);
+    EXPECT_EQ(change.outcome, ScheduleChange::kRefused);
+    EXPECT_NE(change.why.find("all-reduce bucket"), std::string::npos) << change.why;
+  }
+}
+
+// All-reduce buckets (DDP's): runs of adjacent, fusable layers the first plan puts on
+// all-reduce, on one wire, up to the size; an SFB-capable layer's factors, a layer on another
+// scheme or wire, or one not fusable ends a run; a run of one is no bucket.
+TEST(LayerTable, AllReduceBucketsFuseAdjacentFusableAllReduceLayers) {
+  const std::vector<LayerDesc> descs = {Bias("a", 100), Bias("b", 100), Bias("c", 100),
+                                        Bias("d", 100, /*fusable=*/false), Bias("e", 100),
+                                        Bias("f", 100), Bias("g", 100), Bias("h", 100)};
+  v1::Plan plan = PlanFor(descs, std::vector(8, v1::SYNC_SCHEME_ALLREDUCE));
+  plan.mutable_layers(6)->set_scheme(v1::SYNC_SCHEME_PS);
+  plan.mutable_layers(2)->set_wire_type(v1::ELEMENT_TYPE_BF16);
+  const LayerTableOptions options{.world_size = 2, .sfb_possible = false,
+                                  .allreduce_possible = true, .allreduce_bucket_bytes = 1024};
+  auto table = BuildLayerTable(descs, plan, options);
+  ASSERT_TRUE(table.ok()) << table.status();
+  // a, b (c is on bf16); e, f (g on PS); h alone.
+  ASSERT_EQ(table->ring_groups.size(), 2u);
+  EXPECT_EQ(table->ring_groups[0].members, (std::vector<uint32_t>{0, 1}));
+  EXPECT_EQ(table->ring_groups[1].members, (std::vector<uint32_t>{4, 5}));
+  // The span from the first gradient to the last one's end, padding included (400 -> 448).
+  EXPECT_EQ(table->ring_groups[0].bytes, 448u + 400u);
+  EXPECT_EQ(table->ring_groups[0].name, "all-reduce bucket a .. b");
+  for (const uint32_t l : {2u, 3u, 6u, 7u}) EXPECT_EQ(table->layers[l].ring_group, -1) << l;
+  EXPECT_EQ(table->layers[5].ring_group, 1);
+  EXPECT_TRUE(table->buckets.empty()) << "no PS fusion asked for";
+  // The size bounds a bucket: 848 > 800 leaves none of two.
+  LayerTableOptions small = options;
+  small.allreduce_bucket_bytes = 800;
+  table = BuildLayerTable(descs, plan, small);
+  ASSERT_TRUE(table.ok());
+  EXPECT_TRUE(table->ring_groups.empty());
+  // Off (0), and never without all-reduce.
+  small.allreduce_bucket_bytes = 0;
+  EXPECT_TRUE(BuildLayerTable(descs, plan, small)->ring_groups.empty());
+  LayerTableOptions no_ring = options;
+  no_ring.allreduce_possible = false;
+  EXPECT_TRUE(BuildLayerTable(descs, plan, no_ring)->ring_groups.empty());
 }
 
 TEST(LayerTable, AllReduceLayersOnlyWhereTheJobCanRunThem) {

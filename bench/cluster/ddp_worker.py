@@ -67,6 +67,8 @@ def main():
     ap.add_argument("--gpu_flops", type=float, default=6.1e12)
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--bucket_mb", type=float, default=25.0)
+    ap.add_argument("--comm_hook", choices=["none", "fp16"], default="none",
+                    help="fp16: DDP's fp16_compress_hook (gradients all-reduced in fp16)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = json.load(open(args.spec))
@@ -75,6 +77,9 @@ def main():
                             rank=args.rank, world_size=args.world_size)
     model = Emulated(spec, args.batch, args.compute_scale, args.gpu_flops)
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    if args.comm_hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     x = torch.zeros(1, requires_grad=True)
     marks = []
     t0 = time.time()

@@ -24,7 +24,9 @@ where the job allows bfloat16 and each layer's wire is the plan's: --plan_lossy_
 data-plane connection: data_tls, one throwaway certificate), ps (--scheme ps),
 no-wfbp (synth --wfbp=false), no-priority
 (agents synchronise layers in the order they become ready: --priority=false), sep-servers
-(servers on N hosts of their own; --sep_models), ddp (PyTorch DDP with gloo, ddp_worker.py).
+(servers on N hosts of their own; --sep_models), ddp (PyTorch DDP with gloo, ddp_worker.py),
+allreduce and allreduce-bf16 (every layer by all-reduce through a coordinator, float32 or
+bfloat16), ddp-fp16 (DDP with its fp16 compression hook).
 
 Exit code 77 when network namespaces or tc tbf are not permitted here (the test is skipped).
 Needs root. Everything (namespaces, links, processes, shared-memory segments) is removed on every
@@ -69,11 +71,16 @@ MODES = {
     "sep-servers": ("auto", True, True, False),
     # Ring all-reduce (Gloo) for every layer; its rendezvous needs the coordinator.
     "allreduce": ("allreduce", True, False, True),
+    # The same on a bfloat16 wire (--wire=bf16: each rank sums its shard in float32).
+    "allreduce-bf16": ("allreduce", True, False, True),
     # The coordinator's plan (its time rule: PS, SFB or ring all-reduce per layer, the ring
     # weighed by the agents' measured step: --allreduce_by_cost), on the nominal network (no
     # start-up probes: the plan does not depend on this host's load).
     "coord-auto": ("auto", True, False, True),
     "ddp": (None, True, False, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py
+    # DDP with its fp16 compression hook (fp16_compress_hook: gloo has no bfloat16 all-reduce,
+    # so DDP's bf16 hook cannot run on it).
+    "ddp-fp16": (None, True, False, False),
 }
 # A coordinator in the switch namespace, on <subnet>.SW_HOST of the bridge (adapt_bench too).
 COORD_TOKEN = "run-cluster-token"
@@ -429,7 +436,8 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
     try:
         cluster.up()
         if scheme is None:
-            return run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir)
+            return run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir,
+                           hook="fp16" if mode == "ddp-fp16" else "none")
         server_hosts = list(range(n, 2 * n)) if separate else list(range(n))
         tls = tls_flags(logdir) if mode == "tls" else []
         env, joined = None, []
@@ -466,8 +474,8 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 f"--listen={cluster.addr(r)}:7200", f"--scheme={scheme}",
                 f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
                 f"--priority={'false' if mode == 'no-priority' else 'true'}",
-                *({"bf16": ["--wire=bf16"], "lossy": ["--wire=plan", "--plan_lossy_wire=bf16"]}
-                  .get(mode, ["--wire=fp32"])),
+                *({"bf16": ["--wire=bf16"], "allreduce-bf16": ["--wire=bf16"],
+                   "lossy": ["--wire=plan", "--plan_lossy_wire=bf16"]}.get(mode, ["--wire=fp32"])),
                 f"--replicas={0 if mode == 'no-replicas' else 1}",
                 *[f"--{k}={v}" for k, v in sorted(args.agent_sizes.items())],
                 f"--fusion={'bytes' if 'bucket_bytes' in args.agent_sizes else 'plan'}",
@@ -492,7 +500,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
             LIVE.remove(cluster)
 
 
-def run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir):
+def run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir, hook="none"):
     gpu_rate = GPU_RATES.get(args.gpu) or float(args.gpu)
     bucket_mb = 25.0 / (args.scale * args.scale)  # DDP's default bucket, scaled like the bytes
     workers = []
@@ -502,7 +510,8 @@ def run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir):
             "/usr/bin/python3", DDP_WORKER, f"--spec={spec_path}", f"--rank={r}",
             f"--world_size={n}", f"--master={cluster.addr(0)}", f"--batch={batch_scaled}",
             f"--compute_scale={compute_scale:.6f}", f"--gpu_flops={gpu_rate}",
-            f"--iterations={args.iterations}", f"--bucket_mb={bucket_mb}"], logdir, env=env))
+            f"--iterations={args.iterations}", f"--bucket_mb={bucket_mb}",
+            f"--comm_hook={hook}"], logdir, env=env))
     return collect(args, cluster, workers)
 
 
@@ -783,11 +792,11 @@ def main():
     batch_scaled = max(1, args.batch // s)
     hosts = [int(x) for x in args.hosts.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
-    if "ddp" in modes:
+    if "ddp" in modes or "ddp-fp16" in modes:
         import importlib.util
         if importlib.util.find_spec("torch") is None:
-            log("run_cluster: python3-torch missing: mode ddp left out")
-            modes.remove("ddp")
+            log("run_cluster: python3-torch missing: modes ddp, ddp-fp16 left out")
+            modes = [m for m in modes if m not in ("ddp", "ddp-fp16")]
     for m in modes:
         if m not in MODES:
             sys.exit(f"run_cluster: unknown mode {m} (have {', '.join(MODES)})")

@@ -64,31 +64,43 @@ def main():
     job_environment(TOKEN, SECRET)
     daemons, segments = [], []
     try:
-        # Exact sums: 30 iterations of every layer through the ring.
-        results, logs = ring_job(args, "ring", daemons, segments, 30)
-        for r, (code, verified) in enumerate(results):
-            check(code == 0, f"rank {r}'s training process exits 0")
-            check(verified is not None and verified[0] == 30 * 8 and verified[1] == 0,
-                  f"rank {r}: every all-reduced result is the exact sum ({verified})")
-        check(logs.count("Gloo ring of 4 ranks connected") == RANKS,
-              "every agent connected the ring through the coordinator's store")
-        check(logs.count("0 on SFB, 8 on all-reduce") == RANKS, "every layer runs on the ring")
-        stop_all(daemons, segments)
-        daemons, segments = [], []
+        # Exact sums: 30 iterations of every layer through the ring, the 8 layers fused into one
+        # all-reduce bucket (the default, DDP's 25 MiB) and one collective per layer.
+        for bucket in ("25MiB", "0"):
+            results, logs = ring_job(args, f"ring{bucket}", daemons, segments, 30,
+                                     [f"--allreduce_bucket_bytes={bucket}"])
+            for r, (code, verified) in enumerate(results):
+                check(code == 0, f"{bucket} buckets: rank {r}'s training process exits 0")
+                check(verified is not None and verified[0] == 30 * 8 and verified[1] == 0,
+                      f"{bucket} buckets: rank {r}: every all-reduced result is the exact sum "
+                      f"({verified})")
+            check(logs.count("Gloo ring of 4 ranks connected") == RANKS,
+                  "every agent connected the ring through the coordinator's store")
+            check(logs.count("0 on SFB, 8 on all-reduce") == RANKS, "every layer runs on the ring")
+            fused = logs.count("8 all-reduce layers fused into 1 all-reduce buckets")
+            check(fused == (RANKS if bucket != "0" else 0),
+                  f"{bucket} buckets: the layers are fused as told ({fused} agents say so)")
+            stop_all(daemons, segments)
+            daemons, segments = [], []
 
         # A bfloat16 wire: values up to 4 x 11 with a part of 2^-10 that bfloat16 cannot hold;
         # within its rounding (each rank's and each owner's error feedback may release a unit of
         # the clock before), not exactly.
+        # In one bucket and layer by layer.
         fraction = "--grad_fraction=0.0009765625"
-        results, logs = ring_job(args, "ringbf16", daemons, segments, 10, ["--wire=bf16"],
-                                 [fraction, "--tolerance=0.2"])
-        for r, (code, verified) in enumerate(results):
-            check(code == 0 and verified == (80, 0),
-                  f"bf16: rank {r}'s results are the sums within rounding ({code}, {verified})")
-        check(logs.count("layers on a lossy wire when on the ring") == RANKS,
-              "bf16: every agent puts its layers on the lossy wire")
-        stop_all(daemons, segments)
-        daemons, segments = [], []
+        for bucket in ("25MiB", "0"):
+            results, logs = ring_job(args, f"ringbf16{bucket}", daemons, segments, 10,
+                                     ["--wire=bf16", f"--allreduce_bucket_bytes={bucket}"],
+                                     [fraction, "--tolerance=0.2"])
+            for r, (code, verified) in enumerate(results):
+                check(code == 0 and verified == (80, 0),
+                      f"bf16, {bucket} buckets: rank {r}'s results are the sums within rounding "
+                      f"({code}, {verified})")
+            lossy = "1 layers or buckets" if bucket != "0" else "8 layers or buckets"
+            check(logs.count(f"{lossy} on a lossy wire when on the ring") == RANKS,
+                  f"bf16, {bucket} buckets: every agent puts its layers on the lossy wire")
+            stop_all(daemons, segments)
+            daemons, segments = [], []
         results, _ = ring_job(args, "ringbf16x", daemons, segments, 3, ["--wire=bf16"], [fraction])
         check(all(v is not None and v[1] > 0 for _, v in results),
               f"bf16: checked exactly, the rounding shows ({[v for _, v in results]})")
@@ -106,8 +118,8 @@ def main():
                 for r, (code, verified) in enumerate(results):
                     check(code == 0 and verified == (40, 0),
                           f"fp16 with the guard: rank {r}'s results are exact ({code}, {verified})")
-                check(logs.count("falling back to float32 (exact)") >= RANKS * 8,
-                      "fp16 with the guard: every rank falls back on every layer, logged")
+                check(logs.count("falling back to float32 (exact)") >= RANKS,
+                      "fp16 with the guard: every rank falls back, logged")
             else:
                 check(all(v is None or v[1] > 0 for _, v in results),
                       f"fp16 without the guard: the results saturate ({[v for _, v in results]})")
