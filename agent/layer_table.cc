@@ -116,89 +116,93 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
   return table;
 }
 
-std::vector<RingGroupSpec> FormRingGroups(std::vector<LayerSpec>& layers, uint64_t bytes) {
-  std::vector<RingGroupSpec> groups;
-  if (bytes == 0) return groups;
-  std::vector<uint32_t> run;
-  uint64_t run_start = 0, run_end = 0;
+namespace {
+
+// A run of consecutive layers fused into one buffer span: [start, end) of the data segment.
+struct LayerRun {
+  std::vector<uint32_t> members;
+  uint64_t start = 0, end = 0;
+};
+
+// The runs of at least two consecutive layers that `member` accepts (each smaller than `bytes`),
+// adjacent in the data segment (nothing but alignment between them: an SFB-capable layer's
+// factors sit between it and the next gradient, so it ends a run), on one wire, spanning at most
+// `bytes`, where `joins(previous, next)` holds between neighbours.
+template <typename Member, typename Joins>
+std::vector<LayerRun> AdjacentRuns(const std::vector<LayerSpec>& layers, uint64_t bytes,
+                                   Member member, Joins joins) {
+  std::vector<LayerRun> runs;
+  if (bytes == 0) return runs;
+  LayerRun run;
   auto close = [&] {
-    if (run.size() >= 2) {
-      RingGroupSpec g;
-      g.members = run;
-      g.bytes = run_end - run_start;
-      g.name = absl::StrCat("all-reduce bucket ", layers[run.front()].desc.name, " .. ",
-                            layers[run.back()].desc.name);
-      for (uint32_t l : run) layers[l].ring_group = static_cast<int>(groups.size());
-      groups.push_back(std::move(g));
-    }
-    run.clear();
+    if (run.members.size() >= 2) runs.push_back(run);
+    run.members.clear();
   };
   for (uint32_t i = 0; i < layers.size(); ++i) {
     const LayerSpec& st = layers[i];
     const uint64_t size = st.desc.elements * sizeof(float);
-    if (!st.desc.fusable || st.layout.scheme != PSD_SCHEME_ALLREDUCE || size >= bytes) {
+    if (!st.desc.fusable || size >= bytes || !member(i)) {
       close();
       continue;
     }
     const uint64_t start = st.layout.grad_offset;
-    // Adjacent only (an SFB-capable layer's factors sit after its gradient), within the size,
-    // on one wire.
-    if (!run.empty() && (start != AlignUp(run_end) || start + size - run_start > bytes ||
-                         layers[run.back()].wire != st.wire)) {
+    if (!run.members.empty() &&
+        (start != AlignUp(run.end) || start + size - run.start > bytes ||
+         layers[run.members.back()].wire != st.wire || !joins(run.members.back(), i))) {
       close();
     }
-    if (run.empty()) run_start = start;
-    run.push_back(i);
-    run_end = start + size;
+    if (run.members.empty()) run.start = start;
+    run.members.push_back(i);
+    run.end = start + size;
   }
   close();
+  return runs;
+}
+
+std::string RunName(const char* what, const std::vector<LayerSpec>& layers, const LayerRun& run) {
+  return absl::StrCat(what, " ", layers[run.members.front()].desc.name, " .. ",
+                      layers[run.members.back()].desc.name);
+}
+
+}  // namespace
+
+std::vector<RingGroupSpec> FormRingGroups(std::vector<LayerSpec>& layers, uint64_t bytes) {
+  std::vector<RingGroupSpec> groups;
+  const auto runs = AdjacentRuns(
+      layers, bytes, [&](uint32_t i) { return layers[i].layout.scheme == PSD_SCHEME_ALLREDUCE; },
+      [](uint32_t, uint32_t) { return true; });
+  for (const LayerRun& run : runs) {
+    for (uint32_t l : run.members) layers[l].ring_group = static_cast<int>(groups.size());
+    groups.push_back({run.members, run.end - run.start, RunName("all-reduce bucket", layers, run)});
+  }
   return groups;
 }
 
 std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t bucket_bytes,
                                     const std::vector<uint32_t>* plan_buckets) {
   std::vector<BucketSpec> buckets;
-  if (bucket_bytes == 0) return buckets;
-  std::vector<uint32_t> run;
-  uint64_t run_start = 0, run_end = 0;
-  auto close = [&] {
-    if (run.size() >= 2) {
-      BucketSpec b;
-      b.members = run;
-      b.chunk.key = (uint64_t{1} << 63) | (uint64_t{run.front()} << 32) | run.size();
-      b.chunk.offset = 0;
-      b.chunk.length = run_end - run_start;
-      b.chunk.server = layers[run.front()].chunks[0].server;
-      b.name = absl::StrCat("bucket ", layers[run.front()].desc.name, " .. ",
-                            layers[run.back()].desc.name);
-      b.wire = layers[run.front()].wire;
-      for (uint32_t l : run) layers[l].bucket = static_cast<int>(buckets.size());
-      buckets.push_back(std::move(b));
-    }
-    run.clear();
-  };
-  for (uint32_t i = 0; i < layers.size(); ++i) {
-    const LayerSpec& st = layers[i];
-    const uint64_t bytes = st.desc.elements * sizeof(float);
-    const uint32_t planned = plan_buckets != nullptr ? (*plan_buckets)[i] : 1;
-    if (!st.desc.fusable || st.layout.scheme != PSD_SCHEME_PS || st.chunks.size() != 1 ||
-        bytes >= bucket_bytes || planned == 0) {
-      close();
-      continue;
-    }
-    const uint64_t start = st.layout.grad_offset;
-    // Members must be adjacent in the data segment (nothing but alignment between them): an
-    // SFB-capable layer's factors sit between it and the next gradient, so it ends a run.
-    if (!run.empty() && (start != AlignUp(run_end) || start + bytes - run_start > bucket_bytes ||
-                         layers[run.back()].wire != st.wire ||
-                         (plan_buckets != nullptr && (*plan_buckets)[run.back()] != planned))) {
-      close();
-    }
-    if (run.empty()) run_start = start;
-    run.push_back(i);
-    run_end = start + bytes;
+  auto planned = [&](uint32_t i) { return plan_buckets != nullptr ? (*plan_buckets)[i] : 1u; };
+  const auto runs = AdjacentRuns(
+      layers, bucket_bytes,
+      [&](uint32_t i) {
+        return layers[i].layout.scheme == PSD_SCHEME_PS && layers[i].chunks.size() == 1 &&
+               planned(i) != 0;
+      },
+      // Never across two of the plan's buckets.
+      [&](uint32_t previous, uint32_t next) { return planned(previous) == planned(next); });
+  for (const LayerRun& run : runs) {
+    BucketSpec b;
+    b.members = run.members;
+    b.chunk.key =
+        (uint64_t{1} << 63) | (uint64_t{run.members.front()} << 32) | run.members.size();
+    b.chunk.offset = 0;
+    b.chunk.length = run.end - run.start;
+    b.chunk.server = layers[run.members.front()].chunks[0].server;
+    b.name = RunName("bucket", layers, run);
+    b.wire = layers[run.members.front()].wire;
+    for (uint32_t l : run.members) layers[l].bucket = static_cast<int>(buckets.size());
+    buckets.push_back(std::move(b));
   }
-  close();
   return buckets;
 }
 

@@ -89,8 +89,10 @@ SW_HOST = 254
 DDP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_worker.py")
 # The agent's defaults (agent/agent.h, AgentConfig) for the unscaled cluster; the harness passes
 # each divided by s^2 (a byte size bounds bytes, which scale by 1/s^2).
-AGENT_SIZE_DEFAULTS = {"bucket_bytes": 512 << 10, "block_bytes": 4 << 20, "credit_bytes": 64 << 20}
-AGENT_SIZE_FLOORS = {"bucket_bytes": 0, "block_bytes": 4096, "credit_bytes": 4096}  # agent's limits
+AGENT_SIZE_DEFAULTS = {"bucket_bytes": 512 << 10, "block_bytes": 4 << 20, "credit_bytes": 64 << 20,
+                       "allreduce_bucket_bytes": 25 << 20}
+AGENT_SIZE_FLOORS = {"bucket_bytes": 0, "block_bytes": 4096, "credit_bytes": 4096,
+                     "allreduce_bucket_bytes": 0}  # the agent's limits
 # The quick set recorded in bench/cluster/baseline.json (--baseline_set, --compare).
 BASELINE_SET = {"models": "inception-v3,vgg19-22k", "hosts": "1,4", "modes": "poseidon,ddp",
                 "iterations": 10}

@@ -449,11 +449,9 @@ ModelSpec ConvAndBias() {
   return model;
 }
 
-TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
-  // 8 workers and one server, not colocated: PS's busiest interface is the server's, 2·8·S
-  // elements; the ring moves 4·S·7/8 through each worker's. At 10 Gbit/s and 50 us per leg the
-  // 4 MiB layer takes 2 legs + 26.8 ms by PS, 14 legs + 5.9 ms by ring: ring. The bias pays the
-  // ring's 14 legs for nothing: PS.
+// 8 workers and one server, not colocated, 10 Gbit/s, 50 us per leg, the time rule, a measured
+// ring step of 20 us (below the latency: the latency counts).
+PlannerConfig RingCluster() {
   PlannerConfig config;
   config.workers = 8;
   config.servers = 1;
@@ -461,7 +459,16 @@ TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
   config.bandwidth_bytes_per_second = 10e9 / 8;
   config.latency_seconds = 50e-6;
   config.scheme_rule = SchemeRule::kTime;
-  config.allreduce_step_seconds = 20e-6;  // measured below the latency: the latency counts
+  config.allreduce_step_seconds = 20e-6;
+  return config;
+}
+
+TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
+  // 8 workers and one server, not colocated: PS's busiest interface is the server's, 2·8·S
+  // elements; the ring moves 4·S·7/8 through each worker's. At 10 Gbit/s and 50 us per leg the
+  // 4 MiB layer takes 2 legs + 26.8 ms by PS, 14 legs + 5.9 ms by ring: ring. The bias pays the
+  // ring's 14 legs for nothing: PS.
+  PlannerConfig config = RingCluster();
   absl::StatusOr<PlanResult> result = BuildPlan(ConvAndBias(), config);
   ASSERT_TRUE(result.ok()) << result.status();
   const LayerReport& conv = result->report.layers[0];
@@ -695,14 +702,7 @@ TEST(PlannerTest, WireOverridesPinALayerAndAreChecked) {
 // override puts a forced all-reduce layer on a lossy wire whatever the cost; a lossy wire for a
 // layer forced to SFB is refused.
 TEST(PlannerTest, AllReduceTakesALossyWireWhereAllowedAndWhereItPays) {
-  PlannerConfig config;
-  config.workers = 8;
-  config.servers = 1;
-  config.batch_per_worker = 1;
-  config.bandwidth_bytes_per_second = 10e9 / 8;
-  config.latency_seconds = 50e-6;
-  config.scheme_rule = SchemeRule::kTime;
-  config.allreduce_step_seconds = 20e-6;
+  PlannerConfig config = RingCluster();
   const absl::StatusOr<PlanResult> exact = BuildPlan(ConvAndBias(), config);
   ASSERT_TRUE(exact.ok()) << exact.status();
   EXPECT_FALSE(exact->report.layers[0].allreduce_lossy_seconds.has_value());
