@@ -98,10 +98,10 @@ poseidon::ConfigSchema<Flags> Schema() {
              "without a coordinator), tcp, or rdma (only; refused without a device)",
              poseidon::OneOf({"auto", "tcp", "rdma"}))
       .Field("wire", &Flags::wire,
-             "what PS pushes and pulls carry: plan (each layer's wire from the plan: exact unless "
-             "the job allows a lossy wire), or for every layer fp32 (exact), bf16 or fp16 (half "
-             "the bytes, lossy, with error feedback; not with a server-side update rule); every "
-             "rank the same",
+             "what PS pushes and pulls and all-reduces carry: plan (each layer's wire from the "
+             "plan: exact unless the job allows a lossy wire), or for every layer fp32 (exact), "
+             "bf16 or fp16 (half the bytes, lossy, with error feedback and float32 sums; not with "
+             "a server-side update rule); every rank the same",
              poseidon::OneOf({"plan", "fp32", "bf16", "fp16"}))
       .Field("plan_lossy_wire", &Flags::plan_lossy_wire,
              "without a coordinator: the lossy wire the agent's own plan may choose where it "

@@ -116,8 +116,8 @@ ConfigSchema<CoordinatorConfig> Schema() {
              OneOf({"cost", "off"}))
       .Field("plan_lossy_wire", &C::lossy_wire,
              "none: every layer exact; bf16 or fp16: the job allows that lossy 16-bit wire, and "
-             "the plan puts a PS layer on it where the cost model says it pays (docs/planner.md, "
-             "Wire precision)",
+             "the plan puts a PS or all-reduce layer on it where the cost model says it pays "
+             "(docs/planner.md, Wire precision)",
              OneOf({"none", "bf16", "fp16"}))
       .Field("allreduce_by_cost", &C::allreduce_by_cost,
              "let the time rule put layers on ring all-reduce from the agents' measured ring "

@@ -105,14 +105,14 @@ def main(argv=None):
                          "more): a dead server's keys go on at their backup; 0: none")
     ap.add_argument("--scheme", choices=["auto", "ps", "sfb", "allreduce"], default="auto")
     ap.add_argument("--wire", choices=["plan", "fp32", "bf16", "fp16"], default="plan",
-                    help="what PS pushes and pulls carry: plan (each layer's wire from the plan: "
-                         "exact unless --lossy_wire allows more), or for every layer fp32 "
-                         "(exact), bf16 or fp16 (half the bytes, lossy, with error feedback; not "
-                         "with a server-side optimizer)")
+                    help="what PS pushes and pulls and all-reduces carry: plan (each layer's "
+                         "wire from the plan: exact unless --lossy_wire allows more), or for "
+                         "every layer fp32 (exact), bf16 or fp16 (half the bytes, lossy, with "
+                         "error feedback and float32 sums; not with a server-side optimizer)")
     ap.add_argument("--lossy_wire", choices=["none", "bf16", "fp16"], default="none",
-                    help="the job allows that lossy 16-bit wire: the planner puts a PS layer on "
-                         "it where its cost model says it pays (the local coordinator's "
-                         "--plan_lossy_wire); none: every layer exact")
+                    help="the job allows that lossy 16-bit wire: the planner puts a PS or "
+                         "all-reduce layer on it where its cost model says it pays (the local "
+                         "coordinator's --plan_lossy_wire); none: every layer exact")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
     ap.add_argument("--allreduce", choices=["auto", "off", "by-cost"], default="auto",
                     help="ring all-reduce: auto (for --scheme allreduce and operator overrides), "
