@@ -273,13 +273,13 @@ class AllreduceSyncer final : public Syncer {
 
       const absl::Time start = absl::Now();
       const Unit& unit = units_[unit_of_[post.layer]];
-      absl::Status s = broken.ok() ? Reduce(post, unit) : broken;
+      const auto found = lossy_.find(post.layer);
+      LossyRing* const ring = found == lossy_.end() ? nullptr : found->second.get();
+      absl::Status s = broken.ok() ? Reduce(post, unit, ring) : broken;
       const uint64_t bytes = unit.elements * sizeof(float);
       // What went on the wire: half the bytes while the layer is lossy (one that fell back in
       // this Reduce sent float32; this thread is the only one using the entry now).
-      const auto lossy = lossy_.find(post.layer);
-      const uint64_t wire_bytes =
-          lossy != lossy_.end() && !lossy->second->exact ? bytes / 2 : bytes;
+      const uint64_t wire_bytes = ring != nullptr && !ring->exact ? bytes / 2 : bytes;
       if (env_.timeline) {
         env_.timeline->Span("allreduce", post.layer, unit.name, post.iteration, start,
                             absl::Now());
@@ -450,13 +450,12 @@ class AllreduceSyncer final : public Syncer {
     return absl::OkStatus();
   }
 
-  // The unit's all-reduce; post.layer is its first layer.
-  absl::Status Reduce(const Post& post, const Unit& unit) {
-    const auto lossy = lossy_.find(post.layer);
-    const bool sixteen = lossy != lossy_.end() && !lossy->second->exact;
+  // The unit's all-reduce (post.layer is its first layer); `ring` its lossy state (null: float32).
+  absl::Status Reduce(const Post& post, const Unit& unit, LossyRing* ring) {
+    const bool sixteen = ring != nullptr && !ring->exact;
     // The first layer is the tag: unique among the collectives running (one iteration a unit).
     const absl::Status s =
-        lossy != lossy_.end() ? LossyReduce(post, unit, *lossy->second)
+        ring != nullptr ? LossyReduce(post, unit, *ring)
                               : Sum(env_.shm->Grad(post.layer), unit.elements, post.layer);
     const std::string what =
         unit.members.size() > 1
@@ -465,7 +464,7 @@ class AllreduceSyncer final : public Syncer {
     return Annotate(s, absl::StrCat("all-reduce of ", what, " (", unit.name, ") iteration ", post.iteration, " in the Gloo ring of ",
                                  env_.config->world_size, " ranks (neighbours: ranks ", Left(),
                                  " and ", Right(), ")",
-                                 sixteen ? absl::StrCat(", ", WireName(lossy->second->type),
+                                 sixteen ? absl::StrCat(", ", WireName(ring->type),
                                                         " wire")
                                          : ""));
   }
