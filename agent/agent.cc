@@ -762,6 +762,13 @@ absl::Status Agent::Register() {
         "--wire=", config_.wire, " needs the sum rule, and the training process asked for a "
         "server-side update rule (its pulls return parameters, which must stay exact)"));
   }
+  if (config_.lowrank_rank >= 0) to.force_lowrank = static_cast<uint32_t>(config_.lowrank_rank);
+  if (config_.lowrank_rank > 0 && !to.lossy_possible) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--lowrank_rank=", config_.lowrank_rank, " needs the sum rule, and the training process "
+        "asked for a server-side update rule (its pulls return parameters, which must stay "
+        "exact)"));
+  }
   to.bucket_bytes = config_.fusion == "bytes" ? config_.bucket_bytes : 0;
   to.allreduce_bucket_bytes = config_.allreduce_bucket_bytes;
   if (config_.scheme == "sfb" && !to.sfb_possible) {

@@ -57,6 +57,15 @@ struct AgentConfig {
   // wire_max_error (relative L2) from its gradient falls back to float32 for the rest of the job.
   uint32_t wire_check_every = 100;
   double wire_max_error = 0.05;
+  // Low rank (PowerSGD, agent/lowrank.h) of the first plan's all-reduce layers whose 2-D view it
+  // shrinks: -1 the plan's (LayerPlan.lowrank_rank: 0 unless the job allows it), 0 off, r > 0
+  // rank r for every such layer (lossy, error feedback; the sum rule only). The first
+  // lowrank_warmup all-reduces of each are exact. Its divergence guard, on the guard's clocks
+  // (wire_check_every), sums the ranks' residuals and gradients: past lowrank_max_held times the
+  // gradient's norm held back, the layer falls back to the exact all-reduce. Every rank the same.
+  int32_t lowrank_rank = -1;
+  uint32_t lowrank_warmup = 10;
+  double lowrank_max_held = 8.0;
   // Replication (DESIGN.md "Faults"): every PS key is also held by the next `replicas` servers
   // (capped at servers - 1), which its primary keeps up to date each clock before answering it;
   // when a server is lost, its keys go on at the next one, which holds every answered clock. A

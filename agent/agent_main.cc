@@ -30,6 +30,9 @@ struct Flags {
   std::string plan_lossy_wire = "none";
   int64_t wire_check_every = 100;
   double wire_max_error = 0.05;
+  int64_t lowrank_rank = -1;
+  int64_t lowrank_warmup = 10;
+  double lowrank_max_held = 8.0;
   int64_t replicas = 1;
   int64_t checkpoint_every = 0;
   bool checkpoint_at_end = false;
@@ -115,6 +118,20 @@ poseidon::ConfigSchema<Flags> Schema() {
              "the guard's limit: a key whose 16-bit encoding is further than this (relative L2 "
              "error) from its gradient falls back to float32 for the rest of the job",
              InRange<double>(1e-6, 10.0))
+      .Field("lowrank_rank", &Flags::lowrank_rank,
+             "low rank (PowerSGD) of all-reduce layers with a 2-D gradient it shrinks: -1 the "
+             "plan's (exact unless the job allows it), 0 off, r sends every such layer as rank-r "
+             "factors (lossy, error feedback; not with a server-side update rule); every rank "
+             "the same",
+             InRange<int64_t>(-1, 1024))
+      .Field("lowrank_warmup", &Flags::lowrank_warmup,
+             "the first this many all-reduces of a low-rank layer are exact",
+             InRange<int64_t>(0, int64_t{1} << 30))
+      .Field("lowrank_max_held", &Flags::lowrank_max_held,
+             "low rank's divergence guard (on --wire_check_every's clocks): a layer whose ranks "
+             "hold back more than this many times their summed gradient's norm falls back to "
+             "the exact all-reduce for the rest of the job",
+             InRange<double>(0.01, 1e6))
       .Field("replicas", &Flags::replicas,
              "backups of every PS key on the next servers (0: none; at most servers - 1): a "
              "killed server's keys are served on by its backup; every rank the same",
@@ -238,6 +255,9 @@ int main(int argc, char** argv) {
   c.plan_lossy_wire = f.plan_lossy_wire;
   c.wire_check_every = static_cast<uint32_t>(f.wire_check_every);
   c.wire_max_error = f.wire_max_error;
+  c.lowrank_rank = static_cast<int32_t>(f.lowrank_rank);
+  c.lowrank_warmup = static_cast<uint32_t>(f.lowrank_warmup);
+  c.lowrank_max_held = f.lowrank_max_held;
   c.replicas = static_cast<uint32_t>(f.replicas);
   c.checkpoint_every = static_cast<uint64_t>(f.checkpoint_every);
   c.checkpoint_at_end = f.checkpoint_at_end;

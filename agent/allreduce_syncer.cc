@@ -15,6 +15,14 @@
 // run that all-reduce and every later one in float32, each rank's (and each owner's) held-back
 // residual added to it: from that all-reduce on, the results are exact.
 //
+// Low rank (LayerSpec::lowrank, agent/lowrank.h: PowerSGD): a unit's low-rank members go as
+// their P factors in one all-reduce (with the unit's other members' gradients, uncompressed, in
+// the same collective), then their Q factors in a second; the first --lowrank_warmup all-reduces
+// of the unit are exact. The divergence guard, on its sampled all-reduces, sums the ranks'
+// gradients and residuals of the low-rank members (one more all-reduce, the same bits on every
+// rank, so every rank decides alike): past --lowrank_max_held, the unit falls back to the exact
+// all-reduce, and its next one carries each rank's residual: nothing held back is lost.
+//
 // All-reduce buckets (LayerTable::ring_groups, DDP's buckets): consecutive host-memory layers
 // adjacent in the data segment go as one collective over their span once every member of the
 // iteration is ready, and every member completes with it; a layer not in a bucket is a unit of
@@ -42,6 +50,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "agent/lowrank.h"
 #include "agent/syncer.h"
 #include "agent/telemetry_reporter.h"
 #include "agent/timeline.h"
@@ -90,6 +99,28 @@ struct LossyRing {
   std::vector<float> sum;         // the shard's float32 sum
   uint64_t clock = 0;             // all-reduces of the layer so far (the guard's sampling)
   bool exact = false;             // fell back: float32 from now on (every rank alike)
+};
+
+// A unit with low-rank members: their compressors, where their gradients, P and Q lie in the
+// unit's span and its two buffers, and the rest of the span (sent uncompressed with the Ps).
+// Built in Ready; then used only by the pool thread running the unit (one at a time).
+struct LowRankUnit {
+  struct Member {
+    uint32_t layer = 0;
+    size_t offset = 0;  // floats from the unit's first gradient
+    size_t p_offset = 0, q_offset = 0;
+    LowRankLayer compressor;
+  };
+  std::vector<Member> members;
+  std::vector<std::pair<size_t, size_t>> plain;  // (offset, floats) sent uncompressed
+  std::vector<float> first;   // the members' P factors, then the plain ranges
+  std::vector<float> second;  // the members' Q factors
+  std::vector<float> check;   // the guard's: the members' gradients, then their residuals
+  size_t compressed_elements = 0;  // the members' gradients' floats
+  size_t plain_elements = 0;       // the plain ranges' floats (the tail of `first`)
+  uint64_t clock = 0;         // all-reduces of the unit so far (warm-up, the guard's sampling)
+  bool exact = false;         // fell back (every rank alike): exact from now on
+  bool released = false;      // the residuals went out with the first exact all-reduce
 };
 
 class AllreduceSyncer final : public Syncer {
@@ -164,6 +195,7 @@ class AllreduceSyncer final : public Syncer {
     }
     std::nth_element(seconds.begin(), seconds.begin() + kStepProbes / 2, seconds.end());
     if (const absl::Status s = PrepareLossy(); !s.ok()) return s;
+    PrepareLowRank();
     const absl::Duration step = absl::Seconds(seconds[kStepProbes / 2] / (2.0 * (world - 1)));
     if (env_.telemetry) env_.telemetry->SetAllreduceStep(step);
     PSD_LOG_INFO("all-reduce: Gloo ring of {} ranks connected ({}), {} per step", world, host,
@@ -275,11 +307,18 @@ class AllreduceSyncer final : public Syncer {
       const Unit& unit = units_[unit_of_[post.layer]];
       const auto found = lossy_.find(post.layer);
       LossyRing* const ring = found == lossy_.end() ? nullptr : found->second.get();
-      absl::Status s = broken.ok() ? Reduce(post, unit, ring) : broken;
+      const auto low = lowrank_.find(post.layer);
+      LowRankUnit* const lr = low == lowrank_.end() ? nullptr : low->second.get();
+      bool factored = false;  // this all-reduce sent low-rank factors
+      absl::Status s = broken.ok() ? Reduce(post, unit, ring, lr, &factored) : broken;
       const uint64_t bytes = unit.elements * sizeof(float);
       // What went on the wire: half the bytes while the layer is lossy (one that fell back in
-      // this Reduce sent float32; this thread is the only one using the entry now).
-      const uint64_t wire_bytes = ring != nullptr && !ring->exact ? bytes / 2 : bytes;
+      // this Reduce sent float32; this thread is the only one using the entry now), the factors
+      // and the plain ranges at low rank.
+      const uint64_t wire_bytes =
+          factored ? (lr->first.size() + lr->second.size()) * sizeof(float)
+          : ring != nullptr && !ring->exact ? bytes / 2
+                                            : bytes;
       if (env_.timeline) {
         env_.timeline->Span("allreduce", post.layer, unit.name, post.iteration, start,
                             absl::Now());
@@ -361,6 +400,145 @@ class AllreduceSyncer final : public Syncer {
     if (lossy > 0) {
       PSD_LOG_INFO("all-reduce: {} layers or buckets on a lossy wire when on the ring (float32 "
                    "sums by shard, error feedback)", lossy);
+    }
+    return absl::OkStatus();
+  }
+
+  // The state of every unit with low-rank members (LayerSpec::lowrank: the layer table chose
+  // them); such a unit is not on the 16-bit path.
+  void PrepareLowRank() {
+    size_t layers = 0, full = 0, sent = 0;
+    for (const Unit& unit : units_) {
+      auto lr = std::make_unique<LowRankUnit>();
+      const uint64_t base = env_.table->layers[unit.first].layout.grad_offset;
+      size_t covered = 0, p = 0, q = 0;
+      for (uint32_t member : unit.members) {
+        const LayerSpec& spec = env_.table->layers[member];
+        if (spec.lowrank == 0) continue;
+        const size_t offset = (spec.layout.grad_offset - base) / sizeof(float);
+        if (offset > covered) lr->plain.emplace_back(covered, offset - covered);
+        LowRankLayer compressor(spec.lowrank_view, spec.lowrank, member);
+        lr->members.push_back({member, offset, p, q, std::move(compressor)});
+        p += lr->members.back().compressor.p_size();
+        q += lr->members.back().compressor.q_size();
+        covered = offset + spec.desc.elements;
+        lr->compressed_elements += spec.desc.elements;
+      }
+      if (lr->members.empty()) continue;
+      if (covered < unit.elements) lr->plain.emplace_back(covered, unit.elements - covered);
+      size_t plain = 0;
+      for (const auto& range : lr->plain) plain += range.second;
+      lr->first.resize(p + plain);
+      lr->plain_elements = plain;
+      lr->second.resize(q);
+      layers += lr->members.size();
+      full += unit.elements;
+      sent += lr->first.size() + lr->second.size();
+      lossy_.erase(unit.first);
+      lowrank_[unit.first] = std::move(lr);
+    }
+    if (layers > 0) {
+      PSD_LOG_INFO("all-reduce: {} layers at low rank (PowerSGD, error feedback; exact for the "
+                   "first {} all-reduces): {} of {} floats per iteration in {} units", layers,
+                   env_.config->lowrank_warmup, sent, full, lowrank_.size());
+    }
+  }
+
+  // Adds each low-rank member's residual to its gradient and releases it (the first exact
+  // all-reduce after the fallback carries what the compressors held back).
+  void ReleaseLowRank(LowRankUnit& lr, float* grad) {
+    for (LowRankUnit::Member& m : lr.members) {
+      const std::span<const float> held = m.compressor.residual();
+      for (size_t i = 0; i < held.size(); ++i) grad[m.offset + i] += held[i];
+      m.compressor.ReleaseResidual();
+    }
+    lr.first = {};
+    lr.second = {};
+    lr.check = {};
+    lr.released = true;
+  }
+
+  // One all-reduce of a unit with low-rank members (the file's comment). `factored`: whether it
+  // sent the factors (not in warm-up, not exact).
+  absl::Status LowRankReduce(const Post& post, const Unit& unit, LowRankUnit& lr,
+                             bool* factored) {
+    float* grad = env_.shm->Grad(post.layer);
+    const uint32_t world = env_.config->world_size;
+    ++lr.clock;
+    if (lr.exact) {
+      if (!lr.released) ReleaseLowRank(lr, grad);
+      return Sum(grad, unit.elements, post.layer);
+    }
+    if (lr.clock <= env_.config->lowrank_warmup) return Sum(grad, unit.elements, post.layer);
+    *factored = true;
+    const uint64_t compressed = lr.clock - env_.config->lowrank_warmup;
+    const bool check = ShouldCheckWire(env_.wire_guard, compressed);
+    if (check) {
+      lr.check.resize(2 * lr.compressed_elements);
+      size_t at = 0;
+      for (const LowRankUnit::Member& m : lr.members) {
+        const size_t n = m.compressor.rows() * m.compressor.cols();
+        std::copy(grad + m.offset, grad + m.offset + n, lr.check.begin() + at);
+        at += n;
+      }
+    }
+    for (LowRankUnit::Member& m : lr.members) {
+      const size_t n = m.compressor.rows() * m.compressor.cols();
+      m.compressor.Project({grad + m.offset, n}, {lr.first.data() + m.p_offset,
+                                                  m.compressor.p_size()});
+    }
+    const size_t plain_begin = lr.first.size() - lr.plain_elements;
+    size_t at = plain_begin;
+    for (const auto& [offset, n] : lr.plain) {
+      std::copy(grad + offset, grad + offset + n, lr.first.begin() + at);
+      at += n;
+    }
+    if (const absl::Status s = Sum(lr.first.data(), lr.first.size(), post.layer); !s.ok()) {
+      return Annotate(s, "summing the P factors");
+    }
+    at = plain_begin;
+    for (const auto& [offset, n] : lr.plain) {
+      std::copy(lr.first.begin() + at, lr.first.begin() + at + n, grad + offset);
+      at += n;
+    }
+    for (LowRankUnit::Member& m : lr.members) {
+      m.compressor.ProjectBack({lr.first.data() + m.p_offset, m.compressor.p_size()},
+                               {lr.second.data() + m.q_offset, m.compressor.q_size()});
+    }
+    if (const absl::Status s =
+            Sum(lr.second.data(), lr.second.size(), kGatherTagBase + post.layer);
+        !s.ok()) {
+      return Annotate(s, "summing the Q factors");
+    }
+    for (LowRankUnit::Member& m : lr.members) {
+      const size_t n = m.compressor.rows() * m.compressor.cols();
+      m.compressor.Reconstruct({lr.first.data() + m.p_offset, m.compressor.p_size()},
+                               {lr.second.data() + m.q_offset, m.compressor.q_size()}, world,
+                               {grad + m.offset, n});
+    }
+    if (!check) return absl::OkStatus();
+    at = lr.compressed_elements;
+    for (const LowRankUnit::Member& m : lr.members) {
+      const std::span<const float> held = m.compressor.residual();
+      std::copy(held.begin(), held.end(), lr.check.begin() + at);
+      at += held.size();
+    }
+    // The same sums on every rank: every rank reaches the same verdict without a vote.
+    if (const absl::Status s = Sum(lr.check.data(), lr.check.size(), kVoteTagBase + post.layer);
+        !s.ok()) {
+      return Annotate(s, "the divergence guard's sum of gradients and residuals");
+    }
+    const size_t n = lr.compressed_elements;
+    const double ratio = HeldBackRatio({lr.check.data() + n, n}, {lr.check.data(), n});
+    if (!(ratio <= env_.config->lowrank_max_held)) {
+      PSD_LOG_WARN("{} (all-reduce): the low-rank compressors hold back {:.3g} times the "
+                   "gradient's norm at all-reduce {} (limit {}): falling back to the exact "
+                   "all-reduce for the rest of the job (the next one carries what was held back)",
+                   unit.name, ratio, lr.clock, env_.config->lowrank_max_held);
+      lr.exact = true;
+      if (env_.telemetry) {
+        for (const LowRankUnit::Member& m : lr.members) env_.telemetry->LayerWireFellBack(m.layer);
+      }
     }
     return absl::OkStatus();
   }
@@ -451,12 +629,14 @@ class AllreduceSyncer final : public Syncer {
   }
 
   // The unit's all-reduce (post.layer is its first layer); `ring` its lossy state (null: float32).
-  absl::Status Reduce(const Post& post, const Unit& unit, LossyRing* ring) {
+  absl::Status Reduce(const Post& post, const Unit& unit, LossyRing* ring, LowRankUnit* lr,
+                      bool* factored) {
     const bool sixteen = ring != nullptr && !ring->exact;
     // The first layer is the tag: unique among the collectives running (one iteration a unit).
     const absl::Status s =
-        ring != nullptr ? LossyReduce(post, unit, *ring)
-                              : Sum(env_.shm->Grad(post.layer), unit.elements, post.layer);
+        lr != nullptr     ? LowRankReduce(post, unit, *lr, factored)
+        : ring != nullptr ? LossyReduce(post, unit, *ring)
+                          : Sum(env_.shm->Grad(post.layer), unit.elements, post.layer);
     const std::string what =
         unit.members.size() > 1
             ? absl::StrCat("layers ", unit.members.front(), "-", unit.members.back())
@@ -466,7 +646,8 @@ class AllreduceSyncer final : public Syncer {
                                  " and ", Right(), ")",
                                  sixteen ? absl::StrCat(", ", WireName(ring->type),
                                                         " wire")
-                                         : ""));
+                                 : *factored ? ", low rank"
+                                             : ""));
   }
 
   SyncEnv& env_;
@@ -478,6 +659,8 @@ class AllreduceSyncer final : public Syncer {
   // Lossy units by first layer: built in Ready, then the map is only read and each entry is used
   // by the thread running its unit (one iteration of a unit at a time).
   std::map<uint32_t, std::unique_ptr<LossyRing>> lossy_;
+  // Units with low-rank members by first layer, likewise.
+  std::map<uint32_t, std::unique_ptr<LowRankUnit>> lowrank_;
   // The buckets' members ready so far in their current iteration (the main thread's).
   struct Gathering {
     uint64_t iteration = UINT64_MAX;

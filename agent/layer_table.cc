@@ -63,6 +63,12 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
       }
       st.wire = options.lossy_possible ? *planned : WireType::kF32;
     }
+    const uint32_t lowrank = options.force_lowrank.value_or(lp.lowrank_rank());
+    if (allreduce && options.lossy_possible &&
+        LowRankPays(descs[i].shape, lowrank, &st.lowrank_view) &&
+        st.lowrank_view.rows * st.lowrank_view.cols == descs[i].elements) {
+      st.lowrank = lowrank;
+    }
     LayerLayout& lay = st.layout;
     lay.scheme = sfb ? PSD_SCHEME_SFB : allreduce ? PSD_SCHEME_ALLREDUCE : PSD_SCHEME_PS;
     lay.priority = lp.priority();
@@ -236,6 +242,9 @@ ScheduleChange ComposeSchedule(const LayerSpec& layer, const Schedule& current, 
   }
   if (scheme != PSD_SCHEME_ALLREDUCE && layer.ring_group >= 0) {
     return refuse("it is fused into an all-reduce bucket, which stays on all-reduce");
+  }
+  if (scheme != PSD_SCHEME_ALLREDUCE && layer.lowrank > 0) {
+    return refuse("it is sent at low rank, which stays on all-reduce (its residual is there)");
   }
   if (scheme == PSD_SCHEME_PS && layer.chunks.empty()) {
     return refuse("the plan gave it no PS chunks");

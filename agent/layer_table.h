@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "agent/lowrank.h"
 #include "agent/shm_endpoint.h"
 #include "common/shm_layout.h"
 #include "common/wire_codec.h"
@@ -52,6 +53,11 @@ struct LayerSpec {
   // What its PS keys carry (common/wire_codec.h): the first plan's LayerPlan.wire_type, or the
   // agent's --wire; fixed for the job (the servers' tables are registered with it).
   WireType wire = WireType::kF32;
+  // Low rank (agent/lowrank.h): 0, or the rank its all-reduce sends its gradient at, viewed as
+  // lowrank_view (a layer the first plan puts on all-reduce, whose 2-D view that rank shrinks);
+  // such a layer stays on all-reduce (a plan moving it is refused: its residual lives there).
+  uint32_t lowrank = 0;
+  LowRankShape lowrank_view;
 };
 
 // Consecutive small PS layers fused into one key (DDP's bucketing): their gradients are adjacent
@@ -103,6 +109,9 @@ struct LayerTableOptions {
   // plan's lossy layer is float32 (every rank has the same rule, so all of them agree).
   std::optional<WireType> force_wire;
   bool lossy_possible = true;
+  // Low rank: every first-plan all-reduce layer's rank (--lowrank_rank; 0: none), or nullopt for
+  // the plan's (LayerPlan.lowrank_rank). Lossy: only with lossy_possible.
+  std::optional<uint32_t> force_lowrank;
 };
 
 // Whether a layer keeps buffers for SFB, so that a later plan may switch it to SFB: an FC layer

@@ -326,6 +326,44 @@ TEST(LayerTable, AllReduceBucketsFuseAdjacentFusableAllReduceLayers) {
   EXPECT_TRUE(BuildLayerTable(descs, plan, no_ring)->ring_groups.empty());
 }
 
+// Low rank: a layer the first plan puts on all-reduce, whose 2-D view the rank shrinks, by the
+// plan's LayerPlan.lowrank_rank or --lowrank_rank (forced, or 0: off); never on PS, never with a
+// server-side rule (lossy_possible false); and such a layer stays on all-reduce.
+TEST(LayerTable, LowRankOnlyForAllReduceMatricesItShrinks) {
+  const std::vector<LayerDesc> descs = {Fc("fc1", 256, 100, 8), Bias("b1", 256),
+                                        Fc("fc2", 64, 32, 8), Fc("fc3", 6, 6, 8)};
+  v1::Plan plan = PlanFor(descs, {v1::SYNC_SCHEME_ALLREDUCE, v1::SYNC_SCHEME_ALLREDUCE,
+                                  v1::SYNC_SCHEME_PS, v1::SYNC_SCHEME_ALLREDUCE});
+  for (int i = 0; i < plan.layers_size(); ++i) plan.mutable_layers(i)->set_lowrank_rank(4);
+  const LayerTableOptions options{.world_size = 2, .sfb_possible = false,
+                                  .allreduce_possible = true};
+  auto table = BuildLayerTable(descs, plan, options);
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->layers[0].lowrank, 4u);
+  EXPECT_EQ(table->layers[0].lowrank_view.rows, 256u);
+  EXPECT_EQ(table->layers[0].lowrank_view.cols, 100u);
+  EXPECT_EQ(table->layers[1].lowrank, 0u) << "a bias is not a matrix";
+  EXPECT_EQ(table->layers[2].lowrank, 0u) << "on PS";
+  EXPECT_EQ(table->layers[3].lowrank, 0u) << "(6 + 6) 4 > 36: it would grow";
+  // Forced off, and forced to another rank.
+  LayerTableOptions off = options;
+  off.force_lowrank = 0;
+  EXPECT_EQ(BuildLayerTable(descs, plan, off)->layers[0].lowrank, 0u);
+  LayerTableOptions two = options;
+  two.force_lowrank = 2;
+  EXPECT_EQ(BuildLayerTable(descs, plan, two)->layers[0].lowrank, 2u);
+  // A server-side rule: exact.
+  LayerTableOptions rule = options;
+  rule.lossy_possible = false;
+  EXPECT_EQ(BuildLayerTable(descs, plan, rule)->layers[0].lowrank, 0u);
+  // Its residual lives on all-reduce: a plan moving it is refused.
+  const LayerSpec& low = table->layers[0];
+  const ScheduleChange change =
+      ComposeSchedule(low, Schedule::Fixed(PSD_SCHEME_ALLREDUCE), PSD_SCHEME_PS, 20, 1);
+  EXPECT_EQ(change.outcome, ScheduleChange::kRefused);
+  EXPECT_NE(change.why.find("low rank"), std::string::npos) << change.why;
+}
+
 TEST(LayerTable, AllReduceLayersOnlyWhereTheJobCanRunThem) {
   const std::vector<LayerDesc> descs = {Fc("fc1", 256, 100, 8), Bias("b1", 3)};
   const v1::Plan plan = PlanFor(descs, {v1::SYNC_SCHEME_ALLREDUCE, v1::SYNC_SCHEME_PS});

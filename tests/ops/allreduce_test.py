@@ -5,7 +5,9 @@ store); four poseidon-synth training processes verify every result against the e
 the ranks. On a lossy wire (--wire=bf16: each rank sums its shard in float32 from 16-bit
 contributions) every result is the sum within bfloat16's rounding and not exactly; with fp16 and
 gradients beyond its range the divergence guard makes every rank fall back to float32 at the
-first all-reduce, so every result is exact, and without the guard they are not. Then rank 3's agent is killed (SIGKILL): rank 0's training process fails within
+first all-reduce, so every result is exact, and without the guard they are not. At low rank
+(PowerSGD) the sums of gradients of rank <= r are carried within float rounding, of higher rank
+they are not, and low rank's divergence guard, forged to trip, makes every rank go exact. Then rank 3's agent is killed (SIGKILL): rank 0's training process fails within
 seconds (inside the 60 s sync timeout) with an error naming the all-reduce, the layer and the
 ring (rank 3's neighbours, which read the reset), or rank 3 as declared dead by the coordinator
 (a rank whose collective waits on a live neighbour, within the 15 s lease). Every process is
@@ -125,6 +127,47 @@ def main():
                       f"fp16 without the guard: the results saturate ({[v for _, v in results]})")
             stop_all(daemons, segments)
             daemons, segments = [], []
+
+        # Low rank (PowerSGD). The synthetic gradients are periodic in the element index (period
+        # 17), so every FC weight's matrix has rank <= 17: at rank 17 the factors carry every
+        # sum within float rounding (after 2 exact warm-up all-reduces), in one bucket (fc1 and
+        # fc2 factored, conv1, fc3 and the biases plain in the same collectives) and layer by
+        # layer; at rank 2 the loss shows.
+        for bucket in ("25MiB", "0"):
+            results, logs = ring_job(
+                args, f"ringlowrank{bucket}", daemons, segments, 10,
+                ["--lowrank_rank=17", "--lowrank_warmup=2", f"--allreduce_bucket_bytes={bucket}"],
+                ["--tolerance=0.001"])
+            for r, (code, verified) in enumerate(results):
+                check(code == 0 and verified == (80, 0),
+                      f"rank 17, {bucket} buckets: rank {r}'s results are the sums within float "
+                      f"rounding ({code}, {verified})")
+            check(logs.count("2 layers at low rank (PowerSGD") == RANKS,
+                  f"rank 17, {bucket} buckets: every agent factors fc1 and fc2")
+            stop_all(daemons, segments)
+            daemons, segments = [], []
+        results, _ = ring_job(args, "ringlowrank2", daemons, segments, 5,
+                              ["--lowrank_rank=2", "--lowrank_warmup=2"], ["--tolerance=0.001"])
+        check(all(v is not None and v[1] > 0 for _, v in results),
+              f"rank 2: the factors lose what rank 2 cannot carry ({[v for _, v in results]})")
+        stop_all(daemons, segments)
+        daemons, segments = [], []
+        # Low rank's divergence guard, forged to trip (a limit of 0.01 of the gradient held back,
+        # checked on every all-reduce): every rank falls back after the first factored all-reduce
+        # (iteration 3), the next one carries what was held back, and from iteration 5 on every
+        # result is exact.
+        results, logs = ring_job(
+            args, "ringlowrankguard", daemons, segments, 10,
+            ["--lowrank_rank=2", "--lowrank_warmup=2", "--wire_check_every=1",
+             "--lowrank_max_held=0.01"], ["--verify_from=5"])
+        for r, (code, verified) in enumerate(results):
+            check(code == 0 and verified == (48, 0),
+                  f"low rank's guard: rank {r}'s results from iteration 5 on are exact "
+                  f"({code}, {verified})")
+        check(logs.count("falling back to the exact all-reduce") == RANKS,
+              "low rank's guard: every rank falls back, logged")
+        stop_all(daemons, segments)
+        daemons, segments = [], []
 
         # A killed agent: its neighbours' collectives fail at once, naming the ring.
         _, agents = coordinated_job(args, "ringkill", SECRET, daemons, segments, ranks=RANKS,

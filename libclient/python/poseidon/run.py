@@ -113,6 +113,13 @@ def main(argv=None):
                     help="the job allows that lossy 16-bit wire: the planner puts a PS or "
                          "all-reduce layer on it where its cost model says it pays (the local "
                          "coordinator's --plan_lossy_wire); none: every layer exact")
+    ap.add_argument("--lowrank", type=int, default=-1, metavar="R",
+                    help="low rank (PowerSGD) of the all-reduce layers with a 2-D gradient it "
+                         "shrinks: every such layer sent as rank-R factors (lossy, error "
+                         "feedback; the first --lowrank_warmup all-reduces exact); 0: off; "
+                         "-1 (default): the plan's (exact unless the job allows it)")
+    ap.add_argument("--lowrank_warmup", type=int, default=10,
+                    help="with --lowrank: exact all-reduces of each layer before the factors")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
     ap.add_argument("--allreduce", choices=["auto", "off", "by-cost"], default="auto",
                     help="ring all-reduce: auto (for --scheme allreduce and operator overrides), "
@@ -181,6 +188,9 @@ def main(argv=None):
     if joining and args.lossy_wire != "none":
         ap.error("--lossy_wire is the job's setting on its coordinator (poseidon-coordinator "
                  "--plan_lossy_wire); joining, the coordinator's plan decides")
+    if not -1 <= args.lowrank <= 1024 or args.lowrank_warmup < 0:
+        ap.error(f"--lowrank {args.lowrank} (-1 to 1024) or --lowrank_warmup "
+                 f"{args.lowrank_warmup} (>= 0) out of range")
     if args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
         ap.error(f"node rank {args.node_rank} is not in [0, {args.nodes})")
     if args.nodes > 1 and not joining:
@@ -310,6 +320,8 @@ def main(argv=None):
                                         f"--world_size={world}", f"--coordinator={coordinator}",
                                         f"--listen={args.listen_host}:0",
                                         f"--scheme={args.scheme}", f"--wire={args.wire}",
+                                        f"--lowrank_rank={args.lowrank}",
+                                        f"--lowrank_warmup={args.lowrank_warmup}",
                                         f"--replicas={args.replicas}",
                                         f"--bandwidth={args.bandwidth}", f"--segment={segment}",
                                         *([] if args.probe and not args.checkpoint_dir
