@@ -8,21 +8,6 @@
 
 namespace poseidon::agent {
 
-bool LowRankPays(const std::vector<uint64_t>& shape, uint32_t rank, LowRankShape* view) {
-  if (shape.size() < 2 || rank == 0) return false;
-  uint64_t cols = 1;
-  for (size_t i = 1; i < shape.size(); ++i) {
-    if (shape[i] == 0 || cols > (uint64_t{1} << 40) / shape[i]) return false;
-    cols *= shape[i];
-  }
-  const uint64_t rows = shape[0];
-  if (rows == 0 || rank >= rows || rank >= cols) return false;
-  if (rows >= (uint64_t{1} << 31) || cols >= (uint64_t{1} << 31)) return false;
-  if ((rows + cols) * rank >= rows * cols) return false;
-  if (view != nullptr) *view = {rows, cols};
-  return true;
-}
-
 void Orthogonalize(std::span<float> p, uint64_t rows, uint32_t rank) {
   std::vector<double> m(p.begin(), p.end());
   for (uint32_t c = 0; c < rank; ++c) {

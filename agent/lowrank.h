@@ -28,16 +28,9 @@
 #include <span>
 #include <vector>
 
-namespace poseidon::agent {
+#include "common/lowrank_shape.h"
 
-// The matrix view of a tensor of `shape` (its first dimension by the product of the rest), and
-// whether rank `rank` compresses it: at least 2 dimensions, rank < min(rows, cols), and
-// (rows + cols) rank < rows cols (DDP's hook sends such a tensor uncompressed too), and each
-// dimension below 2^31 (BLAS's int).
-struct LowRankShape {
-  uint64_t rows = 0, cols = 0;
-};
-bool LowRankPays(const std::vector<uint64_t>& shape, uint32_t rank, LowRankShape* view);
+namespace poseidon::agent {
 
 // Makes the columns of the row-major rows x rank matrix `p` orthonormal (modified Gram-Schmidt in
 // double precision); a column that is zero, or dependent on the earlier ones, becomes zero.

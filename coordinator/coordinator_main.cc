@@ -43,6 +43,7 @@ struct CoordinatorConfig {
   std::string scheme_rule = "time";
   std::string fusion = "cost";
   std::string lossy_wire = "none";
+  int64_t lowrank_rank = 0;
   bool allreduce_by_cost = false;
   double replan_threshold = 0.2;
   absl::Duration replan_min_interval = absl::Seconds(10);
@@ -119,6 +120,11 @@ ConfigSchema<CoordinatorConfig> Schema() {
              "the plan puts a PS or all-reduce layer on it where the cost model says it pays "
              "(docs/planner.md, Wire precision)",
              OneOf({"none", "bf16", "fp16"}))
+      .Field("plan_lowrank_rank", &C::lowrank_rank,
+             "0: no low rank; r: the job allows PowerSGD at rank r, and the plan sends an "
+             "all-reduce layer's 2-D gradient as rank-r factors where the cost model says it "
+             "pays (lossy, error feedback; docs/planner.md, Low rank)",
+             InRange<int64_t>(0, 1024))
       .Field("allreduce_by_cost", &C::allreduce_by_cost,
              "let the time rule put layers on ring all-reduce from the agents' measured ring "
              "step (off: only --scheme=allreduce and overrides use it; docs/planner.md)")
@@ -248,6 +254,7 @@ int Main(int argc, char** argv) {
       config.scheme_rule == "bytes" ? planner::SchemeRule::kBytes : planner::SchemeRule::kTime;
   registry.fusion = config.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
   registry.lossy_wire = *planner::ParseWireType(config.lossy_wire);  // checked by OneOf
+  registry.lowrank_rank = static_cast<uint32_t>(config.lowrank_rank);
   registry.allreduce_by_cost = config.allreduce_by_cost;
   registry.replan_threshold = config.replan_threshold;
   registry.plan_lead_iterations = static_cast<uint64_t>(config.plan_lead);

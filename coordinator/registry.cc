@@ -736,6 +736,7 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.scheme_rule = options_.scheme_rule;
   config.fusion = options_.fusion;
   config.lossy_wire = options_.lossy_wire;
+  config.lowrank_rank = options_.lowrank_rank;
   config.allreduce = job.model->allreduce;
   if (options_.allreduce_by_cost) config.allreduce_step_seconds = AllreduceStep(job);
   config.job_id = job.id;
@@ -776,6 +777,8 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
         layer->set_bucket(previous.bucket());
         // And the wire (the servers' tables were registered with it).
         layer->set_wire_type(previous.wire_type());
+        // And the low rank (the agents' compressors were set up from the first plan).
+        layer->set_lowrank_rank(previous.lowrank_rank());
       }
       result.plan.set_bucket_bytes(job.plan->bucket_bytes());
       if (moved) {
@@ -1411,6 +1414,9 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
         status->set_scheme(layer.scheme());
         status->set_bytes(layer.predicted_bytes_per_worker());
         status->set_wire_type(layer.wire_type());
+        if (layer.scheme() == v1::SYNC_SCHEME_ALLREDUCE) {
+          status->set_lowrank_rank(layer.lowrank_rank());
+        }
       }
     }
     FillSyncStatus(job, now, out);

@@ -54,6 +54,9 @@ struct RegistryOptions {
   // The lossy wire a PS or all-reduce layer may use where it pays (PlannerConfig::lossy_wire;
   // F32: none).
   poseidon::v1::ElementType lossy_wire = poseidon::v1::ELEMENT_TYPE_F32;
+  // The low rank an all-reduce layer may be sent at where it pays (PlannerConfig::lowrank_rank;
+  // 0: none).
+  uint32_t lowrank_rank = 0;
   // The time rule may choose ring all-reduce (from the agents' measured step); off, only
   // --scheme=allreduce and operator overrides put layers on it.
   bool allreduce_by_cost = false;

@@ -95,6 +95,35 @@ TEST(PlanCliTest, TheLossyWireColumnShowsTheChoiceAndOverrides) {
   }
 }
 
+// Low rank: the AR-LR column is priced for every matrix rank 4 shrinks (biases have none) when
+// the job allows it; the offline plan has no measured ring step, so no layer goes by all-reduce
+// and none at low rank.
+TEST(PlanCliTest, TheLowRankColumnIsPricedWhereTheJobAllowsIt) {
+  const CliRun exact = Stdout(kPaperCluster);
+  ASSERT_EQ(exact.exit_code, 0) << exact.output;
+  EXPECT_EQ(exact.output.find("AR-LR/worker"), std::string::npos) << exact.output;
+  const CliRun low = Stdout(std::string(kPaperCluster) + " --lowrank_rank 4 --json");
+  ASSERT_EQ(low.exit_code, 0) << low.output;
+  google::protobuf::Struct root;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(low.output, &root).ok());
+  int priced = 0;
+  for (const auto& layer : Field(root, "layers").list_value().values()) {
+    const auto& fields = layer.struct_value();
+    const std::string name = Field(fields, "name").string_value();
+    const bool matrix = Field(fields, "shape").list_value().values_size() >= 2;
+    const bool has = Field(fields, "allreduce_lowrank").has_struct_value();
+    EXPECT_EQ(has, matrix) << name;
+    priced += has;
+  }
+  EXPECT_GT(priced, 0);
+  EXPECT_EQ(Field(Field(root, "totals").struct_value(), "lowrank_layers").number_value(), 0);
+  const CliRun table = Stdout(std::string(kPaperCluster) + " --lowrank_rank 4");
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  for (const std::string& text : {"AR-LR/worker", "lowrank  0 of 38 layers at rank 4"}) {
+    EXPECT_NE(table.output.find(text), std::string::npos) << text << "\n" << table.output;
+  }
+}
+
 TEST(PlanCliTest, UnknownModelIsOneLineAndExitCode2) {
   const CliRun run = Stderr("plan --model no-such-net --workers 4 --batch 32 --bandwidth 10Gbit");
   EXPECT_EQ(run.exit_code, 2);
@@ -118,6 +147,7 @@ TEST(PlanCliTest, BadInputIsOneLineAndExitCode2) {
       "plan --model /dev/null --workers 4 --batch 32 --bandwidth 10Gbit",
       "plan --workers 4 --batch 32 --bandwidth 10Gbit",
       "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --lossy_wire fp8",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --lowrank_rank 2000",
       "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --wire fc6.weight=fp8",
       "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --wire fc6.weight",
       "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --wire nope=bf16",

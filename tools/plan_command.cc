@@ -33,6 +33,7 @@ struct PlanFlags {
   uint64_t block_size = planner::kDefaultBlockBytes;
   std::string fusion = "cost";
   std::string lossy_wire = "none";
+  int64_t lowrank_rank = 0;
   std::string wire;  // "layer=bf16,other=fp32"
   bool json = false;
 };
@@ -70,6 +71,10 @@ ConfigSchema<PlanFlags> PlanFlagsSchema() {
              "none: every byte exact; bf16 or fp16: a PS or all-reduce layer may use that 16-bit "
              "wire (lossy, error feedback) where the cost model says it pays",
              OneOf({"none", "bf16", "fp16"}))
+      .Field("lowrank_rank", &PlanFlags::lowrank_rank,
+             "0: no low rank; r: an all-reduce layer's 2-D gradient may go as rank-r factors "
+             "(PowerSGD, lossy, error feedback) where the cost model says it pays",
+             InRange<int64_t>(0, 1024))
       .Field("wire", &PlanFlags::wire,
              "per-layer wire overrides, 'fc6.weight=bf16,conv1.weight=fp32' (fp32 keeps a layer "
              "exact; bf16/fp16 puts a PS or all-reduce layer on that wire whatever the cost)")
@@ -120,6 +125,7 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   config.block_bytes = flags.block_size;
   config.fusion = flags.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
   config.lossy_wire = *planner::ParseWireType(flags.lossy_wire);  // checked by OneOf
+  config.lowrank_rank = static_cast<uint32_t>(flags.lowrank_rank);
   for (absl::string_view entry : absl::StrSplit(flags.wire, ',', absl::SkipEmpty())) {
     const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(entry, '=');
     const std::optional<poseidon::v1::ElementType> wire = planner::ParseWireType(std::string(kv.second));

@@ -213,6 +213,16 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
     right.push_back(false);
     header.emplace_back("wire");
   }
+  // The AR-LR column and the rank chosen, when the job allows a low rank anywhere it shrinks.
+  const bool lowrank_column =
+      std::any_of(report.layers.begin(), report.layers.end(),
+                  [](const LayerReport& l) { return l.allreduce_lowrank_seconds; });
+  if (lowrank_column) {
+    right.push_back(true);
+    header.emplace_back("AR-LR/worker");
+    right.push_back(true);
+    header.emplace_back("rank");
+  }
   for (const char* column : {"chunks", "sync ms"}) {
     right.push_back(true);
     header.emplace_back(column);
@@ -244,6 +254,12 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
                           : "-");
       }
       row.push_back(absl::StrCat(planner::WireTypeName(layer.cost.wire), layer.wire_overridden ? "*" : ""));
+    }
+    if (lowrank_column) {
+      row.push_back(layer.cost.allreduce_lowrank_bytes.has_value()
+                        ? HumanBytes(layer.cost.allreduce_lowrank_bytes->per_worker)
+                        : "-");
+      row.push_back(layer.cost.lowrank > 0 ? absl::StrCat(layer.cost.lowrank) : "-");
     }
     row.push_back(absl::StrCat(layer.chunks));
     row.push_back(Millis(layer.seconds));
@@ -286,6 +302,12 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
                     " layers lossy (PS-16", lossy_allreduce_column ? " or AR-16" : "",
                     " where it predicts less time than fp32, casts included",
                     "; * an operator's override)\n");
+  }
+  if (lowrank_column) {
+    absl::StrAppend(&out, "lowrank  ", report.lowrank_layers, " of ", model.layers_size(),
+                    " layers at rank ", config.lowrank_rank,
+                    " (AR-LR, PowerSGD: where it predicts less time than the all-reduce, "
+                    "arithmetic included)\n");
   }
   if (!report.server_bytes.empty()) {
     const auto [min, max] =
@@ -412,6 +434,14 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
     } else {
       w.Null();
     }
+    w.Key("allreduce_lowrank");
+    if (layer.cost.allreduce_lowrank_bytes.has_value()) {
+      WriteVolume(w, *layer.cost.allreduce_lowrank_bytes, *layer.allreduce_lowrank_seconds);
+    } else {
+      w.Null();
+    }
+    w.Key("lowrank_rank");
+    w.Unsigned(layer.cost.lowrank);
     w.Key("wire");
     w.String(planner::WireTypeName(layer.cost.wire));
     w.Key("sync_seconds");
@@ -440,6 +470,8 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
   w.Unsigned(report.allreduce_layers);
   w.Key("lossy_layers");
   w.Unsigned(report.lossy_layers);
+  w.Key("lowrank_layers");
+  w.Unsigned(report.lowrank_layers);
   w.Key("compute_unknown_reason");
   report.compute_unknown_reason.empty() ? w.Null() : w.String(report.compute_unknown_reason);
   w.Key("server_bytes");

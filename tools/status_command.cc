@@ -330,7 +330,9 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     std::vector<std::vector<std::string>> rows = {{"  LAYER", "SCHEME", "WIRE", "BYTES", "SYNC"}};
     int lossy = 0, fell_back = 0;
     for (const v1::LayerStatus& layer : job.layers()) {
-      const std::string wire = planner::WireTypeName(layer.wire_type());
+      const std::string wire = layer.lowrank_rank() > 0
+                                   ? absl::StrCat("rank ", layer.lowrank_rank())
+                                   : planner::WireTypeName(layer.wire_type());
       if (wire != "fp32") ++lossy;
       if (wire != "fp32" && layer.wire_fallback_ranks() > 0) ++fell_back;
       // A lossy layer whose keys fell back (a divergence guard) is float32 now.
@@ -343,7 +345,8 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     }
     PrintTable(rows);
     if (lossy > 0) {
-      std::printf("  %d of %d layers on a lossy wire (error feedback; the job allows it)", lossy,
+      std::printf("  %d of %d layers lossy (a 16-bit wire or low rank; error feedback; the job "
+                  "allows it)", lossy,
                   job.layers_size());
       if (fell_back > 0) std::printf("; %d fell back to fp32 (divergence guard)", fell_back);
       std::printf("\n");
@@ -496,6 +499,8 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.String(SchemeName(layer.scheme()));
       w.Key("wire");
       w.String(planner::WireTypeName(layer.wire_type()));
+      w.Key("lowrank_rank");
+      w.Unsigned(layer.lowrank_rank());
       w.Key("wire_fallback_ranks");
       w.Unsigned(layer.wire_fallback_ranks());
       w.Key("bytes");

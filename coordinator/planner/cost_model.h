@@ -12,6 +12,8 @@
 //   AR     | 0            | 4·S·(P1−1)/P1     | 4·S·(P1−1)/P1
 //   PS-16  | PS's, in 2-byte elements: bfloat16 or fp16 on the wire (lossy, error feedback)
 //   AR-16  | AR's, in 2-byte elements (each rank sums its shard in float32: no rounding on a hop)
+//   AR-LR  | AR's of (M'+N')·r elements, in two all-reduces (PowerSGD's P and Q; M'×N' the
+//          | tensor as a matrix: its first dimension by the rest)
 //
 // PS: each worker pushes its S-element gradient and pulls S elements back (2·S); the servers share
 // the layer evenly, so each receives S/P2 from every worker and sends S/P2 back to each
@@ -28,7 +30,11 @@
 // at the price of the casts (WireCastSecondsPerElement) and of being lossy: a column only when
 // the job allows it (PlannerConfig::lossy_wire, wire_overrides). AR-16 is all-reduce's
 // counterpart (agent/allreduce_syncer.cc: 16-bit shards to their owners, float32 sums, 16-bit
-// sums back), at the same casts; SFB layers stay float32.
+// sums back), at the same casts; SFB layers stay float32. AR-LR (issue 15, "Low rank";
+// agent/lowrank.h): an all-reduce layer's gradient as rank-r factors, two all-reduces (twice the
+// ring's steps) of (M'+N')·r elements instead of one of M'·N', at the price of the agent's
+// arithmetic (LowRankSecondsPerElement) and of being lossy: a column only when the job allows a
+// rank (PlannerConfig::lowrank_rank) and the rank shrinks the tensor (common/lowrank_shape.h).
 //
 // The selection rule (Poseidon's, between PS and SFB): an FC layer uses SFB when its SFB cost is at most its PS cost,
 // where the two numbers compared are those of the busiest link that differs between the schemes,
@@ -88,6 +94,11 @@ double ComparedVolume(const SchemeVolume& volume, bool colocated);
 // precision"): 1.8-2.0 ns for bfloat16 (shifts), 6.6-7.3 ns for fp16 (re-biasing, subnormals).
 inline constexpr double kBf16CastSecondsPerElement = 2e-9;
 inline constexpr double kF16CastSecondsPerElement = 7e-9;
+// What one gradient element costs in low rank's arithmetic on the agent's CPU (the three
+// products, Gram-Schmidt and the error feedback of one step; memory-bound, so nearly the same
+// for ranks 1 to 8). Measured on this project's 2-vCPU build host with
+// `build/release/bench/poseidon-bench-lowrank` (docs/benchmarks.md, "Low rank"): 3.4-5.1 ns.
+inline constexpr double kLowRankSecondsPerElement = 5e-9;
 // 0 for F32 (and anything not lossy).
 double WireCastSecondsPerElement(poseidon::v1::ElementType wire);
 // BF16 or F16 (proto/wire_type.h's mapping).
@@ -115,6 +126,11 @@ struct LayerCost {
   // All-reduce with a 16-bit wire (set by the planner when the job allows a lossy wire for the
   // layer and all-reduce is possible).
   std::optional<SchemeVolume> allreduce_lossy_bytes;
+  // All-reduce at low rank: both factors' all-reduces (set by the planner when the job allows a
+  // rank that shrinks the layer and all-reduce is possible), and the rank chosen (0: none; the
+  // layer's scheme is then all-reduce, its wire float32).
+  std::optional<SchemeVolume> allreduce_lowrank_bytes;
+  uint32_t lowrank = 0;
   poseidon::v1::SyncScheme scheme = poseidon::v1::SYNC_SCHEME_PS;
 };
 

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/lowrank_shape.h"
 #include "common/status.h"
 #include "coordinator/planner/model_spec.h"
 #include "coordinator/planner/partition.h"
@@ -60,6 +61,10 @@ absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
         absl::StrCat("lossy_wire must be F32 (none), BF16 or F16, got ",
                      poseidon::v1::ElementType_Name(config.lossy_wire)));
   }
+  if (config.lowrank_rank > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lowrank_rank must be 0 (none) to 1024, got ", config.lowrank_rank));
+  }
   if (!config.server_node_ids.empty() && config.server_node_ids.size() != config.servers) {
     return absl::InvalidArgumentError(absl::StrCat("server_node_ids has ",
                                                    config.server_node_ids.size(), " entries for ",
@@ -82,6 +87,7 @@ const SchemeVolume& VolumeOf(const LayerCost& cost, poseidon::v1::SyncScheme sch
                              poseidon::v1::ElementType wire) {
   if (scheme == poseidon::v1::SYNC_SCHEME_SFB) return *cost.sfb_bytes;
   if (scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
+    if (cost.lowrank > 0) return *cost.allreduce_lowrank_bytes;
     return IsLossyWire(wire) ? *cost.allreduce_lossy_bytes : *cost.allreduce_bytes;
   }
   return IsLossyWire(wire) ? *cost.ps_lossy_bytes : cost.ps_bytes;
@@ -275,6 +281,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     // The wire an all-reduce layer would use (AR-16 where it pays, or the override's); a layer
     // with fewer elements than workers stays float32 (the agents' shards would be empty).
     poseidon::v1::ElementType allreduce_wire = poseidon::v1::ELEMENT_TYPE_F32;
+    uint32_t lowrank = 0;  // the rank an all-reduce layer would be sent at (AR-LR), 0: none
     double allreduce_best = 0;
     if (layer.cost.allreduce_bytes.has_value()) {
       const double step = config.allreduce_step_seconds.value_or(0);
@@ -292,6 +299,28 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
           allreduce_best = *layer.allreduce_lossy_seconds;
         }
       }
+      // AR-LR: both factors' all-reduces and the arithmetic; not for a layer kept exact by its
+      // wire override.
+      LowRankShape view;
+      const bool kept_exact = layer.wire_overridden && !IsLossyWire(lossy);
+      if (config.lowrank_rank > 0 && !kept_exact &&
+          LowRankPays(layer.shape, config.lowrank_rank, &view) &&
+          view.rows * view.cols == layer.cost.parameters) {
+        const uint64_t p = view.rows * config.lowrank_rank, q = view.cols * config.lowrank_rank;
+        const SchemeVolume vp = ScaleVolume(AllreduceElements(p, cluster), sizeof(float));
+        const SchemeVolume vq = ScaleVolume(AllreduceElements(q, cluster), sizeof(float));
+        layer.cost.allreduce_lowrank_bytes =
+            SchemeVolume{vp.per_worker + vq.per_worker, vp.per_server + vq.per_server,
+                         vp.per_machine + vq.per_machine};
+        layer.allreduce_lowrank_seconds =
+            AllreduceSeconds(vp, config.workers, network, step) +
+            AllreduceSeconds(vq, config.workers, network, step) +
+            static_cast<double>(layer.cost.parameters) * kLowRankSecondsPerElement;
+        if (*layer.allreduce_lowrank_seconds < allreduce_best) {
+          lowrank = config.lowrank_rank;
+          allreduce_best = *layer.allreduce_lowrank_seconds;
+        }
+      }
       const double best_other = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
                                     ? *layer.sfb_seconds
                                     : ps_best;
@@ -307,7 +336,12 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     }
     // Only a PS or all-reduce layer is on a lossy wire (an SFB layer stays exact).
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) layer.cost.wire = ps_wire;
-    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) layer.cost.wire = allreduce_wire;
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
+      // Low rank sends float32 factors: its layer's wire is exact.
+      layer.cost.lowrank = lowrank;
+      // (A layer another scheme won keeps lowrank_if_allreduce, below.)
+      layer.cost.wire = lowrank > 0 ? poseidon::v1::ELEMENT_TYPE_F32 : allreduce_wire;
+    }
     layer.seconds = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds
                     : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? allreduce_best
                                                                                : ps_best;
@@ -322,7 +356,9 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     partitioned.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) ++report.allreduce_layers;
+    layer.lowrank_if_allreduce = lowrank;
     if (IsLossyWire(layer.cost.wire)) ++report.lossy_layers;
+    if (layer.cost.lowrank > 0) ++report.lowrank_layers;
     Accumulate(layer.cost, layer.cost.scheme, layer.cost.wire, layer.seconds, config.colocated,
                report.plan);
     Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, poseidon::v1::ELEMENT_TYPE_F32,
@@ -353,6 +389,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     const SchemeVolume& volume = VolumeOf(layer.cost, layer.cost.scheme, layer.cost.wire);
     out->set_predicted_bytes_per_worker(ToBytes(volume.per_worker));
     if (IsLossyWire(layer.cost.wire)) out->set_wire_type(layer.cost.wire);
+    out->set_lowrank_rank(layer.lowrank_if_allreduce);
     out->set_predicted_seconds(layer.seconds);
   }
   // Chunks come grouped by layer in layer order, in offset order within a layer.

@@ -109,6 +109,11 @@ struct PlannerConfig {
   // operator's per-layer allowance). An unknown name, another type, or a lossy wire for a layer
   // whose scheme override is SFB is an error naming the layer.
   std::map<std::string, poseidon::v1::ElementType, std::less<>> wire_overrides;
+  // Low rank (issue 15; cost_model.h, AR-LR): the rank r (1 to 1024) a layer on all-reduce with
+  // a 2-D gradient that r shrinks may be sent at (PowerSGD's factors, lossy, error feedback)
+  // where its predicted time, arithmetic included, is lower than the all-reduce's otherwise;
+  // 0, the default: never. A layer with a wire override of F32 stays exact.
+  uint32_t lowrank_rank = 0;
 
   // Copied into the Plan.
   std::string job_id;
@@ -138,6 +143,13 @@ struct LayerReport {
   std::optional<double> ps_lossy_seconds;
   // All-reduce on that lossy wire (AR-16, casts included); unset: none allowed or no all-reduce.
   std::optional<double> allreduce_lossy_seconds;
+  // All-reduce at the job's low rank (AR-LR, arithmetic included); unset: not allowed, no
+  // all-reduce, or a tensor the rank does not shrink.
+  std::optional<double> allreduce_lowrank_seconds;
+  // The rank the layer is sent at when it runs all-reduce (LayerPlan.lowrank_rank: where AR-LR
+  // beats the other all-reduce columns, whatever scheme the plan chose, so that an agent forcing
+  // all-reduce follows it too); 0: none.
+  uint32_t lowrank_if_allreduce = 0;
   bool wire_overridden = false;  // the wire came from PlannerConfig::wire_overrides
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;
@@ -166,6 +178,7 @@ struct PlanReport {
   uint32_t sfb_layers = 0;
   uint32_t allreduce_layers = 0;
   uint32_t lossy_layers = 0;  // PS and all-reduce layers on a 16-bit wire (LayerCost::wire)
+  uint32_t lowrank_layers = 0;  // all-reduce layers at low rank (LayerCost::lowrank)
   // Empty when every layer's compute time is known; else why not (names the first such layer).
   std::string compute_unknown_reason;
   // Bytes of the chunks placed on each server (every layer's, SFB layers' included: the

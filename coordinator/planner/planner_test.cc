@@ -751,6 +751,65 @@ TEST(PlannerTest, AllReduceTakesALossyWireWhereAllowedAndWhereItPays) {
       << "the bias has " << wide->report.layers[1].cost.parameters << " elements";
 }
 
+// AR-LR: the ring cluster, the job allowing rank 4. The conv weight (256 x 4096 as a matrix)
+// goes as P (256 x 4) and Q (4096 x 4): two all-reduces of 17,408 elements (28 legs) and 5 ns of
+// arithmetic an element. At 1 Gbit/s that is 7.6 ms against the float32 ring's 59 ms: low rank.
+// At 10 Gbit/s the arithmetic (5.2 ms) costs what the bytes save (6.6 ms float32 ring): the
+// column is priced, not chosen. The bias is no matrix; a wire override of fp32 keeps a layer
+// exact; a rank above 1024 is refused.
+TEST(PlannerTest, AllReduceGoesAtLowRankWhereAllowedAndWhereItPays) {
+  PlannerConfig config = RingCluster();
+  config.bandwidth_bytes_per_second = 1e9 / 8;
+  const absl::StatusOr<PlanResult> exact = BuildPlan(ConvAndBias(), config);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  EXPECT_FALSE(exact->report.layers[0].allreduce_lowrank_seconds.has_value());
+  EXPECT_EQ(exact->plan.layers(0).lowrank_rank(), 0u);
+  config.lowrank_rank = 4;
+  const absl::StatusOr<PlanResult> low = BuildPlan(ConvAndBias(), config);
+  ASSERT_TRUE(low.ok()) << low.status();
+  const LayerReport& conv = low->report.layers[0];
+  ASSERT_TRUE(conv.cost.allreduce_lowrank_bytes.has_value());
+  const double factors = 256 * 4 + 4096 * 4;
+  EXPECT_DOUBLE_EQ(conv.cost.allreduce_lowrank_bytes->per_worker, 4.0 * factors * 7 / 8 * 4);
+  const double elements = 1 << 20;
+  EXPECT_NEAR(*conv.allreduce_lowrank_seconds,
+              28 * 50e-6 + 4.0 * factors * 7 / 8 * 4 / (2 * config.bandwidth_bytes_per_second) +
+                  elements * kLowRankSecondsPerElement,
+              1e-12);
+  EXPECT_LT(*conv.allreduce_lowrank_seconds, *conv.allreduce_seconds);
+  EXPECT_EQ(low->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(low->plan.layers(0).lowrank_rank(), 4u);
+  EXPECT_EQ(low->plan.layers(0).wire_type(), poseidon::v1::ELEMENT_TYPE_UNSPECIFIED);
+  EXPECT_EQ(low->plan.layers(0).predicted_bytes_per_worker(),
+            static_cast<uint64_t>(4.0 * factors * 7 / 8 * 4));
+  EXPECT_DOUBLE_EQ(low->plan.layers(0).predicted_seconds(), *conv.allreduce_lowrank_seconds);
+  EXPECT_FALSE(low->report.layers[1].allreduce_lowrank_seconds.has_value()) << "a bias";
+  EXPECT_EQ(low->plan.layers(1).lowrank_rank(), 0u);
+  EXPECT_EQ(low->report.lowrank_layers, 1u);
+
+  PlannerConfig fast = config;
+  fast.bandwidth_bytes_per_second = 10e9 / 8;
+  const absl::StatusOr<PlanResult> priced = BuildPlan(ConvAndBias(), fast);
+  ASSERT_TRUE(priced.ok());
+  ASSERT_TRUE(priced->report.layers[0].allreduce_lowrank_seconds.has_value());
+  EXPECT_GT(*priced->report.layers[0].allreduce_lowrank_seconds,
+            *priced->report.layers[0].allreduce_seconds);
+  EXPECT_EQ(priced->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(priced->plan.layers(0).lowrank_rank(), 0u);
+  EXPECT_EQ(priced->report.lowrank_layers, 0u);
+
+  PlannerConfig pinned = config;
+  pinned.wire_overrides[ConvAndBias().layers(0).name()] = poseidon::v1::ELEMENT_TYPE_F32;
+  const absl::StatusOr<PlanResult> kept = BuildPlan(ConvAndBias(), pinned);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->plan.layers(0).lowrank_rank(), 0u) << "an fp32 override keeps it exact";
+
+  PlannerConfig bad = config;
+  bad.lowrank_rank = 1025;
+  EXPECT_NE(BuildPlan(ConvAndBias(), bad).status().message().find("lowrank_rank must be"),
+            std::string::npos);
+}
+
 TEST(PlannerTest, ABucketHasOneWire) {
   // Inception-V3's small layers fuse; with every other layer pinned exact no bucket mixes wires.
   const ModelSpec model = Builtin("inception-v3");

@@ -253,7 +253,8 @@ class LossyWire(unittest.TestCase):
     gradient on a 16-bit wire reaches, at every one of its 12 held-out evaluations, a loss
     within 1 % of the exact run's (one process on the 2x batch, which the exact schemes equal
     to 1e-5), by PS (the servers sum in float32) and by all-reduce (each rank sums its shard in
-    float32); and not bit for bit the exact curve: the wire was lossy."""
+    float32); and further from it than float32's rounding: the wire was lossy. The same for
+    low rank (PowerSGD) at rank 4."""
 
     def curve(self, launcher_args):
         with tempfile.TemporaryDirectory() as tmp:
@@ -278,7 +279,8 @@ class LossyWire(unittest.TestCase):
                 self.assertEqual(len(got), len(exact))
                 worst = max(abs(g - e) / e for g, e in zip(got, exact))
                 self.assertLessEqual(worst, 0.01, f"{scheme} on {wire}: {got} against {exact}")
-                self.assertNotEqual(got, exact, f"{scheme} on {wire}: bit for bit exact")
+                # Lossy: beyond the exact schemes' float rounding (all-reduce's is ~1e-7).
+                self.assertGreater(worst, 1e-6, f"{scheme} on {wire}: as exact as float32")
 
     def test_rank_4_low_rank_trains_within_one_percent_of_the_exact_loss(self):
         """PowerSGD at rank 4 on the all-reduce (the issue's convergence check): the three
@@ -286,12 +288,20 @@ class LossyWire(unittest.TestCase):
         exact all-reduces, the biases exact; the held-out loss after the 300 steps within 1 % of
         the exact run's."""
         exact, _ = self.curve(None)
-        got, out = self.curve(["--scheme", "allreduce", "--lowrank", "4"])
-        self.assertIn("schemes: AR,", out)
-        self.assertEqual(len(got), len(exact))
-        self.assertLessEqual(abs(got[-1] - exact[-1]) / exact[-1], 0.01,
-                             f"rank 4: {got} against {exact}")
-        self.assertNotEqual(got, exact, "rank 4: bit for bit exact")
+        # Forced on every agent, and chosen by the plan (the job allowing rank 4 on a network
+        # the planner assumes slow enough that the factors pay on these small matrices: not
+        # probed, as loopback's speed would make the float32 ring cheaper).
+        for how, args in (("forced", ["--lowrank", "4"]),
+                          ("planned", ["--lossy_lowrank", "4", "--bandwidth", "1Mbit",
+                                       "--no-probe"])):
+            with self.subTest(how=how):
+                got, out = self.curve(["--scheme", "allreduce", *args])
+                self.assertIn("schemes: AR,", out)
+                self.assertEqual(len(got), len(exact))
+                self.assertLessEqual(abs(got[-1] - exact[-1]) / exact[-1], 0.01,
+                                     f"rank 4, {how}: {got} against {exact}")
+                worst = max(abs(g - e) / e for g, e in zip(got, exact))
+                self.assertGreater(worst, 1e-4, f"rank 4, {how}: as exact as float32")
 
 
 @unittest.skipUnless(HAS_CUDA, NO_CUDA)

@@ -118,6 +118,10 @@ def main(argv=None):
                          "shrinks: every such layer sent as rank-R factors (lossy, error "
                          "feedback; the first --lowrank_warmup all-reduces exact); 0: off; "
                          "-1 (default): the plan's (exact unless the job allows it)")
+    ap.add_argument("--lossy_lowrank", type=int, default=0, metavar="R",
+                    help="the job allows low rank R: the planner sends an all-reduce layer's "
+                         "2-D gradient as rank-R factors where its cost model says it pays (the "
+                         "local coordinator's --plan_lowrank_rank); 0: never")
     ap.add_argument("--lowrank_warmup", type=int, default=10,
                     help="with --lowrank: exact all-reduces of each layer before the factors")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
@@ -188,6 +192,11 @@ def main(argv=None):
     if joining and args.lossy_wire != "none":
         ap.error("--lossy_wire is the job's setting on its coordinator (poseidon-coordinator "
                  "--plan_lossy_wire); joining, the coordinator's plan decides")
+    if joining and args.lossy_lowrank != 0:
+        ap.error("--lossy_lowrank is the job's setting on its coordinator (poseidon-coordinator "
+                 "--plan_lowrank_rank); joining, the coordinator's plan decides")
+    if not 0 <= args.lossy_lowrank <= 1024:
+        ap.error(f"--lossy_lowrank {args.lossy_lowrank} is out of range (0 to 1024)")
     if not -1 <= args.lowrank <= 1024 or args.lowrank_warmup < 0:
         ap.error(f"--lowrank {args.lowrank} (-1 to 1024) or --lowrank_warmup "
                  f"{args.lowrank_warmup} (>= 0) out of range")
@@ -286,6 +295,7 @@ def main(argv=None):
                                          f"--min_servers={args.servers}",
                                          f"--bandwidth={args.bandwidth}", "--log_level=warn",
                                          f"--plan_lossy_wire={args.lossy_wire}",
+                                         f"--plan_lowrank_rank={args.lossy_lowrank}",
                                          *(["--allreduce_by_cost"] if args.allreduce == "by-cost"
                                            else [])],
                          env=env_with(job_token=token))
