@@ -18,10 +18,11 @@
 // Low rank (LayerSpec::lowrank, agent/lowrank.h: PowerSGD): a unit's low-rank members go as
 // their P factors in one all-reduce (with the unit's other members' gradients, uncompressed, in
 // the same collective), then their Q factors in a second; the first --lowrank_warmup all-reduces
-// of the unit are exact. The divergence guard, on its sampled all-reduces, sums the ranks'
-// gradients and residuals of the low-rank members (one more all-reduce, the same bits on every
-// rank, so every rank decides alike): past --lowrank_max_held, the unit falls back to the exact
-// all-reduce, and its next one carries each rank's residual: nothing held back is lost.
+// of the unit are exact. The divergence guard, on its sampled all-reduces, sums the sketches of
+// the ranks' gradients and residuals of the low-rank members (agent/lowrank.h: 2 x 256 floats in
+// one more all-reduce, the same bits on every rank, so every rank decides alike): past
+// --lowrank_max_held, the unit falls back to the exact all-reduce, and its next one carries each
+// rank's residual: nothing held back is lost.
 //
 // All-reduce buckets (LayerTable::ring_groups, DDP's buckets): consecutive host-memory layers
 // adjacent in the data segment go as one collective over their span once every member of the
@@ -115,8 +116,7 @@ struct LowRankUnit {
   std::vector<std::pair<size_t, size_t>> plain;  // (offset, floats) sent uncompressed
   std::vector<float> first;   // the members' P factors, then the plain ranges
   std::vector<float> second;  // the members' Q factors
-  std::vector<float> check;   // the guard's: the members' gradients, then their residuals
-  size_t compressed_elements = 0;  // the members' gradients' floats
+  std::vector<float> check;   // the guard's: the sketches of the gradients, then the residuals
   size_t plain_elements = 0;       // the plain ranges' floats (the tail of `first`)
   uint64_t clock = 0;         // all-reduces of the unit so far (warm-up, the guard's sampling)
   bool exact = false;         // fell back (every rank alike): exact from now on
@@ -422,7 +422,6 @@ class AllreduceSyncer final : public Syncer {
         p += lr->members.back().compressor.p_size();
         q += lr->members.back().compressor.q_size();
         covered = offset + spec.desc.elements;
-        lr->compressed_elements += spec.desc.elements;
       }
       if (lr->members.empty()) continue;
       if (covered < unit.elements) lr->plain.emplace_back(covered, unit.elements - covered);
@@ -474,12 +473,13 @@ class AllreduceSyncer final : public Syncer {
     const uint64_t compressed = lr.clock - env_.config->lowrank_warmup;
     const bool check = ShouldCheckWire(env_.wire_guard, compressed);
     if (check) {
-      lr.check.resize(2 * lr.compressed_elements);
-      size_t at = 0;
+      // The sketches of the gradients (then of the residuals), by index among the members.
+      lr.check.assign(2 * kSketchSlots, 0.0f);
+      size_t index = 0;
       for (const LowRankUnit::Member& m : lr.members) {
         const size_t n = m.compressor.rows() * m.compressor.cols();
-        std::copy(grad + m.offset, grad + m.offset + n, lr.check.begin() + at);
-        at += n;
+        AddToSketch({grad + m.offset, n}, index, {lr.check.data(), kSketchSlots});
+        index += n;
       }
     }
     for (LowRankUnit::Member& m : lr.members) {
@@ -517,19 +517,19 @@ class AllreduceSyncer final : public Syncer {
                                {grad + m.offset, n});
     }
     if (!check) return absl::OkStatus();
-    at = lr.compressed_elements;
+    size_t index = 0;
     for (const LowRankUnit::Member& m : lr.members) {
       const std::span<const float> held = m.compressor.residual();
-      std::copy(held.begin(), held.end(), lr.check.begin() + at);
-      at += held.size();
+      AddToSketch(held, index, {lr.check.data() + kSketchSlots, kSketchSlots});
+      index += held.size();
     }
     // The same sums on every rank: every rank reaches the same verdict without a vote.
     if (const absl::Status s = Sum(lr.check.data(), lr.check.size(), kVoteTagBase + post.layer);
         !s.ok()) {
-      return Annotate(s, "the divergence guard's sum of gradients and residuals");
+      return Annotate(s, "the divergence guard's sum of the sketches");
     }
-    const size_t n = lr.compressed_elements;
-    const double ratio = HeldBackRatio({lr.check.data() + n, n}, {lr.check.data(), n});
+    const double ratio = SketchedHeldBackRatio({lr.check.data() + kSketchSlots, kSketchSlots},
+                                               {lr.check.data(), kSketchSlots});
     if (!(ratio <= env_.config->lowrank_max_held)) {
       PSD_LOG_WARN("{} (all-reduce): the low-rank compressors hold back {:.3g} times the "
                    "gradient's norm at all-reduce {} (limit {}): falling back to the exact "

@@ -33,13 +33,42 @@ void Orthogonalize(std::span<float> p, uint64_t rows, uint32_t rank) {
   for (size_t i = 0; i < p.size(); ++i) p[i] = static_cast<float>(m[i]);
 }
 
-double HeldBackRatio(std::span<const float> held, std::span<const float> grads) {
-  double h = 0, g = 0;
-  for (float v : held) h += static_cast<double>(v) * v;
-  for (float v : grads) g += static_cast<double>(v) * v;
-  if (!std::isfinite(h) || !std::isfinite(g)) return std::numeric_limits<double>::infinity();
-  if (g == 0) return h == 0 ? 0.0 : std::numeric_limits<double>::infinity();
-  return std::sqrt(h / g);
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+double Ratio(double held, double grads) {
+  if (!std::isfinite(held) || !std::isfinite(grads)) {
+    return std::numeric_limits<double>::infinity();
+  }
+  if (grads == 0) return held == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return std::sqrt(held / grads);
+}
+
+double SumOfSquares(std::span<const float> v) {
+  double s = 0;
+  for (float x : v) s += static_cast<double>(x) * x;
+  return s;
+}
+
+}  // namespace
+
+void AddToSketch(std::span<const float> x, uint64_t first_index, std::span<float> sketch) {
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint64_t h = SplitMix64(first_index + i);
+    const float v = (h >> 63) != 0 ? -x[i] : x[i];
+    sketch[h % kSketchSlots] += v;
+  }
+}
+
+double SketchedHeldBackRatio(std::span<const float> held_sketch,
+                             std::span<const float> grad_sketch) {
+  return Ratio(SumOfSquares(held_sketch), SumOfSquares(grad_sketch));
 }
 
 LowRankLayer::LowRankLayer(LowRankShape shape, uint32_t rank, uint64_t seed)
@@ -93,6 +122,10 @@ void LowRankLayer::ReleaseResidual() {
   residual_.shrink_to_fit();
   q_.clear();
   q_.shrink_to_fit();
+}
+
+double HeldBackRatio(std::span<const float> held, std::span<const float> grads) {
+  return Ratio(SumOfSquares(held), SumOfSquares(grads));
 }
 
 void LowRankLayer::ZeroQForTest() { std::fill(q_.begin(), q_.end(), 0.0f); }

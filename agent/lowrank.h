@@ -14,7 +14,7 @@
 // Q is kept for the next step (warm start: the power iteration goes on across steps; the first
 // Q is random from a seed every rank shares). When Σ M_i has rank ≤ r, A equals it (up to float
 // rounding). Summed over steps, Σ_t A_t = Σ_t Σ_i G_i,t − Σ_i e_i: what was not sent yet is held
-// in the residuals, never dropped. The divergence guard (HeldBackRatio) watches the ranks' summed
+// in the residuals, never dropped. The divergence guard (HeldBackRatio, estimated by sketches) watches the ranks' summed
 // residual against their summed gradient: a compressor that no longer captures the gradient lets
 // it grow without bound. (One rank's residual alone is no measure: e_1 − e_2 is the sum of the
 // ranks' gradient differences over the steps, which no compressor of the sum sends.)
@@ -40,6 +40,18 @@ void Orthogonalize(std::span<float> p, uint64_t rows, uint32_t rank);
 // gradients of a step): 0 when both are zero, infinite when only `held` is non-zero or anything
 // is not finite. The sizes must match.
 double HeldBackRatio(std::span<const float> held, std::span<const float> grads);
+
+// The guard's estimate of those norms without sending the vectors: a CountSketch. Element i of a
+// vector (its index among the unit's factored elements) adds ±x_i to one of kSketchSlots slots,
+// slot and sign from a hash of i that every rank shares, so the sketch of the ranks' sum is the
+// sum of their sketches (one all-reduce of kSketchSlots floats), and Σ slot² estimates ‖x‖²
+// without bias (relative error about √(2 / kSketchSlots), 9 %).
+inline constexpr size_t kSketchSlots = 256;
+void AddToSketch(std::span<const float> x, uint64_t first_index, std::span<float> sketch);
+// HeldBackRatio's estimate from the summed sketches of the residuals and of the gradients (same
+// conventions: 0, infinite).
+double SketchedHeldBackRatio(std::span<const float> held_sketch,
+                             std::span<const float> grad_sketch);
 
 class LowRankLayer {
  public:

@@ -67,10 +67,8 @@ def main():
     ap.add_argument("--gpu_flops", type=float, default=6.1e12)
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--bucket_mb", type=float, default=25.0)
-    ap.add_argument("--comm_hook", choices=["none", "fp16", "powersgd"], default="none",
-                    help="fp16: DDP's fp16_compress_hook (gradients all-reduced in fp16); "
-                         "powersgd: its powerSGD_hook (rank 4, error feedback, warm start, "
-                         "the first 2 iterations exact)")
+    ap.add_argument("--comm_hook", choices=["none", "fp16"], default="none",
+                    help="fp16: DDP's fp16_compress_hook (gradients all-reduced in fp16)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = json.load(open(args.spec))
@@ -82,11 +80,6 @@ def main():
     if args.comm_hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif args.comm_hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                            start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     x = torch.zeros(1, requires_grad=True)
     marks = []
     t0 = time.time()
