@@ -380,6 +380,7 @@ class AllreduceSyncer final : public Syncer {
       // A bucket's members share one wire.
       const LayerSpec& spec = env_.table->layers[unit.first];
       if (!spec.allreduce_capable || !IsLossy(spec.wire) || unit.elements < world) continue;
+      if (AnyLowRank(unit)) continue;  // factored instead (PrepareLowRank)
       auto ring = std::make_unique<LossyRing>();
       ring->type = spec.wire;
       const uint64_t n = unit.elements;
@@ -404,11 +405,17 @@ class AllreduceSyncer final : public Syncer {
     return absl::OkStatus();
   }
 
+  bool AnyLowRank(const Unit& unit) const {
+    return std::any_of(unit.members.begin(), unit.members.end(),
+                       [&](uint32_t l) { return env_.table->layers[l].lowrank > 0; });
+  }
+
   // The state of every unit with low-rank members (LayerSpec::lowrank: the layer table chose
-  // them); such a unit is not on the 16-bit path.
+  // them); such a unit is not on the 16-bit path (PrepareLossy leaves it out).
   void PrepareLowRank() {
     size_t layers = 0, full = 0, sent = 0;
     for (const Unit& unit : units_) {
+      if (!AnyLowRank(unit)) continue;
       auto lr = std::make_unique<LowRankUnit>();
       const uint64_t base = env_.table->layers[unit.first].layout.grad_offset;
       size_t covered = 0, p = 0, q = 0;
@@ -423,7 +430,6 @@ class AllreduceSyncer final : public Syncer {
         q += lr->members.back().compressor.q_size();
         covered = offset + spec.desc.elements;
       }
-      if (lr->members.empty()) continue;
       if (covered < unit.elements) lr->plain.emplace_back(covered, unit.elements - covered);
       size_t plain = 0;
       for (const auto& range : lr->plain) plain += range.second;
@@ -433,7 +439,6 @@ class AllreduceSyncer final : public Syncer {
       layers += lr->members.size();
       full += unit.elements;
       sent += lr->first.size() + lr->second.size();
-      lossy_.erase(unit.first);
       lowrank_[unit.first] = std::move(lr);
     }
     if (layers > 0) {
