@@ -848,14 +848,11 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
                 : rep.cost.allreduce_bytes.value_or(planner::SchemeVolume{});
         layer.ring_seconds = planner::AllreduceSeconds(v, P1, network, options.alpha_seconds);
         if (rep.cost.lowrank > 0 && rep.cost.allreduce_lowrank_bytes.has_value()) {
-          // Low rank (AR-LR): two all-reduces of the factors (each its own ring's steps) and
-          // the agent's arithmetic, as the planner's column.
-          const planner::SchemeVolume lr = *rep.cost.allreduce_lowrank_bytes;
+          // Low rank (AR-LR): two all-reduces of the factors and the agent's arithmetic, as the
+          // planner's column.
           layer.ring_seconds =
-              planner::AllreduceSeconds(lr, P1, network, options.alpha_seconds) +
-              planner::AllreduceSeconds(planner::SchemeVolume{}, P1, network,
-                                        options.alpha_seconds) +
-              static_cast<double>(rep.cost.parameters) * planner::kLowRankSecondsPerElement;
+              planner::LowRankSeconds(*rep.cost.allreduce_lowrank_bytes, rep.cost.parameters, P1,
+                                      network, options.alpha_seconds);
         }
         break;
       }

@@ -259,7 +259,9 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
       row.push_back(layer.cost.allreduce_lowrank_bytes.has_value()
                         ? HumanBytes(layer.cost.allreduce_lowrank_bytes->per_worker)
                         : "-");
-      row.push_back(layer.cost.lowrank > 0 ? absl::StrCat(layer.cost.lowrank) : "-");
+      const bool low = layer.cost.lowrank > 0 &&
+                       layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE;
+      row.push_back(low ? absl::StrCat(layer.cost.lowrank) : "-");
     }
     row.push_back(absl::StrCat(layer.chunks));
     row.push_back(Millis(layer.seconds));

@@ -127,8 +127,10 @@ struct LayerCost {
   // layer and all-reduce is possible).
   std::optional<SchemeVolume> allreduce_lossy_bytes;
   // All-reduce at low rank: both factors' all-reduces (set by the planner when the job allows a
-  // rank that shrinks the layer and all-reduce is possible), and the rank chosen (0: none; the
-  // layer's scheme is then all-reduce, its wire float32).
+  // rank that shrinks the layer and all-reduce is possible), and the rank the layer goes at when
+  // it runs all-reduce (0: none; LayerPlan.lowrank_rank: where AR-LR beats the other all-reduce
+  // columns, whatever scheme the plan chose, so that an agent forcing all-reduce follows it; on
+  // all-reduce the layer's wire is then float32).
   std::optional<SchemeVolume> allreduce_lowrank_bytes;
   uint32_t lowrank = 0;
   poseidon::v1::SyncScheme scheme = poseidon::v1::SYNC_SCHEME_PS;

@@ -87,7 +87,7 @@ const SchemeVolume& VolumeOf(const LayerCost& cost, poseidon::v1::SyncScheme sch
                              poseidon::v1::ElementType wire) {
   if (scheme == poseidon::v1::SYNC_SCHEME_SFB) return *cost.sfb_bytes;
   if (scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
-    if (cost.lowrank > 0) return *cost.allreduce_lowrank_bytes;
+    if (cost.lowrank > 0) return *cost.allreduce_lowrank_bytes;  // chosen over the others
     return IsLossyWire(wire) ? *cost.allreduce_lossy_bytes : *cost.allreduce_bytes;
   }
   return IsLossyWire(wire) ? *cost.ps_lossy_bytes : cost.ps_bytes;
@@ -281,7 +281,6 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     // The wire an all-reduce layer would use (AR-16 where it pays, or the override's); a layer
     // with fewer elements than workers stays float32 (the agents' shards would be empty).
     poseidon::v1::ElementType allreduce_wire = poseidon::v1::ELEMENT_TYPE_F32;
-    uint32_t lowrank = 0;  // the rank an all-reduce layer would be sent at (AR-LR), 0: none
     double allreduce_best = 0;
     if (layer.cost.allreduce_bytes.has_value()) {
       const double step = config.allreduce_step_seconds.value_or(0);
@@ -312,12 +311,12 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
         layer.cost.allreduce_lowrank_bytes =
             SchemeVolume{vp.per_worker + vq.per_worker, vp.per_server + vq.per_server,
                          vp.per_machine + vq.per_machine};
-        layer.allreduce_lowrank_seconds =
-            AllreduceSeconds(vp, config.workers, network, step) +
-            AllreduceSeconds(vq, config.workers, network, step) +
-            static_cast<double>(layer.cost.parameters) * kLowRankSecondsPerElement;
+        layer.allreduce_lowrank_seconds = LowRankSeconds(*layer.cost.allreduce_lowrank_bytes,
+                                                         layer.cost.parameters, config.workers,
+                                                         network, step);
         if (*layer.allreduce_lowrank_seconds < allreduce_best) {
-          lowrank = config.lowrank_rank;
+          // The rank it goes at when on all-reduce, whatever scheme wins (LayerPlan.lowrank_rank).
+          layer.cost.lowrank = config.lowrank_rank;
           allreduce_best = *layer.allreduce_lowrank_seconds;
         }
       }
@@ -338,9 +337,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) layer.cost.wire = ps_wire;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
       // Low rank sends float32 factors: its layer's wire is exact.
-      layer.cost.lowrank = lowrank;
-      // (A layer another scheme won keeps lowrank_if_allreduce, below.)
-      layer.cost.wire = lowrank > 0 ? poseidon::v1::ELEMENT_TYPE_F32 : allreduce_wire;
+      layer.cost.wire = layer.cost.lowrank > 0 ? poseidon::v1::ELEMENT_TYPE_F32 : allreduce_wire;
     }
     layer.seconds = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB ? *layer.sfb_seconds
                     : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE ? allreduce_best
@@ -356,9 +353,10 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     partitioned.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) ++report.allreduce_layers;
-    layer.lowrank_if_allreduce = lowrank;
     if (IsLossyWire(layer.cost.wire)) ++report.lossy_layers;
-    if (layer.cost.lowrank > 0) ++report.lowrank_layers;
+    if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE && layer.cost.lowrank > 0) {
+      ++report.lowrank_layers;
+    }
     Accumulate(layer.cost, layer.cost.scheme, layer.cost.wire, layer.seconds, config.colocated,
                report.plan);
     Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, poseidon::v1::ELEMENT_TYPE_F32,
@@ -389,7 +387,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     const SchemeVolume& volume = VolumeOf(layer.cost, layer.cost.scheme, layer.cost.wire);
     out->set_predicted_bytes_per_worker(ToBytes(volume.per_worker));
     if (IsLossyWire(layer.cost.wire)) out->set_wire_type(layer.cost.wire);
-    out->set_lowrank_rank(layer.lowrank_if_allreduce);
+    out->set_lowrank_rank(layer.cost.lowrank);
     out->set_predicted_seconds(layer.seconds);
   }
   // Chunks come grouped by layer in layer order, in offset order within a layer.

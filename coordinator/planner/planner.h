@@ -146,10 +146,6 @@ struct LayerReport {
   // All-reduce at the job's low rank (AR-LR, arithmetic included); unset: not allowed, no
   // all-reduce, or a tensor the rank does not shrink.
   std::optional<double> allreduce_lowrank_seconds;
-  // The rank the layer is sent at when it runs all-reduce (LayerPlan.lowrank_rank: where AR-LR
-  // beats the other all-reduce columns, whatever scheme the plan chose, so that an agent forcing
-  // all-reduce follows it too); 0: none.
-  uint32_t lowrank_if_allreduce = 0;
   bool wire_overridden = false;  // the wire came from PlannerConfig::wire_overrides
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;

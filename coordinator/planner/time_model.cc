@@ -29,6 +29,14 @@ double AllreduceSeconds(const SchemeVolume& allreduce, uint32_t workers,
          allreduce.per_worker / (2 * network.bandwidth_bytes_per_second);
 }
 
+double LowRankSeconds(const SchemeVolume& factors, uint64_t parameters, uint32_t workers,
+                      const NetworkModel& network, double step_seconds) {
+  const double steps = 2.0 * (std::max<uint32_t>(workers, 1) - 1);
+  return 2 * steps * std::max(network.latency_seconds, step_seconds) +
+         factors.per_worker / (2 * network.bandwidth_bytes_per_second) +
+         static_cast<double>(parameters) * kLowRankSecondsPerElement;
+}
+
 std::vector<GpuRate> KnownGpuRates() {
   return {
       {"titanx", 6.1e12},

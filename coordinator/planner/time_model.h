@@ -60,6 +60,13 @@ double SfbSeconds(const SchemeVolume& sfb, const NetworkModel& network);
 double AllreduceSeconds(const SchemeVolume& allreduce, uint32_t workers,
                         const NetworkModel& network, double step_seconds = 0);
 
+// Seconds one iteration of a layer of `parameters` elements takes at low rank (AR-LR): two ring
+// all-reduces (P's, then Q's: twice the 2·(P1−1) steps) moving `factors` bytes in all, and the
+// agent's arithmetic (kLowRankSecondsPerElement an element). The planner's column and the
+// simulator's layer.
+double LowRankSeconds(const SchemeVolume& factors, uint64_t parameters, uint32_t workers,
+                      const NetworkModel& network, double step_seconds = 0);
+
 // A GPU's sustained floating-point rate for the compute model.
 struct GpuRate {
   std::string name;  // "titanx", or the number as given
