@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -125,6 +126,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Status Register();
   absl::Status ConnectServers();
   absl::Status StartAtBackups(const std::map<uint32_t, absl::Status>& unreachable);
+  absl::Status TakeUpRunningJob();
   // Checkpoints (AgentConfig::checkpoint_every): the job's label of this process's iteration,
   // and the request to every server once the iteration is complete on every layer.
   uint64_t JobIteration(uint64_t iteration) const {
@@ -256,6 +258,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::vector<v1::LostMember> lost_;
   std::string lost_why_;
   std::set<std::string> servers_reported_lost_;  // main thread: lost servers failover covers
+  std::set<std::string> ranks_awaited_;  // main thread: dead agents waited for (rejoin_timeout)
 
   // Inbound peer connections by rank (counted from their first frame) and the ranks whose last
   // one closed, with why; gone_version_ counts changes so the main loop passes them on once.
@@ -877,6 +880,7 @@ absl::Status Agent::Register() {
     }
   }
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
+  if (config_.rejoin) RETURN_IF_ERROR(TakeUpRunningJob());
   if (any_sfb_capable && config_.world_size > 1) {
     // Every layer's syncer and inbox exist now: peers send factors as soon as they have our
     // PING below, so the inbound path must be open first (a frame refused here would cost that
@@ -906,7 +910,10 @@ absl::Status Agent::Register() {
   }
   std::vector<LayerLayout> layout;
   for (const LayerSpec& st : table_.layers) layout.push_back(st.layout);
-  RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, table_.data_bytes));
+  // A rejoining rank's process takes up the job's iteration (a resumed job's learns its own
+  // from $POSEIDON_RESUMED_ITERATION, as before).
+  RETURN_IF_ERROR(shm_->PublishLayout(descs, layout, table_.data_bytes,
+                                      config_.rejoin ? JobIteration(1) : 1));
   plan_epoch_->Set(static_cast<double>(plan.plan_epoch()));
   int sfb_layers = 0, allreduce_layers = 0;
   for (size_t i = 0; i < table_.layers.size(); ++i) {
@@ -942,6 +949,7 @@ absl::Status Agent::ConnectServers() {
     v1::RegisterTablesRequest& r = requests[s];
     r.set_num_workers(config_.world_size);
     r.set_average_gradients(server_rule_.rule != 0);
+    r.set_rejoin_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(config_.rejoin_timeout)));
     if (replicas > 0) {
       for (const auto& address : replication_servers_) r.add_servers(address);
       r.set_server_index(s);
@@ -1094,6 +1102,50 @@ absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unrea
   return absl::OkStatus();
 }
 
+// A rank that died is restarted with --rejoin and takes up the running job: the other ranks
+// wait for its pushes of the iteration in flight (the servers and their agents give it
+// rejoin_timeout). The keys of the layers posted every iteration are at that iteration's clock
+// or one before (a key's clock moves on once every rank pushed it), so the highest completed
+// clock T is where this process's iteration 1 goes: every such layer pushes T first — a key
+// that completed T already takes the push as a retransmission and answers T's sum; one at T - 1
+// takes it as the dead rank's contribution. Either way the result is the fault-free run's (if
+// the dead rank had pushed nothing of the iteration after T, that iteration comes next). A
+// layer further behind (not posted lately) goes on from its own clock. Under the sum rule only:
+// a server-side rule keeps the latest parameters, not those the iteration in flight was
+// computed from.
+absl::Status Agent::TakeUpRunningJob() {
+  if (server_rule_.rule != 0) {
+    return absl::FailedPreconditionError(
+        "--rejoin needs the sum rule: with a server-side update rule the servers keep only the "
+        "latest parameters, not those the iteration in flight was computed from (resume from a "
+        "checkpoint instead: poseidon run --max_restarts with --checkpoint_dir)");
+  }
+  if (config_.resumed_iteration != 0) {
+    return absl::InvalidArgumentError("--rejoin and --resumed_iteration exclude each other");
+  }
+  for (const LayerSpec& st : table_.layers) {
+    if (st.layout.scheme != PSD_SCHEME_PS) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--rejoin: layer ", st.desc.name, " goes by ",
+          st.layout.scheme == PSD_SCHEME_SFB ? "SFB" : "all-reduce",
+          ", and only PS layers can take a restarted rank back (run with --scheme=ps)"));
+    }
+  }
+  if (env_.restored.empty()) {
+    return absl::FailedPreconditionError("--rejoin: the job has no PS keys to take up from");
+  }
+  uint64_t lowest = std::numeric_limits<uint64_t>::max(), highest = 0;
+  for (const auto& [key, progress] : env_.restored) {
+    lowest = std::min(lowest, progress.completed);
+    highest = std::max(highest, progress.completed);
+  }
+  env_.rejoin_top = highest;
+  config_.resumed_iteration = std::max<uint64_t>(highest, 1);
+  PSD_LOG_WARN("rank {} rejoins job {} at iteration {} (its keys completed clocks {} to {})",
+               config_.rank, config_.job_id, config_.resumed_iteration, lowest, highest);
+  return absl::OkStatus();
+}
+
 // A resumed job's servers answer each key's restored clock (0 for a new job): the PS syncers go
 // on from there, and a lossy key that had fallen back to float32 stays there. Every copy of a
 // key must have been restored alike.
@@ -1106,6 +1158,12 @@ absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRe
       const server::KeyProgress p = i < progress.size() ? progress[i] : server::KeyProgress{};
       ++i;
       auto [it, fresh] = env_.restored.try_emplace(k.key(), p);
+      if (!fresh && config_.rejoin) {
+        // A running job: a backup may be a clock behind its primary (replication in flight);
+        // the primary's is the key's (TakeUpRunningJob).
+        if (p.completed > it->second.completed) it->second = p;
+        continue;
+      }
       if (!fresh && !(it->second == p)) {
         return absl::FailedPreconditionError(absl::StrCat(
             "table ", t.name(), " key ", k.key(), " was restored at clock ", it->second.completed,
@@ -1491,6 +1549,21 @@ void Agent::CheckLostMembers() {
   }
   // With replicas, a lost server's keys go on at its backups (Replication::Failover): only what
   // failover cannot survive ends the job.
+  // A dead rank may be restarted and rejoin (--rejoin_timeout): waited for that long.
+  if (config_.rejoin_timeout > absl::ZeroDuration()) {
+    std::erase_if(lost, [this](const v1::LostMember& m) {
+      if (m.role() != v1::NODE_ROLE_AGENT ||
+          absl::Milliseconds(m.dead_for_ms()) >= config_.rejoin_timeout) {
+        return false;
+      }
+      if (ranks_awaited_.insert(m.node_id()).second) {
+        PSD_LOG_WARN("rank {} (host {}) declared dead by the coordinator ({}): waiting up to {} "
+                     "for it to rejoin", m.rank(), m.host(), m.reason(),
+                     absl::FormatDuration(config_.rejoin_timeout));
+      }
+      return true;
+    });
+  }
   if (env_.replication.replicas > 0) {
     std::erase_if(lost, [this](const v1::LostMember& m) {
       if (m.role() != v1::NODE_ROLE_SERVER) return false;

@@ -80,6 +80,15 @@ struct AgentConfig {
   uint64_t checkpoint_every = 0;
   bool checkpoint_at_end = false;
   uint64_t resumed_iteration = 0;
+  // Elastic workers (docs/operations.md "A rank rejoins"): a rank that dies is waited for this
+  // long — by the KV servers (a job setting, sent with the tables: every rank the same) and by
+  // this agent when the coordinator declares it dead — so that it can be restarted and rejoin
+  // without anyone rolling back; zero: the iterations that need it fail at once. rejoin: this
+  // agent replaces a dead rank of the running job: its layers' clocks start at the servers'
+  // (the lowest key's) and the training process is told which iteration it takes up
+  // (psd_start_iteration). Every layer must go by PS under the sum rule.
+  absl::Duration rejoin_timeout = absl::ZeroDuration();
+  bool rejoin = false;
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
   bool allreduce = true;  // ring all-reduce may be planned (needs a coordinator and 2+ ranks)

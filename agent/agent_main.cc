@@ -37,6 +37,8 @@ struct Flags {
   int64_t checkpoint_every = 0;
   bool checkpoint_at_end = false;
   int64_t resumed_iteration = 0;
+  absl::Duration rejoin_timeout = absl::ZeroDuration();
+  bool rejoin = false;
   double bandwidth = 1.25e9;
   bool colocated = true;
   bool allreduce = true;
@@ -146,6 +148,15 @@ poseidon::ConfigSchema<Flags> Schema() {
              "the iteration the job's checkpoint was taken at, when it resumes from one (0: a "
              "new job); checkpoints go on counting from it",
              AtLeast<int64_t>(0))
+      .Field("rejoin_timeout", &Flags::rejoin_timeout,
+             "a rank that dies is waited for this long (by the KV servers and the other agents) "
+             "so that, restarted with --rejoin, it takes up the running job where it stopped; "
+             "0: the iterations that need it fail at once. Every rank the same; PS layers only",
+             poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
+      .Field("rejoin", &Flags::rejoin,
+             "this agent replaces a dead rank of the running job: its layers start at the KV "
+             "servers' clocks, and the training process learns the iteration it takes up "
+             "(psd_start_iteration)")
       .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
       .Field("colocated", &Flags::colocated, "servers share machines with workers")
       .Field("allreduce", &Flags::allreduce,
@@ -262,6 +273,8 @@ int main(int argc, char** argv) {
   c.checkpoint_every = static_cast<uint64_t>(f.checkpoint_every);
   c.checkpoint_at_end = f.checkpoint_at_end;
   c.resumed_iteration = static_cast<uint64_t>(f.resumed_iteration);
+  c.rejoin_timeout = f.rejoin_timeout;
+  c.rejoin = f.rejoin;
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;
   c.allreduce = f.allreduce;

@@ -324,7 +324,7 @@ absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
 
 absl::Status ShmEndpoint::PublishLayout(const std::vector<LayerDesc>& descs,
                                         const std::vector<LayerLayout>& layout,
-                                        uint64_t data_bytes) {
+                                        uint64_t data_bytes, uint64_t start_iteration) {
   const int fd = shm_open(data_name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) {
     return absl::UnavailableError(
@@ -360,6 +360,7 @@ absl::Status ShmEndpoint::PublishLayout(const std::vector<LayerDesc>& descs,
   psd_shm_header* h = header();
   CopyString(h->data_name, PSD_SHM_NAME_BYTES, data_name_);
   Store(&h->data_bytes, data_bytes);
+  Store(&h->start_iteration, start_iteration);
   Store(&h->agent_state, PSD_AGENT_SERVING);
   Store(&h->registration_state, PSD_REG_DONE);
   __atomic_add_fetch(&h->registration_futex, 1u, __ATOMIC_RELEASE);

@@ -81,9 +81,11 @@ class ShmEndpoint {
 
   // Registration: the layer table as the framework wrote it (validated).
   absl::StatusOr<std::vector<LayerDesc>> ReadLayers() const;
-  // Creates the data segment and publishes each layer's layout, then answers the framework.
+  // Creates the data segment and publishes each layer's layout and the job's iteration the
+  // framework's iteration 1 is (psd_start_iteration), then answers the framework.
   absl::Status PublishLayout(const std::vector<LayerDesc>& layers,
-                             const std::vector<LayerLayout>& layout, uint64_t data_bytes);
+                             const std::vector<LayerLayout>& layout, uint64_t data_bytes,
+                             uint64_t start_iteration = 1);
   void FailRegistration(const std::string& why);
 
   // CUDA (after registration): what the framework exported, validated (state REQUESTED, the

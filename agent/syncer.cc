@@ -1,5 +1,8 @@
 #include "agent/syncer.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "agent/telemetry_reporter.h"
 #include "common/wire_codec.h"
 #include "common/log.h"
@@ -180,6 +183,12 @@ absl::StatusOr<uint64_t> RestoredClock(const SyncEnv& env, const std::string& na
     const auto it = env.restored.find(key);
     return it == env.restored.end() ? uint64_t{0} : it->second.completed;
   };
+  if (env.rejoin_top.has_value()) {
+    uint64_t own = std::numeric_limits<uint64_t>::max();
+    for (const PsChunk& c : chunks) own = std::min(own, clock_of(c.key));
+    if (chunks.empty() || *env.rejoin_top == 0) return 0;
+    return std::min(own, *env.rejoin_top - 1);
+  }
   const uint64_t clock = chunks.empty() ? 0 : clock_of(chunks.front().key);
   for (const PsChunk& c : chunks) {
     if (clock_of(c.key) != clock) {

@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -127,6 +128,11 @@ struct SyncEnv {
   // Every PS key's progress as its servers answered the registration (all 0 for a new job; a
   // resumed job's restored state): the PS and bucket syncers' clocks start there (Ready).
   std::map<uint64_t, server::KeyProgress> restored;
+  // A rank rejoining a running job (AgentConfig::rejoin): the highest completed clock of the
+  // job's keys. A layer or bucket whose keys are there or one behind (it runs every iteration)
+  // starts one below it, so that the process's iteration 1 is that clock's; one further behind
+  // (not posted lately) goes on from its own (Agent::TakeUpRunningJob).
+  std::optional<uint64_t> rejoin_top;
   // The PS keys on a lossy wire (the chunks and bucket keys of layers whose LayerSpec::wire is
   // not float32). Built at registration, then only read.
   std::map<uint64_t, std::unique_ptr<LossyWire>> lossy;

@@ -332,5 +332,35 @@ TEST_F(SyncerTest, EverySchemeGivesTheExactSumAcrossAPlanChange) {
   for (auto& r : ranks_) EXPECT_EQ(r->scheduler->in_flight_bytes(), 0u);
 }
 
+// A resumed job: a layer goes on from its keys' restored clock, which must agree. A rank
+// rejoining a running job (rejoin_top: the highest completed clock of the job's keys): a layer
+// there or one behind starts one below it (its first push is that clock, a retransmission where
+// the key completed it); one further behind (not posted lately) goes on from its own.
+TEST(RestoredClockTest, AResumedLayerGoesOnFromItsClockAndARejoiningRankFromTheJobsHighest) {
+  SyncEnv env;
+  const std::vector<PsChunk> current = {{1, 0, 8, 0}, {2, 8, 8, 1}};
+  const std::vector<PsChunk> behind = {{3, 0, 8, 0}};
+  const std::vector<PsChunk> stale = {{4, 0, 8, 1}};
+  env.restored[1] = {7, 0};
+  env.restored[2] = {7, 0};
+  env.restored[3] = {6, 0};
+  env.restored[4] = {2, 0};
+  EXPECT_EQ(*RestoredClock(env, "current", current), 7u);
+  EXPECT_EQ(*RestoredClock(env, "stale", stale), 2u);
+  env.restored[2] = {6, 0};
+  const absl::StatusOr<uint64_t> split = RestoredClock(env, "split", current);
+  EXPECT_EQ(split.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(split.status().message().find("split: its keys were restored at clocks 7 and 6"),
+            std::string::npos) << split.status();
+  env.rejoin_top = 7;
+  EXPECT_EQ(*RestoredClock(env, "split", current), 6u);
+  EXPECT_EQ(*RestoredClock(env, "behind", behind), 6u);
+  env.restored[2] = {7, 0};
+  EXPECT_EQ(*RestoredClock(env, "current", current), 6u);
+  EXPECT_EQ(*RestoredClock(env, "stale", stale), 2u);
+  env.rejoin_top = 0;  // a job that has not completed a clock: from the start
+  EXPECT_EQ(*RestoredClock(env, "current", current), 0u);
+}
+
 }  // namespace
 }  // namespace poseidon::agent

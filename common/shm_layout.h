@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #define PSD_SHM_MAGIC 0x314D485344535050ull /* "PPSDSHM1" */
-#define PSD_SHM_ABI_VERSION 4u
+#define PSD_SHM_ABI_VERSION 5u
 #define PSD_SHM_MAX_LAYERS 4096u
 #define PSD_SHM_NAME_BYTES 64u
 #define PSD_SHM_MAX_DIMS 4u
@@ -185,6 +185,10 @@ typedef struct psd_shm_header {
   int32_t cuda_device;
   uint64_t cuda_arena_bytes;
   uint8_t cuda_arena_handle[PSD_CUDA_IPC_HANDLE_BYTES];
+  /* Written by the agent before it answers the registration: the job's iteration that the
+   * framework's iteration 1 is when its rank rejoins a running job (poseidon-agent --rejoin);
+   * 1 otherwise (a resumed job's ranks read theirs from $POSEIDON_RESUMED_ITERATION). */
+  uint64_t start_iteration;
 } psd_shm_header;
 
 /* The control segment: header, then (aligned) the two rings and the layer table. */

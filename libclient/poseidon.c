@@ -521,6 +521,19 @@ PSD_EXPORT psd_status psd_rank(psd_context* ctx, uint32_t* rank, uint32_t* world
   return PSD_OK;
 }
 
+PSD_EXPORT psd_status psd_start_iteration(psd_context* ctx, uint64_t* iteration) {
+  psd_error[0] = '\0';
+  if (ctx == NULL || iteration == NULL) {
+    return fail(PSD_INVALID_ARGUMENT, "ctx and iteration must be set");
+  }
+  if (load32(&ctx->header->registration_state) != PSD_REG_DONE) {
+    return fail(PSD_FAILED_PRECONDITION, "the layers are not registered yet (psd_register_layers)");
+  }
+  const uint64_t start = load64(&ctx->header->start_iteration);
+  *iteration = start == 0 ? 1 : start;
+  return PSD_OK;
+}
+
 PSD_EXPORT psd_status psd_detach(psd_context* ctx) {
   psd_error[0] = '\0';
   if (ctx == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx is NULL");

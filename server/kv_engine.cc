@@ -370,6 +370,13 @@ std::shared_ptr<JobState> KvEngine::FindJob(uint64_t job_id) const {
   return it == jobs_.end() ? nullptr : it->second;
 }
 
+absl::Duration KvEngine::RejoinTimeout(uint64_t job_id) const {
+  std::lock_guard<std::mutex> lock(jobs_mu_);  // a resumed job's registration replaces the spec
+  const auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? absl::ZeroDuration()
+                           : absl::Milliseconds(it->second->spec.rejoin_timeout_ms());
+}
+
 void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
   const std::shared_ptr<JobState> job = FindJob(job_id);
   if (job == nullptr) return;
@@ -425,6 +432,10 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
         "SSP consistency is not supported by this server yet (BSP only)");
   }
   if (spec.tables_size() == 0) return absl::InvalidArgumentError("no tables to register");
+  if (spec.rejoin_timeout_ms() > 3'600'000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rejoin_timeout_ms must be at most an hour (3600000), got ", spec.rejoin_timeout_ms()));
+  }
   absl::flat_hash_map<uint64_t, std::string> seen;
   for (const auto& t : spec.tables()) {
     if (t.name().empty()) return absl::InvalidArgumentError("a table has no name");
@@ -576,6 +587,11 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
     }
     // Name the first difference.
     const auto& old = it->second->spec;
+    if (old.rejoin_timeout_ms() != spec.rejoin_timeout_ms()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " is registered with a rejoin timeout of ", old.rejoin_timeout_ms(),
+          " ms, not ", spec.rejoin_timeout_ms(), " (every rank's agent needs the same --rejoin_timeout)"));
+    }
     if (old.num_workers() != spec.num_workers()) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is registered with ",
                                                         old.num_workers(), " workers, not ",

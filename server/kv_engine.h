@@ -183,6 +183,9 @@ class KvEngine {
   void RankLost(uint64_t job_id, uint32_t rank, std::string why);
   // The rank has a connection again.
   void RankBack(uint64_t job_id, uint32_t rank);
+  // How long a rank of the job whose last connection closed is waited for before RankLost
+  // (its registration's rejoin_timeout_ms; zero: not at all, or no such job). Any thread.
+  absl::Duration RejoinTimeout(uint64_t job_id) const;
 
   // Snapshot of a job at a clock boundary: waits until every key of the job has completed the
   // same clock (at most `timeout`), then copies their state. Used for checkpoints.

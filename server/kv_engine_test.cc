@@ -288,6 +288,82 @@ TEST_F(KvServerTest, ARankWhoseLastConnectionClosesIsNamedToEveryPullThatNeedsIt
   EXPECT_EQ(out, std::vector<float>(4, 3.0f));
 }
 
+// Elastic workers (issue 18): with a rejoin timeout the job waits for a rank whose last
+// connection closed; a restarted rank that pushes the clock in flight completes it (and a push
+// of a clock completed already is taken as a retransmission answered with that clock's sum).
+// One that does not come back within the timeout is named, as without one.
+TEST_F(KvServerTest, ARankThatClosesIsWaitedForItsRejoinTimeoutAndCompletesTheClockOnItsReturn) {
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4, 4});
+  spec.set_rejoin_timeout_ms(60'000);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  std::vector<float> g0(4, 1.0f), g1(4, 2.0f), out(4);
+  // Clock 1 of both keys done; rank 1 pushes clock 2 of key 101 only and dies.
+  for (uint64_t key : {100, 101}) {
+    for (auto* c : {c0.get(), c1.get()}) {
+      ASSERT_TRUE(c->Wait(c->Push(key, 1, c == c0.get() ? g0 : g1), kWait).ok());
+    }
+  }
+  ASSERT_TRUE(c0->Wait(c0->Push(101, 2, g0), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->Push(101, 2, g1), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g0), kWait).ok());
+  const auto waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  c1->Close();
+  service_->CheckSilence();  // within the timeout: nothing fails
+  // The restarted rank registers (the same spec) and learns where the keys are.
+  auto back = Client(1);
+  std::vector<KeyProgress> progress;
+  ASSERT_TRUE(back->RegisterTables(spec, kWait, &progress).ok());
+  ASSERT_EQ(progress.size(), 2u);
+  EXPECT_EQ(progress[0].completed, 1u);  // key 100: rank 1's push of clock 2 missing
+  EXPECT_EQ(progress[1].completed, 2u);  // key 101: complete
+  // It takes up clock 2 on every key: key 101's is a retransmission.
+  ASSERT_TRUE(back->Wait(back->Push(101, 2, g1), kWait).ok());
+  ASSERT_TRUE(back->Wait(back->Push(100, 2, g1), kWait).ok());
+  ASSERT_TRUE(c0->Wait(waiting, kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 3.0f));
+  for (uint64_t key : {100, 101}) {
+    ASSERT_TRUE(back->Wait(back->Pull(key, 2, out), kWait).ok());
+    EXPECT_EQ(out, std::vector<float>(4, 3.0f)) << key;
+  }
+  EXPECT_EQ(engine_->stats().duplicate_pushes.load(), 1u);
+}
+
+TEST_F(KvServerTest, ARankThatDoesNotRejoinWithinItsTimeoutIsNamed) {
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
+  spec.set_rejoin_timeout_ms(200);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  // Every rank registers the same timeout.
+  v1::RegisterTablesRequest other = spec;
+  other.set_rejoin_timeout_ms(0);
+  absl::Status refused = c1->RegisterTables(other, kWait);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("rejoin timeout of 200 ms"), std::string::npos) << refused;
+  std::vector<float> g(4, 1.0f), out(4);
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
+  const auto waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  c1->Close();
+  // The close is seen on an I/O thread; the timeout is checked periodically (the daemon: every
+  // 500 ms).
+  absl::Status s;
+  const absl::Time deadline = absl::Now() + kWait;
+  while (absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+    service_->CheckSilence();
+    s = c0->Wait(waiting, absl::Milliseconds(1));
+    if (s.code() != absl::StatusCode::kDeadlineExceeded) break;
+  }
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1 (127.0.0.1:"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("did not rejoin within 200ms"), std::string::npos) << s;
+}
+
 // A lossy wire (issue 15): pushes and pulls carry 2 bytes an element (bfloat16 or fp16); ranks
 // encode with error feedback and the server rounds each result with its own, so that over many
 // clocks the pulled sums add up to the exact ones within a few roundings, where plain rounding

@@ -88,6 +88,12 @@ void KvService::Count(const std::shared_ptr<PeerSession>& peer, PeerState& state
   std::lock_guard<std::mutex> lock(traffic_mu_);
   TrafficEntry& entry = traffic_[{peer->identity().job_id, peer->identity().rank}];
   if (entry.data_connections++ == 0) {
+    if (entry.gone_deadline_ns != 0) {
+      PSD_LOG_INFO("job {}: rank {} rejoined from {} ({} ms after its last connection closed)",
+                   peer->identity().job_id, peer->identity().rank, peer->address(),
+                   (MonotonicNs() - entry.gone_since_ns) / 1'000'000);
+      entry.gone_deadline_ns = 0;
+    }
     engine_->RankBack(peer->identity().job_id, peer->identity().rank);
   }
   entry.address = peer->address();
@@ -110,20 +116,37 @@ void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::St
       return;
     }
     // Its last connection: a rank that finished blocks nothing; one that died mid-clock would
-    // leave the others waiting for their pull timeout. The engine tells them now, naming it.
-    // (Under traffic_mu_, so that a reconnect's RankBack cannot overtake this.)
-    engine_->RankLost(who.job_id, who.rank,
-                      absl::StrCat("rank ", who.rank, " (", peer->address(),
+    // leave the others waiting for their pull timeout. The engine tells them now, naming it —
+    // or, when the job lets a restarted rank rejoin, once it has not within the job's timeout
+    // (CheckSilence). (Under traffic_mu_, so that a reconnect's RankBack cannot overtake this.)
+    std::string why = absl::StrCat("rank ", who.rank, " (", peer->address(),
                                    ") is gone: its last connection to this server closed (",
-                                   reason.ok() ? "by the peer" : reason.message(), ")"));
+                                   reason.ok() ? "by the peer" : reason.message(), ")");
+    if (const absl::Duration rejoin = engine_->RejoinTimeout(who.job_id);
+        rejoin > absl::ZeroDuration() && !transport::IsServerRank(who.rank)) {
+      it->second.gone_since_ns = MonotonicNs();
+      it->second.gone_deadline_ns = it->second.gone_since_ns + absl::ToInt64Nanoseconds(rejoin);
+      it->second.gone_why = absl::StrCat(std::move(why), " and it did not rejoin within ",
+                                         absl::FormatDuration(rejoin));
+      PSD_LOG_INFO("job {}: rank {}'s last connection closed; waiting up to {} for it to rejoin",
+                   who.job_id, who.rank, absl::FormatDuration(rejoin));
+      return;
+    }
+    engine_->RankLost(who.job_id, who.rank, std::move(why));
   }
 }
 
 void KvService::CheckSilence() {
-  if (options_.peer_timeout <= absl::ZeroDuration()) return;
   const int64_t now = MonotonicNs();
-  const int64_t limit = absl::ToInt64Nanoseconds(options_.peer_timeout);
   std::lock_guard<std::mutex> lock(traffic_mu_);
+  for (auto& [who, entry] : traffic_) {
+    if (entry.gone_deadline_ns != 0 && entry.data_connections == 0 && now >= entry.gone_deadline_ns) {
+      entry.gone_deadline_ns = 0;
+      engine_->RankLost(who.first, who.second, std::move(entry.gone_why));
+    }
+  }
+  if (options_.peer_timeout <= absl::ZeroDuration()) return;
+  const int64_t limit = absl::ToInt64Nanoseconds(options_.peer_timeout);
   for (auto& [who, entry] : traffic_) {
     PeerTraffic& t = *entry.traffic;
     if (entry.data_connections == 0 || !t.keeps_alive.load(std::memory_order_relaxed) ||
@@ -158,7 +181,9 @@ std::vector<PeerTrafficTotals> KvService::TakeTraffic() {
     totals.sent = it->second.traffic->sent.load(std::memory_order_relaxed);
     totals.connections = it->second.connections;
     out.push_back(totals);
-    it = it->second.connections == 0 ? traffic_.erase(it) : std::next(it);
+    // A rank the job waits for (its rejoin timeout) is kept until it is back or given up.
+    it = it->second.connections == 0 && it->second.gone_deadline_ns == 0 ? traffic_.erase(it)
+                                                                         : std::next(it);
   }
   return out;
 }

@@ -59,7 +59,8 @@ class KvService : public transport::FrameHandler {
   // one last time and then forgotten (its counters start again from 0 if it comes back).
   std::vector<PeerTrafficTotals> TakeTraffic();
 
-  // Declares the ranks silent for longer than peer_timeout lost (periodically, any thread).
+  // Declares the ranks silent for longer than peer_timeout lost, and those whose rejoin
+  // timeout ran out without a new connection (periodically, any thread).
   void CheckSilence();
 
  private:
@@ -69,6 +70,11 @@ class KvService : public transport::FrameHandler {
     int connections = 0;       // open
     int data_connections = 0;  // of which sent a frame other than a PING (KvService::Count)
     std::string address;       // of its latest counted connection, for messages
+    // Its last connection closed and the job waits for it to rejoin (KvEngine::RejoinTimeout):
+    // until this CLOCK_MONOTONIC time (0: not waiting), then RankLost with gone_why.
+    int64_t gone_since_ns = 0;
+    int64_t gone_deadline_ns = 0;
+    std::string gone_why;
   };
   std::shared_ptr<PeerState> StateOf(const std::shared_ptr<transport::PeerSession>& peer);
   void Count(const std::shared_ptr<transport::PeerSession>& peer, PeerState& state);

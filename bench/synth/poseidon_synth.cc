@@ -192,6 +192,16 @@ int main(int argc, char** argv) {
   }
   uint32_t rank = 0, world = 1;
   psd_rank(ctx, &rank, &world);
+  // A rank that rejoined a running job (its agent's --rejoin) takes up the job's iteration
+  // `first`: its process iteration t is the job's t + offset, which its data follow.
+  uint64_t first = 1;
+  if (psd_status s = psd_start_iteration(ctx, &first); s != PSD_OK) Die("start iteration", s);
+  const uint64_t offset = first - 1;
+  if (first > 1) {
+    std::printf("poseidon-synth rank %u: takes up the job at iteration %llu\n", rank,
+                static_cast<unsigned long long>(first));
+    std::fflush(stdout);
+  }
   int sfb = 0;
   for (uint32_t l = 0; l < layers.size(); ++l) {
     if (psd_status s = psd_get_layer_info(ctx, l, &layers[l].info); s != PSD_OK)
@@ -226,7 +236,8 @@ int main(int argc, char** argv) {
     return 2;
 #endif
   }
-  const uint64_t iterations = absl::GetFlag(FLAGS_iterations);
+  const uint64_t job_iterations = absl::GetFlag(FLAGS_iterations);
+  const uint64_t iterations = job_iterations > offset ? job_iterations - offset : 0;
   const bool verify = absl::GetFlag(FLAGS_verify);
   const uint64_t verify_from = absl::GetFlag(FLAGS_verify_from);
   const bool wfbp = absl::GetFlag(FLAGS_wfbp);
@@ -254,8 +265,8 @@ int main(int argc, char** argv) {
     } else if (psd_status s = psd_wait_layer(ctx, l, t, timeout); s != PSD_OK) {
       Die("wait", s);
     }
-    if (verify && t >= verify_from) {
-      mismatches += Verify(layers[l], result, l, t, world);
+    if (verify && t + offset >= verify_from) {
+      mismatches += Verify(layers[l], result, l, t + offset, world);
       ++verified;
     }
   };
@@ -284,8 +295,8 @@ int main(int argc, char** argv) {
       float* u = cuda ? layer.staging.data() : layer.info.u;
       float* v = cuda ? layer.staging.data() + K * M : layer.info.v;
       for (uint64_t k = 0; k < K; ++k) {
-        for (uint64_t m = 0; m < M; ++m) u[k * M + m] = UValue(rank, t, l, k, m);
-        for (uint64_t n = 0; n < N; ++n) v[k * N + n] = VValue(rank, t, l, k, n);
+        for (uint64_t m = 0; m < M; ++m) u[k * M + m] = UValue(rank, t + offset, l, k, m);
+        for (uint64_t n = 0; n < N; ++n) v[k * N + n] = VValue(rank, t + offset, l, k, n);
       }
 #ifdef POSEIDON_HAVE_CUDA
       if (cuda) {
@@ -296,7 +307,9 @@ int main(int argc, char** argv) {
       }
 #endif
     } else {
-      for (uint64_t i = 0; i < layer.info.elements; ++i) grad[i] = GradValue(rank, t, l, i);
+      for (uint64_t i = 0; i < layer.info.elements; ++i) {
+        grad[i] = GradValue(rank, t + offset, l, i);
+      }
 #ifdef POSEIDON_HAVE_CUDA
       if (cuda) {
         auto st = static_cast<cudaStream_t>(stream);
@@ -335,14 +348,16 @@ int main(int argc, char** argv) {
           std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
               .count();
       std::printf("poseidon-synth rank %u: iteration %llu ends at %.6f (%.6f s)\n", rank,
-                  static_cast<unsigned long long>(t), unix_s,
+                  static_cast<unsigned long long>(t + offset), unix_s,
                   std::chrono::duration<double>(end - previous_end).count());
       std::fflush(stdout);
     }
     previous_end = end;
     if (t == 1) first_iteration_end = end;
   }
-  for (uint32_t l = 0; l < L; ++l) wait_and_check(l, iterations);
+  if (iterations > 0) {
+    for (uint32_t l = 0; l < L; ++l) wait_and_check(l, iterations);
+  }
   const double total = std::chrono::duration<double>(Clock::now() - start).count();
   const double steady =
       iterations > 1 ? std::chrono::duration<double>(Clock::now() - first_iteration_end).count() /

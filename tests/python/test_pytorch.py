@@ -17,6 +17,7 @@ Environment: PYTHONPATH with libclient/python, POSEIDON_BUILD_DIR (or POSEIDON_B
 POSEIDON_LIB) naming the binaries. Child processes run with this interpreter (sys.executable).
 """
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -511,6 +512,49 @@ class Launcher(unittest.TestCase):
         r = launch(["-n", "3", "--", PY, "-c", code], timeout=120)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("rank 2 failed with exit code 3", r.stderr)
+
+    def test_a_killed_rank_rejoins_the_running_job_and_nobody_rolls_back(self):
+        # Issue 18: poseidon run --rejoin restarts only the failed rank (a new agent with
+        # --rejoin); poseidon-synth takes up the iteration its agent names and checks every
+        # synchronised result against the exact sum over the three ranks (--verify).
+        from poseidon import run as launcher
+        synth = launcher.find_binary("poseidon-synth", "bench")
+        model = os.path.join(HERE, "..", "models", "tiny.json")
+        run = (f"{synth} --model={model} --batch=8 --iterations=100 --compute_scale=10000 "
+               f"--verify --timeout_ms=120000")
+        # Rank 1's first run is SIGKILLed after a second and a half of training.
+        script = ('if [ "$POSEIDON_RANK" = 1 ] && [ "$POSEIDON_RESTART_COUNT" = 0 ]; then '
+                  f'{run} & sleep 1.5; kill -9 $!; wait $!; exit $?; fi; exec {run}')
+        r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
+                    "--rejoin_timeout", "30s", "--", "sh", "-c", script], timeout=240)
+        self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-3000:])
+        self.assertIn("rank 1 failed with exit code 137", r.stderr)
+        self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+        took_up = re.search(r"rank 1: takes up the job at iteration (\d+)", r.stdout)
+        self.assertIsNotNone(took_up, r.stdout[-3000:])
+        first = int(took_up.group(1))
+        self.assertGreater(first, 1)
+        done = re.findall(r"rank (\d)/3: (\d+) iterations .* verified (\d+) results, (\d+) "
+                          r"mismatches", r.stdout)
+        self.assertEqual(sorted(d[0] for d in done), ["0", "1", "2"], r.stdout[-3000:])
+        for rank, iterations, verified, mismatches in done:
+            self.assertEqual(mismatches, "0", rank)
+            # The survivors verified all 100 iterations (8 layers each), the rejoined rank
+            # every iteration from the one it took up.
+            want = 100 if rank != "1" else 100 - first + 1
+            self.assertEqual(int(verified), want * 8, rank)
+
+    def test_a_rejoined_pytorch_rank_refuses_to_take_up_a_running_job(self):
+        # The PyTorch integration's state (model, optimizer) is the other ranks': a rank that
+        # rejoined says so rather than train from its own fresh state.
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(["-n", "2", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
+                        "--rejoin_timeout", "20s", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), os.path.join(tmp, "p.pt"),
+                        "workers=2,crash-at=5"], timeout=240)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            self.assertIn("cannot take up a running job yet", r.stdout + r.stderr)
 
     def test_a_killed_rank_stops_everything_and_is_named(self):
         code = ("import os, signal, time, poseidon; poseidon.init(); time.sleep(0.5); "

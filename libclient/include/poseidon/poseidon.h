@@ -169,6 +169,13 @@ psd_status psd_wait_layer(psd_context* ctx, uint32_t layer, uint64_t iteration,
 
 psd_status psd_rank(psd_context* ctx, uint32_t* rank, uint32_t* world_size);
 
+/* After psd_register_layers: the job's iteration this process's iteration 1 is. For a rank
+ * that rejoined a running job (its agent started with --rejoin after the rank died) the
+ * iteration it takes up, so that its data and schedule go on from there; 1 otherwise (a
+ * resumed job's ranks read $POSEIDON_RESUMED_ITERATION). Iterations passed to psd_layer_ready
+ * stay this process's own (1, 2, ...). */
+psd_status psd_start_iteration(psd_context* ctx, uint64_t* iteration);
+
 /* Tells the agent the framework is leaving, unmaps, frees the context. */
 psd_status psd_detach(psd_context* ctx);
 

@@ -120,6 +120,8 @@ def lib():
         _lib.psd_rank.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
                                   ctypes.POINTER(ctypes.c_uint32)]
         _lib.psd_rank.restype = s
+        _lib.psd_start_iteration.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+        _lib.psd_start_iteration.restype = s
         _lib.psd_detach.argtypes = [ctypes.c_void_p]
         _lib.psd_detach.restype = s
         _lib.psd_last_error.restype = ctypes.c_char_p

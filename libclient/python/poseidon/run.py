@@ -13,10 +13,13 @@ With --checkpoint_dir the job can stop and resume: every KV server writes the jo
 it after every --checkpoint_every-th iteration and at the end (rank 0's agent asks, between two
 iterations), and `--resume` starts the same job from there (docs/operations.md, "Stop and resume").
 With --max_restarts N a failed job starts again by itself, at most N times, from its last
-checkpoint (or from the beginning without one).
+checkpoint (or from the beginning without one); with --rejoin (and --scheme ps) only the failed
+rank starts again and takes up the running job where it stopped, the others waiting for it
+(docs/operations.md, "A rank rejoins the running job").
 """
 import argparse
 import json
+import re
 import os
 import secrets
 import signal
@@ -172,6 +175,16 @@ def main(argv=None):
                          "from its last checkpoint with --checkpoint_dir (only the iterations "
                          "since are lost), else from the beginning; the ranks see "
                          "$POSEIDON_RESTART_COUNT (a local cluster only)")
+    ap.add_argument("--rejoin", action="store_true",
+                    help="with --max_restarts: a rank whose process or agent fails is restarted "
+                         "alone (a new agent with --rejoin) and takes up the running job where "
+                         "it stopped, while the others wait for it (--rejoin_timeout); nobody "
+                         "rolls back. Needs --scheme ps and a framework that takes up a running "
+                         "job from psd_start_iteration (poseidon-synth; the PyTorch integration "
+                         "refuses: its state is the other ranks')")
+    ap.add_argument("--rejoin_timeout", default="30s",
+                    help="with --rejoin: how long the others wait for a failed rank to come "
+                         "back before the job fails (or, restarts used up, at once)")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -215,6 +228,11 @@ def main(argv=None):
     if args.max_restarts and joining:
         ap.error("--max_restarts restarts a local cluster; joined to a cluster, restart the job "
                  "from the scheduler (its servers keep their state)")
+    if args.rejoin and (not args.max_restarts or args.scheme != "ps"):
+        ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N and --scheme ps "
+                 "(only PS layers can take a restarted rank back)")
+    if not re.fullmatch(r"[0-9]+(ms|s|m)", args.rejoin_timeout):
+        ap.error(f"--rejoin_timeout {args.rejoin_timeout!r} is not a duration (30s, 500ms, 2m)")
     if args.checkpoint_dir and joining:
         ap.error("--checkpoint_dir is for a local cluster: a joined cluster's servers keep their "
                  "own (poseidon-server --checkpoint_dir)")
@@ -320,12 +338,9 @@ def main(argv=None):
                     resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir)
                     print(f"poseidon run: job {job} resumes after iteration {resumed}",
                           file=sys.stderr, flush=True)
-            agents = []
-            for local in range(args.workers):
+            def start_agent(local, segment, rejoin=False):
                 r = first_rank + local
-                segment = f"/poseidon-{job}-{r}"
-                segments.append(segment)
-                p = Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--rank={r}",
+                return Proc(f"agent {r}", [agent_bin, f"--job_id={job}", f"--rank={r}",
                                         f"--local_rank={local}",
                                         f"--world_size={world}", f"--coordinator={coordinator}",
                                         f"--listen={args.listen_host}:0",
@@ -341,26 +356,63 @@ def main(argv=None):
                                            f"--resumed_iteration={resumed}"]
                                           if args.checkpoint_dir else []),
                                         *(["--allreduce=false"] if args.allreduce == "off" else []),
+                                        *([f"--rejoin_timeout={args.rejoin_timeout}"]
+                                          if args.rejoin else []),
+                                        *(["--rejoin"] if rejoin else []),
                                         "--log_level=warn"], watch="poseidon-agent ready",
-                         env=agent_env(keyring=make_keyring(secret, job, r, world),
-                                       coordinator_token=token))
-                procs.append(p)
-                agents.append((p, segment))
-            for p, _ in agents:
-                if not p.seen.wait(30):
-                    raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
-            workers = []
+                            env=agent_env(keyring=make_keyring(secret, job, r, world),
+                                          coordinator_token=token))
+
             pythonpath = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
-            for local, (_, segment) in enumerate(agents):
+
+            def start_worker(local, segment, restart_count):
                 r = first_rank + local
                 env = dict(without_secrets(os.environ), POSEIDON_SEGMENT=segment, POSEIDON_RANK=str(r),
                            POSEIDON_WORLD_SIZE=str(world), POSEIDON_LOCAL_RANK=str(local),
                            POSEIDON_RESUMED_ITERATION=str(resumed),
-                       POSEIDON_RESTART_COUNT=str(restart),
+                           POSEIDON_RESTART_COUNT=str(restart_count),
                            PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
-                p = Proc(f"rank {r}", command, env=env)
+                return Proc(f"rank {r}", command, env=env)
+
+            agents = []
+            for local in range(args.workers):
+                segment = f"/poseidon-{job}-{first_rank + local}"
+                segments.append(segment)
+                p = start_agent(local, segment)
+                procs.append(p)
+                agents.append(p)
+            for p in agents:
+                if not p.seen.wait(30):
+                    raise RuntimeError(f"{p.name} did not start: {' | '.join(p.tail)}")
+            workers = []
+            for local in range(args.workers):
+                p = start_worker(local, segments[local], restart)
                 procs.append(p)
                 workers.append(p)
+
+            def rejoin(local, why):
+                """--rejoin: rank `local`'s process and agent stop (SIGKILL: whichever is still
+                running holds nothing the job needs) and start again, the agent with --rejoin on
+                a new segment; the others wait for it. Returns the new worker."""
+                nonlocal restart
+                restart += 1
+                r = first_rank + local
+                print(f"poseidon run: {why}; restart {restart} of {args.max_restarts}: rank {r} "
+                      f"rejoins the running job", file=sys.stderr, flush=True)
+                for p in (workers[local], agents[local]):
+                    if p.proc.poll() is None:
+                        p.stop(signal.SIGKILL)
+                    p.proc.wait()
+                    procs.remove(p)
+                segment = f"/poseidon-{job}-{r}-{restart}"
+                segments.append(segment)
+                agents[local] = start_agent(local, segment, rejoin=True)
+                procs.append(agents[local])
+                if not agents[local].seen.wait(30):
+                    raise RuntimeError(f"{agents[local].name} did not start again: "
+                                       f"{' | '.join(agents[local].tail)}")
+                workers[local] = start_worker(local, segment, restart)
+                procs.append(workers[local])
             # Watch: every worker must finish with 0; no daemon may die before that (but a server
             # whose keys have backups: said once, and the job goes on).
             survived = set()
@@ -370,6 +422,19 @@ def main(argv=None):
                     if code not in (None, 0):
                         failed = f"{p.name} failed with exit code {code}"
                         break
+                if args.rejoin and not failed:
+                    # A rank whose agent died while it ran fails with it.
+                    for local, p in enumerate(agents):
+                        code = p.proc.poll()
+                        if code is not None and workers[local].proc.poll() is None:
+                            failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
+                            break
+                if failed and args.rejoin and restart < args.max_restarts:
+                    local = next(i for i, (w, a) in enumerate(zip(workers, agents))
+                                 if failed.startswith((f"{w.name} ", f"{a.name} ")))
+                    rejoin(local, failed)
+                    failed = None
+                    continue
                 if failed:
                     break
                 for p in procs:
@@ -413,15 +478,15 @@ def main(argv=None):
         if failed:
             print(f"poseidon run: stopped every process ({time.time() - started:.1f} s)",
                   file=sys.stderr, flush=True)
-            return failed
-        return None
+            return failed, restart
+        return None, restart
 
 
     # --max_restarts: a failed job starts again, from its servers' last checkpoint when it has
     # one (--checkpoint_dir), else from the beginning; the ranks see $POSEIDON_RESTART_COUNT.
     resume, restart = args.resume, 0
     while True:
-        failed = attempt(resume, restart)
+        failed, restart = attempt(resume, restart)
         if failed is None:
             return 0
         if restart >= args.max_restarts:

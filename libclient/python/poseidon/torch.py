@@ -330,6 +330,17 @@ class _Engine:
             descs[i] = LayerDesc(names[i], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
                                  ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)), 0, 0)
         check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
+        start = ctypes.c_uint64()
+        check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
+        if start.value > 1:
+            # Its agent took up a running job (--rejoin): the other ranks hold the model's
+            # state, which this process cannot get from them yet.
+            raise PoseidonError(5, f"this rank's agent rejoined the running job at iteration "
+                                   f"{start.value} (poseidon-agent --rejoin), and the PyTorch "
+                                   f"integration cannot take up a running job yet (the model "
+                                   f"and optimizer state are the other ranks'): restart the "
+                                   f"whole job (poseidon run --max_restarts, with "
+                                   f"--checkpoint_dir to go on from a checkpoint)")
         views = self._buffer_views(ctx, device)
         for layer in layers:
             info = LayerInfo()

@@ -1,0 +1,231 @@
+#!/usr/bin/python3
+"""Elastic workers, issue 18: a rank that dies is restarted and takes up the running job where it
+stopped, and nobody rolls back. Four agents train the tiny model by PS on two KV servers (each key
+backed up on the other) through a coordinator that declares a silent agent dead after 2 s; every
+agent has --rejoin_timeout. In each trial one rank, chosen at random, is SIGKILLed at a random
+moment: its training process (its agent then exits), or its agent (and with it the process, as a
+launcher does). A new agent is started for that rank with --rejoin, and a new poseidon-synth on
+it; the synth learns from the agent the iteration it takes up (psd_start_iteration).
+
+Checked in every trial: every rank finishes every iteration with exit 0, and every synchronised
+result of every rank (the survivors' and the rejoined one's from its first iteration on) equals
+the exact sum over the four ranks' gradients of that iteration (--verify): the fault-free run's.
+Printed: the time from the kill to the first iteration the rejoined rank completed (p50, p99).
+
+Then a rank that is killed and not restarted: once --rejoin_timeout has run out the others fail,
+naming it. Every process is killed (and every shared-memory segment removed) on every path."""
+
+import argparse
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import time
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+from metrics_test import Daemon, ended_after, job_environment, stop_all  # noqa: E402
+
+TOKEN = "ops-rejoin-token"
+SECRET = "ops-rejoin-secret"
+RANKS = 4
+ITERATIONS = 120
+
+
+def start_job(args, trial, daemons, segments, rejoin_timeout):
+    """A coordinator, two servers and RANKS agents (each rank's segment appended to `segments`);
+    returns (agent argv maker, agents)."""
+    coord = Daemon("coordinator", [args.coordinator, "--listen=127.0.0.1:0", "--job_id=1",
+                                   "--liveness_timeout=2s", "--min_servers=2"])
+    daemons.append(coord)
+    addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
+    for s in range(2):
+        daemons.append(Daemon(f"server {s}", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
+                                              f"--coordinator={addr}"]))
+        daemons[-1].wait_for(r"poseidon-server listening on (\S+)")
+
+    def agent_argv(rank, segment, rejoin=False):
+        return [args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}",
+                f"--world_size={RANKS}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
+                f"--segment={segment}", "--scheme=ps", "--probe_bytes=0",
+                f"--rejoin_timeout={rejoin_timeout}", "--sync_timeout=60s",
+                *(["--rejoin"] if rejoin else [])]
+
+    agents = []
+    for rank in range(RANKS):
+        segment = f"/psd-ops-rejoin-{os.getpid()}-{trial}-{rank}"
+        segments.append(segment)
+        agents.append(Daemon(f"agent {rank}", agent_argv(rank, segment)))
+        daemons.append(agents[-1])
+    for agent in agents:
+        agent.wait_for(r"poseidon-agent ready")
+    return agent_argv, agents
+
+
+def synth(args, rank, segment, daemons):
+    d = Daemon(f"rank {rank}", [
+        args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
+        f"--iterations={ITERATIONS}", "--compute_scale=10000", "--timeout_ms=120000", "--verify",
+        "--print_iterations"])
+    daemons.append(d)
+    return d
+
+
+def summary(d):
+    """(verified, mismatches) from a synth's last line, or None."""
+    for line in reversed(d.lines):
+        m = re.search(r"verified (\d+) results, (\d+) mismatches", line)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def fault_free(args):
+    """The same job without a kill: how long its ranks take (the reference for the time lost)."""
+    daemons, segments = [], []
+    try:
+        start_job(args, "clean", daemons, segments, "30s")
+        started = time.monotonic()
+        synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
+        for s in synths:
+            s.wait(90)
+        took = time.monotonic() - started
+        check(all(s.proc.returncode == 0 for s in synths) and
+              all(summary(s) == (ITERATIONS * 8, 0) for s in synths),
+              f"the fault-free run: every result exact ({took:.2f} s)")
+        return took
+    except Exception as e:  # noqa: BLE001
+        check(False, f"the fault-free run: {e}")
+        return None
+    finally:
+        stop_all(daemons, segments)
+
+
+def trial(args, t, rng, kill_agent, recoveries, durations):
+    daemons, segments = [], []
+    try:
+        agent_argv, agents = start_job(args, t, daemons, segments, "30s")
+        started = time.monotonic()
+        synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
+        victim = rng.randrange(RANKS)
+        # Somewhere in the run (120 iterations take about 6 s here).
+        time.sleep(rng.uniform(0.8, 3.5))
+        killed = time.time()
+        what = "agent" if kill_agent else "training process"
+        if kill_agent:
+            os.kill(agents[victim].proc.pid, signal.SIGKILL)
+            # Its process notices within 5 s; a launcher stops it at once.
+            os.kill(synths[victim].proc.pid, signal.SIGKILL)
+        else:
+            os.kill(synths[victim].proc.pid, signal.SIGKILL)
+        synths[victim].wait(20)
+        code = agents[victim].wait(20)  # an agent whose process died exits by itself
+        if synths[victim].lines and "ends at" in synths[victim].lines[-1]:
+            done_before = int(re.search(r"iteration (\d+)", synths[victim].lines[-1]).group(1))
+        else:
+            done_before = 0
+        print(f"trial {t}: rank {victim}'s {what} killed after its iteration {done_before} "
+              f"(agent exit {code})", flush=True)
+        # The replacement: a new agent (a new segment: the killed one's may be left behind).
+        segment = f"{segments[victim]}-rejoined"
+        segments.append(segment)
+        agent = Daemon(f"agent {victim} (rejoined)", agent_argv(victim, segment, rejoin=True))
+        daemons.append(agent)
+        agent.wait_for(r"poseidon-agent ready")
+        rejoined = synth(args, victim, segment, daemons)
+        synths[victim] = rejoined
+        for s in synths:
+            try:
+                s.wait(90)
+            except Exception:  # noqa: BLE001 - checked below
+                pass
+        durations.append(time.monotonic() - started)
+        took = None
+        first = rejoined.wait_for(r"takes up the job at iteration (\d+)", timeout=1)
+        first = int(first.group(1))
+        # Its second iteration's backward began after the first one's results came back: the
+        # first iteration completed by the rank that came back.
+        ends = [float(m.group(1)) for m in
+                (re.search(r"ends at ([0-9.]+)", l) for l in rejoined.lines) if m]
+        if len(ends) >= 2:
+            took = ends[1] - killed
+            recoveries.append(took)
+        ok = all(s.proc.returncode == 0 for s in synths)
+        results = [summary(s) for s in synths]
+        exact = all(r is not None and r[1] == 0 and r[0] > 0 for r in results)
+        expected = (ITERATIONS - first + 1) * 8  # tiny: 8 layers
+        check(ok and exact and first > 1 and results[victim][0] == expected,
+              f"trial {t} ({what} of rank {victim} killed): every rank finished, every result "
+              f"exact; the rank rejoined at iteration {first} and verified {results[victim]} "
+              f"results ({expected} expected); first iteration back "
+              f"{'%.2f s' % took if took is not None else '?'} after the kill")
+        if not (ok and exact):
+            for s in synths:
+                print(f"--- {s.name} exit {s.proc.returncode}:\n" +
+                      "\n".join((s.lines + s.stderr)[-6:]))
+            print("--- rejoined agent:\n" + "\n".join(agent.stderr[-15:]))
+    except RuntimeError as e:
+        check(False, f"trial {t}: {e}")
+    finally:
+        stop_all(daemons, segments)
+
+
+def not_restarted(args):
+    """A rank killed and never restarted: the others fail once --rejoin_timeout is over, naming it."""
+    daemons, segments = [], []
+    try:
+        _, agents = start_job(args, "gone", daemons, segments, "3s")
+        synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
+        time.sleep(1.5)
+        killed = time.monotonic()
+        os.kill(synths[2].proc.pid, signal.SIGKILL)
+        out = ended_after(synths[0], killed, "rank 2's kill", timeout=60)
+        check(synths[0].proc.poll() not in (None, 0),
+              "a rank that is not restarted: the others fail once the rejoin timeout is over")
+        check("rank 2 (127.0.0.1:" in out and "is gone" in out,
+              "its error names rank 2 (the training process gets the first 128 bytes)")
+        log = "\n".join(agents[0].lines + agents[0].stderr)
+        check("did not rejoin within 3s" in log, "and rank 0's agent logs that it did not rejoin")
+    except RuntimeError as e:
+        check(False, str(e))
+    finally:
+        stop_all(daemons, segments)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for flag in ("coordinator", "server", "agent", "synth", "model"):
+        ap.add_argument(f"--{flag}", required=True)
+    ap.add_argument("--trials", type=int, default=2, help="per kind of kill")
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args()
+    job_environment(TOKEN, SECRET)
+    seed = args.seed if args.seed is not None else int(time.time())
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    recoveries, durations = [], []
+    clean = fault_free(args)
+    for t in range(2 * args.trials):
+        trial(args, t, rng, kill_agent=t % 2 == 1, recoveries=recoveries, durations=durations)
+
+    def p50_p99(values):
+        values = sorted(values)
+        return statistics.median(values), values[min(len(values) - 1, int(0.99 * len(values)))]
+    if recoveries:
+        p50, p99 = p50_p99(recoveries)
+        print(f"kill to the first iteration the rejoined rank completed: p50 {p50:.2f} s, p99 "
+              f"{p99:.2f} s over {len(recoveries)} trials")
+    if durations and clean:
+        p50, p99 = p50_p99([d - clean for d in durations])
+        print(f"time lost by a run of {ITERATIONS} iterations with one kill, against the "
+              f"fault-free run's {clean:.2f} s: p50 {p50:.2f} s, p99 {p99:.2f} s")
+    not_restarted(args)
+    finish("PASS: a killed rank (or agent) restarted with --rejoin takes up the running job, every "
+           "result exact; one not restarted is named once the rejoin timeout is over")
+
+
+if __name__ == "__main__":
+    main()
