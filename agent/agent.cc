@@ -559,8 +559,23 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   }
   reg.world_size = config_.world_size;
   reg.requested_rank = config_.rank;
-  ASSIGN_OR_RETURN(coordinator::World world,
-                   coord_->RegisterAgentAndRendezvous(reg, config_.connect_timeout));
+  const absl::Time deadline = absl::Now() + config_.connect_timeout;
+  absl::StatusOr<coordinator::World> joined =
+      coord_->RegisterAgentAndRendezvous(reg, config_.connect_timeout);
+  // A replacement on another host or GPU (--rejoin): the dead agent holds the rank until the
+  // coordinator declares it dead (its lease), so the slot is asked for again until then.
+  bool logged = false;
+  while (config_.rejoin && joined.status().code() == absl::StatusCode::kAlreadyExists &&
+         absl::Now() + absl::Milliseconds(500) < deadline) {
+    if (!logged) {
+      PSD_LOG_WARN("rank {} is still held by the agent this one replaces ({}); asking again until "
+                   "the coordinator declares it dead", config_.rank, joined.status().message());
+      logged = true;
+    }
+    absl::SleepFor(absl::Milliseconds(500));
+    joined = coord_->RegisterAgentAndRendezvous(reg, deadline - absl::Now());
+  }
+  ASSIGN_OR_RETURN(coordinator::World world, std::move(joined));
   if (world.rank != config_.rank || world.world_size != config_.world_size) {
     return absl::InternalError(absl::StrCat("the coordinator gave rank ", world.rank, " of ",
                                             world.world_size, ", not ", config_.rank, " of ",

@@ -5,7 +5,9 @@ backed up on the other) through a coordinator that declares a silent agent dead 
 agent has --rejoin_timeout. In each trial one rank, chosen at random, is SIGKILLed at a random
 moment: its training process (its agent then exits), or its agent (and with it the process, as a
 launcher does). A new agent is started for that rank with --rejoin, and a new poseidon-synth on
-it; the synth learns from the agent the iteration it takes up (psd_start_iteration).
+it; the synth learns from the agent the iteration it takes up (psd_start_iteration). Every fourth
+trial starts the replacement on another GPU (as a requeue on another node would): the coordinator
+gives it the rank only once it has declared the killed agent dead, and it asks until then.
 
 Checked in every trial: every rank finishes every iteration with exit 0, and every synchronised
 result of every rank (the survivors' and the rejoined one's from its first iteration on) equals
@@ -47,8 +49,9 @@ def start_job(args, trial, daemons, segments, rejoin_timeout):
                                               f"--coordinator={addr}"]))
         daemons[-1].wait_for(r"poseidon-server listening on (\S+)")
 
-    def agent_argv(rank, segment, rejoin=False):
+    def agent_argv(rank, segment, rejoin=False, gpu=0):
         return [args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}",
+                f"--local_rank={gpu}",
                 f"--world_size={RANKS}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
                 f"--segment={segment}", "--scheme=ps", "--probe_bytes=0",
                 f"--rejoin_timeout={rejoin_timeout}", "--sync_timeout=60s",
@@ -104,7 +107,7 @@ def fault_free(args):
         stop_all(daemons, segments)
 
 
-def trial(args, t, rng, kill_agent, recoveries, durations):
+def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
     daemons, segments = [], []
     try:
         agent_argv, agents = start_job(args, t, daemons, segments, "30s")
@@ -132,7 +135,10 @@ def trial(args, t, rng, kill_agent, recoveries, durations):
         # The replacement: a new agent (a new segment: the killed one's may be left behind).
         segment = f"{segments[victim]}-rejoined"
         segments.append(segment)
-        agent = Daemon(f"agent {victim} (rejoined)", agent_argv(victim, segment, rejoin=True))
+        # On another GPU (another node after a requeue): the coordinator gives it the rank once
+        # it has declared the killed agent dead (--liveness_timeout), not before.
+        agent = Daemon(f"agent {victim} (rejoined)",
+                       agent_argv(victim, segment, rejoin=True, gpu=7 if elsewhere else 0))
         daemons.append(agent)
         agent.wait_for(r"poseidon-agent ready")
         rejoined = synth(args, victim, segment, daemons)
@@ -158,10 +164,16 @@ def trial(args, t, rng, kill_agent, recoveries, durations):
         exact = all(r is not None and r[1] == 0 and r[0] > 0 for r in results)
         expected = (ITERATIONS - first + 1) * 8  # tiny: 8 layers
         check(ok and exact and first > 1 and results[victim][0] == expected,
-              f"trial {t} ({what} of rank {victim} killed): every rank finished, every result "
-              f"exact; the rank rejoined at iteration {first} and verified {results[victim]} "
+              f"trial {t} ({what} of rank {victim} killed"
+              f"{', replaced on another GPU' if elsewhere else ''}): every rank finished, every "
+              f"result exact; the rank rejoined at iteration {first} and verified {results[victim]} "
               f"results ({expected} expected); first iteration back "
               f"{'%.2f s' % took if took is not None else '?'} after the kill")
+        if elsewhere:
+            log = "\n".join(agent.lines + agent.stderr)
+            check("is still held by the agent this one replaces" in log,
+                  f"trial {t}: the replacement on another GPU waited for the coordinator to "
+                  f"declare the killed agent dead")
         if not (ok and exact):
             for s in synths:
                 print(f"--- {s.name} exit {s.proc.returncode}:\n" +
@@ -209,7 +221,8 @@ def main():
     recoveries, durations = [], []
     clean = fault_free(args)
     for t in range(2 * args.trials):
-        trial(args, t, rng, kill_agent=t % 2 == 1, recoveries=recoveries, durations=durations)
+        trial(args, t, rng, kill_agent=t % 2 == 1, recoveries=recoveries, durations=durations,
+              elsewhere=t % 4 == 3)
 
     def p50_p99(values):
         values = sorted(values)
