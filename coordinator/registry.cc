@@ -447,14 +447,19 @@ absl::Status Registry::RegisterAgent(const Caller& caller, const v1::RegisterAge
   node.gpu_index = request.gpu_index();
   node.endpoints.assign(request.endpoints().begin(), request.endpoints().end());
   node.rank = rank;
+  node.rank_restarts = job.ranks[rank].agents;
   node.last_seen = now;
   node.seq = ++next_seq_;
   const Node& added = nodes_.emplace(node.id, std::move(node)).first->second;
-  job.ranks[rank] = RankSlot{added.id, false, ""};
+  const std::string previous = job.ranks[rank].node_id;
+  job.ranks[rank] = RankSlot{added.id, false, "", added.rank_restarts + 1};
   ++membership_epoch_;
   ++version_;
-  PSD_LOG_INFO("job {}: agent {} (host {} gpu {}) registered as rank {} of {}", job.id, added.id,
-               added.host, added.gpu_index, rank, job.world_size);
+  PSD_LOG_INFO("job {}: agent {} (host {} gpu {}) registered as rank {} of {}{}", job.id, added.id,
+               added.host, added.gpu_index, rank, job.world_size,
+               previous.empty() ? ""
+                                : absl::StrCat(" in place of agent ", previous, " (restart ",
+                                               added.rank_restarts, " of the rank)"));
   Refresh(job, now);
   answer(added);
   return absl::OkStatus();
@@ -1352,6 +1357,7 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
       out->set_rank(node->rank);
       out->set_gpu_index(node->gpu_index);
       out->set_plan_epoch(node->plan_epoch);
+      out->set_rank_restarts(node->rank_restarts);
     }
     out->set_iteration(node->iteration);
     out->set_bytes_per_second(links_.MeanOutgoing(node->id, now, options_.telemetry_max_age));

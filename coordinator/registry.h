@@ -218,6 +218,7 @@ class Registry {
     std::vector<poseidon::v1::Endpoint> endpoints;
     poseidon::v1::ServerCapacity capacity;
     uint32_t rank = 0;
+    uint32_t rank_restarts = 0;  // agents: the rank's holders before this one (RankSlot::agents)
     poseidon::v1::NodeState state = poseidon::v1::NODE_STATE_ALIVE;  // ALIVE, DEAD or LEFT
     std::string state_reason;                                        // why dead or left
     absl::Time last_seen;
@@ -236,6 +237,7 @@ class Registry {
     std::string node_id;  // the latest agent registered for the rank; "" before the first
     bool model_ok = false;
     std::string model_refusal;  // why this rank's model was refused
+    uint32_t agents = 0;        // how many agents have held the rank in this world
   };
   using SchemeOverrides = std::map<std::string, poseidon::v1::SyncScheme, std::less<>>;
   struct JobModel {

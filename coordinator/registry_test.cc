@@ -97,6 +97,58 @@ TEST_F(RegistryTest, SilentNodesBecomeSuspectThenDeadAndTheWorldSaysWho) {
   EXPECT_EQ(world.peers(1).node_id(), c);
 }
 
+// Elastic workers (issue 18): `poseidon status` counts each rank's restarts. A replacement on
+// another host or GPU cannot take a rank whose agent is live (AlreadyExists: poseidon-agent
+// --rejoin asks again) and can once the coordinator has declared it dead; an agent restarting
+// on its own GPU replaces it at once.
+TEST_F(RegistryTest, ARanksRestartsAreCountedAndAReplacementElsewhereWaitsForTheLease) {
+  AddServer();
+  const std::string a = AddAgent(0, 2, 0);
+  const std::string b = AddAgent(1, 2, 1);
+  auto restarts = [&](const std::string& node) -> int64_t {
+    v1::GetClusterStatusResponse status;
+    EXPECT_TRUE(registry_.ClusterStatus(Caller{""}, now_, &status).ok());
+    for (const v1::NodeStatus& n : status.nodes()) {
+      if (n.node_id() == node) return n.rank_restarts();
+    }
+    return -1;
+  };
+  EXPECT_EQ(restarts(a), 0);
+  EXPECT_EQ(restarts(b), 0);
+  v1::RegisterAgentRequest elsewhere;
+  elsewhere.set_host("host7");
+  elsewhere.set_gpu_index(7);
+  *elsewhere.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.7:7200");
+  elsewhere.set_world_size(2);
+  elsewhere.set_requested_rank(1);
+  v1::RegisterAgentResponse response;
+  const absl::Status held = registry_.RegisterAgent(job_, elsewhere, now_, &response);
+  EXPECT_EQ(held.code(), absl::StatusCode::kAlreadyExists) << held;
+  EXPECT_THAT(held.message(), HasSubstr("duplicate rank: rank 1"));
+  // Rank 1's agent goes silent past the lease; rank 0's keeps beating.
+  v1::HeartbeatRequest beat;
+  beat.mutable_header()->set_node_id(a);
+  beat.set_role(v1::NODE_ROLE_AGENT);
+  v1::HeartbeatResponse beat_response;
+  now_ += absl::Seconds(9);
+  ASSERT_TRUE(registry_.Heartbeat(job_, beat, now_, &beat_response).ok());
+  now_ += absl::Seconds(7);
+  EXPECT_TRUE(registry_.Expire(now_));
+  EXPECT_EQ(StateOf(b), v1::NODE_STATE_DEAD);
+  ASSERT_TRUE(registry_.RegisterAgent(job_, elsewhere, now_, &response).ok());
+  const std::string c = response.node_id();
+  EXPECT_EQ(response.rank(), 1u);
+  EXPECT_EQ(restarts(c), 1);
+  // Restarted again, on its own GPU: it replaces the live agent at once.
+  const std::string d = AddAgent(7, 2, 1);
+  EXPECT_NE(d, c);
+  EXPECT_EQ(restarts(d), 2);
+  EXPECT_EQ(restarts(a), 0);
+  v1::RendezvousResponse world;
+  ASSERT_TRUE(*registry_.TryRendezvous(job_, a, now_, &world));
+  EXPECT_EQ(world.peers(1).node_id(), d);
+}
+
 TEST_F(RegistryTest, AParkedCallKeepsItsNodeAlive) {
   const std::string a = AddAgent(0, 2);
   registry_.BeginWait(a, now_);

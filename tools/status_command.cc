@@ -235,8 +235,9 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     if (role == v1::NODE_ROLE_SERVER) {
       rows.push_back({"SERVER", "STATE", "HOST", "ENDPOINTS", "SENDING", "LAST SEEN"});
     } else {
-      rows.push_back({"AGENT", "JOB", "RANK", "STATE", "HOST", "GPU", "ENDPOINTS", "ITERATION",
-                      "PLAN EPOCH", "SENDING", "SYNC/ITER", "SLOWEST LAYER", "LAST SEEN"});
+      rows.push_back({"AGENT", "JOB", "RANK", "RESTARTS", "STATE", "HOST", "GPU", "ENDPOINTS",
+                      "ITERATION", "PLAN EPOCH", "SENDING", "SYNC/ITER", "SLOWEST LAYER",
+                      "LAST SEEN"});
     }
     for (const v1::NodeStatus& n : status.nodes()) {
       if (n.role() != role) continue;
@@ -245,7 +246,8 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
                         Rate(n.bytes_per_second()), Age(n.last_heartbeat_age_ms())});
       } else {
         rows.push_back(
-            {n.node_id(), n.job_id(), absl::StrCat(n.rank()), StateName(n.state()), n.host(),
+            {n.node_id(), n.job_id(), absl::StrCat(n.rank()), absl::StrCat(n.rank_restarts()),
+             StateName(n.state()), n.host(),
              absl::StrCat(n.gpu_index()), Endpoints(n), absl::StrCat(n.iteration()),
              AgentEpoch(n, status), Rate(n.bytes_per_second()), Seconds(n.sync_seconds()),
              n.slowest_layer().empty() ? "-"
@@ -391,6 +393,8 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
       w.String(n.job_id());
       w.Key("rank");
       w.Unsigned(n.rank());
+      w.Key("rank_restarts");
+      w.Unsigned(n.rank_restarts());
       w.Key("gpu_index");
       w.Unsigned(n.gpu_index());
       w.Key("iteration");
