@@ -574,6 +574,68 @@ TEST_F(KvServerTest, ASilentRankThatKeepsAliveIsNamedAndTakenBackWhenItSpeaks) {
   EXPECT_EQ(out, std::vector<float>(4, 2.0f));
 }
 
+// With a rejoin timeout a silent rank (frozen: its connections stay open) is waited for as a
+// closed one: a replacement that pushes completes the clock; if none comes, it is named.
+TEST_F(KvServerTest, ASilentRankIsWaitedForItsRejoinTimeoutAndItsReplacementCompletesTheClock) {
+  TearDown();
+  KvServiceOptions service;
+  service.peer_timeout = absl::Milliseconds(200);
+  Start(EngineOptions{}, service);
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
+  spec.set_rejoin_timeout_ms(60'000);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  std::vector<float> g(4, 1.0f), out(4);
+  ASSERT_TRUE(c1->Wait(c1->Ping(), kWait).ok());  // rank 1 keeps alive
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
+  const Ticket waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  absl::SleepFor(absl::Milliseconds(300));
+  service_->CheckSilence();  // silent: waited for, nothing fails
+  service_->CheckSilence();
+  EXPECT_EQ(c0->Wait(waiting, absl::Milliseconds(200)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // Its replacement (rank 1 again, on a new connection) pushes: the clock completes.
+  auto replacement = Client(1);
+  ASSERT_TRUE(replacement->Wait(replacement->Push(100, 2, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(waiting, kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 2.0f));
+  replacement->Close();
+}
+
+TEST_F(KvServerTest, ASilentRankThatNobodyReplacesIsNamedOnceItsRejoinTimeoutIsOver) {
+  TearDown();
+  KvServiceOptions service;
+  service.peer_timeout = absl::Milliseconds(100);
+  Start(EngineOptions{}, service);
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
+  spec.set_rejoin_timeout_ms(300);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  std::vector<float> g(4, 1.0f), out(4);
+  ASSERT_TRUE(c1->Wait(c1->Ping(), kWait).ok());
+  for (auto* c : {c0.get(), c1.get()}) ASSERT_TRUE(c->Wait(c->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
+  const Ticket waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  absl::Status s;
+  const absl::Time deadline = absl::Now() + kWait;
+  while (absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    service_->CheckSilence();
+    s = c0->Wait(waiting, absl::Milliseconds(1));
+    if (s.code() != absl::StatusCode::kDeadlineExceeded) break;
+  }
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1 (127.0.0.1:"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("is silent"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("did not come back within 300ms"), std::string::npos) << s;
+}
+
 TEST_F(KvServerTest, ARegistrationBeyondTheMemoryLimitIsRefusedAndOthersAreServed) {
   TearDown();
   EngineOptions options;

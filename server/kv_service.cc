@@ -124,6 +124,7 @@ void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::St
                                    reason.ok() ? "by the peer" : reason.message(), ")");
     if (const absl::Duration rejoin = engine_->RejoinTimeout(who.job_id);
         rejoin > absl::ZeroDuration() && !transport::IsServerRank(who.rank)) {
+      it->second.gone_silent = false;
       it->second.gone_since_ns = MonotonicNs();
       it->second.gone_deadline_ns = it->second.gone_since_ns + absl::ToInt64Nanoseconds(rejoin);
       it->second.gone_why = absl::StrCat(std::move(why), " and it did not rejoin within ",
@@ -140,7 +141,14 @@ void KvService::CheckSilence() {
   const int64_t now = MonotonicNs();
   std::lock_guard<std::mutex> lock(traffic_mu_);
   for (auto& [who, entry] : traffic_) {
-    if (entry.gone_deadline_ns != 0 && entry.data_connections == 0 && now >= entry.gone_deadline_ns) {
+    // A rank the job waits for (its rejoin timeout): back (a connection again; a silent one
+    // spoke), or given up once the timeout is over.
+    if (entry.gone_deadline_ns == 0) continue;
+    const bool gone = entry.gone_silent ? entry.traffic->silenced.load(std::memory_order_relaxed)
+                                        : entry.data_connections == 0;
+    if (!gone) {
+      entry.gone_deadline_ns = 0;
+    } else if (now >= entry.gone_deadline_ns) {
       entry.gone_deadline_ns = 0;
       engine_->RankLost(who.first, who.second, std::move(entry.gone_why));
     }
@@ -156,13 +164,25 @@ void KvService::CheckSilence() {
     const int64_t last = t.last_frame_ns.load(std::memory_order_relaxed);
     if (last == 0 || now - last < limit) continue;
     t.silenced.store(true, std::memory_order_relaxed);
-    engine_->RankLost(
-        who.first, who.second,
+    std::string why =
         absl::StrCat("rank ", who.second, " (", entry.address, ") is silent: nothing on its ",
                      entry.data_connections, " connection(s) for ",
                      absl::FormatDuration(absl::Trunc(absl::Nanoseconds(now - last),
                                                       absl::Milliseconds(100))),
-                     " (it pings every few seconds: frozen, or its network is cut)"));
+                     " (it pings every few seconds: frozen, or its network is cut)");
+    // A frozen rank may be replaced (killed, restarted with --rejoin): waited for as a closed one.
+    if (const absl::Duration rejoin = engine_->RejoinTimeout(who.first);
+        rejoin > absl::ZeroDuration() && !transport::IsServerRank(who.second)) {
+      entry.gone_silent = true;
+      entry.gone_since_ns = now;
+      entry.gone_deadline_ns = now + absl::ToInt64Nanoseconds(rejoin);
+      entry.gone_why = absl::StrCat(std::move(why), ", and it did not come back within ",
+                                    absl::FormatDuration(rejoin));
+      PSD_LOG_INFO("job {}: rank {} is silent; waiting up to {} for it (or a replacement)",
+                   who.first, who.second, absl::FormatDuration(rejoin));
+      continue;
+    }
+    engine_->RankLost(who.first, who.second, std::move(why));
   }
 }
 

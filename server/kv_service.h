@@ -70,8 +70,10 @@ class KvService : public transport::FrameHandler {
     int connections = 0;       // open
     int data_connections = 0;  // of which sent a frame other than a PING (KvService::Count)
     std::string address;       // of its latest counted connection, for messages
-    // Its last connection closed and the job waits for it to rejoin (KvEngine::RejoinTimeout):
-    // until this CLOCK_MONOTONIC time (0: not waiting), then RankLost with gone_why.
+    // Its last connection closed, or it went silent (gone_silent), and the job waits for it to
+    // rejoin (KvEngine::RejoinTimeout): until this CLOCK_MONOTONIC time (0: not waiting), then
+    // RankLost with gone_why.
+    bool gone_silent = false;
     int64_t gone_since_ns = 0;
     int64_t gone_deadline_ns = 0;
     std::string gone_why;
