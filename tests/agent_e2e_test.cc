@@ -62,6 +62,7 @@ class Cluster {
     for (int attempt = 0; attempt < 5; ++attempt) {
       if (StartAgents(workers, scheme, agent_extra)) break;
       agents_.clear();
+      agent_argv_.clear();
       for (const auto& segment : segments_) {
         shm_unlink(segment.c_str());
         shm_unlink((segment + ".data").c_str());
@@ -92,6 +93,7 @@ class Cluster {
                                        "--log_level=warn",
                                        "--attach_timeout=60s"};
       argv.insert(argv.end(), agent_extra.begin(), agent_extra.end());
+      agent_argv_.push_back(argv);
       agents_.push_back(std::make_unique<Subprocess>(argv, /*merge_stderr=*/true));
     }
     // Training processes start once their agent has created its segment.
@@ -125,6 +127,27 @@ class Cluster {
     return std::make_unique<Subprocess>(argv, /*merge_stderr=*/true);
   }
 
+  // Elastic workers: rank r's agent is SIGKILLed (if it still runs) and a new one started with
+  // --rejoin on a new segment (Synth(r, ...) then attaches to it). Whether it came up.
+  bool RejoinAgent(int r) {
+    agents_[r]->Signal(SIGKILL);
+    agents_[r]->Wait(milliseconds(10000));
+    std::vector<std::string> argv = agent_argv_[r];
+    segments_.push_back(segments_[r] + "-rejoined");
+    segments_[r].swap(segments_.back());  // the old one is still unlinked at the end
+    for (auto& a : argv) {
+      if (a.rfind("--segment=", 0) == 0) a = "--segment=" + segments_[r];
+    }
+    argv.push_back("--rejoin");
+    agents_[r] = std::make_unique<Subprocess>(argv, /*merge_stderr=*/true);
+    early_[r].clear();
+    while (auto line = agents_[r]->ReadLine(milliseconds(20000))) {
+      early_[r] += *line + "\n";
+      if (line->find("poseidon-agent ready") != std::string::npos) return true;
+    }
+    return false;
+  }
+
   // Agents end first (a SIGKILLed one cannot unlink its segments: do it for it), then servers.
   ~Cluster() {
     agents_.clear();
@@ -147,6 +170,7 @@ class Cluster {
  private:
   std::vector<std::unique_ptr<Subprocess>> servers_, agents_;
   std::vector<std::string> addresses_, peers_, segments_, early_, server_early_;
+  std::vector<std::vector<std::string>> agent_argv_;
 };
 
 const std::string kTiny = POSEIDON_TEST_MODELS "/tiny.json";
@@ -490,6 +514,44 @@ TEST(Failover, AKilledServerIsReplacedByItsBackupAndEveryResultStaysExact) {
 // is resumed 3 s later, while the run goes on.
 TEST(Failover, AFrozenServerIsReplacedByItsBackupAndEveryResultStaysExact) {
   ExpectEveryTrialToSurviveALostServer(SIGSTOP, 3);
+}
+
+// Elastic workers (issue 18, docs/operations.md "A rank rejoins the running job"): rank 1's
+// training process and agent are SIGKILLed mid-run; a new agent started with --rejoin takes up
+// the running job at the servers' clock and a new training process follows it
+// (psd_start_iteration). The others only wait: every rank finishes every iteration and every
+// result is the exact sum over the three ranks, as in the fault-free run.
+TEST(Elastic, AKilledRankRestartedWithRejoinTakesUpTheRunningJobExactly) {
+  Cluster cluster(2, 3, "ps", {"--rejoin_timeout=60s", "--log_level=info"});
+  ASSERT_TRUE(cluster.ok());
+  const std::vector<std::string> slow = {"--compute_scale=10000", "--timeout_ms=120000"};
+  std::vector<std::unique_ptr<Subprocess>> synths;
+  for (int r = 0; r < 3; ++r) synths.push_back(cluster.Synth(r, kTiny, 60, slow));
+  std::this_thread::sleep_for(milliseconds(1200));
+  synths[1]->Signal(SIGKILL);
+  synths[1]->Wait(milliseconds(10000));
+  ASSERT_TRUE(cluster.RejoinAgent(1)) << cluster.early_output(1);
+  synths[1] = cluster.Synth(1, kTiny, 60, slow);
+  for (int r = 0; r < 3; ++r) {
+    const std::string out = synths[r]->ReadAll(milliseconds(120000));
+    ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
+    EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+    if (r != 1) {
+      EXPECT_NE(out.find("verified 480 results"), std::string::npos) << out;  // 60 x 8 layers
+      continue;
+    }
+    const size_t at = out.find("takes up the job at iteration ");
+    ASSERT_NE(at, std::string::npos) << out;
+    const int first = std::stoi(out.substr(at + 30));
+    EXPECT_GT(first, 1) << out;
+    EXPECT_NE(out.find("verified " + std::to_string((60 - first + 1) * 8) + " results"),
+              std::string::npos)
+        << out;
+  }
+  const std::string log = cluster.agent(1).ReadAll(milliseconds(20000));
+  EXPECT_NE((cluster.early_output(1) + log).find("rank 1 rejoins job 1 at iteration"),
+            std::string::npos)
+      << cluster.early_output(1) << log;
 }
 
 // Stop and resume (docs/operations.md): rank 0's agent has the server checkpoint the job after
