@@ -1125,16 +1125,11 @@ absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unrea
 // that completed T already takes the push as a retransmission and answers T's sum; one at T - 1
 // takes it as the dead rank's contribution. Either way the result is the fault-free run's (if
 // the dead rank had pushed nothing of the iteration after T, that iteration comes next). A
-// layer further behind (not posted lately) goes on from its own clock. Under the sum rule only:
-// a server-side rule keeps the latest parameters, not those the iteration in flight was
-// computed from.
+// layer further behind (not posted lately) goes on from its own clock. Under a server-side
+// rule the process's iteration 1 re-reads the parameters of clock T - 1, which every iteration-T
+// gradient was computed from (a key that completed T answers them from its previous parameters,
+// which a job with a rejoin timeout keeps), and its iteration 2 pushes clock T.
 absl::Status Agent::TakeUpRunningJob() {
-  if (server_rule_.rule != 0) {
-    return absl::FailedPreconditionError(
-        "--rejoin needs the sum rule: with a server-side update rule the servers keep only the "
-        "latest parameters, not those the iteration in flight was computed from (resume from a "
-        "checkpoint instead: poseidon run --max_restarts with --checkpoint_dir)");
-  }
   if (config_.resumed_iteration != 0) {
     return absl::InvalidArgumentError("--rejoin and --resumed_iteration exclude each other");
   }
@@ -1153,6 +1148,11 @@ absl::Status Agent::TakeUpRunningJob() {
   for (const auto& [key, progress] : env_.restored) {
     lowest = std::min(lowest, progress.completed);
     highest = std::max(highest, progress.completed);
+  }
+  if (server_rule_.rule != 0 && highest < 2) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--rejoin: the job has completed ", highest, " updates of its server-side rule; a rank "
+        "can take it up from the second on (restart the job instead)"));
   }
   env_.rejoin_top = highest;
   config_.resumed_iteration = std::max<uint64_t>(highest, 1);

@@ -6,6 +6,7 @@
 #include <deque>
 #include <future>
 #include <latch>
+#include <limits>
 #include <set>
 
 #include "absl/container/flat_hash_map.h"
@@ -118,6 +119,13 @@ struct KvEngine::Key {
   bool init_pushed = false;  // initial value comes from rank 0
   bool initialized = true;
   std::vector<float> params, agg, result;
+  // A server-side rule in a job that lets a rank rejoin (rejoin_timeout_ms): the parameters
+  // before the latest completed clock's update, answered to a pull of that clock minus one (a
+  // rejoining rank re-reads the parameters the iteration in flight was computed from, when its
+  // key has moved on already). Empty otherwise.
+  std::vector<float> prev_params;
+  uint64_t prev_clock = std::numeric_limits<uint64_t>::max();  // whose parameters (none yet)
+  bool HasPrevious(uint64_t clock) const { return !prev_params.empty() && prev_clock == clock; }
   // A lossy wire (bfloat16 or fp16, sum rule; common/wire_codec.h): pushes decoded into agg,
   // each result rounded into result_wire with error feedback (residual).
   WireType wire = WireType::kF32;
@@ -466,10 +474,14 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
     }
     const v1::UpdateRule rule = t.update_rule().rule();
     // A lossy wire: a residual (a float each) and the encoded result (half a float each) besides.
-    const uint64_t copies = rule == v1::UPDATE_RULE_ADAM       ? 4
-                            : rule == v1::UPDATE_RULE_MOMENTUM ? 3
-                            : IsLossy(WireOfTable(t))          ? 4
-                                                               : 2;
+    const bool server_rule = rule != v1::UPDATE_RULE_SUM && rule != v1::UPDATE_RULE_UNSPECIFIED;
+    // A server-side rule of a job that lets ranks rejoin keeps the parameters of the clock
+    // before too (Key::prev_params).
+    const uint64_t copies = (rule == v1::UPDATE_RULE_ADAM       ? 4
+                             : rule == v1::UPDATE_RULE_MOMENTUM ? 3
+                             : IsLossy(WireOfTable(t))          ? 4
+                                                                : 2) +
+                            (server_rule && spec.rejoin_timeout_ms() > 0 ? 1 : 0);
     for (const auto& k : t.keys()) {
       if (k.elements() == 0 || k.elements() > options.max_key_bytes / sizeof(float)) {
         return absl::ResourceExhaustedError(
@@ -643,6 +655,7 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
         k->init_pushed = t.initial_value() == v1::INITIAL_VALUE_PUSHED_BY_RANK0;
         k->initialized = !k->init_pushed;
         if (!k->IsSum()) k->params.assign(k->elements, 0.0f);
+        if (!k->IsSum() && spec.rejoin_timeout_ms() > 0) k->prev_params.assign(k->elements, 0.0f);
         k->agg.assign(k->elements, 0.0f);
         if (k->IsSum()) k->result.assign(k->elements, 0.0f);
         k->wire = WireOfTable(t);
@@ -800,7 +813,9 @@ void KvEngine::Push(RequestContext request, PooledBuffer payload,
     }
     if (h.clock == 0) return fail(absl::InvalidArgumentError("push clocks start at 1"));
     if (h.clock <= k.completed) {
-      if (h.clock == k.completed) {  // every rank pushed it: this is a retransmission
+      // Every rank pushed it: a retransmission (a rejoining rank's re-read of the clock before,
+      // under a server-side rule that keeps it, too).
+      if (h.clock == k.completed || k.HasPrevious(h.clock)) {
         stats_.duplicate_pushes.fetch_add(1, std::memory_order_relaxed);
         return ack();
       }
@@ -876,6 +891,10 @@ void KvEngine::Complete(Worker& w, Key& k) {
       EncodeWithFeedback(k.wire, k.result, k.residual, k.result_wire);
     }
   } else {
+    if (!k.prev_params.empty()) {
+      k.prev_params = k.params;
+      k.prev_clock = k.completed;
+    }
     k.optimizer->Step(k.params, k.agg);
   }
   ++k.completed;
@@ -1129,7 +1148,7 @@ void KvEngine::AnswerPulls(Worker& /*w*/, Key& k) {
   k.pulls.erase(it, k.pulls.end());
 }
 
-void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
+void KvEngine::RespondPull(const RequestContext& ctx, Key& k, bool previous) {
   // A lossy key that fell back answers its float32 result, flagged, to pulls that accept it.
   const bool fell_back = k.LossyWire() && k.ExactAt(k.completed);
   if (fell_back && (ctx.header.flags & transport::kFlagExactWire) == 0) {
@@ -1142,6 +1161,7 @@ void KvEngine::RespondPull(const RequestContext& ctx, Key& k) {
   const std::span<const std::byte> value =
       k.LossyWire() && !fell_back ? std::as_bytes(std::span<const uint16_t>(k.result_wire))
       : k.IsSum()                 ? std::as_bytes(std::span<const float>(k.result))
+      : previous                  ? std::as_bytes(std::span<const float>(k.prev_params))
                                   : std::as_bytes(std::span<const float>(k.params));
   stats_.pulls.fetch_add(1, std::memory_order_relaxed);
   stats_.pull_bytes.fetch_add(value.size_bytes(), std::memory_order_relaxed);
@@ -1174,6 +1194,10 @@ void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {
       ready = k.initialized;
     } else if (h.clock == k.completed) {
       ready = true;
+    } else if (k.HasPrevious(h.clock)) {
+      // A rejoining rank's re-read of the parameters before the latest update.
+      RespondPull(ctx, k, /*previous=*/true);
+      return;
     } else if (h.clock < k.completed) {
       return fail(absl::FailedPreconditionError(absl::StrCat(
           "clock ", h.clock, " of ", k.Name(), " is gone (server at clock ", k.completed, ")")));

@@ -234,7 +234,8 @@ class KvEngine {
   template <typename Body>
   void OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<void()> done, Body body);
   void AnswerPulls(Worker& w, Key& k);
-  void RespondPull(const RequestContext& ctx, Key& k);
+  // previous: Key::prev_params (a rejoining rank's re-read of the clock before the latest).
+  void RespondPull(const RequestContext& ctx, Key& k, bool previous = false);
   void ContributeSnapshot(Key& k);
   void MaybeSchedulePeriodicSnapshot(Key& k);
 

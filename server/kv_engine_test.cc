@@ -344,6 +344,66 @@ TEST_F(KvServerTest, ARankThatClosesIsWaitedForItsRejoinTimeoutAndCompletesTheCl
   EXPECT_EQ(engine_->stats().duplicate_pushes.load(), 1u);
 }
 
+// Under a server-side rule a rejoining rank first re-reads the parameters the iteration in
+// flight was computed from: a key that has moved on answers them from the parameters it kept
+// before its latest update (a job with a rejoin timeout keeps them), and takes the re-read's
+// push as a retransmission. Without a rejoin timeout that clock is gone.
+TEST_F(KvServerTest, AServerRuleKeyAnswersARejoiningRanksReReadFromItsPreviousParameters) {
+  for (const uint32_t rejoin_ms : {60'000u, 0u}) {
+    SCOPED_TRACE(rejoin_ms);
+    const uint64_t job = rejoin_ms == 0 ? 2 : 1;
+    const std::string secret = job == 1 ? kSecret : "other-job";
+    auto c0 = Client(0, job, secret);
+    auto c1 = Client(1, job, secret);
+    v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SGD, {4, 4});  // lr 0.5, from 0
+    spec.set_rejoin_timeout_ms(rejoin_ms);
+    ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+    std::vector<float> g0(4, 1.0f), g1(4, 2.0f), out(4);
+    for (uint64_t key : {100, 101}) {
+      ASSERT_TRUE(c0->Wait(c0->Push(key, 1, g0), kWait).ok());
+      ASSERT_TRUE(c1->Wait(c1->Push(key, 1, g1), kWait).ok());
+    }
+    // Clock 2: key 101 completes; rank 1 dies before pushing key 100.
+    ASSERT_TRUE(c0->Wait(c0->Push(101, 2, g0), kWait).ok());
+    ASSERT_TRUE(c1->Wait(c1->Push(101, 2, g1), kWait).ok());
+    ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g0), kWait).ok());
+    const auto waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+    c1->Close();
+    auto back = Client(1, job, secret);
+    std::vector<KeyProgress> progress;
+    ASSERT_TRUE(back->RegisterTables(spec, kWait, &progress).ok());
+    ASSERT_EQ(progress.size(), 2u);
+    EXPECT_EQ(progress[0].completed, 1u);
+    EXPECT_EQ(progress[1].completed, 2u);
+    // The re-read of clock 1 (the parameters after 1 update: -0.5 x 3): a retransmitted push
+    // and a pull, on both keys.
+    std::vector<float> reread(4);
+    ASSERT_TRUE(back->Wait(back->Push(100, 1, g1), kWait).ok());
+    ASSERT_TRUE(back->Wait(back->Pull(100, 1, reread), kWait).ok());
+    EXPECT_EQ(reread, std::vector<float>(4, -1.5f));
+    const absl::Status pushed = back->Wait(back->Push(101, 1, g1), kWait);
+    const absl::Status pulled = back->Wait(back->Pull(101, 1, reread), kWait);
+    if (rejoin_ms == 0) {
+      EXPECT_EQ(pushed.code(), absl::StatusCode::kFailedPrecondition) << pushed;
+      EXPECT_EQ(pulled.code(), absl::StatusCode::kFailedPrecondition) << pulled;
+      EXPECT_NE(pulled.message().find("is gone"), std::string::npos) << pulled;
+      continue;
+    }
+    ASSERT_TRUE(pushed.ok()) << pushed;
+    ASSERT_TRUE(pulled.ok()) << pulled;
+    EXPECT_EQ(reread, std::vector<float>(4, -1.5f)) << "key 101's parameters before clock 2";
+    // Then clock 2: a retransmission on key 101, the missing push on key 100.
+    ASSERT_TRUE(back->Wait(back->Push(101, 2, g1), kWait).ok());
+    ASSERT_TRUE(back->Wait(back->Push(100, 2, g1), kWait).ok());
+    ASSERT_TRUE(c0->Wait(waiting, kWait).ok());
+    EXPECT_EQ(out, std::vector<float>(4, -3.0f));
+    for (uint64_t key : {100, 101}) {
+      ASSERT_TRUE(back->Wait(back->Pull(key, 2, out), kWait).ok());
+      EXPECT_EQ(out, std::vector<float>(4, -3.0f)) << key;
+    }
+  }
+}
+
 TEST_F(KvServerTest, ARankThatDoesNotRejoinWithinItsTimeoutIsNamed) {
   auto c0 = Client(0);
   auto c1 = Client(1);

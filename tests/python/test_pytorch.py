@@ -223,6 +223,25 @@ class Equivalence(WorkersTest):
             self.assertIn("resumed at step 14", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, restarted")
 
+    def test_a_crashed_rank_rejoins_the_running_job_with_a_server_side_optimizer(self):
+        # --rejoin (issue 18): rank 1 dies before step 17; only it restarts, re-reads the
+        # servers' parameters the step in flight is computed from and takes up the job there,
+        # while rank 0 waits; nobody rolls back, and the job ends with the parameters of one
+        # process on the 2x batch (the servers hold Adam's state).
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01), workers=2)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "2", "--servers", "2", "--scheme", "ps", "--max_restarts", "1",
+                        "--rejoin", "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        "server-adam,workers=2,crash-at=17"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            # It had pushed step 16: it computes that step again (a retransmission).
+            self.assertIn("resumed at step 16", r.stdout)
+            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
+
     def test_a_rank_that_keeps_crashing_exhausts_its_restarts(self):
         with tempfile.TemporaryDirectory() as tmp:
             r = launch(["-n", "2", "--max_restarts", "2", "--", PY,
@@ -544,8 +563,8 @@ class Launcher(unittest.TestCase):
             want = 100 if rank != "1" else 100 - first + 1
             self.assertEqual(int(verified), want * 8, rank)
 
-    def test_a_rejoined_pytorch_rank_refuses_to_take_up_a_running_job(self):
-        # The PyTorch integration's state (model, optimizer) is the other ranks': a rank that
+    def test_a_rejoined_pytorch_rank_with_a_local_optimizer_refuses_to_take_up_the_job(self):
+        # With the DDP contract the state (model, optimizer) is the other ranks': a rank that
         # rejoined says so rather than train from its own fresh state.
         with tempfile.TemporaryDirectory() as tmp:
             r = launch(["-n", "2", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
@@ -554,7 +573,8 @@ class Launcher(unittest.TestCase):
                         "workers=2,crash-at=5"], timeout=240)
             self.assertNotEqual(r.returncode, 0)
             self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
-            self.assertIn("cannot take up a running job yet", r.stdout + r.stderr)
+            self.assertIn("cannot take up a running job with a local optimizer yet",
+                          r.stdout + r.stderr)
 
     def test_a_killed_rank_stops_everything_and_is_named(self):
         code = ("import os, signal, time, poseidon; poseidon.init(); time.sleep(0.5); "

@@ -181,7 +181,7 @@ def main(argv=None):
                          "it stopped, while the others wait for it (--rejoin_timeout); nobody "
                          "rolls back. Needs --scheme ps and a framework that takes up a running "
                          "job from psd_start_iteration (poseidon-synth; the PyTorch integration "
-                         "refuses: its state is the other ranks')")
+                         "with a server-side optimizer, whose state the servers hold)")
     ap.add_argument("--rejoin_timeout", default="30s",
                     help="with --rejoin: how long the others wait for a failed rank to come "
                          "back before the job fails (or, restarts used up, at once)")

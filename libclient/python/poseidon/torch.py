@@ -332,15 +332,21 @@ class _Engine:
         check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
         start = ctypes.c_uint64()
         check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
-        if start.value > 1:
-            # Its agent took up a running job (--rejoin): the other ranks hold the model's
-            # state, which this process cannot get from them yet.
+        if start.value > 1 and self.server_rule is None:
+            # Its agent took up a running job (--rejoin): with the DDP contract the other ranks
+            # hold the model's and optimizer's state, which this process cannot get from them.
             raise PoseidonError(5, f"this rank's agent rejoined the running job at iteration "
                                    f"{start.value} (poseidon-agent --rejoin), and the PyTorch "
-                                   f"integration cannot take up a running job yet (the model "
-                                   f"and optimizer state are the other ranks'): restart the "
-                                   f"whole job (poseidon run --max_restarts, with "
-                                   f"--checkpoint_dir to go on from a checkpoint)")
+                                   f"integration cannot take up a running job with a local "
+                                   f"optimizer yet (the model and optimizer state are the "
+                                   f"other ranks'): use a server-side optimizer "
+                                   f"(server_optimizer=), or restart the whole job "
+                                   f"(poseidon run --max_restarts, with --checkpoint_dir to go "
+                                   f"on from a checkpoint)")
+        global _rejoined_at
+        # With a server-side optimizer the servers hold the state: iteration 1 re-reads the
+        # parameters the job's iteration in flight is computed from (resumed_steps() says which).
+        _rejoined_at = start.value if start.value > 1 else None
         views = self._buffer_views(ctx, device)
         for layer in layers:
             info = LayerInfo()
@@ -870,11 +876,18 @@ class DistributedOptimizer:
 SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
 
 
+_rejoined_at = None  # the job's iteration a rank that rejoined took up (psd_start_iteration)
+
+
 def resumed_steps():
     """The optimizer steps a resumed job's checkpoint holds (`poseidon run --resume`; 0 for a new
-    job): a training loop starts at this step, and with a server-side optimizer the servers'
-    parameters and optimizer state are those after it. Iteration 1 of this integration is the
-    initial broadcast, so a checkpoint after iteration N holds N - 1 steps."""
+    job), or, in a rank that rejoined the running job (`poseidon run --rejoin`, a server-side
+    optimizer; known once the model is registered), the steps the job has taken: a training loop
+    starts at this step, and with a server-side optimizer the servers' parameters and optimizer
+    state are those after it. Iteration 1 of this integration is the initial broadcast, so a
+    checkpoint after iteration N holds N - 1 steps."""
+    if _rejoined_at is not None:
+        return _rejoined_at - 1
     return max(0, poseidon.resumed_iteration() - 1)
 
 
