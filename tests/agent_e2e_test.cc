@@ -526,8 +526,20 @@ TEST(Elastic, AKilledRankRestartedWithRejoinTakesUpTheRunningJobExactly) {
   ASSERT_TRUE(cluster.ok());
   const std::vector<std::string> slow = {"--compute_scale=10000", "--timeout_ms=120000"};
   std::vector<std::unique_ptr<Subprocess>> synths;
-  for (int r = 0; r < 3; ++r) synths.push_back(cluster.Synth(r, kTiny, 60, slow));
-  std::this_thread::sleep_for(milliseconds(1200));
+  for (int r = 0; r < 3; ++r) {
+    std::vector<std::string> flags = slow;
+    if (r == 1) flags.push_back("--print_iterations");
+    synths.push_back(cluster.Synth(r, kTiny, 60, flags));
+  }
+  // Rank 1 is killed once it has done 10 iterations (however slow the build is to start).
+  bool running = false;
+  while (auto line = synths[1]->ReadLine(milliseconds(60000))) {
+    if (line->find("iteration 10 ends") != std::string::npos) {
+      running = true;
+      break;
+    }
+  }
+  ASSERT_TRUE(running) << "rank 1 did not reach iteration 10";
   synths[1]->Signal(SIGKILL);
   synths[1]->Wait(milliseconds(10000));
   ASSERT_TRUE(cluster.RejoinAgent(1)) << cluster.early_output(1);

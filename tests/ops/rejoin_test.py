@@ -114,8 +114,10 @@ def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
         started = time.monotonic()
         synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
         victim = rng.randrange(RANKS)
-        # Somewhere in the run (120 iterations take about 6 s here).
-        time.sleep(rng.uniform(0.8, 3.5))
+        # Somewhere in the run (120 iterations take about 6 s here), once it has begun (a slow
+        # build may take a while to register).
+        synths[victim].wait_for(r"iteration 1 ends at", timeout=60)
+        time.sleep(rng.uniform(0.3, 3.0))
         killed = time.time()
         what = "agent" if kill_agent else "training process"
         if kill_agent:
@@ -191,7 +193,8 @@ def not_restarted(args):
     try:
         _, agents = start_job(args, "gone", daemons, segments, "3s")
         synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
-        time.sleep(1.5)
+        synths[2].wait_for(r"iteration 1 ends at", timeout=60)
+        time.sleep(1.0)
         killed = time.monotonic()
         os.kill(synths[2].proc.pid, signal.SIGKILL)
         out = ended_after(synths[0], killed, "rank 2's kill", timeout=60)

@@ -541,9 +541,13 @@ class Launcher(unittest.TestCase):
         model = os.path.join(HERE, "..", "models", "tiny.json")
         run = (f"{synth} --model={model} --batch=8 --iterations=100 --compute_scale=10000 "
                f"--verify --timeout_ms=120000")
-        # Rank 1's first run is SIGKILLed after a second and a half of training.
+        # Rank 1's first run is SIGKILLed once it has done 20 iterations.
         script = ('if [ "$POSEIDON_RANK" = 1 ] && [ "$POSEIDON_RESTART_COUNT" = 0 ]; then '
-                  f'{run} & sleep 1.5; kill -9 $!; wait $!; exit $?; fi; exec {run}')
+                  f'log=$(mktemp); {run} --print_iterations > "$log" & pid=$!; '
+                  'until grep -q "iteration 20 ends" "$log"; do '
+                  'kill -0 $pid 2>/dev/null || exit 1; sleep 0.05; done; '
+                  'kill -9 $pid; wait $pid; code=$?; rm -f "$log"; exit $code; fi; '
+                  f'exec {run}')
         r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
                     "--rejoin_timeout", "30s", "--", "sh", "-c", script], timeout=240)
         self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-3000:])
