@@ -235,9 +235,10 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     if (role == v1::NODE_ROLE_SERVER) {
       rows.push_back({"SERVER", "STATE", "HOST", "ENDPOINTS", "SENDING", "LAST SEEN"});
     } else {
-      rows.push_back({"AGENT", "JOB", "RANK", "RESTARTS", "STATE", "HOST", "GPU", "ENDPOINTS",
-                      "ITERATION", "PLAN EPOCH", "SENDING", "SYNC/ITER", "SLOWEST LAYER",
-                      "LAST SEEN"});
+      // RESTARTS last: scripts reading the columns before it keep working.
+      rows.push_back({"AGENT", "JOB", "RANK", "STATE", "HOST", "GPU", "ENDPOINTS", "ITERATION",
+                      "PLAN EPOCH", "SENDING", "SYNC/ITER", "SLOWEST LAYER", "LAST SEEN",
+                      "RESTARTS"});
     }
     for (const v1::NodeStatus& n : status.nodes()) {
       if (n.role() != role) continue;
@@ -246,14 +247,13 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
                         Rate(n.bytes_per_second()), Age(n.last_heartbeat_age_ms())});
       } else {
         rows.push_back(
-            {n.node_id(), n.job_id(), absl::StrCat(n.rank()), absl::StrCat(n.rank_restarts()),
-             StateName(n.state()), n.host(),
+            {n.node_id(), n.job_id(), absl::StrCat(n.rank()), StateName(n.state()), n.host(),
              absl::StrCat(n.gpu_index()), Endpoints(n), absl::StrCat(n.iteration()),
              AgentEpoch(n, status), Rate(n.bytes_per_second()), Seconds(n.sync_seconds()),
              n.slowest_layer().empty() ? "-"
                                        : absl::StrCat(n.slowest_layer(), " (",
                                                       Seconds(n.slowest_layer_sync_seconds()), ")"),
-             Age(n.last_heartbeat_age_ms())});
+             Age(n.last_heartbeat_age_ms()), absl::StrCat(n.rank_restarts())});
       }
     }
     if (rows.size() == 1) {

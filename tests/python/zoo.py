@@ -225,7 +225,12 @@ class Bf16(Accumulate):
     """CPU autocast to bfloat16 around the forward (parameters and gradients stay float32), one
     micro-batch, AdamW."""
     name, micro, autocast = "bf16", 1, torch.bfloat16
-    tolerance = 1e-3  # bf16 products: a rounding difference is 2^-8 of a term
+    # bf16 products: a rounding difference is 2^-8 of a term. SFB rebuilds a weight's gradient
+    # in float32 from its factors where autocast's backward rounds it to bfloat16 (up to 2^-8
+    # relative a step), and AdamW's normalisation carries that into every update: 20 steps of
+    # that differ by ~1e-2 from DDP and from one process (measured 9.1e-3 at fc1.weight, 2
+    # workers, auto, on an AMD EPYC host; the earlier hosts stayed within 3x DDP's own 2.4e-3).
+    tolerance = 1.5e-2
 
     def model(self, seed):
         torch.manual_seed(seed)
