@@ -964,7 +964,8 @@ absl::Status Agent::ConnectServers() {
     v1::RegisterTablesRequest& r = requests[s];
     r.set_num_workers(config_.world_size);
     r.set_average_gradients(server_rule_.rule != 0);
-    r.set_rejoin_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(config_.rejoin_timeout)));
+    r.set_rejoin_timeout_ms(
+        static_cast<uint32_t>(absl::ToInt64Milliseconds(config_.rejoin_timeout)));
     if (replicas > 0) {
       for (const auto& address : replication_servers_) r.add_servers(address);
       r.set_server_index(s);
@@ -1562,8 +1563,6 @@ void Agent::CheckLostMembers() {
     std::lock_guard<std::mutex> lock(lost_mu_);
     lost = lost_;
   }
-  // With replicas, a lost server's keys go on at its backups (Replication::Failover): only what
-  // failover cannot survive ends the job.
   // A dead rank may be restarted and rejoin (--rejoin_timeout): waited for that long.
   if (config_.rejoin_timeout > absl::ZeroDuration()) {
     std::erase_if(lost, [this](const v1::LostMember& m) {
@@ -1579,6 +1578,8 @@ void Agent::CheckLostMembers() {
       return true;
     });
   }
+  // With replicas, a lost server's keys go on at its backups (Replication::Failover): only what
+  // failover cannot survive ends the job.
   if (env_.replication.replicas > 0) {
     std::erase_if(lost, [this](const v1::LostMember& m) {
       if (m.role() != v1::NODE_ROLE_SERVER) return false;

@@ -602,7 +602,8 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
     if (old.rejoin_timeout_ms() != spec.rejoin_timeout_ms()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "job ", job_id, " is registered with a rejoin timeout of ", old.rejoin_timeout_ms(),
-          " ms, not ", spec.rejoin_timeout_ms(), " (every rank's agent needs the same --rejoin_timeout)"));
+          " ms, not ", spec.rejoin_timeout_ms(),
+          " (every rank's agent needs the same --rejoin_timeout)"));
     }
     if (old.num_workers() != spec.num_workers()) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is registered with ",

@@ -423,10 +423,11 @@ def main(argv=None):
                         failed = f"{p.name} failed with exit code {code}"
                         break
                 if args.rejoin and not failed:
-                    # A rank whose agent died while it ran fails with it.
+                    # A rank whose agent died while it ran fails with it (an agent exits 0 once
+                    # its worker detached, which may still be exiting).
                     for local, p in enumerate(agents):
                         code = p.proc.poll()
-                        if code is not None and workers[local].proc.poll() is None:
+                        if code not in (None, 0) and workers[local].proc.poll() is None:
                             failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
                             break
                 if failed and args.rejoin and restart < args.max_restarts:
