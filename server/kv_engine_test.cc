@@ -50,6 +50,15 @@ std::vector<float> Grad(uint32_t rank, uint64_t clock, uint64_t key, size_t n) {
   return g;
 }
 
+// Two ranks of a sum-rule key with a rejoin timeout; rank 1 keeps alive (a PING), both push
+// clock 1, rank 0 pushes clock 2 and waits for it (`waiting`, into `out`) while rank 1 says
+// nothing more.
+struct SilentRank {
+  std::shared_ptr<KvClient> c0, c1;
+  std::unique_ptr<std::vector<float>> out = std::make_unique<std::vector<float>>(4);
+  Ticket waiting{};
+};
+
 class KvServerTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(EngineOptions{}); }
@@ -94,6 +103,29 @@ class KvServerTest : public ::testing::Test {
     }
     return s;
   }
+
+  SilentRank StartWithASilentRank(absl::Duration peer_timeout, uint32_t rejoin_ms) {
+    TearDown();
+    KvServiceOptions service;
+    service.peer_timeout = peer_timeout;
+    Start(EngineOptions{}, service);
+    SilentRank job;
+    job.c0 = Client(0);
+    job.c1 = Client(1);
+    v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
+    spec.set_rejoin_timeout_ms(rejoin_ms);
+    EXPECT_TRUE(job.c0->RegisterTables(spec, kWaitForSetUp).ok());
+    const std::vector<float> g(4, 1.0f);
+    EXPECT_TRUE(job.c1->Wait(job.c1->Ping(), kWaitForSetUp).ok());  // rank 1 keeps alive
+    for (auto* c : {job.c0.get(), job.c1.get()}) {
+      EXPECT_TRUE(c->Wait(c->Push(100, 1, g), kWaitForSetUp).ok());
+    }
+    EXPECT_TRUE(job.c0->Wait(job.c0->Pull(100, 1, *job.out), kWaitForSetUp).ok());
+    EXPECT_TRUE(job.c0->Wait(job.c0->Push(100, 2, g), kWaitForSetUp).ok());
+    job.waiting = job.c0->Pull(100, 2, *job.out, absl::Seconds(30));
+    return job;
+  }
+  static constexpr absl::Duration kWaitForSetUp = absl::Seconds(30);
 
   std::shared_ptr<transport::Context> ctx_;
   std::shared_ptr<KvEngine> engine_;
@@ -644,52 +676,24 @@ TEST_F(KvServerTest, ASilentRankThatKeepsAliveIsNamedAndTakenBackWhenItSpeaks) {
 // With a rejoin timeout a silent rank (frozen: its connections stay open) is waited for as a
 // closed one: a replacement that pushes completes the clock; if none comes, it is named.
 TEST_F(KvServerTest, ASilentRankIsWaitedForItsRejoinTimeoutAndItsReplacementCompletesTheClock) {
-  TearDown();
-  KvServiceOptions service;
-  service.peer_timeout = absl::Milliseconds(200);
-  Start(EngineOptions{}, service);
-  auto c0 = Client(0);
-  auto c1 = Client(1);
-  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
-  spec.set_rejoin_timeout_ms(60'000);
-  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
-  std::vector<float> g(4, 1.0f), out(4);
-  ASSERT_TRUE(c1->Wait(c1->Ping(), kWait).ok());  // rank 1 keeps alive
-  ASSERT_TRUE(c0->Wait(c0->Push(100, 1, g), kWait).ok());
-  ASSERT_TRUE(c1->Wait(c1->Push(100, 1, g), kWait).ok());
-  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
-  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
-  const Ticket waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  SilentRank job = StartWithASilentRank(absl::Milliseconds(200), 60'000);
   absl::SleepFor(absl::Milliseconds(300));
   service_->CheckSilence();  // silent: waited for, nothing fails
   service_->CheckSilence();
-  EXPECT_EQ(c0->Wait(waiting, absl::Milliseconds(200)).code(),
+  EXPECT_EQ(job.c0->Wait(job.waiting, absl::Milliseconds(200)).code(),
             absl::StatusCode::kDeadlineExceeded);
   // Its replacement (rank 1 again, on a new connection) pushes: the clock completes.
   auto replacement = Client(1);
+  const std::vector<float> g(4, 1.0f);
   ASSERT_TRUE(replacement->Wait(replacement->Push(100, 2, g), kWait).ok());
-  ASSERT_TRUE(c0->Wait(waiting, kWait).ok());
-  EXPECT_EQ(out, std::vector<float>(4, 2.0f));
+  ASSERT_TRUE(job.c0->Wait(job.waiting, kWait).ok());
+  EXPECT_EQ(*job.out, std::vector<float>(4, 2.0f));
   replacement->Close();
 }
 
 TEST_F(KvServerTest, ASilentRankThatNobodyReplacesIsNamedOnceItsRejoinTimeoutIsOver) {
-  TearDown();
-  KvServiceOptions service;
-  service.peer_timeout = absl::Milliseconds(100);
-  Start(EngineOptions{}, service);
-  auto c0 = Client(0);
-  auto c1 = Client(1);
-  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
-  spec.set_rejoin_timeout_ms(300);
-  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
-  std::vector<float> g(4, 1.0f), out(4);
-  ASSERT_TRUE(c1->Wait(c1->Ping(), kWait).ok());
-  for (auto* c : {c0.get(), c1.get()}) ASSERT_TRUE(c->Wait(c->Push(100, 1, g), kWait).ok());
-  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
-  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g), kWait).ok());
-  const Ticket waiting = c0->Pull(100, 2, out, absl::Seconds(30));
-  const absl::Status s = WaitCheckingSilence(*c0, waiting);
+  SilentRank job = StartWithASilentRank(absl::Milliseconds(100), 300);
+  const absl::Status s = WaitCheckingSilence(*job.c0, job.waiting);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_NE(s.message().find("rank 1 (127.0.0.1:"), std::string::npos) << s;
   EXPECT_NE(s.message().find("is silent"), std::string::npos) << s;
