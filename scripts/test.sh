@@ -27,13 +27,15 @@ if [[ "${POSEIDON_SKIP_TSAN:-0}" != 1 && $# -eq 0 ]]; then
   TSAN_TARGETS=(agent_unit_test agent_telemetry_reporter_test server_unit_test
     server_multiprocess_test kv_test_client transport_unit_test transport_conformance_test
     transport_tls_test
-    agent_e2e_test poseidon-agent poseidon-server poseidon-synth poseidon-coordinator)
+    agent_e2e_test poseidon-agent poseidon-server poseidon-synth poseidon-coordinator poseidon)
   # The RDMA backend's tests carry the transport label too: built where libibverbs is (every
-  # test labelled below must be built, or ctest reports it "Not Run").
+  # test labelled below must be built, or ctest reports it "Not Run"); ops_rdma_fabric runs the
+  # daemons on the test provider's libibverbs.so.1 (poseidon_fake_ibverbs).
   # (The target list is read whole first: under pipefail, `ninja ... | grep -q` fails whenever
   # grep exits before ninja has written everything and ninja dies of SIGPIPE.)
   ALL_TSAN_TARGETS=$(ninja -C "$TSAN_BUILD" -t targets all)
-  for t in transport_rdma_test transport_set_test transport_conformance_rdma_hw; do
+  for t in transport_rdma_test transport_set_test transport_conformance_rdma_hw \
+           poseidon_fake_ibverbs; do
     if grep -q "^$t:" <<<"$ALL_TSAN_TARGETS"; then TSAN_TARGETS+=("$t"); fi
   done
   cmake --build "$TSAN_BUILD" -j "${JOBS:-2}" --target "${TSAN_TARGETS[@]}"

@@ -409,6 +409,11 @@ absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& contex
   if (auto s = AuthenticateClient(*conn, job_id, rank, std::move(secret), remaining); !s.ok()) {
     return s;
   }
+  if (auto s = (*conn)->WaitEstablished(std::max(deadline - absl::Now(), absl::Milliseconds(1)));
+      !s.ok()) {
+    (*conn)->Close();
+    return s;
+  }
   return conn;
 }
 

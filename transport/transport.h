@@ -75,6 +75,13 @@ class Connection {
   // reason and closes. For peers that broke the protocol or failed authentication.
   virtual void Abort(const absl::Status& reason) = 0;
 
+  // Waits at most `timeout` until the connection's own path has carried a message to the peer,
+  // and says why not if it cannot: for RDMA, the queue pair set up after the handshake (two
+  // devices that cannot reach each other fail here, so that a caller holding the peer's TCP
+  // endpoint too can fall back to it before sending anything). TCP and in-process connections
+  // are established when connected: OK at once. ConnectAuthenticated calls it.
+  virtual absl::Status WaitEstablished(absl::Duration /*timeout*/) { return absl::OkStatus(); }
+
   // "host:port" (TCP) or the listener name (in-process).
   virtual std::string PeerAddress() const = 0;
   virtual ConnectionStats Stats() const = 0;

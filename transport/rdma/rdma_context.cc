@@ -24,11 +24,13 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <utility>
@@ -570,6 +572,17 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
   }
   std::string PeerAddress() const { return peer_; }
   ConnectionStats Stats() const { return counters_.Snapshot(); }
+  // Connection::WaitEstablished: until BecomeRdma (the client's probe acknowledged) or DoClose.
+  absl::Status WaitEstablished(absl::Duration timeout) {
+    std::unique_lock<std::mutex> lock(established_mu_);
+    if (!established_cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                                  [&] { return established_.has_value(); })) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "RDMA connection to ", peer_, " not established within ", absl::FormatDuration(timeout),
+          " (its queue pair carried no message)"));
+    }
+    return *established_;
+  }
 
   void OnCompletions() override {
     if (cq_ == nullptr) return;
@@ -1276,6 +1289,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
       ready_->set_value(closed);
       ready_.reset();
     }
+    SetEstablished(reason.ok() ? closed : absl::Status(reason.code(), std::string(reason.message())));
   }
 
   void MaybeCloseAbandoned() {
@@ -1516,7 +1530,7 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
   void OnSetupStep(uint64_t step, std::span<const std::byte> body) {
     if (closed_) return;
     if (step == 3) {  // client: the server's queue pair is ready to receive
-      BecomeRdma();
+      ProbePath();
       return;
     }
     auto info = DecodeInfo(body);
@@ -1538,7 +1552,35 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
     BecomeRdma();
   }
 
+  // The client's last set-up step: one SEND on the new queue pair (an ack that carries nothing),
+  // whose completion means the server's HCA acknowledged it (a reliable connection). Only then is
+  // the connection RDMA: two devices that cannot reach each other (not on one fabric) fail here,
+  // with "transport retry counter exceeded", so that Connect fails and a caller that also has the
+  // peer's TCP endpoint falls back to it (agent/connect_fallback.h) rather than its first frame
+  // failing later. The server is already receiving: it became RDMA before it sent step 3.
+  void ProbePath() {
+    const int slot = free_send_slots_.back();
+    free_send_slots_.pop_back();
+    WriteMsgHeader(send_pool_->data() + static_cast<size_t>(slot) * slot_bytes_, kAck);
+    send_use_[static_cast<size_t>(slot)].done = [self = shared_from_this()](absl::Status s) {
+      if (!s.ok()) return;  // the connection has failed, and Connect with it (DoClose)
+      self->Post([self] {
+        if (!self->closed_) self->BecomeRdma();
+      });
+    };
+    PostSend(slot, kMsgHeaderBytes);
+  }
+
+  void SetEstablished(const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(established_mu_);
+      if (!established_) established_ = status;
+    }
+    established_cv_.notify_all();
+  }
+
   void BecomeRdma() {
+    SetEstablished(absl::OkStatus());
     state_ = State::kRdma;
     ArmSideRead(absl::InfiniteDuration());
     if (ready_) {
@@ -1679,6 +1721,10 @@ class RdmaConn final : public CqOwner, public std::enable_shared_from_this<RdmaC
   bool side_read_armed_ = false;
   uint64_t expected_step_ = 0;
   std::shared_ptr<std::promise<absl::Status>> ready_;
+  // WaitEstablished's answer (set once, on the progress thread; read by the caller's thread).
+  std::mutex established_mu_;
+  std::condition_variable established_cv_;
+  std::optional<absl::Status> established_;
 
   // Verbs resources.
   ibv_cq* cq_ = nullptr;
@@ -1751,6 +1797,9 @@ class RdmaConnection final : public Connection {
   void DiscardPayload(DoneCallback done) override { st_->DiscardPayload(std::move(done)); }
   void Close() override { st_->Close(); }
   void Abort(const absl::Status& reason) override { st_->Abort(reason); }
+  absl::Status WaitEstablished(absl::Duration timeout) override {
+    return st_->WaitEstablished(timeout);
+  }
   std::string PeerAddress() const override { return st_->PeerAddress(); }
   ConnectionStats Stats() const override { return st_->Stats(); }
 

@@ -222,6 +222,43 @@ TEST_F(RdmaTest, NoQueuePairBeforeTheHandshakeProvedThePeer) {
   server->Stop();
 }
 
+// Two devices that cannot reach each other (not on one fabric) set up their queue pairs fine: the
+// first SEND is what fails. ConnectAuthenticated waits for the client's first SEND to be
+// acknowledged (Connection::WaitEstablished), so the failure is the connect's, with the verbs
+// status, and a caller holding the peer's TCP endpoint can fall back before sending anything.
+TEST_F(RdmaTest, AConnectWhoseQueuePairCannotCarryAMessageFailsWithTheVerbsStatus) {
+  ASSERT_NO_FATAL_FAILURE(Start(RdmaOptions{}));
+  auto secrets = std::make_shared<SecretStore>();
+  secrets->Set(1, "right");
+  class Drop : public FrameHandler {
+   public:
+    absl::StatusOr<PayloadTarget> OnHeader(const std::shared_ptr<PeerSession>&,
+                                           const FrameHeader&) override {
+      return PayloadTarget::Discard();
+    }
+    void OnFrame(const std::shared_ptr<PeerSession>&, const FrameHeader&, MutableBuffer) override {}
+  };
+  auto server = std::make_shared<FrameServer>(listener_, secrets, std::make_shared<Drop>());
+  server->Start();
+  fv::InjectFault(fv::Fault::kRnrRetryExceeded, fv::WorkKind::kSend);  // the very first SEND
+  auto broken = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, RankKey("right", 1, 2),
+                                     absl::Seconds(10));
+  EXPECT_TRUE(fv::FaultFired());
+  ASSERT_FALSE(broken.ok()) << "connected over a queue pair that carried nothing";
+  EXPECT_EQ(broken.status().code(), absl::StatusCode::kUnavailable) << broken.status();
+  EXPECT_NE(broken.status().message().find("RNR retry counter exceeded"), std::string::npos)
+      << broken.status();
+  // The fault was that connection's: the next one is established and carries frames.
+  auto good = ConnectAuthenticated(*ctx_, server->Address(), 1, 2, RankKey("right", 1, 2),
+                                   absl::Seconds(10));
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_TRUE((*good)->WaitEstablished(absl::Seconds(1)).ok());
+  auto p = Pattern(64, 3);
+  auto sent = SendLater(**good, DataHeader(1, p.size()), {p});
+  EXPECT_TRUE(Await(sent, "a frame on the good connection").value_or(absl::UnknownError("none")).ok());
+  server->Stop();
+}
+
 TEST_F(RdmaTest, RnrRetryExceededFailsTheConnectionAtBothEnds) {
   ASSERT_NO_FATAL_FAILURE(Start(AtConnect()));
   auto [client, server] = Pair();
