@@ -35,7 +35,7 @@ if [[ "${POSEIDON_SKIP_TSAN:-0}" != 1 && $# -eq 0 ]]; then
   # grep exits before ninja has written everything and ninja dies of SIGPIPE.)
   ALL_TSAN_TARGETS=$(ninja -C "$TSAN_BUILD" -t targets all)
   for t in transport_rdma_test transport_set_test transport_conformance_rdma_hw \
-           poseidon_fake_ibverbs; do
+           poseidon_fake_ibverbs transport_fake_verbs_process_test fake_verbs_peer; do
     if grep -q "^$t:" <<<"$ALL_TSAN_TARGETS"; then TSAN_TARGETS+=("$t"); fi
   done
   cmake --build "$TSAN_BUILD" -j "${JOBS:-2}" --target "${TSAN_TARGETS[@]}"
