@@ -44,6 +44,7 @@ struct CoordinatorConfig {
   std::string fusion = "cost";
   std::string lossy_wire = "none";
   int64_t lowrank_rank = 0;
+  std::string lowrank_layers;  // "fc6.weight=4,conv1.weight=0"
   bool allreduce_by_cost = false;
   double replan_threshold = 0.2;
   absl::Duration replan_min_interval = absl::Seconds(10);
@@ -125,6 +126,10 @@ ConfigSchema<CoordinatorConfig> Schema() {
              "all-reduce layer's 2-D gradient as rank-r factors where the cost model says it "
              "pays (lossy, error feedback; docs/planner.md, Low rank)",
              InRange<int64_t>(0, 1024))
+      .Field("plan_lowrank_layers", &C::lowrank_layers,
+             "per-layer low-rank overrides, 'fc6.weight=4,conv1.weight=0': r sends that layer by "
+             "all-reduce at rank r whatever the cost (a 2-D tensor r shrinks; lossy), 0 keeps it "
+             "off low rank whatever --plan_lowrank_rank allows (docs/planner.md, Low rank)")
       .Field("allreduce_by_cost", &C::allreduce_by_cost,
              "let the time rule put layers on ring all-reduce from the agents' measured ring "
              "step (off: only --scheme=allreduce and overrides use it; docs/planner.md)")
@@ -255,6 +260,12 @@ int Main(int argc, char** argv) {
   registry.fusion = config.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
   registry.lossy_wire = *planner::ParseWireType(config.lossy_wire);  // checked by OneOf
   registry.lowrank_rank = static_cast<uint32_t>(config.lowrank_rank);
+  absl::StatusOr<std::map<std::string, uint32_t, std::less<>>> lowrank_layers =
+      planner::ParseLowRankOverrides(config.lowrank_layers);
+  if (!lowrank_layers.ok()) {
+    return Refuse(absl::StrCat("--plan_lowrank_layers: ", lowrank_layers.status().message()));
+  }
+  registry.lowrank_overrides = *std::move(lowrank_layers);
   registry.allreduce_by_cost = config.allreduce_by_cost;
   registry.replan_threshold = config.replan_threshold;
   registry.plan_lead_iterations = static_cast<uint64_t>(config.plan_lead);

@@ -742,6 +742,7 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.fusion = options_.fusion;
   config.lossy_wire = options_.lossy_wire;
   config.lowrank_rank = options_.lowrank_rank;
+  config.lowrank_overrides = options_.lowrank_overrides;
   config.allreduce = job.model->allreduce;
   if (options_.allreduce_by_cost) config.allreduce_step_seconds = AllreduceStep(job);
   config.job_id = job.id;

@@ -57,6 +57,9 @@ struct RegistryOptions {
   // The low rank an all-reduce layer may be sent at where it pays (PlannerConfig::lowrank_rank;
   // 0: none).
   uint32_t lowrank_rank = 0;
+  // Per-layer ranks forced instead of the rule's (PlannerConfig::lowrank_overrides): r > 0 that
+  // layer by all-reduce at rank r, 0 never low rank. A name the job's model lacks fails its plan.
+  std::map<std::string, uint32_t, std::less<>> lowrank_overrides;
   // The time rule may choose ring all-reduce (from the agents' measured step); off, only
   // --scheme=allreduce and operator overrides put layers on it.
   bool allreduce_by_cost = false;

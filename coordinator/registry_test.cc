@@ -972,6 +972,7 @@ TEST_F(PlanChangeTest, TheFirstPlanUsesFreshCapacitySamples) {
 class RingPlanTest : public RegistryTelemetryTest {
  protected:
   explicit RingPlanTest(bool by_cost = true) : RegistryTelemetryTest(RingOptions(by_cost)) {}
+  explicit RingPlanTest(RegistryOptions options) : RegistryTelemetryTest(std::move(options)) {}
 
   static RegistryOptions RingOptions(bool by_cost) {
     RegistryOptions options = Options();
@@ -1057,6 +1058,35 @@ TEST_F(RingPlanOffTest, WithoutAllreduceByCostOnlyAnOverridePutsALayerOnTheRing)
   v1::SetLayerSchemesResponse response;
   ASSERT_TRUE(registry_.SetLayerSchemes(job_, request, now_, &response).ok());
   EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+}
+
+// --plan_lowrank_layers: the coordinator's per-layer rank is in the job's plan from the first
+// epoch, by all-reduce (which the coordinator's default rule never chooses by itself).
+class RingLowRankOverrideTest : public RingPlanTest {
+ protected:
+  RingLowRankOverrideTest() : RingPlanTest(Overridden()) {}
+  static RegistryOptions Overridden() {
+    RegistryOptions options = RingOptions(/*by_cost=*/false);
+    options.lowrank_overrides = {{"conv.weight", 4}};
+    return options;
+  }
+};
+
+TEST_F(RingLowRankOverrideTest, APerLayerRankIsInEveryPlanOfTheJob) {
+  FormRingJob(/*allreduce=*/true);
+  ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(0).lowrank_rank(), 4u);
+  // An operator moving the layer to PS contradicts the setting: refused, naming why; the plan
+  // stays.
+  v1::SetLayerSchemesRequest request;
+  (*request.mutable_schemes())["conv.weight"] = v1::SYNC_SCHEME_PS;
+  v1::SetLayerSchemesResponse response;
+  const absl::Status moved = registry_.SetLayerSchemes(job_, request, now_, &response);
+  EXPECT_FALSE(moved.ok());
+  EXPECT_NE(moved.message().find("low rank goes by all-reduce"), std::string::npos) << moved;
+  EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(0).lowrank_rank(), 4u);
 }
 
 TEST_F(RingPlanTest, ASlowRingKeepsThePlan) {

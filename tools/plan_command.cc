@@ -35,6 +35,7 @@ struct PlanFlags {
   std::string lossy_wire = "none";
   int64_t lowrank_rank = 0;
   std::string wire;  // "layer=bf16,other=fp32"
+  std::string lowrank;  // "layer=4,other=0"
   bool json = false;
 };
 
@@ -78,6 +79,9 @@ ConfigSchema<PlanFlags> PlanFlagsSchema() {
       .Field("wire", &PlanFlags::wire,
              "per-layer wire overrides, 'fc6.weight=bf16,conv1.weight=fp32' (fp32 keeps a layer "
              "exact; bf16/fp16 puts a PS or all-reduce layer on that wire whatever the cost)")
+      .Field("lowrank", &PlanFlags::lowrank,
+             "per-layer low-rank overrides, 'fc6.weight=4,conv1.weight=0' (r: that layer by "
+             "all-reduce at rank r whatever the cost; 0: never low rank)")
       .Field("json", &PlanFlags::json, "print JSON instead of a table");
   return schema;
 }
@@ -135,6 +139,10 @@ int RunPlanCommand(const std::vector<std::string>& args) {
     }
     config.wire_overrides[std::string(kv.first)] = *wire;
   }
+  absl::StatusOr<std::map<std::string, uint32_t, std::less<>>> lowrank =
+      planner::ParseLowRankOverrides(flags.lowrank);
+  if (!lowrank.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--lowrank: ", lowrank.status().message())));
+  config.lowrank_overrides = *std::move(lowrank);
   if (absl::AsciiStrToLower(flags.gpu) != "none") {
     absl::StatusOr<planner::GpuRate> gpu = planner::ParseGpuRate(flags.gpu);
     if (!gpu.ok()) return Fail(gpu.status());

@@ -261,7 +261,8 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
                         : "-");
       const bool low = layer.cost.lowrank > 0 &&
                        layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE;
-      row.push_back(low ? absl::StrCat(layer.cost.lowrank) : "-");
+      row.push_back(absl::StrCat(low ? absl::StrCat(layer.cost.lowrank) : "-",
+                                 layer.lowrank_overridden ? "*" : ""));
     }
     row.push_back(absl::StrCat(layer.chunks));
     row.push_back(Millis(layer.seconds));
@@ -307,9 +308,13 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
   }
   if (lowrank_column) {
     absl::StrAppend(&out, "lowrank  ", report.lowrank_layers, " of ", model.layers_size(),
-                    " layers at rank ", config.lowrank_rank,
-                    " (AR-LR, PowerSGD: where it predicts less time than the all-reduce, "
-                    "arithmetic included)\n");
+                    " layers at low rank (AR-LR, PowerSGD: ",
+                    config.lowrank_rank > 0
+                        ? absl::StrCat("at rank ", config.lowrank_rank,
+                                       " where it predicts less time than the all-reduce, "
+                                       "arithmetic included")
+                        : std::string("the job allows none"),
+                    config.lowrank_overrides.empty() ? "" : "; * an operator's override", ")\n");
   }
   if (!report.server_bytes.empty()) {
     const auto [min, max] =
@@ -444,6 +449,8 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
     }
     w.Key("lowrank_rank");
     w.Unsigned(layer.cost.lowrank);
+    w.Key("lowrank_overridden");
+    w.Bool(layer.lowrank_overridden);
     w.Key("wire");
     w.String(planner::WireTypeName(layer.cost.wire));
     w.Key("sync_seconds");

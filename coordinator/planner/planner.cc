@@ -5,7 +5,10 @@
 #include <limits>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/lowrank_shape.h"
 #include "common/status.h"
 #include "coordinator/planner/model_spec.h"
@@ -16,6 +19,21 @@ namespace poseidon::planner {
 
 using poseidon::v1::LayerSpec;
 using poseidon::v1::ModelSpec;
+
+absl::StatusOr<std::map<std::string, uint32_t, std::less<>>> ParseLowRankOverrides(
+    absl::string_view text) {
+  std::map<std::string, uint32_t, std::less<>> out;
+  for (absl::string_view entry : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(entry, '=');
+    uint32_t rank = 0;
+    if (kv.first.empty() || !absl::SimpleAtoi(kv.second, &rank) || rank > 1024) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "low-rank override '", entry, "' is not LAYER=RANK with RANK 0 (never) to 1024"));
+    }
+    out[std::string(kv.first)] = rank;
+  }
+  return out;
+}
 
 absl::Status ValidatePlannerConfig(const PlannerConfig& config) {
   if (config.workers < 1 || config.workers > kMaxWorkers) {
@@ -206,6 +224,44 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     }
   }
 
+  for (const auto& [name, rank] : config.lowrank_overrides) {
+    const auto layer = std::find_if(model.layers().begin(), model.layers().end(),
+                                    [&name = name](const LayerSpec& spec) {
+                                      return spec.name() == name;
+                                    });
+    const std::string what = absl::StrCat("low-rank override for layer '", name, "': ");
+    if (layer == model.layers().end()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "the model has no such layer"));
+    }
+    if (rank > 1024) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "the rank must be 0 to 1024, got ", rank));
+    }
+    if (rank == 0) continue;  // kept off low rank: always possible
+    if (config.workers < 2 || !config.allreduce) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, "low rank goes by all-reduce, which needs at least 2 workers and all-reduce "
+                "enabled"));
+    }
+    const std::vector<uint64_t> shape(layer->shape().begin(), layer->shape().end());
+    if (!LowRankPays(shape, rank, nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, "rank ", rank, " does not shrink its tensor of shape [", absl::StrJoin(shape, ", "),
+          "] (it needs 2 or more dimensions, the rank below both sides of its matrix, and "
+          "(rows + cols) x rank below rows x cols)"));
+    }
+    if (const auto scheme = config.scheme_overrides.find(name);
+        scheme != config.scheme_overrides.end() &&
+        scheme->second != poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, "low rank goes by all-reduce, and the layer's scheme is forced to ",
+          poseidon::v1::SyncScheme_Name(scheme->second)));
+    }
+    if (config.wire_overrides.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, "a low-rank layer sends float32 factors; it cannot have a wire override too"));
+    }
+  }
+
   for (const auto& [name, wire] : config.wire_overrides) {
     if (std::none_of(model.layers().begin(), model.layers().end(),
                      [&name = name](const LayerSpec& spec) { return spec.name() == name; })) {
@@ -278,6 +334,8 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       }
     }
     if (!config.allreduce) layer.cost.allreduce_bytes.reset();
+    const auto forced_rank = config.lowrank_overrides.find(spec.name());
+    const bool rank_forced = forced_rank != config.lowrank_overrides.end();
     // The wire an all-reduce layer would use (AR-16 where it pays, or the override's); a layer
     // with fewer elements than workers stays float32 (the agents' shards would be empty).
     poseidon::v1::ElementType allreduce_wire = poseidon::v1::ELEMENT_TYPE_F32;
@@ -299,13 +357,13 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
         }
       }
       // AR-LR: both factors' all-reduces and the arithmetic; not for a layer kept exact by its
-      // wire override.
+      // wire override. A low-rank override's rank instead of the job's, chosen whatever the cost.
       LowRankShape view;
       const bool kept_exact = layer.wire_overridden && !IsLossyWire(lossy);
-      if (config.lowrank_rank > 0 && !kept_exact &&
-          LowRankPays(layer.shape, config.lowrank_rank, &view) &&
+      const uint32_t rank = rank_forced ? forced_rank->second : config.lowrank_rank;
+      if (rank > 0 && !kept_exact && LowRankPays(layer.shape, rank, &view) &&
           view.rows * view.cols == layer.cost.parameters) {
-        const uint64_t p = view.rows * config.lowrank_rank, q = view.cols * config.lowrank_rank;
+        const uint64_t p = view.rows * rank, q = view.cols * rank;
         const SchemeVolume vp = ScaleVolume(AllreduceElements(p, cluster), sizeof(float));
         const SchemeVolume vq = ScaleVolume(AllreduceElements(q, cluster), sizeof(float));
         layer.cost.allreduce_lowrank_bytes =
@@ -314,9 +372,9 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
         layer.allreduce_lowrank_seconds = LowRankSeconds(*layer.cost.allreduce_lowrank_bytes,
                                                          layer.cost.parameters, config.workers,
                                                          network, step);
-        if (*layer.allreduce_lowrank_seconds < allreduce_best) {
+        if (rank_forced || *layer.allreduce_lowrank_seconds < allreduce_best) {
           // The rank it goes at when on all-reduce, whatever scheme wins (LayerPlan.lowrank_rank).
-          layer.cost.lowrank = config.lowrank_rank;
+          layer.cost.lowrank = rank;
           allreduce_best = *layer.allreduce_lowrank_seconds;
         }
       }
@@ -332,6 +390,10 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
         forced != config.scheme_overrides.end()) {
       layer.cost.scheme = forced->second;  // checked above: PS, all-reduce, or SFB for FC
       layer.overridden = true;
+    }
+    if (rank_forced) {
+      layer.lowrank_overridden = true;
+      if (layer.cost.lowrank > 0) layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
     }
     // Only a PS or all-reduce layer is on a lossy wire (an SFB layer stays exact).
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) layer.cost.wire = ps_wire;

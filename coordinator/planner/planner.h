@@ -38,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "coordinator/planner/cost_model.h"
 #include "coordinator/planner/fusion.h"
 #include "coordinator/planner/time_model.h"
@@ -114,6 +115,13 @@ struct PlannerConfig {
   // where its predicted time, arithmetic included, is lower than the all-reduce's otherwise;
   // 0, the default: never. A layer with a wire override of F32 stays exact.
   uint32_t lowrank_rank = 0;
+  // Layer name -> the rank forced instead of the rule's choice (an operator's per-layer say):
+  // r > 0 (to 1024) sends that layer by all-reduce at rank r whatever the cost (it must be a
+  // tensor r shrinks, common/lowrank_shape.h, with all-reduce possible, and no scheme override
+  // other than all-reduce nor a wire override on it); 0 keeps it off low rank whatever
+  // lowrank_rank allows. Anything else is an error naming the layer (ParseLowRankOverrides
+  // reads "fc6.weight=4,conv1.weight=0").
+  std::map<std::string, uint32_t, std::less<>> lowrank_overrides;
 
   // Copied into the Plan.
   std::string job_id;
@@ -123,6 +131,11 @@ struct PlannerConfig {
   // Plan.servers' node ids: empty for "server-0" .. "server-<P2-1>", else exactly P2 entries.
   std::vector<std::string> server_node_ids;
 };
+
+// "LAYER=R,LAYER=R" (R: 0 to 1024) into PlannerConfig::lowrank_overrides; an error quoting the
+// entry that is not of that form. BuildPlan checks the layers.
+absl::StatusOr<std::map<std::string, uint32_t, std::less<>>> ParseLowRankOverrides(
+    absl::string_view text);
 
 // Checks P1, P2 in [1, 65536], K <= 2^20, bandwidth > 0, latency >= 0, block_bytes >= 1, the GPU
 // rate > 0 and server_node_ids; errors name the field.
@@ -147,6 +160,7 @@ struct LayerReport {
   // all-reduce, or a tensor the rank does not shrink.
   std::optional<double> allreduce_lowrank_seconds;
   bool wire_overridden = false;  // the wire came from PlannerConfig::wire_overrides
+  bool lowrank_overridden = false;  // the rank came from PlannerConfig::lowrank_overrides
   double seconds = 0;  // of the chosen scheme
   std::optional<ComputeSeconds> compute;
   uint32_t chunks = 0;      // chunks of the layer in the plan (an SFB layer's are used under PS)

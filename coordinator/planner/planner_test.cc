@@ -810,6 +810,64 @@ TEST(PlannerTest, AllReduceGoesAtLowRankWhereAllowedAndWhereItPays) {
             std::string::npos);
 }
 
+// A low-rank override: at 10 Gbit/s the rule prices the conv weight at rank 4 and keeps it on the
+// float32 ring (above); the override sends it at rank 2 whatever the cost, its predicted time
+// the rank-2 column's. An override of 0 keeps it off low rank where the rule would choose it
+// (1 Gbit/s). Refused, naming the layer: a bias (no matrix), a rank the matrix does not shrink,
+// one worker, a scheme override to PS, a wire override, an unknown layer.
+TEST(PlannerTest, ALowRankOverrideForcesOrForbidsALayersRank) {
+  PlannerConfig config = RingCluster();
+  config.bandwidth_bytes_per_second = 10e9 / 8;
+  config.lowrank_rank = 4;
+  const std::string conv = ConvAndBias().layers(0).name();
+  const std::string bias = ConvAndBias().layers(1).name();
+  config.lowrank_overrides[conv] = 2;
+  const absl::StatusOr<PlanResult> forced = BuildPlan(ConvAndBias(), config);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  const LayerReport& layer = forced->report.layers[0];
+  EXPECT_TRUE(layer.lowrank_overridden);
+  EXPECT_EQ(forced->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(forced->plan.layers(0).lowrank_rank(), 2u);
+  const double factors = 256 * 2 + 4096 * 2;
+  EXPECT_DOUBLE_EQ(layer.cost.allreduce_lowrank_bytes->per_worker, 4.0 * factors * 7 / 8 * 4);
+  EXPECT_DOUBLE_EQ(forced->plan.layers(0).predicted_seconds(), *layer.allreduce_lowrank_seconds);
+  EXPECT_FALSE(forced->report.layers[1].lowrank_overridden);
+  EXPECT_EQ(forced->report.lowrank_layers, 1u);
+
+  PlannerConfig slow = config;
+  slow.bandwidth_bytes_per_second = 1e9 / 8;  // where the rule chooses rank 4 (above)
+  slow.lowrank_overrides[conv] = 0;
+  const absl::StatusOr<PlanResult> kept = BuildPlan(ConvAndBias(), slow);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->plan.layers(0).lowrank_rank(), 0u);
+  EXPECT_FALSE(kept->report.layers[0].allreduce_lowrank_seconds.has_value());
+  EXPECT_EQ(kept->report.lowrank_layers, 0u);
+
+  auto refused = [&](PlannerConfig bad, const std::string& why) {
+    const absl::Status status = BuildPlan(ConvAndBias(), bad).status();
+    EXPECT_FALSE(status.ok()) << why;
+    EXPECT_NE(status.message().find(why), std::string::npos) << status;
+  };
+  PlannerConfig bad = config;
+  bad.lowrank_overrides = {{bias, 2}};
+  refused(bad, "does not shrink its tensor");
+  bad.lowrank_overrides = {{conv, 256}};
+  refused(bad, "rank 256 does not shrink");
+  bad.lowrank_overrides = {{conv, 2000}};
+  refused(bad, "the rank must be 0 to 1024");
+  bad.lowrank_overrides = {{"nope", 2}};
+  refused(bad, "'nope': the model has no such layer");
+  bad = config;
+  bad.workers = 1;
+  refused(bad, "needs at least 2 workers");
+  bad = config;
+  bad.scheme_overrides[conv] = poseidon::v1::SYNC_SCHEME_PS;
+  refused(bad, "the layer's scheme is forced to SYNC_SCHEME_PS");
+  bad = config;
+  bad.wire_overrides[conv] = poseidon::v1::ELEMENT_TYPE_F32;
+  refused(bad, "cannot have a wire override too");
+}
+
 TEST(PlannerTest, ABucketHasOneWire) {
   // Inception-V3's small layers fuse; with every other layer pinned exact no bucket mixes wires.
   const ModelSpec model = Builtin("inception-v3");
