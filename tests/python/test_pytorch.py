@@ -308,12 +308,15 @@ class LossyWire(unittest.TestCase):
         exact all-reduces, the biases exact; the held-out loss after the 300 steps within 1 % of
         the exact run's."""
         exact, _ = self.curve(None)
-        # Forced on every agent, and chosen by the plan (the job allowing rank 4 on a network
-        # the planner assumes slow enough that the factors pay on these small matrices: not
-        # probed, as loopback's speed would make the float32 ring cheaper).
+        # Forced on every agent; chosen by the plan (the job allowing rank 4 on a network the
+        # planner assumes slow enough that the factors pay on these small matrices: not probed,
+        # as loopback's speed would make the float32 ring cheaper); and each layer's rank set by
+        # the coordinator's per-layer override, whatever the cost, the job allowing none.
         for how, args in (("forced", ["--lowrank", "4"]),
                           ("planned", ["--lossy_lowrank", "4", "--bandwidth", "1Mbit",
-                                       "--no-probe"])):
+                                       "--no-probe"]),
+                          ("per layer", ["--lossy_lowrank_layers",
+                                         "0.weight=4,2.weight=4,4.weight=4"])):
             with self.subTest(how=how):
                 got, out = self.curve(["--scheme", "allreduce", *args])
                 self.assertIn("schemes: AR,", out)

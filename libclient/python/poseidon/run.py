@@ -125,6 +125,10 @@ def main(argv=None):
                     help="the job allows low rank R: the planner sends an all-reduce layer's "
                          "2-D gradient as rank-R factors where its cost model says it pays (the "
                          "local coordinator's --plan_lowrank_rank); 0: never")
+    ap.add_argument("--lossy_lowrank_layers", default="", metavar="LAYER=R,...",
+                    help="per-layer low rank, 'fc6.weight=4,conv1.weight=0': R sends that layer "
+                         "by all-reduce at rank R whatever the cost (lossy), 0 keeps it off low "
+                         "rank (the local coordinator's --plan_lowrank_layers)")
     ap.add_argument("--lowrank_warmup", type=int, default=10,
                     help="with --lowrank: exact all-reduces of each layer before the factors")
     ap.add_argument("--bandwidth", default="10Gbit", help="link bandwidth the planner assumes")
@@ -208,6 +212,10 @@ def main(argv=None):
     if joining and args.lossy_lowrank != 0:
         ap.error("--lossy_lowrank is the job's setting on its coordinator (poseidon-coordinator "
                  "--plan_lowrank_rank); joining, the coordinator's plan decides")
+    if joining and args.lossy_lowrank_layers:
+        ap.error("--lossy_lowrank_layers is the job's setting on its coordinator "
+                 "(poseidon-coordinator --plan_lowrank_layers); joining, the coordinator's plan "
+                 "decides")
     if not 0 <= args.lossy_lowrank <= 1024:
         ap.error(f"--lossy_lowrank {args.lossy_lowrank} is out of range (0 to 1024)")
     if not -1 <= args.lowrank <= 1024 or args.lowrank_warmup < 0:
@@ -314,6 +322,8 @@ def main(argv=None):
                                          f"--bandwidth={args.bandwidth}", "--log_level=warn",
                                          f"--plan_lossy_wire={args.lossy_wire}",
                                          f"--plan_lowrank_rank={args.lossy_lowrank}",
+                                         *([f"--plan_lowrank_layers={args.lossy_lowrank_layers}"]
+                                           if args.lossy_lowrank_layers else []),
                                          *(["--allreduce_by_cost"] if args.allreduce == "by-cost"
                                            else [])],
                          env=env_with(job_token=token))
