@@ -14,7 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "transport/rdma/fake_verbs_peer.h"
+
 namespace {
+
+namespace fv = poseidon::transport::fake_verbs;
 
 constexpr int kSlots = 16;
 constexpr size_t kSlotBytes = 4096;
@@ -23,26 +27,6 @@ constexpr size_t kPatternBytes = size_t{1} << 20;
 [[noreturn]] void Die(const char* what) {
   std::fprintf(stderr, "fake_verbs_peer: %s failed\n", what);
   std::exit(2);
-}
-
-std::string Hex(const uint8_t* p, size_t n) {
-  std::string s;
-  char b[3];
-  for (size_t i = 0; i < n; ++i) {
-    std::snprintf(b, sizeof b, "%02x", p[i]);
-    s += b;
-  }
-  return s;
-}
-
-bool Unhex(const char* s, uint8_t* out, size_t n) {
-  if (std::strlen(s) != 2 * n) return false;
-  for (size_t i = 0; i < n; ++i) {
-    unsigned v = 0;
-    if (std::sscanf(s + 2 * i, "%2x", &v) != 1) return false;
-    out[i] = static_cast<uint8_t>(v);
-  }
-  return true;
 }
 
 }  // namespace
@@ -76,14 +60,7 @@ int main() {
   init.cap.max_recv_sge = 1;
   ibv_qp* qp = ibv_create_qp(pd, &init);
   if (qp == nullptr) Die("ibv_create_qp");
-  ibv_qp_attr attr{};
-  attr.qp_state = IBV_QPS_INIT;
-  attr.port_num = 1;
-  attr.qp_access_flags = IBV_ACCESS_REMOTE_READ;
-  if (ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                   IBV_QP_ACCESS_FLAGS) != 0) {
-    Die("INIT");
-  }
+  if (fv::ToInit(qp, IBV_ACCESS_REMOTE_READ) != 0) Die("INIT");
   auto post_recv = [&](int slot) {
     ibv_sge sge{reinterpret_cast<uint64_t>(recv.data() + slot * kSlotBytes),
                 static_cast<uint32_t>(kSlotBytes), recv_mr->lkey};
@@ -97,7 +74,7 @@ int main() {
   for (int i = 0; i < kSlots; ++i) post_recv(i);
   ibv_gid gid{};
   if (ibv_query_gid(ctx, 1, 0, &gid) != 0) Die("ibv_query_gid");
-  std::printf("%u %s %llu %u %zu\n", qp->qp_num, Hex(gid.raw, 16).c_str(),
+  std::printf("%u %s %llu %u %zu\n", qp->qp_num, fv::GidHex(gid).c_str(),
               static_cast<unsigned long long>(reinterpret_cast<uint64_t>(pattern.data())),
               pattern_mr->rkey, pattern.size());
   std::fflush(stdout);
@@ -106,21 +83,8 @@ int main() {
   char peer_gid_hex[64] = {};
   if (std::scanf("%u %63s", &peer_qpn, peer_gid_hex) != 2) return 3;
   ibv_gid peer_gid{};
-  if (!Unhex(peer_gid_hex, peer_gid.raw, 16)) return 3;
-  attr = ibv_qp_attr{};
-  attr.qp_state = IBV_QPS_RTR;
-  attr.path_mtu = IBV_MTU_4096;
-  attr.dest_qp_num = peer_qpn;
-  attr.ah_attr.is_global = 1;
-  attr.ah_attr.grh.dgid = peer_gid;
-  attr.ah_attr.port_num = 1;
-  if (ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN) != 0) {
-    Die("RTR");
-  }
-  attr = ibv_qp_attr{};
-  attr.qp_state = IBV_QPS_RTS;
-  attr.rnr_retry = 7;
-  if (ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_RNR_RETRY) != 0) Die("RTS");
+  if (!fv::ParseGidHex(peer_gid_hex, &peer_gid)) return 3;
+  if (fv::ToRts(qp, peer_qpn, peer_gid) != 0) Die("RTR/RTS");
   std::printf("ready\n");
   std::fflush(stdout);
 

@@ -17,24 +17,18 @@
 #include <thread>
 #include <vector>
 
+#include "transport/rdma/fake_verbs_peer.h"
+
 extern char** environ;
 
 namespace {
+
+namespace fv = poseidon::transport::fake_verbs;
 
 constexpr size_t kBytes = size_t{1} << 20;
 constexpr auto kWait = std::chrono::seconds(20);
 
 uint8_t PatternAt(size_t i) { return static_cast<uint8_t>(i * 7 + 3); }
-
-std::string Hex(const uint8_t* p, size_t n) {
-  std::string s;
-  char b[3];
-  for (size_t i = 0; i < n; ++i) {
-    std::snprintf(b, sizeof b, "%02x", p[i]);
-    s += b;
-  }
-  return s;
-}
 
 class FakeVerbsBetweenProcesses : public ::testing::Test {
  protected:
@@ -90,34 +84,14 @@ class FakeVerbsBetweenProcesses : public ::testing::Test {
     init.cap.max_recv_sge = 1;
     qp_ = ibv_create_qp(pd_, &init);
     ASSERT_NE(qp_, nullptr);
-    ibv_qp_attr attr{};
-    attr.qp_state = IBV_QPS_INIT;
-    attr.port_num = 1;
-    ASSERT_EQ(ibv_modify_qp(qp_, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT), 0);
+    ASSERT_EQ(fv::ToInit(qp_, 0), 0);
     ibv_gid gid{};
     ASSERT_EQ(ibv_query_gid(ctx_, 1, 0, &gid), 0);
-    std::fprintf(to_peer_, "%u %s\n", qp_->qp_num, Hex(gid.raw, 16).c_str());
+    std::fprintf(to_peer_, "%u %s\n", qp_->qp_num, fv::GidHex(gid).c_str());
     std::fflush(to_peer_);
     ibv_gid peer_gid{};
-    for (size_t i = 0; i < 16; ++i) {
-      unsigned v = 0;
-      ASSERT_EQ(std::sscanf(gid_hex + 2 * i, "%2x", &v), 1);
-      peer_gid.raw[i] = static_cast<uint8_t>(v);
-    }
-    attr = ibv_qp_attr{};
-    attr.qp_state = IBV_QPS_RTR;
-    attr.path_mtu = IBV_MTU_4096;
-    attr.dest_qp_num = peer_qpn_;
-    attr.ah_attr.is_global = 1;
-    attr.ah_attr.grh.dgid = peer_gid;
-    attr.ah_attr.port_num = 1;
-    ASSERT_EQ(ibv_modify_qp(qp_, &attr,
-                            IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN),
-              0);
-    attr = ibv_qp_attr{};
-    attr.qp_state = IBV_QPS_RTS;
-    attr.rnr_retry = 7;
-    ASSERT_EQ(ibv_modify_qp(qp_, &attr, IBV_QP_STATE | IBV_QP_RNR_RETRY), 0);
+    ASSERT_TRUE(fv::ParseGidHex(gid_hex, &peer_gid)) << gid_hex;
+    ASSERT_EQ(fv::ToRts(qp_, peer_qpn_, peer_gid), 0);
     char ready[16] = {};
     ASSERT_EQ(std::fscanf(from_peer_, "%15s", ready), 1);
     ASSERT_STREQ(ready, "ready");
@@ -137,30 +111,29 @@ class FakeVerbsBetweenProcesses : public ::testing::Test {
     if (ctx_ != nullptr) ibv_close_device(ctx_);
   }
 
-  void PostRead(uint64_t wr_id, uint64_t offset, uint32_t length, uint32_t rkey) {
+  // A signaled SEND of buffer_[offset, +length), or a READ into it of the peer's region at the
+  // same offset.
+  void Post(ibv_wr_opcode opcode, uint64_t wr_id, uint64_t offset, uint32_t length,
+            uint32_t rkey = 0) {
     ibv_sge sge{reinterpret_cast<uint64_t>(buffer_.data() + offset), length, mr_->lkey};
     ibv_send_wr wr{};
     wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    wr.opcode = IBV_WR_RDMA_READ;
+    wr.opcode = opcode;
     wr.send_flags = IBV_SEND_SIGNALED;
-    wr.wr.rdma.remote_addr = peer_addr_ + offset;
-    wr.wr.rdma.rkey = rkey;
+    if (opcode == IBV_WR_RDMA_READ) {
+      wr.wr.rdma.remote_addr = peer_addr_ + offset;
+      wr.wr.rdma.rkey = rkey;
+    }
     ibv_send_wr* bad = nullptr;
     ASSERT_EQ(ibv_post_send(qp_, &wr, &bad), 0);
   }
-
+  void PostRead(uint64_t wr_id, uint64_t offset, uint32_t length, uint32_t rkey) {
+    Post(IBV_WR_RDMA_READ, wr_id, offset, length, rkey);
+  }
   void PostSend(uint64_t wr_id, uint64_t offset, uint32_t length) {
-    ibv_sge sge{reinterpret_cast<uint64_t>(buffer_.data() + offset), length, mr_->lkey};
-    ibv_send_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    ibv_send_wr* bad = nullptr;
-    ASSERT_EQ(ibv_post_send(qp_, &wr, &bad), 0);
+    Post(IBV_WR_SEND, wr_id, offset, length);
   }
 
   void PostRecv(uint64_t wr_id, uint64_t offset, uint32_t length) {
