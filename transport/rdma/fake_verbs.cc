@@ -265,7 +265,7 @@ ibv_wc MakeWc(uint64_t wr_id, ibv_wc_status status, ibv_wc_opcode opcode, uint32
 void FailWaitingSends(Fabric& f, FakeQp* dest);
 void Answer(const std::shared_ptr<Link>& link, uint64_t id, ibv_wc_status status,
             const char* data = nullptr, uint64_t length = 0);
-bool PostRemote(Fabric& f, FakeQp* qp, ibv_send_wr* wr, bool signaled);
+void PostRemote(Fabric& f, FakeQp* qp, ibv_send_wr* wr, bool signaled);
 
 // The QP enters the error state: posted receives are flushed.
 void SetError(Fabric& f, FakeQp* qp) {
@@ -792,7 +792,7 @@ std::shared_ptr<Link> OutLink(Fabric& f, uint32_t pid) {
 
 // Sends one work request to the destination's process (or flushes it behind the ones out
 // there); its completion comes with the answer.
-bool PostRemote(Fabric& f, FakeQp* qp, ibv_send_wr* wr, bool signaled) {
+void PostRemote(Fabric& f, FakeQp* qp, ibv_send_wr* wr, bool signaled) {
   const bool read = wr->opcode == IBV_WR_RDMA_READ;
   Outstanding o;
   o.id = f.next_request_id++;
@@ -805,7 +805,6 @@ bool PostRemote(Fabric& f, FakeQp* qp, ibv_send_wr* wr, bool signaled) {
     o.status = status;
     qp->outstanding.push_back(std::move(o));
     Release(f, qp);
-    return false;
   };
   if (qp->qp.state == IBV_QPS_ERR) return finish(IBV_WC_WR_FLUSH_ERR);
   Fault fault{};
@@ -848,7 +847,6 @@ bool PostRemote(Fabric& f, FakeQp* qp, ibv_send_wr* wr, bool signaled) {
   f.outstanding_qpn[o.id] = qp->qp.qp_num;
   qp->outstanding.push_back(std::move(o));
   link->Enqueue(std::move(bytes));
-  return true;
 }
 
 // Listens for other processes' streams (once per process, from the first ibv_open_device).
