@@ -60,6 +60,11 @@ using transport::FrameType;
 // latency more than rate).
 constexpr uint64_t kCapacityTransferBytes = uint64_t{32} << 10;
 
+// The transport kind of a connected link, as telemetry reports it.
+v1::TransportKind LinkKind(bool rdma) {
+  return rdma ? v1::TRANSPORT_KIND_RDMA : v1::TRANSPORT_KIND_TCP;
+}
+
 // The host part of "host:port" or "[v6]:port".
 std::string HostOf(const std::string& address) {
   if (!address.empty() && address.front() == '[') return address.substr(0, address.find(']') + 1);
@@ -629,10 +634,6 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     telemetry_ = std::make_unique<TelemetryReporter>(
         coord_.get(), config_.telemetry_interval, std::move(servers), std::move(peers),
         config_.rank, [this] { return last_iteration_.load(); });
-    for (uint32_t p = 0; p < peer_rdma_.size(); ++p) {
-      telemetry_->SetPeerTransport(
-          p, peer_rdma_[p] ? v1::TRANSPORT_KIND_RDMA : v1::TRANSPORT_KIND_TCP);
-    }
     telemetry_->Start();
   }
   PSD_LOG_INFO("rendezvous with {}: rank {} of {}, {} servers", config_.coordinator, world.rank,
@@ -687,7 +688,7 @@ void Agent::ProbeServers(const coordinator::World& world) {
                  config_.probe_bytes, absl::FormatDuration(bandwidth->round_trip));
     v1::LinkTelemetry link;
     link.set_peer_node_id(server.node_id());
-    link.set_transport(rdma[s] ? v1::TRANSPORT_KIND_RDMA : v1::TRANSPORT_KIND_TCP);
+    link.set_transport(LinkKind(rdma[s]));
     link.set_capacity_bytes_per_second(bandwidth->bytes_per_second);
     // The first plan's latency too (round trip / 2 for the coordinator), instead of its nominal.
     link.set_latency_ns(static_cast<uint64_t>(
@@ -738,7 +739,6 @@ absl::Status Agent::Register() {
       ASSIGN_OR_RETURN(coordinator::ChosenEndpoint chosen,
                        coordinator::ChooseEndpoint(server.endpoints(), Local(),
                                                    absl::StrCat("server ", server.node_id())));
-      if (telemetry_) telemetry_->SetServerTransport(config_.servers.size(), chosen.kind);
       server_rdma_.push_back(chosen.kind == v1::TRANSPORT_KIND_RDMA);
       server_tcp_fallback_.push_back(chosen.tcp_fallback);
       config_.servers.push_back(chosen.address);
@@ -1053,9 +1053,7 @@ absl::Status Agent::ConnectServers() {
                                                config_.rank, creds_.server_key(),
                                                absl::Seconds(10));
             },
-            deadline, absl::Milliseconds(200), [&](const absl::Status&) {
-              if (telemetry_) telemetry_->SetServerTransport(s, v1::TRANSPORT_KIND_TCP);
-            });
+            deadline, absl::Milliseconds(200), nullptr);
     if (!client.ok() && replicas > 0) {
       // Lost during start-up: its keys start at a backup (below); it stays unreachable.
       unreachable[static_cast<uint32_t>(s)] = Annotate(client.status(), what);
@@ -1066,6 +1064,9 @@ absl::Status Agent::ConnectServers() {
     }
     server_rdma_[s] = target.rdma;
     config_.servers[s] = target.address;
+    if (telemetry_ && !unreachable.contains(static_cast<uint32_t>(s))) {
+      telemetry_->SetServerTransport(s, LinkKind(target.rdma));
+    }
     if (telemetry_ && measured[s]) {
       // The capacity estimate of this link: large pull responses, from header to last byte.
       (*client)->SetPullObserver(kCapacityTransferBytes,
@@ -1263,13 +1264,12 @@ absl::Status Agent::ConnectPeers() {
                                                      config_.rank, *creds_.PeerKey(p),
                                                      absl::Seconds(10));
             },
-            deadline, absl::Milliseconds(200), [&](const absl::Status&) {
-              if (telemetry_) telemetry_->SetPeerTransport(p, v1::TRANSPORT_KIND_TCP);
-            });
+            deadline, absl::Milliseconds(200), nullptr);
     if (!conn.ok()) return Annotate(conn.status(), what);
     peer_rdma_[p] = target.rdma;
     config_.peers[p] = target.address;
     env_.peers[p] = *conn;
+    if (telemetry_) telemetry_->SetPeerTransport(p, LinkKind(target.rdma));
     CountLink(peer_rdma_[p]);
   }
   peers_alive_->Set(static_cast<double>(config_.world_size - 1));

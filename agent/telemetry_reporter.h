@@ -61,7 +61,9 @@ class TelemetryReporter {
   // over the last kLatencyWindows windows: a ping that waited behind data in a queue (a slow or
   // busy link) says nothing about the latency.
   void AddServerLatency(size_t server, absl::Duration round_trip);
-  // The transport a link uses (the endpoint kind chosen for it; TCP until set), reported with it.
+  // The transport a link's connection uses, set once it is connected (after any fall-back to
+  // TCP); until then the link is reported as TRANSPORT_KIND_UNSPECIFIED (not connected yet), so
+  // that a status never shows a planned RDMA link that may yet fall back.
   void SetServerTransport(size_t server, poseidon::v1::TransportKind kind);
   void SetPeerTransport(uint32_t rank, poseidon::v1::TransportKind kind);
 
@@ -101,7 +103,7 @@ class TelemetryReporter {
     std::atomic<uint64_t> received{0};
     std::atomic<uint64_t> min_rtt_ns{0};  // 0: none in this window; reset by Collect
     std::atomic<bool> transfers{false};    // large transfers in this window (reset by Collect)
-    std::atomic<int> transport{poseidon::v1::TRANSPORT_KIND_TCP};  // a v1::TransportKind
+    std::atomic<int> transport{poseidon::v1::TRANSPORT_KIND_UNSPECIFIED};  // v1::TransportKind
     std::vector<uint64_t> recent_rtt_ns;  // the last windows' minima (Collect's)
   };
   // Capacity over all server links: bytes and busy nanoseconds of large transfers in this window

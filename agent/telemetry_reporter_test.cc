@@ -142,6 +142,28 @@ TEST(TelemetryReporterTest, CapacityIsBytesOverTheBusyTimeOfAllServersTransfers)
   EXPECT_EQ(report.links(1).capacity_bytes_per_second(), 0);
 }
 
+// A link's transport is what its connection uses, reported once it is connected: before that
+// it is "unspecified" (the status shows "none"), never the kind planned for it, since a planned
+// RDMA link may yet fall back to TCP.
+TEST(TelemetryReporterTest, ALinkReportsItsTransportOnlyOnceConnected) {
+  TelemetryReporter reporter(nullptr, absl::Seconds(5), {"server-0"}, {"agent-0", "agent-1"},
+                             /*rank=*/0, nullptr);
+  v1::ReportTelemetryRequest report = reporter.Collect(absl::Now());
+  ASSERT_EQ(report.links_size(), 2);  // server-0 and rank 1
+  EXPECT_EQ(report.links(0).transport(), v1::TRANSPORT_KIND_UNSPECIFIED);
+  EXPECT_EQ(report.links(1).transport(), v1::TRANSPORT_KIND_UNSPECIFIED);
+  reporter.SetServerTransport(0, v1::TRANSPORT_KIND_TCP);  // fell back, say
+  reporter.SetPeerTransport(1, v1::TRANSPORT_KIND_RDMA);
+  reporter.SetPeerTransport(0, v1::TRANSPORT_KIND_RDMA);  // ourselves: never reported
+  reporter.SetServerTransport(5, v1::TRANSPORT_KIND_RDMA);  // unknown: ignored
+  report = reporter.Collect(absl::Now());
+  ASSERT_EQ(report.links_size(), 2);
+  EXPECT_EQ(report.links(0).peer_node_id(), "server-0");
+  EXPECT_EQ(report.links(0).transport(), v1::TRANSPORT_KIND_TCP);
+  EXPECT_EQ(report.links(1).peer_node_id(), "agent-1");
+  EXPECT_EQ(report.links(1).transport(), v1::TRANSPORT_KIND_RDMA);
+}
+
 TEST(TelemetryReporterTest, StartWithoutAClientAndStopAreHarmless) {
   TelemetryReporter reporter(nullptr, absl::Milliseconds(10), {}, {}, 0, nullptr);
   reporter.Start();  // no client: nothing to report to

@@ -145,6 +145,30 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
     EXPECT_EQ(Field(node.struct_value(), "plan_epoch").number_value(), 3);
   }
   EXPECT_EQ(agents, 2);
+
+  // Links: a connected one shows its transport, one not connected yet shows "none".
+  std::vector<v1::LinkTelemetry> links(2);
+  links[0].set_peer_node_id(members[0].world.servers[0].node_id());
+  links[0].set_transport(v1::TRANSPORT_KIND_RDMA);
+  links[0].set_window_ns(1000000000);
+  links[1].set_peer_node_id(members[0].world.peers[1].node_id());
+  links[1].set_window_ns(1000000000);  // transport unspecified: not connected yet
+  ASSERT_TRUE(members[0].client->ReportTelemetry(links, 122).ok());
+  run = Stdout(status + " --json");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(run.output, &root).ok()) << run.output;
+  std::vector<std::string> kinds;
+  for (const auto& node : Field(root, "nodes").list_value().values()) {
+    if (!node.struct_value().fields().contains("links")) continue;
+    for (const auto& link : Field(node.struct_value(), "links").list_value().values()) {
+      kinds.push_back(absl::StrCat(Field(link.struct_value(), "peer_role").string_value(), ":",
+                                   Field(link.struct_value(), "transport").string_value()));
+    }
+  }
+  EXPECT_THAT(kinds, ::testing::UnorderedElementsAre("server:rdma", "agent:none"));
+  run = Stdout(status);
+  EXPECT_THAT(run.output, HasSubstr(" rdma "));
+  EXPECT_THAT(run.output, HasSubstr(" none "));
 }
 
 }  // namespace

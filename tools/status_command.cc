@@ -95,6 +95,12 @@ std::string TransportName(v1::TransportKind kind) {
   return std::string(coordinator::TransportKindName(kind));
 }
 
+// A link's transport: "none" while its connection is not made (an agent reports the kind once
+// connected, after any fall-back to TCP).
+std::string LinkTransportName(v1::TransportKind kind) {
+  return kind == v1::TRANSPORT_KIND_UNSPECIFIED ? "none" : TransportName(kind);
+}
+
 std::string Endpoints(const v1::NodeStatus& node) {
   std::vector<std::string> parts;
   for (const v1::Endpoint& e : node.endpoints()) {
@@ -270,7 +276,7 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
   for (const v1::NodeStatus& n : status.nodes()) {
     for (const v1::LinkStatus& link : n.links()) {
       links.push_back(
-          {NodeName(n), Peer(n, link), TransportName(link.transport()), Bytes(link.sent_bytes()),
+          {NodeName(n), Peer(n, link), LinkTransportName(link.transport()), Bytes(link.sent_bytes()),
            Bytes(link.received_bytes()),
            link.window_ns() == 0 ? "-" : Seconds(static_cast<double>(link.window_ns()) / 1e9),
            Throughput(link.bytes_per_second()), Bandwidth(link), Latency(link.latency_ns())});
@@ -458,7 +464,7 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
         w.Unsigned(link.peer_rank());
       }
       w.Key("transport");
-      w.String(TransportName(link.transport()));
+      w.String(LinkTransportName(link.transport()));
       w.Key("sent_bytes");
       w.Unsigned(link.sent_bytes());
       w.Key("received_bytes");

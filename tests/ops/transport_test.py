@@ -98,7 +98,12 @@ def main():
             if p.returncode == 0:
                 doc = json.loads(p.stdout)
                 nodes = [n for n in doc["nodes"] if n["role"] in ("agent", "server")]
-                if len(nodes) == 3 and all(n["links"] for n in nodes):
+                # Every server link connected: an agent reports "none" for a link until then
+                # (and for its peers: a plan without SFB or all-reduce never connects them).
+                if len(nodes) == 3 and all(
+                        n["links"] and all(l["transport"] != "none" for l in n["links"]
+                                           if l["peer_role"] == "server")
+                        for n in nodes):
                     break
             time.sleep(0.2)  # polling the coordinator for telemetry, not synchronising
         check(doc is not None, "status --json answers")
@@ -112,9 +117,13 @@ def main():
                     check(kinds == want, f"agent {n['rank']} advertises {want}: {kinds}")
             links = [l for n in doc["nodes"] for l in n["links"]]
             check(links, "links are reported")
-            # The server serves TCP only, so every link to or from it is TCP.
-            check(all(l["transport"] == "tcp" for l in links),
-                  f"every link reports tcp: {[l['transport'] for l in links]}")
+            # The server serves TCP only, so every link to or from it is TCP; the agents' links
+            # to each other are not connected (the plan is PS only): "none".
+            check(all(l["transport"] == ("tcp" if "server" in (n["role"], l["peer_role"])
+                                         else "none")
+                      for n in doc["nodes"] for l in n["links"]),
+                  f"every server link reports tcp, every unconnected one none: "
+                  f"{[(n['role'], l['peer_role'], l['transport']) for n in doc['nodes'] for l in n['links']]}")
         p = subprocess.run([args.cli, "status"], capture_output=True, text=True, timeout=30,
                            env=cli_env)
         print(p.stdout)
