@@ -91,6 +91,8 @@ struct JobState {
   // lets the data path skip the lock while every rank is here.
   std::map<uint32_t, std::string> lost;
   std::atomic<bool> any_lost{false};
+  // Ranks removed from the job (spec.min_workers: the world shrank), with why; under mu.
+  std::map<uint32_t, std::string> removed;
   // Replication (spec.replicas > 0): every server's address, this one's index; under mu, the
   // epochs this server was promoted to and the backups it gave up, each logged once.
   std::vector<std::string> servers;
@@ -155,6 +157,15 @@ struct KvEngine::Key {
   uint64_t steps_wire = 0;           // the optimizer's step count as the REPLICATE frame's prefix
   std::vector<uint8_t> pushed;
   uint32_t count = 0;
+  // The world shrinking (RegisterTablesRequest::min_workers): the ranks whose push each clock
+  // needs, the ranks removed (by rank; empty while none is) and those whose push of the clock in
+  // flight counts but who are removed from the next one on (Complete applies it). grad_scale
+  // follows active when the job averages.
+  uint32_t active = 1;
+  bool average = false;
+  std::vector<uint8_t> removed;
+  std::vector<uint8_t> leaving;
+  bool Removed(uint32_t rank) const { return rank < removed.size() && removed[rank] != 0; }
   struct PendingPull {
     RequestContext ctx;
     absl::Time deadline;
@@ -388,8 +399,38 @@ absl::Duration KvEngine::RejoinTimeout(uint64_t job_id) const {
 void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
   const std::shared_ptr<JobState> job = FindJob(job_id);
   if (job == nullptr) return;
+  uint32_t workers = 0, min_workers = 0;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);  // a resumed job's registration replaces the spec
+    workers = job->spec.num_workers();
+    min_workers = job->spec.min_workers();
+  }
   {
     std::lock_guard<std::mutex> lock(job->mu);
+    if (job->removed.contains(rank)) return;
+    const auto left = static_cast<uint32_t>(workers - job->removed.size() - 1);
+    if (min_workers > 0 && rank < workers && left >= min_workers) {
+      PSD_LOG_WARN("job {}: {}: it is removed, the job goes on with {} of its {} workers "
+                   "(min_workers {}); each key completes its clocks without it from the first "
+                   "one it did not push",
+                   job_id, why, left, workers, min_workers);
+      job->removed[rank] = std::move(why);
+      job->lost.erase(rank);
+      job->any_lost.store(!job->lost.empty(), std::memory_order_release);
+      for (auto& worker : workers_) {
+        Worker* w = worker.get();
+        w->Post([this, w, job_id, rank] {
+          for (auto& [id, key] : w->keys) {
+            if (id.first == job_id) RemoveRank(*w, *key, rank);
+          }
+        });
+      }
+      return;
+    }
+    if (min_workers > 0 && rank < workers) {
+      why = absl::StrCat(why, " (the job cannot go on without it: ", left,
+                         " ranks would be left, its min_workers is ", min_workers, ")");
+    }
     job->lost[rank] = std::move(why);
     job->any_lost.store(true, std::memory_order_release);
   }
@@ -417,6 +458,29 @@ void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
   }
 }
 
+void KvEngine::RemoveRank(Worker& w, Key& k, uint32_t rank) {
+  if (rank >= k.workers || k.Removed(rank) || (!k.leaving.empty() && k.leaving[rank])) return;
+  if (k.removed.empty()) {
+    k.removed.assign(k.workers, 0);
+    k.leaving.assign(k.workers, 0);
+  }
+  if (k.pushed[rank]) {  // its push of the clock in flight counts; removed from the next on
+    k.leaving[rank] = 1;
+    return;
+  }
+  k.removed[rank] = 1;
+  --k.active;
+  if (k.average) k.grad_scale = 1.0f / static_cast<float>(k.active);
+  // Every rank left pushed the clock in flight already: it completes now.
+  if (k.count > 0 && k.count == k.active && !k.complete_deferred) {
+    if (k.replicating) {
+      k.complete_deferred = true;
+    } else {
+      Complete(w, k);
+    }
+  }
+}
+
 void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {
   const std::shared_ptr<JobState> job = FindJob(job_id);
   if (job == nullptr) return;
@@ -440,6 +504,11 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
         "SSP consistency is not supported by this server yet (BSP only)");
   }
   if (spec.tables_size() == 0) return absl::InvalidArgumentError("no tables to register");
+  if (spec.min_workers() > spec.num_workers()) {
+    return absl::InvalidArgumentError(absl::StrCat("min_workers (", spec.min_workers(),
+                                                   ") exceeds num_workers (", spec.num_workers(),
+                                                   ")"));
+  }
   if (spec.rejoin_timeout_ms() > 3'600'000) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rejoin_timeout_ms must be at most an hour (3600000), got ", spec.rejoin_timeout_ms()));
@@ -605,6 +674,11 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
           " ms, not ", spec.rejoin_timeout_ms(),
           " (every rank's agent needs the same --rejoin_timeout)"));
     }
+    if (old.min_workers() != spec.min_workers()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " is registered with min_workers ", old.min_workers(), ", not ",
+          spec.min_workers(), " (every rank's agent needs the same --min_workers)"));
+    }
     if (old.num_workers() != spec.num_workers()) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is registered with ",
                                                         old.num_workers(), " workers, not ",
@@ -649,6 +723,8 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
         k->table = t.name();
         k->elements = kspec.elements();
         k->workers = spec.num_workers();
+        k->active = k->workers;
+        k->average = spec.average_gradients();
         k->rule = t.update_rule().rule();
         k->grad_scale =
             spec.average_gradients() ? 1.0f / static_cast<float>(spec.num_workers()) : 1.0f;
@@ -774,6 +850,13 @@ void KvEngine::Push(RequestContext request, PooledBuffer payload,
           "rank ", h.sender_rank, " is out of range for a job of ", k.workers, " workers")));
     }
     if (absl::Status s = CheckEpoch(k, h); !s.ok()) return fail(std::move(s));
+    if (k.Removed(h.sender_rank)) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "rank ", h.sender_rank, " was removed from job ", k.job->job_id,
+          " (it was given up and the world shrank to ", k.active,
+          " workers, its min_workers): its push of clock ", h.clock, " of ", k.Name(),
+          " is refused")));
+    }
     if ((h.flags & transport::kFlagReplay) != 0) {
       // Re-sent after a lost server had begun to answer the clock: the payload may be
       // overwritten, so it is only acknowledged if this server holds the clock already.
@@ -868,7 +951,7 @@ void KvEngine::Push(RequestContext request, PooledBuffer payload,
     stats_.push_bytes.fetch_add(data.size(), std::memory_order_relaxed);
     data = PooledBuffer();  // back to the pool before the reply
     ack();
-    if (k.count == k.workers) {
+    if (k.count == k.active) {
       if (k.replicating) {
         k.complete_deferred = true;
       } else {
@@ -902,6 +985,13 @@ void KvEngine::Complete(Worker& w, Key& k) {
   k.count = 0;
   MaybeSchedulePeriodicSnapshot(k);
   std::fill(k.pushed.begin(), k.pushed.end(), 0);
+  for (uint32_t r = 0; r < k.leaving.size(); ++r) {
+    if (!k.leaving[r]) continue;  // its push of this clock counted: removed from the next on
+    k.leaving[r] = 0;
+    k.removed[r] = 1;
+    --k.active;
+    if (k.average) k.grad_scale = 1.0f / static_cast<float>(k.active);
+  }
   stats_.clocks_completed.fetch_add(1, std::memory_order_relaxed);
   if (!StartReplication(w, k, k.completed)) AnswerPulls(w, k);
   if (k.job->any_pending.load(std::memory_order_acquire)) ContributeSnapshot(k);

@@ -181,6 +181,10 @@ class KvEngine {
   // is every later pull that needs it, until RankBack. A clock the rank already pushed completes
   // as usual (a rank that finished and left blocks nothing). Any thread; asynchronous.
   void RankLost(uint64_t job_id, uint32_t rank, std::string why);
+  // With the job's min_workers (RegisterTablesRequest) and that many ranks left without it, a
+  // rank given up is removed instead: each key completes its clocks without it — from the clock
+  // in flight if it had not pushed that, else from the next — its later pushes are refused, and
+  // the sum is averaged over the ranks left (average_gradients).
   // The rank has a connection again.
   void RankBack(uint64_t job_id, uint32_t rank);
   // How long a rank of the job whose last connection closed is waited for before RankLost
@@ -220,6 +224,9 @@ class KvEngine {
   struct Worker;
   std::shared_ptr<JobState> FindJob(uint64_t job_id) const;  // null: not registered
   void Complete(Worker& w, Key& k);
+  // Removes `rank` from the key's clocks (the world shrank; KvEngine::RankLost): completes the
+  // clock in flight when every rank left has pushed it.
+  void RemoveRank(Worker& w, Key& k, uint32_t rank);
   // Replication of the key's completed state (its clock, or 0 for the initial value) to its live
   // backups; false when it has none (answer the pulls now). Pulls wait until every backup
   // acknowledged or was given up (OnReplicated).

@@ -376,6 +376,99 @@ TEST_F(KvServerTest, ARankThatClosesIsWaitedForItsRejoinTimeoutAndCompletesTheCl
   EXPECT_EQ(engine_->stats().duplicate_pushes.load(), 1u);
 }
 
+// Elastic workers, shrinking (issue 18): with min_workers a rank given up is removed instead of
+// failing the job. Each key completes without it from the first clock it did not push: the
+// clock in flight where it had not pushed, the next one where it had — no clock of a key mixes
+// two memberships. Its later pushes are refused; with fewer ranks left than min_workers the
+// pulls fail naming it, as without.
+TEST_F(KvServerTest, ARankGivenUpIsRemovedWhenMinWorkersAllowAndEachKeyGoesOnWithoutIt) {
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  auto c2 = Client(2);
+  v1::RegisterTablesRequest spec = Spec(3, v1::UPDATE_RULE_SUM, {4, 4});
+  spec.set_min_workers(2);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  std::vector<float> g0(4, 1.0f), g1(4, 2.0f), g2(4, 4.0f), out(4);
+  auto grad = [&](KvClient* c) { return c == c0.get() ? g0 : c == c1.get() ? g1 : g2; };
+  for (uint64_t key : {100, 101}) {
+    for (auto* c : {c0.get(), c1.get(), c2.get()}) {
+      ASSERT_TRUE(c->Wait(c->Push(key, 1, grad(c)), kWait).ok());
+    }
+  }
+  // Clock 2: rank 2 pushes key 101 only and dies; rank 0 waits on key 100.
+  ASSERT_TRUE(c2->Wait(c2->Push(101, 2, g2), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, g0), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 2, g1), kWait).ok());
+  const auto waiting = c0->Pull(100, 2, out, absl::Seconds(30));
+  c2->Close();
+  // Key 100 completes clock 2 without rank 2 (it had not pushed it): 1 + 2.
+  ASSERT_TRUE(c0->Wait(waiting, kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 3.0f));
+  // Key 101's clock 2 has rank 2's push: 1 + 2 + 4, once ranks 0 and 1 pushed it.
+  for (auto* c : {c0.get(), c1.get()}) ASSERT_TRUE(c->Wait(c->Push(101, 2, grad(c)), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->Pull(101, 2, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 7.0f));
+  // Clock 3 of both keys: the two ranks left.
+  for (uint64_t key : {100, 101}) {
+    for (auto* c : {c0.get(), c1.get()}) ASSERT_TRUE(c->Wait(c->Push(key, 3, grad(c)), kWait).ok());
+    ASSERT_TRUE(c0->Wait(c0->Pull(key, 3, out), kWait).ok());
+    EXPECT_EQ(out, std::vector<float>(4, 3.0f)) << key;
+  }
+  // Rank 2 back: removed, its push is refused, naming why.
+  auto back = Client(2);
+  const absl::Status refused = back->Wait(back->Push(100, 4, g2), kWait);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("rank 2 was removed from job 1"), std::string::npos) << refused;
+  // Rank 1 dies too: one rank would be left, below min_workers 2: the pull fails naming it.
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 4, g0), kWait).ok());
+  const auto stuck = c0->Pull(100, 4, out, absl::Seconds(30));
+  c1->Close();
+  const absl::Status s = c0->Wait(stuck, kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1 (127.0.0.1:"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("its min_workers is 2"), std::string::npos) << s;
+}
+
+// A server-side rule averaging the gradients divides by the ranks left once the world shrank.
+TEST_F(KvServerTest, AnAveragingRuleDividesByTheRanksLeftOnceTheWorldShrank) {
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  auto c2 = Client(2);
+  v1::RegisterTablesRequest spec = Spec(3, v1::UPDATE_RULE_SGD, {4});  // lr 0.5, from 0
+  spec.set_average_gradients(true);
+  spec.set_min_workers(2);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  std::vector<float> g(4, 3.0f), out(4);
+  for (auto* c : {c0.get(), c1.get(), c2.get()}) ASSERT_TRUE(c->Wait(c->Push(100, 1, g), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 1, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, -1.5f));  // -0.5 * mean 3
+  c2->Close();
+  std::vector<float> h0(4, 2.0f), h1(4, 4.0f);
+  ASSERT_TRUE(c0->Wait(c0->Push(100, 2, h0), kWait).ok());
+  ASSERT_TRUE(c1->Wait(c1->Push(100, 2, h1), kWait).ok());
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 2, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, -3.0f));  // -1.5 - 0.5 * mean(2, 4)
+}
+
+// min_workers above the world size is refused at registration; every rank must agree on it.
+TEST_F(KvServerTest, MinWorkersIsValidatedAndTheSameOnEveryRank) {
+  auto c0 = Client(0);
+  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
+  spec.set_min_workers(3);
+  const absl::Status big = c0->RegisterTables(spec, kWait);
+  EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument) << big;
+  EXPECT_NE(big.message().find("min_workers (3) exceeds num_workers (2)"), std::string::npos)
+      << big;
+  spec.set_min_workers(1);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  auto c1 = Client(1);
+  spec.set_min_workers(2);
+  const absl::Status differs = c1->RegisterTables(spec, kWait);
+  EXPECT_EQ(differs.code(), absl::StatusCode::kFailedPrecondition) << differs;
+  EXPECT_NE(differs.message().find("registered with min_workers 1, not 2"), std::string::npos)
+      << differs;
+}
+
 // Under a server-side rule a rejoining rank first re-reads the parameters the iteration in
 // flight was computed from: a key that has moved on answers them from the parameters it kept
 // before its latest update (a job with a rejoin timeout keeps them), and takes the re-read's
