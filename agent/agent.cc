@@ -261,9 +261,11 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // main thread's once it acted on them.
   std::mutex lost_mu_;
   std::vector<v1::LostMember> lost_;
+  std::vector<v1::LostMember> departed_;  // world agents that left with an error
   std::string lost_why_;
   std::set<std::string> servers_reported_lost_;  // main thread: lost servers failover covers
   std::set<std::string> ranks_awaited_;  // main thread: dead agents waited for (rejoin_timeout)
+  std::set<uint32_t> ranks_removed_;       // main thread: dead ranks the job goes on without
 
   // Inbound peer connections by rank (counted from their first frame) and the ranks whose last
   // one closed, with why; gone_version_ counts changes so the main loop passes them on once.
@@ -454,7 +456,9 @@ int Agent::Run() {
     if (watcher_.joinable()) watcher_.join();
     if (telemetry_) telemetry_->Stop();
     if (heartbeats_) heartbeats_->Stop();
-    if (coord_) (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting");
+    if (coord_) {
+      (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting", code != 0);
+    }
     if (sfb_server_) sfb_server_->Stop();
     if (sfb_server_rdma_) sfb_server_rdma_->Stop();
     env_.replication.stopping.store(true, std::memory_order_release);
@@ -621,10 +625,11 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     if (result->shutdown()) {
       PSD_LOG_WARN("the coordinator asks this agent to shut down (declared dead or replaced)");
     }
-    if (result->lost_size() == 0) return;
+    if (result->lost_size() == 0 && result->departed_size() == 0) return;
     std::lock_guard<std::mutex> lock(lost_mu_);
     // The coordinator lists every member lost so far: a later answer may add one.
     lost_.assign(result->lost().begin(), result->lost().end());
+    departed_.assign(result->departed().begin(), result->departed().end());
   };
   heartbeats_ = coord_->StartHeartbeats(hb);
   if (config_.telemetry_interval > absl::ZeroDuration()) {
@@ -706,6 +711,16 @@ absl::Status Agent::Register() {
   ASSIGN_OR_RETURN(server_rule_, shm_->ReadServerRule());
   // A server-side rule keeps parameters on the servers: every layer goes by PS.
   if (server_rule_.rule != 0) config_.scheme = "ps";
+  if (config_.min_workers > 0 && config_.scheme != "ps") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--min_workers needs every layer on PS (--scheme=ps, not ", config_.scheme,
+        "): an SFB or all-reduce layer's peers cannot go on without a member yet"));
+  }
+  if (config_.min_workers > config_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--min_workers ", config_.min_workers,
+                                                   " exceeds the world size ",
+                                                   config_.world_size));
+  }
   v1::ModelSpec model;
   model.set_name(absl::StrCat("job-", config_.job_id));
   for (const auto& d : descs) {
@@ -966,6 +981,7 @@ absl::Status Agent::ConnectServers() {
     r.set_average_gradients(server_rule_.rule != 0);
     r.set_rejoin_timeout_ms(
         static_cast<uint32_t>(absl::ToInt64Milliseconds(config_.rejoin_timeout)));
+    r.set_min_workers(config_.min_workers);
     if (replicas > 0) {
       for (const auto& address : replication_servers_) r.add_servers(address);
       r.set_server_index(s);
@@ -1558,10 +1574,11 @@ void Agent::WatchPlans() {
 
 void Agent::CheckLostMembers() {
   if (!lost_why_.empty()) return;
-  std::vector<v1::LostMember> lost;
+  std::vector<v1::LostMember> lost, departed;
   {
     std::lock_guard<std::mutex> lock(lost_mu_);
     lost = lost_;
+    departed = departed_;
   }
   // A dead rank may be restarted and rejoin (--rejoin_timeout): waited for that long.
   if (config_.rejoin_timeout > absl::ZeroDuration()) {
@@ -1590,6 +1607,39 @@ void Agent::CheckLostMembers() {
       }
       return true;
     });
+  }
+  // The world shrinks (--min_workers): a rank given up is removed while enough are left (the
+  // KV servers complete its keys' clocks without it); this rank goes on.
+  // A rank whose agent left with an error (its training process died) likewise, once the
+  // rejoin timeout is over; while it cannot be removed the KV servers name it to the pulls.
+  if (config_.min_workers > 0) {
+    auto remove = [this](const v1::LostMember& m, absl::string_view how) {
+      if (m.role() != v1::NODE_ROLE_AGENT || m.rank() >= config_.world_size) return false;
+      if (ranks_removed_.contains(m.rank())) return true;
+      const auto left = static_cast<uint32_t>(config_.world_size - ranks_removed_.size() - 1);
+      if (left < config_.min_workers) return false;
+      ranks_removed_.insert(m.rank());
+      PSD_LOG_WARN("rank {} (host {}) {} ({}){}: the job goes on with {} of its {} workers "
+                   "(--min_workers {})",
+                   m.rank(), m.host(), how, m.reason(),
+                   config_.rejoin_timeout > absl::ZeroDuration()
+                       ? absl::StrCat(" and did not rejoin within ",
+                                      absl::FormatDuration(config_.rejoin_timeout))
+                       : "",
+                   left, config_.world_size, config_.min_workers);
+      uint32_t live_rank = 0;  // this rank's index among the ranks left
+      for (uint32_t r = 0; r < config_.rank; ++r) live_rank += ranks_removed_.contains(r) ? 0 : 1;
+      shm_->SetLiveWorld(live_rank, left, ranks_removed_.size());
+      return true;
+    };
+    std::erase_if(lost, [&](const v1::LostMember& m) {
+      return remove(m, "declared dead by the coordinator");
+    });
+    for (const v1::LostMember& m : departed) {
+      if (absl::Milliseconds(m.dead_for_ms()) >= config_.rejoin_timeout) {
+        remove(m, "left the job with an error");
+      }
+    }
   }
   if (lost.empty()) return;
   std::vector<std::string> names;

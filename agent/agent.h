@@ -89,6 +89,10 @@ struct AgentConfig {
   // (psd_start_iteration). Every layer must go by PS under the sum rule.
   absl::Duration rejoin_timeout = absl::ZeroDuration();
   bool rejoin = false;
+  // The world shrinking: a dead rank given up (once rejoin_timeout is over) is removed while at
+  // least this many ranks are left — by the KV servers (a job setting sent with the tables) and
+  // by this agent, which then goes on instead of failing; 0: never. PS layers only.
+  uint32_t min_workers = 0;
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
   bool allreduce = true;  // ring all-reduce may be planned (needs a coordinator and 2+ ranks)

@@ -39,6 +39,7 @@ struct Flags {
   int64_t resumed_iteration = 0;
   absl::Duration rejoin_timeout = absl::ZeroDuration();
   bool rejoin = false;
+  int64_t min_workers = 0;
   double bandwidth = 1.25e9;
   bool colocated = true;
   bool allreduce = true;
@@ -153,6 +154,11 @@ poseidon::ConfigSchema<Flags> Schema() {
              "so that, restarted with --rejoin, it takes up the running job where it stopped; "
              "0: the iterations that need it fail at once. Every rank the same; PS layers only",
              poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
+      .Field("min_workers", &Flags::min_workers,
+             "a dead rank given up (at once, or after --rejoin_timeout) is removed and the job "
+             "goes on with the ranks left while at least this many are; 0: the job fails naming "
+             "it. Every rank the same; PS layers only (--scheme=ps)",
+             InRange<int64_t>(0, 65536))
       .Field("rejoin", &Flags::rejoin,
              "this agent replaces a dead rank of the running job: its layers start at the KV "
              "servers' clocks, and the training process learns the iteration it takes up "
@@ -275,6 +281,7 @@ int main(int argc, char** argv) {
   c.resumed_iteration = static_cast<uint64_t>(f.resumed_iteration);
   c.rejoin_timeout = f.rejoin_timeout;
   c.rejoin = f.rejoin;
+  c.min_workers = static_cast<uint32_t>(f.min_workers);
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;
   c.allreduce = f.allreduce;

@@ -433,6 +433,10 @@ void ShmEndpoint::PublishSchedule(uint32_t layer, uint64_t word) {
   Store(&layers()[layer].schedule, word);
 }
 
+void ShmEndpoint::SetLiveWorld(uint32_t rank, uint32_t size, uint64_t generation) {
+  Store(&header()->live_world, PSD_LIVE_WORLD_PACK(rank, size, generation));
+}
+
 void ShmEndpoint::LayerDone(uint32_t layer, uint64_t iteration) {
   psd_shm_layer& l = layers()[layer];
   Store(&l.done_iteration, iteration);

@@ -103,6 +103,10 @@ class ShmEndpoint {
   // A layer's scheme by iteration (PSD_SCHEDULE_PACK), for the framework.
   void PublishSchedule(uint32_t layer, uint64_t word);
 
+  // The world shrank: this rank's index among the ranks left, their number and the count of
+  // changes so far (psd_world), in one atomic word. Any thread.
+  void SetLiveWorld(uint32_t rank, uint32_t size, uint64_t generation);
+
   void LayerDone(uint32_t layer, uint64_t iteration);
   void LayerFailed(uint32_t layer, uint64_t iteration, const std::string& why);
 

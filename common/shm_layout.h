@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #define PSD_SHM_MAGIC 0x314D485344535050ull /* "PPSDSHM1" */
-#define PSD_SHM_ABI_VERSION 5u
+#define PSD_SHM_ABI_VERSION 6u
 #define PSD_SHM_MAX_LAYERS 4096u
 #define PSD_SHM_NAME_BYTES 64u
 #define PSD_SHM_MAX_DIMS 4u
@@ -189,7 +189,19 @@ typedef struct psd_shm_header {
    * framework's iteration 1 is when its rank rejoins a running job (poseidon-agent --rejoin);
    * 1 otherwise (a resumed job's ranks read theirs from $POSEIDON_RESUMED_ITERATION). */
   uint64_t start_iteration;
+  /* Written by the agent whenever the world shrinks (poseidon-agent --min_workers: a dead rank
+   * removed and the job going on without it), one atomic word: this rank's index among the
+   * ranks left, their number and how many times the world changed (PSD_LIVE_WORLD_*). 0: never
+   * changed (rank and world_size above hold). */
+  uint64_t live_world;
 } psd_shm_header;
+
+#define PSD_LIVE_WORLD_PACK(rank, size, generation)                         \
+  (((uint64_t)(rank) & 0xfffffu) | (((uint64_t)(size) & 0xfffffu) << 20) | \
+   ((uint64_t)(generation) << 40))
+#define PSD_LIVE_WORLD_RANK(word) ((uint32_t)((word) & 0xfffffu))
+#define PSD_LIVE_WORLD_SIZE(word) ((uint32_t)(((word) >> 20) & 0xfffffu))
+#define PSD_LIVE_WORLD_GENERATION(word) ((word) >> 40)
 
 /* The control segment: header, then (aligned) the two rings and the layer table. */
 #define PSD_SHM_ALIGN_UP(x) (((x) + PSD_SHM_ALIGN - 1) / PSD_SHM_ALIGN * PSD_SHM_ALIGN)

@@ -271,10 +271,11 @@ absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(uint64_t iter
   return response;
 }
 
-absl::Status CoordinatorClient::Deregister(absl::string_view reason) {
+absl::Status CoordinatorClient::Deregister(absl::string_view reason, bool failed) {
   v1::DeregisterRequest request;
   FillHeader(request.mutable_header());
   request.set_reason(std::string(reason));
+  request.set_failed(failed);
   v1::DeregisterResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);

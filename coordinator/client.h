@@ -124,7 +124,8 @@ class CoordinatorClient {
   // replaced: stop, or register anew.
   absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(uint64_t iteration,
                                                             uint64_t plan_epoch);
-  absl::Status Deregister(absl::string_view reason);
+  // failed: leaving because of an error (HeartbeatResponse.departed tells the job's agents).
+  absl::Status Deregister(absl::string_view reason, bool failed = false);
   absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();
   // Operator override (SetLayerSchemes): forces the schemes of the named layers of this client's
   // job (SYNC_SCHEME_UNSPECIFIED: back to the cost model's choice) and returns the job's plan

@@ -1304,6 +1304,18 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
       const Job& j = job->second;
       for (size_t r = 0; r < j.world_agents.size(); ++r) {
         lost(j.world_agents[r], static_cast<uint32_t>(r));
+        // Its agent left with an error (its training process died).
+        const Node* member = FindNode(j.world_agents[r]);
+        if (member != nullptr && member->id != node->id &&
+            member->state == v1::NODE_STATE_LEFT && member->left_failed) {
+          v1::LostMember* out = response->add_departed();
+          out->set_role(member->role);
+          out->set_rank(static_cast<uint32_t>(r));
+          out->set_node_id(member->id);
+          out->set_host(member->host);
+          out->set_reason(member->state_reason);
+          out->set_dead_for_ms(Millis(now - member->state_since));
+        }
       }
       for (const std::string& server : j.world_servers) lost(server, 0);
     }
@@ -1323,6 +1335,7 @@ absl::Status Registry::Deregister(const Caller& caller, const v1::DeregisterRequ
   RETURN_IF_ERROR(CheckScope(caller, *node));
   if (node->state == v1::NODE_STATE_LEFT) return absl::OkStatus();
   MarkLeft(*node, now, request.reason().empty() ? "deregistered" : request.reason());
+  node->left_failed = request.failed();
   return absl::OkStatus();
 }
 

@@ -224,6 +224,7 @@ class Registry {
     uint32_t rank_restarts = 0;  // agents: the rank's holders before this one (RankSlot::agents)
     poseidon::v1::NodeState state = poseidon::v1::NODE_STATE_ALIVE;  // ALIVE, DEAD or LEFT
     std::string state_reason;                                        // why dead or left
+    bool left_failed = false;  // LEFT with an error (DeregisterRequest.failed)
     absl::Time last_seen;
     absl::Time state_since;
     uint64_t iteration = 0;

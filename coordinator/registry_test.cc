@@ -863,6 +863,44 @@ TEST_F(PlanChangeTest, HeartbeatsNameTheWorldsDeadMembers) {
   EXPECT_EQ(servers, static_cast<int>(servers_.size()));
 }
 
+// An agent that leaves because of an error (its training process died; DeregisterRequest.failed)
+// is listed to the other agents as departed, so that a job that may shrink goes on without it;
+// one whose training finished is not, and neither is listed as dead.
+class DepartedTest : public PlanChangeTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(DepartedTest, HeartbeatsNameTheAgentsThatLeftWithAnError) {
+  const bool failed = GetParam();
+  FormJob(BoundaryModel());
+  v1::DeregisterRequest bye;
+  bye.mutable_header()->set_node_id(agents_[1]);
+  bye.set_reason(failed ? "agent exiting" : "training finished");
+  bye.set_failed(failed);
+  ASSERT_TRUE(registry_.Deregister(job_, bye, now_).ok());
+  now_ += absl::Seconds(3);
+  v1::HeartbeatRequest request;
+  request.mutable_header()->set_node_id(agents_[0]);
+  request.set_role(v1::NODE_ROLE_AGENT);
+  v1::HeartbeatResponse response;
+  ASSERT_TRUE(registry_.Heartbeat(job_, request, now_, &response).ok());
+  EXPECT_EQ(response.lost_size(), 0) << response.DebugString();
+  if (!failed) {
+    EXPECT_EQ(response.departed_size(), 0) << response.DebugString();
+    return;
+  }
+  ASSERT_EQ(response.departed_size(), 1) << response.DebugString();
+  EXPECT_EQ(response.departed(0).role(), v1::NODE_ROLE_AGENT);
+  EXPECT_EQ(response.departed(0).rank(), 1u);
+  EXPECT_EQ(response.departed(0).node_id(), agents_[1]);
+  EXPECT_EQ(response.departed(0).reason(), "agent exiting");
+  EXPECT_EQ(response.departed(0).dead_for_ms(), 3000u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Leaving, DepartedTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("WithAnError")
+                                             : std::string("Finished");
+                         });
+
 TEST_F(PlanChangeTest, ABandwidthOscillatingInsideTheBandNeverReplans) {
   FormJob(BoundaryModel());
   // 8.5 and 10 Gbit/s alternately, around the 9.36 Gbit/s boundary: each would change the

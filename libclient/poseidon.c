@@ -534,6 +534,25 @@ PSD_EXPORT psd_status psd_start_iteration(psd_context* ctx, uint64_t* iteration)
   return PSD_OK;
 }
 
+PSD_EXPORT psd_status psd_world(psd_context* ctx, uint32_t* rank, uint32_t* world_size,
+                                uint64_t* generation) {
+  psd_error[0] = '\0';
+  if (ctx == NULL || rank == NULL || world_size == NULL || generation == NULL) {
+    return fail(PSD_INVALID_ARGUMENT, "ctx, rank, world_size and generation must be set");
+  }
+  const uint64_t word = load64(&ctx->header->live_world);
+  if (word == 0) {  /* the world the job started with */
+    *rank = load32(&ctx->header->rank);
+    *world_size = load32(&ctx->header->world_size);
+    *generation = 0;
+    return PSD_OK;
+  }
+  *rank = PSD_LIVE_WORLD_RANK(word);
+  *world_size = PSD_LIVE_WORLD_SIZE(word);
+  *generation = PSD_LIVE_WORLD_GENERATION(word);
+  return PSD_OK;
+}
+
 PSD_EXPORT psd_status psd_detach(psd_context* ctx) {
   psd_error[0] = '\0';
   if (ctx == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx is NULL");

@@ -757,6 +757,15 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
   EXPECT_EQ(psd_attach(&config, &second), PSD_ALREADY_ATTACHED);
   EXPECT_NE(std::string(psd_last_error()).find("attached"), std::string::npos);
   EXPECT_EQ(psd_layer_ready(ctx, 0, 1), PSD_FAILED_PRECONDITION) << "before registration";
+  // The world it trains in: the one the job started with until it shrinks (ops_shrink).
+  uint32_t world_rank = 9, world_size = 9;
+  uint64_t generation = 9;
+  ASSERT_EQ(psd_world(ctx, &world_rank, &world_size, &generation), PSD_OK) << psd_last_error();
+  EXPECT_EQ(world_rank, 0u);
+  EXPECT_EQ(world_size, 1u);
+  EXPECT_EQ(generation, 0u);
+  EXPECT_EQ(psd_world(ctx, &world_rank, &world_size, nullptr), PSD_INVALID_ARGUMENT);
+  EXPECT_EQ(psd_world(nullptr, &world_rank, &world_size, &generation), PSD_INVALID_ARGUMENT);
 
   const uint64_t bad_shape[2] = {0, 4};
   psd_layer_desc bad{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, bad_shape, 4, 0};

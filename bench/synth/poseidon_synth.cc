@@ -37,6 +37,10 @@ ABSL_FLAG(double, grad_fraction, 0,
 ABSL_FLAG(double, grad_scale, 1,
           "multiplies every PS gradient value's integer part (a power of two keeps sums exact); "
           "8192 puts values beyond fp16's range (±65504), which its wire cannot carry");
+ABSL_FLAG(bool, allow_shrink, false,
+          "with --verify: the world may shrink (poseidon-agent --min_workers): a layer's result "
+          "may leave out one removed rank's contribution from some iteration on (never back), "
+          "the same rank on every layer");
 ABSL_FLAG(uint64_t, verify_from, 1,
           "with --verify: check the results of this iteration and later ones only (a lossy "
           "wire's fallback is exact from the clock after it)");
@@ -100,8 +104,11 @@ void Sleep(double seconds) {
   if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
 }
 
-// Checks layer l's synchronised result of iteration t; returns the number of mismatches.
-uint64_t Verify(const Layer& layer, const float* grad, uint32_t l, uint64_t t, uint32_t world) {
+// Checks layer l's synchronised result of iteration t against the sum over the ranks (but
+// `without`, a removed rank, when >= 0); returns the number of mismatches, printing the first
+// few unless `quiet`.
+uint64_t Verify(const Layer& layer, const float* grad, uint32_t l, uint64_t t, uint32_t world,
+                int64_t without = -1, bool quiet = false) {
   const uint64_t n = layer.info.elements;
   const uint64_t stride = std::max<uint64_t>(1, n / 4096);  // sample large layers
   uint64_t bad = 0;
@@ -113,17 +120,20 @@ uint64_t Verify(const Layer& layer, const float* grad, uint32_t l, uint64_t t, u
       (void)M;
       const uint64_t K = absl::GetFlag(FLAGS_batch);
       for (uint32_t r = 0; r < world; ++r) {
+        if (r == without) continue;
         for (uint64_t k = 0; k < K; ++k)
           expected += UValue(r, t, l, k, row) * VValue(r, t, l, k, col);
       }
     } else {
-      for (uint32_t r = 0; r < world; ++r) expected += GradValue(r, t, l, i);
+      for (uint32_t r = 0; r < world; ++r) {
+        if (r != without) expected += GradValue(r, t, l, i);
+      }
     }
     const double tolerance = absl::GetFlag(FLAGS_tolerance);
     const double error = std::abs(static_cast<double>(grad[i]) - expected);
     if (tolerance > 0 ? !(error <= tolerance * std::max(1.0, std::abs(expected)))
                       : static_cast<double>(grad[i]) != expected) {
-      if (bad < 3) {
+      if (bad < 3 && !quiet) {
         std::fprintf(
             stderr,
             "poseidon-synth: layer %u (%s) iteration %llu element %llu: got %g, expected %g\n", l,
@@ -243,6 +253,11 @@ int main(int argc, char** argv) {
   const bool wfbp = absl::GetFlag(FLAGS_wfbp);
   uint64_t mismatches = 0, verified = 0;
   const auto L = static_cast<uint32_t>(layers.size());
+  // --allow_shrink: the rank the results leave out (-1: none yet) and, per layer, the first
+  // iteration that left it out (0: none).
+  const bool allow_shrink = absl::GetFlag(FLAGS_allow_shrink);
+  int64_t removed = -1;
+  std::vector<uint64_t> left_out_from(L, 0);
   auto wait_and_check = [&](uint32_t l, uint64_t t) {
     const float* result = layers[l].info.grad;
     if (cuda) {
@@ -266,7 +281,23 @@ int main(int argc, char** argv) {
       Die("wait", s);
     }
     if (verify && t + offset >= verify_from) {
-      mismatches += Verify(layers[l], result, l, t + offset, world);
+      const uint64_t job_t = t + offset;
+      if (!allow_shrink) {
+        mismatches += Verify(layers[l], result, l, job_t, world);
+      } else if (left_out_from[l] != 0) {  // left out once: from then on
+        mismatches += Verify(layers[l], result, l, job_t, world, removed);
+      } else if (Verify(layers[l], result, l, job_t, world, -1, /*quiet=*/true) != 0) {
+        bool matched = false;
+        for (uint32_t d = 0; d < world && !matched; ++d) {
+          if (d == rank || (removed >= 0 && d != removed)) continue;
+          if (Verify(layers[l], result, l, job_t, world, d, /*quiet=*/true) == 0) {
+            removed = d;
+            left_out_from[l] = job_t;
+            matched = true;
+          }
+        }
+        if (!matched) mismatches += Verify(layers[l], result, l, job_t, world);
+      }
       ++verified;
     }
   };
@@ -370,6 +401,30 @@ int main(int argc, char** argv) {
       rank, world, static_cast<unsigned long long>(iterations), spec->name().c_str(), L, sfb, total,
       steady, static_cast<unsigned long long>(switches), static_cast<unsigned long long>(verified),
       static_cast<unsigned long long>(mismatches));
+  if (allow_shrink) {
+    uint32_t live_rank = 0, live_size = 0;
+    uint64_t generation = 0;
+    if (psd_status s = psd_world(ctx, &live_rank, &live_size, &generation); s != PSD_OK) {
+      Die("world", s);
+    }
+    uint64_t left_first = 0, left_last = 0;
+    for (uint64_t from : left_out_from) {
+      if (from == 0) continue;
+      left_first = left_first == 0 ? from : std::min(left_first, from);
+      left_last = std::max(left_last, from);
+    }
+    if (removed >= 0) {
+      std::printf("poseidon-synth rank %u: the results left out rank %lld from iterations %llu to "
+                  "%llu (by layer); world now rank %u of %u (generation %llu)\n",
+                  rank, static_cast<long long>(removed), static_cast<unsigned long long>(left_first),
+                  static_cast<unsigned long long>(left_last), live_rank, live_size,
+                  static_cast<unsigned long long>(generation));
+    } else {
+      std::printf("poseidon-synth rank %u: no result left a rank out; world now rank %u of %u "
+                  "(generation %llu)\n",
+                  rank, live_rank, live_size, static_cast<unsigned long long>(generation));
+    }
+  }
   psd_detach(ctx);
   return mismatches == 0 ? 0 : 1;
 }

@@ -176,6 +176,14 @@ psd_status psd_rank(psd_context* ctx, uint32_t* rank, uint32_t* world_size);
  * stay this process's own (1, 2, ...). */
 psd_status psd_start_iteration(psd_context* ctx, uint64_t* iteration);
 
+/* The world this rank trains in now: its index among the ranks the job goes on with, their
+ * number, and how many times that changed (0: the world the job started with, psd_rank's).
+ * The world shrinks when a dead rank is removed (poseidon-agent --min_workers): from then on
+ * the synchronised results sum the ranks left, and a data loader shards by these. Cheap: one
+ * load from shared memory; poll it between iterations. */
+psd_status psd_world(psd_context* ctx, uint32_t* rank, uint32_t* world_size,
+                     uint64_t* generation);
+
 /* Tells the agent the framework is leaving, unmaps, frees the context. */
 psd_status psd_detach(psd_context* ctx);
 

@@ -1,0 +1,213 @@
+#!/usr/bin/python3
+"""Elastic workers, issue 18: a rank that dies and is not restarted is removed, and the job goes
+on with the ranks left (--min_workers). Four agents train the tiny model by PS on two KV servers
+(each key backed up on the other) with --min_workers=3 and no rejoin timeout (restarts
+forbidden). In each trial one rank, chosen at random, is SIGKILLed at a random moment: its
+training process (its agent then exits), or its agent and the process with it (as a launcher
+does).
+
+Checked in every trial:
+- the three survivors finish every iteration with exit 0, and every synchronised result is
+  exact: the sum over the four ranks' gradients of that iteration until the layer's key left the
+  killed rank out, the sum over the three survivors' from then on (poseidon-synth --verify
+  --allow_shrink: one rank left out, the same on every layer, never back); every layer left it
+  out from the iteration it died in or the next (no key mixes two memberships in one clock, and
+  the keys of one iteration differ by at most one clock);
+- each survivor's training process learns the world it trains in now (psd_world): its index
+  among the three and 3, generation 1;
+- every survivor's agent logs that the job goes on with 3 of its 4 workers, and a KV server
+  that the killed rank is removed.
+Printed: the time from the kill to the survivors' next completed iteration (p50, p99), and the
+iterations' time before and after (the world of 3 does a quarter less work per iteration here).
+
+Then --min_workers=4: a rank killed is not removed, and the others fail, naming it. Every process
+is killed (and every shared-memory segment removed) on every path."""
+
+import argparse
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import time
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+from metrics_test import Daemon, ended_after, job_environment, stop_all  # noqa: E402
+
+TOKEN = "ops-shrink-token"
+SECRET = "ops-shrink-secret"
+RANKS = 4
+ITERATIONS = 120
+LAYERS = 8  # tiny.json
+
+
+def start_job(args, trial, daemons, segments, min_workers):
+    """A coordinator, two servers and RANKS agents with --min_workers; returns the agents."""
+    coord = Daemon("coordinator", [args.coordinator, "--listen=127.0.0.1:0", "--job_id=1",
+                                   "--liveness_timeout=2s", "--min_servers=2"])
+    daemons.append(coord)
+    addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
+    servers = []
+    for s in range(2):
+        servers.append(Daemon(f"server {s}", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
+                                               f"--coordinator={addr}"]))
+        daemons.append(servers[-1])
+        servers[-1].wait_for(r"poseidon-server listening on (\S+)")
+    agents = []
+    for rank in range(RANKS):
+        segment = f"/psd-ops-shrink-{os.getpid()}-{trial}-{rank}"
+        segments.append(segment)
+        agents.append(Daemon(f"agent {rank}", [
+            args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}",
+            f"--world_size={RANKS}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
+            f"--segment={segment}", "--scheme=ps", "--probe_bytes=0",
+            f"--min_workers={min_workers}", "--sync_timeout=60s"]))
+        daemons.append(agents[-1])
+    for agent in agents:
+        agent.wait_for(r"poseidon-agent ready")
+    return servers, agents
+
+
+def synth(args, rank, segment, daemons):
+    d = Daemon(f"rank {rank}", [
+        args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
+        f"--iterations={ITERATIONS}", "--compute_scale=10000", "--timeout_ms=120000", "--verify",
+        "--allow_shrink", "--print_iterations"])
+    daemons.append(d)
+    return d
+
+
+def ends(d):
+    """[(iteration, time it ended)] from a synth's --print_iterations lines."""
+    out = []
+    for line in d.lines:
+        m = re.search(r"iteration (\d+) ends at ([0-9.]+)", line)
+        if m:
+            out.append((int(m.group(1)), float(m.group(2))))
+    return out
+
+
+def trial(args, t, rng, kill_agent, pauses, steps):
+    daemons, segments = [], []
+    try:
+        servers, agents = start_job(args, t, daemons, segments, min_workers=3)
+        synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
+        victim = rng.randrange(RANKS)
+        synths[victim].wait_for(r"iteration 1 ends at", timeout=60)
+        time.sleep(rng.uniform(0.3, 3.0))  # somewhere in the run (about 6 s here)
+        killed = time.time()
+        what = "agent" if kill_agent else "training process"
+        if kill_agent:
+            os.kill(agents[victim].proc.pid, signal.SIGKILL)
+        os.kill(synths[victim].proc.pid, signal.SIGKILL)
+        synths[victim].wait(20)
+        agents[victim].wait(20)  # an agent whose process died exits by itself
+        died_in = ends(synths[victim])[-1][0] + 1 if ends(synths[victim]) else 1
+        print(f"trial {t}: rank {victim}'s {what} killed in its iteration {died_in}", flush=True)
+        survivors = [r for r in range(RANKS) if r != victim]
+        for r in survivors:
+            try:
+                synths[r].wait(90)
+            except Exception:  # noqa: BLE001 - checked below
+                pass
+        for r in survivors:
+            s = synths[r]
+            last = (s.lines + s.stderr)[-1:] or ["(nothing)"]
+            check(s.proc.returncode == 0 and
+                  any(f"verified {ITERATIONS * LAYERS} results, 0 mismatches" in l
+                      for l in s.lines),
+                  f"trial {t} ({what} of rank {victim} killed): rank {r} finished every "
+                  f"iteration, every result exact ({last[0][:160]})")
+            m = next((re.search(r"left out rank (\d+) from iterations (\d+) to (\d+) \(by "
+                                r"layer\); world now rank (\d+) of (\d+) \(generation (\d+)\)", l)
+                      for l in s.lines if "left out rank" in l), None)
+            if m is None:
+                check(False, f"trial {t}: rank {r}'s results left rank {victim} out "
+                             f"({[l for l in s.lines if 'world now' in l]})")
+                continue
+            gone, first, last_from, live_rank, live_size, generation = map(int, m.groups())
+            check(gone == victim and died_in - 1 <= first and last_from <= died_in + 1 and
+                  last_from - first <= 1,
+                  f"trial {t}: rank {r}'s results left out rank {gone} (killed: {victim}) from "
+                  f"iterations {first} to {last_from} by layer (it died in {died_in})")
+            check((live_rank, live_size, generation) == (survivors.index(r), RANKS - 1, 1),
+                  f"trial {t}: rank {r} trains as rank {live_rank} of {live_size}, generation "
+                  f"{generation} (psd_world)")
+        for r in survivors:
+            log = "\n".join(agents[r].lines + agents[r].stderr)
+            check(f"rank {victim} " in log and
+                  f"the job goes on with {RANKS - 1} of its {RANKS} workers" in log,
+                  f"trial {t}: rank {r}'s agent logs that the job goes on without rank {victim}")
+        server_log = "\n".join(l for s in servers for l in s.lines + s.stderr)
+        check(f"rank {victim} (" in server_log and "it is removed, the job goes on with 3 of its "
+              "4 workers" in server_log,
+              f"trial {t}: a KV server logs that rank {victim} is removed")
+        # The survivors' pause: the longest gap between two iterations' ends after the kill.
+        e = ends(synths[survivors[0]])
+        gaps = [(b[1] - a[1], a, b) for a, b in zip(e, e[1:]) if b[1] >= killed]
+        if gaps:
+            gap, _, after = max(gaps)
+            pauses.append(after[1] - killed)
+            before = [b[1] - a[1] for a, b in zip(e, e[1:]) if b[1] < killed]
+            later = [b[1] - a[1] for a, b in zip(e, e[1:]) if a[1] > after[1]]
+            if before and later:
+                steps.append((statistics.median(before), statistics.median(later)))
+    except RuntimeError as e:
+        check(False, f"trial {t}: {e}")
+    finally:
+        stop_all(daemons, segments)
+
+
+def too_few(args):
+    """--min_workers=4: a killed rank cannot be removed; the others fail, naming it."""
+    daemons, segments = [], []
+    try:
+        _, agents = start_job(args, "few", daemons, segments, min_workers=4)
+        synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
+        synths[2].wait_for(r"iteration 1 ends at", timeout=60)
+        time.sleep(1.0)
+        killed = time.monotonic()
+        os.kill(synths[2].proc.pid, signal.SIGKILL)
+        out = ended_after(synths[0], killed, "rank 2's kill", timeout=60)
+        check(synths[0].proc.poll() not in (None, 0),
+              "--min_workers=4 of 4: a killed rank is not removed, the others fail")
+        check("rank 2" in out, f"and the error names rank 2: {out[-200:]}")
+    except RuntimeError as e:
+        check(False, str(e))
+    finally:
+        stop_all(daemons, segments)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for flag in ("coordinator", "server", "agent", "synth", "model"):
+        ap.add_argument(f"--{flag}", required=True)
+    ap.add_argument("--trials", type=int, default=1, help="per kind of kill")
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args()
+    job_environment(TOKEN, SECRET)
+    seed = args.seed if args.seed is not None else int(time.time())
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    pauses, steps = [], []
+    for t in range(2 * args.trials):
+        trial(args, t, rng, kill_agent=t % 2 == 1, pauses=pauses, steps=steps)
+    if pauses:
+        values = sorted(pauses)
+        p50 = statistics.median(values)
+        p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
+        print(f"kill to the survivors' next completed iteration: p50 {p50:.2f} s, p99 "
+              f"{p99:.2f} s over {len(values)} trials")
+    if steps:
+        print("iteration time before / after the world shrank (median per trial): " +
+              ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
+    too_few(args)
+    finish("PASS: a killed rank (or agent) not restarted is removed and the job goes on with the "
+           "ranks left, every result exact; with too few left the others fail naming it")
+
+
+if __name__ == "__main__":
+    main()
