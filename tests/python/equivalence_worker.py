@@ -13,7 +13,9 @@ cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-acc
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
 kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
-3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too). A job resumed by `poseidon run --resume` starts at
+3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too),
+report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank). A job
+resumed by `poseidon run --resume` starts at
 poseidon.torch.resumed_steps() (with server-adam the servers hold the rest of the state)."""
 import os
 import signal
@@ -128,6 +130,13 @@ def main(out, modes=()):
             print(f"first resumed step done at {time.time():.3f}", flush=True)
         steps = step + 1
     opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
+    if "report-world" in modes:
+        # The world shrank mid-run (poseidon run --min_workers): the agent learns it from the
+        # coordinator's heartbeat answers, which may come after this rank's last step.
+        deadline = time.time() + 15
+        while poseidon.world()[2] == 0 and time.time() < deadline:
+            time.sleep(0.1)
+        print(f"rank {rank} ends in world {poseidon.world()}", flush=True)
     if rank == 0:
         torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
         if opt._optimizer is not None:  # overlap_forward's per-layer steps keep their state here

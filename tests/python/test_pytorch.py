@@ -73,6 +73,22 @@ def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), wor
     return params
 
 
+def reference_shrunk(make_optimizer, workers, removed, from_step, steps=equivalence_worker.STEPS):
+    """One process on the P-times larger batch until `from_step`, then on the batch of the
+    ranks left (rank `removed`'s shard left out): what a job that shrank must reproduce."""
+    model, x, y = equivalence_worker.model_and_data(seed=0, workers=workers, steps=steps)
+    K = equivalence_worker.K
+    keep = torch.cat([torch.arange(r * K, (r + 1) * K) for r in range(workers) if r != removed])
+    opt = make_optimizer(model.parameters())
+    for step in range(steps):
+        xs, ys = (x[step], y[step]) if step < from_step else (x[step][keep], y[step][keep])
+        loss = torch.nn.functional.cross_entropy(model(xs), ys)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
 class WorkersTest(unittest.TestCase):
     """Runs equivalence_worker.py ranks through the launcher and compares parameters."""
 
@@ -241,6 +257,40 @@ class Equivalence(WorkersTest):
             self.assertIn("resumed at step 16", r.stdout)
             self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
             self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
+
+    def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
+        # --min_workers (issue 18): rank 1 of 4 dies before step 17 and is not restarted; the
+        # KV servers average each key over the three ranks left from its first clock rank 1
+        # did not push (step 17 for every key: it had pushed all of step 16), the others go on,
+        # and the job ends with the parameters of one process on the 4x batch until step 17
+        # and on the three ranks' batch after.
+        adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+        want = reference_shrunk(adam, workers=4, removed=1, from_step=17)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
+                        "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        "server-adam,workers=4,crash-at=17,report-world"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("rank 1 failed with exit code 3; no restart left: the job goes on with "
+                          "3 of 4 workers (--min_workers 3)", r.stderr)
+            # Rank 0 learns the world it trains in now (psd_world), within a few heartbeats.
+            self.assertIn("rank 0 ends in world (0, 3, 1)", r.stdout)
+            self.assert_close(torch.load(out), want, "server-side Adam, the world shrank")
+            self.assertNotEqual(reference(adam, workers=4)[0].tolist(), want[0].tolist())
+
+    def test_a_job_that_may_shrink_needs_a_server_side_optimizer(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(["-n", "2", "--scheme", "ps", "--min_workers", "1", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), os.path.join(tmp, "p.pt"),
+                        "workers=2"])
+            self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("a job that may shrink (poseidon run --min_workers) needs a server-side "
+                          "optimizer", r.stdout + r.stderr)
+        r = launch(["-n", "2", "--min_workers", "1", "--", PY, "-c", "pass"])
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--min_workers needs --scheme ps", r.stderr)
 
     def test_a_rank_that_keeps_crashing_exhausts_its_restarts(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -56,6 +56,16 @@ def size():
     return _size
 
 
+def world():
+    """(rank, size, generation): this process's rank among the ranks the job goes on with, their
+    number, and how many times that changed — (rank(), size(), 0) until the world shrinks (a dead
+    rank removed, `poseidon run --min_workers`). From then on the synchronised results sum the
+    ranks left: shard the data by these. Cheap (one load from shared memory)."""
+    r, s, g = ctypes.c_uint32(), ctypes.c_uint32(), ctypes.c_uint64()
+    check(lib().psd_world(_context(), ctypes.byref(r), ctypes.byref(s), ctypes.byref(g)), "world")
+    return r.value, s.value, g.value
+
+
 def local_rank():
     return int(os.environ.get("POSEIDON_LOCAL_RANK", rank()))
 

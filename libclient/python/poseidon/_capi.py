@@ -120,6 +120,9 @@ def lib():
         _lib.psd_rank.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
                                   ctypes.POINTER(ctypes.c_uint32)]
         _lib.psd_rank.restype = s
+        _lib.psd_world.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
+                                   ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)]
+        _lib.psd_world.restype = s
         _lib.psd_start_iteration.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         _lib.psd_start_iteration.restype = s
         _lib.psd_detach.argtypes = [ctypes.c_void_p]

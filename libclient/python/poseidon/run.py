@@ -189,6 +189,13 @@ def main(argv=None):
     ap.add_argument("--rejoin_timeout", default="30s",
                     help="with --rejoin: how long the others wait for a failed rank to come "
                          "back before the job fails (or, restarts used up, at once)")
+    ap.add_argument("--min_workers", type=int, default=0,
+                    help="a rank whose process or agent fails and is not restarted (no --rejoin, "
+                         "or its restarts used up) is left out and the job goes on with the "
+                         "ranks left, while at least N are: the KV servers sum the ranks left "
+                         "from the first clock it did not push, and each process learns its new "
+                         "rank and world size (psd_world; poseidon.world()). Needs "
+                         "--scheme ps; 0: a failed rank fails the job")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -239,6 +246,10 @@ def main(argv=None):
     if args.rejoin and (not args.max_restarts or args.scheme != "ps"):
         ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N and --scheme ps "
                  "(only PS layers can take a restarted rank back)")
+    if args.min_workers and (not 1 <= args.min_workers <= world or
+                             args.scheme != "ps"):
+        ap.error(f"--min_workers needs --scheme ps (only PS layers can go on without a rank) and "
+                 f"a value in [1, {world}] (the world size), got {args.min_workers}")
     if not re.fullmatch(r"[0-9]+(ms|s|m)", args.rejoin_timeout):
         ap.error(f"--rejoin_timeout {args.rejoin_timeout!r} is not a duration (30s, 500ms, 2m)")
     if args.checkpoint_dir and joining:
@@ -369,6 +380,8 @@ def main(argv=None):
                                         *([f"--rejoin_timeout={args.rejoin_timeout}"]
                                           if args.rejoin else []),
                                         *(["--rejoin"] if rejoin else []),
+                                        *([f"--min_workers={args.min_workers}"]
+                                          if args.min_workers else []),
                                         "--log_level=warn"], watch="poseidon-agent ready",
                             env=agent_env(keyring=make_keyring(secret, job, r, world),
                                           coordinator_token=token))
@@ -381,6 +394,7 @@ def main(argv=None):
                            POSEIDON_WORLD_SIZE=str(world), POSEIDON_LOCAL_RANK=str(local),
                            POSEIDON_RESUMED_ITERATION=str(resumed),
                            POSEIDON_RESTART_COUNT=str(restart_count),
+                           POSEIDON_MIN_WORKERS=str(args.min_workers),
                            PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
                 return Proc(f"rank {r}", command, env=env)
 
@@ -423,27 +437,58 @@ def main(argv=None):
                                        f"{' | '.join(agents[local].tail)}")
                 workers[local] = start_worker(local, segment, restart)
                 procs.append(workers[local])
+            dropped = set()  # --min_workers: ranks (local indices) the job goes on without
+
+            def drop(local, why):
+                """--min_workers: rank `local`'s process and agent stop (SIGKILL) and the job goes
+                on without it (its agent and the KV servers leave it out)."""
+                dropped.add(local)
+                left = world - len(dropped)
+                print(f"poseidon run: {why}; no restart left: the job goes on with {left} of "
+                      f"{world} workers (--min_workers {args.min_workers})",
+                      file=sys.stderr, flush=True)
+                # An agent whose training process died exits by itself within seconds, telling
+                # the coordinator it failed (the other agents then go on without it at once);
+                # killed, it would be declared dead only once its lease ran out.
+                if workers[local].proc.poll() is not None:
+                    try:
+                        agents[local].proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+                for p in (workers[local], agents[local]):
+                    if p.proc.poll() is None:
+                        p.stop(signal.SIGKILL)
+                    p.proc.wait()
+                    procs.remove(p)
+
             # Watch: every worker must finish with 0; no daemon may die before that (but a server
             # whose keys have backups: said once, and the job goes on).
             survived = set()
             while True:
-                for p in workers:
+                for local, p in enumerate(workers):
                     code = p.proc.poll()
-                    if code not in (None, 0):
+                    if code not in (None, 0) and local not in dropped:
                         failed = f"{p.name} failed with exit code {code}"
                         break
-                if args.rejoin and not failed:
+                if (args.rejoin or args.min_workers) and not failed:
                     # A rank whose agent died while it ran fails with it (an agent exits 0 once
                     # its worker detached, which may still be exiting).
                     for local, p in enumerate(agents):
                         code = p.proc.poll()
-                        if code not in (None, 0) and workers[local].proc.poll() is None:
+                        if (code not in (None, 0) and workers[local].proc.poll() is None and
+                                local not in dropped):
                             failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
                             break
                 if failed and args.rejoin and restart < args.max_restarts:
                     local = next(i for i, (w, a) in enumerate(zip(workers, agents))
                                  if failed.startswith((f"{w.name} ", f"{a.name} ")))
                     rejoin(local, failed)
+                    failed = None
+                    continue
+                if failed and args.min_workers and world - len(dropped) - 1 >= args.min_workers:
+                    local = next(i for i, (w, a) in enumerate(zip(workers, agents))
+                                 if failed.startswith((f"{w.name} ", f"{a.name} ")))
+                    drop(local, failed)
                     failed = None
                     continue
                 if failed:
@@ -465,7 +510,8 @@ def main(argv=None):
                         if any(w.proc.poll() is None for w in workers):
                             failed = f"{p.name} died (exit code {code}): {' | '.join(p.tail[-2:])}"
                             break
-                if failed or all(w.proc.poll() == 0 for w in workers):
+                if failed or all(w.proc.poll() == 0 for i, w in enumerate(workers)
+                                 if i not in dropped):
                     break
                 time.sleep(0.05)
         except RuntimeError as e:

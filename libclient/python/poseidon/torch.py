@@ -41,6 +41,7 @@ wire carry float32 (bf16/fp16 widen exactly, the sum is float32, the average is 
 the parameter's type).
 """
 import contextlib
+import os
 import ctypes
 
 import numpy as np
@@ -261,6 +262,8 @@ class _Engine:
         self.grad_hook = grad_hook
         self.allow_sfb = sfb
         self.world = poseidon.size()
+        # The job may shrink (poseidon run --min_workers): see register.
+        self.elastic = os.environ.get("POSEIDON_MIN_WORKERS", "0") not in ("", "0")
         self.rank = poseidon.rank()
         self.layers = None
         self.device = None
@@ -305,6 +308,14 @@ class _Engine:
                 raise PoseidonError(1, f"buffers ({', '.join(names[:3])}) cannot be broadcast "
                                        "under a server-side rule: pass broadcast_buffers=False")
             check(lib().psd_set_server_rule(ctx, ctypes.byref(self.server_rule)), "server rule")
+        if self.elastic and self.server_rule is None:
+            # In the iteration a rank dies some keys may sum its gradient and others not, and
+            # only the KV servers know which: a server-side rule averages each key over the
+            # ranks its clock sums; a local optimizer's .grad could not be that exact mean.
+            raise PoseidonError(1, "a job that may shrink (poseidon run --min_workers) needs a "
+                                   "server-side optimizer (server_optimizer=) in the PyTorch "
+                                   "integration: with a local optimizer the average over the "
+                                   "ranks left is not exact yet")
         total = sum(l.param.numel() for l in layers) + sum(b.numel() for b in self.buffers)
         extra = [(BROADCAST_LAYER, total)]
         if self.buffers and self.mode != "server":
