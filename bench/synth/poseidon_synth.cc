@@ -404,9 +404,17 @@ int main(int argc, char** argv) {
   if (allow_shrink) {
     uint32_t live_rank = 0, live_size = 0;
     uint64_t generation = 0;
-    if (psd_status s = psd_world(ctx, &live_rank, &live_size, &generation); s != PSD_OK) {
-      Die("world", s);
-    }
+    // The agent learns of the removal from the coordinator (at once when the dead rank's agent
+    // said it left, else once its lease ran out), possibly after this rank's last iteration:
+    // waited for (at most 20 s) when the results left a rank out.
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
+    do {
+      if (psd_status s = psd_world(ctx, &live_rank, &live_size, &generation); s != PSD_OK) {
+        Die("world", s);
+      }
+      if (generation > 0 || removed < 0) break;
+      Sleep(0.1);
+    } while (Clock::now() < deadline);
     uint64_t left_first = 0, left_last = 0;
     for (uint64_t from : left_out_from) {
       if (from == 0) continue;

@@ -1,8 +1,15 @@
 """The ops tests' checks: each prints "ok" or "FAIL" with what it checked; finish() exits 1 if any
 failed (with an optional last word, e.g. the daemon's log), else prints the passing line."""
+import statistics
 import sys
 
 failures = []
+
+
+def p50_p99(values):
+    """The median and the 99th percentile (nearest rank) of a benchmark's samples."""
+    values = sorted(values)
+    return statistics.median(values), values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
 def check(ok, what):

@@ -22,13 +22,12 @@ import os
 import random
 import re
 import signal
-import statistics
 import sys
 import time
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checks import check, finish  # noqa: E402
+from checks import check, finish, p50_p99  # noqa: E402
 from metrics_test import Daemon, ended_after, job_environment, stop_all  # noqa: E402
 
 TOKEN = "ops-rejoin-token"
@@ -68,11 +67,11 @@ def start_job(args, trial, daemons, segments, rejoin_timeout):
     return agent_argv, agents
 
 
-def synth(args, rank, segment, daemons):
+def synth(args, rank, segment, daemons, extra=()):
     d = Daemon(f"rank {rank}", [
         args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
         f"--iterations={ITERATIONS}", "--compute_scale=10000", "--timeout_ms=120000", "--verify",
-        "--print_iterations"])
+        "--print_iterations", *extra])
     daemons.append(d)
     return d
 
@@ -226,10 +225,6 @@ def main():
     for t in range(2 * args.trials):
         trial(args, t, rng, kill_agent=t % 2 == 1, recoveries=recoveries, durations=durations,
               elsewhere=t % 4 == 3)
-
-    def p50_p99(values):
-        values = sorted(values)
-        return statistics.median(values), values[min(len(values) - 1, int(0.99 * len(values)))]
     if recoveries:
         p50, p99 = p50_p99(recoveries)
         print(f"kill to the first iteration the rejoined rank completed: p50 {p50:.2f} s, p99 "

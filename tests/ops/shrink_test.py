@@ -34,13 +34,14 @@ import time
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checks import check, finish  # noqa: E402
+import rejoin_test  # noqa: E402
+from checks import check, finish, p50_p99  # noqa: E402
 from metrics_test import Daemon, ended_after, job_environment, stop_all  # noqa: E402
 
 TOKEN = "ops-shrink-token"
 SECRET = "ops-shrink-secret"
-RANKS = 4
-ITERATIONS = 120
+RANKS = rejoin_test.RANKS
+ITERATIONS = rejoin_test.ITERATIONS
 LAYERS = 8  # tiny.json
 
 
@@ -72,12 +73,7 @@ def start_job(args, trial, daemons, segments, min_workers):
 
 
 def synth(args, rank, segment, daemons):
-    d = Daemon(f"rank {rank}", [
-        args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
-        f"--iterations={ITERATIONS}", "--compute_scale=10000", "--timeout_ms=120000", "--verify",
-        "--allow_shrink", "--print_iterations"])
-    daemons.append(d)
-    return d
+    return rejoin_test.synth(args, rank, segment, daemons, extra=["--allow_shrink"])
 
 
 def ends(d):
@@ -150,7 +146,7 @@ def trial(args, t, rng, kill_agent, pauses, steps):
         gaps = [(b[1] - a[1], a, b) for a, b in zip(e, e[1:]) if b[1] >= killed]
         if gaps:
             gap, _, after = max(gaps)
-            pauses.append(after[1] - killed)
+            pauses.append((what, after[1] - killed))
             before = [b[1] - a[1] for a, b in zip(e, e[1:]) if b[1] < killed]
             later = [b[1] - a[1] for a, b in zip(e, e[1:]) if a[1] > after[1]]
             if before and later:
@@ -195,12 +191,13 @@ def main():
     pauses, steps = [], []
     for t in range(2 * args.trials):
         trial(args, t, rng, kill_agent=t % 2 == 1, pauses=pauses, steps=steps)
-    if pauses:
-        values = sorted(pauses)
-        p50 = statistics.median(values)
-        p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
-        print(f"kill to the survivors' next completed iteration: p50 {p50:.2f} s, p99 "
-              f"{p99:.2f} s over {len(values)} trials")
+    for kind in ("all", "training process", "agent"):
+        values = [v for what, v in pauses if kind in ("all", what)]
+        if values:
+            p50, p99 = p50_p99(values)
+            print(f"kill ({kind}) to the survivors' next completed iteration: p50 {p50:.2f} s, "
+                  f"p99 {p99:.2f} s, range {min(values):.2f} - {max(values):.2f} s over "
+                  f"{len(values)} trials")
     if steps:
         print("iteration time before / after the world shrank (median per trial): " +
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
