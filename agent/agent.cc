@@ -453,16 +453,18 @@ int Agent::Run() {
       std::lock_guard<std::mutex> lock(plan_mu_);
       watcher_stop_ = true;
     }
-    if (watcher_.joinable()) watcher_.join();
     if (telemetry_) telemetry_->Stop();
     if (heartbeats_) heartbeats_->Stop();
+    // The KV servers first: they (and through them the other ranks) learn at once that this
+    // rank is gone, not after the plan watcher's parked call returns (up to a second).
+    env_.replication.stopping.store(true, std::memory_order_release);
+    for (auto& s : env_.servers) s->Close();
     if (coord_) {
       (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting", code != 0);
     }
+    if (watcher_.joinable()) watcher_.join();
     if (sfb_server_) sfb_server_->Stop();
     if (sfb_server_rdma_) sfb_server_rdma_->Stop();
-    env_.replication.stopping.store(true, std::memory_order_release);
-    for (auto& s : env_.servers) s->Close();
     transports_.Close();
     // Drains the device streams (their callbacks use the timeline) and unpins the segment.
     stager_.store(nullptr);
