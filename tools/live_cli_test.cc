@@ -151,7 +151,7 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
   links[0].set_peer_node_id(members[0].world.servers[0].node_id());
   links[0].set_transport(v1::TRANSPORT_KIND_RDMA);
   links[0].set_window_ns(1000000000);
-  links[1].set_peer_node_id(members[0].world.peers[1].node_id());
+  links[1].set_peer_node_id(members[1].client->node_id());  // the other agent (any rank)
   links[1].set_window_ns(1000000000);  // transport unspecified: not connected yet
   ASSERT_TRUE(members[0].client->ReportTelemetry(links, 122).ok());
   run = Stdout(status + " --json");
