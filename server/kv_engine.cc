@@ -166,6 +166,12 @@ struct KvEngine::Key {
   std::vector<uint8_t> removed;
   std::vector<uint8_t> leaving;
   bool Removed(uint32_t rank) const { return rank < removed.size() && removed[rank] != 0; }
+  // Takes `rank` out of the ranks each clock needs (and the average's divisor).
+  void Drop(uint32_t rank) {
+    removed[rank] = 1;
+    --active;
+    if (average) grad_scale = 1.0f / static_cast<float>(active);
+  }
   struct PendingPull {
     RequestContext ctx;
     absl::Time deadline;
@@ -468,17 +474,9 @@ void KvEngine::RemoveRank(Worker& w, Key& k, uint32_t rank) {
     k.leaving[rank] = 1;
     return;
   }
-  k.removed[rank] = 1;
-  --k.active;
-  if (k.average) k.grad_scale = 1.0f / static_cast<float>(k.active);
+  k.Drop(rank);
   // Every rank left pushed the clock in flight already: it completes now.
-  if (k.count > 0 && k.count == k.active && !k.complete_deferred) {
-    if (k.replicating) {
-      k.complete_deferred = true;
-    } else {
-      Complete(w, k);
-    }
-  }
+  if (k.count > 0 && !k.complete_deferred) CompleteIfEveryRankPushed(w, k);
 }
 
 void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {
@@ -951,14 +949,17 @@ void KvEngine::Push(RequestContext request, PooledBuffer payload,
     stats_.push_bytes.fetch_add(data.size(), std::memory_order_relaxed);
     data = PooledBuffer();  // back to the pool before the reply
     ack();
-    if (k.count == k.active) {
-      if (k.replicating) {
-        k.complete_deferred = true;
-      } else {
-        Complete(w, k);
-      }
-    }
+    CompleteIfEveryRankPushed(w, k);
   });
+}
+
+void KvEngine::CompleteIfEveryRankPushed(Worker& w, Key& k) {
+  if (k.count != k.active) return;
+  if (k.replicating) {
+    k.complete_deferred = true;  // once every backup answered (OnReplicated)
+  } else {
+    Complete(w, k);
+  }
 }
 
 void KvEngine::Complete(Worker& w, Key& k) {
@@ -988,9 +989,7 @@ void KvEngine::Complete(Worker& w, Key& k) {
   for (uint32_t r = 0; r < k.leaving.size(); ++r) {
     if (!k.leaving[r]) continue;  // its push of this clock counted: removed from the next on
     k.leaving[r] = 0;
-    k.removed[r] = 1;
-    --k.active;
-    if (k.average) k.grad_scale = 1.0f / static_cast<float>(k.active);
+    k.Drop(r);
   }
   stats_.clocks_completed.fetch_add(1, std::memory_order_relaxed);
   if (!StartReplication(w, k, k.completed)) AnswerPulls(w, k);

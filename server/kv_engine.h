@@ -224,6 +224,9 @@ class KvEngine {
   struct Worker;
   std::shared_ptr<JobState> FindJob(uint64_t job_id) const;  // null: not registered
   void Complete(Worker& w, Key& k);
+  // Completes the clock in flight once every rank it needs pushed (deferred while a replica is
+  // being sent).
+  void CompleteIfEveryRankPushed(Worker& w, Key& k);
   // Removes `rank` from the key's clocks (the world shrank; KvEngine::RankLost): completes the
   // clock in flight when every rank left has pushed it.
   void RemoveRank(Worker& w, Key& k, uint32_t rank);
