@@ -1286,36 +1286,30 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
   if (node->role == v1::NODE_ROLE_AGENT) {
     if (auto job = jobs_.find(node->job_id); job != jobs_.end()) {
       ObserveIteration(job->second, request.iteration(), now);
-      // The world's members declared dead: the agent fails what waits for them now.
+      // The world's members declared dead (the agent fails what waits for them now), and its
+      // agents that left with an error (a job that may shrink goes on without them).
+      auto list = [&](google::protobuf::RepeatedPtrField<v1::LostMember>* into,
+                      const Node& member, uint32_t rank) {
+        v1::LostMember* out = into->Add();
+        out->set_role(member.role);
+        out->set_rank(rank);
+        out->set_node_id(member.id);
+        out->set_host(member.host);
+        out->set_reason(member.state_reason);
+        out->set_dead_for_ms(Millis(now - member.state_since));
+      };
       auto lost = [&](const std::string& id, uint32_t rank) {
         const Node* member = FindNode(id);
-        if (member == nullptr || member->id == node->id ||
-            member->state != v1::NODE_STATE_DEAD) {
-          return;
+        if (member == nullptr || member->id == node->id) return;
+        if (member->state == v1::NODE_STATE_DEAD) {
+          list(response->mutable_lost(), *member, rank);
+        } else if (member->state == v1::NODE_STATE_LEFT && member->left_failed) {
+          list(response->mutable_departed(), *member, rank);
         }
-        v1::LostMember* out = response->add_lost();
-        out->set_role(member->role);
-        out->set_rank(rank);
-        out->set_node_id(member->id);
-        out->set_host(member->host);
-        out->set_reason(member->state_reason);
-        out->set_dead_for_ms(Millis(now - member->state_since));
       };
       const Job& j = job->second;
       for (size_t r = 0; r < j.world_agents.size(); ++r) {
         lost(j.world_agents[r], static_cast<uint32_t>(r));
-        // Its agent left with an error (its training process died).
-        const Node* member = FindNode(j.world_agents[r]);
-        if (member != nullptr && member->id != node->id &&
-            member->state == v1::NODE_STATE_LEFT && member->left_failed) {
-          v1::LostMember* out = response->add_departed();
-          out->set_role(member->role);
-          out->set_rank(static_cast<uint32_t>(r));
-          out->set_node_id(member->id);
-          out->set_host(member->host);
-          out->set_reason(member->state_reason);
-          out->set_dead_for_ms(Millis(now - member->state_since));
-        }
       }
       for (const std::string& server : j.world_servers) lost(server, 0);
     }
