@@ -414,6 +414,15 @@ def main(argv=None):
                 procs.append(p)
                 workers.append(p)
 
+            def stop_rank(local):
+                """Rank `local`'s process and agent stop (SIGKILL: whichever is still running
+                holds nothing the job needs) and leave the watch list."""
+                for p in (workers[local], agents[local]):
+                    if p.proc.poll() is None:
+                        p.stop(signal.SIGKILL)
+                    p.proc.wait()
+                    procs.remove(p)
+
             def rejoin(local, why):
                 """--rejoin: rank `local`'s process and agent stop (SIGKILL: whichever is still
                 running holds nothing the job needs) and start again, the agent with --rejoin on
@@ -423,11 +432,7 @@ def main(argv=None):
                 r = first_rank + local
                 print(f"poseidon run: {why}; restart {restart} of {args.max_restarts}: rank {r} "
                       f"rejoins the running job", file=sys.stderr, flush=True)
-                for p in (workers[local], agents[local]):
-                    if p.proc.poll() is None:
-                        p.stop(signal.SIGKILL)
-                    p.proc.wait()
-                    procs.remove(p)
+                stop_rank(local)
                 segment = f"/poseidon-{job}-{r}-{restart}"
                 segments.append(segment)
                 agents[local] = start_agent(local, segment, rejoin=True)
@@ -455,11 +460,7 @@ def main(argv=None):
                         agents[local].proc.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         pass
-                for p in (workers[local], agents[local]):
-                    if p.proc.poll() is None:
-                        p.stop(signal.SIGKILL)
-                    p.proc.wait()
-                    procs.remove(p)
+                stop_rank(local)
 
             # Watch: every worker must finish with 0; no daemon may die before that (but a server
             # whose keys have backups: said once, and the job goes on).
