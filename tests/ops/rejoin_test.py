@@ -36,9 +36,10 @@ RANKS = 4
 ITERATIONS = 120
 
 
-def start_job(args, trial, daemons, segments, rejoin_timeout):
-    """A coordinator, two servers and RANKS agents (each rank's segment appended to `segments`);
-    returns (agent argv maker, agents)."""
+def start_job(args, trial, daemons, segments, rejoin_timeout, extra=(), name="rejoin"):
+    """A coordinator, two servers ("server 0", "server 1" in `daemons`) and RANKS agents with
+    `extra` arguments (each rank's segment appended to `segments`); returns (agent argv maker,
+    agents)."""
     coord = Daemon("coordinator", [args.coordinator, "--listen=127.0.0.1:0", "--job_id=1",
                                    "--liveness_timeout=2s", "--min_servers=2"])
     daemons.append(coord)
@@ -53,12 +54,12 @@ def start_job(args, trial, daemons, segments, rejoin_timeout):
                 f"--local_rank={gpu}",
                 f"--world_size={RANKS}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
                 f"--segment={segment}", "--scheme=ps", "--probe_bytes=0",
-                f"--rejoin_timeout={rejoin_timeout}", "--sync_timeout=60s",
+                f"--rejoin_timeout={rejoin_timeout}", "--sync_timeout=60s", *extra,
                 *(["--rejoin"] if rejoin else [])]
 
     agents = []
     for rank in range(RANKS):
-        segment = f"/psd-ops-rejoin-{os.getpid()}-{trial}-{rank}"
+        segment = f"/psd-ops-{name}-{os.getpid()}-{trial}-{rank}"
         segments.append(segment)
         agents.append(Daemon(f"agent {rank}", agent_argv(rank, segment)))
         daemons.append(agents[-1])

@@ -37,40 +37,21 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rejoin_test  # noqa: E402
 from checks import check, finish, p50_p99  # noqa: E402
-from metrics_test import Daemon, ended_after, job_environment, stop_all  # noqa: E402
+from metrics_test import ended_after, job_environment, stop_all  # noqa: E402
 
-TOKEN = "ops-shrink-token"
-SECRET = "ops-shrink-secret"
+TOKEN = rejoin_test.TOKEN  # its job: its agents take its secret
+SECRET = rejoin_test.SECRET
 RANKS = rejoin_test.RANKS
 ITERATIONS = rejoin_test.ITERATIONS
 LAYERS = 8  # tiny.json
 
 
 def start_job(args, trial, daemons, segments, min_workers):
-    """A coordinator, two servers and RANKS agents with --min_workers; returns the agents."""
-    coord = Daemon("coordinator", [args.coordinator, "--listen=127.0.0.1:0", "--job_id=1",
-                                   "--liveness_timeout=2s", "--min_servers=2"])
-    daemons.append(coord)
-    addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
-    servers = []
-    for s in range(2):
-        servers.append(Daemon(f"server {s}", [args.server, "--listen=127.0.0.1:0", "--job_id=1",
-                                               f"--coordinator={addr}"]))
-        daemons.append(servers[-1])
-        servers[-1].wait_for(r"poseidon-server listening on (\S+)")
-    agents = []
-    for rank in range(RANKS):
-        segment = f"/psd-ops-shrink-{os.getpid()}-{trial}-{rank}"
-        segments.append(segment)
-        agents.append(Daemon(f"agent {rank}", [
-            args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}",
-            f"--world_size={RANKS}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
-            f"--segment={segment}", "--scheme=ps", "--probe_bytes=0",
-            f"--min_workers={min_workers}", "--sync_timeout=60s"]))
-        daemons.append(agents[-1])
-    for agent in agents:
-        agent.wait_for(r"poseidon-agent ready")
-    return servers, agents
+    """rejoin_test's job (a coordinator, two servers, RANKS agents) with --min_workers and no
+    rejoin timeout; returns (servers, agents)."""
+    _, agents = rejoin_test.start_job(args, trial, daemons, segments, "0s",
+                                      extra=[f"--min_workers={min_workers}"], name="shrink")
+    return [d for d in daemons if d.name.startswith("server ")], agents
 
 
 def synth(args, rank, segment, daemons):
