@@ -160,17 +160,34 @@ struct KvEngine::Key {
   // The world shrinking (RegisterTablesRequest::min_workers): the ranks whose push each clock
   // needs, the ranks removed (by rank; empty while none is) and those whose push of the clock in
   // flight counts but who are removed from the next one on (Complete applies it). grad_scale
-  // follows active when the job averages.
+  // follows active when the job averages. The world growing again (readmit_from): a removed
+  // rank's clock from which it counts again (0: none; Complete admits it once that clock is
+  // in flight).
   uint32_t active = 1;
   bool average = false;
   std::vector<uint8_t> removed;
   std::vector<uint8_t> leaving;
+  std::vector<uint64_t> join_at;
   bool Removed(uint32_t rank) const { return rank < removed.size() && removed[rank] != 0; }
   // Takes `rank` out of the ranks each clock needs (and the average's divisor).
   void Drop(uint32_t rank) {
     removed[rank] = 1;
     --active;
     if (average) grad_scale = 1.0f / static_cast<float>(active);
+  }
+  // Counts a removed `rank` again, from the clock in flight on.
+  void Admit(uint32_t rank) {
+    removed[rank] = 0;
+    join_at[rank] = 0;
+    ++active;
+    if (average) grad_scale = 1.0f / static_cast<float>(active);
+  }
+  void SizeMembership() {
+    if (removed.empty()) {
+      removed.assign(workers, 0);
+      leaving.assign(workers, 0);
+      join_at.assign(workers, 0);
+    }
   }
   struct PendingPull {
     RequestContext ctx;
@@ -465,11 +482,10 @@ void KvEngine::RankLost(uint64_t job_id, uint32_t rank, std::string why) {
 }
 
 void KvEngine::RemoveRank(Worker& w, Key& k, uint32_t rank) {
-  if (rank >= k.workers || k.Removed(rank) || (!k.leaving.empty() && k.leaving[rank])) return;
-  if (k.removed.empty()) {
-    k.removed.assign(k.workers, 0);
-    k.leaving.assign(k.workers, 0);
-  }
+  if (rank >= k.workers) return;
+  k.SizeMembership();
+  k.join_at[rank] = 0;  // a readmission still pending is off: it died again
+  if (k.Removed(rank) || k.leaving[rank]) return;
   if (k.pushed[rank]) {  // its push of the clock in flight counts; removed from the next on
     k.leaving[rank] = 1;
     return;
@@ -477,6 +493,93 @@ void KvEngine::RemoveRank(Worker& w, Key& k, uint32_t rank) {
   k.Drop(rank);
   // Every rank left pushed the clock in flight already: it completes now.
   if (k.count > 0 && !k.complete_deferred) CompleteIfEveryRankPushed(w, k);
+}
+
+// A removed rank's replacement is counted again from clock `from` (see the proto's
+// readmit_from). On the key's worker; the clock in flight is completed + 1.
+void KvEngine::ReadmitRank(Worker& w, Key& k, uint32_t rank, uint64_t from) {
+  if (rank >= k.workers || k.completed >= from) return;  // too late: the answer says so
+  k.SizeMembership();
+  const uint64_t in_flight = k.completed + 1;
+  if (!k.Removed(rank)) {
+    // A member of the clock in flight (never removed on this server — its rejoin timeout had
+    // not run out here — or readmitted from it by an earlier try of this replacement), or one
+    // whose push of it counts and who leaves after it.
+    if (from == in_flight) {
+      k.leaving[rank] = 0;  // stays: the replacement pushes this clock (again)
+      k.join_at[rank] = 0;
+      return;
+    }
+    if (k.pushed[rank] || k.leaving[rank]) {
+      k.leaving[rank] = 1;  // its push of the clock in flight counts; out until `from`
+    } else {
+      k.Drop(rank);  // out until `from`: the clock in flight completes without it
+    }
+  }
+  k.join_at[rank] = from;
+  if (k.Removed(rank) && from == in_flight) {
+    k.Admit(rank);
+  } else if (k.count > 0 && !k.complete_deferred) {
+    CompleteIfEveryRankPushed(w, k);
+  }
+}
+
+absl::StatusOr<std::vector<KeyProgress>> KvEngine::Readmit(uint64_t job_id, uint32_t rank,
+                                                           uint64_t from,
+                                                           const v1::RegisterTablesRequest& spec) {
+  const std::shared_ptr<JobState> job = FindJob(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job ", job_id, " on this server"));
+  uint32_t workers = 0, min_workers = 0;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    workers = job->spec.num_workers();
+    min_workers = job->spec.min_workers();
+  }
+  if (min_workers == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " cannot shrink or grow (min_workers 0): rank ", rank,
+        " has no place to be readmitted to (a replacement rejoins without readmit_from)"));
+  }
+  if (rank >= workers || from == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("readmission of rank ", rank, " from clock ",
+                                                   from, " in a job of ", workers, " workers"));
+  }
+  // A clock no further ahead than the next but one of every key: a replacement picks the
+  // highest completed clock it was told plus 2 (Agent::ReadmitRank).
+  const std::vector<KeyProgress> before = KeyProgressOf(job_id, spec);
+  for (const KeyProgress& p : before) {
+    if (from > p.completed + 3) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, " asks to be readmitted to job ", job_id, " from clock ", from,
+          ", but a key of its registration is at clock ", p.completed, " (at most 3 ahead)"));
+    }
+  }
+  std::vector<uint64_t> keys;
+  for (const auto& t : spec.tables()) {
+    for (const auto& k : t.keys()) keys.push_back(k.key());
+  }
+  std::vector<KeyProgress> progress(keys.size());
+  RunOnAllWorkers([&](Worker& w) {  // each worker its own keys, as KeyProgressOf
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (&WorkerFor(job_id, keys[i]) != &w) continue;
+      if (auto it = w.keys.find({job_id, keys[i]}); it != w.keys.end()) {
+        ReadmitRank(w, *it->second, rank, from);
+        progress[i] = {it->second->completed, it->second->exact_from};
+      }
+    }
+  });
+  if (std::none_of(progress.begin(), progress.end(),
+                   [&](const KeyProgress& p) { return p.completed < from; })) {
+    return progress;  // too late everywhere: the replacement asks again from a later clock
+  }
+  std::lock_guard<std::mutex> lock(job->mu);
+  const bool was_removed = job->removed.erase(rank) > 0;
+  if (job->lost.erase(rank) > 0) job->any_lost.store(!job->lost.empty(), std::memory_order_release);
+  PSD_LOG_WARN("job {}: rank {} {} readmitted: each key counts it again from clock {} on (the "
+               "job grows to {} of its {} workers)",
+               job_id, rank, was_removed ? "was removed and is" : "is", from,
+               workers - job->removed.size(), workers);
+  return progress;
 }
 
 void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {
@@ -987,9 +1090,11 @@ void KvEngine::Complete(Worker& w, Key& k) {
   MaybeSchedulePeriodicSnapshot(k);
   std::fill(k.pushed.begin(), k.pushed.end(), 0);
   for (uint32_t r = 0; r < k.leaving.size(); ++r) {
-    if (!k.leaving[r]) continue;  // its push of this clock counted: removed from the next on
-    k.leaving[r] = 0;
-    k.Drop(r);
+    if (k.leaving[r]) {  // its push of this clock counted: removed from the next on
+      k.leaving[r] = 0;
+      k.Drop(r);
+    }
+    if (k.join_at[r] == k.completed + 1 && k.Removed(r)) k.Admit(r);  // readmitted from the next
   }
   stats_.clocks_completed.fetch_add(1, std::memory_order_relaxed);
   if (!StartReplication(w, k, k.completed)) AnswerPulls(w, k);

@@ -187,6 +187,14 @@ class KvEngine {
   // the sum is averaged over the ranks left (average_gradients).
   // The rank has a connection again.
   void RankBack(uint64_t job_id, uint32_t rank);
+  // The world grows again: `rank`'s replacement (after it was removed, or while this server
+  // still waited for it) is counted from clock `from` on by every key of `spec` (the rank's
+  // registration) that has not completed `from`; until then each leaves it out of the clocks it
+  // had not counted. Returns every key's progress after it, in request order: a key at or
+  // past `from` refused it (the replacement asks again). Needs min_workers; `from` at most 3
+  // clocks ahead of every key. Any thread but a key worker.
+  absl::StatusOr<std::vector<KeyProgress>> Readmit(uint64_t job_id, uint32_t rank, uint64_t from,
+                                                   const v1::RegisterTablesRequest& spec);
   // How long a rank of the job whose last connection closed is waited for before RankLost
   // (its registration's rejoin_timeout_ms; zero: not at all, or no such job). Any thread.
   absl::Duration RejoinTimeout(uint64_t job_id) const;
@@ -230,6 +238,8 @@ class KvEngine {
   // Removes `rank` from the key's clocks (the world shrank; KvEngine::RankLost): completes the
   // clock in flight when every rank left has pushed it.
   void RemoveRank(Worker& w, Key& k, uint32_t rank);
+  // Readmit's part on the key's worker.
+  void ReadmitRank(Worker& w, Key& k, uint32_t rank, uint64_t from);
   // Replication of the key's completed state (its clock, or 0 for the initial value) to its live
   // backups; false when it has none (answer the pulls now). Pulls wait until every backup
   // acknowledged or was given up (OnReplicated).

@@ -448,6 +448,105 @@ TEST_F(KvServerTest, AnAveragingRuleDividesByTheRanksLeftOnceTheWorldShrank) {
   ASSERT_TRUE(c1->Wait(c1->Push(100, 2, h1), kWait).ok());
   ASSERT_TRUE(c0->Wait(c0->Pull(100, 2, out), kWait).ok());
   EXPECT_EQ(out, std::vector<float>(4, -3.0f));  // -1.5 - 0.5 * mean(2, 4)
+  // Readmitted from clock 3: the mean of the three again.
+  auto back = Client(2);
+  v1::RegisterTablesRequest readmit = spec;
+  readmit.set_readmit_from(3);
+  ASSERT_TRUE(back->RegisterTables(readmit, kWait).ok());
+  std::vector<float> h2(4, 6.0f);
+  for (auto* c : {c0.get(), c1.get(), back.get()}) {
+    ASSERT_TRUE(c->Wait(c->Push(100, 3, c == c0.get() ? h0 : c == c1.get() ? h1 : h2), kWait).ok());
+  }
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 3, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, -5.0f));  // -3 - 0.5 * mean(2, 4, 6)
+}
+
+// The world grows again: a removed rank's replacement registers with readmit_from and every
+// key counts it from that clock on — after leaving it out of the clocks before — also when a
+// first try must move to a later clock (a key had completed it already).
+TEST_F(KvServerTest, ARemovedRanksReplacementIsReadmittedFromTheClockItAsksAndEveryKeyCountsIt) {
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  auto c2 = Client(2);
+  v1::RegisterTablesRequest spec = Spec(3, v1::UPDATE_RULE_SUM, {4, 4});
+  spec.set_min_workers(2);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  std::vector<float> g0(4, 1.0f), g1(4, 2.0f), g2(4, 4.0f), out(4);
+  auto both = [&](uint64_t key, uint64_t clock) {
+    ASSERT_TRUE(c0->Wait(c0->Push(key, clock, g0), kWait).ok());
+    ASSERT_TRUE(c1->Wait(c1->Push(key, clock, g1), kWait).ok());
+  };
+  for (uint64_t key : {100, 101}) {
+    for (auto* c : {c0.get(), c1.get(), c2.get()}) {
+      ASSERT_TRUE(c->Wait(c->Push(key, 1, c == c0.get() ? g0 : c == c1.get() ? g1 : g2), kWait)
+                      .ok());
+    }
+  }
+  c2->Close();  // removed: clock 2 sums ranks 0 and 1
+  for (uint64_t key : {100, 101}) {
+    both(key, 2);
+    ASSERT_TRUE(c0->Wait(c0->Pull(key, 2, out), kWait).ok());
+    EXPECT_EQ(out, std::vector<float>(4, 3.0f)) << key;
+  }
+  auto back = Client(2);
+  v1::RegisterTablesRequest readmit = spec;
+  // Garbage first: a clock past every key's next but two, and a clock both keys completed.
+  readmit.set_readmit_from(6);
+  const absl::Status far = back->RegisterTables(readmit, kWait);
+  EXPECT_EQ(far.code(), absl::StatusCode::kInvalidArgument) << far;
+  EXPECT_NE(far.message().find("at most 3 ahead"), std::string::npos) << far;
+  std::vector<KeyProgress> progress;
+  readmit.set_readmit_from(2);
+  ASSERT_TRUE(back->RegisterTables(readmit, kWait, &progress).ok());
+  EXPECT_EQ(progress, (std::vector<KeyProgress>{{2, 0}, {2, 0}}));  // too late: left as it was
+  const absl::Status still_out = back->Wait(back->Push(100, 3, g2), kWait);
+  EXPECT_EQ(still_out.code(), absl::StatusCode::kFailedPrecondition) << still_out;
+  // From clock 4: clock 3 still sums the two ranks, clock 4 the three.
+  readmit.set_readmit_from(4);
+  ASSERT_TRUE(back->RegisterTables(readmit, kWait, &progress).ok());
+  EXPECT_EQ(progress, (std::vector<KeyProgress>{{2, 0}, {2, 0}}));
+  for (uint64_t key : {100, 101}) {
+    both(key, 3);
+    ASSERT_TRUE(c0->Wait(c0->Pull(key, 3, out), kWait).ok());
+    EXPECT_EQ(out, std::vector<float>(4, 3.0f)) << key;
+  }
+  both(100, 4);
+  const auto waiting = c0->Pull(100, 4, out, absl::Seconds(30));
+  ASSERT_TRUE(back->Wait(back->Push(100, 4, g2), kWait).ok());
+  ASSERT_TRUE(c0->Wait(waiting, kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 7.0f));
+  // Key 101 has not got rank 2's push of clock 4 when the replacement asks again from clock 5
+  // (as it would when another server's key had completed clock 4): key 101's clock 4 goes on
+  // without it, key 100 (which has it for clock 4) keeps it.
+  readmit.set_readmit_from(5);
+  ASSERT_TRUE(back->RegisterTables(readmit, kWait, &progress).ok());
+  EXPECT_EQ(progress, (std::vector<KeyProgress>{{4, 0}, {3, 0}}));
+  both(101, 4);
+  ASSERT_TRUE(c1->Wait(c1->Pull(101, 4, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 3.0f));
+  for (uint64_t key : {100, 101}) {
+    both(key, 5);
+    ASSERT_TRUE(back->Wait(back->Push(key, 5, g2), kWait).ok());
+    ASSERT_TRUE(back->Wait(back->Pull(key, 5, out), kWait).ok());
+    EXPECT_EQ(out, std::vector<float>(4, 7.0f)) << key;
+  }
+  // Readmitted, it can be removed again.
+  back->Close();
+  both(100, 6);
+  ASSERT_TRUE(c0->Wait(c0->Pull(100, 6, out), kWait).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 3.0f));
+}
+
+// A job that cannot shrink has nobody to readmit: refused, naming why.
+TEST_F(KvServerTest, ReadmissionNeedsAJobThatMayShrink) {
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  v1::RegisterTablesRequest spec = Spec(2, v1::UPDATE_RULE_SUM, {4});
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  spec.set_readmit_from(1);
+  const absl::Status no = c1->RegisterTables(spec, kWait);
+  EXPECT_EQ(no.code(), absl::StatusCode::kFailedPrecondition) << no;
+  EXPECT_NE(no.message().find("cannot shrink or grow (min_workers 0)"), std::string::npos) << no;
 }
 
 // min_workers above the world size is refused at registration; every rank must agree on it.

@@ -353,12 +353,25 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
         ReplyError(peer, header, absl::InvalidArgumentError("malformed table registration"));
         return;
       }
-      const absl::Status s = engine_->RegisterJob(header.job_id, request);
+      // A replacement's readmission (the world grows again) is that rank's registration plus
+      // the clock it counts from: the job's spec is the request without it.
+      const uint64_t readmit_from = request.readmit_from();
+      request.clear_readmit_from();
+      absl::Status s = engine_->RegisterJob(header.job_id, request);
+      absl::StatusOr<std::vector<KeyProgress>> progress;
+      if (s.ok() && readmit_from != 0) {
+        const uint32_t rank = peer->identity().rank;
+        progress = transport::IsServerRank(rank)
+                       ? absl::PermissionDeniedError("a KV server cannot be readmitted to a job")
+                       : engine_->Readmit(header.job_id, rank, readmit_from, request);
+        s = progress.status();
+      } else if (s.ok()) {
+        progress = engine_->KeyProgressOf(header.job_id, request);
+      }
       if (s.ok()) {
         // The answer: every key's progress, in request order (docs/wire.md; all 0 but for a
         // resumed job), from which the agents' clocks and wires go on.
-        auto clocks = std::make_shared<std::vector<KeyProgress>>(
-            engine_->KeyProgressOf(header.job_id, request));
+        auto clocks = std::make_shared<std::vector<KeyProgress>>(*std::move(progress));
         FrameHeader h;
         h.type = FrameType::kRegisterTablesAck;
         h.job_id = header.job_id;
