@@ -132,6 +132,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Status ConnectServers();
   absl::Status StartAtBackups(const std::map<uint32_t, absl::Status>& unreachable);
   absl::Status TakeUpRunningJob();
+  absl::Status ReadmitToJob(uint64_t highest);
   // Checkpoints (AgentConfig::checkpoint_every): the job's label of this process's iteration,
   // and the request to every server once the iteration is complete on every layer.
   uint64_t JobIteration(uint64_t iteration) const {
@@ -266,6 +267,13 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::set<std::string> servers_reported_lost_;  // main thread: lost servers failover covers
   std::set<std::string> ranks_awaited_;  // main thread: dead agents waited for (rejoin_timeout)
   std::set<uint32_t> ranks_removed_;       // main thread: dead ranks the job goes on without
+  std::set<std::string> nodes_removed_;    // main thread: the agents whose rank was removed
+  uint64_t world_changes_ = 0;             // main thread: removals and returns (psd_world)
+  std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
+  // Each server's registration (plan order) and the servers whose answer said this rank is out
+  // of the job (removed while it was away): its replacement asks to be readmitted.
+  std::vector<v1::RegisterTablesRequest> registrations_;
+  std::set<size_t> removed_on_;
 
   // Inbound peer connections by rank (counted from their first frame) and the ranks whose last
   // one closed, with why; gone_version_ counts changes so the main loop passes them on once.
@@ -627,8 +635,9 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     if (result->shutdown()) {
       PSD_LOG_WARN("the coordinator asks this agent to shut down (declared dead or replaced)");
     }
-    if (result->lost_size() == 0 && result->departed_size() == 0) return;
     std::lock_guard<std::mutex> lock(lost_mu_);
+    replaced_ = std::set<uint32_t>(result->replaced().begin(), result->replaced().end());
+    if (result->lost_size() == 0 && result->departed_size() == 0) return;
     // The coordinator lists every member lost so far: a later answer may add one.
     lost_.assign(result->lost().begin(), result->lost().end());
     departed_.assign(result->departed().begin(), result->departed().end());
@@ -1095,8 +1104,11 @@ absl::Status Agent::ConnectServers() {
     }
     if (requests[s].tables_size() > 0 && !unreachable.contains(static_cast<uint32_t>(s))) {
       std::vector<server::KeyProgress> progress;
-      RETURN_IF_ERROR((*client)->RegisterTables(requests[s], absl::Seconds(30), &progress));
+      bool removed = false;
+      RETURN_IF_ERROR(
+          (*client)->RegisterTables(requests[s], absl::Seconds(30), &progress, &removed));
       RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], progress, restored_at));
+      if (removed) removed_on_.insert(s);
     }
     env_.servers.push_back(*client);
     CountLink(server_rdma_[s]);
@@ -1108,6 +1120,7 @@ absl::Status Agent::ConnectServers() {
         metrics_.GetCounter("poseidon_agent_pull_bytes_total", "Result bytes pulled", labels)
             .value_or(nullptr));
   }
+  registrations_ = std::move(requests);
   return StartAtBackups(unreachable);
 }
 
@@ -1174,10 +1187,73 @@ absl::Status Agent::TakeUpRunningJob() {
         "--rejoin: the job has completed ", highest, " updates of its server-side rule; a rank "
         "can take it up from the second on (restart the job instead)"));
   }
+  if (!removed_on_.empty()) return ReadmitToJob(highest);
   env_.rejoin_top = highest;
   config_.resumed_iteration = std::max<uint64_t>(highest, 1);
   PSD_LOG_WARN("rank {} rejoins job {} at iteration {} (its keys completed clocks {} to {})",
                config_.rank, config_.job_id, config_.resumed_iteration, lowest, highest);
+  return absl::OkStatus();
+}
+
+// The world grows again: this rank came back after the job went on without it (its rejoin
+// timeout ran out and the world shrank, --min_workers), so the others are not waiting for it.
+// It asks every server to count it again from clock F = (the highest completed clock it heard
+// of) + 2: each key leaves it out of the clocks before F that it had not counted and needs its
+// push from F on, so the others stop at F - 1 at the latest. A key that had completed F already
+// says so, and it asks again from a later clock (the keys that took the earlier one let it go).
+// Once every key is at F - 1 its process starts with iteration F, as a rejoining rank's whose
+// keys are all one clock behind (TakeUpRunningJob).
+absl::Status Agent::ReadmitToJob(uint64_t highest) {
+  const absl::Time deadline = absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
+  auto ask = [&](uint64_t from, uint64_t& lowest, uint64_t& top) -> absl::Status {
+    lowest = std::numeric_limits<uint64_t>::max();
+    for (size_t s = 0; s < registrations_.size(); ++s) {
+      if (registrations_[s].tables_size() == 0 || env_.servers[s]->Broken()) continue;
+      v1::RegisterTablesRequest request = registrations_[s];
+      request.set_readmit_from(from);
+      std::vector<server::KeyProgress> progress;
+      RETURN_IF_ERROR(Annotate(env_.servers[s]->RegisterTables(request, absl::Seconds(30),
+                                                               &progress),
+                               absl::StrCat("readmission on KV server ", config_.servers[s])));
+      std::map<uint64_t, uint32_t> unused;
+      RETURN_IF_ERROR(NoteRestoredClocks(s, request, progress, unused));
+      for (const server::KeyProgress& p : progress) {
+        lowest = std::min(lowest, p.completed);
+        top = std::max(top, p.completed);
+      }
+    }
+    return absl::OkStatus();
+  };
+  uint64_t from = 0, lowest = 0;
+  for (int attempt = 1;; ++attempt) {
+    from = highest + 2;
+    RETURN_IF_ERROR(ask(from, lowest, highest));
+    if (highest < from) break;  // every key took it
+    if (attempt == 10 || absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rank ", config_.rank, " could not be readmitted to job ", config_.job_id,
+          ": its keys kept completing the clock it asked for before every server took it (",
+          attempt, " tries, the last from clock ", from, ")"));
+    }
+  }
+  // Every key needs this rank's push of F: each stops at F - 1, which its process's first
+  // push follows (a push of F to a key still at F - 2 would break BSP).
+  while (lowest + 1 < from) {
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rank ", config_.rank, " was readmitted to job ", config_.job_id, " from clock ",
+          from, ", but a key is still at clock ", lowest, " after waiting until ",
+          absl::FormatTime(deadline), " for the others to reach clock ", from - 1));
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+    uint64_t unused = 0;
+    RETURN_IF_ERROR(ask(from, lowest, unused));  // the same clock again: a no-op but the answer
+  }
+  env_.rejoin_top = from;
+  config_.resumed_iteration = from;
+  PSD_LOG_WARN("rank {} is readmitted to job {} from iteration {}: the job had gone on without "
+               "it (removed on {} of its {} KV servers), and grows again",
+               config_.rank, config_.job_id, from, removed_on_.size(), config_.servers.size());
   return absl::OkStatus();
 }
 
@@ -1577,10 +1653,12 @@ void Agent::WatchPlans() {
 void Agent::CheckLostMembers() {
   if (!lost_why_.empty()) return;
   std::vector<v1::LostMember> lost, departed;
+  std::set<uint32_t> replaced;
   {
     std::lock_guard<std::mutex> lock(lost_mu_);
     lost = lost_;
     departed = departed_;
+    replaced = replaced_;
   }
   // A dead rank may be restarted and rejoin (--rejoin_timeout): waited for that long.
   if (config_.rejoin_timeout > absl::ZeroDuration()) {
@@ -1615,12 +1693,34 @@ void Agent::CheckLostMembers() {
   // A rank whose agent left with an error (its training process died) likewise, once the
   // rejoin timeout is over; while it cannot be removed the KV servers name it to the pulls.
   if (config_.min_workers > 0) {
-    auto remove = [this](const v1::LostMember& m, absl::string_view how) {
+    auto publish = [this] {  // this rank's index among the ranks left, their number
+      uint32_t live_rank = 0;
+      for (uint32_t r = 0; r < config_.rank; ++r) live_rank += ranks_removed_.contains(r) ? 0 : 1;
+      shm_->SetLiveWorld(live_rank,
+                         static_cast<uint32_t>(config_.world_size - ranks_removed_.size()),
+                         ++world_changes_);
+    };
+    // A removed rank whose replacement came (readmitted by the servers: the world grows).
+    for (auto it = ranks_removed_.begin(); it != ranks_removed_.end();) {
+      if (!replaced.contains(*it)) {
+        ++it;
+        continue;
+      }
+      const uint32_t back = *it;
+      it = ranks_removed_.erase(it);
+      PSD_LOG_WARN("rank {} is back (a replacement took it up): the job grows to {} of its {} "
+                   "workers",
+                   back, config_.world_size - ranks_removed_.size(), config_.world_size);
+      publish();
+    }
+    auto remove = [&](const v1::LostMember& m, absl::string_view how) {
       if (m.role() != v1::NODE_ROLE_AGENT || m.rank() >= config_.world_size) return false;
-      if (ranks_removed_.contains(m.rank())) return true;
+      // Removed already (the coordinator's lists keep an agent that was replaced since).
+      if (nodes_removed_.contains(m.node_id()) || ranks_removed_.contains(m.rank())) return true;
       const auto left = static_cast<uint32_t>(config_.world_size - ranks_removed_.size() - 1);
       if (left < config_.min_workers) return false;
       ranks_removed_.insert(m.rank());
+      nodes_removed_.insert(m.node_id());
       PSD_LOG_WARN("rank {} (host {}) {} ({}){}: the job goes on with {} of its {} workers "
                    "(--min_workers {})",
                    m.rank(), m.host(), how, m.reason(),
@@ -1629,9 +1729,7 @@ void Agent::CheckLostMembers() {
                                       absl::FormatDuration(config_.rejoin_timeout))
                        : "",
                    left, config_.world_size, config_.min_workers);
-      uint32_t live_rank = 0;  // this rank's index among the ranks left
-      for (uint32_t r = 0; r < config_.rank; ++r) live_rank += ranks_removed_.contains(r) ? 0 : 1;
-      shm_->SetLiveWorld(live_rank, left, ranks_removed_.size());
+      publish();
       return true;
     };
     std::erase_if(lost, [&](const v1::LostMember& m) {

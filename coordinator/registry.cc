@@ -1311,6 +1311,10 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
       for (size_t r = 0; r < j.world_agents.size(); ++r) {
         lost(j.world_agents[r], static_cast<uint32_t>(r));
       }
+      for (uint32_t r = 0; r < j.ranks.size(); ++r) {
+        const Node* holder = FindNode(j.ranks[r].node_id);
+        if (Live(holder) && holder->rank_restarts > 0) response->add_replaced(r);
+      }
       for (const std::string& server : j.world_servers) lost(server, 0);
     }
   }

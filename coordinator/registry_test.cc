@@ -893,6 +893,15 @@ TEST_P(DepartedTest, HeartbeatsNameTheAgentsThatLeftWithAnError) {
   EXPECT_EQ(response.departed(0).node_id(), agents_[1]);
   EXPECT_EQ(response.departed(0).reason(), "agent exiting");
   EXPECT_EQ(response.departed(0).dead_for_ms(), 3000u);
+  EXPECT_EQ(response.replaced_size(), 0) << response.DebugString();
+  // A replacement takes the rank (--rejoin): it is listed as replaced, no longer as departed
+  // (a job that shrank without it grows again).
+  AddAgent(1, 2, 1);
+  response.Clear();
+  ASSERT_TRUE(registry_.Heartbeat(job_, request, now_, &response).ok());
+  EXPECT_EQ(response.departed_size(), 0) << response.DebugString();
+  ASSERT_EQ(response.replaced_size(), 1) << response.DebugString();
+  EXPECT_EQ(response.replaced(0), 1u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Leaving, DepartedTest, ::testing::Bool(),

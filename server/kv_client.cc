@@ -162,24 +162,32 @@ Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> in
 }
 
 absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
-                                      absl::Duration timeout, std::vector<KeyProgress>* keys) {
+                                      absl::Duration timeout, std::vector<KeyProgress>* keys,
+                                      bool* removed) {
   auto bytes = std::make_shared<std::vector<std::byte>>(request.ByteSizeLong());
   request.SerializeToArray(bytes->data(), static_cast<int>(bytes->size()));
   size_t count = 0;
   for (const auto& t : request.tables()) count += static_cast<size_t>(t.keys_size());
   // The answer (a KeyProgress per key) is read like a pull's, into a buffer that lives until it
   // came; the client takes no other length.
-  auto answer = std::make_shared<std::vector<KeyProgress>>(count);
+  struct Answer {
+    std::vector<KeyProgress> keys;
+    uint64_t key_field = 0;
+  };
+  auto answer = std::make_shared<Answer>();
+  answer->keys.resize(count);
   FrameHeader h;
   h.type = FrameType::kRegisterTables;
   Pending p;
   p.what = absl::StrCat("table registration on ", address_);
-  p.into = std::as_writable_bytes(std::span(*answer));
+  p.into = std::as_writable_bytes(std::span(answer->keys));
+  p.ack_key = &answer->key_field;
   const Ticket ticket = Start(0, h, {*bytes}, std::move(p), bytes);
   const absl::Status status = Wait(ticket, timeout);
   if (absl::IsDeadlineExceeded(status)) OnDone(ticket, [answer](absl::Status) {});
   if (!status.ok()) return status;
-  if (keys != nullptr) *keys = *answer;
+  if (keys != nullptr) *keys = answer->keys;
+  if (removed != nullptr) *removed = answer->key_field == kRankRemoved;
   return absl::OkStatus();
 }
 
@@ -409,6 +417,8 @@ void KvClient::OnResponse(size_t conn, const FrameHeader& h) {
           into = it->second.into;
           known = true;
           received = it->second.received;
+          // A registration's answer says in its key field whether this rank is out of the job.
+          if (it->second.ack_key != nullptr) *it->second.ack_key = h.key;
           // A lossy key's pull takes its 16-bit answer, or float32 where the key fell back.
           fits = into.size_bytes() == h.payload_length ||
                  (it->second.lossy_bytes != 0 && it->second.lossy_bytes == h.payload_length);

@@ -34,6 +34,9 @@ struct KeyProgress {
   bool operator==(const KeyProgress&) const = default;
 };
 static_assert(sizeof(KeyProgress) == 16, "the registration answer's layout (docs/wire.md)");
+// The key field of a registration's answer (REGISTER_TABLES_ACK) when the registering rank is
+// out of the job on that server (removed, not readmitted); 0 otherwise.
+inline constexpr uint64_t kRankRemoved = 1;
 
 // The largest PING payload a server reads (a bandwidth probe).
 inline constexpr uint64_t kMaxProbeBytes = uint64_t{16} << 20;
@@ -55,9 +58,11 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   ~KvClient();
 
   // Registers the job's tables on this server. `keys` (if set) gets every key's progress in
-  // request order: all 0 for a new job, the restored state of a resumed one.
+  // request order: all 0 for a new job, the restored state of a resumed one. `removed` (if
+  // set): whether this rank is out of the job on this server (the world shrank without it, and
+  // it was not readmitted: RegisterTablesRequest.readmit_from).
   absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout,
-                              std::vector<KeyProgress>* keys = nullptr);
+                              std::vector<KeyProgress>* keys = nullptr, bool* removed = nullptr);
 
   // Pushes `data` as this rank's gradient of `key` for `clock` (init: the key's initial value,
   // rank 0 only, clock 0). `epoch`: the key's assignment epoch (replicated keys: the position of
@@ -157,6 +162,7 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
     std::span<std::byte> into;  // pulls
     size_t lossy_bytes = 0;     // a lossy key's pull: the other size its answer may have
     size_t* received = nullptr;  // where that pull reports the size it got
+    uint64_t* ack_key = nullptr;  // a registration: where its answer's key field goes
     bool answer_started = false;  // a pull's payload began to be read into `into`
     bool send_done = false;  // the push payload has left our buffer
     bool answered = false;

@@ -93,6 +93,7 @@ struct JobState {
   std::atomic<bool> any_lost{false};
   // Ranks removed from the job (spec.min_workers: the world shrank), with why; under mu.
   std::map<uint32_t, std::string> removed;
+  std::map<uint32_t, uint64_t> readmitted;  // the clock each rank was last readmitted from
   // Replication (spec.replicas > 0): every server's address, this one's index; under mu, the
   // epochs this server was promoted to and the backups it gave up, each logged once.
   std::vector<std::string> servers;
@@ -575,11 +576,22 @@ absl::StatusOr<std::vector<KeyProgress>> KvEngine::Readmit(uint64_t job_id, uint
   std::lock_guard<std::mutex> lock(job->mu);
   const bool was_removed = job->removed.erase(rank) > 0;
   if (job->lost.erase(rank) > 0) job->any_lost.store(!job->lost.empty(), std::memory_order_release);
+  if (auto [it, fresh] = job->readmitted.try_emplace(rank, from); !fresh) {
+    if (it->second == from) return progress;  // asked again (the replacement waits): logged
+    it->second = from;
+  }
   PSD_LOG_WARN("job {}: rank {} {} readmitted: each key counts it again from clock {} on (the "
                "job grows to {} of its {} workers)",
                job_id, rank, was_removed ? "was removed and is" : "is", from,
                workers - job->removed.size(), workers);
   return progress;
+}
+
+bool KvEngine::RankRemoved(uint64_t job_id, uint32_t rank) const {
+  const std::shared_ptr<JobState> job = FindJob(job_id);
+  if (job == nullptr) return false;
+  std::lock_guard<std::mutex> lock(job->mu);
+  return job->removed.contains(rank);
 }
 
 void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {

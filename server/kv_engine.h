@@ -187,6 +187,8 @@ class KvEngine {
   // the sum is averaged over the ranks left (average_gradients).
   // The rank has a connection again.
   void RankBack(uint64_t job_id, uint32_t rank);
+  // Whether `rank` was removed from the job on this server and not readmitted since.
+  bool RankRemoved(uint64_t job_id, uint32_t rank) const;
   // The world grows again: `rank`'s replacement (after it was removed, or while this server
   // still waited for it) is counted from clock `from` on by every key of `spec` (the rank's
   // registration) that has not completed `from`; until then each leaves it out of the clocks it

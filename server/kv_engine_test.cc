@@ -489,6 +489,11 @@ TEST_F(KvServerTest, ARemovedRanksReplacementIsReadmittedFromTheClockItAsksAndEv
     EXPECT_EQ(out, std::vector<float>(4, 3.0f)) << key;
   }
   auto back = Client(2);
+  bool removed = false;  // a registration's answer says so
+  ASSERT_TRUE(back->RegisterTables(spec, kWait, nullptr, &removed).ok());
+  EXPECT_TRUE(removed);
+  ASSERT_TRUE(c1->RegisterTables(spec, kWait, nullptr, &removed).ok());
+  EXPECT_FALSE(removed);
   v1::RegisterTablesRequest readmit = spec;
   // Garbage first: a clock past every key's next but two, and a clock both keys completed.
   readmit.set_readmit_from(6);
@@ -503,8 +508,9 @@ TEST_F(KvServerTest, ARemovedRanksReplacementIsReadmittedFromTheClockItAsksAndEv
   EXPECT_EQ(still_out.code(), absl::StatusCode::kFailedPrecondition) << still_out;
   // From clock 4: clock 3 still sums the two ranks, clock 4 the three.
   readmit.set_readmit_from(4);
-  ASSERT_TRUE(back->RegisterTables(readmit, kWait, &progress).ok());
+  ASSERT_TRUE(back->RegisterTables(readmit, kWait, &progress, &removed).ok());
   EXPECT_EQ(progress, (std::vector<KeyProgress>{{2, 0}, {2, 0}}));
+  EXPECT_FALSE(removed);
   for (uint64_t key : {100, 101}) {
     both(key, 3);
     ASSERT_TRUE(c0->Wait(c0->Pull(key, 3, out), kWait).ok());

@@ -376,6 +376,7 @@ void KvService::OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHea
         h.type = FrameType::kRegisterTablesAck;
         h.job_id = header.job_id;
         h.sequence = header.sequence;
+        h.key = engine_->RankRemoved(header.job_id, peer->identity().rank) ? kRankRemoved : 0;
         h.payload_length = clocks->size() * sizeof(KeyProgress);
         std::vector<transport::ConstBuffer> answer;
         if (!clocks->empty()) answer.emplace_back(std::as_bytes(std::span(*clocks)));

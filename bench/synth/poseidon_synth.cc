@@ -39,8 +39,9 @@ ABSL_FLAG(double, grad_scale, 1,
           "8192 puts values beyond fp16's range (±65504), which its wire cannot carry");
 ABSL_FLAG(bool, allow_shrink, false,
           "with --verify: the world may shrink (poseidon-agent --min_workers): a layer's result "
-          "may leave out one removed rank's contribution from some iteration on (never back), "
-          "the same rank on every layer");
+          "may leave out one removed rank's contribution from some iteration on, the same rank "
+          "on every layer, and count it again from a later one (its replacement readmitted: the "
+          "world grows again), never out twice");
 ABSL_FLAG(uint64_t, verify_from, 1,
           "with --verify: check the results of this iteration and later ones only (a lossy "
           "wire's fallback is exact from the clock after it)");
@@ -257,7 +258,7 @@ int main(int argc, char** argv) {
   // iteration that left it out (0: none).
   const bool allow_shrink = absl::GetFlag(FLAGS_allow_shrink);
   int64_t removed = -1;
-  std::vector<uint64_t> left_out_from(L, 0);
+  std::vector<uint64_t> left_out_from(L, 0), back_from(L, 0);
   auto wait_and_check = [&](uint32_t l, uint64_t t) {
     const float* result = layers[l].info.grad;
     if (cuda) {
@@ -284,8 +285,15 @@ int main(int argc, char** argv) {
       const uint64_t job_t = t + offset;
       if (!allow_shrink) {
         mismatches += Verify(layers[l], result, l, job_t, world);
-      } else if (left_out_from[l] != 0) {  // left out once: from then on
-        mismatches += Verify(layers[l], result, l, job_t, world, removed);
+      } else if (back_from[l] != 0) {  // back: every rank from then on
+        mismatches += Verify(layers[l], result, l, job_t, world);
+      } else if (left_out_from[l] != 0) {  // left out until it is back
+        if (Verify(layers[l], result, l, job_t, world, removed, /*quiet=*/true) == 0) {
+        } else if (Verify(layers[l], result, l, job_t, world, -1, /*quiet=*/true) == 0) {
+          back_from[l] = job_t;
+        } else {
+          mismatches += Verify(layers[l], result, l, job_t, world, removed);
+        }
       } else if (Verify(layers[l], result, l, job_t, world, -1, /*quiet=*/true) != 0) {
         bool matched = false;
         for (uint32_t d = 0; d < world && !matched; ++d) {
@@ -402,30 +410,43 @@ int main(int argc, char** argv) {
       steady, static_cast<unsigned long long>(switches), static_cast<unsigned long long>(verified),
       static_cast<unsigned long long>(mismatches));
   if (allow_shrink) {
+    auto span = [](const std::vector<uint64_t>& at, uint64_t& first, uint64_t& last) {
+      first = last = 0;
+      for (uint64_t from : at) {
+        if (from == 0) continue;
+        first = first == 0 ? from : std::min(first, from);
+        last = std::max(last, from);
+      }
+    };
+    uint64_t left_first = 0, left_last = 0, back_first = 0, back_last = 0;
+    span(left_out_from, left_first, left_last);
+    span(back_from, back_first, back_last);
     uint32_t live_rank = 0, live_size = 0;
     uint64_t generation = 0;
-    // The agent learns of the removal from the coordinator (at once when the dead rank's agent
-    // said it left, else once its lease ran out), possibly after this rank's last iteration:
-    // waited for (at most 20 s) when the results left a rank out.
+    // The agent learns of the removal (and of the return) from the coordinator (at once when
+    // the dead rank's agent said it left, else once its lease ran out; the replacement once it
+    // registered), possibly after this rank's last iteration: waited for (at most 20 s) when
+    // the results left a rank out.
+    const uint64_t changes = (removed >= 0 ? 1 : 0) + (back_first != 0 ? 1 : 0);
     const auto deadline = Clock::now() + std::chrono::seconds(20);
     do {
       if (psd_status s = psd_world(ctx, &live_rank, &live_size, &generation); s != PSD_OK) {
         Die("world", s);
       }
-      if (generation > 0 || removed < 0) break;
+      if (generation >= changes) break;
       Sleep(0.1);
     } while (Clock::now() < deadline);
-    uint64_t left_first = 0, left_last = 0;
-    for (uint64_t from : left_out_from) {
-      if (from == 0) continue;
-      left_first = left_first == 0 ? from : std::min(left_first, from);
-      left_last = std::max(left_last, from);
-    }
     if (removed >= 0) {
       std::printf("poseidon-synth rank %u: the results left out rank %lld from iterations %llu to "
-                  "%llu (by layer); world now rank %u of %u (generation %llu)\n",
+                  "%llu (by layer)",
                   rank, static_cast<long long>(removed), static_cast<unsigned long long>(left_first),
-                  static_cast<unsigned long long>(left_last), live_rank, live_size,
+                  static_cast<unsigned long long>(left_last));
+      if (back_first != 0) {
+        std::printf(" and counted it again from iterations %llu to %llu",
+                    static_cast<unsigned long long>(back_first),
+                    static_cast<unsigned long long>(back_last));
+      }
+      std::printf("; world now rank %u of %u (generation %llu)\n", live_rank, live_size,
                   static_cast<unsigned long long>(generation));
     } else {
       std::printf("poseidon-synth rank %u: no result left a rank out; world now rank %u of %u "

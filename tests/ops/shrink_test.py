@@ -21,6 +21,16 @@ Printed: what the death cost the survivors (the longest of their three iteration
 against their median iteration before; p50, p99 by kind of kill), and the iterations' time before
 and after.
 
+The world grows again (--trials more of each kind): with --rejoin_timeout=1s the killed rank is
+removed once the servers waited that long, then a replacement agent is started for it with
+--rejoin (and a new poseidon-synth on it), as a launcher's restart or a node that returns late
+would be. Checked: every rank finishes with every result exact — the survivors' results leave the
+rank out from the iteration it died in (or the next) and count it again from one iteration F on
+every layer (no clock mixes memberships); the replacement logs that it is readmitted from
+iteration F, its process starts there and verifies every result from F on; every process ends
+with the world at 4 of 4. Printed: what the return cost the survivors (the longest of their
+iterations begun after the replacement started, against their median before).
+
 Then --min_workers=4: a rank killed is not removed, and the others fail, naming it. Every process
 is killed (and every shared-memory segment removed) on every path."""
 
@@ -37,7 +47,7 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rejoin_test  # noqa: E402
 from checks import check, finish, p50_p99  # noqa: E402
-from metrics_test import ended_after, job_environment, stop_all  # noqa: E402
+from metrics_test import Daemon, ended_after, job_environment, stop_all  # noqa: E402
 
 TOKEN = rejoin_test.TOKEN  # its job: its agents take its secret
 SECRET = rejoin_test.SECRET
@@ -141,6 +151,91 @@ def trial(args, t, rng, kill_agent, pauses, steps):
         stop_all(daemons, segments)
 
 
+def comes_back(args, t, rng, kill_agent, costs):
+    """A removed rank's replacement is readmitted: the world grows again."""
+    daemons, segments = [], []
+    try:
+        agent_argv, agents = rejoin_test.start_job(
+            args, t, daemons, segments, "1s", extra=["--min_workers=3"], name="regrow")
+        servers = [d for d in daemons if d.name.startswith("server ")]
+        synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
+        victim = rng.randrange(RANKS)
+        synths[victim].wait_for(r"iteration 1 ends at", timeout=60)
+        time.sleep(rng.uniform(0.2, 1.2))  # early enough to come back before the others end
+        what = "agent" if kill_agent else "training process"
+        if kill_agent:
+            os.kill(agents[victim].proc.pid, signal.SIGKILL)
+        os.kill(synths[victim].proc.pid, signal.SIGKILL)
+        synths[victim].wait(20)
+        agents[victim].wait(20)
+        # Back once every server removed it (its rejoin timeout ran out: the others went on).
+        for server in servers:
+            server.wait_for(rf"rank {victim} \(.*it is removed", timeout=30)
+        segment = f"{segments[victim]}-back"
+        segments.append(segment)
+        returned = time.time()
+        agent = Daemon(f"agent {victim} (back)", agent_argv(victim, segment, rejoin=True))
+        daemons.append(agent)
+        agent.wait_for(r"poseidon-agent ready")
+        back = synth(args, victim, segment, daemons)
+        synths[victim] = back
+        for s in synths:
+            try:
+                s.wait(90)
+            except Exception:  # noqa: BLE001 - checked below
+                pass
+        log = "\n".join(agent.lines + agent.stderr)
+        m = re.search(r"is readmitted to job 1 from iteration (\d+)", log)
+        check(m is not None, f"trial {t} ({what} of rank {victim} killed, then back): the "
+                             f"replacement logs that it is readmitted")
+        readmitted = int(m.group(1)) if m else -1
+        started = back.wait_for(r"takes up the job at iteration (\d+)", timeout=1)
+        check(int(started.group(1)) == readmitted,
+              f"trial {t}: its process starts at iteration {started.group(1)} (readmitted from "
+              f"{readmitted})")
+        done = rejoin_test.summary(back)
+        check(back.proc.returncode == 0 and
+              done == ((ITERATIONS - readmitted + 1) * LAYERS, 0),
+              f"trial {t}: the replacement verified {done} results, every one exact")
+        for r in (r for r in range(RANKS) if r != victim):
+            s = synths[r]
+            last = (s.lines + s.stderr)[-1:] or ["(nothing)"]
+            check(s.proc.returncode == 0 and rejoin_test.summary(s) == (ITERATIONS * LAYERS, 0),
+                  f"trial {t}: rank {r} finished every iteration, every result exact "
+                  f"({last[0][:160]})")
+            m = next((re.search(r"left out rank (\d+) from iterations (\d+) to (\d+) \(by "
+                                r"layer\) and counted it again from iterations (\d+) to (\d+); "
+                                r"world now rank (\d+) of (\d+) \(generation (\d+)\)", l)
+                      for l in s.lines if "left out rank" in l), None)
+            if m is None:
+                check(False, f"trial {t}: rank {r}'s results left rank {victim} out and counted "
+                             f"it again ({[l for l in s.lines if 'world now' in l]})")
+                continue
+            gone, _, out_last, back_first, back_last, live_rank, live_size, generation = map(
+                int, m.groups())
+            check(gone == victim and back_first == back_last == readmitted and
+                  out_last < readmitted,
+                  f"trial {t}: rank {r}'s results left out rank {gone} until iteration "
+                  f"{out_last} and counted it again from {back_first} to {back_last} by layer "
+                  f"(readmitted from {readmitted})")
+            # Its agent may never have seen the rank gone (the replacement registered before the
+            # coordinator declared the killed agent dead): generation 0; else 2.
+            check((live_rank, live_size) == (r, RANKS) and generation in (0, 2),
+                  f"trial {t}: rank {r} ends as rank {live_rank} of {live_size}, generation "
+                  f"{generation} (psd_world)")
+        e = ends(synths[(victim + 1) % RANKS])
+        # Iterations begun before the replacement started include the wait for the killed rank
+        # (the rejoin timeout, until the servers removed it): not the return's cost.
+        before = [b[1] - a[1] for a, b in zip(e, e[1:]) if b[1] < returned]
+        after = [b[1] - a[1] for a, b in zip(e, e[1:]) if a[1] >= returned]
+        if before and after:
+            costs.append((what, max(after) - statistics.median(before)))
+    except RuntimeError as e:
+        check(False, f"trial {t}: {e}")
+    finally:
+        stop_all(daemons, segments)
+
+
 def too_few(args):
     """--min_workers=4: a killed rank cannot be removed; the others fail, naming it."""
     daemons, segments = [], []
@@ -175,6 +270,9 @@ def main():
     pauses, steps = [], []
     for t in range(2 * args.trials):
         trial(args, t, rng, kill_agent=t % 2 == 1, pauses=pauses, steps=steps)
+    costs = []
+    for t in range(2 * args.trials):
+        comes_back(args, f"back{t}", rng, kill_agent=t % 2 == 1, costs=costs)
     for kind in ("all", "training process", "agent"):
         values = [v for what, v in pauses if kind in ("all", what)]
         if values:
@@ -182,12 +280,21 @@ def main():
             print(f"{kind} killed: the longest of the survivors' three iterations after the "
                   f"kill took longer than their median iteration by p50 {p50:.2f} s, p99 {p99:.2f} s (range {min(values):.2f}"
                   f" - {max(values):.2f} s) over {len(values)} trials")
+    for kind in ("all", "training process", "agent"):
+        values = [v for what, v in costs if kind in ("all", what)]
+        if values:
+            p50, p99 = p50_p99(values)
+            print(f"{kind} killed, then back: the longest of the survivors' iterations begun "
+                  f"after the replacement started took longer than their median before by p50 {p50:.2f} s, "
+                  f"p99 {p99:.2f} s (range {min(values):.2f} - {max(values):.2f} s) over "
+                  f"{len(values)} trials")
     if steps:
         print("iteration time before / after the world shrank (median per trial): " +
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
     too_few(args)
     finish("PASS: a killed rank (or agent) not restarted is removed and the job goes on with the "
-           "ranks left, every result exact; with too few left the others fail naming it")
+           "ranks left, every result exact; a replacement that comes later is readmitted and the "
+           "world grows again; with too few left the others fail naming it")
 
 
 if __name__ == "__main__":
