@@ -1218,7 +1218,9 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
       std::map<uint64_t, uint32_t> unused;
       RETURN_IF_ERROR(NoteRestoredClocks(s, request, progress, unused));
       for (const server::KeyProgress& p : progress) {
-        lowest = std::min(lowest, p.completed);
+        // A key more than 3 clocks behind (a layer not posted lately) takes this rank from its
+        // own next clock, and its layer goes on from there (RestoredClock).
+        if (p.completed + 3 >= from) lowest = std::min(lowest, p.completed);
         top = std::max(top, p.completed);
       }
     }

@@ -193,8 +193,9 @@ class KvEngine {
   // still waited for it) is counted from clock `from` on by every key of `spec` (the rank's
   // registration) that has not completed `from`; until then each leaves it out of the clocks it
   // had not counted. Returns every key's progress after it, in request order: a key at or
-  // past `from` refused it (the replacement asks again). Needs min_workers; `from` at most 3
-  // clocks ahead of every key. Any thread but a key worker.
+  // past `from` refused it (the replacement asks again). A key more than 3 clocks behind
+  // `from` (a layer not posted lately) counts it from its own next clock. Needs min_workers.
+  // Any thread but a key worker.
   absl::StatusOr<std::vector<KeyProgress>> Readmit(uint64_t job_id, uint32_t rank, uint64_t from,
                                                    const v1::RegisterTablesRequest& spec);
   // How long a rank of the job whose last connection closed is waited for before RankLost

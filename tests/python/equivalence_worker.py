@@ -14,7 +14,9 @@ PS gradient hook, instead of the default for this torch), workers=P (the expecte
 kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
 3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too),
-report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank). A job
+report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank),
+steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
+long enough for a restarted rank to come back while it runs). A job
 resumed by `poseidon run --resume` starts at
 poseidon.torch.resumed_steps() (with server-adam the servers hold the rest of the state)."""
 import os
@@ -75,8 +77,10 @@ def main(out, modes=()):
     assert world == workers, f"world {world}, expected {workers}"
     # Different seeds on every rank: the initial broadcast must make the replicas equal.
     switch = "switch" in modes
+    total = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("steps=")), STEPS)
+    pause = next((float(m.split("=", 1)[1]) for m in modes if m.startswith("step-sleep=")), 0.0)
     model, x, y = model_and_data(seed=rank, workers=workers, device=device,
-                                 steps=SWITCH_STEPS if switch else STEPS)
+                                 steps=SWITCH_STEPS if switch else total)
     if server:  # the KV servers run Adam; no local optimizer
         opt = poseidon.torch.distribute(model, None, batch_size=K,
                                         server_optimizer=dict(rule="adam", lr=0.01),
@@ -100,8 +104,8 @@ def main(out, modes=()):
     start = poseidon.torch.resumed_steps()
     if start:
         print(f"resumed at step {start} at {time.time():.3f}", flush=True)
-    steps, switches, last, stop_at = STEPS, [], None, None
-    for step in range(start, SWITCH_STEPS if switch else STEPS):
+    steps, switches, last, stop_at = total, [], None, None
+    for step in range(start, SWITCH_STEPS if switch else total):
         if rank == 1 and step == crash_at:
             print(f"step {step}: rank 1 crashes at {time.time():.3f}", flush=True)
             os._exit(3)
@@ -121,6 +125,7 @@ def main(out, modes=()):
             if step == stop_at:
                 break
             time.sleep(0.02)
+        time.sleep(pause)
         mine = slice(rank * K, (rank + 1) * K)
         loss = torch.nn.functional.cross_entropy(model(x[step, mine]), y[step, mine])
         opt.zero_grad()

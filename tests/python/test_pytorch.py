@@ -73,15 +73,18 @@ def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), wor
     return params
 
 
-def reference_shrunk(make_optimizer, workers, removed, from_step, steps=equivalence_worker.STEPS):
+def reference_shrunk(make_optimizer, workers, removed, from_step, steps=equivalence_worker.STEPS,
+                     back_step=None):
     """One process on the P-times larger batch until `from_step`, then on the batch of the
-    ranks left (rank `removed`'s shard left out): what a job that shrank must reproduce."""
+    ranks left (rank `removed`'s shard left out): what a job that shrank must reproduce; with
+    `back_step`, on the whole batch again from that step (the world grew again)."""
     model, x, y = equivalence_worker.model_and_data(seed=0, workers=workers, steps=steps)
     K = equivalence_worker.K
     keep = torch.cat([torch.arange(r * K, (r + 1) * K) for r in range(workers) if r != removed])
     opt = make_optimizer(model.parameters())
     for step in range(steps):
-        xs, ys = (x[step], y[step]) if step < from_step else (x[step][keep], y[step][keep])
+        whole = step < from_step or (back_step is not None and step >= back_step)
+        xs, ys = (x[step], y[step]) if whole else (x[step][keep], y[step][keep])
         loss = torch.nn.functional.cross_entropy(model(xs), ys)
         opt.zero_grad()
         loss.backward()
@@ -279,6 +282,38 @@ class Equivalence(WorkersTest):
             self.assertIn("rank 0 ends in world (0, 3, 1)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, the world shrank")
             self.assertNotEqual(reference(adam, workers=4)[0].tolist(), want[0].tolist())
+
+    def test_a_rank_back_after_the_world_shrank_is_readmitted_and_the_world_grows_again(self):
+        # --min_workers with --rejoin (issue 18): rank 1 of 4 dies before step 17 and is removed
+        # at once (--rejoin_timeout 1ms: its restart comes later, as a node returning late
+        # would); its restart is readmitted by the KV servers from a later step, where it
+        # resumes. The job ends with the parameters of one process on the 4x batch until step
+        # 17, on the three ranks' batch until that step, and on the 4x batch again after.
+        adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+        steps = 60  # 0.2 s each: the restart (starting Python, importing torch) comes back
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
+                        "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out,
+                        f"server-adam,workers=4,crash-at=17,report-world,steps={steps},"
+                        "step-sleep=0.2"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            back = re.search(r"resumed at step (\d+)", r.stdout)
+            self.assertIsNotNone(back, r.stdout)
+            back = int(back.group(1))
+            self.assertTrue(17 < back < steps, r.stdout)  # readmitted later, not a plain rejoin
+            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            self.assertRegex(r.stdout, r"rank 0 ends in world \(0, 4, [02]\)")
+            want = reference_shrunk(adam, workers=4, removed=1, from_step=17, steps=steps,
+                                    back_step=back)
+            self.assert_close(torch.load(out), want,
+                              f"server-side Adam, the world shrank at step 17 and grew at {back}")
+            self.assertNotEqual(
+                reference_shrunk(adam, workers=4, removed=1, from_step=17, steps=steps)[0].tolist(),
+                want[0].tolist())
 
     def test_a_job_that_may_shrink_needs_a_server_side_optimizer(self):
         with tempfile.TemporaryDirectory() as tmp:
