@@ -77,6 +77,27 @@ def synth(args, rank, segment, daemons, extra=()):
     return d
 
 
+def replace(args, agent_argv, victim, segments, daemons, suffix, gpu=0, extra=()):
+    """Rank `victim`'s replacement: a new agent with --rejoin (a new segment: the killed one's
+    may be left behind) and, once it is ready, a new poseidon-synth on it; returns (agent,
+    synth)."""
+    segment = f"{segments[victim]}-{suffix}"
+    segments.append(segment)
+    agent = Daemon(f"agent {victim} ({suffix})", agent_argv(victim, segment, rejoin=True, gpu=gpu))
+    daemons.append(agent)
+    agent.wait_for(r"poseidon-agent ready")
+    return agent, synth(args, victim, segment, daemons, extra)
+
+
+def wait_all(synths, timeout=90):
+    """Waits for every process to end (how each ended is checked by the caller)."""
+    for s in synths:
+        try:
+            s.wait(timeout)
+        except Exception:  # noqa: BLE001 - checked by the caller
+            pass
+
+
 def summary(d):
     """(verified, mismatches) from a synth's last line, or None."""
     for line in reversed(d.lines):
@@ -134,22 +155,12 @@ def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
             done_before = 0
         print(f"trial {t}: rank {victim}'s {what} killed after its iteration {done_before} "
               f"(agent exit {code})", flush=True)
-        # The replacement: a new agent (a new segment: the killed one's may be left behind).
-        segment = f"{segments[victim]}-rejoined"
-        segments.append(segment)
-        # On another GPU (another node after a requeue): the coordinator gives it the rank once
-        # it has declared the killed agent dead (--liveness_timeout), not before.
-        agent = Daemon(f"agent {victim} (rejoined)",
-                       agent_argv(victim, segment, rejoin=True, gpu=7 if elsewhere else 0))
-        daemons.append(agent)
-        agent.wait_for(r"poseidon-agent ready")
-        rejoined = synth(args, victim, segment, daemons)
+        # The replacement. On another GPU (another node after a requeue): the coordinator gives
+        # it the rank once it has declared the killed agent dead (--liveness_timeout), not before.
+        agent, rejoined = replace(args, agent_argv, victim, segments, daemons, "rejoined",
+                                  gpu=7 if elsewhere else 0)
         synths[victim] = rejoined
-        for s in synths:
-            try:
-                s.wait(90)
-            except Exception:  # noqa: BLE001 - checked below
-                pass
+        wait_all(synths)
         durations.append(time.monotonic() - started)
         took = None
         first = rejoined.wait_for(r"takes up the job at iteration (\d+)", timeout=1)

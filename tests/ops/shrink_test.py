@@ -47,7 +47,7 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rejoin_test  # noqa: E402
 from checks import check, finish, p50_p99  # noqa: E402
-from metrics_test import Daemon, ended_after, job_environment, stop_all  # noqa: E402
+from metrics_test import ended_after, job_environment, stop_all  # noqa: E402
 
 TOKEN = rejoin_test.TOKEN  # its job: its agents take its secret
 SECRET = rejoin_test.SECRET
@@ -66,6 +66,19 @@ def start_job(args, trial, daemons, segments, min_workers):
 
 def synth(args, rank, segment, daemons):
     return rejoin_test.synth(args, rank, segment, daemons, extra=["--allow_shrink"])
+
+
+def finished_exact(t, r, s, what):
+    """Checks that rank r's poseidon-synth `s` finished every iteration, every result exact."""
+    last = (s.lines + s.stderr)[-1:] or ["(nothing)"]
+    check(s.proc.returncode == 0 and rejoin_test.summary(s) == (ITERATIONS * LAYERS, 0),
+          f"trial {t} ({what}): rank {r} finished every iteration, every result exact "
+          f"({last[0][:160]})")
+
+
+def world_line(s, pattern):
+    """The match of `pattern` in its --allow_shrink summary line, or None."""
+    return next((re.search(pattern, l) for l in s.lines if "left out rank" in l), None)
 
 
 def ends(d):
@@ -96,22 +109,12 @@ def trial(args, t, rng, kill_agent, pauses, steps):
         died_in = ends(synths[victim])[-1][0] + 1 if ends(synths[victim]) else 1
         print(f"trial {t}: rank {victim}'s {what} killed in its iteration {died_in}", flush=True)
         survivors = [r for r in range(RANKS) if r != victim]
-        for r in survivors:
-            try:
-                synths[r].wait(90)
-            except Exception:  # noqa: BLE001 - checked below
-                pass
+        rejoin_test.wait_all(synths[r] for r in survivors)
         for r in survivors:
             s = synths[r]
-            last = (s.lines + s.stderr)[-1:] or ["(nothing)"]
-            check(s.proc.returncode == 0 and
-                  any(f"verified {ITERATIONS * LAYERS} results, 0 mismatches" in l
-                      for l in s.lines),
-                  f"trial {t} ({what} of rank {victim} killed): rank {r} finished every "
-                  f"iteration, every result exact ({last[0][:160]})")
-            m = next((re.search(r"left out rank (\d+) from iterations (\d+) to (\d+) \(by "
-                                r"layer\); world now rank (\d+) of (\d+) \(generation (\d+)\)", l)
-                      for l in s.lines if "left out rank" in l), None)
+            finished_exact(t, r, s, f"{what} of rank {victim} killed")
+            m = world_line(s, r"left out rank (\d+) from iterations (\d+) to (\d+) \(by "
+                              r"layer\); world now rank (\d+) of (\d+) \(generation (\d+)\)")
             if m is None:
                 check(False, f"trial {t}: rank {r}'s results left rank {victim} out "
                              f"({[l for l in s.lines if 'world now' in l]})")
@@ -171,19 +174,11 @@ def comes_back(args, t, rng, kill_agent, costs):
         # Back once every server removed it (its rejoin timeout ran out: the others went on).
         for server in servers:
             server.wait_for(rf"rank {victim} \(.*it is removed", timeout=30)
-        segment = f"{segments[victim]}-back"
-        segments.append(segment)
         returned = time.time()
-        agent = Daemon(f"agent {victim} (back)", agent_argv(victim, segment, rejoin=True))
-        daemons.append(agent)
-        agent.wait_for(r"poseidon-agent ready")
-        back = synth(args, victim, segment, daemons)
+        agent, back = rejoin_test.replace(args, agent_argv, victim, segments, daemons, "back",
+                                          extra=["--allow_shrink"])
         synths[victim] = back
-        for s in synths:
-            try:
-                s.wait(90)
-            except Exception:  # noqa: BLE001 - checked below
-                pass
+        rejoin_test.wait_all(synths)
         log = "\n".join(agent.lines + agent.stderr)
         m = re.search(r"is readmitted to job 1 from iteration (\d+)", log)
         check(m is not None, f"trial {t} ({what} of rank {victim} killed, then back): the "
@@ -199,14 +194,10 @@ def comes_back(args, t, rng, kill_agent, costs):
               f"trial {t}: the replacement verified {done} results, every one exact")
         for r in (r for r in range(RANKS) if r != victim):
             s = synths[r]
-            last = (s.lines + s.stderr)[-1:] or ["(nothing)"]
-            check(s.proc.returncode == 0 and rejoin_test.summary(s) == (ITERATIONS * LAYERS, 0),
-                  f"trial {t}: rank {r} finished every iteration, every result exact "
-                  f"({last[0][:160]})")
-            m = next((re.search(r"left out rank (\d+) from iterations (\d+) to (\d+) \(by "
-                                r"layer\) and counted it again from iterations (\d+) to (\d+); "
-                                r"world now rank (\d+) of (\d+) \(generation (\d+)\)", l)
-                      for l in s.lines if "left out rank" in l), None)
+            finished_exact(t, r, s, f"{what} of rank {victim} killed, then back")
+            m = world_line(s, r"left out rank (\d+) from iterations (\d+) to (\d+) \(by "
+                              r"layer\) and counted it again from iterations (\d+) to (\d+); "
+                              r"world now rank (\d+) of (\d+) \(generation (\d+)\)")
             if m is None:
                 check(False, f"trial {t}: rank {r}'s results left rank {victim} out and counted "
                              f"it again ({[l for l in s.lines if 'world now' in l]})")
