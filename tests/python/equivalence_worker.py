@@ -15,7 +15,8 @@ kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before st
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
 3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too),
 report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank),
-steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
+world-hook (every rank prints each world change poseidon.torch.on_world_change reports, with the
+step it came at), steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
 long enough for a restarted rank to come back while it runs). A job
 resumed by `poseidon run --resume` starts at
 poseidon.torch.resumed_steps() (with server-adam the servers hold the rest of the state)."""
@@ -102,6 +103,10 @@ def main(out, modes=()):
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-always-at=")),
                     crash_at)
     start = poseidon.torch.resumed_steps()
+    if "world-hook" in modes:
+        poseidon.torch.on_world_change(lambda old, new: print(
+            f"rank {rank} after step {step}: world {old} -> {new}", flush=True))
+    step = start
     if start:
         print(f"resumed at step {start} at {time.time():.3f}", flush=True)
     steps, switches, last, stop_at = total, [], None, None

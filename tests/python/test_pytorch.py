@@ -267,21 +267,30 @@ class Equivalence(WorkersTest):
         # did not push (step 17 for every key: it had pushed all of step 16), the others go on,
         # and the job ends with the parameters of one process on the 4x batch until step 17
         # and on the three ranks' batch after.
+        # Steps of 0.2 s: the others' agents learn of the removal (a heartbeat) while they
+        # train, and the boundary hook (on_world_change) tells each at the end of a step.
         adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
-        want = reference_shrunk(adam, workers=4, removed=1, from_step=17)
+        steps = 50
+        want = reference_shrunk(adam, workers=4, removed=1, from_step=17, steps=steps)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
             r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
                         "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
-                        "server-adam,workers=4,crash-at=17,report-world"])
+                        "server-adam,workers=4,crash-at=17,report-world,world-hook,"
+                        f"steps={steps},step-sleep=0.2"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("rank 1 crashes", r.stdout)
             self.assertIn("rank 1 failed with exit code 3; no restart left: the job goes on with "
                           "3 of 4 workers (--min_workers 3)", r.stderr)
             # Rank 0 learns the world it trains in now (psd_world), within a few heartbeats.
             self.assertIn("rank 0 ends in world (0, 3, 1)", r.stdout)
+            hooks = re.findall(r"rank 2 after step (\d+): world (\(.*\)) -> (\(.*\))", r.stdout)
+            self.assertEqual([(old, new) for _, old, new in hooks], [("(2, 4, 0)", "(1, 3, 1)")],
+                             r.stdout)
+            self.assertTrue(17 <= int(hooks[0][0]) < steps, hooks)
             self.assert_close(torch.load(out), want, "server-side Adam, the world shrank")
-            self.assertNotEqual(reference(adam, workers=4)[0].tolist(), want[0].tolist())
+            self.assertNotEqual(reference(adam, workers=4, steps=steps)[0].tolist(),
+                                want[0].tolist())
 
     def test_a_rank_back_after_the_world_shrank_is_readmitted_and_the_world_grows_again(self):
         # --min_workers with --rejoin (issue 18): rank 1 of 4 dies before step 17 and is removed
@@ -296,8 +305,8 @@ class Equivalence(WorkersTest):
             r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
                         "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
                         os.path.join(HERE, "equivalence_worker.py"), out,
-                        f"server-adam,workers=4,crash-at=17,report-world,steps={steps},"
-                        "step-sleep=0.2"])
+                        f"server-adam,workers=4,crash-at=17,report-world,world-hook,"
+                        f"steps={steps},step-sleep=0.2"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("rank 1 crashes", r.stdout)
             self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
@@ -306,7 +315,17 @@ class Equivalence(WorkersTest):
             back = int(back.group(1))
             self.assertTrue(17 < back < steps, r.stdout)  # readmitted later, not a plain rejoin
             self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
-            self.assertRegex(r.stdout, r"rank 0 ends in world \(0, 4, [02]\)")
+            ends = re.search(r"rank 0 ends in world \(0, 4, ([02])\)", r.stdout)
+            self.assertIsNotNone(ends, r.stdout)
+            # The boundary hook (on_world_change) told rank 0 of each change at a step's end:
+            # the removal and the return (or nothing, when its agent never saw rank 1 gone).
+            hooks = re.findall(r"rank 0 after step (\d+): world (\(.*\)) -> (\(.*\))", r.stdout)
+            if ends.group(1) == "2":
+                self.assertEqual([(old, new) for _, old, new in hooks],
+                                 [("(0, 4, 0)", "(0, 3, 1)"), ("(0, 3, 1)", "(0, 4, 2)")], r.stdout)
+                self.assertTrue(17 <= int(hooks[0][0]) <= int(hooks[1][0]) < steps, hooks)
+            else:
+                self.assertEqual(hooks, [], r.stdout)
             want = reference_shrunk(adam, workers=4, removed=1, from_step=17, steps=steps,
                                     back_step=back)
             self.assert_close(torch.load(out), want,

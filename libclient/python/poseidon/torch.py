@@ -865,15 +865,19 @@ class DistributedOptimizer:
         e = self._engine
         if e.mode == "server":
             e.wait_all(self._install)  # the servers stepped: the parameters are installed
+            _check_world()
             return None
         if e.mode == "ddp":
-            return self._optimizer.step(closure)  # backward left the averages in .grad
+            loss = self._optimizer.step(closure)  # backward left the averages in .grad
+            _check_world()
+            return loss
         if closure is not None:
             raise PoseidonError(1, "closures are not supported with overlap_forward")
         e.check_posted()
         for layer in e.layers:  # each layer steps when the next forward reaches it
             e.pending[layer.index] = e.iteration
         e.iteration += 1
+        _check_world()
         return None
 
     def state_dict(self):
@@ -885,6 +889,35 @@ class DistributedOptimizer:
 
 
 SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
+
+
+_world_hooks = []  # on_world_change's callbacks
+_world_seen = None  # the world (rank, size, generation) they were last told of
+
+
+def on_world_change(callback):
+    """Registers `callback(old, new)`, called at the end of the optimizer's step() (the
+    iteration boundary) once the world this process trains in has changed since the last call:
+    `old` and `new` are poseidon.world() tuples (rank, size, generation) — a dead rank removed
+    (`poseidon run --min_workers`), or a removed rank readmitted (the world grows again). Reshard
+    the data by `new` there; raise from it to unwind the training loop, as with Horovod's
+    HostsUpdatedInterrupt. Returns `callback` (usable as a decorator)."""
+    _world_hooks.append(callback)
+    return callback
+
+
+def _check_world():
+    global _world_seen
+    if not _world_hooks:
+        return
+    now = poseidon.world()
+    if _world_seen is None:
+        _world_seen = (poseidon.rank(), poseidon.size(), 0)
+    if now[2] == _world_seen[2]:
+        return
+    old, _world_seen = _world_seen, now
+    for callback in list(_world_hooks):
+        callback(old, now)
 
 
 _rejoined_at = None  # the job's iteration a rank that rejoined took up (psd_start_iteration)
