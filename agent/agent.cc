@@ -269,6 +269,9 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::set<uint32_t> ranks_removed_;       // main thread: dead ranks the job goes on without
   std::set<std::string> nodes_removed_;    // main thread: the agents whose rank was removed
   uint64_t world_changes_ = 0;             // main thread: removals and returns (psd_world)
+  // The same for the heartbeat thread (poseidon status): ranks trained with now, generation.
+  std::atomic<uint32_t> live_world_{0};
+  std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
   // Each server's registration (plan order) and the servers whose answer said this rank is out
   // of the job (removed while it was away): its replacement asks to be readmitted.
@@ -625,6 +628,11 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   coordinator::CoordinatorClient::HeartbeatOptions hb;
   hb.iteration = [this] { return last_iteration_.load(); };
   hb.plan_epoch = [this] { return RunningEpoch(); };
+  if (config_.min_workers > 0) {
+    hb.world = [this] {
+      return std::pair<uint32_t, uint64_t>{live_world_.load(), world_generation_.load()};
+    };
+  }
   // The world this rank joined is the one it runs: a restarted coordinator gets the same rank.
   hb.register_again = true;
   hb.on_result = [this](const absl::StatusOr<v1::HeartbeatResponse>& result) {
@@ -1698,9 +1706,10 @@ void Agent::CheckLostMembers() {
     auto publish = [this] {  // this rank's index among the ranks left, their number
       uint32_t live_rank = 0;
       for (uint32_t r = 0; r < config_.rank; ++r) live_rank += ranks_removed_.contains(r) ? 0 : 1;
-      shm_->SetLiveWorld(live_rank,
-                         static_cast<uint32_t>(config_.world_size - ranks_removed_.size()),
-                         ++world_changes_);
+      const auto size = static_cast<uint32_t>(config_.world_size - ranks_removed_.size());
+      shm_->SetLiveWorld(live_rank, size, ++world_changes_);
+      live_world_.store(size);
+      world_generation_.store(world_changes_);
     };
     // A removed rank whose replacement came (readmitted by the servers: the world grows).
     for (auto it = ranks_removed_.begin(); it != ranks_removed_.end();) {

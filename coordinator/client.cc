@@ -256,13 +256,15 @@ absl::Status CoordinatorClient::ReportTelemetry(v1::ReportTelemetryRequest reque
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(uint64_t iteration,
-                                                                   uint64_t plan_epoch) {
+absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
+    uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world) {
   v1::HeartbeatRequest request;
   FillHeader(request.mutable_header());
   request.set_role(role());
   request.set_iteration(iteration);
   request.set_plan_epoch(plan_epoch);
+  request.set_live_world(world.first);
+  request.set_world_generation(world.second);
   v1::HeartbeatResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);
@@ -434,7 +436,10 @@ void HeartbeatLoop::Run() {
     lock.unlock();
     const uint64_t iteration = options_.iteration ? options_.iteration() : 0;
     const uint64_t plan_epoch = options_.plan_epoch ? options_.plan_epoch() : client_->plan_epoch();
-    const absl::StatusOr<v1::HeartbeatResponse> result = client_->Heartbeat(iteration, plan_epoch);
+    const std::pair<uint32_t, uint64_t> world =
+        options_.world ? options_.world() : std::pair<uint32_t, uint64_t>{0, 0};
+    const absl::StatusOr<v1::HeartbeatResponse> result =
+        client_->Heartbeat(iteration, plan_epoch, world);
     if (options_.on_result) {
       options_.on_result(result);
     } else if (!result.ok()) {

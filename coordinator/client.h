@@ -122,8 +122,9 @@ class CoordinatorClient {
                                absl::Duration timeout);
   // One heartbeat. A response with shutdown = true means this node id was declared dead or
   // replaced: stop, or register anew.
-  absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(uint64_t iteration,
-                                                            uint64_t plan_epoch);
+  // `world`: HeartbeatRequest.live_world and world_generation (0, 0: not reported).
+  absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(
+      uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world = {0, 0});
   // failed: leaving because of an error (HeartbeatResponse.departed tells the job's agents).
   absl::Status Deregister(absl::string_view reason, bool failed = false);
   absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();
@@ -152,6 +153,8 @@ class CoordinatorClient {
     absl::Duration interval = absl::ZeroDuration();  // zero: what registration returned
     std::function<uint64_t()> iteration;             // null: 0
     std::function<uint64_t()> plan_epoch;            // null: the last plan epoch seen
+    // Agents of a job that may shrink: (ranks trained with now, generation); null: not sent.
+    std::function<std::pair<uint32_t, uint64_t>()> world;
     // Every result, on the loop's thread (keep it short). Null: failures are logged.
     std::function<void(const absl::StatusOr<poseidon::v1::HeartbeatResponse>&)> on_result;
     // When a heartbeat is answered NOT_FOUND (a restarted coordinator starts empty), the loop

@@ -1280,6 +1280,20 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
     response->set_lease_ms(0);
     return absl::OkStatus();
   }
+  if (request.world_generation() > 0) {
+    const Job* of = FindJob(node->job_id);
+    const uint32_t world = of != nullptr ? of->world_size : 0;
+    if (node->role != v1::NODE_ROLE_AGENT || request.live_world() == 0 ||
+        request.live_world() > world) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "live_world ", request.live_world(), " (generation ", request.world_generation(),
+          "): an agent reports between 1 and its job's world size (", world, ") ranks"));
+    }
+    if (request.world_generation() >= node->world_generation) {
+      node->live_world = request.live_world();
+      node->world_generation = request.world_generation();
+    }
+  }
   node->last_seen = now;
   node->iteration = std::max(node->iteration, request.iteration());
   node->plan_epoch = request.plan_epoch();
@@ -1423,6 +1437,17 @@ absl::Status Registry::ClusterStatus(const Caller& caller, absl::Time now,
     out->set_job_id(id);
     if (job.model.has_value()) out->set_model_name(job.model->spec.name());
     out->set_world_size(job.world_size);
+    // The world it trains with now (a job that shrank or grew): the newest generation any of its
+    // live agents reports.
+    for (const RankSlot& slot : job.ranks) {
+      const Node* agent = FindNode(slot.node_id);
+      if (!Live(agent) || agent->world_generation == 0 ||
+          agent->world_generation < out->world_generation()) {
+        continue;
+      }
+      out->set_live_world(agent->live_world);
+      out->set_world_generation(agent->world_generation);
+    }
     if (job.plan.has_value()) {
       out->set_plan_epoch(job.plan->plan_epoch());
       out->set_effective_iteration(job.plan->effective_iteration());

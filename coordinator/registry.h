@@ -229,6 +229,8 @@ class Registry {
     absl::Time state_since;
     uint64_t iteration = 0;
     uint64_t plan_epoch = 0;
+    uint32_t live_world = 0;  // agents: HeartbeatRequest.live_world and world_generation
+    uint64_t world_generation = 0;
     int waits = 0;
     uint64_t seq = 0;
     // The latest ReportTelemetry: its links to known nodes, its layers (agents), and when.

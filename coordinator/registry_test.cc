@@ -904,6 +904,42 @@ TEST_P(DepartedTest, HeartbeatsNameTheAgentsThatLeftWithAnError) {
   EXPECT_EQ(response.replaced(0), 1u);
 }
 
+// A job whose world shrank (or grew again): its agents report the ranks they train with now in
+// their heartbeats, and the cluster status shows the newest generation; a report beyond the
+// world is refused.
+TEST_F(PlanChangeTest, TheWorldAJobTrainsWithNowIsReportedByItsAgents) {
+  FormJob(BoundaryModel());
+  auto job_status = [&] {
+    v1::GetClusterStatusResponse status;
+    EXPECT_TRUE(registry_.ClusterStatus(Caller{""}, now_, &status).ok());
+    EXPECT_EQ(status.jobs_size(), 1);
+    return status.jobs(0);
+  };
+  EXPECT_FALSE(job_status().has_live_world());  // never changed
+  auto beat = [&](const std::string& agent, uint32_t live, uint64_t generation) {
+    v1::HeartbeatRequest request;
+    request.mutable_header()->set_node_id(agent);
+    request.set_role(v1::NODE_ROLE_AGENT);
+    request.set_live_world(live);
+    request.set_world_generation(generation);
+    v1::HeartbeatResponse response;
+    return registry_.Heartbeat(job_, request, now_, &response);
+  };
+  ASSERT_TRUE(beat(agents_[0], 1, 1).ok());
+  ASSERT_TRUE(beat(agents_[1], 2, 0).ok());  // has not learnt of it yet: not shown
+  EXPECT_EQ(job_status().live_world(), 1u);
+  EXPECT_EQ(job_status().world_generation(), 1u);
+  ASSERT_TRUE(beat(agents_[1], 2, 2).ok());  // grew again: the newest generation
+  EXPECT_EQ(job_status().live_world(), 2u);
+  EXPECT_EQ(job_status().world_generation(), 2u);
+  const absl::Status beyond = beat(agents_[0], 3, 3);
+  EXPECT_EQ(beyond.code(), absl::StatusCode::kInvalidArgument) << beyond;
+  EXPECT_NE(beyond.message().find("between 1 and its job's world size (2)"), std::string::npos)
+      << beyond;
+  EXPECT_EQ(beat(agents_[0], 0, 3).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(job_status().live_world(), 2u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Leaving, DepartedTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? std::string("WithAnError")

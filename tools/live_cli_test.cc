@@ -17,6 +17,7 @@ namespace poseidon::coordinator::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using ::poseidon::tools::testing::CliRun;
 using ::poseidon::tools::testing::Field;
@@ -169,6 +170,17 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
   run = Stdout(status);
   EXPECT_THAT(run.output, HasSubstr(" rdma "));
   EXPECT_THAT(run.output, HasSubstr(" none "));
+
+  // A world that shrank (an agent's heartbeat says so): the status shows what it trains with.
+  EXPECT_THAT(run.output, Not(HasSubstr("training with")));
+  ASSERT_TRUE(members[1].client->Heartbeat(123, 3, {1, 1}).ok());
+  run = Stdout(status);
+  EXPECT_THAT(run.output, HasSubstr("world size 2 (training with 1 now, world generation 1)"));
+  run = Stdout(status + " --json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(run.output, &root).ok()) << run.output;
+  const auto& job = Field(root, "jobs").list_value().values(0).struct_value();
+  EXPECT_EQ(Field(job, "live_world").number_value(), 1);
+  EXPECT_EQ(Field(job, "world_generation").number_value(), 1);
 }
 
 }  // namespace

@@ -312,9 +312,15 @@ void PrintText(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
   }
   if (status.jobs().empty()) std::printf("no jobs\n");
   for (const v1::JobStatus& job : status.jobs()) {
-    std::printf("job %s: model %s, world size %u, plan epoch %llu (from iteration %llu)%s\n",
+    // A world that shrank or grew again: the ranks it trains with now.
+    const std::string live =
+        job.has_live_world()
+            ? absl::StrCat(" (training with ", job.live_world(), " now, world generation ",
+                           job.world_generation(), ")")
+            : "";
+    std::printf("job %s: model %s, world size %u%s, plan epoch %llu (from iteration %llu)%s\n",
                 job.job_id().c_str(), job.model_name().empty() ? "-" : job.model_name().c_str(),
-                job.world_size(), static_cast<unsigned long long>(job.plan_epoch()),
+                job.world_size(), live.c_str(), static_cast<unsigned long long>(job.plan_epoch()),
                 static_cast<unsigned long long>(job.effective_iteration()),
                 AgentEpochs(job, status).c_str());
     if (job.has_slowest_rank()) {
@@ -495,6 +501,12 @@ void PrintJson(const StatusFlags& flags, const v1::GetClusterStatusResponse& sta
     w.String(job.model_name());
     w.Key("world_size");
     w.Unsigned(job.world_size());
+    if (job.has_live_world()) {
+      w.Key("live_world");
+      w.Unsigned(job.live_world());
+      w.Key("world_generation");
+      w.Unsigned(job.world_generation());
+    }
     w.Key("plan_epoch");
     w.Unsigned(job.plan_epoch());
     w.Key("effective_iteration");
