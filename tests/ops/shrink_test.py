@@ -247,6 +247,16 @@ def too_few(args):
         stop_all(daemons, segments)
 
 
+def report(samples, what):
+    """Prints p50, p99 and range of (kind of kill, seconds) samples: all, then by kind."""
+    for kind in ("all", "training process", "agent"):
+        values = [v for how, v in samples if kind in ("all", how)]
+        if values:
+            p50, p99 = p50_p99(values)
+            print(f"{kind} {what} p50 {p50:.2f} s, p99 {p99:.2f} s (range {min(values):.2f} - "
+                  f"{max(values):.2f} s) over {len(values)} trials")
+
+
 def main():
     ap = argparse.ArgumentParser()
     for flag in ("coordinator", "server", "agent", "synth", "model"):
@@ -264,21 +274,10 @@ def main():
     costs = []
     for t in range(2 * args.trials):
         comes_back(args, f"back{t}", rng, kill_agent=t % 2 == 1, costs=costs)
-    for kind in ("all", "training process", "agent"):
-        values = [v for what, v in pauses if kind in ("all", what)]
-        if values:
-            p50, p99 = p50_p99(values)
-            print(f"{kind} killed: the longest of the survivors' three iterations after the "
-                  f"kill took longer than their median iteration by p50 {p50:.2f} s, p99 {p99:.2f} s (range {min(values):.2f}"
-                  f" - {max(values):.2f} s) over {len(values)} trials")
-    for kind in ("all", "training process", "agent"):
-        values = [v for what, v in costs if kind in ("all", what)]
-        if values:
-            p50, p99 = p50_p99(values)
-            print(f"{kind} killed, then back: the longest of the survivors' iterations begun "
-                  f"after the replacement started took longer than their median before by p50 {p50:.2f} s, "
-                  f"p99 {p99:.2f} s (range {min(values):.2f} - {max(values):.2f} s) over "
-                  f"{len(values)} trials")
+    report(pauses, "killed: the longest of the survivors' three iterations after the kill took "
+                   "longer than their median iteration by")
+    report(costs, "killed, then back: the longest of the survivors' iterations begun after the "
+                  "replacement started took longer than their median before by")
     if steps:
         print("iteration time before / after the world shrank (median per trial): " +
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
