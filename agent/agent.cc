@@ -268,8 +268,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::set<std::string> ranks_awaited_;  // main thread: dead agents waited for (rejoin_timeout)
   std::set<uint32_t> ranks_removed_;       // main thread: dead ranks the job goes on without
   std::set<std::string> nodes_removed_;    // main thread: the agents whose rank was removed
-  uint64_t world_changes_ = 0;             // main thread: removals and returns (psd_world)
-  // The same for the heartbeat thread (poseidon status): ranks trained with now, generation.
+  // The world trained with now (ranks, removals and returns so far): written by the main thread
+  // (psd_world), read by the heartbeat thread (poseidon status).
   std::atomic<uint32_t> live_world_{0};
   std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
@@ -1213,31 +1213,44 @@ absl::Status Agent::TakeUpRunningJob() {
 // keys are all one clock behind (TakeUpRunningJob).
 absl::Status Agent::ReadmitToJob(uint64_t highest) {
   const absl::Time deadline = absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
-  auto ask = [&](uint64_t from, uint64_t& lowest, uint64_t& top) -> absl::Status {
-    lowest = std::numeric_limits<uint64_t>::max();
+  // Every server's registration, with readmit_from = `readmit` (0: only its keys' progress).
+  // `lowest`: the lowest completed clock of a current key and where it is; `top`: the highest.
+  struct Lowest {
+    uint64_t clock = std::numeric_limits<uint64_t>::max();
+    uint64_t key = 0;
+    size_t server = 0;
+  };
+  auto ask = [&](uint64_t readmit, uint64_t from, Lowest& lowest, uint64_t& top) -> absl::Status {
+    lowest = Lowest{};
     for (size_t s = 0; s < registrations_.size(); ++s) {
       if (registrations_[s].tables_size() == 0 || env_.servers[s]->Broken()) continue;
       v1::RegisterTablesRequest request = registrations_[s];
-      request.set_readmit_from(from);
+      request.set_readmit_from(readmit);
       std::vector<server::KeyProgress> progress;
       RETURN_IF_ERROR(Annotate(env_.servers[s]->RegisterTables(request, absl::Seconds(30),
                                                                &progress),
                                absl::StrCat("readmission on KV server ", config_.servers[s])));
       std::map<uint64_t, uint32_t> unused;
       RETURN_IF_ERROR(NoteRestoredClocks(s, request, progress, unused));
-      for (const server::KeyProgress& p : progress) {
-        // A key more than 3 clocks behind (a layer not posted lately) takes this rank from its
-        // own next clock, and its layer goes on from there (RestoredClock).
-        if (p.completed + 3 >= from) lowest = std::min(lowest, p.completed);
-        top = std::max(top, p.completed);
+      size_t i = 0;
+      for (const auto& t : request.tables()) {
+        for (const auto& k : t.keys()) {
+          const uint64_t completed = i < progress.size() ? progress[i].completed : 0;
+          ++i;
+          // A key more than 3 clocks behind (a layer not posted lately) takes this rank from
+          // its own next clock, and its layer goes on from there (RestoredClock).
+          if (completed + 3 >= from && completed < lowest.clock) lowest = {completed, k.key(), s};
+          top = std::max(top, completed);
+        }
       }
     }
     return absl::OkStatus();
   };
-  uint64_t from = 0, lowest = 0;
+  uint64_t from = 0;
+  Lowest lowest;
   for (int attempt = 1;; ++attempt) {
     from = highest + 2;
-    RETURN_IF_ERROR(ask(from, lowest, highest));
+    RETURN_IF_ERROR(ask(from, from, lowest, highest));
     if (highest < from) break;  // every key took it
     if (attempt == 10 || absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
@@ -1247,17 +1260,19 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
     }
   }
   // Every key needs this rank's push of F: each stops at F - 1, which its process's first
-  // push follows (a push of F to a key still at F - 2 would break BSP).
-  while (lowest + 1 < from) {
+  // push follows (a push of F to a key still at F - 2 would break BSP). Read back from every
+  // server's plain registration answer until then.
+  while (lowest.clock + 1 < from) {
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
           "rank ", config_.rank, " was readmitted to job ", config_.job_id, " from clock ",
-          from, ", but a key is still at clock ", lowest, " after waiting until ",
+          from, ", but key ", lowest.key, " on KV server ", config_.servers[lowest.server],
+          " is still at clock ", lowest.clock, " after waiting until ",
           absl::FormatTime(deadline), " for the others to reach clock ", from - 1));
     }
-    absl::SleepFor(absl::Milliseconds(5));
+    absl::SleepFor(absl::Milliseconds(10));
     uint64_t unused = 0;
-    RETURN_IF_ERROR(ask(from, lowest, unused));  // the same clock again: a no-op but the answer
+    RETURN_IF_ERROR(ask(0, from, lowest, unused));
   }
   env_.rejoin_top = from;
   config_.resumed_iteration = from;
@@ -1707,9 +1722,8 @@ void Agent::CheckLostMembers() {
       uint32_t live_rank = 0;
       for (uint32_t r = 0; r < config_.rank; ++r) live_rank += ranks_removed_.contains(r) ? 0 : 1;
       const auto size = static_cast<uint32_t>(config_.world_size - ranks_removed_.size());
-      shm_->SetLiveWorld(live_rank, size, ++world_changes_);
       live_world_.store(size);
-      world_generation_.store(world_changes_);
+      shm_->SetLiveWorld(live_rank, size, world_generation_.fetch_add(1) + 1);
     };
     // A removed rank whose replacement came (readmitted by the servers: the world grows).
     for (auto it = ranks_removed_.begin(); it != ranks_removed_.end();) {
