@@ -29,7 +29,8 @@ rank out from the iteration it died in (or the next) and count it again from one
 every layer (no clock mixes memberships); the replacement logs that it is readmitted from
 iteration F, its process starts there and verifies every result from F on; every process ends
 with the world at 4 of 4. Printed: what the return cost the survivors (the longest of their
-iterations begun after the replacement started, against their median before).
+iterations begun after the replacement started, against their median before; and how long the
+replacement's agent took from its start to ready, readmitted).
 
 Then --min_workers=4: a rank killed is not removed, and the others fail, naming it. Every process
 is killed (and every shared-memory segment removed) on every path."""
@@ -154,7 +155,7 @@ def trial(args, t, rng, kill_agent, pauses, steps):
         stop_all(daemons, segments)
 
 
-def comes_back(args, t, rng, kill_agent, costs):
+def comes_back(args, t, rng, kill_agent, costs, readies):
     """A removed rank's replacement is readmitted: the world grows again."""
     daemons, segments = [], []
     try:
@@ -177,6 +178,9 @@ def comes_back(args, t, rng, kill_agent, costs):
         returned = time.time()
         agent, back = rejoin_test.replace(args, agent_argv, victim, segments, daemons, "back",
                                           extra=["--allow_shrink"])
+        # Started to ready: registration, readmission and the wait for the others to reach
+        # the clock before the one it is readmitted from.
+        readies.append((what, time.time() - returned))
         synths[victim] = back
         rejoin_test.wait_all(synths)
         log = "\n".join(agent.lines + agent.stderr)
@@ -271,13 +275,14 @@ def main():
     pauses, steps = [], []
     for t in range(2 * args.trials):
         trial(args, t, rng, kill_agent=t % 2 == 1, pauses=pauses, steps=steps)
-    costs = []
+    costs, readies = [], []
     for t in range(2 * args.trials):
-        comes_back(args, f"back{t}", rng, kill_agent=t % 2 == 1, costs=costs)
+        comes_back(args, f"back{t}", rng, kill_agent=t % 2 == 1, costs=costs, readies=readies)
     report(pauses, "killed: the longest of the survivors' three iterations after the kill took "
                    "longer than their median iteration by")
     report(costs, "killed, then back: the longest of the survivors' iterations begun after the "
                   "replacement started took longer than their median before by")
+    report(readies, "killed, then back: the replacement's agent was ready (readmitted) after")
     if steps:
         print("iteration time before / after the world shrank (median per trial): " +
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
