@@ -735,6 +735,14 @@ absl::Status Agent::Register() {
         "--min_workers needs every layer on PS (--scheme=ps, not ", config_.scheme,
         "): an SFB or all-reduce layer's peers cannot go on without a member yet"));
   }
+  for (const LayerDesc& d : descs) {
+    if (d.average && config_.scheme != "ps") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", d.name, " asks for the mean over the ranks summed (PSD_LAYER_AVERAGE), which "
+          "the KV servers compute: it needs every layer on PS (--scheme=ps, not ", config_.scheme,
+          ")"));
+    }
+  }
   if (config_.min_workers > config_.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--min_workers ", config_.min_workers,
                                                    " exceeds the world size ",
@@ -1018,19 +1026,23 @@ absl::Status Agent::ConnectServers() {
     std::vector<PsChunk> chunks;
     WireType wire = WireType::kF32;
     std::vector<uint32_t> layers;  // the layer, or the bucket's members
+    bool average = false;          // PSD_LAYER_AVERAGE (a bucket's members all alike)
   };
   std::vector<TableSource> sources;
   for (uint32_t i = 0; i < table_.layers.size(); ++i) {
     const LayerSpec& st = table_.layers[i];
     if (st.chunks.empty() || st.bucket >= 0) continue;
-    sources.push_back({st.desc.name, st.chunks, st.wire, {i}});
+    sources.push_back({st.desc.name, st.chunks, st.wire, {i}, st.desc.average});
   }
   for (const BucketSpec& b : table_.buckets) {
-    sources.push_back({b.name, {b.chunk}, b.wire, b.members});
+    sources.push_back(
+        {b.name, {b.chunk}, b.wire, b.members, table_.layers[b.members.front()].desc.average});
   }
-  auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary, WireType wire) {
+  auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary, WireType wire,
+                       bool average) {
     v1::KvTableSpec* t = requests[holder].add_tables();
     t->set_name(name);
+    t->set_average(average);
     if (replicas > 0) t->set_primary(primary);
     t->set_element_type(v1::ELEMENT_TYPE_F32);
     if (IsLossy(wire)) t->set_wire_type(WireToProto(wire));
@@ -1060,7 +1072,7 @@ absl::Status Agent::ConnectServers() {
       for (uint32_t copy = 0; copy <= replicas; ++copy) {
         const uint32_t holder = (c.server + copy) % n;
         auto*& t = tables[{c.server, copy}];
-        if (t == nullptr) t = new_table(holder, src.name, c.server, src.wire);
+        if (t == nullptr) t = new_table(holder, src.name, c.server, src.wire, src.average);
         auto* key = t->add_keys();
         key->set_key(c.key);
         key->set_elements(c.length / sizeof(float));

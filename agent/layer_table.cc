@@ -194,8 +194,12 @@ std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t buc
         return layers[i].layout.scheme == PSD_SCHEME_PS && layers[i].chunks.size() == 1 &&
                planned(i) != 0;
       },
-      // Never across two of the plan's buckets.
-      [&](uint32_t previous, uint32_t next) { return planned(previous) == planned(next); });
+      // Never across two of the plan's buckets, nor between an averaged layer and a summed one
+      // (a bucket is one key: averaged or not).
+      [&](uint32_t previous, uint32_t next) {
+        return planned(previous) == planned(next) &&
+               layers[previous].desc.average == layers[next].desc.average;
+      });
   for (const LayerRun& run : runs) {
     BucketSpec b;
     b.members = run.members;

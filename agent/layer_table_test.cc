@@ -167,6 +167,22 @@ TEST(LayerTable, ThePlansBucketsAreFormedWhereTheLayersAllowIt) {
   EXPECT_EQ(capped->buckets.size(), 3u);  // {0, 1}, {3, 4}, {5, 6}
 }
 
+// A bucket is one key, averaged by the servers or summed: layers asking for the mean over the
+// ranks summed (PSD_LAYER_AVERAGE) never share one with layers that want the sum.
+TEST(LayerTable, BucketsNeverMixAveragedAndSummedLayers) {
+  std::vector<LayerDesc> descs = {Bias("b1", 16), Bias("b2", 16), Bias("b3", 16), Bias("b4", 16),
+                                  Bias("b5", 16)};
+  for (int i : {0, 1, 2}) descs[i].average = true;
+  v1::Plan plan = PlanFor(descs, std::vector(5, v1::SYNC_SCHEME_PS));
+  plan.set_max_chunk_bytes(4 << 20);
+  for (int i = 0; i < 5; ++i) plan.mutable_layers(i)->set_bucket(1);
+  auto table = BuildLayerTable(descs, plan, {.fusion_from_plan = true, .bucket_bytes = 0});
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_EQ(table->buckets.size(), 2u);
+  EXPECT_EQ(table->buckets[0].members, (std::vector<uint32_t>{0, 1, 2}));
+  EXPECT_EQ(table->buckets[1].members, (std::vector<uint32_t>{3, 4}));
+}
+
 TEST(Schedule, PacksAndAnswersByIteration) {
   const Schedule s{PSD_SCHEME_PS, PSD_SCHEME_SFB, 42};
   EXPECT_EQ(s.At(41), PSD_SCHEME_PS);

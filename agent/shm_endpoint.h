@@ -30,6 +30,7 @@ struct LayerDesc {
   uint32_t batch_k = 0;
   uint64_t elements = 0;
   bool fusable = false;  // the framework allows fusing it with neighbours (PSD_LAYER_FUSABLE)
+  bool average = false;  // the result is the mean over the ranks summed (PSD_LAYER_AVERAGE)
 };
 
 struct LayerLayout {

@@ -302,6 +302,10 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
     if (d->kind < PSD_LAYER_FC || d->kind > PSD_LAYER_OTHER) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown kind %u", i, d->name, d->kind);
     }
+    if ((d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE)) != 0) {
+      return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown flags 0x%x", i, d->name,
+                  d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE));
+    }
     if (d->kind == PSD_LAYER_FC && (d->ndim != 2 || d->batch_k == 0)) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): FC layers need shape {M, N} and batch_k > 0",
                   i, d->name);
@@ -319,7 +323,7 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
     l->dtype = d->dtype;
     l->ndim = d->ndim;
     l->batch_k = d->batch_k;
-    l->flags = d->flags & PSD_LAYER_FUSABLE;
+    l->flags = d->flags;
     for (uint32_t k = 0; k < d->ndim; ++k) l->shape[k] = d->shape[k];
   }
   __atomic_store_n(&ctx->header->num_layers, count, __ATOMIC_RELEASE);

@@ -836,10 +836,9 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
         k->elements = kspec.elements();
         k->workers = spec.num_workers();
         k->active = k->workers;
-        k->average = spec.average_gradients();
+        k->average = spec.average_gradients() || t.average();
         k->rule = t.update_rule().rule();
-        k->grad_scale =
-            spec.average_gradients() ? 1.0f / static_cast<float>(spec.num_workers()) : 1.0f;
+        k->grad_scale = k->average ? 1.0f / static_cast<float>(spec.num_workers()) : 1.0f;
         k->optimizer = MakeOptimizer(k->rule, hp, k->elements);
         k->init_pushed = t.initial_value() == v1::INITIAL_VALUE_PUSHED_BY_RANK0;
         k->initialized = !k->init_pushed;

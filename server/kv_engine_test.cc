@@ -461,6 +461,49 @@ TEST_F(KvServerTest, AnAveragingRuleDividesByTheRanksLeftOnceTheWorldShrank) {
   EXPECT_EQ(out, std::vector<float>(4, -5.0f));  // -3 - 0.5 * mean(2, 4, 6)
 }
 
+// A sum table with `average` (a framework's local optimizer in a job that may shrink,
+// PSD_LAYER_AVERAGE): each clock's result is the mean over the ranks that clock summed — all of
+// them, the ranks left once one is removed, all again once it is readmitted — while a plain sum
+// table of the same job keeps summing.
+TEST_F(KvServerTest, AnAveragedSumTableAnswersTheMeanOverTheRanksEachClockSummed) {
+  auto c0 = Client(0);
+  auto c1 = Client(1);
+  auto c2 = Client(2);
+  v1::RegisterTablesRequest spec = Spec(3, v1::UPDATE_RULE_SUM, {4});  // key 100: averaged
+  spec.mutable_tables(0)->set_average(true);
+  auto* plain = spec.add_tables();
+  plain->set_name("plain");
+  plain->mutable_update_rule()->set_rule(v1::UPDATE_RULE_SUM);
+  plain->add_keys()->set_key(200);
+  plain->mutable_keys(0)->set_elements(4);
+  spec.set_min_workers(2);
+  ASSERT_TRUE(c0->RegisterTables(spec, kWait).ok());
+  std::vector<float> mean(4), sum(4);
+  auto clock = [&](uint64_t t, std::vector<std::pair<KvClient*, float>> pushes) {
+    for (auto [c, v] : pushes) {
+      for (uint64_t key : {100, 200}) {
+        ASSERT_TRUE(c->Wait(c->Push(key, t, std::vector<float>(4, v)), kWait).ok());
+      }
+    }
+    ASSERT_TRUE(c0->Wait(c0->Pull(100, t, mean), kWait).ok());
+    ASSERT_TRUE(c0->Wait(c0->Pull(200, t, sum), kWait).ok());
+  };
+  clock(1, {{c0.get(), 1.0f}, {c1.get(), 2.0f}, {c2.get(), 6.0f}});
+  EXPECT_EQ(mean, std::vector<float>(4, 3.0f));
+  EXPECT_EQ(sum, std::vector<float>(4, 9.0f));
+  c2->Close();  // removed: clock 2 sums ranks 0 and 1
+  clock(2, {{c0.get(), 2.0f}, {c1.get(), 4.0f}});
+  EXPECT_EQ(mean, std::vector<float>(4, 3.0f));
+  EXPECT_EQ(sum, std::vector<float>(4, 6.0f));
+  auto back = Client(2);
+  v1::RegisterTablesRequest readmit = spec;
+  readmit.set_readmit_from(3);
+  ASSERT_TRUE(back->RegisterTables(readmit, kWait).ok());
+  clock(3, {{c0.get(), 3.0f}, {c1.get(), 3.0f}, {back.get(), 6.0f}});
+  EXPECT_EQ(mean, std::vector<float>(4, 4.0f));
+  EXPECT_EQ(sum, std::vector<float>(4, 12.0f));
+}
+
 // The world grows again: a removed rank's replacement registers with readmit_from and every
 // key counts it from that clock on — after leaving it out of the clocks before — also when a
 // first try must move to a later clock (a key had completed it already); an idle key (a layer not

@@ -745,6 +745,27 @@ TEST(Faults, AHostileWriterOnTheSharedMemoryDoesNotCrashTheAgent) {
   EXPECT_EQ(out.find("runtime error"), std::string::npos) << out;
 }
 
+// PSD_LAYER_AVERAGE asks the KV servers for the mean over the ranks each clock summed: an agent
+// whose layers may go by SFB or all-reduce refuses it, naming the layer and what it needs.
+TEST(CAbi, AnAveragedLayerNeedsEveryLayerOnPs) {
+  Cluster cluster(0, 1, "sfb");
+  psd_config config;
+  psd_config_init(&config);
+  const std::string segment = cluster.segment(0);
+  config.segment = segment.c_str();
+  psd_context* ctx = nullptr;
+  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  const uint64_t shape[2] = {8, 4};
+  psd_layer_desc layer{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, PSD_LAYER_AVERAGE};
+  EXPECT_EQ(psd_register_layers(ctx, &layer, 1, 30000), PSD_FAILED_PRECONDITION);
+  const std::string why = psd_last_error();
+  EXPECT_NE(why.find("layer fc.weight asks for the mean over the ranks summed (PSD_LAYER_AVERAGE)"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(why.find("--scheme=ps, not sfb"), std::string::npos) << why;
+  psd_detach(ctx);
+}
+
 TEST(CAbi, MisuseReturnsTheRightStatus) {
   Cluster cluster(0, 1, "sfb");  // an SFB-only model needs no server
   psd_config config;
@@ -771,6 +792,10 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
   psd_layer_desc bad{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, bad_shape, 4, 0};
   EXPECT_EQ(psd_register_layers(ctx, &bad, 1, 10000), PSD_INVALID_ARGUMENT);
   const uint64_t shape[2] = {8, 4};
+  psd_layer_desc unknown_flag{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, 8u};
+  EXPECT_EQ(psd_register_layers(ctx, &unknown_flag, 1, 10000), PSD_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(psd_last_error()).find("unknown flags 0x8"), std::string::npos)
+      << psd_last_error();
   psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, 0};
   ASSERT_EQ(psd_register_layers(ctx, &good, 1, 30000), PSD_OK) << psd_last_error();
   EXPECT_EQ(psd_register_layers(ctx, &good, 1, 1000), PSD_FAILED_PRECONDITION) << "twice";

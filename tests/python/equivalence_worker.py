@@ -13,7 +13,11 @@ cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-acc
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
 kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
-3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too),
+3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too;
+crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0), buffer-probe (an
+identity module in front whose buffer each forward sets to 100 * rank + its forward count, so
+that the value a forward finds there says whose buffers DDP's broadcast_buffers installed; rank 2
+prints the senders it saw),
 report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank),
 world-hook (every rank prints each world change poseidon.torch.on_world_change reports, with the
 step it came at), steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
@@ -31,6 +35,21 @@ import poseidon
 import poseidon.torch
 
 K, STEPS = 8, 30
+
+
+class BufferProbe(torch.nn.Module):
+    """Identity; its buffer tells whose buffers the last broadcast installed (buffer-probe)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(1))
+        self.rank = rank
+        self.found = []
+
+    def forward(self, x):
+        self.found.append(int(self.seen.item()))
+        self.seen.fill_(100 * self.rank + len(self.found))
+        return x
 
 
 SWITCH_STEPS = 2000  # at most, in switch mode (it stops 5 steps after the third switch)
@@ -82,6 +101,10 @@ def main(out, modes=()):
     pause = next((float(m.split("=", 1)[1]) for m in modes if m.startswith("step-sleep=")), 0.0)
     model, x, y = model_and_data(seed=rank, workers=workers, device=device,
                                  steps=SWITCH_STEPS if switch else total)
+    probe = None
+    if "buffer-probe" in modes:
+        probe = BufferProbe(rank)
+        model = torch.nn.Sequential(probe, model)
     if server:  # the KV servers run Adam; no local optimizer
         opt = poseidon.torch.distribute(model, None, batch_size=K,
                                         server_optimizer=dict(rule="adam", lr=0.01),
@@ -98,6 +121,8 @@ def main(out, modes=()):
     kill = next((m.split("=", 1)[1] for m in modes if m.startswith("kill-server=")), None)
     kill_index, kill_step = (int(v) for v in kill.split("@")) if kill else (None, None)
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
+    crash_rank = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-rank=")), 1)
+    writer = 1 if crash_rank == 0 else 0
     if os.environ.get("POSEIDON_RESTART_COUNT", "0") != "0":
         crash_at = None  # restarted by poseidon run --max_restarts: it went away
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-always-at=")),
@@ -111,8 +136,8 @@ def main(out, modes=()):
         print(f"resumed at step {start} at {time.time():.3f}", flush=True)
     steps, switches, last, stop_at = total, [], None, None
     for step in range(start, SWITCH_STEPS if switch else total):
-        if rank == 1 and step == crash_at:
-            print(f"step {step}: rank 1 crashes at {time.time():.3f}", flush=True)
+        if rank == crash_rank and step == crash_at:
+            print(f"step {step}: rank {rank} crashes at {time.time():.3f}", flush=True)
             os._exit(3)
         if rank == 0 and step == kill_step:
             victim = job_servers()[kill_index]
@@ -147,7 +172,11 @@ def main(out, modes=()):
         while poseidon.world()[2] == 0 and time.time() < deadline:
             time.sleep(0.1)
         print(f"rank {rank} ends in world {poseidon.world()}", flush=True)
-    if rank == 0:
+    if probe is not None and rank == 2:
+        # The forward of step s found what the broadcast before it installed: the buffer set by
+        # the sender's forward of step s - 1 (100 * its rank + s).
+        print("rank 2 found buffers of ranks", [v // 100 for v in probe.found[1:]], flush=True)
+    if rank == writer:
         torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
         if opt._optimizer is not None:  # overlap_forward's per-layer steps keep their state here
             state = opt.state_dict()["state"]

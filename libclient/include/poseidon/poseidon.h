@@ -76,7 +76,7 @@ typedef struct psd_layer_desc {
   uint32_t ndim;    /* 1..4; FC layers: 2, shape = {M outputs, N inputs} */
   const uint64_t* shape;
   uint32_t batch_k; /* FC layers: the per-worker batch K (rows of the SFB factors) */
-  uint32_t flags;   /* PSD_LAYER_FUSABLE or 0 */
+  uint32_t flags;   /* PSD_LAYER_FUSABLE, PSD_LAYER_AVERAGE, or 0 */
 } psd_layer_desc;
 
 /* psd_layer_desc.flags. FUSABLE: the framework posts this layer in the same burst as its
@@ -84,6 +84,12 @@ typedef struct psd_layer_desc {
  * the agent may fuse it with adjacent small layers into one synchronisation. Do not set it on a
  * layer the framework waits for before posting other layers of the same iteration. */
 #define PSD_LAYER_FUSABLE 1u
+/* AVERAGE: the synchronised result is the mean over the ranks whose gradient it summed — the
+ * world size, or the ranks left in the iterations after one was removed from a job that may
+ * shrink (poseidon-agent --min_workers), which only the KV servers know exactly: they divide
+ * each key's clock by the ranks it summed. For a framework's own optimizer in such a job. PS
+ * only: the agent refuses it unless every layer is on PS (--scheme=ps). */
+#define PSD_LAYER_AVERAGE 2u
 
 typedef struct psd_layer_info {
   uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as the first plan says (psd_layer_scheme:

@@ -49,7 +49,8 @@ import torch
 
 import poseidon
 from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
-                    PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_FUSABLE, PSD_LAYER_OTHER,
+                    PSD_LAYER_AVERAGE, PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_FUSABLE,
+                    PSD_LAYER_OTHER,
                     PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB, check, lib)
 
 BROADCAST_LAYER = "__poseidon_broadcast__"
@@ -264,6 +265,9 @@ class _Engine:
         self.world = poseidon.size()
         # The job may shrink (poseidon run --min_workers): see register.
         self.elastic = os.environ.get("POSEIDON_MIN_WORKERS", "0") not in ("", "0")
+        # What a layer's synchronised sum is divided by for .grad: the world size, or 1 where
+        # the KV servers answer the mean over the ranks each clock summed (PSD_LAYER_AVERAGE).
+        self.divisor = self.world
         self.rank = poseidon.rank()
         self.layers = None
         self.device = None
@@ -308,18 +312,20 @@ class _Engine:
                 raise PoseidonError(1, f"buffers ({', '.join(names[:3])}) cannot be broadcast "
                                        "under a server-side rule: pass broadcast_buffers=False")
             check(lib().psd_set_server_rule(ctx, ctypes.byref(self.server_rule)), "server rule")
-        if self.elastic and self.server_rule is None:
-            # In the iteration a rank dies some keys may sum its gradient and others not, and
-            # only the KV servers know which: a server-side rule averages each key over the
-            # ranks its clock sums; a local optimizer's .grad could not be that exact mean.
-            raise PoseidonError(1, "a job that may shrink (poseidon run --min_workers) needs a "
-                                   "server-side optimizer (server_optimizer=) in the PyTorch "
-                                   "integration: with a local optimizer the average over the "
-                                   "ranks left is not exact yet")
+        # A job that may shrink with a local optimizer: in the iteration a rank dies some keys
+        # may sum its gradient and others not, and only the KV servers know which, so they
+        # answer each key's mean over the ranks its clock summed (as a server-side rule
+        # averages) and .grad is that, undivided.
+        average = self.elastic and self.server_rule is None
+        if average:
+            self.divisor = 1
         total = sum(l.param.numel() for l in layers) + sum(b.numel() for b in self.buffers)
         extra = [(BROADCAST_LAYER, total)]
         if self.buffers and self.mode != "server":
-            extra.append((BUFFERS_LAYER, sum(b.numel() for b in self.buffers)))
+            # In a job that may shrink one element more: how many ranks sent their buffers
+            # (the lowest rank left does; see _sync_buffers).
+            extra.append((BUFFERS_LAYER, sum(b.numel() for b in self.buffers) +
+                           (1 if self.elastic else 0)))
         if self.find_unused:
             extra.append((USED_LAYER, len(layers)))
         names = [l.name.encode() for l in layers] + [n.encode() for n, _ in extra]
@@ -333,7 +339,8 @@ class _Engine:
                                  layer.rows if layer.kind == PSD_LAYER_FC else 0,
                                  # Every gradient is posted during backward, so layers may be
                                  # fused; the agent fuses host-memory layers only.
-                                 PSD_LAYER_FUSABLE if device.type == "cpu" else 0)
+                                 (PSD_LAYER_FUSABLE if device.type == "cpu" else 0) |
+                                 (PSD_LAYER_AVERAGE if average else 0))
         # The extra layers are posted alone (and waited for before other layers are posted):
         # not fusable.
         for j in range(len(extra)):
@@ -503,16 +510,28 @@ class _Engine:
         self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
 
     def _sync_buffers(self):
+        """DDP's broadcast_buffers: rank 0's buffers to every rank — in a job that may shrink,
+        the lowest rank left's (poseidon.world()), and one element more counts the senders: in
+        the iteration rank 0 is removed, the others may not know yet (none sends: each keeps its
+        own buffers for that iteration) or two may believe they are first (their mean)."""
         index, view = self.buffers_layer
-        if self.rank == 0:
-            torch.cat([b.detach().reshape(-1).float() for b in self.buffers], out=view)
+        source = poseidon.world()[0] == 0 if self.elastic else self.rank == 0
+        values = view[:-1] if self.elastic else view
+        if source:
+            torch.cat([b.detach().reshape(-1).float() for b in self.buffers], out=values)
         else:
-            view.zero_()
+            values.zero_()
+        if self.elastic:
+            view[-1] = 1.0 if source else 0.0
         it = self.buffer_iteration
         self.sync.ready(index, it, "broadcasting buffers")
         self.sync.wait(index, it, self.timeout_ms, f"waiting for rank 0's buffers (iteration {it})")
-        self._unpack(view, self.buffers)
         self.buffer_iteration += 1
+        senders = int(view[-1].item()) if self.elastic else 1
+        if senders > 1:
+            values.div_(senders)
+        if senders > 0:
+            self._unpack(values, self.buffers)
 
     # ---- backward ------------------------------------------------------------------------
     def _post(self, layer):
@@ -690,13 +709,13 @@ class _Engine:
         p = layer.param
         total = layer.grad.view(p.shape)
         if p.grad is None:
-            p.grad = (total / self.world).to(p.dtype)
+            p.grad = (total / self.divisor).to(p.dtype)
         elif self.mode == "ddp" and self.scheme(layer, iteration) == PSD_SYNC_SFB:
-            p.grad.add_(total, alpha=1.0 / self.world)
+            p.grad.add_(total, alpha=1.0 / self.divisor)
         elif p.grad.dtype == torch.float32 and p.grad.shape == p.shape:
-            torch.div(total, self.world, out=p.grad)  # no allocation on the common path
+            torch.div(total, self.divisor, out=p.grad)  # no allocation on the common path
         else:
-            p.grad.copy_(total / self.world)
+            p.grad.copy_(total / self.divisor)
 
     def wait_all(self, install):
         """overlap/server modes: waits for every layer of this iteration (forward order)."""
@@ -865,11 +884,11 @@ class DistributedOptimizer:
         e = self._engine
         if e.mode == "server":
             e.wait_all(self._install)  # the servers stepped: the parameters are installed
-            _check_world()
+            _check_world(e)
             return None
         if e.mode == "ddp":
             loss = self._optimizer.step(closure)  # backward left the averages in .grad
-            _check_world()
+            _check_world(e)
             return loss
         if closure is not None:
             raise PoseidonError(1, "closures are not supported with overlap_forward")
@@ -877,7 +896,7 @@ class DistributedOptimizer:
         for layer in e.layers:  # each layer steps when the next forward reaches it
             e.pending[layer.index] = e.iteration
         e.iteration += 1
-        _check_world()
+        _check_world(e)
         return None
 
     def state_dict(self):
@@ -906,11 +925,21 @@ def on_world_change(callback):
     return callback
 
 
-def _check_world():
+def _check_world(engine):
     global _world_seen
-    if not _world_hooks:
+    if not _world_hooks and (engine.divisor == 1 or engine.server_rule is not None):
         return
     now = poseidon.world()
+    if now[1] < engine.world and engine.divisor != 1 and engine.server_rule is None:
+        # The agent runs with --min_workers but this process was not told: its .grad would
+        # divide the sums of the ranks left by the whole world.
+        raise PoseidonError(5, f"the world shrank to {now[1]} of {engine.world} ranks (the "
+                               "agents run with --min_workers) but this process was not told "
+                               "the job may shrink, so its .grad divides the sums by "
+                               f"{engine.world}: set POSEIDON_MIN_WORKERS in the training "
+                               "process's environment (poseidon run does)")
+    if not _world_hooks:
+        return
     if _world_seen is None:
         _world_seen = (poseidon.rank(), poseidon.size(), 0)
     if now[2] == _world_seen[2]:
