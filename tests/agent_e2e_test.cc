@@ -163,6 +163,15 @@ class Cluster {
   Subprocess& agent(int r) { return *agents_[r]; }
   Subprocess& server(int s) { return *servers_[s]; }
   const std::string& segment(int r) const { return segments_[r]; }
+  // Attaches this process to rank r's agent (nullptr, with a test failure, if it cannot).
+  psd_context* Attach(int r) const {
+    psd_config config;
+    psd_config_init(&config);
+    config.segment = segments_[r].c_str();
+    psd_context* ctx = nullptr;
+    EXPECT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+    return ctx;
+  }
   // What an agent printed before it was ready; a server before it listened.
   const std::string& early_output(int r) const { return early_[r]; }
   const std::string& server_early_output(int s) const { return server_early_[s]; }
@@ -749,12 +758,8 @@ TEST(Faults, AHostileWriterOnTheSharedMemoryDoesNotCrashTheAgent) {
 // whose layers may go by SFB or all-reduce refuses it, naming the layer and what it needs.
 TEST(CAbi, AnAveragedLayerNeedsEveryLayerOnPs) {
   Cluster cluster(0, 1, "sfb");
-  psd_config config;
-  psd_config_init(&config);
-  const std::string segment = cluster.segment(0);
-  config.segment = segment.c_str();
-  psd_context* ctx = nullptr;
-  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  psd_context* ctx = cluster.Attach(0);
+  ASSERT_NE(ctx, nullptr);
   const uint64_t shape[2] = {8, 4};
   psd_layer_desc layer{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, PSD_LAYER_AVERAGE};
   EXPECT_EQ(psd_register_layers(ctx, &layer, 1, 30000), PSD_FAILED_PRECONDITION);
@@ -837,12 +842,8 @@ void ForgeEvent(psd_shm_ring& ring, const psd_shm_event& event) {
 // the GPU by a framework that never attached an arena (a forged event on the ring).
 TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
   Cluster cluster(0, 1, "sfb");
-  psd_config config;
-  psd_config_init(&config);
-  const std::string segment = cluster.segment(0);
-  config.segment = segment.c_str();
-  psd_context* ctx = nullptr;
-  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  psd_context* ctx = cluster.Attach(0);
+  ASSERT_NE(ctx, nullptr);
   EXPECT_EQ(psd_cuda_enable(ctx, 0, 1000), PSD_FAILED_PRECONDITION) << "before registration";
   const uint64_t shape[2] = {8, 4};
   psd_layer_desc good{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, 0};
@@ -868,7 +869,7 @@ TEST(CAbi, CudaMisuseAndNoDeviceAreReportedClearly) {
 
   // A LAYER_READY "on the device" written straight onto the ring: the agent must fail the
   // layer (no arena), not read device memory it does not have.
-  const int fd = shm_open(segment.c_str(), O_RDWR, 0);
+  const int fd = shm_open(cluster.segment(0).c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
   auto* control = static_cast<unsigned char*>(
       mmap(nullptr, PSD_SHM_CONTROL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
@@ -914,17 +915,13 @@ namespace {
 // Fused layers are synchronised from host memory only: one posted "on the GPU" fails clearly.
 TEST(Buckets, AFusedLayerPostedOnTheGpuIsRefused) {
   Cluster cluster(1, 1, "ps");
-  psd_config config;
-  psd_config_init(&config);
-  const std::string segment = cluster.segment(0);
-  config.segment = segment.c_str();
-  psd_context* ctx = nullptr;
-  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  psd_context* ctx = cluster.Attach(0);
+  ASSERT_NE(ctx, nullptr);
   const uint64_t shape[1] = {16};
   psd_layer_desc layers[2] = {{"a", PSD_LAYER_OTHER, PSD_FLOAT32, 1, shape, 0, PSD_LAYER_FUSABLE},
                               {"b", PSD_LAYER_OTHER, PSD_FLOAT32, 1, shape, 0, PSD_LAYER_FUSABLE}};
   ASSERT_EQ(psd_register_layers(ctx, layers, 2, 30000), PSD_OK) << psd_last_error();
-  const int fd = shm_open(segment.c_str(), O_RDWR, 0);
+  const int fd = shm_open(cluster.segment(0).c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
   auto* control = static_cast<unsigned char*>(
       mmap(nullptr, PSD_SHM_CONTROL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
@@ -972,12 +969,8 @@ TEST(Scheduling, TheLayerTheNextForwardNeedsFirstIsSynchronisedFirst) {
   Cluster cluster(1, 1, "ps",
                   {"--sync_threads=1", "--credit_bytes=4096", "--block_bytes=65536",
                    "--timeline=" + timeline});
-  psd_config config;
-  psd_config_init(&config);
-  const std::string segment = cluster.segment(0);
-  config.segment = segment.c_str();
-  psd_context* ctx = nullptr;
-  ASSERT_EQ(psd_attach(&config, &ctx), PSD_OK) << psd_last_error();
+  psd_context* ctx = cluster.Attach(0);
+  ASSERT_NE(ctx, nullptr);
   const uint64_t small[1] = {1024}, big[1] = {1u << 20};
   psd_layer_desc layers[4] = {{"l0", PSD_LAYER_OTHER, PSD_FLOAT32, 1, small, 0, 0},
                               {"l1", PSD_LAYER_OTHER, PSD_FLOAT32, 1, big, 0, 0},
