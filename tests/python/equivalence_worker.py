@@ -17,7 +17,8 @@ must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 
 crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0), buffer-probe (an
 identity module in front whose buffer each forward sets to 100 * rank + its forward count, so
 that the value a forward finds there says whose buffers DDP's broadcast_buffers installed; rank 2
-prints the senders it saw),
+prints the senders it saw), ddp-wrapper (poseidon.torch.DistributedDataParallel and a plain
+torch SGD, registered at the first forward, instead of distribute()),
 report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank),
 world-hook (every rank prints each world change poseidon.torch.on_world_change reports, with the
 step it came at), steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
@@ -105,7 +106,11 @@ def main(out, modes=()):
     if "buffer-probe" in modes:
         probe = BufferProbe(rank)
         model = torch.nn.Sequential(probe, model)
-    if server:  # the KV servers run Adam; no local optimizer
+    wrapper = "ddp-wrapper" in modes
+    if wrapper:  # the DDP contract as a torch DDP script has it: the user's own optimizer
+        model = poseidon.torch.DistributedDataParallel(model, grad_hook=grad_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif server:  # the KV servers run Adam; no local optimizer
         opt = poseidon.torch.distribute(model, None, batch_size=K,
                                         server_optimizer=dict(rule="adam", lr=0.01),
                                         grad_hook=grad_hook)
@@ -114,7 +119,7 @@ def main(out, modes=()):
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             if overlap else torch.optim.SGD(model.parameters(), lr=0.1),
             batch_size=K, overlap_forward=overlap, grad_hook=grad_hook)
-    if device != "cpu":  # the buffers are views of the CUDA arena, not host memory
+    if device != "cpu" and not wrapper:  # the buffers are views of the CUDA arena
         for layer in opt._layers:
             for buf in (layer.grad, layer.u, layer.v):
                 assert buf is None or buf.device == torch.device(device), (layer.name, buf.device)
@@ -164,7 +169,8 @@ def main(out, modes=()):
         if step == start and start:
             print(f"first resumed step done at {time.time():.3f}", flush=True)
         steps = step + 1
-    opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
+    if not wrapper:
+        opt.synchronize()  # with overlap_forward the last step waits for a forward: apply it
     if "report-world" in modes:
         # The world shrank mid-run (poseidon run --min_workers): the agent learns it from the
         # coordinator's heartbeat answers, which may come after this rank's last step.
@@ -175,19 +181,23 @@ def main(out, modes=()):
     if probe is not None and rank == 2:
         # The forward of step s found what the broadcast before it installed: the buffer set by
         # the sender's forward of step s - 1 (100 * its rank + s).
-        print("rank 2 found buffers of ranks", [v // 100 for v in probe.found[1:]], flush=True)
+        # (DistributedDataParallel registers at the first forward: its probe ran one more.)
+        found = probe.found[2:] if wrapper else probe.found[1:]
+        print("rank 2 found buffers of ranks", [v // 100 for v in found], flush=True)
     if rank == writer:
         torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
-        if opt._optimizer is not None:  # overlap_forward's per-layer steps keep their state here
+        if not wrapper and opt._optimizer is not None:  # overlap_forward's per-layer steps
             state = opt.state_dict()["state"]
             buffers = [state.get(i, {}).get("momentum_buffer") for i in
                        range(len(list(model.parameters())))]
             torch.save([None if b is None else b.cpu().clone() for b in buffers],
                        out + ".optimizer")
-        print("schemes:", ",".join(s for _, s, _ in poseidon.torch.plan_summary(opt)))
+        print("schemes:", ",".join(s for _, s, _ in
+                                   poseidon.torch.plan_summary(model if wrapper else opt)))
         if switch:
             torch.save({"steps": steps, "switches": switches}, out + ".switches")
-        print(f"device: {opt.device}, grad hook: {opt.grad_hook}, torch {torch.__version__}")
+        if not wrapper:
+            print(f"device: {opt.device}, grad hook: {opt.grad_hook}, torch {torch.__version__}")
     poseidon.shutdown()
 
 

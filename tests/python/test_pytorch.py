@@ -335,33 +335,42 @@ class Equivalence(WorkersTest):
                 want[0].tolist())
 
     def test_a_local_optimizer_goes_on_with_the_mean_over_the_ranks_left(self):
-        # --min_workers with the DDP contract (issue 18): rank 0 of 4 — the one whose buffers
-        # DDP broadcasts — dies before step 17 and is not restarted. Every .grad is the KV
-        # servers' mean over the ranks each key's clock summed (PSD_LAYER_AVERAGE), so each
-        # rank's own SGD ends with the parameters of one process on the 4x batch until step 17
-        # and on the three ranks' batch after; the buffers come from the lowest rank left.
+        # --min_workers with the DDP contract (issue 18), as a torch DDP script has it
+        # (poseidon.torch.DistributedDataParallel, the script's own SGD): rank 0 of 4 — the one
+        # whose buffers DDP broadcasts — dies before step 17 and is not restarted. Every .grad
+        # is the KV servers' mean over the ranks each key's clock summed (PSD_LAYER_AVERAGE),
+        # so each rank's SGD ends with the parameters of one process on the 4x batch until
+        # step 17 and on the three ranks' batch after; the buffers come from the lowest rank
+        # left, and on_world_change tells each rank at the start of a forward.
         sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-        steps = 40
+        steps = 50  # 0.2 s each: the others' agents learn of the removal (a heartbeat, 3 s)
         want = reference_shrunk(sgd, workers=4, removed=0, from_step=17, steps=steps)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
             r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
                         "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
                         "workers=4,crash-at=17,crash-rank=0,buffer-probe,report-world,"
-                        f"steps={steps},step-sleep=0.2"])
+                        f"ddp-wrapper,world-hook,steps={steps},step-sleep=0.2"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("step 17: rank 0 crashes", r.stdout)
             self.assertIn("rank 0 failed with exit code 3; no restart left: the job goes on with "
                           "3 of 4 workers (--min_workers 3)", r.stderr)
             self.assertIn("rank 1 ends in world (0, 3, 1)", r.stdout)
+            hooks = re.findall(r"rank 2 after step (\d+): world (\(.*\)) -> (\(.*\))", r.stdout)
+            self.assertEqual([(old, new) for _, old, new in hooks], [("(2, 4, 0)", "(1, 3, 1)")],
+                             r.stdout)
+            self.assertTrue(17 <= int(hooks[0][0]) < steps, hooks)
             self.assert_close(torch.load(out), want, "local SGD, the world shrank")
             found = re.search(r"rank 2 found buffers of ranks \[(.*)\]", r.stdout)
             self.assertIsNotNone(found, r.stdout)
             found = [int(v) for v in found.group(1).split(",")]  # steps 1 .. steps - 1
             self.assertEqual(found[:16], [0] * 16, found)  # rank 0's until it died
-            self.assertEqual(found[-10:], [1] * 10, found)  # then the lowest rank left's
-            # Meanwhile (rank 2's agent not yet told rank 0 was removed): nobody's, so its own.
-            self.assertTrue(set(found) <= {0, 1, 2}, found)
+            # Then nobody's while rank 1's agent was not yet told rank 0 was removed (each rank
+            # keeps its own: rank 2's), then rank 1's, the lowest rank left, to the end.
+            after = found[16:]
+            ones = after.index(1) if 1 in after else len(after)
+            self.assertEqual(after, [2] * ones + [1] * (len(after) - ones), found)
+            self.assertEqual(found[-1], 1, found)
 
     def test_a_job_that_may_shrink_needs_every_layer_on_ps(self):
         r = launch(["-n", "2", "--min_workers", "1", "--", PY, "-c", "pass"])

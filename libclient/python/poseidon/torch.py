@@ -493,6 +493,10 @@ class _Engine:
                 self.register(None)
             else:
                 self.probe_and_register(run)
+        elif self.mode == "ddp":
+            # The iteration boundary DDP's wrapper has (its optimizer is the user's own): the
+            # world-change hooks run here, before this forward, as after distribute()'s step().
+            _check_world(self)
         grad = torch.is_grad_enabled()
         if self.require_forward_param_sync and self.buffers_layer is not None:
             self._sync_buffers()
@@ -916,7 +920,8 @@ _world_seen = None  # the world (rank, size, generation) they were last told of
 
 def on_world_change(callback):
     """Registers `callback(old, new)`, called at the end of the optimizer's step() (the
-    iteration boundary) once the world this process trains in has changed since the last call:
+    iteration boundary; with DistributedDataParallel and the user's own optimizer, at the start
+    of the next forward) once the world this process trains in has changed since the last call:
     `old` and `new` are poseidon.world() tuples (rank, size, generation) — a dead rank removed
     (`poseidon run --min_workers`), or a removed rank readmitted (the world grows again). Reshard
     the data by `new` there; raise from it to unwind the training loop, as with Horovod's
