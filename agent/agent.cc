@@ -736,6 +736,11 @@ absl::Status Agent::Register() {
         "): an SFB or all-reduce layer's peers cannot go on without a member yet"));
   }
   for (const LayerDesc& d : descs) {
+    if (d.counters && server_rule_.rule == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", d.name, " is a layer of counters (PSD_LAYER_COUNTERS), which the KV servers "
+          "hold under a server-side rule: set one first (psd_set_server_rule)"));
+    }
     if (d.average && config_.scheme != "ps") {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer ", d.name, " asks for the mean over the ranks summed (PSD_LAYER_AVERAGE), which "
@@ -1027,19 +1032,20 @@ absl::Status Agent::ConnectServers() {
     WireType wire = WireType::kF32;
     std::vector<uint32_t> layers;  // the layer, or the bucket's members
     bool average = false;          // PSD_LAYER_AVERAGE (a bucket's members all alike)
+    bool counters = false;         // PSD_LAYER_COUNTERS
   };
   std::vector<TableSource> sources;
   for (uint32_t i = 0; i < table_.layers.size(); ++i) {
     const LayerSpec& st = table_.layers[i];
     if (st.chunks.empty() || st.bucket >= 0) continue;
-    sources.push_back({st.desc.name, st.chunks, st.wire, {i}, st.desc.average});
+    sources.push_back({st.desc.name, st.chunks, st.wire, {i}, st.desc.average, st.desc.counters});
   }
   for (const BucketSpec& b : table_.buckets) {
-    sources.push_back(
-        {b.name, {b.chunk}, b.wire, b.members, table_.layers[b.members.front()].desc.average});
+    const LayerDesc& first = table_.layers[b.members.front()].desc;
+    sources.push_back({b.name, {b.chunk}, b.wire, b.members, first.average, first.counters});
   }
   auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary, WireType wire,
-                       bool average) {
+                       bool average, bool counters) {
     v1::KvTableSpec* t = requests[holder].add_tables();
     t->set_name(name);
     t->set_average(average);
@@ -1051,6 +1057,12 @@ absl::Status Agent::ConnectServers() {
       u->set_rule(v1::UPDATE_RULE_SUM);
       return t;
     }
+    t->set_initial_value(v1::INITIAL_VALUE_PUSHED_BY_RANK0);
+    if (counters) {  // held - wanted, averaged, at learning rate 1: the servers hold `wanted`
+      u->set_rule(v1::UPDATE_RULE_SGD);
+      u->set_learning_rate(1.0f);
+      return t;
+    }
     u->set_rule(static_cast<v1::UpdateRule>(server_rule_.rule));
     u->set_learning_rate(server_rule_.lr);
     u->set_momentum(server_rule_.momentum);
@@ -1060,7 +1072,6 @@ absl::Status Agent::ConnectServers() {
     u->set_beta2(server_rule_.beta2);
     u->set_epsilon(server_rule_.eps);
     u->set_weight_decay(server_rule_.weight_decay);
-    t->set_initial_value(v1::INITIAL_VALUE_PUSHED_BY_RANK0);
     return t;
   };
   for (const TableSource& src : sources) {
@@ -1072,7 +1083,7 @@ absl::Status Agent::ConnectServers() {
       for (uint32_t copy = 0; copy <= replicas; ++copy) {
         const uint32_t holder = (c.server + copy) % n;
         auto*& t = tables[{c.server, copy}];
-        if (t == nullptr) t = new_table(holder, src.name, c.server, src.wire, src.average);
+        if (t == nullptr) t = new_table(holder, src.name, c.server, src.wire, src.average, src.counters);
         auto* key = t->add_keys();
         key->set_key(c.key);
         key->set_elements(c.length / sizeof(float));

@@ -198,7 +198,8 @@ std::vector<BucketSpec> FormBuckets(std::vector<LayerSpec>& layers, uint64_t buc
       // (a bucket is one key: averaged or not).
       [&](uint32_t previous, uint32_t next) {
         return planned(previous) == planned(next) &&
-               layers[previous].desc.average == layers[next].desc.average;
+               layers[previous].desc.average == layers[next].desc.average &&
+               layers[previous].desc.counters == layers[next].desc.counters;
       });
   for (const LayerRun& run : runs) {
     BucketSpec b;

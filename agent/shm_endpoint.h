@@ -31,6 +31,7 @@ struct LayerDesc {
   uint64_t elements = 0;
   bool fusable = false;  // the framework allows fusing it with neighbours (PSD_LAYER_FUSABLE)
   bool average = false;  // the result is the mean over the ranks summed (PSD_LAYER_AVERAGE)
+  bool counters = false;  // SGD with learning rate 1 under a server-side rule (PSD_LAYER_COUNTERS)
 };
 
 struct LayerLayout {

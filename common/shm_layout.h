@@ -111,7 +111,7 @@ typedef struct psd_shm_layer {
   uint32_t dtype;
   uint32_t ndim;
   uint32_t batch_k; /* FC: K, the per-worker batch (rows of the factors) */
-  uint32_t flags;   /* PSD_LAYER_FUSABLE, PSD_LAYER_AVERAGE (poseidon.h) */
+  uint32_t flags;   /* PSD_LAYER_FUSABLE, _AVERAGE, _COUNTERS (poseidon.h) */
   uint32_t reserved0;
   uint64_t shape[PSD_SHM_MAX_DIMS];
   /* Written by the agent at registration. Offsets are into the data segment. */

@@ -302,9 +302,9 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
     if (d->kind < PSD_LAYER_FC || d->kind > PSD_LAYER_OTHER) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown kind %u", i, d->name, d->kind);
     }
-    if ((d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE)) != 0) {
+    if ((d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS)) != 0) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown flags 0x%x", i, d->name,
-                  d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE));
+                  d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS));
     }
     if (d->kind == PSD_LAYER_FC && (d->ndim != 2 || d->batch_k == 0)) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): FC layers need shape {M, N} and batch_k > 0",

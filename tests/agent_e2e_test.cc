@@ -771,6 +771,23 @@ TEST(CAbi, AnAveragedLayerNeedsEveryLayerOnPs) {
   psd_detach(ctx);
 }
 
+// PSD_LAYER_COUNTERS is held by the KV servers under a server-side rule: without one the agent
+// refuses it, naming the layer.
+TEST(CAbi, ACountersLayerNeedsAServerSideRule) {
+  Cluster cluster(1, 1, "ps");
+  psd_context* ctx = cluster.Attach(0);
+  ASSERT_NE(ctx, nullptr);
+  const uint64_t shape[1] = {2};
+  psd_layer_desc layer{"position", PSD_LAYER_OTHER, PSD_FLOAT32, 1, shape, 0, PSD_LAYER_COUNTERS};
+  EXPECT_EQ(psd_register_layers(ctx, &layer, 1, 30000), PSD_FAILED_PRECONDITION);
+  const std::string why = psd_last_error();
+  EXPECT_NE(why.find("layer position is a layer of counters (PSD_LAYER_COUNTERS)"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(why.find("psd_set_server_rule"), std::string::npos) << why;
+  psd_detach(ctx);
+}
+
 TEST(CAbi, MisuseReturnsTheRightStatus) {
   Cluster cluster(0, 1, "sfb");  // an SFB-only model needs no server
   psd_config config;

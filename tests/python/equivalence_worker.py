@@ -18,7 +18,11 @@ crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0), buf
 identity module in front whose buffer each forward sets to 100 * rank + its forward count, so
 that the value a forward finds there says whose buffers DDP's broadcast_buffers installed; rank 2
 prints the senders it saw), ddp-wrapper (poseidon.torch.DistributedDataParallel and a plain
-torch SGD, registered at the first forward, instead of distribute()),
+torch SGD, registered at the first forward, instead of distribute()), elastic-state (a
+poseidon.torch.ElasticState of epochs of EPOCH_STEPS steps: every rank checks at every step
+that it holds that step's epoch and batch, and a rank that took up the running job prints the
+position it learnt; state-skew: rank 1's loop moves one batch further at step 3, which the
+job must refuse),
 report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank),
 world-hook (every rank prints each world change poseidon.torch.on_world_change reports, with the
 step it came at), steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
@@ -36,6 +40,7 @@ import poseidon
 import poseidon.torch
 
 K, STEPS = 8, 30
+EPOCH_STEPS = 5  # elastic-state: steps per epoch
 
 
 class BufferProbe(torch.nn.Module):
@@ -107,18 +112,19 @@ def main(out, modes=()):
         probe = BufferProbe(rank)
         model = torch.nn.Sequential(probe, model)
     wrapper = "ddp-wrapper" in modes
+    state = poseidon.torch.ElasticState(epoch=0, batch=0) if "elastic-state" in modes else None
     if wrapper:  # the DDP contract as a torch DDP script has it: the user's own optimizer
-        model = poseidon.torch.DistributedDataParallel(model, grad_hook=grad_hook)
+        model = poseidon.torch.DistributedDataParallel(model, grad_hook=grad_hook, state=state)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     elif server:  # the KV servers run Adam; no local optimizer
         opt = poseidon.torch.distribute(model, None, batch_size=K,
                                         server_optimizer=dict(rule="adam", lr=0.01),
-                                        grad_hook=grad_hook)
+                                        grad_hook=grad_hook, state=state)
     else:
         opt = poseidon.torch.distribute(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             if overlap else torch.optim.SGD(model.parameters(), lr=0.1),
-            batch_size=K, overlap_forward=overlap, grad_hook=grad_hook)
+            batch_size=K, overlap_forward=overlap, grad_hook=grad_hook, state=state)
     if device != "cpu" and not wrapper:  # the buffers are views of the CUDA arena
         for layer in opt._layers:
             for buf in (layer.grad, layer.u, layer.v):
@@ -141,6 +147,14 @@ def main(out, modes=()):
         print(f"resumed at step {start} at {time.time():.3f}", flush=True)
     steps, switches, last, stop_at = total, [], None, None
     for step in range(start, SWITCH_STEPS if switch else total):
+        if state is not None:
+            if state.batch == EPOCH_STEPS:
+                state.next_epoch()
+            if step == start and start:
+                print(f"rank {rank} takes up at step {step}: {state}", flush=True)
+            assert (state.epoch, state.batch) == divmod(step, EPOCH_STEPS), (rank, step, state)
+            if "state-skew" in modes and rank == 1 and step == 3:
+                state.batch += 1
         if rank == crash_rank and step == crash_at:
             print(f"step {step}: rank {rank} crashes at {time.time():.3f}", flush=True)
             os._exit(3)

@@ -189,14 +189,16 @@ class Equivalence(WorkersTest):
         # The servers run Adam (parameters and both moments on them, two servers, each key on
         # both). The first run checkpoints after every 5th iteration and dies at step 17 (rank 1
         # exits); `--resume` restarts it from the servers' checkpoints of iteration 15 (14
-        # steps) and trains to the end: the same as one process on the 2x batch all along.
+        # steps) and trains to the end: the same as one process on the 2x batch all along. The
+        # training loop's position (an ElasticState, epochs of 5 steps) is checkpointed with
+        # the parameters: the resumed loop starts at epoch 2, batch 4.
         want = reference(lambda params: torch.optim.Adam(params, lr=0.01), workers=2)
         with tempfile.TemporaryDirectory() as tmp:
             ckpt, out = os.path.join(tmp, "ckpt"), os.path.join(tmp, "params.pt")
             worker = [PY, os.path.join(HERE, "equivalence_worker.py"), out]
             common = ["-n", "2", "--servers", "2", "--checkpoint_dir", ckpt]
             r = launch([*common, "--checkpoint_every", "5", "--", *worker,
-                        "server-adam,workers=2,crash-at=17"])
+                        "server-adam,workers=2,crash-at=17,elastic-state"])
             self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("rank 1 crashes", r.stdout)
             self.assertFalse(os.path.exists(out))
@@ -212,14 +214,15 @@ class Equivalence(WorkersTest):
             self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
             self.assertIn("ran 2 workers and 2 servers", r.stderr)
             r = launch([*common, "--checkpoint_every", "5", "--resume", "--", *worker,
-                        "server-adam,workers=2"])
+                        "server-adam,workers=2,elastic-state"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("resumes after iteration 15", r.stderr)
             self.assertIn("resumed at step 14", r.stdout)
+            self.assertIn("rank 1 takes up at step 14: ElasticState(epoch=2, batch=4)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, stopped and resumed")
             # It ended cleanly: its last checkpoint is the end, and resuming trains nothing more.
             os.unlink(out)
-            r = launch([*common, "--resume", "--", *worker, "server-adam,workers=2"])
+            r = launch([*common, "--resume", "--", *worker, "server-adam,workers=2,elastic-state"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn(f"resumed at step {equivalence_worker.STEPS}", r.stdout)
             self.assert_close(torch.load(out), want, "resumed after the end")
@@ -246,19 +249,22 @@ class Equivalence(WorkersTest):
         # --rejoin (issue 18): rank 1 dies before step 17; only it restarts, re-reads the
         # servers' parameters the step in flight is computed from and takes up the job there,
         # while rank 0 waits; nobody rolls back, and the job ends with the parameters of one
-        # process on the 2x batch (the servers hold Adam's state).
+        # process on the 2x batch (the servers hold Adam's state). It learns the training
+        # loop's position (an ElasticState, epochs of 5 steps) with the parameters: epoch 3,
+        # batch 1 at step 16, which every rank checks at every step.
         want = reference(lambda params: torch.optim.Adam(params, lr=0.01), workers=2)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
             r = launch(["-n", "2", "--servers", "2", "--scheme", "ps", "--max_restarts", "1",
                         "--rejoin", "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
-                        "server-adam,workers=2,crash-at=17"])
+                        "server-adam,workers=2,crash-at=17,elastic-state"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("rank 1 crashes", r.stdout)
             self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
             # It had pushed step 16: it computes that step again (a retransmission).
             self.assertIn("resumed at step 16", r.stdout)
             self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            self.assertIn("rank 1 takes up at step 16: ElasticState(epoch=3, batch=1)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
 
     def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
@@ -306,7 +312,7 @@ class Equivalence(WorkersTest):
                         "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
                         os.path.join(HERE, "equivalence_worker.py"), out,
                         f"server-adam,workers=4,crash-at=17,report-world,world-hook,"
-                        f"steps={steps},step-sleep=0.2"])
+                        f"elastic-state,steps={steps},step-sleep=0.2"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("rank 1 crashes", r.stdout)
             self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
@@ -314,6 +320,9 @@ class Equivalence(WorkersTest):
             self.assertIsNotNone(back, r.stdout)
             back = int(back.group(1))
             self.assertTrue(17 < back < steps, r.stdout)  # readmitted later, not a plain rejoin
+            # It learnt the training loop's position (an ElasticState) with the parameters.
+            self.assertIn(f"rank 1 takes up at step {back}: ElasticState(epoch={back // 5}, "
+                          f"batch={back % 5})", r.stdout)
             self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
             ends = re.search(r"rank 0 ends in world \(0, 4, ([02])\)", r.stdout)
             self.assertIsNotNone(ends, r.stdout)
@@ -350,7 +359,7 @@ class Equivalence(WorkersTest):
             r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
                         "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
                         "workers=4,crash-at=17,crash-rank=0,buffer-probe,report-world,"
-                        f"ddp-wrapper,world-hook,steps={steps},step-sleep=0.2"])
+                        f"ddp-wrapper,world-hook,elastic-state,steps={steps},step-sleep=0.2"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("step 17: rank 0 crashes", r.stdout)
             self.assertIn("rank 0 failed with exit code 3; no restart left: the job goes on with "
@@ -371,6 +380,17 @@ class Equivalence(WorkersTest):
             ones = after.index(1) if 1 in after else len(after)
             self.assertEqual(after, [2] * ones + [1] * (len(after) - ones), found)
             self.assertEqual(found[-1], 1, found)
+
+    def test_ranks_whose_training_loops_went_apart_are_stopped(self):
+        # An ElasticState is every rank's alike: rank 1's loop moves one batch further at
+        # step 3, and the step's end names both positions on every rank.
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(["-n", "2", "--", PY, os.path.join(HERE, "equivalence_worker.py"),
+                        os.path.join(tmp, "p.pt"), "server-adam,workers=2,elastic-state,state-skew"])
+            self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("iteration 5: the ranks' training loops are at different positions: "
+                          "this rank goes to {'epoch': 0, 'batch': 5}, the ranks' mean is "
+                          "{'epoch': 0.0, 'batch': 4.5}", r.stdout + r.stderr)
 
     def test_a_job_that_may_shrink_needs_every_layer_on_ps(self):
         r = launch(["-n", "2", "--min_workers", "1", "--", PY, "-c", "pass"])
@@ -832,6 +852,21 @@ class Misuse(unittest.TestCase):
         r = launch(["-n", "1", "--", PY, "-c", code], timeout=120)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertIn("refused: failed precondition", r.stdout)
+
+    def test_an_elastic_state_holds_only_the_counters_it_was_given(self):
+        state = poseidon.torch.ElasticState(epoch=2, batch=3, tokens=7)
+        self.assertEqual((state.epoch, state.batch, state.tokens), (2, 3, 7))
+        state.next_epoch()
+        self.assertEqual(state.as_dict(), {"epoch": 3, "batch": 0, "tokens": 7})
+        self.assertEqual(repr(state), "ElasticState(epoch=3, batch=0, tokens=7)")
+        with self.assertRaisesRegex(AttributeError, "no counter 'step'"):
+            state.step = 1  # every rank sends the counters it was created with
+        for bad in (-1, 1 << 24, 1.5, True, "3"):
+            with self.assertRaisesRegex(poseidon.PoseidonError, r"integer in \[0, 2\^24\)"):
+                state.batch = bad
+            with self.assertRaisesRegex(poseidon.PoseidonError, r"integer in \[0, 2\^24\)"):
+                poseidon.torch.ElasticState(epoch=bad)
+        self.assertEqual(state.batch, 0)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ typedef struct psd_layer_desc {
   uint32_t ndim;    /* 1..4; FC layers: 2, shape = {M outputs, N inputs} */
   const uint64_t* shape;
   uint32_t batch_k; /* FC layers: the per-worker batch K (rows of the SFB factors) */
-  uint32_t flags;   /* PSD_LAYER_FUSABLE, PSD_LAYER_AVERAGE, or 0 */
+  uint32_t flags;   /* PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS, or 0 */
 } psd_layer_desc;
 
 /* psd_layer_desc.flags. FUSABLE: the framework posts this layer in the same burst as its
@@ -90,6 +90,13 @@ typedef struct psd_layer_desc {
  * each key's clock by the ranks it summed. For a framework's own optimizer in such a job. PS
  * only: the agent refuses it unless every layer is on PS (--scheme=ps). */
 #define PSD_LAYER_AVERAGE 2u
+/* COUNTERS (a job with a server-side rule, psd_set_server_rule): the KV servers hold this
+ * layer as parameters stepped by plain SGD with learning rate 1 on the ranks' mean push,
+ * whatever the job's rule: iteration 1 gives rank 0's values, and a rank that pushes
+ * (held - wanted) reads back `wanted` when every rank pushed the same. For small integer
+ * counters the ranks keep alike and a rank taking up the running job must learn (the PyTorch
+ * integration's ElasticState: epoch, batch); they are checkpointed with the parameters. */
+#define PSD_LAYER_COUNTERS 4u
 
 typedef struct psd_layer_info {
   uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as the first plan says (psd_layer_scheme:

@@ -49,13 +49,14 @@ import torch
 
 import poseidon
 from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
-                    PSD_LAYER_AVERAGE, PSD_LAYER_CONV, PSD_LAYER_FC, PSD_LAYER_FUSABLE,
-                    PSD_LAYER_OTHER,
-                    PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB, check, lib)
+                    PSD_LAYER_AVERAGE, PSD_LAYER_CONV, PSD_LAYER_COUNTERS, PSD_LAYER_FC,
+                    PSD_LAYER_FUSABLE, PSD_LAYER_OTHER, PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB, check,
+                    lib)
 
 BROADCAST_LAYER = "__poseidon_broadcast__"
 BUFFERS_LAYER = "__poseidon_buffers__"
 USED_LAYER = "__poseidon_used__"
+STATE_LAYER = "__poseidon_state__"
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_DIMS = 4  # psd_layer_desc: 1..4 dimensions
 MAX_ROWS = 1 << 20  # the agent's limit on K
@@ -240,8 +241,14 @@ class _Engine:
     the update; step() installs the parameters)."""
 
     def __init__(self, model, *, mode, batch_size=None, timeout_ms=120000, broadcast_buffers=True,
-                 find_unused_parameters=False, server_rule=None, grad_hook="auto", sfb=True):
+                 find_unused_parameters=False, server_rule=None, grad_hook="auto", sfb=True,
+                 state=None):
         poseidon._context()  # raises before anything else if init() was not called
+        if state is not None and not isinstance(state, ElasticState):
+            raise PoseidonError(1, f"state must be a poseidon.torch.ElasticState, not "
+                                   f"{type(state).__name__}")
+        if state is not None and state._engine is not None:
+            raise PoseidonError(1, "this ElasticState already belongs to a distributed model")
         has_post_accumulate = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
         if grad_hook == "auto":
             grad_hook = "post_accumulate" if has_post_accumulate else "tensor"
@@ -274,6 +281,13 @@ class _Engine:
         self.sync = None
         self.buffers = []
         self.buffers_layer = self.used_layer = None
+        # The training loop's position (ElasticState); with a server-side rule also a layer
+        # the KV servers hold it in, and the values they hold (see _settle_state).
+        self.state = state
+        if state is not None:
+            object.__setattr__(state, "_engine", self)
+        self.state_layer = None
+        self.state_held = None
         self.iteration = 2  # 1 was the initial broadcast
         self.buffer_iteration = 2
         self.posted = {}  # layer index -> True, in posting order
@@ -328,6 +342,8 @@ class _Engine:
                            (1 if self.elastic else 0)))
         if self.find_unused:
             extra.append((USED_LAYER, len(layers)))
+        if self.state is not None and self.server_rule is not None:
+            extra.append((STATE_LAYER, len(self.state._fields)))
         names = [l.name.encode() for l in layers] + [n.encode() for n, _ in extra]
         shapes = [(ctypes.c_uint64 * len(_wire_shape(l.param.shape)))(*_wire_shape(l.param.shape))
                   for l in layers]
@@ -346,7 +362,8 @@ class _Engine:
         for j in range(len(extra)):
             i = len(layers) + j
             descs[i] = LayerDesc(names[i], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
-                                 ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)), 0, 0)
+                                 ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)), 0,
+                                 PSD_LAYER_COUNTERS if extra[j][0] == STATE_LAYER else 0)
         check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
         start = ctypes.c_uint64()
         check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
@@ -385,6 +402,7 @@ class _Engine:
         self.layers, self.device = layers, device
         self.buffers_layer = extra_views.get(BUFFERS_LAYER)
         self.used_layer = extra_views.get(USED_LAYER)
+        self.state_layer = extra_views.get(STATE_LAYER)
         self._initial_broadcast(*extra_views[BROADCAST_LAYER])
         self._install_hooks()
 
@@ -434,9 +452,13 @@ class _Engine:
                 layer.u.zero_()
                 layer.v.zero_()
             self.sync.ready(layer.index, 1, "initial sync")
-        extra = [x for x in (self.buffers_layer, self.used_layer) if x is not None]
+        extra = [x for x in (self.buffers_layer, self.used_layer, self.state_layer)
+                 if x is not None]
         for idx, view in extra:
-            view.zero_()
+            if (idx, view) == self.state_layer:  # rank 0's values start the job's
+                view.copy_(torch.tensor(list(self.state._fields.values()), dtype=torch.float32))
+            else:
+                view.zero_()
             self.sync.ready(idx, 1, "initial sync")
         for layer in self.layers:
             self.sync.wait(layer.index, 1, self.timeout_ms, "initial sync")
@@ -445,6 +467,56 @@ class _Engine:
                     layer.param.copy_(layer.grad.view(layer.param.shape))
         for idx, _ in extra:
             self.sync.wait(idx, 1, self.timeout_ms, "initial sync")
+        if self.state_layer is not None:
+            self._take_up_state()
+
+    # ---- the training loop's position (ElasticState) --------------------------------------
+    # With a server-side rule the KV servers hold it as a table of counters (PSD_LAYER_COUNTERS:
+    # plain SGD with learning rate 1 on the ranks' mean push, whatever the job's rule): each
+    # step every rank pushes (held - next), so the servers then hold `next` — rank 0's values at
+    # the start, a checkpoint's at a resume — and a rank taking up the running job (a rejoin, a
+    # readmission) re-reads them with the parameters, as of the step it takes up.
+    def _take_up_state(self):
+        _, view = self.state_layer
+        values = [int(round(v)) for v in view.tolist()]
+        for name, value in zip(list(self.state._fields), values):
+            self.state._fields[name] = value
+        self.state_held = values
+
+    def _post_state(self, iteration):
+        """The step's end: the position after it (batch + 1) goes to the servers."""
+        if self.state_layer is None:
+            return
+        index, view = self.state_layer
+        after = list(self.state._fields.values())
+        after[list(self.state._fields).index("batch")] += 1
+        view.copy_(torch.tensor(self.state_held, dtype=torch.float32) -
+                   torch.tensor(after, dtype=torch.float32))
+        self.sync.ready(index, iteration, "posting the training loop's position")
+
+    def _settle_state(self, iteration):
+        """The step is done: batch + 1 (with a server-side rule, what the servers hold now,
+        which must be every rank's own)."""
+        if self.state_layer is None:
+            if self.state is not None:
+                self.state._fields["batch"] += 1
+            return
+        index, view = self.state_layer
+        self.sync.wait(index, iteration, self.timeout_ms,
+                       f"waiting for the training loop's position (iteration {iteration})")
+        names = list(self.state._fields)
+        after = list(self.state._fields.values())
+        after[names.index("batch")] += 1
+        held = [int(round(v)) for v in view.tolist()]
+        if held != after:
+            raise PoseidonError(5, f"iteration {iteration}: the ranks' training loops are at "
+                                   f"different positions: this rank goes to "
+                                   f"{dict(zip(names, after))}, the ranks' mean is "
+                                   f"{dict(zip(names, view.tolist()))} (every rank must "
+                                   "advance its ElasticState alike)")
+        for name, value in zip(names, after):
+            self.state._fields[name] = value
+        self.state_held = held
 
     @staticmethod
     def _unpack(flat, tensors):
@@ -695,6 +767,7 @@ class _Engine:
                 if used is not None and used[index] == 0:
                     continue  # unused on every rank: .grad stays as it was (as DDP leaves it)
                 self._install_average(layer, it)
+            self._settle_state(it)
         finally:
             self.posted.clear()
             self.zeroed.clear()
@@ -724,8 +797,10 @@ class _Engine:
     def wait_all(self, install):
         """overlap/server modes: waits for every layer of this iteration (forward order)."""
         self.check_posted()
+        self._post_state(self.iteration)
         for layer in self.layers:
             install(layer, self.iteration)
+        self._settle_state(self.iteration)
         self.iteration += 1
 
     def check_posted(self):
@@ -760,12 +835,13 @@ class DistributedDataParallel(torch.nn.Module):
     zeros; one unused on every rank keeps its .grad, as DDP leaves it). device_ids,
     output_device, bucket_cap_mb, gradient_as_bucket_view and static_graph are accepted and do
     not change anything (the agent plans fusion and placement). Poseidon's own: sfb (False:
-    every layer by PS), timeout_ms (every wait), grad_hook (see distribute)."""
+    every layer by PS), timeout_ms (every wait), grad_hook (see distribute), state (an
+    ElasticState: the training loop's position, for a rank that takes up the running job)."""
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False, *,
-                 sfb=True, timeout_ms=120000, grad_hook="auto"):
+                 sfb=True, timeout_ms=120000, grad_hook="auto", state=None):
         super().__init__()
         if process_group is not None:
             raise PoseidonError(1, "process_group: Poseidon synchronises over its own job "
@@ -776,7 +852,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine = _Engine(module, mode="ddp", timeout_ms=timeout_ms,
                                broadcast_buffers=broadcast_buffers,
                                find_unused_parameters=find_unused_parameters, grad_hook=grad_hook,
-                               sfb=sfb)
+                               sfb=sfb, state=state)
 
     def forward(self, *inputs, **kwargs):
         self._engine.before_forward(lambda: self.module(*inputs, **kwargs))
@@ -899,6 +975,7 @@ class DistributedOptimizer:
         e.check_posted()
         for layer in e.layers:  # each layer steps when the next forward reaches it
             e.pending[layer.index] = e.iteration
+        e._settle_state(e.iteration)
         e.iteration += 1
         _check_world(e)
         return None
@@ -912,6 +989,72 @@ class DistributedOptimizer:
 
 
 SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
+
+STATE_LIMIT = 1 << 24  # every value travels as float32: integers below this are exact
+
+
+class ElasticState:
+    """Where the training loop is — `epoch`, `batch` (the synchronised steps done in this epoch)
+    and any other counters you name — the same on every rank, so that a rank taking up the
+    running job (`poseidon run --rejoin`, or readmitted once the world grows again) starts where
+    the others are, as torch.distributed.elastic's and Horovod's state objects restore it:
+
+        state = poseidon.torch.ElasticState(epoch=0, batch=0)
+        opt = poseidon.torch.distribute(model, None, batch_size=K, state=state,
+                                        server_optimizer=dict(rule="adam", lr=1e-3))
+        while state.epoch < EPOCHS:
+            for i, (x, y) in enumerate(loader):   # shard it by poseidon.world()
+                if i < state.batch:
+                    continue                         # done before this rank took the job up
+                loss_fn(model(x), y).backward()
+                opt.step()                           # state.batch += 1
+            state.next_epoch()
+
+    `batch` goes up by one at every synchronised step (the end of the iteration); next_epoch()
+    sets `epoch` + 1 and `batch` 0; other counters are yours to set. Each iteration's first
+    synchronising forward sends the values, and its end checks they were every rank's (a rank
+    whose loop went elsewhere stops, naming the values). A rank that takes up a running job
+    learns them when the model is registered (distribute() with batch_size, or its first
+    forward): the position of the job's iteration it takes up, one batch further (that step is
+    done). Integers in [0, 2^24). A job resumed from a checkpoint starts from the values given
+    here (derive them from resumed_steps())."""
+
+    def __init__(self, epoch=0, batch=0, **counters):
+        fields = dict(epoch=epoch, batch=batch, **counters)
+        for name, value in fields.items():
+            _check_counter(name, value)
+        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_engine", None)
+
+    def __getattr__(self, name):
+        fields = self.__dict__.get("_fields", {})
+        if name in fields:
+            return fields[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        if name not in self._fields:
+            raise AttributeError(f"ElasticState has no counter {name!r} (name every counter "
+                                 "when creating it: every rank sends the same ones)")
+        _check_counter(name, value)
+        self._fields[name] = int(value)
+
+    def next_epoch(self):
+        """The epoch ended: `epoch` + 1, `batch` 0."""
+        self._fields["epoch"] += 1
+        self._fields["batch"] = 0
+
+    def as_dict(self):
+        return dict(self._fields)
+
+    def __repr__(self):
+        return "ElasticState(" + ", ".join(f"{k}={v}" for k, v in self._fields.items()) + ")"
+
+
+def _check_counter(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < STATE_LIMIT:
+        raise PoseidonError(1, f"ElasticState.{name} must be an integer in [0, 2^24), not "
+                               f"{value!r}")
 
 
 _world_hooks = []  # on_world_change's callbacks
@@ -986,7 +1129,7 @@ def _server_rule(server_optimizer):
 
 def distribute(model, optimizer, batch_size=None, timeout_ms=120000, overlap_forward=False,
                server_optimizer=None, grad_hook="auto", broadcast_buffers=True,
-               find_unused_parameters=False, sfb=True):
+               find_unused_parameters=False, sfb=True, state=None):
     """Registers `model` with the agent and returns the optimizer to train with.
 
     By default the contract is DDP's (module doc): backward() returns with every .grad averaged
@@ -1008,7 +1151,7 @@ def distribute(model, optimizer, batch_size=None, timeout_ms=120000, overlap_for
     grad_hook: how a PS layer's gradient is caught. "auto" (the default): "post_accumulate" where
     torch.Tensor.register_post_accumulate_grad_hook exists (PyTorch >= 2.1; the hook sees the
     parameter's complete .grad), else "tensor" (a hook on the parameter, which sees the gradient
-    autograd adds: PyTorch 1.13). broadcast_buffers, find_unused_parameters, sfb: as for
+    autograd adds: PyTorch 1.13). broadcast_buffers, find_unused_parameters, sfb, state: as for
     DistributedDataParallel."""
     if server_optimizer is not None and overlap_forward:
         raise PoseidonError(1, "overlap_forward is for local optimizers")
@@ -1019,7 +1162,7 @@ def distribute(model, optimizer, batch_size=None, timeout_ms=120000, overlap_for
     engine = _Engine(model, mode=mode, batch_size=batch_size, timeout_ms=timeout_ms,
                      broadcast_buffers=broadcast_buffers,
                      find_unused_parameters=find_unused_parameters, server_rule=rule,
-                     grad_hook=grad_hook, sfb=sfb)
+                     grad_hook=grad_hook, sfb=sfb, state=state)
     wrapped = DistributedOptimizer(optimizer, engine)
     if batch_size is not None:
         engine.register(None)
