@@ -22,7 +22,10 @@ torch SGD, registered at the first forward, instead of distribute()), elastic-st
 poseidon.torch.ElasticState of epochs of EPOCH_STEPS steps: every rank checks at every step
 that it holds that step's epoch and batch, and a rank that took up the running job prints the
 position it learnt; state-skew: rank 1's loop moves one batch further at step 3, which the
-job must refuse),
+job must refuse), lazy-register (no batch_size: the model is registered at its first forward),
+forget-min-workers (the training process is not told the job may shrink: no
+$POSEIDON_MIN_WORKERS), crash-before-broadcast (rank 0 exits once its model is registered,
+before it sends its parameters),
 report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank),
 world-hook (every rank prints each world change poseidon.torch.on_world_change reports, with the
 step it came at), steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
@@ -99,6 +102,10 @@ def main(out, modes=()):
         device = "cuda:0"  # every rank on the same GPU
         torch.backends.cuda.matmul.allow_tf32 = False  # (the default) full float32 matmuls
     poseidon.init()
+    if "forget-min-workers" in modes:
+        os.environ.pop("POSEIDON_MIN_WORKERS", None)
+    if "crash-before-broadcast" in modes and poseidon.rank() == 0:
+        poseidon.torch._Engine._initial_broadcast = lambda *args: os._exit(3)
     rank, world = poseidon.rank(), poseidon.size()
     assert world == workers, f"world {world}, expected {workers}"
     # Different seeds on every rank: the initial broadcast must make the replicas equal.
@@ -117,7 +124,8 @@ def main(out, modes=()):
         model = poseidon.torch.DistributedDataParallel(model, grad_hook=grad_hook, state=state)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     elif server:  # the KV servers run Adam; no local optimizer
-        opt = poseidon.torch.distribute(model, None, batch_size=K,
+        opt = poseidon.torch.distribute(model, None,
+                                        batch_size=None if "lazy-register" in modes else K,
                                         server_optimizer=dict(rule="adam", lr=0.01),
                                         grad_hook=grad_hook, state=state)
     else:
@@ -152,7 +160,8 @@ def main(out, modes=()):
                 state.next_epoch()
             if step == start and start:
                 print(f"rank {rank} takes up at step {step}: {state}", flush=True)
-            assert (state.epoch, state.batch) == divmod(step, EPOCH_STEPS), (rank, step, state)
+            if "lazy-register" not in modes:  # (there the library must catch it)
+                assert (state.epoch, state.batch) == divmod(step, EPOCH_STEPS), (rank, step, state)
             if "state-skew" in modes and rank == 1 and step == 3:
                 state.batch += 1
         if rank == crash_rank and step == crash_at:

@@ -392,6 +392,43 @@ class Equivalence(WorkersTest):
                           "this rank goes to {'epoch': 0, 'batch': 5}, the ranks' mean is "
                           "{'epoch': 0.0, 'batch': 4.5}", r.stdout + r.stderr)
 
+    def test_a_rank_taking_up_the_job_must_register_before_its_loop(self):
+        # An ElasticState's position comes with the model's registration: at the first forward
+        # (no batch_size) the loop has picked its batch already, which the rejoined rank says.
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(["-n", "2", "--servers", "2", "--scheme", "ps", "--max_restarts", "1",
+                        "--rejoin", "--", PY, os.path.join(HERE, "equivalence_worker.py"),
+                        os.path.join(tmp, "p.pt"),
+                        "server-adam,workers=2,crash-at=17,elastic-state,lazy-register"])
+            self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 rejoins the running job", r.stderr)
+            self.assertIn("the job is at {'epoch': 3, 'batch': 1} (its servers' ElasticState) "
+                          "and this rank's loop at {'epoch': 0, 'batch': 0}: the model was "
+                          "registered at its first forward", r.stdout + r.stderr)
+
+    def test_a_process_not_told_the_job_may_shrink_stops_when_it_does(self):
+        # Without $POSEIDON_MIN_WORKERS a local optimizer divides the sums by the whole world:
+        # once the world shrinks the ranks stop, saying why, rather than train on a wrong mean.
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(["-n", "4", "--scheme", "ps", "--min_workers", "3", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), os.path.join(tmp, "p.pt"),
+                        "workers=4,crash-at=17,forget-min-workers,steps=50,step-sleep=0.2"])
+            self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("the world shrank to 3 of 4 ranks (the agents run with --min_workers) "
+                          "but this process was not told the job may shrink", r.stdout + r.stderr)
+
+    def test_a_rank_0_lost_before_its_broadcast_leaves_nothing_to_start_from(self):
+        # In a job that may shrink, rank 0 dies once registered and before its parameters went
+        # out: the servers remove it and the broadcast sums the others' zeros, which the ranks
+        # left must refuse rather than train from.
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(["-n", "4", "--scheme", "ps", "--min_workers", "3", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), os.path.join(tmp, "p.pt"),
+                        "workers=4,crash-before-broadcast"])
+            self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 0 left the job before its parameters reached the others",
+                          r.stdout + r.stderr)
+
     def test_a_job_that_may_shrink_needs_every_layer_on_ps(self):
         r = launch(["-n", "2", "--min_workers", "1", "--", PY, "-c", "pass"])
         self.assertEqual(r.returncode, 2, r.stderr)

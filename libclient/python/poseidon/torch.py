@@ -288,6 +288,7 @@ class _Engine:
             object.__setattr__(state, "_engine", self)
         self.state_layer = None
         self.state_held = None
+        self.registering_in_forward = False  # the model is registered at its first forward
         self.iteration = 2  # 1 was the initial broadcast
         self.buffer_iteration = 2
         self.posted = {}  # layer index -> True, in posting order
@@ -334,7 +335,10 @@ class _Engine:
         if average:
             self.divisor = 1
         total = sum(l.param.numel() for l in layers) + sum(b.numel() for b in self.buffers)
-        extra = [(BROADCAST_LAYER, total)]
+        # A sum layer in a job that may shrink: one element more says rank 0 sent it (a rank 0
+        # removed before it did would leave the others the zeros they sent).
+        self.broadcast_counted = self.elastic and self.server_rule is None
+        extra = [(BROADCAST_LAYER, total + (1 if self.broadcast_counted else 0))]
         if self.buffers and self.mode != "server":
             # In a job that may shrink one element more: how many ranks sent their buffers
             # (the lowest rank left does; see _sync_buffers).
@@ -435,13 +439,20 @@ class _Engine:
         every other layer takes iteration 1 too, so that training starts at 2 everywhere. With a
         server-side rule iteration 1 is each table's initial value (rank 0's, as above)."""
         tensors = [l.param for l in self.layers] + self.buffers
+        values = buffer[:-1] if self.broadcast_counted else buffer
         if self.rank == 0:
-            torch.cat([t.detach().reshape(-1).float() for t in tensors], out=buffer)
+            torch.cat([t.detach().reshape(-1).float() for t in tensors], out=values)
         else:
-            buffer.zero_()
+            values.zero_()
+        if self.broadcast_counted:
+            buffer[-1] = 1.0 if self.rank == 0 else 0.0
         self.sync.ready(index, 1, "broadcast")
         self.sync.wait(index, 1, self.timeout_ms, "broadcast")
-        self._unpack(buffer, tensors)
+        if self.broadcast_counted and buffer[-1].item() != 1.0:
+            raise PoseidonError(5, "rank 0 left the job before its parameters reached the "
+                                   "others (the initial broadcast), and the ranks left have "
+                                   "nothing to start from: start the job again")
+        self._unpack(values, tensors)
         server = self.server_rule is not None
         for layer in self.layers:
             if server:
@@ -479,7 +490,16 @@ class _Engine:
     def _take_up_state(self):
         _, view = self.state_layer
         values = [int(round(v)) for v in view.tolist()]
-        for name, value in zip(list(self.state._fields), values):
+        names = list(self.state._fields)
+        mine = list(self.state._fields.values())
+        if values != mine and self.registering_in_forward:
+            # This forward's batch was picked from the position the state had before.
+            raise PoseidonError(5, f"the job is at {dict(zip(names, values))} (its servers' "
+                                   f"ElasticState) and this rank's loop at {dict(zip(names, mine))}"
+                                   ": the model was registered at its first forward, after the "
+                                   "loop had picked its batch; register it before the loop "
+                                   "(distribute(..., batch_size=K)) and read the state then")
+        for name, value in zip(names, values):
             self.state._fields[name] = value
         self.state_held = values
 
@@ -561,10 +581,14 @@ class _Engine:
     # ---- forward -------------------------------------------------------------------------
     def before_forward(self, run):
         if not self.registered:
-            if self.batch_size is not None:
-                self.register(None)
-            else:
-                self.probe_and_register(run)
+            self.registering_in_forward = True
+            try:
+                if self.batch_size is not None:
+                    self.register(None)
+                else:
+                    self.probe_and_register(run)
+            finally:
+                self.registering_in_forward = False
         elif self.mode == "ddp":
             # The iteration boundary DDP's wrapper has (its optimizer is the user's own): the
             # world-change hooks run here, before this forward, as after distribute()'s step().
