@@ -3,7 +3,9 @@
 # 127.0.0.1 in a temporary directory (their own ports, state, sockets and logs), then
 # `sbatch --wait -n 2 deploy/slurm/poseidon.sbatch` trains examples/train_chargpt.py with one
 # `poseidon run` launcher per task (2 tasks, one rank each: the coordinator forms the world of 2
-# only when both launchers' agents joined) and must end with rank 0's final loss. Every daemon is stopped on every path. Exit 77 (skip) without Slurm.
+# only when both launchers' agents joined) and must end with rank 0's final loss; then a second
+# job whose rank 1 dies and its task's launcher restarts it alone (--rejoin), which must train
+# exactly. Every daemon is stopped on every path. Exit 77 (skip) without Slurm.
 #   slurm_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 build=${1:?usage: slurm_test.sh BUILD_DIR SOURCE_DIR}
@@ -41,7 +43,7 @@ def free(p):
             return False
 while True:
     b = random.randrange(20000, 30000, 10)
-    if all(free(b + i) for i in range(6)):
+    if all(free(b + i) for i in range(10)):
         print(b, b + 1, b + 2); break
 PY
 )
@@ -113,3 +115,42 @@ grep -q "\[rank 0\] final loss" "$d/job.out" || { echo "FAIL: rank 0 did not fin
 if [ "$fail" -ne 0 ]; then show_logs; exit 1; fi
 grep "final loss" "$d/job.out"
 echo "PASS: sbatch trained on 2 Slurm tasks"
+
+# Elastic ranks under Slurm (issue 18): each task's launcher restarts its own failed rank alone
+# (POSEIDON_RUN_ARGS="--max_restarts 1 --rejoin"). Rank 1 (the second task) dies before step 17
+# of the equivalence worker (server-side Adam); its launcher restarts it with --rejoin, it
+# takes up the running job at step 16 with the training loop's position (an ElasticState), the
+# step (Slurm's) goes on, and rank 0's parameters equal one process on the 2x batch.
+rc=0
+(cd "$d" && PATH="$d/bin:$PATH" POSEIDON_BIN_DIR="$d/bin" POSEIDON_BUILD_DIR="$build" \
+  POSEIDON_ADDR=127.0.0.1 POSEIDON_LISTEN_HOST=127.0.0.1 POSEIDON_PORT_BASE=$((pbase + 3)) \
+  POSEIDON_SCHEME=ps POSEIDON_RUN_ARGS="--max_restarts 1 --rejoin" \
+  PYTHONPATH="$source/libclient/python" \
+  timeout 240 sbatch --wait --nodes=1 --ntasks-per-node=2 --output="$d/job2.out" \
+  "$source/deploy/slurm/poseidon.sbatch" /usr/bin/python3 \
+  "$source/tests/python/equivalence_worker.py" "$d/params.pt" \
+  server-adam,workers=2,crash-at=17,elastic-state) || rc=$?
+cp "$d/job2.out" "$d/job.out" 2>/dev/null || true  # (show_logs shows this job's output)
+fail=0
+[ "$rc" -eq 0 ] || { echo "FAIL: the elastic sbatch --wait exited with $rc"; fail=1; }
+grep -q "rank 1 crashes" "$d/job.out" || { echo "FAIL: rank 1 did not crash"; fail=1; }
+grep -q "restart 1 of 1: rank 1 rejoins the running job" "$d/job.out" ||
+  { echo "FAIL: rank 1 was not restarted alone"; fail=1; }
+grep -q "rank 1 takes up at step 16: ElasticState(epoch=3, batch=1)" "$d/job.out" ||
+  { echo "FAIL: rank 1 did not take up the job at step 16, epoch 3, batch 1"; fail=1; }
+if [ "$fail" -eq 0 ]; then
+  PYTHONPATH="$source/libclient/python:$source/tests/python" POSEIDON_BUILD_DIR="$build" \
+    /usr/bin/python3 - "$d/params.pt" <<'PY' || fail=1
+import sys
+import torch
+import test_pytorch
+got = torch.load(sys.argv[1])
+want = test_pytorch.reference(lambda p: torch.optim.Adam(p, lr=0.01), workers=2)
+rel = max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want))
+print(f"elastic Slurm job against one process on the 2x batch: relative difference {rel:.2e}")
+if rel > 1e-5:
+    sys.exit("FAIL: the parameters differ from the reference")
+PY
+fi
+if [ "$fail" -ne 0 ]; then show_logs; exit 1; fi
+echo "PASS: a rank that died under Slurm restarted alone and the job trained exactly"

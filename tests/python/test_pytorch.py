@@ -762,6 +762,15 @@ class Launcher(unittest.TestCase):
             want = 100 if rank != "1" else 100 - first + 1
             self.assertEqual(int(verified), want * 8, rank)
 
+    def test_joined_to_a_cluster_only_a_failed_rank_restarts(self):
+        # A launcher joined to a cluster (Slurm's tasks) restarts its own failed ranks alone
+        # (--rejoin, tests/ops/slurm_test.sh); the whole job is the scheduler's to restart.
+        r = launch(["-n", "1", "--coordinator", "127.0.0.1:1", "--job", "5", "--token", "t",
+                    "--max_restarts", "1", "--", PY, "-c", "pass"])
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("joined to a cluster, a failed rank restarts alone with --rejoin",
+                      r.stderr)
+
     def test_a_rejoined_pytorch_rank_with_a_local_optimizer_refuses_to_take_up_the_job(self):
         # With the DDP contract the state (model, optimizer) is the other ranks': a rank that
         # rejoined says so rather than train from its own fresh state.

@@ -178,7 +178,8 @@ def main(argv=None):
                     help="a job whose rank, agent or server fails starts again, at most N times: "
                          "from its last checkpoint with --checkpoint_dir (only the iterations "
                          "since are lost), else from the beginning; the ranks see "
-                         "$POSEIDON_RESTART_COUNT (a local cluster only)")
+                         "$POSEIDON_RESTART_COUNT (a local cluster; joined to one, with --rejoin "
+                         "only: this launcher's ranks restart alone, N times in all)")
     ap.add_argument("--rejoin", action="store_true",
                     help="with --max_restarts: a rank whose process or agent fails is restarted "
                          "alone (a new agent with --rejoin) and takes up the running job where "
@@ -240,9 +241,10 @@ def main(argv=None):
         ap.error("--resume and --checkpoint_every need --checkpoint_dir")
     if not 0 <= args.max_restarts <= 100:
         ap.error("--max_restarts must be in [0, 100]")
-    if args.max_restarts and joining:
-        ap.error("--max_restarts restarts a local cluster; joined to a cluster, restart the job "
-                 "from the scheduler (its servers keep their state)")
+    if args.max_restarts and joining and not args.rejoin:
+        ap.error("--max_restarts alone restarts a local cluster's job; joined to a cluster, a "
+                 "failed rank restarts alone with --rejoin (each launcher its own ranks), or "
+                 "restart the job from the scheduler (its servers keep their state)")
     if args.rejoin and (not args.max_restarts or args.scheme != "ps"):
         ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N and --scheme ps "
                  "(only PS layers can take a restarted rank back)")
@@ -551,6 +553,10 @@ def main(argv=None):
             if args.max_restarts:
                 print(f"poseidon run: {failed}: no restart left (--max_restarts "
                       f"{args.max_restarts} used); the job failed", file=sys.stderr, flush=True)
+            return 1
+        if joining:  # the job's servers and coordinator are the scheduler's to restart
+            print(f"poseidon run: {failed}: joined to a cluster, only a failed rank restarts "
+                  "(--rejoin), not the job; the job failed", file=sys.stderr, flush=True)
             return 1
         restart += 1
         resume = bool(args.checkpoint_dir) and _has_checkpoint(args.checkpoint_dir, job)
