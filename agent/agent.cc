@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -943,6 +944,15 @@ absl::Status Agent::Register() {
   }
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
   if (config_.rejoin) RETURN_IF_ERROR(TakeUpRunningJob());
+  if (!config_.joined_marker.empty()) {
+    // A restart of this agent (its container) finds it and rejoins (--rejoin_if_restarted).
+    std::ofstream marker(config_.joined_marker, std::ios::trunc);
+    marker << "job " << config_.job_id << " rank " << config_.rank << "\n";
+    if (!marker.flush()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--rejoin_if_restarted: cannot write ", config_.joined_marker));
+    }
+  }
   if (any_sfb_capable && config_.world_size > 1) {
     // Every layer's syncer and inbox exist now: peers send factors as soon as they have our
     // PING below, so the inbound path must be open first (a frame refused here would cost that

@@ -89,6 +89,9 @@ struct AgentConfig {
   // (psd_start_iteration). Every layer must go by PS under the sum rule.
   absl::Duration rejoin_timeout = absl::ZeroDuration();
   bool rejoin = false;
+  // --rejoin_if_restarted: the file this agent creates once its rank is in the job (its tables
+  // registered on the KV servers); an agent started while it exists rejoins. Empty: none.
+  std::string joined_marker;
   // The world shrinking: a dead rank given up (once rejoin_timeout is over) is removed while at
   // least this many ranks are left — by the KV servers (a job setting sent with the tables) and
   // by this agent, which then goes on instead of failing; 0: never. PS layers only.

@@ -3,6 +3,10 @@
 // given explicitly (rank, world size, servers, peers); every agent computes the same plan.
 #include <signal.h>
 
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "agent/agent.h"
 #include "agent/syncer.h"
@@ -39,6 +43,7 @@ struct Flags {
   int64_t resumed_iteration = 0;
   absl::Duration rejoin_timeout = absl::ZeroDuration();
   bool rejoin = false;
+  std::string rejoin_if_restarted;
   int64_t min_workers = 0;
   double bandwidth = 1.25e9;
   bool colocated = true;
@@ -163,6 +168,11 @@ poseidon::ConfigSchema<Flags> Schema() {
              "this agent replaces a dead rank of the running job: its layers start at the KV "
              "servers' clocks, and the training process learns the iteration it takes up "
              "(psd_start_iteration)")
+      .Field("rejoin_if_restarted", &Flags::rejoin_if_restarted,
+             "a directory that outlives this agent's process but not its slot (a Kubernetes "
+             "pod's emptyDir): the agent leaves poseidon-<job>-<rank>.joined there once its "
+             "rank is in the job, and an agent that finds it there is a restart and takes up "
+             "the running job as --rejoin does (empty: off)")
       .BandwidthField("bandwidth", &Flags::bandwidth, "link bandwidth the planner assumes")
       .Field("colocated", &Flags::colocated, "servers share machines with workers")
       .Field("allreduce", &Flags::allreduce,
@@ -281,6 +291,17 @@ int main(int argc, char** argv) {
   c.resumed_iteration = static_cast<uint64_t>(f.resumed_iteration);
   c.rejoin_timeout = f.rejoin_timeout;
   c.rejoin = f.rejoin;
+  if (!f.rejoin_if_restarted.empty()) {
+    c.joined_marker = absl::StrCat(f.rejoin_if_restarted, "/poseidon-", c.job_id, "-", c.rank,
+                                   ".joined");
+    std::error_code error;
+    if (std::filesystem::exists(c.joined_marker, error)) {
+      PSD_LOG_WARN("{} exists: this agent restarts rank {} of job {} and takes up the running "
+                   "job (--rejoin)",
+                   c.joined_marker, c.rank, c.job_id);
+      c.rejoin = true;
+    }
+  }
   c.min_workers = static_cast<uint32_t>(f.min_workers);
   c.bandwidth_bytes_per_second = f.bandwidth;
   c.colocated = f.colocated;

@@ -129,7 +129,9 @@ class Cluster {
 
   // Elastic workers: rank r's agent is SIGKILLed (if it still runs) and a new one started with
   // --rejoin on a new segment (Synth(r, ...) then attaches to it). Whether it came up.
-  bool RejoinAgent(int r) {
+  // `flag`: started with --rejoin (false: as before, which --rejoin_if_restarted must turn
+  // into a rejoin).
+  bool RejoinAgent(int r, bool flag = true) {
     agents_[r]->Signal(SIGKILL);
     agents_[r]->Wait(milliseconds(10000));
     std::vector<std::string> argv = agent_argv_[r];
@@ -138,7 +140,7 @@ class Cluster {
     for (auto& a : argv) {
       if (a.rfind("--segment=", 0) == 0) a = "--segment=" + segments_[r];
     }
-    argv.push_back("--rejoin");
+    if (flag) argv.push_back("--rejoin");
     agents_[r] = std::make_unique<Subprocess>(argv, /*merge_stderr=*/true);
     early_[r].clear();
     while (auto line = agents_[r]->ReadLine(milliseconds(20000))) {
@@ -530,8 +532,18 @@ TEST(Failover, AFrozenServerIsReplacedByItsBackupAndEveryResultStaysExact) {
 // the running job at the servers' clock and a new training process follows it
 // (psd_start_iteration). The others only wait: every rank finishes every iteration and every
 // result is the exact sum over the three ranks, as in the fault-free run.
-TEST(Elastic, AKilledRankRestartedWithRejoinTakesUpTheRunningJobExactly) {
-  Cluster cluster(2, 3, "ps", {"--rejoin_timeout=60s", "--log_level=info"});
+// Rank 1 (one of 3, two servers) is killed once it has done 10 iterations and its agent
+// restarted — with --rejoin, or (`by_marker`) exactly as before, its --rejoin_if_restarted
+// marker telling it it is a restart (a Kubernetes container restarted in its pod): it takes up
+// the running job and every rank verifies every result.
+void KilledRankTakesUpTheRunningJob(bool by_marker) {
+  const std::string markers =
+      ::testing::TempDir() + "psd-e2e-markers-" + std::to_string(::getpid());
+  std::filesystem::remove_all(markers);
+  std::filesystem::create_directories(markers);
+  std::vector<std::string> agent_flags = {"--rejoin_timeout=60s", "--log_level=info"};
+  if (by_marker) agent_flags.push_back("--rejoin_if_restarted=" + markers);
+  Cluster cluster(2, 3, "ps", agent_flags);
   ASSERT_TRUE(cluster.ok());
   const std::vector<std::string> slow = {"--compute_scale=10000", "--timeout_ms=120000"};
   std::vector<std::unique_ptr<Subprocess>> synths;
@@ -549,9 +561,12 @@ TEST(Elastic, AKilledRankRestartedWithRejoinTakesUpTheRunningJobExactly) {
     }
   }
   ASSERT_TRUE(running) << "rank 1 did not reach iteration 10";
+  if (by_marker) {
+    EXPECT_TRUE(std::filesystem::exists(markers + "/poseidon-1-1.joined"));
+  }
   synths[1]->Signal(SIGKILL);
   synths[1]->Wait(milliseconds(10000));
-  ASSERT_TRUE(cluster.RejoinAgent(1)) << cluster.early_output(1);
+  ASSERT_TRUE(cluster.RejoinAgent(1, /*flag=*/!by_marker)) << cluster.early_output(1);
   synths[1] = cluster.Synth(1, kTiny, 60, slow);
   for (int r = 0; r < 3; ++r) {
     const std::string out = synths[r]->ReadAll(milliseconds(120000));
@@ -569,10 +584,25 @@ TEST(Elastic, AKilledRankRestartedWithRejoinTakesUpTheRunningJobExactly) {
               std::string::npos)
         << out;
   }
-  const std::string log = cluster.agent(1).ReadAll(milliseconds(20000));
-  EXPECT_NE((cluster.early_output(1) + log).find("rank 1 rejoins job 1 at iteration"),
-            std::string::npos)
-      << cluster.early_output(1) << log;
+  const std::string log = cluster.early_output(1) + cluster.agent(1).ReadAll(milliseconds(20000));
+  EXPECT_NE(log.find("rank 1 rejoins job 1 at iteration"), std::string::npos) << log;
+  if (by_marker) {
+    EXPECT_NE(log.find("poseidon-1-1.joined exists: this agent restarts rank 1 of job 1 and "
+                       "takes up the running job"),
+              std::string::npos)
+        << log;
+  }
+  std::filesystem::remove_all(markers);
+}
+
+TEST(Elastic, AKilledRankRestartedWithRejoinTakesUpTheRunningJobExactly) {
+  KilledRankTakesUpTheRunningJob(/*by_marker=*/false);
+}
+
+// The same restarted as it was first started (--rejoin_if_restarted): a Kubernetes pod's
+// containers restart with the same arguments, and the marker in the pod's emptyDir tells.
+TEST(Elastic, AnAgentRestartedAsItStartedRejoinsByItsMarker) {
+  KilledRankTakesUpTheRunningJob(/*by_marker=*/true);
 }
 
 // Stop and resume (docs/operations.md): rank 0's agent has the server checkpoint the job after
