@@ -275,6 +275,7 @@ class _Engine:
         # What a layer's synchronised sum is divided by for .grad: the world size, or 1 where
         # the KV servers answer the mean over the ranks each clock summed (PSD_LAYER_AVERAGE).
         self.divisor = self.world
+        self.counted = False  # set at registration (see there)
         self.rank = poseidon.rank()
         self.layers = None
         self.device = None
@@ -331,19 +332,16 @@ class _Engine:
         # may sum its gradient and others not, and only the KV servers know which, so they
         # answer each key's mean over the ranks its clock summed (as a server-side rule
         # averages) and .grad is that, undivided.
-        average = self.elastic and self.server_rule is None
-        if average:
+        # The same job's sum layers that one rank sends (the broadcast, the buffers) carry one
+        # element more counting the senders (_send_counted): a sender removed before it sent
+        # would leave the others the zeros they sent.
+        self.counted = self.elastic and self.server_rule is None
+        if self.counted:
             self.divisor = 1
         total = sum(l.param.numel() for l in layers) + sum(b.numel() for b in self.buffers)
-        # A sum layer in a job that may shrink: one element more says rank 0 sent it (a rank 0
-        # removed before it did would leave the others the zeros they sent).
-        self.broadcast_counted = self.elastic and self.server_rule is None
-        extra = [(BROADCAST_LAYER, total + (1 if self.broadcast_counted else 0))]
+        extra = [(BROADCAST_LAYER, total + int(self.counted))]
         if self.buffers and self.mode != "server":
-            # In a job that may shrink one element more: how many ranks sent their buffers
-            # (the lowest rank left does; see _sync_buffers).
-            extra.append((BUFFERS_LAYER, sum(b.numel() for b in self.buffers) +
-                           (1 if self.elastic else 0)))
+            extra.append((BUFFERS_LAYER, sum(b.numel() for b in self.buffers) + int(self.counted)))
         if self.find_unused:
             extra.append((USED_LAYER, len(layers)))
         if self.state is not None and self.server_rule is not None:
@@ -360,7 +358,7 @@ class _Engine:
                                  # Every gradient is posted during backward, so layers may be
                                  # fused; the agent fuses host-memory layers only.
                                  (PSD_LAYER_FUSABLE if device.type == "cpu" else 0) |
-                                 (PSD_LAYER_AVERAGE if average else 0))
+                                 (PSD_LAYER_AVERAGE if self.counted else 0))
         # The extra layers are posted alone (and waited for before other layers are posted):
         # not fusable.
         for j in range(len(extra)):
@@ -439,16 +437,10 @@ class _Engine:
         every other layer takes iteration 1 too, so that training starts at 2 everywhere. With a
         server-side rule iteration 1 is each table's initial value (rank 0's, as above)."""
         tensors = [l.param for l in self.layers] + self.buffers
-        values = buffer[:-1] if self.broadcast_counted else buffer
-        if self.rank == 0:
-            torch.cat([t.detach().reshape(-1).float() for t in tensors], out=values)
-        else:
-            values.zero_()
-        if self.broadcast_counted:
-            buffer[-1] = 1.0 if self.rank == 0 else 0.0
+        values = self._send_counted(buffer, self.rank == 0, tensors)
         self.sync.ready(index, 1, "broadcast")
         self.sync.wait(index, 1, self.timeout_ms, "broadcast")
-        if self.broadcast_counted and buffer[-1].item() != 1.0:
+        if self._senders(buffer) != 1:
             raise PoseidonError(5, "rank 0 left the job before its parameters reached the "
                                    "others (the initial broadcast), and the ranks left have "
                                    "nothing to start from: start the job again")
@@ -508,11 +500,13 @@ class _Engine:
         if self.state_layer is None:
             return
         index, view = self.state_layer
-        after = list(self.state._fields.values())
-        after[list(self.state._fields).index("batch")] += 1
         view.copy_(torch.tensor(self.state_held, dtype=torch.float32) -
-                   torch.tensor(after, dtype=torch.float32))
+                   torch.tensor(self._next_position(), dtype=torch.float32))
         self.sync.ready(index, iteration, "posting the training loop's position")
+
+    def _next_position(self):
+        """The state's values once this step is done: batch + 1."""
+        return [v + (name == "batch") for name, v in self.state._fields.items()]
 
     def _settle_state(self, iteration):
         """The step is done: batch + 1 (with a server-side rule, what the servers hold now,
@@ -525,8 +519,7 @@ class _Engine:
         self.sync.wait(index, iteration, self.timeout_ms,
                        f"waiting for the training loop's position (iteration {iteration})")
         names = list(self.state._fields)
-        after = list(self.state._fields.values())
-        after[names.index("batch")] += 1
+        after = self._next_position()
         held = [int(round(v)) for v in view.tolist()]
         if held != after:
             raise PoseidonError(5, f"iteration {iteration}: the ranks' training loops are at "
@@ -589,9 +582,9 @@ class _Engine:
                     self.probe_and_register(run)
             finally:
                 self.registering_in_forward = False
-        elif self.mode == "ddp":
+        elif self.optimizer is None:
             # The iteration boundary DDP's wrapper has (its optimizer is the user's own): the
-            # world-change hooks run here, before this forward, as after distribute()'s step().
+            # world-change hooks run here, before this forward; distribute()'s step() does it.
             _check_world(self)
         grad = torch.is_grad_enabled()
         if self.require_forward_param_sync and self.buffers_layer is not None:
@@ -609,25 +602,35 @@ class _Engine:
     def after_forward(self):
         self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
 
+    def _send_counted(self, view, send, tensors):
+        """Fills a layer one rank sends: `tensors` if `send`, else zeros; with self.counted its
+        last element says whether this rank sent. Returns the values' part of `view`."""
+        values = view[:-1] if self.counted else view
+        if send:
+            torch.cat([t.detach().reshape(-1).float() for t in tensors], out=values)
+        else:
+            values.zero_()
+        if self.counted:
+            view[-1] = 1.0 if send else 0.0
+        return values
+
+    def _senders(self, view):
+        """How many ranks sent a synchronised _send_counted layer (1 where it is not counted)."""
+        return int(round(view[-1].item())) if self.counted else 1
+
     def _sync_buffers(self):
         """DDP's broadcast_buffers: rank 0's buffers to every rank — in a job that may shrink,
         the lowest rank left's (poseidon.world()), and one element more counts the senders: in
         the iteration rank 0 is removed, the others may not know yet (none sends: each keeps its
         own buffers for that iteration) or two may believe they are first (their mean)."""
         index, view = self.buffers_layer
-        source = poseidon.world()[0] == 0 if self.elastic else self.rank == 0
-        values = view[:-1] if self.elastic else view
-        if source:
-            torch.cat([b.detach().reshape(-1).float() for b in self.buffers], out=values)
-        else:
-            values.zero_()
-        if self.elastic:
-            view[-1] = 1.0 if source else 0.0
+        source = poseidon.world()[0] == 0 if self.counted else self.rank == 0
+        values = self._send_counted(view, source, self.buffers)
         it = self.buffer_iteration
         self.sync.ready(index, it, "broadcasting buffers")
         self.sync.wait(index, it, self.timeout_ms, f"waiting for rank 0's buffers (iteration {it})")
         self.buffer_iteration += 1
-        senders = int(view[-1].item()) if self.elastic else 1
+        senders = self._senders(view)
         if senders > 1:
             values.div_(senders)
         if senders > 0:
@@ -1035,13 +1038,14 @@ class ElasticState:
             state.next_epoch()
 
     `batch` goes up by one at every synchronised step (the end of the iteration); next_epoch()
-    sets `epoch` + 1 and `batch` 0; other counters are yours to set. Each iteration's first
-    synchronising forward sends the values, and its end checks they were every rank's (a rank
-    whose loop went elsewhere stops, naming the values). A rank that takes up a running job
-    learns them when the model is registered (distribute() with batch_size, or its first
-    forward): the position of the job's iteration it takes up, one batch further (that step is
-    done). Integers in [0, 2^24). A job resumed from a checkpoint starts from the values given
-    here (derive them from resumed_steps())."""
+    sets `epoch` + 1 and `batch` 0; other counters are yours to set. Integers in [0, 2^24).
+    With a server-side optimizer the KV servers hold the values with the parameters: every
+    step() sends them and checks the servers then hold this rank's own (a rank whose loop went
+    elsewhere stops, naming both); a rank that takes up a running job learns the position of
+    the step it takes up when the model is registered (pass batch_size to distribute(): at the
+    first forward the loop has picked its batch already, and the rank stops saying so); a job
+    resumed from a checkpoint (`poseidon run --resume`) restores them. With a local optimizer
+    (no rank can take up such a job) the state is each rank's own, counted the same way."""
 
     def __init__(self, epoch=0, batch=0, **counters):
         fields = dict(epoch=epoch, batch=batch, **counters)
