@@ -7,7 +7,9 @@ the same training loop twice: through `poseidon run -n W` (poseidon.torch.distri
 examples/train_digits.py calls it) and through torch.nn.parallel.DistributedDataParallel over
 gloo on loopback (W processes, the same loop). Prints samples/s of each and Poseidon / DDP.
 Runs alternate (Poseidon, DDP, Poseidon, DDP, ...) so that both see the same machine; the
-figure of each side is the median over --repeats.
+figure of each side is the median over --repeats. Both sides' ranks run with the environment
+torchrun gives DDP's: OMP_NUM_THREADS=1 unless it is set (`poseidon run` does the same);
+`OMP_NUM_THREADS=2 bench/digits_vs_ddp.py` runs both with two threads per rank.
 
     bench/digits_vs_ddp.py                          # W = 4, K = 16, 30 epochs, build/perf
     bench/digits_vs_ddp.py --repeats 3 --main_job   # also examples/train_digits.py itself
@@ -149,6 +151,8 @@ def run_poseidon(args, env):
 
 def run_ddp(args, env):
     port = free_port()
+    if args.workers > 1 and "OMP_NUM_THREADS" not in env:
+        env = dict(env, OMP_NUM_THREADS="1")  # as torchrun launches them (and poseidon run)
     procs, outs = [], []
     for r in range(args.workers):
         out = tempfile.TemporaryFile(mode="w+")

@@ -107,6 +107,8 @@ def run_ddp(name, workers, steps):
     for rank in range(workers):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(workers), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+        if workers > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun launches them (and poseidon run)
         procs.append(subprocess.Popen(command(name, "ddp", steps), env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = [p.communicate(timeout=1200)[0] for p in procs]

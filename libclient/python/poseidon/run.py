@@ -235,6 +235,15 @@ def main(argv=None):
         ap.error("several nodes share one cluster: give its --coordinator (and --token, --job)")
     world = args.nodes * args.workers
     first_rank = args.node_rank * args.workers
+    # As torchrun: where several ranks share the machine each one's intra-op threads (OpenMP,
+    # OpenBLAS) default to one; a thread per core in every rank oversubscribes the cores, which
+    # the agents and servers need too.
+    rank_threads = {}
+    if args.workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        rank_threads = {"OMP_NUM_THREADS": "1"}
+        print(f"poseidon run: OMP_NUM_THREADS=1 in each rank ({args.workers} ranks share this "
+              f"machine, as torchrun sets it); set OMP_NUM_THREADS to choose", file=sys.stderr,
+              flush=True)
     if args.checkpoint_every < 0:
         ap.error("--checkpoint_every must be 0 or more")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
@@ -397,7 +406,7 @@ def main(argv=None):
                            POSEIDON_RESUMED_ITERATION=str(resumed),
                            POSEIDON_RESTART_COUNT=str(restart_count),
                            POSEIDON_MIN_WORKERS=str(args.min_workers),
-                           PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
+                           PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1", **rank_threads)
                 return Proc(f"rank {r}", command, env=env)
 
             agents = []
