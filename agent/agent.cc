@@ -272,6 +272,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // The world trained with now (ranks, removals and returns so far): written by the main thread
   // (psd_world), read by the heartbeat thread (poseidon status).
   std::atomic<uint32_t> live_world_{0};
+  std::atomic<uint64_t> took_up_at_{0};  // the job's iteration this rank took up (--rejoin)
   std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
   // Each server's registration (plan order) and the servers whose answer said this rank is out
@@ -358,6 +359,8 @@ int Agent::Run() {
     return 1;
   }
   shm_ = std::move(*shm);
+  shm_->SetRejoinTimeout(
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(config_.rejoin_timeout)));
   // The heartbeat says "this agent process is alive" on its own thread: the main loop can be
   // busy for seconds (connecting to servers and peers during registration on a loaded machine),
   // and a training process must not take that for a dead agent.
@@ -629,6 +632,9 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
   coordinator::CoordinatorClient::HeartbeatOptions hb;
   hb.iteration = [this] { return last_iteration_.load(); };
   hb.plan_epoch = [this] { return RunningEpoch(); };
+  // A rank that took up the running job says at which iteration (TakeUpRunningJob runs after
+  // the heartbeats start): the others count it (psd_takeovers).
+  hb.took_up_at = [this] { return took_up_at_.load(); };
   if (config_.min_workers > 0) {
     hb.world = [this] {
       return std::pair<uint32_t, uint64_t>{live_world_.load(), world_generation_.load()};
@@ -644,6 +650,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     if (result->shutdown()) {
       PSD_LOG_WARN("the coordinator asks this agent to shut down (declared dead or replaced)");
     }
+    shm_->SetTakeovers(result->takeovers());
     std::lock_guard<std::mutex> lock(lost_mu_);
     replaced_ = std::set<uint32_t>(result->replaced().begin(), result->replaced().end());
     if (result->lost_size() == 0 && result->departed_size() == 0) return;
@@ -943,7 +950,11 @@ absl::Status Agent::Register() {
     }
   }
   if (any_ps) RETURN_IF_ERROR(ConnectServers());
-  if (config_.rejoin) RETURN_IF_ERROR(TakeUpRunningJob());
+  if (config_.rejoin) {
+    RETURN_IF_ERROR(TakeUpRunningJob());
+    // The others may need to hand this rank their state (psd_takeovers): tell it at once.
+    if (took_up_at_.load() > 1 && heartbeats_) heartbeats_->BeatNow();
+  }
   if (!config_.joined_marker.empty()) {
     // A restart of this agent (its container) finds it and rejoins (--rejoin_if_restarted).
     std::ofstream marker(config_.joined_marker, std::ios::trunc);
@@ -1231,6 +1242,7 @@ absl::Status Agent::TakeUpRunningJob() {
   if (!removed_on_.empty()) return ReadmitToJob(highest);
   env_.rejoin_top = highest;
   config_.resumed_iteration = std::max<uint64_t>(highest, 1);
+  took_up_at_.store(config_.resumed_iteration);
   PSD_LOG_WARN("rank {} rejoins job {} at iteration {} (its keys completed clocks {} to {})",
                config_.rank, config_.job_id, config_.resumed_iteration, lowest, highest);
   return absl::OkStatus();

@@ -443,6 +443,17 @@ void ShmEndpoint::SetLiveWorld(uint32_t rank, uint32_t size, uint64_t generation
   Store(&header()->live_world, PSD_LIVE_WORLD_PACK(rank, size, generation));
 }
 
+void ShmEndpoint::SetTakeovers(uint64_t takeovers) {
+  // Heartbeat answers may arrive out of order: the count only grows.
+  uint64_t seen = __atomic_load_n(&header()->takeovers, __ATOMIC_ACQUIRE);
+  while (takeovers > seen && !__atomic_compare_exchange_n(&header()->takeovers, &seen,
+                                                          takeovers, false, __ATOMIC_ACQ_REL,
+                                                          __ATOMIC_ACQUIRE)) {
+  }
+}
+
+void ShmEndpoint::SetRejoinTimeout(uint32_t ms) { Store(&header()->rejoin_timeout_ms, ms); }
+
 void ShmEndpoint::LayerDone(uint32_t layer, uint64_t iteration) {
   psd_shm_layer& l = layers()[layer];
   Store(&l.done_iteration, iteration);

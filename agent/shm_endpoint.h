@@ -109,6 +109,11 @@ class ShmEndpoint {
   // changes so far (psd_world), in one atomic word. Any thread.
   void SetLiveWorld(uint32_t rank, uint32_t size, uint64_t generation);
 
+  // How many ranks took up the running job so far (psd_takeovers; it only grows) and this
+  // agent's --rejoin_timeout. Any thread.
+  void SetTakeovers(uint64_t takeovers);
+  void SetRejoinTimeout(uint32_t ms);
+
   void LayerDone(uint32_t layer, uint64_t iteration);
   void LayerFailed(uint32_t layer, uint64_t iteration, const std::string& why);
 

@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #define PSD_SHM_MAGIC 0x314D485344535050ull /* "PPSDSHM1" */
-#define PSD_SHM_ABI_VERSION 6u
+#define PSD_SHM_ABI_VERSION 7u
 #define PSD_SHM_MAX_LAYERS 4096u
 #define PSD_SHM_NAME_BYTES 64u
 #define PSD_SHM_MAX_DIMS 4u
@@ -194,6 +194,13 @@ typedef struct psd_shm_header {
    * ranks left, their number and how many times the world changed (PSD_LIVE_WORLD_*). 0: never
    * changed (rank and world_size above hold). */
   uint64_t live_world;
+  /* Written by the agent: how many ranks took up the running job after the others trained
+   * without them (the coordinator's count, HeartbeatResponse.takeovers; it only grows), and its
+   * --rejoin_timeout in milliseconds (0: a dead rank is never waited for, so none takes up the
+   * job). A job with a local optimizer hands its state to such a rank (poseidon.torch). */
+  uint64_t takeovers;
+  uint32_t rejoin_timeout_ms;
+  uint32_t reserved0;
 } psd_shm_header;
 
 #define PSD_LIVE_WORLD_PACK(rank, size, generation)                         \

@@ -257,7 +257,8 @@ absl::Status CoordinatorClient::ReportTelemetry(v1::ReportTelemetryRequest reque
 }
 
 absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
-    uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world) {
+    uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world,
+    uint64_t took_up_at) {
   v1::HeartbeatRequest request;
   FillHeader(request.mutable_header());
   request.set_role(role());
@@ -265,6 +266,7 @@ absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
   request.set_plan_epoch(plan_epoch);
   request.set_live_world(world.first);
   request.set_world_generation(world.second);
+  request.set_took_up_at(took_up_at);
   v1::HeartbeatResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);
@@ -438,8 +440,8 @@ void HeartbeatLoop::Run() {
     const uint64_t plan_epoch = options_.plan_epoch ? options_.plan_epoch() : client_->plan_epoch();
     const std::pair<uint32_t, uint64_t> world =
         options_.world ? options_.world() : std::pair<uint32_t, uint64_t>{0, 0};
-    const absl::StatusOr<v1::HeartbeatResponse> result =
-        client_->Heartbeat(iteration, plan_epoch, world);
+    const absl::StatusOr<v1::HeartbeatResponse> result = client_->Heartbeat(
+        iteration, plan_epoch, world, options_.took_up_at ? options_.took_up_at() : 0);
     if (options_.on_result) {
       options_.on_result(result);
     } else if (!result.ok()) {
@@ -463,8 +465,17 @@ void HeartbeatLoop::Run() {
                                         ? options_.interval
                                         : client_->heartbeat_interval();
     lock.lock();
-    wake_.wait_for(lock, absl::ToChronoNanoseconds(interval), [this] { return stop_; });
+    wake_.wait_for(lock, absl::ToChronoNanoseconds(interval), [this] { return stop_ || now_; });
+    now_ = false;
   }
+}
+
+void HeartbeatLoop::BeatNow() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    now_ = true;
+  }
+  wake_.notify_all();
 }
 
 }  // namespace poseidon::coordinator

@@ -122,9 +122,11 @@ class CoordinatorClient {
                                absl::Duration timeout);
   // One heartbeat. A response with shutdown = true means this node id was declared dead or
   // replaced: stop, or register anew.
-  // `world`: HeartbeatRequest.live_world and world_generation (0, 0: not reported).
+  // `world`: HeartbeatRequest.live_world and world_generation (0, 0: not reported);
+  // `took_up_at`: HeartbeatRequest.took_up_at.
   absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(
-      uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world = {0, 0});
+      uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world = {0, 0},
+      uint64_t took_up_at = 0);
   // failed: leaving because of an error (HeartbeatResponse.departed tells the job's agents).
   absl::Status Deregister(absl::string_view reason, bool failed = false);
   absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();
@@ -155,6 +157,8 @@ class CoordinatorClient {
     std::function<uint64_t()> plan_epoch;            // null: the last plan epoch seen
     // Agents of a job that may shrink: (ranks trained with now, generation); null: not sent.
     std::function<std::pair<uint32_t, uint64_t>()> world;
+    // Agents that took up a running job: its iteration (HeartbeatRequest.took_up_at); null: 0.
+    std::function<uint64_t()> took_up_at;
     // Every result, on the loop's thread (keep it short). Null: failures are logged.
     std::function<void(const absl::StatusOr<poseidon::v1::HeartbeatResponse>&)> on_result;
     // When a heartbeat is answered NOT_FOUND (a restarted coordinator starts empty), the loop
@@ -208,6 +212,9 @@ class HeartbeatLoop {
 
   // Stops and joins the thread (a heartbeat in flight finishes first, within the call timeout).
   void Stop();
+  // The next heartbeat goes now rather than at the end of the interval (news the coordinator
+  // should have at once). Any thread.
+  void BeatNow();
 
  private:
   void Run();
@@ -217,6 +224,7 @@ class HeartbeatLoop {
   std::mutex mu_;
   std::condition_variable wake_;
   bool stop_ = false;  // guarded by mu_
+  bool now_ = false;   // guarded by mu_: BeatNow
   std::thread thread_;
 };
 

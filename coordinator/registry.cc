@@ -1300,6 +1300,10 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
   if (node->role == v1::NODE_ROLE_AGENT) {
     if (auto job = jobs_.find(node->job_id); job != jobs_.end()) {
       ObserveIteration(job->second, request.iteration(), now);
+      if (request.took_up_at() > 1 && !node->took_up) {
+        node->took_up = true;
+        ++job->second.takeovers;
+      }
       // The world's members declared dead (the agent fails what waits for them now), and its
       // agents that left with an error (a job that may shrink goes on without them).
       auto list = [&](google::protobuf::RepeatedPtrField<v1::LostMember>* into,
@@ -1329,6 +1333,7 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
         const Node* holder = FindNode(j.ranks[r].node_id);
         if (Live(holder) && holder->rank_restarts > 0) response->add_replaced(r);
       }
+      response->set_takeovers(j.takeovers);
       for (const std::string& server : j.world_servers) lost(server, 0);
     }
   }

@@ -222,6 +222,7 @@ class Registry {
     poseidon::v1::ServerCapacity capacity;
     uint32_t rank = 0;
     uint32_t rank_restarts = 0;  // agents: the rank's holders before this one (RankSlot::agents)
+    bool took_up = false;        // agents: reported a running job taken up (Job::takeovers)
     poseidon::v1::NodeState state = poseidon::v1::NODE_STATE_ALIVE;  // ALIVE, DEAD or LEFT
     std::string state_reason;                                        // why dead or left
     bool left_failed = false;  // LEFT with an error (DeregisterRequest.failed)
@@ -256,6 +257,7 @@ class Registry {
   struct Job {
     std::string id;
     uint32_t world_size = 0;  // 0 until the first agent registers
+    uint64_t takeovers = 0;   // agents that took up the running job (HeartbeatRequest.took_up_at)
     std::string world_size_origin;
     std::vector<RankSlot> ranks;
     // The last world that formed: agents by rank, and the job's servers (fixed when the first

@@ -896,12 +896,26 @@ TEST_P(DepartedTest, HeartbeatsNameTheAgentsThatLeftWithAnError) {
   EXPECT_EQ(response.replaced_size(), 0) << response.DebugString();
   // A replacement takes the rank (--rejoin): it is listed as replaced, no longer as departed
   // (a job that shrank without it grows again).
-  AddAgent(1, 2, 1);
+  const std::string replacement = AddAgent(1, 2, 1);
   response.Clear();
   ASSERT_TRUE(registry_.Heartbeat(job_, request, now_, &response).ok());
   EXPECT_EQ(response.departed_size(), 0) << response.DebugString();
   ASSERT_EQ(response.replaced_size(), 1) << response.DebugString();
   EXPECT_EQ(response.replaced(0), 1u);
+  EXPECT_EQ(response.takeovers(), 0u) << "not before it says it took up the running job";
+  // It took up the running job at iteration 7 (said in every heartbeat: counted once); the
+  // others learn it, so that a job with a local optimizer hands it its state.
+  v1::HeartbeatRequest took;
+  took.mutable_header()->set_node_id(replacement);
+  took.set_role(v1::NODE_ROLE_AGENT);
+  took.set_took_up_at(7);
+  for (int i = 0; i < 2; ++i) {
+    v1::HeartbeatResponse ignored;
+    ASSERT_TRUE(registry_.Heartbeat(job_, took, now_, &ignored).ok());
+  }
+  response.Clear();
+  ASSERT_TRUE(registry_.Heartbeat(job_, request, now_, &response).ok());
+  EXPECT_EQ(response.takeovers(), 1u) << response.DebugString();
 }
 
 // A job whose world shrank (or grew again): its agents report the ranks they train with now in

@@ -557,6 +557,17 @@ PSD_EXPORT psd_status psd_world(psd_context* ctx, uint32_t* rank, uint32_t* worl
   return PSD_OK;
 }
 
+PSD_EXPORT psd_status psd_takeovers(psd_context* ctx, uint64_t* takeovers,
+                                    uint32_t* rejoin_timeout_ms) {
+  psd_error[0] = '\0';
+  if (ctx == NULL || takeovers == NULL || rejoin_timeout_ms == NULL) {
+    return fail(PSD_INVALID_ARGUMENT, "ctx, takeovers and rejoin_timeout_ms must be set");
+  }
+  *takeovers = load64(&ctx->header->takeovers);
+  *rejoin_timeout_ms = load32(&ctx->header->rejoin_timeout_ms);
+  return PSD_OK;
+}
+
 PSD_EXPORT psd_status psd_detach(psd_context* ctx) {
   psd_error[0] = '\0';
   if (ctx == NULL) return fail(PSD_INVALID_ARGUMENT, "ctx is NULL");

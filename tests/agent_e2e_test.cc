@@ -839,6 +839,13 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
   EXPECT_EQ(generation, 0u);
   EXPECT_EQ(psd_world(ctx, &world_rank, &world_size, nullptr), PSD_INVALID_ARGUMENT);
   EXPECT_EQ(psd_world(nullptr, &world_rank, &world_size, &generation), PSD_INVALID_ARGUMENT);
+  // No rank took up the job, and the agent waits for none (no --rejoin_timeout).
+  uint64_t takeovers = 9;
+  uint32_t rejoin_ms = 9;
+  ASSERT_EQ(psd_takeovers(ctx, &takeovers, &rejoin_ms), PSD_OK) << psd_last_error();
+  EXPECT_EQ(takeovers, 0u);
+  EXPECT_EQ(rejoin_ms, 0u);
+  EXPECT_EQ(psd_takeovers(ctx, &takeovers, nullptr), PSD_INVALID_ARGUMENT);
 
   const uint64_t bad_shape[2] = {0, 4};
   psd_layer_desc bad{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, bad_shape, 4, 0};

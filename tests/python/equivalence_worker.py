@@ -5,7 +5,8 @@ rank 0 writes the parameters (on the CPU).
 
     equivalence_worker.py OUT [MODE[,MODE...]]
 
-modes: overlap (overlap_forward, SGD with momentum), server-adam (the servers run Adam), switch
+modes: overlap (overlap_forward, SGD with momentum), momentum (SGD with momentum, the DDP
+contract), server-adam (the servers run Adam), switch
 (steps of ~20 ms until 0.weight's scheme has changed twice, the plan changes forced from outside
 by `poseidon plan --set`; every rank sees the same switches, so all stop at the same step;
 rank 0 writes the step count and the switches too),
@@ -14,7 +15,8 @@ PS gradient hook, instead of the default for this torch), workers=P (the expecte
 kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
 3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too;
-crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0), buffer-probe (an
+crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0; writer=R: rank R
+writes them), buffer-probe (an
 identity module in front whose buffer each forward sets to 100 * rank + its forward count, so
 that the value a forward finds there says whose buffers DDP's broadcast_buffers installed; rank 2
 prints the senders it saw), ddp-wrapper (poseidon.torch.DistributedDataParallel and a plain
@@ -131,7 +133,7 @@ def main(out, modes=()):
     else:
         opt = poseidon.torch.distribute(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            if overlap else torch.optim.SGD(model.parameters(), lr=0.1),
+            if overlap or "momentum" in modes else torch.optim.SGD(model.parameters(), lr=0.1),
             batch_size=K, overlap_forward=overlap, grad_hook=grad_hook, state=state)
     if device != "cpu" and not wrapper:  # the buffers are views of the CUDA arena
         for layer in opt._layers:
@@ -141,7 +143,8 @@ def main(out, modes=()):
     kill_index, kill_step = (int(v) for v in kill.split("@")) if kill else (None, None)
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
     crash_rank = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-rank=")), 1)
-    writer = 1 if crash_rank == 0 else 0
+    writer = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("writer=")),
+                  1 if crash_rank == 0 else 0)
     if os.environ.get("POSEIDON_RESTART_COUNT", "0") != "0":
         crash_at = None  # restarted by poseidon run --max_restarts: it went away
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-always-at=")),

@@ -267,6 +267,32 @@ class Equivalence(WorkersTest):
             self.assertIn("rank 1 takes up at step 16: ElasticState(epoch=3, batch=1)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
 
+    def test_a_crashed_rank_takes_up_the_job_with_a_live_ranks_local_optimizer_state(self):
+        # --rejoin with the DDP contract (issue 18): the model's and optimizer's state are the
+        # ranks' own. Rank 1 of 3 dies before step 17; only it restarts, and rank 0 (the
+        # lowest live rank) hands it its parameters, SGD's momentum buffers and the training
+        # loop's position (an ElasticState) while it waits for it; rank 2 posts zeros. The
+        # restarted rank re-sends the iteration the job had completed (a retransmission) and
+        # trains on from step 17. Its own parameters and momentum buffers at the end equal
+        # one process on the 3x batch: nobody rolled back, and its fresh optimizer (no momentum)
+        # would have taken the replicas apart.
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+        want, want_momentum = reference(sgd, workers=3, momentum=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin", "--",
+                        PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        "momentum,workers=3,crash-at=17,elastic-state,writer=1"], timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            self.assertIn("resumed at step 17", r.stdout)
+            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            self.assertIn("rank 1 takes up at step 17: ElasticState(epoch=3, batch=2)", r.stdout)
+            self.assert_close(torch.load(out), want, "a local optimizer's rank took up the job")
+            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
+                              "its momentum buffers")
+
     def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
         # --min_workers (issue 18): rank 1 of 4 dies before step 17 and is not restarted; the
         # KV servers average each key over the three ranks left from its first clock rank 1
@@ -771,17 +797,18 @@ class Launcher(unittest.TestCase):
         self.assertIn("joined to a cluster, a failed rank restarts alone with --rejoin",
                       r.stderr)
 
-    def test_a_rejoined_pytorch_rank_with_a_local_optimizer_refuses_to_take_up_the_job(self):
-        # With the DDP contract the state (model, optimizer) is the other ranks': a rank that
-        # rejoined says so rather than train from its own fresh state.
+    def test_a_rank_taking_up_the_job_needs_the_optimizer_to_get_its_state(self):
+        # With DistributedDataParallel the optimizer is the script's own, unknown to Poseidon:
+        # nobody can hand its state over, and a rank that rejoined says so rather than train
+        # from its own fresh state.
         with tempfile.TemporaryDirectory() as tmp:
             r = launch(["-n", "2", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
                         "--rejoin_timeout", "20s", "--", PY,
                         os.path.join(HERE, "equivalence_worker.py"), os.path.join(tmp, "p.pt"),
-                        "workers=2,crash-at=5"], timeout=240)
+                        "ddp-wrapper,workers=2,crash-at=5"], timeout=240)
             self.assertNotEqual(r.returncode, 0)
             self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
-            self.assertIn("cannot take up a running job with a local optimizer yet",
+            self.assertIn("hand over only to a model distributed with its optimizer",
                           r.stdout + r.stderr)
 
     def test_a_killed_rank_stops_everything_and_is_named(self):

@@ -197,6 +197,14 @@ psd_status psd_start_iteration(psd_context* ctx, uint64_t* iteration);
 psd_status psd_world(psd_context* ctx, uint32_t* rank, uint32_t* world_size,
                      uint64_t* generation);
 
+/* How many ranks took up the running job (an agent restarted with --rejoin after the others
+ * had trained without it; the coordinator's count as this rank's agent last heard it, so it
+ * lags by up to a heartbeat; it only grows), and the agent's --rejoin_timeout in milliseconds
+ * (0: a dead rank is never waited for, so none can take up the job). A framework whose ranks
+ * hold state the servers do not (a local optimizer) hands it to such a rank when the count
+ * grows. Cheap: loads from shared memory. */
+psd_status psd_takeovers(psd_context* ctx, uint64_t* takeovers, uint32_t* rejoin_timeout_ms);
+
 /* Tells the agent the framework is leaving, unmaps, frees the context. */
 psd_status psd_detach(psd_context* ctx);
 

@@ -8,6 +8,7 @@ import ctypes
 import os
 
 PSD_OK = 0
+PSD_TIMEOUT = 2  # a wait's timeout passed; the agent is alive
 STATUS_NAMES = {
     0: "ok", 1: "invalid argument", 2: "timeout", 3: "agent lost", 4: "not found",
     5: "failed precondition", 6: "already attached", 7: "synchronisation failed",
@@ -125,6 +126,9 @@ def lib():
         _lib.psd_world.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
                                    ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)]
         _lib.psd_world.restype = s
+        _lib.psd_takeovers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                                           ctypes.POINTER(ctypes.c_uint32)]
+        _lib.psd_takeovers.restype = s
         _lib.psd_start_iteration.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
         _lib.psd_start_iteration.restype = s
         _lib.psd_detach.argtypes = [ctypes.c_void_p]

@@ -41,8 +41,11 @@ wire carry float32 (bf16/fp16 widen exactly, the sum is float32, the average is 
 the parameter's type).
 """
 import contextlib
-import os
 import ctypes
+import json
+import os
+import re
+import struct
 
 import numpy as np
 import torch
@@ -50,8 +53,8 @@ import torch
 import poseidon
 from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
                     PSD_LAYER_AVERAGE, PSD_LAYER_CONV, PSD_LAYER_COUNTERS, PSD_LAYER_FC,
-                    PSD_LAYER_FUSABLE, PSD_LAYER_OTHER, PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB, check,
-                    lib)
+                    PSD_LAYER_FUSABLE, PSD_LAYER_OTHER, PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB,
+                    PSD_TIMEOUT, check, lib)
 
 BROADCAST_LAYER = "__poseidon_broadcast__"
 BUFFERS_LAYER = "__poseidon_buffers__"
@@ -91,17 +94,44 @@ def _device_view(pointer, count, device, owner):
     return tensor
 
 
+WAIT_SLICE_MS = 200  # a wait that may have to hand the state over checks this often
+
+
+def _wait(call, timeout_ms, what, idle):
+    """`call(ms)` (a psd wait) until it is done or `timeout_ms` passed; with `idle`, in slices
+    of WAIT_SLICE_MS with idle() between them (a rank taking up the job may need this rank's
+    state while it waits for that rank)."""
+    if idle is None:
+        check(call(timeout_ms), what)
+        return
+    left = timeout_ms
+    while True:
+        ms = min(WAIT_SLICE_MS, left)
+        status = call(ms)
+        left -= ms
+        if status != PSD_TIMEOUT:
+            check(status, what)
+            return
+        if left <= 0:
+            why = re.sub(r"within \d+ ms", f"within {timeout_ms} ms",
+                         lib().psd_last_error().decode(errors="replace"))
+            raise PoseidonError(status, f"{what}: {why}")
+        idle()
+
+
 class _HostSync:
     """Ready and wait on the host buffers (psd_layer_ready / psd_wait_layer)."""
 
     def __init__(self, ctx):
         self.ctx = ctx
+        self.idle = None  # called between slices of a wait (_wait)
 
     def ready(self, index, iteration, what):
         check(lib().psd_layer_ready(self.ctx, index, iteration), what)
 
     def wait(self, index, iteration, timeout_ms, what):
-        check(lib().psd_wait_layer(self.ctx, index, iteration, timeout_ms), what)
+        _wait(lambda ms: lib().psd_wait_layer(self.ctx, index, iteration, ms), timeout_ms, what,
+              self.idle)
 
 
 class _CudaSync:
@@ -111,6 +141,7 @@ class _CudaSync:
 
     def __init__(self, ctx, device):
         self.ctx, self.device = ctx, device
+        self.idle = None  # called between slices of a wait (_wait)
 
     def _stream(self):
         return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream or None)
@@ -122,8 +153,8 @@ class _CudaSync:
 
     def wait(self, index, iteration, timeout_ms, what):
         with torch.cuda.device(self.device):
-            check(lib().psd_cuda_wait_layer(self.ctx, index, iteration, timeout_ms,
-                                            self._stream()), what)
+            _wait(lambda ms: lib().psd_cuda_wait_layer(self.ctx, index, iteration, ms,
+                                                       self._stream()), timeout_ms, what, self.idle)
 
 
 class _Layer:
@@ -289,6 +320,15 @@ class _Engine:
             object.__setattr__(state, "_engine", self)
         self.state_layer = None
         self.state_held = None
+        # A job whose ranks may take it up (poseidon-agent --rejoin_timeout) with a local
+        # optimizer: the model's and optimizer's state are the ranks', so a live rank hands them
+        # to a rank taking up the job, through the broadcast layer (_hand_over).
+        self.hands_over = False
+        self.takeovers_served = 0  # the job's takeovers handed their state (psd_takeovers)
+        self.broadcast = None  # (layer index, view) of the broadcast layer
+        self.broadcast_posts = 0  # this process's iterations of it
+        self.clock_offset = 0  # the job's iteration of this process's iteration i: i + this
+        self.handing_over = False
         self.registering_in_forward = False  # the model is registered at its first forward
         self.iteration = 2  # 1 was the initial broadcast
         self.buffer_iteration = 2
@@ -369,21 +409,27 @@ class _Engine:
         check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
         start = ctypes.c_uint64()
         check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
-        if start.value > 1 and self.server_rule is None:
-            # Its agent took up a running job (--rejoin): with the DDP contract the other ranks
-            # hold the model's and optimizer's state, which this process cannot get from them.
-            raise PoseidonError(5, f"this rank's agent rejoined the running job at iteration "
-                                   f"{start.value} (poseidon-agent --rejoin), and the PyTorch "
-                                   f"integration cannot take up a running job with a local "
-                                   f"optimizer yet (the model and optimizer state are the "
-                                   f"other ranks'): use a server-side optimizer "
-                                   f"(server_optimizer=), or restart the whole job "
-                                   f"(poseidon run --max_restarts, with --checkpoint_dir to go "
-                                   f"on from a checkpoint)")
+        takeovers, rejoin_ms = ctypes.c_uint64(), ctypes.c_uint32()
+        check(lib().psd_takeovers(ctx, ctypes.byref(takeovers), ctypes.byref(rejoin_ms)),
+              "takeovers")
+        why_not = self._why_no_hand_over([n for n, _ in extra], total)
+        self.hands_over = self.server_rule is None and rejoin_ms.value > 0 and why_not is None
         global _rejoined_at
         # With a server-side optimizer the servers hold the state: iteration 1 re-reads the
         # parameters the job's iteration in flight is computed from (resumed_steps() says which).
+        # With a local optimizer a live rank hands it over (below): resumed_steps() follows it.
         _rejoined_at = start.value if start.value > 1 else None
+        taking_up = start.value > 1 and self.server_rule is None
+        if taking_up and not self.hands_over:
+            raise PoseidonError(5, f"this rank's agent rejoined the running job at iteration "
+                                   f"{start.value} (poseidon-agent --rejoin), and with a local "
+                                   f"optimizer the model's and optimizer's state are the other "
+                                   f"ranks', which they hand over only {why_not}: use a "
+                                   f"server-side optimizer (server_optimizer=), or restart the "
+                                   f"whole job (poseidon run --max_restarts, with "
+                                   f"--checkpoint_dir to go on from a checkpoint)")
+        if not taking_up and start.value == 1:
+            self.clock_offset = poseidon.resumed_iteration()
         views = self._buffer_views(ctx, device)
         for layer in layers:
             info = LayerInfo()
@@ -405,7 +451,14 @@ class _Engine:
         self.buffers_layer = extra_views.get(BUFFERS_LAYER)
         self.used_layer = extra_views.get(USED_LAYER)
         self.state_layer = extra_views.get(STATE_LAYER)
-        self._initial_broadcast(*extra_views[BROADCAST_LAYER])
+        self.broadcast = extra_views[BROADCAST_LAYER]
+        if self.hands_over:
+            self.sync.idle = self._serve_takeovers
+        if taking_up:
+            self._take_up(start.value)
+        else:
+            self._initial_broadcast(*self.broadcast)
+            self.broadcast_posts = 1
         self._install_hooks()
 
     def _buffer_views(self, ctx, device):
@@ -472,6 +525,164 @@ class _Engine:
             self.sync.wait(idx, 1, self.timeout_ms, "initial sync")
         if self.state_layer is not None:
             self._take_up_state()
+
+    # ---- a rank taking up the job with a local optimizer ----------------------------------
+    # The model's and optimizer's state are the ranks' own (the servers sum gradients), so a
+    # live rank hands them to a rank that takes up the running job (poseidon run --rejoin),
+    # through the broadcast layer (a sum table every rank posts: one sends, the others zeros),
+    # in rounds every rank posts alike:
+    #  1. the census: every live rank says so, with the takeovers it served, the length of its
+    #     state and the takeovers its agent heard of; every rank taking up the job says so;
+    #  2. the lowest live rank's state — the job's iteration it is after, the model's and the
+    #     optimizer's state dicts, the ElasticState — as bytes, 3 per float32 (exact in a sum
+    #     with zeros), in as many rounds as it takes.
+    # A live rank hands over from inside a wait (_wait's idle), once its agent heard of a
+    # takeover (psd_takeovers): the rank taking up the job is what it waits for, and there its
+    # state is that after the iteration before the one it waits for. The rank taking up the job
+    # then re-sends the iterations the job completed since the clock its agent starts from (the
+    # KV servers take them as retransmissions) and trains from the next one.
+    def _why_no_hand_over(self, extra_names, elements):
+        """None where a live rank can hand its state to a rank taking up the job, else what is
+        missing (the same on every rank)."""
+        if self.mode != "ddp":
+            return "without overlap_forward"
+        if BUFFERS_LAYER in extra_names:
+            return ("without broadcast_buffers (pass broadcast_buffers=False: a rank taking up "
+                    "the job gets the buffers with the model's state)")
+        if self.find_unused:
+            return "without find_unused_parameters"
+        if self.elastic:
+            return "in a job that cannot shrink (no --min_workers)"
+        if self._local_optimizer() is None:
+            return ("to a model distributed with its optimizer "
+                    "(poseidon.torch.distribute(model, optimizer, batch_size=K))")
+        if elements < CENSUS_SLOTS * self.world:
+            return f"for a model of {CENSUS_SLOTS * self.world} elements or more"
+        return None
+
+    def _local_optimizer(self):
+        return None if self.optimizer is None else self.optimizer._optimizer
+
+    @staticmethod
+    def _takeovers_heard():
+        count, rejoin_ms = ctypes.c_uint64(), ctypes.c_uint32()
+        check(lib().psd_takeovers(poseidon._context(), ctypes.byref(count),
+                                  ctypes.byref(rejoin_ms)), "takeovers")
+        return count.value
+
+    def _broadcast_round(self, values, what):
+        """One iteration of the broadcast layer: `values` (a CPU float32 tensor no longer than
+        the layer, or None: zeros) summed over the ranks; returns the sum, on the CPU."""
+        index, view = self.broadcast
+        view.zero_()
+        if values is not None and values.numel():
+            view[:values.numel()].copy_(values)
+        self.broadcast_posts += 1
+        self.sync.ready(index, self.broadcast_posts, what)
+        self.sync.wait(index, self.broadcast_posts, self.timeout_ms, what)
+        return view.detach().cpu().clone()
+
+    def _census(self, length):
+        """Round 1; `length`: this live rank's state in floats, None for a rank taking up the
+        job. Returns (the sender, its length, the takeovers served after this hand-over)."""
+        w, r = self.world, self.rank
+        mine = torch.zeros(CENSUS_SLOTS * w)
+        if length is None:
+            mine[2 * w + r] = 1
+        else:
+            mine[r] = 1
+            mine[w + r] = self.takeovers_served
+            mine[3 * w + r] = length % LENGTH_SPLIT
+            mine[4 * w + r] = length // LENGTH_SPLIT
+            mine[5 * w + r] = self._takeovers_heard()
+        raw = self._broadcast_round(mine, "the census of a hand-over to a rank taking up the job")
+        got = raw[:CENSUS_SLOTS * w].view(CENSUS_SLOTS, w)
+        live = [i for i in range(w) if got[0, i] == 1]
+        taking = [i for i in range(w) if got[2, i] == 1]
+        flags = torch.cat([got[0], got[2]])
+        if not live or not bool(((flags == 0) | (flags == 1)).all()) or set(live) & set(taking):
+            raise PoseidonError(5, "the census of a hand-over to a rank taking up the job is "
+                                   f"garbled (live ranks {got[0].tolist()}, ranks taking up the "
+                                   f"job {got[2].tolist()}): another rank took up the job in "
+                                   "the same iterations; restart the job")
+        sender = live[0]
+        served = int(got[1, sender])
+        if any(int(got[1, i]) != served for i in live):
+            raise PoseidonError(5, f"the ranks handing over disagree on the takeovers served "
+                                   f"({[int(got[1, i]) for i in live]} on ranks {live})")
+        length = int(got[3, sender]) + int(got[4, sender]) * LENGTH_SPLIT
+        heard = int(got[5].max())
+        return sender, length, served + len(taking) if taking else max(served, heard)
+
+    def _state_rounds(self, sender, length, data):
+        """Rounds 2...: the sender's `data` (its packed state); returns what arrived."""
+        size = self.broadcast[1].numel()
+        parts = []
+        for at in range(0, length, size):
+            mine = data[at:at + size] if self.rank == sender else None
+            got = self._broadcast_round(mine, "handing the state over to a rank taking up the job")
+            parts.append(got[:min(size, length - at)])
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _serve_takeovers(self):
+        """A live rank, waiting: hands its state over once its agent heard of a takeover."""
+        if self.handing_over or self._takeovers_heard() <= self.takeovers_served:
+            return
+        self.handing_over = True
+        try:
+            data = _pack_bytes(_encode_state({
+                "iteration": self.iteration - 1 + self.clock_offset,
+                "model": self.model.state_dict(),
+                "optimizer": self._local_optimizer().state_dict(),
+                "state": None if self.state is None else dict(self.state._fields)}))
+            sender, length, served = self._census(data.numel())
+            self._state_rounds(sender, length, data)
+            self.takeovers_served = served
+        finally:
+            self.handing_over = False
+
+    def _take_up(self, start):
+        """This rank's agent took up the running job at the job's iteration `start`: the state
+        comes from a live rank, then the iterations the job completed since start - 1 are
+        re-sent; training goes on from the iteration after the state's."""
+        global _rejoined_at
+        if self.registering_in_forward:
+            raise PoseidonError(5, f"this rank's agent took up the running job at iteration "
+                                   f"{start}, whose state a live rank hands over when the model "
+                                   "is registered, and this model was registered at its first "
+                                   "forward, after the loop had picked its batch: register it "
+                                   "before the loop (distribute(..., batch_size=K))")
+        self.clock_offset = start - 1  # this process's iteration 1 is the job's `start`
+        self.handing_over = True
+        try:
+            sender, length, served = self._census(None)
+            got = _decode_state(_unpack_bytes(self._state_rounds(sender, length, None)))
+            self.model.load_state_dict(got["model"])
+            self._local_optimizer().load_state_dict(got["optimizer"])
+            if self.state is not None:
+                if got["state"] is None or set(got["state"]) != set(self.state._fields):
+                    raise PoseidonError(5, f"rank {sender} handed over the ElasticState "
+                                           f"{got['state']}, this rank's has "
+                                           f"{sorted(self.state._fields)}")
+                self.state._fields.update(got["state"])
+            after = int(got["iteration"])
+            again = after - self.clock_offset  # completed iterations this agent re-sends
+            if again < 0:
+                raise PoseidonError(5, f"rank {sender} handed over its state after iteration "
+                                       f"{after}, before the iteration {start} the job is at")
+            for it in range(1, again + 1):
+                for layer in self.layers:
+                    layer.grad.zero_()  # a retransmission: the servers keep the first push
+                    self.sync.ready(layer.index, it, f"re-sending {layer.name}")
+                for layer in self.layers:
+                    self.sync.wait(layer.index, it, self.timeout_ms,
+                                   f"re-sending {layer.name} (the job's iteration "
+                                   f"{it + self.clock_offset}, completed)")
+            self.iteration = again + 1
+            self.takeovers_served = served
+            _rejoined_at = after  # resumed_steps(): the steps the state holds
+        finally:
+            self.handing_over = False
 
     # ---- the training loop's position (ElasticState) --------------------------------------
     # With a server-side rule the KV servers hold it as a table of counters (PSD_LAYER_COUNTERS:
@@ -1018,6 +1229,98 @@ class DistributedOptimizer:
 SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
 
 STATE_LIMIT = 1 << 24  # every value travels as float32: integers below this are exact
+CENSUS_SLOTS = 6  # a hand-over's census: per rank live, served, taking up, length (2), heard
+LENGTH_SPLIT = 1 << 22  # a length travels as two floats: below and above this
+
+
+def _pack_bytes(data):
+    """bytes -> float32, 3 bytes per value (integers below 2^24: exact, also in a sum with
+    zeros), after 8 bytes of length."""
+    data = struct.pack("<Q", len(data)) + data
+    raw = torch.frombuffer(bytearray(data) + bytes(-len(data) % 3), dtype=torch.uint8)
+    b = raw.to(torch.int32).view(-1, 3)
+    return (b[:, 0] + b[:, 1] * 256 + b[:, 2] * 65536).to(torch.float32)
+
+
+def _encode_state(obj):
+    """A state (dicts, lists, tuples, numbers, strings, None and tensors: state dicts) -> bytes:
+    its skeleton as JSON, then every tensor's bytes (no pickle: a peer's bytes run no code)."""
+    tensors = []
+
+    def skeleton(o):
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            tensors.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            return {"tensor": len(tensors) - 1, "dtype": str(t.dtype).split(".")[-1],
+                    "shape": list(t.shape), "grad": o.requires_grad}
+        if isinstance(o, dict):
+            return {"dict": [[skeleton(k), skeleton(v)] for k, v in o.items()]}
+        if isinstance(o, tuple):
+            return {"tuple": [skeleton(v) for v in o]}
+        if isinstance(o, list):
+            return [skeleton(v) for v in o]
+        if o is None or isinstance(o, (bool, int, float, str)):
+            return o
+        raise PoseidonError(5, f"a {type(o).__name__} in the model's or optimizer's state "
+                               "cannot be handed to a rank taking up the job")
+
+    head = json.dumps(skeleton(obj)).encode()
+    sizes = [len(t) for t in tensors]
+    return struct.pack("<QQ", len(head), len(sizes)) + head + struct.pack(
+        f"<{len(sizes)}Q", *sizes) + b"".join(tensors)
+
+
+def _decode_state(data):
+    """_encode_state's inverse (a peer's bytes: every size checked)."""
+    def garbled(why):
+        return PoseidonError(5, f"a hand-over's state is garbled: {why}")
+
+    if len(data) < 16:
+        raise garbled(f"{len(data)} bytes")
+    head_len, count = struct.unpack("<QQ", data[:16])
+    at = 16 + head_len + 8 * count
+    if at > len(data):
+        raise garbled(f"{head_len} bytes of skeleton and {count} tensors in {len(data)} bytes")
+    head = json.loads(data[16:16 + head_len])
+    sizes = struct.unpack(f"<{count}Q", data[16 + head_len:at])
+    offsets = [at]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    if offsets[-1] != len(data):
+        raise garbled(f"tensors of {offsets[-1] - at} bytes in {len(data) - at}")
+
+    def build(o):
+        if isinstance(o, list):
+            return [build(v) for v in o]
+        if not isinstance(o, dict):
+            return o
+        if "dict" in o:
+            return {build(k): build(v) for k, v in o["dict"]}
+        if "tuple" in o:
+            return tuple(build(v) for v in o["tuple"])
+        i, dtype = o["tensor"], getattr(torch, o["dtype"], None)
+        if not isinstance(dtype, torch.dtype) or not 0 <= i < count:
+            raise garbled(f"tensor {i} of dtype {o['dtype']}")
+        raw = bytearray(data[offsets[i]:offsets[i + 1]])
+        numel = 1
+        for s in o["shape"]:
+            numel *= s
+        if len(raw) != numel * torch.tensor([], dtype=dtype).element_size():
+            raise garbled(f"tensor {i}: {len(raw)} bytes for shape {o['shape']} of {dtype}")
+        t = (torch.frombuffer(raw, dtype=dtype) if raw else torch.zeros(0, dtype=dtype))
+        return t.reshape(o["shape"]).requires_grad_(bool(o["grad"]) and dtype.is_floating_point)
+
+    return build(head)
+
+
+def _unpack_bytes(values):
+    """_pack_bytes's inverse."""
+    v = values.to(torch.int64)
+    b = torch.stack([v & 255, (v >> 8) & 255, (v >> 16) & 255], 1).to(torch.uint8)
+    data = b.reshape(-1).numpy().tobytes()
+    if len(data) < 8 or struct.unpack("<Q", data[:8])[0] > len(data) - 8:
+        raise PoseidonError(5, f"a hand-over's state is garbled ({len(data)} bytes)")
+    return data[8:8 + struct.unpack("<Q", data[:8])[0]]
 
 
 class ElasticState:
