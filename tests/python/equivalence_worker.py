@@ -20,7 +20,8 @@ writes them), buffer-probe (an
 identity module in front whose buffer each forward sets to 100 * rank + its forward count, so
 that the value a forward finds there says whose buffers DDP's broadcast_buffers installed; rank 2
 prints the senders it saw), ddp-wrapper (poseidon.torch.DistributedDataParallel and a plain
-torch SGD, registered at the first forward, instead of distribute()), elastic-state (a
+torch SGD, registered at the first forward, instead of distribute(); with register-early:
+registered by batch_size=K; with state-optimizer: the ElasticState knows the SGD), elastic-state (a
 poseidon.torch.ElasticState of epochs of EPOCH_STEPS steps: every rank checks at every step
 that it holds that step's epoch and batch, and a rank that took up the running job prints the
 position it learnt; state-skew: rank 1's loop moves one batch further at step 3, which the
@@ -123,8 +124,13 @@ def main(out, modes=()):
     wrapper = "ddp-wrapper" in modes
     state = poseidon.torch.ElasticState(epoch=0, batch=0) if "elastic-state" in modes else None
     if wrapper:  # the DDP contract as a torch DDP script has it: the user's own optimizer
-        model = poseidon.torch.DistributedDataParallel(model, grad_hook=grad_hook, state=state)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = poseidon.torch.DistributedDataParallel(
+            model, grad_hook=grad_hook, state=state,
+            batch_size=K if "register-early" in modes else None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1,
+                              momentum=0.9 if "momentum" in modes else 0.0)
+        if "state-optimizer" in modes:
+            state.optimizer = opt  # a rank taking up the job gets its state too
     elif server:  # the KV servers run Adam; no local optimizer
         opt = poseidon.torch.distribute(model, None,
                                         batch_size=None if "lazy-register" in modes else K,
@@ -212,7 +218,8 @@ def main(out, modes=()):
         print("rank 2 found buffers of ranks", [v // 100 for v in found], flush=True)
     if rank == writer:
         torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
-        if not wrapper and opt._optimizer is not None:  # overlap_forward's per-layer steps
+        local = opt if wrapper else opt._optimizer
+        if local is not None:  # (overlap_forward's per-layer steps: the wrapped optimizer's)
             state = opt.state_dict()["state"]
             buffers = [state.get(i, {}).get("momentum_buffer") for i in
                        range(len(list(model.parameters())))]

@@ -19,6 +19,7 @@ POSEIDON_LIB) naming the binaries. Child processes run with this interpreter (sy
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -290,6 +291,26 @@ class Equivalence(WorkersTest):
             self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
             self.assertIn("rank 1 takes up at step 17: ElasticState(epoch=3, batch=2)", r.stdout)
             self.assert_close(torch.load(out), want, "a local optimizer's rank took up the job")
+            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
+                              "its momentum buffers")
+
+    def test_a_ddp_script_rank_takes_up_the_job_with_the_optimizer_its_elastic_state_names(self):
+        # The same through DistributedDataParallel and the script's own SGD with momentum: the
+        # model is registered before the loop (batch_size=K), the ElasticState names the
+        # optimizer (state.optimizer = opt), and the restarted rank gets the state when its
+        # loop asks where to start (resumed_steps()).
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+        want, want_momentum = reference(sgd, workers=3, momentum=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin", "--",
+                        PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        "ddp-wrapper,register-early,state-optimizer,momentum,workers=3,"
+                        "crash-at=17,elastic-state,writer=1"], timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            self.assertIn("rank 1 takes up at step 17: ElasticState(epoch=3, batch=2)", r.stdout)
+            self.assert_close(torch.load(out), want, "a DDP script's rank took up the job")
             self.assert_close(torch.load(out + ".optimizer"), want_momentum,
                               "its momentum buffers")
 
@@ -798,18 +819,21 @@ class Launcher(unittest.TestCase):
                       r.stderr)
 
     def test_a_rank_taking_up_the_job_needs_the_optimizer_to_get_its_state(self):
-        # With DistributedDataParallel the optimizer is the script's own, unknown to Poseidon:
-        # nobody can hand its state over, and a rank that rejoined says so rather than train
-        # from its own fresh state.
-        with tempfile.TemporaryDirectory() as tmp:
-            r = launch(["-n", "2", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
-                        "--rejoin_timeout", "20s", "--", PY,
-                        os.path.join(HERE, "equivalence_worker.py"), os.path.join(tmp, "p.pt"),
-                        "ddp-wrapper,workers=2,crash-at=5"], timeout=240)
-            self.assertNotEqual(r.returncode, 0)
-            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
-            self.assertIn("hand over only to a model distributed with its optimizer",
-                          r.stdout + r.stderr)
+        # With DistributedDataParallel the optimizer is the script's own: unless the
+        # ElasticState names it, a rank that rejoined says so rather than train from its own
+        # fresh optimizer state; registered at its first forward, it says that is too late.
+        for modes, said in (("ddp-wrapper,register-early,elastic-state",
+                             "this process's optimizer is unknown"),
+                            ("ddp-wrapper", "register it before the loop (batch_size=K")):
+            with tempfile.TemporaryDirectory() as tmp:
+                r = launch(["-n", "2", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
+                            "--rejoin_timeout", "20s", "--", PY,
+                            os.path.join(HERE, "equivalence_worker.py"),
+                            os.path.join(tmp, "p.pt"), f"{modes},workers=2,crash-at=5"],
+                           timeout=240)
+                self.assertNotEqual(r.returncode, 0, modes)
+                self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+                self.assertIn(said, r.stdout + r.stderr)
 
     def test_a_killed_rank_stops_everything_and_is_named(self):
         code = ("import os, signal, time, poseidon; poseidon.init(); time.sleep(0.5); "
@@ -940,6 +964,47 @@ class Misuse(unittest.TestCase):
             with self.assertRaisesRegex(poseidon.PoseidonError, r"integer in \[0, 2\^24\)"):
                 poseidon.torch.ElasticState(epoch=bad)
         self.assertEqual(state.batch, 0)
+        # The optimizer a live rank hands over with the model (not a counter: never sent as one).
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        self.assertIsNone(state.optimizer)
+        state.optimizer = opt
+        self.assertIs(poseidon.torch.ElasticState(optimizer=opt).optimizer, opt)
+        self.assertEqual(state.as_dict(), {"epoch": 3, "batch": 0, "tokens": 7})
+        with self.assertRaisesRegex(poseidon.PoseidonError, "must be an optimizer"):
+            state.optimizer = 3
+
+    def test_a_hand_over_survives_its_bytes_and_refuses_garbled_ones(self):
+        # What a live rank hands to a rank taking up the job: the state dicts through float32
+        # sums (3 bytes a value), no pickle; a truncated or inflated stream is refused.
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sent = {"iteration": 9, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "state": {"epoch": 1, "batch": 4}}
+        packed = poseidon.torch._pack_bytes(poseidon.torch._encode_state(sent))
+        self.assertEqual(packed.dtype, torch.float32)
+        self.assertLess(packed.max().item(), 1 << 24)
+        got = poseidon.torch._decode_state(poseidon.torch._unpack_bytes(packed + 0.0))
+        self.assertEqual((got["iteration"], got["state"]), (9, {"epoch": 1, "batch": 4}))
+        for key, tensor in sent["model"].items():
+            self.assertTrue(torch.equal(got["model"][key], tensor), key)
+        restored = torch.optim.Adam(model.parameters(), lr=1.0)
+        restored.load_state_dict(got["optimizer"])
+        self.assertEqual(restored.param_groups[0]["lr"], 1e-3)
+        self.assertEqual(restored.param_groups[0]["betas"], (0.9, 0.999))
+        for a, b in zip(opt.state.values(), restored.state.values()):
+            for name in a:
+                self.assertTrue(torch.equal(a[name], b[name]), name)
+        data = poseidon.torch._encode_state(sent)
+        # A skeleton naming a tensor the stream does not hold; one that is not JSON.
+        ghost = b'{"tensor": 0, "dtype": "float32", "shape": [1], "grad": false}'
+        forged = [struct.pack("<QQ", len(ghost), 0) + ghost, struct.pack("<QQ", 3, 0) + b"{{{"]
+        for bad in [data[:10], data[:-1], data + b"x"] + forged:
+            with self.assertRaisesRegex(poseidon.PoseidonError, "garbled"):
+                poseidon.torch._decode_state(bad)
+        with self.assertRaisesRegex(poseidon.PoseidonError, "cannot be handed"):
+            poseidon.torch._encode_state({"x": object()})
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def _die_with_parent():
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+_OUTPUT_LOCK = threading.Lock()  # the processes' output threads print through it
+
+
 class Proc:
     def __init__(self, name, argv, env=None, watch=None):
         self.name = name
@@ -89,7 +92,8 @@ class Proc:
                 self.seen.set()
                 if line.startswith("poseidon-"):
                     continue
-            print(f"[{self.name}] {line}", flush=True)
+            with _OUTPUT_LOCK:  # print() writes the line and its end apart: one at a time
+                print(f"[{self.name}] {line}", flush=True)
 
     def stop(self, sig=signal.SIGTERM):
         if self.proc.poll() is None:

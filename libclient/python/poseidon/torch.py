@@ -329,6 +329,7 @@ class _Engine:
         self.broadcast_posts = 0  # this process's iterations of it
         self.clock_offset = 0  # the job's iteration of this process's iteration i: i + this
         self.handing_over = False
+        self.pending_take_up = None  # the job's iteration to take up once the optimizer is known
         self.registering_in_forward = False  # the model is registered at its first forward
         self.iteration = 2  # 1 was the initial broadcast
         self.buffer_iteration = 2
@@ -455,7 +456,12 @@ class _Engine:
         if self.hands_over:
             self.sync.idle = self._serve_takeovers
         if taking_up:
-            self._take_up(start.value)
+            self._check_take_up_registered(start.value)
+            self.pending_take_up = start.value
+            if self._local_optimizer() is not None:  # else once it is known (take_up_now)
+                self.take_up_now()
+            else:
+                _taking_up.append(self)
         else:
             self._initial_broadcast(*self.broadcast)
             self.broadcast_posts = 1
@@ -553,15 +559,15 @@ class _Engine:
             return "without find_unused_parameters"
         if self.elastic:
             return "in a job that cannot shrink (no --min_workers)"
-        if self._local_optimizer() is None:
-            return ("to a model distributed with its optimizer "
-                    "(poseidon.torch.distribute(model, optimizer, batch_size=K))")
         if elements < CENSUS_SLOTS * self.world:
             return f"for a model of {CENSUS_SLOTS * self.world} elements or more"
         return None
 
     def _local_optimizer(self):
-        return None if self.optimizer is None else self.optimizer._optimizer
+        """distribute()'s optimizer, else the ElasticState's (DistributedDataParallel)."""
+        if self.optimizer is not None:
+            return self.optimizer._optimizer
+        return None if self.state is None else self.state.optimizer
 
     @staticmethod
     def _takeovers_heard():
@@ -633,7 +639,8 @@ class _Engine:
             data = _pack_bytes(_encode_state({
                 "iteration": self.iteration - 1 + self.clock_offset,
                 "model": self.model.state_dict(),
-                "optimizer": self._local_optimizer().state_dict(),
+                "optimizer": (None if self._local_optimizer() is None
+                              else self._local_optimizer().state_dict()),
                 "state": None if self.state is None else dict(self.state._fields)}))
             sender, length, served = self._census(data.numel())
             self._state_rounds(sender, length, data)
@@ -641,22 +648,45 @@ class _Engine:
         finally:
             self.handing_over = False
 
-    def _take_up(self, start):
-        """This rank's agent took up the running job at the job's iteration `start`: the state
-        comes from a live rank, then the iterations the job completed since start - 1 are
-        re-sent; training goes on from the iteration after the state's."""
-        global _rejoined_at
+    def _check_take_up_registered(self, start):
         if self.registering_in_forward:
             raise PoseidonError(5, f"this rank's agent took up the running job at iteration "
                                    f"{start}, whose state a live rank hands over when the model "
                                    "is registered, and this model was registered at its first "
                                    "forward, after the loop had picked its batch: register it "
-                                   "before the loop (distribute(..., batch_size=K))")
+                                   "before the loop (batch_size=K to distribute() or "
+                                   "DistributedDataParallel)")
+
+    def take_up_now(self):
+        """A rank taking up the running job whose optimizer was not known at registration
+        (DistributedDataParallel: ElasticState.optimizer set since) gets the state now:
+        resumed_steps() or the first forward calls this."""
+        if self.pending_take_up is None:
+            return
+        if self._local_optimizer() is None:
+            raise PoseidonError(5, f"this rank's agent took up the running job at iteration "
+                                   f"{self.pending_take_up}, and a live rank hands over the "
+                                   "model's and optimizer's state, but this process's optimizer "
+                                   "is unknown: pass an ElasticState (state=) and set its "
+                                   "optimizer (state.optimizer = opt) before the training loop, "
+                                   "or distribute(model, optimizer, batch_size=K)")
+        start, self.pending_take_up = self.pending_take_up, None
+        self._take_up(start)
+
+    def _take_up(self, start):
+        """This rank's agent took up the running job at the job's iteration `start`: the state
+        comes from a live rank, then the iterations the job completed since start - 1 are
+        re-sent; training goes on from the iteration after the state's."""
+        global _rejoined_at
         self.clock_offset = start - 1  # this process's iteration 1 is the job's `start`
         self.handing_over = True
         try:
             sender, length, served = self._census(None)
             got = _decode_state(_unpack_bytes(self._state_rounds(sender, length, None)))
+            if got["optimizer"] is None:
+                raise PoseidonError(5, f"rank {sender} handed over its model's state but not its "
+                                       "optimizer's, which it does not know: every rank sets "
+                                       "ElasticState.optimizer (or passes it to distribute())")
             self.model.load_state_dict(got["model"])
             self._local_optimizer().load_state_dict(got["optimizer"])
             if self.state is not None:
@@ -797,6 +827,7 @@ class _Engine:
             # The iteration boundary DDP's wrapper has (its optimizer is the user's own): the
             # world-change hooks run here, before this forward; distribute()'s step() does it.
             _check_world(self)
+        self.take_up_now()
         grad = torch.is_grad_enabled()
         if self.require_forward_param_sync and self.buffers_layer is not None:
             self._sync_buffers()
@@ -1074,12 +1105,15 @@ class DistributedDataParallel(torch.nn.Module):
     output_device, bucket_cap_mb, gradient_as_bucket_view and static_graph are accepted and do
     not change anything (the agent plans fusion and placement). Poseidon's own: sfb (False:
     every layer by PS), timeout_ms (every wait), grad_hook (see distribute), state (an
-    ElasticState: the training loop's position, for a rank that takes up the running job)."""
+    ElasticState: the training loop's position, for a rank that takes up the running job; its
+    `optimizer`, set before the loop, lets a live rank hand that optimizer's state over too),
+    batch_size (as distribute's: the model is registered now instead of at its first forward,
+    which a rank taking up the running job needs to learn its step before the loop)."""
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False, *,
-                 sfb=True, timeout_ms=120000, grad_hook="auto", state=None):
+                 sfb=True, timeout_ms=120000, grad_hook="auto", state=None, batch_size=None):
         super().__init__()
         if process_group is not None:
             raise PoseidonError(1, "process_group: Poseidon synchronises over its own job "
@@ -1090,7 +1124,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._engine = _Engine(module, mode="ddp", timeout_ms=timeout_ms,
                                broadcast_buffers=broadcast_buffers,
                                find_unused_parameters=find_unused_parameters, grad_hook=grad_hook,
-                               sfb=sfb, state=state)
+                               sfb=sfb, state=state, batch_size=batch_size)
+        if batch_size is not None:
+            self._engine.register(None)
 
     def forward(self, *inputs, **kwargs):
         self._engine.before_forward(lambda: self.module(*inputs, **kwargs))
@@ -1281,7 +1317,10 @@ def _decode_state(data):
     at = 16 + head_len + 8 * count
     if at > len(data):
         raise garbled(f"{head_len} bytes of skeleton and {count} tensors in {len(data)} bytes")
-    head = json.loads(data[16:16 + head_len])
+    try:
+        head = json.loads(data[16:16 + head_len])
+    except ValueError as e:
+        raise garbled(f"its skeleton: {e}") from None
     sizes = struct.unpack(f"<{count}Q", data[16 + head_len:at])
     offsets = [at]
     for size in sizes:
@@ -1310,7 +1349,10 @@ def _decode_state(data):
         t = (torch.frombuffer(raw, dtype=dtype) if raw else torch.zeros(0, dtype=dtype))
         return t.reshape(o["shape"]).requires_grad_(bool(o["grad"]) and dtype.is_floating_point)
 
-    return build(head)
+    try:
+        return build(head)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise garbled(f"{type(e).__name__}: {e}") from None
 
 
 def _unpack_bytes(values):
@@ -1340,6 +1382,12 @@ class ElasticState:
                 opt.step()                           # state.batch += 1
             state.next_epoch()
 
+    With a local optimizer under DistributedDataParallel (your own optimizer), set
+    `state.optimizer = opt` (or ElasticState(optimizer=opt)) before the loop: a rank that takes
+    up the running job gets the model's and that optimizer's state, and this state's values,
+    from a live rank when it calls resumed_steps() (or at its first forward), as Horovod's
+    TorchState(model, optimizer) restores them; distribute(model, optimizer) knows it already.
+
     `batch` goes up by one at every synchronised step (the end of the iteration); next_epoch()
     sets `epoch` + 1 and `batch` 0; other counters are yours to set. Integers in [0, 2^24).
     With a server-side optimizer the KV servers hold the values with the parameters: every
@@ -1348,14 +1396,18 @@ class ElasticState:
     the step it takes up when the model is registered (pass batch_size to distribute(): at the
     first forward the loop has picked its batch already, and the rank stops saying so); a job
     resumed from a checkpoint (`poseidon run --resume`) restores them. With a local optimizer
-    (no rank can take up such a job) the state is each rank's own, counted the same way."""
+    the state is each rank's own, counted the same way, and a live rank hands it (with the model
+    and the optimizer) to a rank taking up the job."""
 
-    def __init__(self, epoch=0, batch=0, **counters):
+    def __init__(self, epoch=0, batch=0, optimizer=None, **counters):
         fields = dict(epoch=epoch, batch=batch, **counters)
         for name, value in fields.items():
             _check_counter(name, value)
         object.__setattr__(self, "_fields", fields)
         object.__setattr__(self, "_engine", None)
+        object.__setattr__(self, "optimizer", None)
+        if optimizer is not None:
+            self.optimizer = optimizer
 
     def __getattr__(self, name):
         fields = self.__dict__.get("_fields", {})
@@ -1364,6 +1416,13 @@ class ElasticState:
         raise AttributeError(name)
 
     def __setattr__(self, name, value):
+        if name == "optimizer":
+            if value is not None and not (hasattr(value, "state_dict") and
+                                          hasattr(value, "load_state_dict")):
+                raise PoseidonError(1, f"ElasticState.optimizer must be an optimizer (with "
+                                       f"state_dict and load_state_dict), not {value!r}")
+            object.__setattr__(self, name, value)
+            return
         if name not in self._fields:
             raise AttributeError(f"ElasticState has no counter {name!r} (name every counter "
                                  "when creating it: every rank sends the same ones)")
@@ -1429,6 +1488,7 @@ def _check_world(engine):
 
 
 _rejoined_at = None  # the job's iteration a rank that rejoined took up (psd_start_iteration)
+_taking_up = []  # engines whose rank takes up the job once the optimizer is known
 
 
 def resumed_steps():
@@ -1438,6 +1498,8 @@ def resumed_steps():
     starts at this step, and with a server-side optimizer the servers' parameters and optimizer
     state are those after it. Iteration 1 of this integration is the initial broadcast, so a
     checkpoint after iteration N holds N - 1 steps."""
+    for engine in _taking_up:  # a rank taking up the job gets its state first
+        engine.take_up_now()
     if _rejoined_at is not None:
         return _rejoined_at - 1
     return max(0, poseidon.resumed_iteration() - 1)
