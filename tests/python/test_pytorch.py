@@ -268,6 +268,29 @@ class Equivalence(WorkersTest):
             self.assertIn("rank 1 takes up at step 16: ElasticState(epoch=3, batch=1)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
 
+    def take_up_with_handed_over_state(self, modes, what):
+        """With equivalence_worker.py's `modes` (each followed by a comma), rank 1 of 3 (SGD
+        with momentum in the ranks, an ElasticState) dies before step 17 and restarts alone
+        (--rejoin); its own parameters and momentum buffers at the end must equal one process
+        on the 3x batch."""
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+        want, want_momentum = reference(sgd, workers=3, momentum=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin", "--",
+                        PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        modes + "momentum,workers=3,crash-at=17,elastic-state,writer=1"],
+                       timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            self.assertIn("resumed at step 17", r.stdout)
+            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            self.assertIn("rank 1 takes up at step 17: ElasticState(epoch=3, batch=2)", r.stdout)
+            self.assert_close(torch.load(out), want, what)
+            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
+                              f"{what}: its momentum buffers")
+
     def test_a_crashed_rank_takes_up_the_job_with_a_live_ranks_local_optimizer_state(self):
         # --rejoin with the DDP contract (issue 18): the model's and optimizer's state are the
         # ranks' own. Rank 1 of 3 dies before step 17; only it restarts, and rank 0 (the
@@ -277,42 +300,15 @@ class Equivalence(WorkersTest):
         # trains on from step 17. Its own parameters and momentum buffers at the end equal
         # one process on the 3x batch: nobody rolled back, and its fresh optimizer (no momentum)
         # would have taken the replicas apart.
-        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
-        want, want_momentum = reference(sgd, workers=3, momentum=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin", "--",
-                        PY, os.path.join(HERE, "equivalence_worker.py"), out,
-                        "momentum,workers=3,crash-at=17,elastic-state,writer=1"], timeout=240)
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn("rank 1 crashes", r.stdout)
-            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
-            self.assertIn("resumed at step 17", r.stdout)
-            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
-            self.assertIn("rank 1 takes up at step 17: ElasticState(epoch=3, batch=2)", r.stdout)
-            self.assert_close(torch.load(out), want, "a local optimizer's rank took up the job")
-            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
-                              "its momentum buffers")
+        self.take_up_with_handed_over_state("", "a local optimizer's rank took up the job")
 
     def test_a_ddp_script_rank_takes_up_the_job_with_the_optimizer_its_elastic_state_names(self):
         # The same through DistributedDataParallel and the script's own SGD with momentum: the
         # model is registered before the loop (batch_size=K), the ElasticState names the
         # optimizer (state.optimizer = opt), and the restarted rank gets the state when its
         # loop asks where to start (resumed_steps()).
-        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
-        want, want_momentum = reference(sgd, workers=3, momentum=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin", "--",
-                        PY, os.path.join(HERE, "equivalence_worker.py"), out,
-                        "ddp-wrapper,register-early,state-optimizer,momentum,workers=3,"
-                        "crash-at=17,elastic-state,writer=1"], timeout=240)
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
-            self.assertIn("rank 1 takes up at step 17: ElasticState(epoch=3, batch=2)", r.stdout)
-            self.assert_close(torch.load(out), want, "a DDP script's rank took up the job")
-            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
-                              "its momentum buffers")
+        self.take_up_with_handed_over_state("ddp-wrapper,register-early,state-optimizer,",
+                                            "a DDP script's rank took up the job")
 
     def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
         # --min_workers (issue 18): rank 1 of 4 dies before step 17 and is not restarted; the
