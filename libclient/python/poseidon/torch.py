@@ -410,11 +410,9 @@ class _Engine:
         check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
         start = ctypes.c_uint64()
         check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
-        takeovers, rejoin_ms = ctypes.c_uint64(), ctypes.c_uint32()
-        check(lib().psd_takeovers(ctx, ctypes.byref(takeovers), ctypes.byref(rejoin_ms)),
-              "takeovers")
+        _, rejoin_ms = _takeovers()
         why_not = self._why_no_hand_over([n for n, _ in extra], total)
-        self.hands_over = self.server_rule is None and rejoin_ms.value > 0 and why_not is None
+        self.hands_over = self.server_rule is None and rejoin_ms > 0 and why_not is None
         global _rejoined_at
         # With a server-side optimizer the servers hold the state: iteration 1 re-reads the
         # parameters the job's iteration in flight is computed from (resumed_steps() says which).
@@ -569,16 +567,10 @@ class _Engine:
             return self.optimizer._optimizer
         return None if self.state is None else self.state.optimizer
 
-    @staticmethod
-    def _takeovers_heard():
-        count, rejoin_ms = ctypes.c_uint64(), ctypes.c_uint32()
-        check(lib().psd_takeovers(poseidon._context(), ctypes.byref(count),
-                                  ctypes.byref(rejoin_ms)), "takeovers")
-        return count.value
-
-    def _broadcast_round(self, values, what):
+    def _broadcast_round(self, values, what, keep=True):
         """One iteration of the broadcast layer: `values` (a CPU float32 tensor no longer than
-        the layer, or None: zeros) summed over the ranks; returns the sum, on the CPU."""
+        the layer, or None: zeros) summed over the ranks; returns the sum on the CPU (with
+        `keep`; a live rank passing on the state needs none)."""
         index, view = self.broadcast
         view.zero_()
         if values is not None and values.numel():
@@ -586,7 +578,7 @@ class _Engine:
         self.broadcast_posts += 1
         self.sync.ready(index, self.broadcast_posts, what)
         self.sync.wait(index, self.broadcast_posts, self.timeout_ms, what)
-        return view.detach().cpu().clone()
+        return view.detach().cpu().clone() if keep else None
 
     def _census(self, length):
         """Round 1; `length`: this live rank's state in floats, None for a rank taking up the
@@ -600,7 +592,7 @@ class _Engine:
             mine[w + r] = self.takeovers_served
             mine[3 * w + r] = length % LENGTH_SPLIT
             mine[4 * w + r] = length // LENGTH_SPLIT
-            mine[5 * w + r] = self._takeovers_heard()
+            mine[5 * w + r] = _takeovers()[0]
         raw = self._broadcast_round(mine, "the census of a hand-over to a rank taking up the job")
         got = raw[:CENSUS_SLOTS * w].view(CENSUS_SLOTS, w)
         live = [i for i in range(w) if got[0, i] == 1]
@@ -620,19 +612,22 @@ class _Engine:
         heard = int(got[5].max())
         return sender, length, served + len(taking) if taking else max(served, heard)
 
-    def _state_rounds(self, sender, length, data):
-        """Rounds 2...: the sender's `data` (its packed state); returns what arrived."""
+    def _state_rounds(self, sender, length, data, keep=False):
+        """Rounds 2...: the sender's `data` (its packed state); with `keep` (a rank taking up
+        the job) returns what arrived."""
         size = self.broadcast[1].numel()
         parts = []
         for at in range(0, length, size):
             mine = data[at:at + size] if self.rank == sender else None
-            got = self._broadcast_round(mine, "handing the state over to a rank taking up the job")
-            parts.append(got[:min(size, length - at)])
+            got = self._broadcast_round(mine, "handing the state over to a rank taking up the job",
+                                        keep)
+            if keep:
+                parts.append(got[:min(size, length - at)])
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def _serve_takeovers(self):
         """A live rank, waiting: hands its state over once its agent heard of a takeover."""
-        if self.handing_over or self._takeovers_heard() <= self.takeovers_served:
+        if self.handing_over or _takeovers()[0] <= self.takeovers_served:
             return
         self.handing_over = True
         try:
@@ -682,7 +677,7 @@ class _Engine:
         self.handing_over = True
         try:
             sender, length, served = self._census(None)
-            got = _decode_state(_unpack_bytes(self._state_rounds(sender, length, None)))
+            got = _decode_state(_unpack_bytes(self._state_rounds(sender, length, None, keep=True)))
             if got["optimizer"] is None:
                 raise PoseidonError(5, f"rank {sender} handed over its model's state but not its "
                                        "optimizer's, which it does not know: every rank sets "
@@ -1267,6 +1262,15 @@ SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
 STATE_LIMIT = 1 << 24  # every value travels as float32: integers below this are exact
 CENSUS_SLOTS = 6  # a hand-over's census: per rank live, served, taking up, length (2), heard
 LENGTH_SPLIT = 1 << 22  # a length travels as two floats: below and above this
+
+
+def _takeovers():
+    """(the job's takeovers this rank's agent heard of, its --rejoin_timeout in ms):
+    psd_takeovers, a shared-memory read."""
+    count, rejoin_ms = ctypes.c_uint64(), ctypes.c_uint32()
+    check(lib().psd_takeovers(poseidon._context(), ctypes.byref(count), ctypes.byref(rejoin_ms)),
+          "takeovers")
+    return count.value, rejoin_ms.value
 
 
 def _pack_bytes(data):
