@@ -535,11 +535,12 @@ class _Engine:
     # live rank hands them to a rank that takes up the running job (poseidon run --rejoin),
     # through the broadcast layer (a sum table every rank posts: one sends, the others zeros),
     # in rounds every rank posts alike:
-    #  1. the census: every live rank says so, with the takeovers it served, the length of its
-    #     state and the takeovers its agent heard of; every rank taking up the job says so;
+    #  1. the census: every live rank says so, with the takeovers it served and the takeovers
+    #     its agent heard of; every rank taking up the job says so;
     #  2. the lowest live rank's state — the job's iteration it is after, the model's and the
     #     optimizer's state dicts, the ElasticState — as bytes, 3 per float32 (exact in a sum
-    #     with zeros), in as many rounds as it takes.
+    #     with zeros), after two floats of length, in as many rounds as it takes (only that
+    #     rank encodes its state).
     # A live rank hands over from inside a wait (_wait's idle), once its agent heard of a
     # takeover (psd_takeovers): the rank taking up the job is what it waits for, and there its
     # state is that after the iteration before the one it waits for. The rank taking up the job
@@ -580,19 +581,18 @@ class _Engine:
         self.sync.wait(index, self.broadcast_posts, self.timeout_ms, what)
         return view.detach().cpu().clone() if keep else None
 
-    def _census(self, length):
-        """Round 1; `length`: this live rank's state in floats, None for a rank taking up the
-        job. Returns (the sender, its length, the takeovers served after this hand-over)."""
+    def _census(self, taking_up):
+        """Round 1: every live rank says so, with the takeovers it served and the takeovers its
+        agent heard of; every rank taking up the job says so. Returns (the sender: the lowest
+        live rank, the takeovers served after this hand-over)."""
         w, r = self.world, self.rank
         mine = torch.zeros(CENSUS_SLOTS * w)
-        if length is None:
+        if taking_up:
             mine[2 * w + r] = 1
         else:
             mine[r] = 1
             mine[w + r] = self.takeovers_served
-            mine[3 * w + r] = length % LENGTH_SPLIT
-            mine[4 * w + r] = length // LENGTH_SPLIT
-            mine[5 * w + r] = _takeovers()[0]
+            mine[3 * w + r] = _takeovers()[0]
         raw = self._broadcast_round(mine, "the census of a hand-over to a rank taking up the job")
         got = raw[:CENSUS_SLOTS * w].view(CENSUS_SLOTS, w)
         live = [i for i in range(w) if got[0, i] == 1]
@@ -608,22 +608,33 @@ class _Engine:
         if any(int(got[1, i]) != served for i in live):
             raise PoseidonError(5, f"the ranks handing over disagree on the takeovers served "
                                    f"({[int(got[1, i]) for i in live]} on ranks {live})")
-        length = int(got[3, sender]) + int(got[4, sender]) * LENGTH_SPLIT
-        heard = int(got[5].max())
-        return sender, length, served + len(taking) if taking else max(served, heard)
+        heard = int(got[3].max())
+        return sender, served + len(taking) if taking else max(served, heard)
 
-    def _state_rounds(self, sender, length, data, keep=False):
-        """Rounds 2...: the sender's `data` (its packed state); with `keep` (a rank taking up
-        the job) returns what arrived."""
+    def _state_rounds(self, sender, data=None, keep=False):
+        """Rounds 2...: the sender's `data` (its packed state) after two floats of length;
+        with `keep` (a rank taking up the job) returns what arrived."""
         size = self.broadcast[1].numel()
-        parts = []
-        for at in range(0, length, size):
+        if self.rank == sender:
+            n = data.numel()
+            data = torch.cat([torch.tensor([n % LENGTH_SPLIT, n // LENGTH_SPLIT],
+                                           dtype=torch.float32), data])
+        total, at, parts = None, 0, []
+        while total is None or at < total:
             mine = data[at:at + size] if self.rank == sender else None
             got = self._broadcast_round(mine, "handing the state over to a rank taking up the job",
-                                        keep)
+                                        keep or total is None)
+            if total is None:  # every rank learns the length from the first round
+                lo, hi = float(got[0]), float(got[1])
+                if not (0 <= lo < LENGTH_SPLIT and 0 <= hi < LENGTH_SPLIT and lo.is_integer()
+                        and hi.is_integer()):
+                    raise PoseidonError(5, f"rank {sender}'s hand-over says its state is "
+                                           f"{lo} + {hi} x 2^22 floats long (garbled)")
+                total = 2 + int(lo) + int(hi) * LENGTH_SPLIT
             if keep:
-                parts.append(got[:min(size, length - at)])
-        return torch.cat(parts) if parts else torch.zeros(0)
+                parts.append(got[:min(size, total - at)])
+            at += size
+        return torch.cat(parts)[2:] if keep else None
 
     def _serve_takeovers(self):
         """A live rank, waiting: hands its state over once its agent heard of a takeover."""
@@ -631,14 +642,16 @@ class _Engine:
             return
         self.handing_over = True
         try:
-            data = _pack_bytes(_encode_state({
-                "iteration": self.iteration - 1 + self.clock_offset,
-                "model": self.model.state_dict(),
-                "optimizer": (None if self._local_optimizer() is None
-                              else self._local_optimizer().state_dict()),
-                "state": None if self.state is None else dict(self.state._fields)}))
-            sender, length, served = self._census(data.numel())
-            self._state_rounds(sender, length, data)
+            sender, served = self._census(taking_up=False)
+            data = None
+            if sender == self.rank:  # only the sender's state travels: only it encodes one
+                data = _pack_bytes(_encode_state({
+                    "iteration": self.iteration - 1 + self.clock_offset,
+                    "model": self.model.state_dict(),
+                    "optimizer": (None if self._local_optimizer() is None
+                                  else self._local_optimizer().state_dict()),
+                    "state": None if self.state is None else dict(self.state._fields)}))
+            self._state_rounds(sender, data)
             self.takeovers_served = served
         finally:
             self.handing_over = False
@@ -676,8 +689,8 @@ class _Engine:
         self.clock_offset = start - 1  # this process's iteration 1 is the job's `start`
         self.handing_over = True
         try:
-            sender, length, served = self._census(None)
-            got = _decode_state(_unpack_bytes(self._state_rounds(sender, length, None, keep=True)))
+            sender, served = self._census(taking_up=True)
+            got = _decode_state(_unpack_bytes(self._state_rounds(sender, keep=True)))
             if got["optimizer"] is None:
                 raise PoseidonError(5, f"rank {sender} handed over its model's state but not its "
                                        "optimizer's, which it does not know: every rank sets "
@@ -1260,8 +1273,8 @@ class DistributedOptimizer:
 SERVER_RULES = {"sgd": 2, "momentum": 3, "adam": 4}
 
 STATE_LIMIT = 1 << 24  # every value travels as float32: integers below this are exact
-CENSUS_SLOTS = 6  # a hand-over's census: per rank live, served, taking up, length (2), heard
-LENGTH_SPLIT = 1 << 22  # a length travels as two floats: below and above this
+CENSUS_SLOTS = 4  # a hand-over's census: per rank live, served, taking up, heard
+LENGTH_SPLIT = 1 << 22  # a state's length travels as two floats: below and above this
 
 
 def _takeovers():
