@@ -86,8 +86,11 @@ static psd_status check_agent(psd_context* ctx) {
     return fail(PSD_AGENT_LOST, "agent lost (rank %u, segment %s): process %d is gone", ctx->rank,
                 ctx->segment, (int)ctx->agent_pid);
   }
-  const uint64_t beat = load64(&ctx->header->agent_heartbeat_ns);
+  /* The clock first, then the beat: a training process descheduled between the two reads (a
+   * loaded machine) then sees a beat newer than `now` instead of taking its own pause for the
+   * agent's silence. */
   const uint64_t now = now_ns();
+  const uint64_t beat = load64(&ctx->header->agent_heartbeat_ns);
   if (beat != 0 && now > beat && now - beat > (uint64_t)ctx->agent_timeout_ms * 1000000ull) {
     return fail(PSD_AGENT_LOST, "agent lost (rank %u, segment %s): no heartbeat for %llu ms",
                 ctx->rank, ctx->segment, (unsigned long long)((now - beat) / 1000000ull));

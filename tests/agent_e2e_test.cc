@@ -394,6 +394,22 @@ TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {
   EXPECT_NE(out.find("agent lost (rank 0, segment "), std::string::npos) << out;
 }
 
+// A frozen agent (SIGSTOP: its process and segment stay) stops beating: its training process
+// names it lost after its agent timeout, saying for how long it has been silent, not after the
+// 30 s wait timeout.
+TEST(Faults, AFrozenAgentIsReportedAsAgentLostAfterTheAgentTimeout) {
+  Cluster cluster(1, 1, "ps");
+  auto synth = cluster.Synth(0, kTiny, 100000,
+                             {"--compute_scale=2000", "--timeout_ms=30000", "--agent_timeout_ms=1500"});
+  std::this_thread::sleep_for(milliseconds(1500));
+  cluster.agent(0).Signal(SIGSTOP);
+  const std::string out = synth->ReadAll(milliseconds(20000));
+  EXPECT_EQ(synth->Wait(milliseconds(10000)), 1) << out;
+  EXPECT_NE(out.find("agent lost (rank 0, segment "), std::string::npos) << out;
+  EXPECT_NE(out.find("no heartbeat for "), std::string::npos) << out;
+  cluster.agent(0).Signal(SIGKILL);
+}
+
 TEST(Faults, AKilledTrainingProcessMakesTheAgentExitClearly) {
   Cluster cluster(1, 1, "ps");
   auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000"});

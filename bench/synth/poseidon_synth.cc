@@ -54,6 +54,8 @@ ABSL_FLAG(bool, print_iterations, false,
           "print a line when each iteration's backward has posted its last layer, with the wall "
           "clock (Unix seconds) and the seconds since the previous such line");
 ABSL_FLAG(uint32_t, timeout_ms, 60000, "per-layer wait timeout");
+ABSL_FLAG(uint32_t, agent_timeout_ms, 5000,
+          "take the agent for lost after this long without its heartbeat (psd_config)");
 ABSL_FLAG(bool, cuda, false,
           "keep the layers on the GPU (device 0): write them there, post with "
           "psd_cuda_layer_ready on a stream, wait with psd_cuda_wait_layer");
@@ -181,6 +183,7 @@ int main(int argc, char** argv) {
   psd_config_init(&config);
   const std::string segment = absl::GetFlag(FLAGS_segment);
   if (!segment.empty()) config.segment = segment.c_str();
+  config.agent_timeout_ms = absl::GetFlag(FLAGS_agent_timeout_ms);
   psd_context* ctx = nullptr;
   if (psd_status s = psd_attach(&config, &ctx); s != PSD_OK) Die("attach", s);
   std::vector<psd_layer_desc> descs(layers.size());
