@@ -32,7 +32,9 @@ before it sends its parameters),
 report-world (every rank prints the world it ends in, poseidon.world(): a job that shrank),
 world-hook (every rank prints each world change poseidon.torch.on_world_change reports, with the
 step it came at), steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
-long enough for a restarted rank to come back while it runs). A job
+long enough for a restarted rank to come back while it runs), find-unused
+(find_unused_parameters=True), skip-bias (the last Linear's bias is left out of the forward
+at every step s with s % 3 == 2: unused by every rank there). A job
 resumed by `poseidon run --resume` starts at
 poseidon.torch.resumed_steps() (with server-adam the servers hold the rest of the state)."""
 import os
@@ -76,6 +78,22 @@ def model_and_data(seed=0, workers=4, device="cpu", steps=STEPS):
     return model.to(device), x.to(device), y.to(device)
 
 
+def skips_bias(step):
+    """skip-bias: the steps whose forward leaves the last layer's bias out (unused by every
+    rank: its .grad stays as it was, which find_unused_parameters must allow)."""
+    return step % 3 == 2
+
+
+def switchable_bias(model):
+    """skip-bias: the model's last Linear gets a switch (`.skip`) that leaves its bias out of
+    the forward; returns that module."""
+    last = model[-1]
+    last.skip = False
+    last.forward = lambda x: torch.nn.functional.linear(x, last.weight,
+                                                        None if last.skip else last.bias)
+    return last
+
+
 def job_servers():
     """This job's poseidon-server pids (the launcher's, whose command lines name the job id of
     this rank's segment /poseidon-<job>-<rank>), in the order they were started."""
@@ -117,6 +135,7 @@ def main(out, modes=()):
     pause = next((float(m.split("=", 1)[1]) for m in modes if m.startswith("step-sleep=")), 0.0)
     model, x, y = model_and_data(seed=rank, workers=workers, device=device,
                                  steps=SWITCH_STEPS if switch else total)
+    bias_switch = switchable_bias(model) if "skip-bias" in modes else None
     probe = None
     if "buffer-probe" in modes:
         probe = BufferProbe(rank)
@@ -126,7 +145,8 @@ def main(out, modes=()):
     if wrapper:  # the DDP contract as a torch DDP script has it: the user's own optimizer
         model = poseidon.torch.DistributedDataParallel(
             model, grad_hook=grad_hook, state=state,
-            batch_size=K if "register-early" in modes else None)
+            batch_size=K if "register-early" in modes else None,
+            find_unused_parameters="find-unused" in modes)
         opt = torch.optim.SGD(model.parameters(), lr=0.1,
                               momentum=0.9 if "momentum" in modes else 0.0)
         if "state-optimizer" in modes:
@@ -140,7 +160,8 @@ def main(out, modes=()):
         opt = poseidon.torch.distribute(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             if overlap or "momentum" in modes else torch.optim.SGD(model.parameters(), lr=0.1),
-            batch_size=K, overlap_forward=overlap, grad_hook=grad_hook, state=state)
+            batch_size=K, overlap_forward=overlap, grad_hook=grad_hook, state=state,
+            find_unused_parameters="find-unused" in modes)
     if device != "cpu" and not wrapper:  # the buffers are views of the CUDA arena
         for layer in opt._layers:
             for buf in (layer.grad, layer.u, layer.v):
@@ -194,6 +215,8 @@ def main(out, modes=()):
             time.sleep(0.02)
         time.sleep(pause)
         mine = slice(rank * K, (rank + 1) * K)
+        if bias_switch is not None:
+            bias_switch.skip = skips_bias(step)
         loss = torch.nn.functional.cross_entropy(model(x[step, mine]), y[step, mine])
         opt.zero_grad()
         loss.backward()

@@ -57,13 +57,18 @@ def free_port():
 
 
 def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), workers=4,
-              device="cpu", momentum=False, steps=equivalence_worker.STEPS, data_steps=None):
+              device="cpu", momentum=False, steps=equivalence_worker.STEPS, data_steps=None,
+              skip_bias=False):
     """One process on the P-times larger batch: what every scheme must reproduce (with
-    momentum=True: also the optimizer's momentum buffers)."""
+    momentum=True: also the optimizer's momentum buffers; skip_bias: equivalence_worker's
+    skip-bias)."""
     model, x, y = equivalence_worker.model_and_data(seed=0, workers=workers, device=device,
                                                     steps=data_steps or steps)
+    bias_switch = equivalence_worker.switchable_bias(model) if skip_bias else None
     opt = make_optimizer(model.parameters())
     for step in range(steps):
+        if bias_switch is not None:
+            bias_switch.skip = equivalence_worker.skips_bias(step)
         loss = torch.nn.functional.cross_entropy(model(x[step]), y[step])
         opt.zero_grad()
         loss.backward()
@@ -274,7 +279,8 @@ class Equivalence(WorkersTest):
         (--rejoin); its own parameters and momentum buffers at the end must equal one process
         on the 3x batch."""
         sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
-        want, want_momentum = reference(sgd, workers=3, momentum=True)
+        want, want_momentum = reference(sgd, workers=3, momentum=True,
+                                        skip_bias="skip-bias," in modes)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
             r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin", "--",
@@ -309,6 +315,17 @@ class Equivalence(WorkersTest):
         # loop asks where to start (resumed_steps()).
         self.take_up_with_handed_over_state("ddp-wrapper,register-early,state-optimizer,",
                                             "a DDP script's rank took up the job")
+
+    def test_a_rank_with_unused_parameters_takes_up_the_job_with_their_gradients_as_left(self):
+        # The DDP script again, with find_unused_parameters: the used-parameter map is re-sent
+        # with the iteration the job had completed, and the last layer's bias goes unused on
+        # every rank at step 17, the restarted rank's first: the live ranks' .grad there is
+        # the zeros their zero_grad() left, which SGD's momentum steps, so the state handed
+        # over says which parameters hold a .grad (a fresh process holds none, and its
+        # optimizer would skip the bias).
+        self.take_up_with_handed_over_state(
+            "ddp-wrapper,register-early,state-optimizer,find-unused,skip-bias,",
+            "a DDP script's rank with unused parameters took up the job")
 
     def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
         # --min_workers (issue 18): rank 1 of 4 dies before step 17 and is not restarted; the

@@ -554,8 +554,6 @@ class _Engine:
         if BUFFERS_LAYER in extra_names:
             return ("without broadcast_buffers (pass broadcast_buffers=False: a rank taking up "
                     "the job gets the buffers with the model's state)")
-        if self.find_unused:
-            return "without find_unused_parameters"
         if self.elastic:
             return "in a job that cannot shrink (no --min_workers)"
         if elements < CENSUS_SLOTS * self.world:
@@ -650,7 +648,11 @@ class _Engine:
                     "model": self.model.state_dict(),
                     "optimizer": (None if self._local_optimizer() is None
                                   else self._local_optimizer().state_dict()),
-                    "state": None if self.state is None else dict(self.state._fields)}))
+                    "state": None if self.state is None else dict(self.state._fields),
+                    # Which parameters hold a .grad: one no rank uses in an iteration keeps
+                    # its .grad (as DDP leaves it), and an optimizer steps a zero gradient
+                    # (momentum goes on) but skips a missing one.
+                    "grads": [p.grad is not None for p in self.model.parameters()]}))
             self._state_rounds(sender, data)
             self.takeovers_served = served
         finally:
@@ -703,18 +705,34 @@ class _Engine:
                                            f"{got['state']}, this rank's has "
                                            f"{sorted(self.state._fields)}")
                 self.state._fields.update(got["state"])
+            params = list(self.model.parameters())
+            grads = got.get("grads")
+            if (not isinstance(grads, list) or len(grads) != len(params) or
+                    not all(isinstance(g, bool) for g in grads)):
+                raise PoseidonError(5, f"rank {sender} handed over .grad flags for "
+                                       f"{len(grads) if isinstance(grads, list) else grads} "
+                                       f"parameters, this model has {len(params)}")
+            for p, held in zip(params, grads):
+                # The live ranks' .grad at the start of the iteration: zeroed (zero_grad) or
+                # none (zero_grad(set_to_none=True), or never used).
+                p.grad = torch.zeros_like(p) if held else None
             after = int(got["iteration"])
             again = after - self.clock_offset  # completed iterations this agent re-sends
             if again < 0:
                 raise PoseidonError(5, f"rank {sender} handed over its state after iteration "
                                        f"{after}, before the iteration {start} the job is at")
+            # Every layer posted once an iteration goes: the model's, and with
+            # find_unused_parameters the used-parameter map.
+            again_layers = [(l.index, l.grad, l.name) for l in self.layers]
+            if self.used_layer is not None:
+                again_layers.append((*self.used_layer, "the used-parameter map"))
             for it in range(1, again + 1):
-                for layer in self.layers:
-                    layer.grad.zero_()  # a retransmission: the servers keep the first push
-                    self.sync.ready(layer.index, it, f"re-sending {layer.name}")
-                for layer in self.layers:
-                    self.sync.wait(layer.index, it, self.timeout_ms,
-                                   f"re-sending {layer.name} (the job's iteration "
+                for index, values, name in again_layers:
+                    values.zero_()  # a retransmission: the servers keep the first push
+                    self.sync.ready(index, it, f"re-sending {name}")
+                for index, _, name in again_layers:
+                    self.sync.wait(index, it, self.timeout_ms,
+                                   f"re-sending {name} (the job's iteration "
                                    f"{it + self.clock_offset}, completed)")
             self.iteration = again + 1
             self.takeovers_served = served
