@@ -1229,8 +1229,16 @@ absl::Status Agent::TakeUpRunningJob() {
   if (env_.restored.empty()) {
     return absl::FailedPreconditionError("--rejoin: the job has no PS keys to take up from");
   }
+  // The job's iteration is read from the layers that count it: a layer of its own iterations
+  // (PSD_LAYER_OWN_CLOCK) may be ahead of them or behind.
+  std::set<uint64_t> own_clock_keys;
+  for (const LayerSpec& st : table_.layers) {
+    if (!st.desc.own_clock) continue;
+    for (const PsChunk& c : st.chunks) own_clock_keys.insert(c.key);
+  }
   uint64_t lowest = std::numeric_limits<uint64_t>::max(), highest = 0;
   for (const auto& [key, progress] : env_.restored) {
+    if (own_clock_keys.contains(key)) continue;
     lowest = std::min(lowest, progress.completed);
     highest = std::max(highest, progress.completed);
   }

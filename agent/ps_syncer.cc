@@ -32,7 +32,8 @@ class PsSyncer final : public Syncer {
     for (uint32_t l = 0; l < clocks_.size(); ++l) {
       const LayerSpec& spec = env_.table->layers[l];
       if (spec.bucket >= 0) continue;  // the bucket syncer's key
-      ASSIGN_OR_RETURN(clocks_[l], RestoredClock(env_, spec.desc.name, spec.chunks));
+      ASSIGN_OR_RETURN(clocks_[l],
+                       RestoredClock(env_, spec.desc.name, spec.chunks, spec.desc.own_clock));
     }
     return absl::OkStatus();
   }

@@ -300,13 +300,19 @@ absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
     }
     d.kind = l.kind;
     d.batch_k = l.batch_k;
-    if ((l.flags & ~7u) != 0) {
+    if ((l.flags & ~15u) != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", i, " (", d.name, "): unknown flags ", l.flags));
+    }
+    if ((l.flags & 9u) == 9u) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", i, " (", d.name, "): PSD_LAYER_OWN_CLOCK and PSD_LAYER_FUSABLE exclude each "
+          "other"));
     }
     d.fusable = (l.flags & 1u) != 0;  // PSD_LAYER_FUSABLE
     d.average = (l.flags & 2u) != 0;   // PSD_LAYER_AVERAGE
     d.counters = (l.flags & 4u) != 0;  // PSD_LAYER_COUNTERS
+    d.own_clock = (l.flags & 8u) != 0;  // PSD_LAYER_OWN_CLOCK
     d.elements = 1;
     for (uint32_t k = 0; k < l.ndim; ++k) {
       if (l.shape[k] == 0 || l.shape[k] > (uint64_t{1} << 32)) {

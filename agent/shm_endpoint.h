@@ -32,6 +32,7 @@ struct LayerDesc {
   bool fusable = false;  // the framework allows fusing it with neighbours (PSD_LAYER_FUSABLE)
   bool average = false;  // the result is the mean over the ranks summed (PSD_LAYER_AVERAGE)
   bool counters = false;  // SGD with learning rate 1 under a server-side rule (PSD_LAYER_COUNTERS)
+  bool own_clock = false;  // iterations of its own, not the job's (PSD_LAYER_OWN_CLOCK)
 };
 
 struct LayerLayout {

@@ -178,7 +178,7 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
 }  // namespace
 
 absl::StatusOr<uint64_t> RestoredClock(const SyncEnv& env, const std::string& name,
-                                       const std::vector<PsChunk>& chunks) {
+                                       const std::vector<PsChunk>& chunks, bool own_clock) {
   auto clock_of = [&](uint64_t key) {
     const auto it = env.restored.find(key);
     return it == env.restored.end() ? uint64_t{0} : it->second.completed;
@@ -186,7 +186,9 @@ absl::StatusOr<uint64_t> RestoredClock(const SyncEnv& env, const std::string& na
   if (env.rejoin_top.has_value()) {
     uint64_t own = std::numeric_limits<uint64_t>::max();
     for (const PsChunk& c : chunks) own = std::min(own, clock_of(c.key));
-    if (chunks.empty() || *env.rejoin_top == 0) return 0;
+    if (chunks.empty()) return 0;
+    if (own_clock) return own == 0 ? 0 : own - 1;
+    if (*env.rejoin_top == 0) return 0;
     return std::min(own, *env.rejoin_top - 1);
   }
   const uint64_t clock = chunks.empty() ? 0 : clock_of(chunks.front().key);

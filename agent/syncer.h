@@ -210,7 +210,11 @@ void PushPull(SyncEnv& env, const PsChunk& chunk, std::span<float> values, uint6
 
 // The clock a PS layer's or bucket's keys were restored at (SyncEnv::restored; 0 for a
 // new job). A layer whose chunks were restored at different clocks is an error naming it.
+// A rank taking up the running job (rejoin_top): one below the job's highest clock, or the
+// layer's own if lower; a layer of its own iterations (own_clock: PSD_LAYER_OWN_CLOCK) one
+// below its own, so that its first post is a retransmission of its last completed clock.
 absl::StatusOr<uint64_t> RestoredClock(const SyncEnv& env, const std::string& name,
-                                       const std::vector<PsChunk>& chunks);
+                                       const std::vector<PsChunk>& chunks,
+                                       bool own_clock = false);
 
 }  // namespace poseidon::agent

@@ -358,8 +358,15 @@ TEST(RestoredClockTest, AResumedLayerGoesOnFromItsClockAndARejoiningRankFromTheJ
   env.restored[2] = {7, 0};
   EXPECT_EQ(*RestoredClock(env, "current", current), 6u);
   EXPECT_EQ(*RestoredClock(env, "stale", stale), 2u);
+  // A layer of its own iterations (PSD_LAYER_OWN_CLOCK) goes on from one below its own
+  // clock, ahead of the job's or behind: its first post retransmits its last completed clock.
+  env.restored[3] = {9, 0};
+  EXPECT_EQ(*RestoredClock(env, "ahead", behind, /*own_clock=*/true), 8u);
+  EXPECT_EQ(*RestoredClock(env, "stale", stale, /*own_clock=*/true), 1u);
   env.rejoin_top = 0;  // a job that has not completed a clock: from the start
   EXPECT_EQ(*RestoredClock(env, "current", current), 0u);
+  env.restored[4] = {0, 0};
+  EXPECT_EQ(*RestoredClock(env, "new", stale, /*own_clock=*/true), 0u);
 }
 
 }  // namespace

@@ -305,9 +305,16 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
     if (d->kind < PSD_LAYER_FC || d->kind > PSD_LAYER_OTHER) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown kind %u", i, d->name, d->kind);
     }
-    if ((d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS)) != 0) {
+    const uint32_t known =
+        PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS | PSD_LAYER_OWN_CLOCK;
+    if ((d->flags & ~known) != 0) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown flags 0x%x", i, d->name,
-                  d->flags & ~(PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS));
+                  d->flags & ~known);
+    }
+    if ((d->flags & PSD_LAYER_OWN_CLOCK) && (d->flags & PSD_LAYER_FUSABLE)) {
+      return fail(PSD_INVALID_ARGUMENT,
+                  "layer %u (%s): PSD_LAYER_OWN_CLOCK and PSD_LAYER_FUSABLE exclude each other "
+                  "(a fused layer goes at its bucket's clock)", i, d->name);
     }
     if (d->kind == PSD_LAYER_FC && (d->ndim != 2 || d->batch_k == 0)) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): FC layers need shape {M, N} and batch_k > 0",

@@ -277,7 +277,7 @@ class Equivalence(WorkersTest):
         """With equivalence_worker.py's `modes` (each followed by a comma), rank 1 of 3 (SGD
         with momentum in the ranks, an ElasticState) dies before step 17 and restarts alone
         (--rejoin); its own parameters and momentum buffers at the end must equal one process
-        on the 3x batch."""
+        on the 3x batch. Returns the job's output."""
         sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
         want, want_momentum = reference(sgd, workers=3, momentum=True,
                                         skip_bias="skip-bias," in modes)
@@ -296,6 +296,7 @@ class Equivalence(WorkersTest):
             self.assert_close(torch.load(out), want, what)
             self.assert_close(torch.load(out + ".optimizer"), want_momentum,
                               f"{what}: its momentum buffers")
+            return r.stdout
 
     def test_a_crashed_rank_takes_up_the_job_with_a_live_ranks_local_optimizer_state(self):
         # --rejoin with the DDP contract (issue 18): the model's and optimizer's state are the
@@ -326,6 +327,42 @@ class Equivalence(WorkersTest):
         self.take_up_with_handed_over_state(
             "ddp-wrapper,register-early,state-optimizer,find-unused,skip-bias,",
             "a DDP script's rank with unused parameters took up the job")
+
+    def expect_rank_0s_buffers(self, out, own_at=()):
+        """Rank 2 found rank 0's buffers in every forward of the job (buffer-probe), except
+        the forwards at indices `own_at` (no broadcast: its own)."""
+        found = re.search(r"rank 2 found buffers of ranks \[(.*)\]", out)
+        self.assertIsNotNone(found, out)
+        found = [int(v) for v in found.group(1).split(",")]
+        want = [2 if i in own_at else 0 for i in range(len(found))]
+        self.assertEqual(found, want, out)
+
+    def test_a_rank_takes_up_the_job_broadcasting_buffers_where_the_others_do(self):
+        # DDP's broadcast_buffers (its default) through the DDP script, whose steps run the
+        # model twice (two halves of the batch) before one backward: DDP broadcasts in both
+        # forwards, so the buffers' broadcasts run twice as fast as the iterations, and the
+        # buffers layer counts its own (PSD_LAYER_OWN_CLOCK): the job's iteration is the other
+        # layers'. The live ranks wait in step 17's first forward, at the broadcast rank 1
+        # never posted; rank 0 hands over where that forward broadcast from, and the restarted
+        # rank re-sends the broadcast before it (completed) and joins theirs. Rank 2 finds
+        # rank 0's buffers in every forward, before the crash and after; the parameters and
+        # momentum equal one process on the 3x batch.
+        out = self.take_up_with_handed_over_state(
+            "ddp-wrapper,register-early,state-optimizer,buffer-probe,two-forwards,",
+            "a DDP script's rank broadcasting buffers took up the job")
+        self.expect_rank_0s_buffers(out)
+
+    def test_a_rank_takes_up_the_job_inside_a_forward_without_gradient(self):
+        # The same with a forward without gradient (an evaluation) before step 17's: the live
+        # ranks wait in it, at its broadcast; the restarted rank's loop runs it too and joins
+        # that broadcast, and neither broadcasts in step 17's training forward (DDP broadcasts
+        # in a forward after one whose backward synchronised). Rank 2's step-17 forward finds
+        # its own buffers, every other one rank 0's.
+        out = self.take_up_with_handed_over_state(
+            "ddp-wrapper,register-early,state-optimizer,buffer-probe,eval-at=17,",
+            "a DDP script's rank took up the job in an evaluation")
+        # found[2:] of forwards 0, 1, ...: the evaluation is forward 17, step 17's is 18.
+        self.expect_rank_0s_buffers(out, own_at=(16,))
 
     def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
         # --min_workers (issue 18): rank 1 of 4 dies before step 17 and is not restarted; the

@@ -76,7 +76,7 @@ typedef struct psd_layer_desc {
   uint32_t ndim;    /* 1..4; FC layers: 2, shape = {M outputs, N inputs} */
   const uint64_t* shape;
   uint32_t batch_k; /* FC layers: the per-worker batch K (rows of the SFB factors) */
-  uint32_t flags;   /* PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS, or 0 */
+  uint32_t flags;   /* PSD_LAYER_FUSABLE | _AVERAGE | _COUNTERS | _OWN_CLOCK, or 0 */
 } psd_layer_desc;
 
 /* psd_layer_desc.flags. FUSABLE: the framework posts this layer in the same burst as its
@@ -97,6 +97,13 @@ typedef struct psd_layer_desc {
  * counters the ranks keep alike and a rank taking up the running job must learn (the PyTorch
  * integration's ElasticState: epoch, batch); they are checkpointed with the parameters. */
 #define PSD_LAYER_COUNTERS 4u
+/* OWN_CLOCK: the layer's iterations are not the training iterations (the PyTorch integration's
+ * broadcast of DDP's buffers, which a forward without backward adds to). It counts its own:
+ * where a rank takes up the running job (poseidon-agent --rejoin) the job's iteration is read
+ * from the other layers' keys, and this layer's iteration 1 is its key's last completed clock
+ * (a retransmission: the servers answer that clock's sum) — the framework learns from a live
+ * rank where its own posts go on. Not with FUSABLE. */
+#define PSD_LAYER_OWN_CLOCK 8u
 
 typedef struct psd_layer_info {
   uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as the first plan says (psd_layer_scheme:

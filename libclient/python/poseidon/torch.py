@@ -53,6 +53,7 @@ import torch
 import poseidon
 from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
                     PSD_LAYER_AVERAGE, PSD_LAYER_CONV, PSD_LAYER_COUNTERS, PSD_LAYER_FC,
+                    PSD_LAYER_OWN_CLOCK,
                     PSD_LAYER_FUSABLE, PSD_LAYER_OTHER, PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB,
                     PSD_TIMEOUT, check, lib)
 
@@ -333,6 +334,10 @@ class _Engine:
         self.registering_in_forward = False  # the model is registered at its first forward
         self.iteration = 2  # 1 was the initial broadcast
         self.buffer_iteration = 2
+        # The first forward of the iteration being computed: (iteration, its buffer_iteration
+        # and require_forward_param_sync before it) — where a rank taking up the job from this
+        # iteration on starts broadcasting buffers.
+        self.forward_at = None
         self.posted = {}  # layer index -> True, in posting order
         self.zeroed = set()  # SFB weights whose local gradient the hook replaced by zeros
         self.require_backward_grad_sync = True  # False inside no_sync()
@@ -406,12 +411,15 @@ class _Engine:
             i = len(layers) + j
             descs[i] = LayerDesc(names[i], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
                                  ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)), 0,
-                                 PSD_LAYER_COUNTERS if extra[j][0] == STATE_LAYER else 0)
+                                 # The buffers' broadcasts are not the iterations: a forward
+                                 # without backward adds one, a no_sync() one has none.
+                                 PSD_LAYER_COUNTERS if extra[j][0] == STATE_LAYER else
+                                 PSD_LAYER_OWN_CLOCK if extra[j][0] == BUFFERS_LAYER else 0)
         check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
         start = ctypes.c_uint64()
         check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
         _, rejoin_ms = _takeovers()
-        why_not = self._why_no_hand_over([n for n, _ in extra], total)
+        why_not = self._why_no_hand_over(total)
         self.hands_over = self.server_rule is None and rejoin_ms > 0 and why_not is None
         global _rejoined_at
         # With a server-side optimizer the servers hold the state: iteration 1 re-reads the
@@ -546,14 +554,11 @@ class _Engine:
     # state is that after the iteration before the one it waits for. The rank taking up the job
     # then re-sends the iterations the job completed since the clock its agent starts from (the
     # KV servers take them as retransmissions) and trains from the next one.
-    def _why_no_hand_over(self, extra_names, elements):
+    def _why_no_hand_over(self, elements):
         """None where a live rank can hand its state to a rank taking up the job, else what is
         missing (the same on every rank)."""
         if self.mode != "ddp":
             return "without overlap_forward"
-        if BUFFERS_LAYER in extra_names:
-            return ("without broadcast_buffers (pass broadcast_buffers=False: a rank taking up "
-                    "the job gets the buffers with the model's state)")
         if self.elastic:
             return "in a job that cannot shrink (no --min_workers)"
         if elements < CENSUS_SLOTS * self.world:
@@ -652,11 +657,56 @@ class _Engine:
                     # Which parameters hold a .grad: one no rank uses in an iteration keeps
                     # its .grad (as DDP leaves it), and an optimizer steps a zero gradient
                     # (momentum goes on) but skips a missing one.
-                    "grads": [p.grad is not None for p in self.model.parameters()]}))
+                    "grads": [p.grad is not None for p in self.model.parameters()],
+                    "buffers": self._buffers_position()}))
             self._state_rounds(sender, data)
             self.takeovers_served = served
         finally:
             self.handing_over = False
+
+    def _buffers_position(self):
+        """A live rank handing over: where the rank taking up the job broadcasts buffers from
+        (None without broadcast_buffers): [its buffer iteration, require_forward_param_sync]
+        for its first forward, the first of this iteration. Its buffers layer goes on from the
+        key's last completed clock (PSD_LAYER_OWN_CLOCK: its iteration 1), which is this
+        rank's buffer_iteration - 1 (the key cannot pass it without the rank taken up)."""
+        if self.buffers_layer is None:
+            return None
+        first, sync = self.buffer_iteration, self.require_forward_param_sync
+        if self.forward_at is not None and self.forward_at[0] == self.iteration:
+            _, first, sync = self.forward_at
+        return [first - self.buffer_iteration + 2, bool(sync)]
+
+    def _take_up_buffers(self, sender, position):
+        """A rank taking up the job: its buffers layer re-sends the key's last completed clock
+        (iteration 1, a retransmission) where the live ranks' first forward of the iteration it
+        trains broadcast at a later one, and its first forward goes on where theirs did."""
+        if (self.buffers_layer is None) != (position is None):
+            mine = "broadcasts" if self.buffers_layer is not None else "does not broadcast"
+            raise PoseidonError(5, f"rank {sender} handed over a buffers position {position}, "
+                                   f"and this rank {mine} buffers: every rank passes the same "
+                                   "broadcast_buffers")
+        if position is None:
+            return
+        if (not isinstance(position, list) or len(position) != 2 or
+                not isinstance(position[0], int) or not isinstance(position[1], bool)):
+            raise PoseidonError(5, f"rank {sender} handed over a garbled buffers position "
+                                   f"{position}")
+        first, sync = position
+        if first not in (1, 2):
+            raise PoseidonError(5, f"rank {sender} broadcast buffers {2 - first} times in the "
+                                   "iteration it hands over after the last one this rank can "
+                                   "re-send (forwards with and without gradient before one "
+                                   "backward): this rank cannot take up the job there; restart "
+                                   "the job")
+        index, view = self.buffers_layer
+        for it in range(1, first):
+            view.zero_()  # a retransmission: the servers keep the first push
+            self.sync.ready(index, it, "re-sending the buffers' broadcast")
+            self.sync.wait(index, it, self.timeout_ms,
+                           "re-sending the buffers' broadcast (completed)")
+        self.buffer_iteration = first
+        self.require_forward_param_sync = sync
 
     def _check_take_up_registered(self, start):
         if self.registering_in_forward:
@@ -705,6 +755,7 @@ class _Engine:
                                            f"{got['state']}, this rank's has "
                                            f"{sorted(self.state._fields)}")
                 self.state._fields.update(got["state"])
+            self._take_up_buffers(sender, got.get("buffers"))
             params = list(self.model.parameters())
             grads = got.get("grads")
             if (not isinstance(grads, list) or len(grads) != len(params) or
@@ -855,6 +906,9 @@ class _Engine:
             _check_world(self)
         self.take_up_now()
         grad = torch.is_grad_enabled()
+        if self.forward_at is None or self.forward_at[0] != self.iteration:
+            self.forward_at = (self.iteration, self.buffer_iteration,
+                               self.require_forward_param_sync)
         if self.require_forward_param_sync and self.buffers_layer is not None:
             self._sync_buffers()
         self.sync_this_backward = grad and self.require_backward_grad_sync
