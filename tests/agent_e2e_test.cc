@@ -328,10 +328,10 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(std::vector<std::string>{"--wire=bf16"},
                       std::vector<std::string>{"--wire=fp16"},
                       std::vector<std::string>{"--plan_lossy_wire=bf16", "--bandwidth=1Gbit"}),
-    [](const auto& info) {
-      return std::string(info.param[0] == "--wire=bf16"   ? "ForcedBf16"
-                         : info.param[0] == "--wire=fp16" ? "ForcedFp16"
-                                                          : "PlannedBf16");
+    [](const auto& flags) {  // (not `info`: the macro's own parameter is called that)
+      return std::string(flags.param[0] == "--wire=bf16"   ? "ForcedBf16"
+                         : flags.param[0] == "--wire=fp16" ? "ForcedFp16"
+                                                           : "PlannedBf16");
     });
 
 // The divergence guard (agent/wire_guard.h): gradients beyond fp16's range (±65504) saturate on

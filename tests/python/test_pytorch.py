@@ -872,9 +872,12 @@ class Launcher(unittest.TestCase):
         # With DistributedDataParallel the optimizer is the script's own: unless the
         # ElasticState names it, a rank that rejoined says so rather than train from its own
         # fresh optimizer state; registered at its first forward, it says that is too late.
+        # With overlap_forward the live ranks wait inside a forward, their models stepped up to
+        # the layer they wait for: no whole state to hand over, which the rejoined rank says.
         for modes, said in (("ddp-wrapper,register-early,elastic-state",
                              "this process's optimizer is unknown"),
-                            ("ddp-wrapper", "register it before the loop (batch_size=K")):
+                            ("ddp-wrapper", "register it before the loop (batch_size=K"),
+                            ("overlap", "which they hand over only without overlap_forward")):
             with tempfile.TemporaryDirectory() as tmp:
                 r = launch(["-n", "2", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
                             "--rejoin_timeout", "20s", "--", PY,

@@ -189,8 +189,9 @@ def main(argv=None):
                          "alone (a new agent with --rejoin) and takes up the running job where "
                          "it stopped, while the others wait for it (--rejoin_timeout); nobody "
                          "rolls back. Needs --scheme ps and a framework that takes up a running "
-                         "job from psd_start_iteration (poseidon-synth; the PyTorch integration "
-                         "with a server-side optimizer, whose state the servers hold)")
+                         "job from psd_start_iteration (poseidon-synth; the PyTorch integration: "
+                         "a server-side optimizer's state is the servers', a local one's a live "
+                         "rank hands over)")
     ap.add_argument("--rejoin_timeout", default="30s",
                     help="with --rejoin: how long the others wait for a failed rank to come "
                          "back before the job fails (or, restarts used up, at once)")
@@ -351,7 +352,12 @@ def main(argv=None):
                                          *([f"--plan_lowrank_layers={args.lossy_lowrank_layers}"]
                                            if args.lossy_lowrank_layers else []),
                                          *(["--allreduce_by_cost"] if args.allreduce == "by-cost"
-                                           else [])],
+                                           else []),
+                                         # A rank taking up the job is heard of by the others'
+                                         # agents at their next heartbeat, which a local
+                                         # optimizer's hand-over waits for: every second (not
+                                         # liveness_timeout / 5 = 3 s) for these few nodes.
+                                         *(["--heartbeat_interval=1s"] if args.rejoin else [])],
                          env=env_with(job_token=token))
                 procs.append(p)
                 servers.append(p)
