@@ -699,14 +699,22 @@ class _Engine:
                                    "re-send (forwards with and without gradient before one "
                                    "backward): this rank cannot take up the job there; restart "
                                    "the job")
-        index, view = self.buffers_layer
         for it in range(1, first):
-            view.zero_()  # a retransmission: the servers keep the first push
-            self.sync.ready(index, it, "re-sending the buffers' broadcast")
-            self.sync.wait(index, it, self.timeout_ms,
-                           "re-sending the buffers' broadcast (completed)")
+            self._resend([(*self.buffers_layer, "the buffers' broadcast")], it)
         self.buffer_iteration = first
         self.require_forward_param_sync = sync
+
+    def _resend(self, layers, iteration):
+        """A rank taking up the job posts `iteration` of `layers` ((index, values, name)),
+        which every other rank completed: zeros, a retransmission the servers answer with that
+        iteration's result (they keep the first push)."""
+        for index, values, name in layers:
+            values.zero_()
+            self.sync.ready(index, iteration, f"re-sending {name}")
+        for index, _, name in layers:
+            self.sync.wait(index, iteration, self.timeout_ms,
+                           f"re-sending {name} (this process's iteration {iteration}, which "
+                           "the job completed)")
 
     def _check_take_up_registered(self, start):
         if self.registering_in_forward:
@@ -743,6 +751,11 @@ class _Engine:
         try:
             sender, served = self._census(taking_up=True)
             got = _decode_state(_unpack_bytes(self._state_rounds(sender, keep=True)))
+            keys = {"iteration", "model", "optimizer", "state", "grads", "buffers"}
+            if (not isinstance(got, dict) or set(got) != keys or
+                    not isinstance(got["iteration"], int) or not isinstance(got["model"], dict)):
+                raise PoseidonError(5, f"rank {sender} handed over a state that is not one "
+                                       f"(keys {sorted(got) if isinstance(got, dict) else got!r})")
             if got["optimizer"] is None:
                 raise PoseidonError(5, f"rank {sender} handed over its model's state but not its "
                                        "optimizer's, which it does not know: every rank sets "
@@ -755,9 +768,9 @@ class _Engine:
                                            f"{got['state']}, this rank's has "
                                            f"{sorted(self.state._fields)}")
                 self.state._fields.update(got["state"])
-            self._take_up_buffers(sender, got.get("buffers"))
+            self._take_up_buffers(sender, got["buffers"])
             params = list(self.model.parameters())
-            grads = got.get("grads")
+            grads = got["grads"]
             if (not isinstance(grads, list) or len(grads) != len(params) or
                     not all(isinstance(g, bool) for g in grads)):
                 raise PoseidonError(5, f"rank {sender} handed over .grad flags for "
@@ -778,13 +791,7 @@ class _Engine:
             if self.used_layer is not None:
                 again_layers.append((*self.used_layer, "the used-parameter map"))
             for it in range(1, again + 1):
-                for index, values, name in again_layers:
-                    values.zero_()  # a retransmission: the servers keep the first push
-                    self.sync.ready(index, it, f"re-sending {name}")
-                for index, _, name in again_layers:
-                    self.sync.wait(index, it, self.timeout_ms,
-                                   f"re-sending {name} (the job's iteration "
-                                   f"{it + self.clock_offset}, completed)")
+                self._resend(again_layers, it)
             self.iteration = again + 1
             self.takeovers_served = served
             _rejoined_at = after  # resumed_steps(): the steps the state holds
