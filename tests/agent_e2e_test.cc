@@ -384,30 +384,33 @@ TEST(Wire, AnAllowedLossyWireThatDoesNotPayIsNotUsed) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(cluster.agent(r).Wait(milliseconds(20000)), 0);
 }
 
-TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {
+// A single rank's agent gets `signal` 1.5 s into the training (a 30 s wait timeout, the
+// training process's agent timeout `agent_timeout_ms`): the training process must fail naming
+// its agent lost. Returns its output.
+std::string TrainingProcessOutputOnceItsAgentGets(int signal, int agent_timeout_ms) {
   Cluster cluster(1, 1, "ps");
-  auto synth = cluster.Synth(0, kTiny, 100000, {"--compute_scale=2000", "--timeout_ms=30000"});
+  auto synth = cluster.Synth(0, kTiny, 100000,
+                             {"--compute_scale=2000", "--timeout_ms=30000",
+                              "--agent_timeout_ms=" + std::to_string(agent_timeout_ms)});
   std::this_thread::sleep_for(milliseconds(1500));
-  cluster.agent(0).Signal(SIGKILL);
+  cluster.agent(0).Signal(signal);
   const std::string out = synth->ReadAll(milliseconds(60000));
   EXPECT_EQ(synth->Wait(milliseconds(10000)), 1) << out;
   EXPECT_NE(out.find("agent lost (rank 0, segment "), std::string::npos) << out;
+  if (signal == SIGSTOP) cluster.agent(0).Signal(SIGKILL);
+  return out;
+}
+
+TEST(Faults, AKilledAgentIsReportedAsAgentLostWithinTheWaitTimeout) {
+  TrainingProcessOutputOnceItsAgentGets(SIGKILL, 5000);
 }
 
 // A frozen agent (SIGSTOP: its process and segment stay) stops beating: its training process
 // names it lost after its agent timeout, saying for how long it has been silent, not after the
 // 30 s wait timeout.
 TEST(Faults, AFrozenAgentIsReportedAsAgentLostAfterTheAgentTimeout) {
-  Cluster cluster(1, 1, "ps");
-  auto synth = cluster.Synth(0, kTiny, 100000,
-                             {"--compute_scale=2000", "--timeout_ms=30000", "--agent_timeout_ms=1500"});
-  std::this_thread::sleep_for(milliseconds(1500));
-  cluster.agent(0).Signal(SIGSTOP);
-  const std::string out = synth->ReadAll(milliseconds(20000));
-  EXPECT_EQ(synth->Wait(milliseconds(10000)), 1) << out;
-  EXPECT_NE(out.find("agent lost (rank 0, segment "), std::string::npos) << out;
+  const std::string out = TrainingProcessOutputOnceItsAgentGets(SIGSTOP, 1500);
   EXPECT_NE(out.find("no heartbeat for "), std::string::npos) << out;
-  cluster.agent(0).Signal(SIGKILL);
 }
 
 TEST(Faults, AKilledTrainingProcessMakesTheAgentExitClearly) {
