@@ -328,13 +328,14 @@ class Equivalence(WorkersTest):
             "ddp-wrapper,register-early,state-optimizer,find-unused,skip-bias,",
             "a DDP script's rank with unused parameters took up the job")
 
-    def expect_rank_0s_buffers(self, out, own_at=()):
-        """Rank 2 found rank 0's buffers in every forward of the job (buffer-probe), except
-        the forwards at indices `own_at` (no broadcast: its own)."""
+    def expect_rank_0s_buffers(self, out, forwards, own_at=()):
+        """Rank 2 found rank 0's buffers in each of its `forwards` forwards but the first two
+        (buffer-probe's list), except at the indices `own_at` of that list (no broadcast: its
+        own)."""
         found = re.search(r"rank 2 found buffers of ranks \[(.*)\]", out)
         self.assertIsNotNone(found, out)
         found = [int(v) for v in found.group(1).split(",")]
-        want = [2 if i in own_at else 0 for i in range(len(found))]
+        want = [2 if i in own_at else 0 for i in range(forwards - 2)]
         self.assertEqual(found, want, out)
 
     def test_a_rank_takes_up_the_job_broadcasting_buffers_where_the_others_do(self):
@@ -350,7 +351,7 @@ class Equivalence(WorkersTest):
         out = self.take_up_with_handed_over_state(
             "ddp-wrapper,register-early,state-optimizer,buffer-probe,two-forwards,",
             "a DDP script's rank broadcasting buffers took up the job")
-        self.expect_rank_0s_buffers(out)
+        self.expect_rank_0s_buffers(out, forwards=2 * equivalence_worker.STEPS)
 
     def test_a_rank_takes_up_the_job_inside_a_forward_without_gradient(self):
         # The same with a forward without gradient (an evaluation) before step 17's: the live
@@ -362,7 +363,7 @@ class Equivalence(WorkersTest):
             "ddp-wrapper,register-early,state-optimizer,buffer-probe,eval-at=17,",
             "a DDP script's rank took up the job in an evaluation")
         # found[2:] of forwards 0, 1, ...: the evaluation is forward 17, step 17's is 18.
-        self.expect_rank_0s_buffers(out, own_at=(16,))
+        self.expect_rank_0s_buffers(out, forwards=equivalence_worker.STEPS + 1, own_at=(16,))
 
     def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
         # --min_workers (issue 18): rank 1 of 4 dies before step 17 and is not restarted; the
