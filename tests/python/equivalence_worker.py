@@ -34,11 +34,10 @@ world-hook (every rank prints each world change poseidon.torch.on_world_change r
 step it came at), steps=N (N steps instead of 30), step-sleep=S (each step sleeps S seconds more: a job that runs
 long enough for a restarted rank to come back while it runs), find-unused
 (find_unused_parameters=True), skip-bias (the last Linear's bias is left out of the forward
-at every step s with s % 3 == 2: unused by every rank there), eval-at=S[+S...] (every rank runs
-a forward without gradient before step S's: DDP broadcasts buffers in it, and not in step S's
-forward), two-forwards (each step runs the model on the
-two halves of its rows before one backward, the mean of the two losses: DDP broadcasts buffers
-in both forwards). A job
+at every step s with s % 3 == 2: unused by every rank there), eval-at=S (every rank runs a forward
+without gradient before step S's: DDP broadcasts buffers in it, and not in step S's forward),
+two-forwards (each step runs the model on the two halves of its rows before one backward, the
+mean of the two losses: DDP broadcasts buffers in both forwards). A job
 resumed by `poseidon run --resume` starts at
 poseidon.torch.resumed_steps() (with server-adam the servers hold the rest of the state)."""
 import os
@@ -173,8 +172,7 @@ def main(out, modes=()):
     kill = next((m.split("=", 1)[1] for m in modes if m.startswith("kill-server=")), None)
     kill_index, kill_step = (int(v) for v in kill.split("@")) if kill else (None, None)
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
-    eval_at = next(({int(s) for s in m.split("=", 1)[1].split("+")} for m in modes
-                    if m.startswith("eval-at=")), set())
+    eval_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("eval-at=")), None)
     crash_rank = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-rank=")), 1)
     writer = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("writer=")),
                   1 if crash_rank == 0 else 0)
@@ -223,7 +221,7 @@ def main(out, modes=()):
         mine = slice(rank * K, (rank + 1) * K)
         if bias_switch is not None:
             bias_switch.skip = skips_bias(step)
-        if step in eval_at:
+        if step == eval_at:
             with torch.no_grad():
                 model(x[step, mine])
         if "two-forwards" in modes:  # two halves, the mean of their losses: the same gradient
