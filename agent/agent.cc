@@ -1329,6 +1329,9 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
   }
   env_.rejoin_top = from;
   config_.resumed_iteration = from;
+  // A local optimizer's state is the ranks': the others hand it over once they hear of this
+  // takeover (the coordinator's count, psd_takeovers), as for a rejoin.
+  took_up_at_.store(from);
   PSD_LOG_WARN("rank {} is readmitted to job {} from iteration {}: the job had gone on without "
                "it (removed on {} of its {} KV servers), and grows again",
                config_.rank, config_.job_id, from, removed_on_.size(), config_.servers.size());

@@ -80,10 +80,11 @@ def reference(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), wor
 
 
 def reference_shrunk(make_optimizer, workers, removed, from_step, steps=equivalence_worker.STEPS,
-                     back_step=None):
+                     back_step=None, momentum=False):
     """One process on the P-times larger batch until `from_step`, then on the batch of the
     ranks left (rank `removed`'s shard left out): what a job that shrank must reproduce; with
-    `back_step`, on the whole batch again from that step (the world grew again)."""
+    `back_step`, on the whole batch again from that step (the world grew again); with
+    momentum=True also the optimizer's momentum buffers."""
     model, x, y = equivalence_worker.model_and_data(seed=0, workers=workers, steps=steps)
     K = equivalence_worker.K
     keep = torch.cat([torch.arange(r * K, (r + 1) * K) for r in range(workers) if r != removed])
@@ -95,7 +96,10 @@ def reference_shrunk(make_optimizer, workers, removed, from_step, steps=equivale
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return [p.detach().cpu() for p in model.parameters()]
+    params = [p.detach().cpu() for p in model.parameters()]
+    if momentum:
+        return params, [opt.state[p]["momentum_buffer"].cpu() for p in model.parameters()]
+    return params
 
 
 class WorkersTest(unittest.TestCase):
@@ -273,26 +277,27 @@ class Equivalence(WorkersTest):
             self.assertIn("rank 1 takes up at step 16: ElasticState(epoch=3, batch=1)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
 
-    def take_up_with_handed_over_state(self, modes, what):
-        """With equivalence_worker.py's `modes` (each followed by a comma), rank 1 of 3 (SGD
-        with momentum in the ranks, an ElasticState) dies before step 17 and restarts alone
-        (--rejoin); its own parameters and momentum buffers at the end must equal one process
-        on the 3x batch. Returns the job's output."""
+    def take_up_with_handed_over_state(self, modes, what, launcher=(), rank=1):
+        """With equivalence_worker.py's `modes` (each followed by a comma) and the `launcher`
+        arguments, `rank` of 3 (SGD with momentum in the ranks, an ElasticState) dies before
+        step 17 and restarts alone (--rejoin); its own parameters and momentum buffers at the
+        end must equal one process on the 3x batch. Returns the job's output."""
         sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
         want, want_momentum = reference(sgd, workers=3, momentum=True,
                                         skip_bias="skip-bias," in modes)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin", "--",
-                        PY, os.path.join(HERE, "equivalence_worker.py"), out,
-                        modes + "momentum,workers=3,crash-at=17,elastic-state,writer=1"],
-                       timeout=240)
+            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
+                        *launcher, "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
+                        modes + f"momentum,workers=3,crash-at=17,crash-rank={rank},"
+                        f"elastic-state,writer={rank}"], timeout=240)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn("rank 1 crashes", r.stdout)
-            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            self.assertIn(f"rank {rank} crashes", r.stdout)
+            self.assertIn(f"restart 1 of 1: rank {rank} rejoins the running job", r.stderr)
             self.assertIn("resumed at step 17", r.stdout)
-            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
-            self.assertIn("rank 1 takes up at step 17: ElasticState(epoch=3, batch=2)", r.stdout)
+            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # that rank only
+            self.assertIn(f"rank {rank} takes up at step 17: ElasticState(epoch=3, batch=2)",
+                          r.stdout)
             self.assert_close(torch.load(out), want, what)
             self.assert_close(torch.load(out + ".optimizer"), want_momentum,
                               f"{what}: its momentum buffers")
@@ -328,14 +333,63 @@ class Equivalence(WorkersTest):
             "ddp-wrapper,register-early,state-optimizer,find-unused,skip-bias,",
             "a DDP script's rank with unused parameters took up the job")
 
-    def expect_rank_0s_buffers(self, out, forwards, own_at=()):
+    def test_a_rank_of_a_job_that_may_shrink_takes_up_the_job_with_a_live_ranks_state(self):
+        # The same in a job that may shrink (--min_workers 2): every .grad is the KV servers'
+        # mean over the ranks each key's clock summed (PSD_LAYER_AVERAGE), and the broadcast
+        # layer counts its senders; rank 1 comes back within its rejoin timeout, so nobody is
+        # removed and the job ends as one process on the 3x batch.
+        self.take_up_with_handed_over_state("", "a rank of a job that may shrink took up the job",
+                                            launcher=["--min_workers", "2"])
+
+    def test_a_local_optimizers_rank_readmitted_after_the_world_shrank_gets_a_live_ranks_state(
+            self):
+        # --min_workers with --rejoin, through a DDP script (DistributedDataParallel, its own
+        # SGD with momentum named by its ElasticState, buffers broadcast): rank 1 of 4 dies
+        # before step 17 and is removed at once (--rejoin_timeout 1ms); its restart is
+        # readmitted by the KV servers from a later step F, and rank 0, the lowest live rank,
+        # waiting for its push of F, hands it the parameters, the momentum buffers, the loop's
+        # position and where the buffers' broadcasts are after F - 1. Its own parameters and
+        # momentum at the end equal one process on the 4x batch until step 17, on the three
+        # ranks' batch until F, and on the 4x batch again after (a fresh optimizer would have
+        # no momentum); every forward of rank 2 finds rank 0's buffers.
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+        steps = 60  # 0.2 s each: the restart (starting Python, importing torch) comes back
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
+                        "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out,
+                        "ddp-wrapper,register-early,state-optimizer,buffer-probe,momentum,"
+                        f"workers=4,crash-at=17,report-world,elastic-state,writer=1,"
+                        f"steps={steps},step-sleep=0.2"], timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+            back = re.search(r"resumed at step (\d+)", r.stdout)
+            self.assertIsNotNone(back, r.stdout)
+            back = int(back.group(1))
+            self.assertTrue(17 < back < steps, r.stdout)  # readmitted later, not a plain rejoin
+            self.assertIn(f"rank 1 takes up at step {back}: ElasticState(epoch={back // 5}, "
+                          f"batch={back % 5})", r.stdout)
+            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            self.assertIsNotNone(re.search(r"rank 1 ends in world \(1, 4, [02]\)", r.stdout),
+                                 r.stdout)
+            want, want_momentum = reference_shrunk(sgd, workers=4, removed=1, from_step=17,
+                                                   steps=steps, back_step=back, momentum=True)
+            what = f"local SGD with momentum, the world shrank at step 17 and grew at {back}"
+            self.assert_close(torch.load(out), want, what)
+            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
+                              f"{what}: its momentum buffers")
+            self.expect_rank_0s_buffers(r.stdout, forwards=steps)
+
+    def expect_rank_0s_buffers(self, out, forwards, own_at=(), rank_1s_at=()):
         """Rank 2 found rank 0's buffers in each of its `forwards` forwards but the first two
         (buffer-probe's list), except at the indices `own_at` of that list (no broadcast: its
-        own)."""
+        own) and `rank_1s_at` (rank 1's)."""
         found = re.search(r"rank 2 found buffers of ranks \[(.*)\]", out)
         self.assertIsNotNone(found, out)
         found = [int(v) for v in found.group(1).split(",")]
-        want = [2 if i in own_at else 0 for i in range(forwards - 2)]
+        want = [2 if i in own_at else 1 if i in rank_1s_at else 0 for i in range(forwards - 2)]
         self.assertEqual(found, want, out)
 
     def test_a_rank_takes_up_the_job_broadcasting_buffers_where_the_others_do(self):
@@ -364,6 +418,17 @@ class Equivalence(WorkersTest):
             "a DDP script's rank took up the job in an evaluation")
         # found[2:] of forwards 0, 1, ...: the evaluation is forward 17, step 17's is 18.
         self.expect_rank_0s_buffers(out, forwards=equivalence_worker.STEPS + 1, own_at=(16,))
+
+    def test_a_restarted_rank_0_takes_up_the_job_with_rank_1s_state_and_buffers(self):
+        # Rank 0 itself dies before step 17 (DDP broadcasts its buffers): rank 1, the lowest
+        # live rank, hands over, and the restarted rank 0 broadcasts what it got: step 17's
+        # forward finds rank 1's buffers on every rank (rank 0's own running statistics died
+        # with it), every later one rank 0's again; the parameters and momentum are exact.
+        out = self.take_up_with_handed_over_state(
+            "ddp-wrapper,register-early,state-optimizer,buffer-probe,",
+            "a DDP script's rank 0 took up the job", rank=0)
+        # found[2:] of forwards 0, 1, ...: step s's forward is forward s.
+        self.expect_rank_0s_buffers(out, forwards=equivalence_worker.STEPS, rank_1s_at=(15,))
 
     def test_a_crashed_rank_is_left_out_and_the_job_goes_on_with_the_ranks_left(self):
         # --min_workers (issue 18): rank 1 of 4 dies before step 17 and is not restarted; the

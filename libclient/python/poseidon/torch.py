@@ -420,7 +420,10 @@ class _Engine:
         check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
         _, rejoin_ms = _takeovers()
         why_not = self._why_no_hand_over(total)
-        self.hands_over = self.server_rule is None and rejoin_ms > 0 and why_not is None
+        # A rank comes back to a job whose agents wait for it (--rejoin_timeout), or, in a job
+        # that may shrink, after it was removed (readmitted: the world grows again).
+        self.hands_over = (self.server_rule is None and (rejoin_ms > 0 or self.elastic) and
+                           why_not is None)
         global _rejoined_at
         # With a server-side optimizer the servers hold the state: iteration 1 re-reads the
         # parameters the job's iteration in flight is computed from (resumed_steps() says which).
@@ -428,6 +431,8 @@ class _Engine:
         _rejoined_at = start.value if start.value > 1 else None
         taking_up = start.value > 1 and self.server_rule is None
         if taking_up and not self.hands_over:
+            why_not = why_not or ("in a job whose agents wait for a rank that died "
+                                  "(--rejoin_timeout) or that may shrink (--min_workers)")
             raise PoseidonError(5, f"this rank's agent rejoined the running job at iteration "
                                    f"{start.value} (poseidon-agent --rejoin), and with a local "
                                    f"optimizer the model's and optimizer's state are the other "
@@ -559,8 +564,6 @@ class _Engine:
         missing (the same on every rank)."""
         if self.mode != "ddp":
             return "without overlap_forward"
-        if self.elastic:
-            return "in a job that cannot shrink (no --min_workers)"
         if elements < CENSUS_SLOTS * self.world:
             return f"for a model of {CENSUS_SLOTS * self.world} elements or more"
         return None
