@@ -353,25 +353,12 @@ class Equivalence(WorkersTest):
         # ranks' batch until F, and on the 4x batch again after (a fresh optimizer would have
         # no momentum); every forward of rank 2 finds rank 0's buffers.
         sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
-        steps = 60  # 0.2 s each: the restart (starting Python, importing torch) comes back
+        steps = 60
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
-                        "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
-                        os.path.join(HERE, "equivalence_worker.py"), out,
-                        "ddp-wrapper,register-early,state-optimizer,buffer-probe,momentum,"
-                        f"workers=4,crash-at=17,report-world,elastic-state,writer=1,"
-                        f"steps={steps},step-sleep=0.2"], timeout=240)
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn("rank 1 crashes", r.stdout)
-            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
-            back = re.search(r"resumed at step (\d+)", r.stdout)
-            self.assertIsNotNone(back, r.stdout)
-            back = int(back.group(1))
-            self.assertTrue(17 < back < steps, r.stdout)  # readmitted later, not a plain rejoin
-            self.assertIn(f"rank 1 takes up at step {back}: ElasticState(epoch={back // 5}, "
-                          f"batch={back % 5})", r.stdout)
-            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            r, back = self.readmit_rank_1(
+                out, steps, "ddp-wrapper,register-early,state-optimizer,buffer-probe,momentum,"
+                "report-world,writer=1")
             self.assertIsNotNone(re.search(r"rank 1 ends in world \(1, 4, [02]\)", r.stdout),
                                  r.stdout)
             want, want_momentum = reference_shrunk(sgd, workers=4, removed=1, from_step=17,
@@ -461,6 +448,30 @@ class Equivalence(WorkersTest):
             self.assertNotEqual(reference(adam, workers=4, steps=steps)[0].tolist(),
                                 want[0].tolist())
 
+    def readmit_rank_1(self, out, steps, modes):
+        """Rank 1 of 4 (equivalence_worker.py's `modes`, an ElasticState, `steps` steps of
+        0.2 s: the restart, starting Python and importing torch, comes back while the job runs)
+        dies before step 17 and is removed at once (--min_workers 3, --rejoin_timeout 1ms: its
+        restart comes later, as a node returning late would); its restart is readmitted by the
+        KV servers from a later step, where it resumes, with the training loop's position.
+        Returns the job and that step."""
+        r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
+                    "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
+                    os.path.join(HERE, "equivalence_worker.py"), out,
+                    f"{modes},workers=4,crash-at=17,elastic-state,steps={steps},step-sleep=0.2"],
+                   timeout=240)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("rank 1 crashes", r.stdout)
+        self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
+        back = re.search(r"resumed at step (\d+)", r.stdout)
+        self.assertIsNotNone(back, r.stdout)
+        back = int(back.group(1))
+        self.assertTrue(17 < back < steps, r.stdout)  # readmitted later, not a plain rejoin
+        self.assertIn(f"rank 1 takes up at step {back}: ElasticState(epoch={back // 5}, "
+                      f"batch={back % 5})", r.stdout)
+        self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+        return r, back
+
     def test_a_rank_back_after_the_world_shrank_is_readmitted_and_the_world_grows_again(self):
         # --min_workers with --rejoin (issue 18): rank 1 of 4 dies before step 17 and is removed
         # at once (--rejoin_timeout 1ms: its restart comes later, as a node returning late
@@ -468,25 +479,10 @@ class Equivalence(WorkersTest):
         # resumes. The job ends with the parameters of one process on the 4x batch until step
         # 17, on the three ranks' batch until that step, and on the 4x batch again after.
         adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
-        steps = 60  # 0.2 s each: the restart (starting Python, importing torch) comes back
+        steps = 60
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
-                        "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
-                        os.path.join(HERE, "equivalence_worker.py"), out,
-                        f"server-adam,workers=4,crash-at=17,report-world,world-hook,"
-                        f"elastic-state,steps={steps},step-sleep=0.2"])
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn("rank 1 crashes", r.stdout)
-            self.assertIn("restart 1 of 1: rank 1 rejoins the running job", r.stderr)
-            back = re.search(r"resumed at step (\d+)", r.stdout)
-            self.assertIsNotNone(back, r.stdout)
-            back = int(back.group(1))
-            self.assertTrue(17 < back < steps, r.stdout)  # readmitted later, not a plain rejoin
-            # It learnt the training loop's position (an ElasticState) with the parameters.
-            self.assertIn(f"rank 1 takes up at step {back}: ElasticState(epoch={back // 5}, "
-                          f"batch={back % 5})", r.stdout)
-            self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # rank 1 only
+            r, back = self.readmit_rank_1(out, steps, "server-adam,report-world,world-hook")
             ends = re.search(r"rank 0 ends in world \(0, 4, ([02])\)", r.stdout)
             self.assertIsNotNone(ends, r.stdout)
             # The boundary hook (on_world_change) told rank 0 of each change at a step's end:
