@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import unittest
 
 try:
@@ -277,11 +278,12 @@ class Equivalence(WorkersTest):
             self.assertIn("rank 1 takes up at step 16: ElasticState(epoch=3, batch=1)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
 
-    def take_up_with_handed_over_state(self, modes, what, launcher=(), rank=1):
+    def take_up_with_handed_over_state(self, modes, what, launcher=(), rank=1, resumed=(17,)):
         """With equivalence_worker.py's `modes` (each followed by a comma) and the `launcher`
         arguments, `rank` of 3 (SGD with momentum in the ranks, an ElasticState) dies before
-        step 17 and restarts alone (--rejoin); its own parameters and momentum buffers at the
-        end must equal one process on the 3x batch. Returns the job's output."""
+        step 17 and restarts alone (--rejoin), resuming at one of the steps `resumed`; its own
+        parameters and momentum buffers at the end must equal one process on the 3x batch.
+        Returns the job's output."""
         sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
         want, want_momentum = reference(sgd, workers=3, momentum=True,
                                         skip_bias="skip-bias," in modes)
@@ -294,10 +296,13 @@ class Equivalence(WorkersTest):
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn(f"rank {rank} crashes", r.stdout)
             self.assertIn(f"restart 1 of 1: rank {rank} rejoins the running job", r.stderr)
-            self.assertIn("resumed at step 17", r.stdout)
+            step = re.search(r"resumed at step (\d+)", r.stdout)
+            self.assertIsNotNone(step, r.stdout)
+            step = int(step.group(1))
+            self.assertIn(step, resumed, r.stdout)
             self.assertEqual(r.stdout.count("resumed at step"), 1, r.stdout)  # that rank only
-            self.assertIn(f"rank {rank} takes up at step 17: ElasticState(epoch=3, batch=2)",
-                          r.stdout)
+            self.assertIn(f"rank {rank} takes up at step {step}: "
+                          f"ElasticState(epoch={step // 5}, batch={step % 5})", r.stdout)
             self.assert_close(torch.load(out), want, what)
             self.assert_close(torch.load(out + ".optimizer"), want_momentum,
                               f"{what}: its momentum buffers")
@@ -332,6 +337,17 @@ class Equivalence(WorkersTest):
         self.take_up_with_handed_over_state(
             "ddp-wrapper,register-early,state-optimizer,find-unused,skip-bias,",
             "a DDP script's rank with unused parameters took up the job")
+
+    def test_an_overlap_forward_rank_takes_up_the_job_with_the_state_before_the_pending_step(
+            self):
+        # overlap_forward: step() returns at once and each layer steps when the next forward
+        # reaches it, so the live ranks wait inside that forward for the iteration rank 1 never
+        # pushed, before any layer stepped: rank 0 hands over the state before that iteration
+        # (its parameters, momentum and loop position as of its last step() call), and the
+        # restarted rank trains that iteration again. It resumes at step 17, or at 16 where its
+        # agent had not pushed all of step 16 when the process died (step() did not wait).
+        self.take_up_with_handed_over_state("overlap,", "an overlap_forward rank took up the job",
+                                            resumed=(16, 17))
 
     def test_a_rank_of_a_job_that_may_shrink_takes_up_the_job_with_a_live_ranks_state(self):
         # The same in a job that may shrink (--min_workers 2): every .grad is the KV servers'
@@ -934,12 +950,9 @@ class Launcher(unittest.TestCase):
         # With DistributedDataParallel the optimizer is the script's own: unless the
         # ElasticState names it, a rank that rejoined says so rather than train from its own
         # fresh optimizer state; registered at its first forward, it says that is too late.
-        # With overlap_forward the live ranks wait inside a forward, their models stepped up to
-        # the layer they wait for: no whole state to hand over, which the rejoined rank says.
         for modes, said in (("ddp-wrapper,register-early,elastic-state",
                              "this process's optimizer is unknown"),
-                            ("ddp-wrapper", "register it before the loop (batch_size=K"),
-                            ("overlap", "which they hand over only without overlap_forward")):
+                            ("ddp-wrapper", "register it before the loop (batch_size=K")):
             with tempfile.TemporaryDirectory() as tmp:
                 r = launch(["-n", "2", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
                             "--rejoin_timeout", "20s", "--", PY,
@@ -1120,6 +1133,33 @@ class Misuse(unittest.TestCase):
                 poseidon.torch._decode_state(bad)
         with self.assertRaisesRegex(poseidon.PoseidonError, "cannot be handed"):
             poseidon.torch._encode_state({"x": object()})
+
+    def test_an_overlap_forward_rank_hands_over_the_state_before_its_pending_step_or_refuses(self):
+        # overlap_forward: a live rank waiting inside the next forward before any layer stepped
+        # hands over the state as of its last step() call (the iteration before, the loop's
+        # position then); once some layers stepped and others wait there is no whole state,
+        # and it says so rather than hand over a mixed one.
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine = types.SimpleNamespace(
+            mode="overlap", iteration=7, clock_offset=10, layers=["weight", "bias"],
+            state=types.SimpleNamespace(_fields={"epoch": 1, "batch": 1}),
+            forward_at=(7, 8, True), overlap_post=(6, {"epoch": 1, "batch": 0}, (6, 7, True)),
+            stepped=0, model=model, _local_optimizer=lambda: opt,
+            _buffers_position=lambda iteration, forward_at: [iteration, forward_at])
+        hand_over = poseidon.torch._Engine._state_to_hand_over
+        got = hand_over(engine)
+        self.assertEqual((got["iteration"], got["state"], got["buffers"]),
+                         (15, {"epoch": 1, "batch": 0}, [6, (6, 7, True)]))
+        engine.stepped = 1
+        self.assertEqual(list(hand_over(engine)), ["refused"])
+        self.assertIn("1 of its 2 layers stepped", hand_over(engine)["refused"])
+        engine.stepped = 2  # every layer stepped: the state after the last step()
+        got = hand_over(engine)
+        self.assertEqual((got["iteration"], got["state"], got["buffers"]),
+                         (16, {"epoch": 1, "batch": 1}, [7, (7, 8, True)]))
+        engine.mode, engine.stepped = "ddp", 0  # (DDP mode steps in step(): never pending)
+        self.assertEqual(hand_over(engine)["iteration"], 16)
 
 
 if __name__ == "__main__":

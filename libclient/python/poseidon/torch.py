@@ -345,6 +345,11 @@ class _Engine:
         self.sync_this_backward = False
         self.callback_queued = False
         self.pending = {}  # overlap: layer index -> iteration whose step waits for the forward
+        # overlap: the last step() — (its iteration, the ElasticState's fields and the first
+        # forward (forward_at) of that iteration) — and how many layers have stepped since: a
+        # rank waiting inside the next forward before any did hands over the state before it.
+        self.overlap_post = None
+        self.stepped = 0
         self.optimizer = None  # overlap: DistributedOptimizer
         self.sfb_inputs = set()  # SFB layers whose input this forward has saved
         self.schemes = {}  # layer index -> (iteration, scheme): psd_layer_scheme's answers
@@ -562,8 +567,6 @@ class _Engine:
     def _why_no_hand_over(self, elements):
         """None where a live rank can hand its state to a rank taking up the job, else what is
         missing (the same on every rank)."""
-        if self.mode != "ddp":
-            return "without overlap_forward"
         if elements < CENSUS_SLOTS * self.world:
             return f"for a model of {CENSUS_SLOTS * self.world} elements or more"
         return None
@@ -651,33 +654,51 @@ class _Engine:
             sender, served = self._census(taking_up=False)
             data = None
             if sender == self.rank:  # only the sender's state travels: only it encodes one
-                data = _pack_bytes(_encode_state({
-                    "iteration": self.iteration - 1 + self.clock_offset,
-                    "model": self.model.state_dict(),
-                    "optimizer": (None if self._local_optimizer() is None
-                                  else self._local_optimizer().state_dict()),
-                    "state": None if self.state is None else dict(self.state._fields),
-                    # Which parameters hold a .grad: one no rank uses in an iteration keeps
-                    # its .grad (as DDP leaves it), and an optimizer steps a zero gradient
-                    # (momentum goes on) but skips a missing one.
-                    "grads": [p.grad is not None for p in self.model.parameters()],
-                    "buffers": self._buffers_position()}))
+                data = _pack_bytes(_encode_state(self._state_to_hand_over()))
             self._state_rounds(sender, data)
             self.takeovers_served = served
         finally:
             self.handing_over = False
 
-    def _buffers_position(self):
+    def _state_to_hand_over(self):
+        """The sender's state: after the iteration before the one this rank waits for — with
+        overlap_forward, waiting inside the next forward before any layer stepped, the one
+        before that (its last step() is pending) — or, with overlap_forward once some layers
+        stepped and others wait, {"refused": why}."""
+        iteration, fields, forward_at = (self.iteration,
+                                         None if self.state is None else self.state._fields,
+                                         self.forward_at)
+        if self.mode == "overlap" and self.overlap_post is not None and \
+                self.stepped < len(self.layers):
+            if self.stepped > 0:
+                return {"refused": f"it waits inside a forward with {self.stepped} of its "
+                                   f"{len(self.layers)} layers stepped (overlap_forward): no "
+                                   "whole state to hand over"}
+            iteration, fields, forward_at = self.overlap_post
+        return {
+            "iteration": iteration - 1 + self.clock_offset,
+            "model": self.model.state_dict(),
+            "optimizer": (None if self._local_optimizer() is None
+                          else self._local_optimizer().state_dict()),
+            "state": None if fields is None else dict(fields),
+            # Which parameters hold a .grad: one no rank uses in an iteration keeps its .grad
+            # (as DDP leaves it), and an optimizer steps a zero gradient (momentum goes on) but
+            # skips a missing one.
+            "grads": [p.grad is not None for p in self.model.parameters()],
+            "buffers": self._buffers_position(iteration, forward_at)}
+
+    def _buffers_position(self, iteration, forward_at):
         """A live rank handing over: where the rank taking up the job broadcasts buffers from
         (None without broadcast_buffers): [its buffer iteration, require_forward_param_sync]
-        for its first forward, the first of this iteration. Its buffers layer goes on from the
-        key's last completed clock (PSD_LAYER_OWN_CLOCK: its iteration 1), which is this
-        rank's buffer_iteration - 1 (the key cannot pass it without the rank taken up)."""
+        for its first forward, the first of `iteration` (`forward_at`: this rank's, where it
+        ran one). Its buffers layer goes on from the key's last completed clock
+        (PSD_LAYER_OWN_CLOCK: its iteration 1), which is this rank's buffer_iteration - 1 (the
+        key cannot pass it without the rank taken up)."""
         if self.buffers_layer is None:
             return None
         first, sync = self.buffer_iteration, self.require_forward_param_sync
-        if self.forward_at is not None and self.forward_at[0] == self.iteration:
-            _, first, sync = self.forward_at
+        if forward_at is not None and forward_at[0] == iteration:
+            _, first, sync = forward_at
         return [first - self.buffer_iteration + 2, bool(sync)]
 
     def _take_up_buffers(self, sender, position):
@@ -754,6 +775,9 @@ class _Engine:
         try:
             sender, served = self._census(taking_up=True)
             got = _decode_state(_unpack_bytes(self._state_rounds(sender, keep=True)))
+            if isinstance(got, dict) and set(got) == {"refused"}:
+                raise PoseidonError(5, f"rank {sender} cannot hand its state over to this rank "
+                                       f"taking up the job: {got['refused']}; restart the job")
             keys = {"iteration", "model", "optimizer", "state", "grads", "buffers"}
             if (not isinstance(got, dict) or set(got) != keys or
                     not isinstance(got["iteration"], int) or not isinstance(got["model"], dict)):
@@ -1316,6 +1340,7 @@ class DistributedOptimizer:
                 opt.param_groups[0][k] = v
         opt.state = self._optimizer.state  # load_state_dict replaces the dict
         opt.step()
+        self._engine.stepped += 1
 
     def synchronize(self):
         """Applies every step still waiting for a forward pass (overlap_forward); in the other
@@ -1339,6 +1364,9 @@ class DistributedOptimizer:
         e.check_posted()
         for layer in e.layers:  # each layer steps when the next forward reaches it
             e.pending[layer.index] = e.iteration
+        e.overlap_post = (e.iteration, None if e.state is None else dict(e.state._fields),
+                          e.forward_at)
+        e.stepped = 0
         e._settle_state(e.iteration)
         e.iteration += 1
         _check_world(e)
@@ -1669,8 +1697,11 @@ def distribute(model, optimizer, batch_size=None, timeout_ms=120000, overlap_for
     model.forward = forward  # every call of the model goes through the engine
     model._poseidon_engine = engine
     if mode == "overlap":
-        # The model's state dict is read after the pending steps are applied.
-        model._register_state_dict_hook(lambda module, state, prefix, meta: wrapped.synchronize())
+        # The model's state dict is read after the pending steps are applied (not by a rank
+        # handing its state over from inside a wait for them).
+        model._register_state_dict_hook(
+            lambda module, state, prefix, meta: None if engine.handing_over
+            else wrapped.synchronize())
     return wrapped
 
 
