@@ -16,10 +16,11 @@ kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before st
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
 3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too;
 crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0; writer=R: rank R
-writes them), buffer-probe (an
+writes them; crash-after-forward: the crash comes after step S's forwards, before its backward), buffer-probe (an
 identity module in front whose buffer each forward sets to 100 * rank + its forward count, so
 that the value a forward finds there says whose buffers DDP's broadcast_buffers installed; rank 2
-prints the senders it saw), ddp-wrapper (poseidon.torch.DistributedDataParallel and a plain
+prints the senders it saw and the values, a rank that took up the job the values its forwards
+found), ddp-wrapper (poseidon.torch.DistributedDataParallel and a plain
 torch SGD, registered at the first forward, instead of distribute(); with register-early:
 registered by batch_size=K; with state-optimizer: the ElasticState knows the SGD), elastic-state (a
 poseidon.torch.ElasticState of epochs of EPOCH_STEPS steps: every rank checks at every step
@@ -174,6 +175,7 @@ def main(out, modes=()):
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
     eval_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("eval-at=")), None)
     crash_rank = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-rank=")), 1)
+    crash_after_forward = "crash-after-forward" in modes
     writer = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("writer=")),
                   1 if crash_rank == 0 else 0)
     if os.environ.get("POSEIDON_RESTART_COUNT", "0") != "0":
@@ -198,7 +200,7 @@ def main(out, modes=()):
                 assert (state.epoch, state.batch) == divmod(step, EPOCH_STEPS), (rank, step, state)
             if "state-skew" in modes and rank == 1 and step == 3:
                 state.batch += 1
-        if rank == crash_rank and step == crash_at:
+        if rank == crash_rank and step == crash_at and not crash_after_forward:
             print(f"step {step}: rank {rank} crashes at {time.time():.3f}", flush=True)
             os._exit(3)
         if rank == 0 and step == kill_step:
@@ -230,6 +232,9 @@ def main(out, modes=()):
                        for h in half) / 2
         else:
             loss = torch.nn.functional.cross_entropy(model(x[step, mine]), y[step, mine])
+        if rank == crash_rank and step == crash_at and crash_after_forward:
+            print(f"step {step}: rank {rank} crashes after its forwards", flush=True)
+            os._exit(3)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -251,6 +256,9 @@ def main(out, modes=()):
         # (DistributedDataParallel registers at the first forward: its probe ran one more.)
         found = probe.found[2:] if wrapper else probe.found[1:]
         print("rank 2 found buffers of ranks", [v // 100 for v in found], flush=True)
+        print("rank 2 found buffer values", probe.found, flush=True)
+    if probe is not None and start and rank != 2:  # a rank that took up the job: from there
+        print(f"rank {rank} found buffer values from step {start}", probe.found, flush=True)
     if rank == writer:
         torch.save([p.detach().cpu().clone() for p in model.parameters()], out)
         local = opt if wrapper else opt._optimizer

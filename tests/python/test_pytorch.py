@@ -349,6 +349,16 @@ class Equivalence(WorkersTest):
         self.take_up_with_handed_over_state("overlap,", "an overlap_forward rank took up the job",
                                             resumed=(16, 17))
 
+    def test_an_overlap_forward_rank_broadcasting_buffers_takes_up_the_job(self):
+        # The same with buffers broadcast: the live ranks wait at step 17's broadcast, before
+        # they stepped with step 16, and the restarted rank trains step 16 again, its forward
+        # re-sending that step's broadcast (completed); rank 2 finds rank 0's buffers in every
+        # forward.
+        out = self.take_up_with_handed_over_state(
+            "overlap,buffer-probe,", "an overlap_forward rank broadcasting buffers took up the job",
+            resumed=(16,))
+        self.expect_rank_0s_buffers(out, forwards=equivalence_worker.STEPS + 1)
+
     def test_a_rank_of_a_job_that_may_shrink_takes_up_the_job_with_a_live_ranks_state(self):
         # The same in a job that may shrink (--min_workers 2): every .grad is the KV servers'
         # mean over the ranks each key's clock summed (PSD_LAYER_AVERAGE), and the broadcast
@@ -409,6 +419,26 @@ class Equivalence(WorkersTest):
             "ddp-wrapper,register-early,state-optimizer,buffer-probe,two-forwards,",
             "a DDP script's rank broadcasting buffers took up the job")
         self.expect_rank_0s_buffers(out, forwards=2 * equivalence_worker.STEPS)
+
+    def test_a_rank_dead_after_two_broadcasts_of_its_step_replays_their_results(self):
+        # The same two forwards per step, and rank 1 dies after both of step 17's broadcasts
+        # completed, before its backward: the live ranks wait at the end of that backward, and
+        # the servers can re-send only the last completed broadcast. Rank 0 hands over the
+        # first one's result too: the restarted rank's first forward installs it, its second
+        # re-sends the last one. Every forward of the restarted rank finds what rank 2's found
+        # in the same forward (rank 0's buffers of then), and the parameters are exact.
+        out = self.take_up_with_handed_over_state(
+            "ddp-wrapper,register-early,state-optimizer,buffer-probe,two-forwards,"
+            "crash-after-forward,", "a DDP script's rank took up the job after two broadcasts")
+        self.assertIn("step 17: rank 1 crashes after its forwards", out)
+        self.expect_rank_0s_buffers(out, forwards=2 * equivalence_worker.STEPS)
+        values = {}
+        for name in ("rank 2 found buffer values", "rank 1 found buffer values from step 17"):
+            found = re.search(re.escape(name) + r" \[(.*)\]", out)
+            self.assertIsNotNone(found, out)
+            values[name] = [int(v) for v in found.group(1).split(",")]
+        self.assertEqual(values["rank 1 found buffer values from step 17"],
+                         values["rank 2 found buffer values"][2 * 17:], out)
 
     def test_a_rank_takes_up_the_job_inside_a_forward_without_gradient(self):
         # The same with a forward without gradient (an evaluation) before step 17's: the live
@@ -1144,22 +1174,48 @@ class Misuse(unittest.TestCase):
         engine = types.SimpleNamespace(
             mode="overlap", iteration=7, clock_offset=10, layers=["weight", "bias"],
             state=types.SimpleNamespace(_fields={"epoch": 1, "batch": 1}),
-            forward_at=(7, 8, True), overlap_post=(6, {"epoch": 1, "batch": 0}, (6, 7, True)),
+            forward_at=(7, 8, True), broadcasts=["b7"],
+            overlap_post=(6, {"epoch": 1, "batch": 0}, (6, 7, True), ["b6"]),
             stepped=0, model=model, _local_optimizer=lambda: opt,
-            _buffers_position=lambda iteration, forward_at: [iteration, forward_at])
+            _buffers_position=lambda *position: list(position))
         hand_over = poseidon.torch._Engine._state_to_hand_over
         got = hand_over(engine)
         self.assertEqual((got["iteration"], got["state"], got["buffers"]),
-                         (15, {"epoch": 1, "batch": 0}, [6, (6, 7, True)]))
+                         (15, {"epoch": 1, "batch": 0}, [6, (6, 7, True), ["b6"]]))
         engine.stepped = 1
         self.assertEqual(list(hand_over(engine)), ["refused"])
         self.assertIn("1 of its 2 layers stepped", hand_over(engine)["refused"])
         engine.stepped = 2  # every layer stepped: the state after the last step()
         got = hand_over(engine)
         self.assertEqual((got["iteration"], got["state"], got["buffers"]),
-                         (16, {"epoch": 1, "batch": 1}, [7, (7, 8, True)]))
+                         (16, {"epoch": 1, "batch": 1}, [7, (7, 8, True), ["b7"]]))
         engine.mode, engine.stepped = "ddp", 0  # (DDP mode steps in step(): never pending)
         self.assertEqual(hand_over(engine)["iteration"], 16)
+
+    def test_a_rank_taking_up_the_job_checks_the_buffer_broadcasts_handed_over(self):
+        # [its first broadcast (1: the key's last completed clock, re-sent), the forward sync
+        # flag, the results of the broadcasts before that clock]: a rank taking up the job
+        # re-sends what it can, installs the rest in its first forwards, and refuses a position
+        # whose results do not match.
+        resent = []
+        engine = types.SimpleNamespace(
+            buffers=[torch.zeros(2), torch.zeros(1)], buffers_layer=(5, torch.zeros(4)),
+            _resend=lambda layers, iteration: resent.append(iteration))
+        take_up = poseidon.torch._Engine._take_up_buffers
+        take_up(engine, 0, [2, True, []])  # the live ranks' first forward waits at clock + 1
+        self.assertEqual((resent, engine.buffer_iteration, engine.replay), ([1], 2, []))
+        first = torch.tensor([1.0, 2.0, 3.0])
+        take_up(engine, 0, [-1, False, [first, None]])  # three completed: two results travel
+        self.assertEqual((resent, engine.buffer_iteration, engine.require_forward_param_sync),
+                         ([1], 1, False))
+        self.assertEqual(engine.replay, [first, None])
+        for bad, said in (([0, True, []], "handed over 0 results of buffer broadcasts for the 1"),
+                          ([0, True, [torch.zeros(2)]], "not of its 3 buffer values"),
+                          ([1, True, [first]], "handed over 1 results"),
+                          ([3, True, []], "garbled buffers position"),
+                          ([1, True], "garbled buffers position")):
+            with self.assertRaisesRegex(poseidon.PoseidonError, said):
+                take_up(engine, 0, bad)
 
 
 if __name__ == "__main__":

@@ -338,6 +338,12 @@ class _Engine:
         # and require_forward_param_sync before it) — where a rank taking up the job from this
         # iteration on starts broadcasting buffers.
         self.forward_at = None
+        # A job whose ranks hand over: the results of this iteration's buffer broadcasts (None
+        # where nobody sent), which a rank taking up the job cannot re-send once two completed
+        # (the servers answer a retransmission of the last completed one only); a rank taking
+        # up the job installs those handed over instead of posting them (replay).
+        self.broadcasts = []
+        self.replay = []
         self.posted = {}  # layer index -> True, in posting order
         self.zeroed = set()  # SFB weights whose local gradient the hook replaced by zeros
         self.require_backward_grad_sync = True  # False inside no_sync()
@@ -665,16 +671,16 @@ class _Engine:
         overlap_forward, waiting inside the next forward before any layer stepped, the one
         before that (its last step() is pending) — or, with overlap_forward once some layers
         stepped and others wait, {"refused": why}."""
-        iteration, fields, forward_at = (self.iteration,
-                                         None if self.state is None else self.state._fields,
-                                         self.forward_at)
+        iteration, fields, forward_at, broadcasts = (
+            self.iteration, None if self.state is None else self.state._fields, self.forward_at,
+            self.broadcasts)
         if self.mode == "overlap" and self.overlap_post is not None and \
                 self.stepped < len(self.layers):
             if self.stepped > 0:
                 return {"refused": f"it waits inside a forward with {self.stepped} of its "
                                    f"{len(self.layers)} layers stepped (overlap_forward): no "
                                    "whole state to hand over"}
-            iteration, fields, forward_at = self.overlap_post
+            iteration, fields, forward_at, broadcasts = self.overlap_post
         return {
             "iteration": iteration - 1 + self.clock_offset,
             "model": self.model.state_dict(),
@@ -685,26 +691,31 @@ class _Engine:
             # (as DDP leaves it), and an optimizer steps a zero gradient (momentum goes on) but
             # skips a missing one.
             "grads": [p.grad is not None for p in self.model.parameters()],
-            "buffers": self._buffers_position(iteration, forward_at)}
+            "buffers": self._buffers_position(iteration, forward_at, broadcasts)}
 
-    def _buffers_position(self, iteration, forward_at):
+    def _buffers_position(self, iteration, forward_at, broadcasts):
         """A live rank handing over: where the rank taking up the job broadcasts buffers from
-        (None without broadcast_buffers): [its buffer iteration, require_forward_param_sync]
-        for its first forward, the first of `iteration` (`forward_at`: this rank's, where it
-        ran one). Its buffers layer goes on from the key's last completed clock
-        (PSD_LAYER_OWN_CLOCK: its iteration 1), which is this rank's buffer_iteration - 1 (the
-        key cannot pass it without the rank taken up)."""
+        (None without broadcast_buffers): [its buffer iteration, require_forward_param_sync,
+        replay] for its first forward, the first of `iteration` (`forward_at`: this rank's,
+        where it ran one; `broadcasts`: the results of that iteration's broadcasts). Its
+        buffers layer goes on from the key's last completed clock (PSD_LAYER_OWN_CLOCK: its
+        iteration 1), which is this rank's buffer_iteration - 1 (the key cannot pass it without
+        the rank taken up); a first one before that (two forwards with broadcasts completed)
+        takes the results of those before it from `replay` instead."""
         if self.buffers_layer is None:
             return None
         first, sync = self.buffer_iteration, self.require_forward_param_sync
         if forward_at is not None and forward_at[0] == iteration:
             _, first, sync = forward_at
-        return [first - self.buffer_iteration + 2, bool(sync)]
+        first -= self.buffer_iteration - 2
+        return [first, bool(sync), list(broadcasts[:1 - first]) if first < 1 else []]
 
     def _take_up_buffers(self, sender, position):
         """A rank taking up the job: its buffers layer re-sends the key's last completed clock
         (iteration 1, a retransmission) where the live ranks' first forward of the iteration it
-        trains broadcast at a later one, and its first forward goes on where theirs did."""
+        trains broadcast at a later one, and its first forward goes on where theirs did; where
+        theirs broadcast before that clock, its first forwards install the results handed over
+        (replay) and the next one re-sends that clock."""
         if (self.buffers_layer is None) != (position is None):
             mine = "broadcasts" if self.buffers_layer is not None else "does not broadcast"
             raise PoseidonError(5, f"rank {sender} handed over a buffers position {position}, "
@@ -712,20 +723,23 @@ class _Engine:
                                    "broadcast_buffers")
         if position is None:
             return
-        if (not isinstance(position, list) or len(position) != 2 or
-                not isinstance(position[0], int) or not isinstance(position[1], bool)):
+        if (not isinstance(position, list) or len(position) != 3 or
+                not isinstance(position[0], int) or not isinstance(position[1], bool) or
+                not isinstance(position[2], list) or position[0] > 2):
             raise PoseidonError(5, f"rank {sender} handed over a garbled buffers position "
-                                   f"{position}")
-        first, sync = position
-        if first not in (1, 2):
-            raise PoseidonError(5, f"rank {sender} broadcast buffers {2 - first} times in the "
-                                   "iteration it hands over after the last one this rank can "
-                                   "re-send (forwards with and without gradient before one "
-                                   "backward): this rank cannot take up the job there; restart "
-                                   "the job")
+                                   f"{str(position)[:200]}")
+        first, sync, replay = position
+        size = sum(b.numel() for b in self.buffers)
+        if len(replay) != max(0, 1 - first) or not all(
+                v is None or (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and
+                              v.dim() == 1 and v.numel() == size) for v in replay):
+            raise PoseidonError(5, f"rank {sender} handed over {len(replay)} results of buffer "
+                                   f"broadcasts for the {max(0, 1 - first)} this rank cannot "
+                                   f"re-send, or ones not of its {size} buffer values")
         for it in range(1, first):
             self._resend([(*self.buffers_layer, "the buffers' broadcast")], it)
-        self.buffer_iteration = first
+        self.replay = replay
+        self.buffer_iteration = max(first, 1)
         self.require_forward_param_sync = sync
 
     def _resend(self, layers, iteration):
@@ -943,6 +957,7 @@ class _Engine:
         if self.forward_at is None or self.forward_at[0] != self.iteration:
             self.forward_at = (self.iteration, self.buffer_iteration,
                                self.require_forward_param_sync)
+            self.broadcasts = []  # (a new list: overlap_post keeps the last iteration's)
         if self.require_forward_param_sync and self.buffers_layer is not None:
             self._sync_buffers()
         self.sync_this_backward = grad and self.require_backward_grad_sync
@@ -979,6 +994,11 @@ class _Engine:
         the lowest rank left's (poseidon.world()), and one element more counts the senders: in
         the iteration rank 0 is removed, the others may not know yet (none sends: each keeps its
         own buffers for that iteration) or two may believe they are first (their mean)."""
+        if self.replay:  # a broadcast the job completed before this rank took it up
+            values = self.replay.pop(0)
+            if values is not None:
+                self._unpack(values.to(self.device), self.buffers)
+            return
         index, view = self.buffers_layer
         source = poseidon.world()[0] == 0 if self.counted else self.rank == 0
         values = self._send_counted(view, source, self.buffers)
@@ -991,6 +1011,8 @@ class _Engine:
             values.div_(senders)
         if senders > 0:
             self._unpack(values, self.buffers)
+        if self.hands_over:
+            self.broadcasts.append(values.detach().cpu().clone() if senders > 0 else None)
 
     # ---- backward ------------------------------------------------------------------------
     def _post(self, layer):
@@ -1365,7 +1387,7 @@ class DistributedOptimizer:
         for layer in e.layers:  # each layer steps when the next forward reaches it
             e.pending[layer.index] = e.iteration
         e.overlap_post = (e.iteration, None if e.state is None else dict(e.state._fields),
-                          e.forward_at)
+                          e.forward_at, e.broadcasts)
         e.stepped = 0
         e._settle_state(e.iteration)
         e.iteration += 1
