@@ -1011,8 +1011,8 @@ class _Engine:
             values.div_(senders)
         if senders > 0:
             self._unpack(values, self.buffers)
-        if self.hands_over:
-            self.broadcasts.append(values.detach().cpu().clone() if senders > 0 else None)
+        if self.hands_over:  # (a copy where the values are: no device sync per forward)
+            self.broadcasts.append(values.detach().clone() if senders > 0 else None)
 
     # ---- backward ------------------------------------------------------------------------
     def _post(self, layer):
