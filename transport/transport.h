@@ -51,6 +51,8 @@ class Connection {
   // `done` runs. Frames go out in the order Send was called. `done` gets OK once the frame is
   // handed to the network, or the reason it never will be. `done` may wait until the peer reads
   // (in-process, or a full socket buffer): never wait for it before reading what the peer sends.
+  // It may also run before Send returns, on the calling thread (TCP writes a small frame on an
+  // idle connection at once): a caller that sends again from `done` must not recurse unbounded.
   virtual void Send(const FrameHeader& header, std::vector<ConstBuffer> payload,
                     DoneCallback done) = 0;
 

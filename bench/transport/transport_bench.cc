@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <future>
 #include <string>
@@ -381,18 +382,32 @@ double PoseidonThroughput(size_t size, int messages, bool tls = false) {
   sink->Next();
   std::vector<std::byte> src(size, std::byte{'x'});
   pair.Register(*pair.client_ctx, src);
-  // Keep a bounded window of frames queued, refilled from the send callbacks.
+  // Keep a bounded window of frames queued, refilled from the send callbacks. A callback may
+  // run inside Send, on this thread (a small frame written at once): the refill is then queued
+  // for the Send below it on the stack rather than recursing (one frame deeper per message).
   struct Sender {
     Connection* conn;
     std::span<const std::byte> src;
     int to_send;
     std::atomic<int> sent{0};
     void Send(uint64_t seq) {
-      conn->Send(DataHeader(src.size(), seq), {src}, [this, seq](absl::Status s) {
-        if (!s.ok()) return;
-        const int next = sent.fetch_add(1) + kWindow;
-        if (next < to_send) Send(seq + kWindow);
-      });
+      thread_local std::deque<uint64_t>* refills = nullptr;
+      if (refills != nullptr) {
+        refills->push_back(seq);
+        return;
+      }
+      std::deque<uint64_t> mine{seq};
+      refills = &mine;
+      while (!mine.empty()) {
+        const uint64_t next_seq = mine.front();
+        mine.pop_front();
+        conn->Send(DataHeader(src.size(), next_seq), {src}, [this, next_seq](absl::Status s) {
+          if (!s.ok()) return;
+          const int next = sent.fetch_add(1) + kWindow;
+          if (next < to_send) Send(next_seq + kWindow);
+        });
+      }
+      refills = nullptr;
     }
   } sender{pair.client.get(), src, messages};
   const auto start = Clock::now();
