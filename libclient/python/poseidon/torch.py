@@ -338,11 +338,14 @@ class _Engine:
         # and require_forward_param_sync before it) — where a rank taking up the job from this
         # iteration on starts broadcasting buffers.
         self.forward_at = None
-        # A job whose ranks hand over: the results of this iteration's buffer broadcasts (None
-        # where nobody sent), which a rank taking up the job cannot re-send once two completed
-        # (the servers answer a retransmission of the last completed one only); a rank taking
-        # up the job installs those handed over instead of posting them (replay).
+        # A job whose ranks hand over: the results of this iteration's buffer broadcasts but
+        # the last (None where nobody sent), which a rank taking up the job cannot re-send (the
+        # servers answer a retransmission of the last completed one only). Each is copied out
+        # of the buffers layer only when the next broadcast of the iteration is about to
+        # overwrite it (result_in_view): one forward per iteration copies nothing. A rank
+        # taking up the job installs those handed over instead of posting them (replay).
         self.broadcasts = []
+        self.result_in_view = False
         self.replay = []
         self.posted = {}  # layer index -> True, in posting order
         self.zeroed = set()  # SFB weights whose local gradient the hook replaced by zeros
@@ -958,6 +961,7 @@ class _Engine:
             self.forward_at = (self.iteration, self.buffer_iteration,
                                self.require_forward_param_sync)
             self.broadcasts = []  # (a new list: overlap_post keeps the last iteration's)
+            self.result_in_view = False
         if self.require_forward_param_sync and self.buffers_layer is not None:
             self._sync_buffers()
         self.sync_this_backward = grad and self.require_backward_grad_sync
@@ -1000,6 +1004,9 @@ class _Engine:
                 self._unpack(values.to(self.device), self.buffers)
             return
         index, view = self.buffers_layer
+        if self.hands_over and self.result_in_view:  # keep it before this broadcast's post
+            held = view[:-1] if self.counted else view
+            self.broadcasts.append(held.detach().clone() if self._senders(view) > 0 else None)
         source = poseidon.world()[0] == 0 if self.counted else self.rank == 0
         values = self._send_counted(view, source, self.buffers)
         it = self.buffer_iteration
@@ -1011,8 +1018,7 @@ class _Engine:
             values.div_(senders)
         if senders > 0:
             self._unpack(values, self.buffers)
-        if self.hands_over:  # (a copy where the values are: no device sync per forward)
-            self.broadcasts.append(values.detach().clone() if senders > 0 else None)
+        self.result_in_view = True
 
     # ---- backward ------------------------------------------------------------------------
     def _post(self, layer):
