@@ -139,6 +139,13 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   uint64_t JobIteration(uint64_t iteration) const {
     return iteration + std::max<uint64_t>(config_.resumed_iteration, 1) - 1;
   }
+  // The coordinator hears of and plans in the job's iterations (a rank that took up the job,
+  // or a resumed job, counts its process's from 1; SyncEnv::clock_base).
+  std::atomic<uint64_t> iteration_base_{0};
+  uint64_t ReportedIteration() const {
+    const uint64_t done = last_iteration_.load();
+    return done == 0 ? 0 : done + iteration_base_.load();
+  }
   void MaybeCheckpoint(uint64_t next_iteration, bool final);
   absl::Status NoteRestoredClocks(size_t server, const v1::RegisterTablesRequest& request,
                                   const std::vector<server::KeyProgress>& progress,
@@ -290,6 +297,10 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::atomic<bool> silent_any_{false};            // !silent_peers_.empty(), read without a lock
   uint64_t gone_version_ = 0;
   uint64_t gone_passed_ = 0;  // main thread: the version the syncers have
+  // Main thread, with --rejoin_timeout: since when each gone rank has been waited for (a
+  // restarted agent may take it up), and what the syncers were last told.
+  std::map<uint32_t, absl::Time> gone_since_;
+  std::map<uint32_t, std::string> gone_told_;
   // When each rank's last frame reached us (steady ns; 0: none yet), written by transport
   // threads without a lock.
   std::unique_ptr<std::atomic<int64_t>[]> peer_last_ns_;
@@ -490,7 +501,7 @@ int Agent::Run() {
     sfb_server_.reset();
     sfb_server_rdma_.reset();
     env_.servers.clear();
-    env_.peers.clear();
+    env_.peers.Clear();
     return code;
   };
 
@@ -630,7 +641,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     config_.peers.push_back(chosen->address);
   }
   coordinator::CoordinatorClient::HeartbeatOptions hb;
-  hb.iteration = [this] { return last_iteration_.load(); };
+  hb.iteration = [this] { return ReportedIteration(); };
   hb.plan_epoch = [this] { return RunningEpoch(); };
   // A rank that took up the running job says at which iteration (TakeUpRunningJob runs after
   // the heartbeats start): the others count it (psd_takeovers).
@@ -665,7 +676,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     for (const auto& peer : world.peers) peers.push_back(peer.node_id());
     telemetry_ = std::make_unique<TelemetryReporter>(
         coord_.get(), config_.telemetry_interval, std::move(servers), std::move(peers),
-        config_.rank, [this] { return last_iteration_.load(); });
+        config_.rank, [this] { return ReportedIteration(); });
     telemetry_->Start();
   }
   PSD_LOG_INFO("rendezvous with {}: rank {} of {}, {} servers", config_.coordinator, world.rank,
@@ -955,6 +966,9 @@ absl::Status Agent::Register() {
     // The others may need to hand this rank their state (psd_takeovers): tell it at once.
     if (took_up_at_.load() > 1 && heartbeats_) heartbeats_->BeatNow();
   }
+  // SFB frames carry the job's iteration (a rank taking up the job starts at its iteration T).
+  env_.clock_base = std::max<uint64_t>(config_.resumed_iteration, 1) - 1;
+  iteration_base_.store(env_.clock_base);
   if (!config_.joined_marker.empty()) {
     // A restart of this agent (its container) finds it and rejoins (--rejoin_if_restarted).
     std::ofstream marker(config_.joined_marker, std::ios::trunc);
@@ -975,7 +989,10 @@ absl::Status Agent::Register() {
       ping.type = FrameType::kPing;
       ping.job_id = config_.job_id;
       ping.sender_rank = config_.rank;
-      env_.peers[p]->Send(ping, {}, [](absl::Status) {});
+      // Taking up the running job: the iteration it takes up, which tells the others to send
+      // this agent their frames on this connection from now on (Agent::OnFrame).
+      ping.clock = config_.rejoin ? env_.clock_base + 1 : 0;
+      env_.peers.Get(p)->Send(ping, {}, [](absl::Status) {});
     }
   }
   for (auto& [kind, syncer] : syncers_) RETURN_IF_ERROR(syncer->Ready());
@@ -1218,16 +1235,22 @@ absl::Status Agent::TakeUpRunningJob() {
   if (config_.resumed_iteration != 0) {
     return absl::InvalidArgumentError("--rejoin and --resumed_iteration exclude each other");
   }
+  // SFB layers take it back too: the others send this rank again their factors of the
+  // iterations it takes up (their last two are kept, SfbSyncer) and take its factors of an
+  // iteration they have as a retransmission (a server-side rule runs every layer on PS). A ring
+  // cannot take a new member yet.
   for (const LayerSpec& st : table_.layers) {
-    if (st.layout.scheme != PSD_SCHEME_PS) {
+    if (st.layout.scheme == PSD_SCHEME_ALLREDUCE) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "--rejoin: layer ", st.desc.name, " goes by ",
-          st.layout.scheme == PSD_SCHEME_SFB ? "SFB" : "all-reduce",
-          ", and only PS layers can take a restarted rank back (run with --scheme=ps)"));
+          "--rejoin: layer ", st.desc.name,
+          " goes by all-reduce, and a ring cannot take a restarted rank back yet (run with "
+          "--scheme=ps or --scheme=hybrid)"));
     }
   }
   if (env_.restored.empty()) {
-    return absl::FailedPreconditionError("--rejoin: the job has no PS keys to take up from");
+    return absl::FailedPreconditionError(
+        "--rejoin: the job has no PS keys to take up from (the job's iteration is read from "
+        "its KV servers; a job without them cannot take a restarted rank back)");
   }
   // The job's iteration is read from the layers that count it: a layer of its own iterations
   // (PSD_LAYER_OWN_CLOCK) may be ahead of them or behind.
@@ -1424,7 +1447,7 @@ void Agent::MaybeCheckpoint(uint64_t next_iteration, bool final) {
 }
 
 absl::Status Agent::ConnectPeers() {
-  env_.peers.assign(config_.world_size, nullptr);
+  env_.peers.Reset(config_.world_size);
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
   for (uint32_t p = 0; p < config_.world_size; ++p) {
     if (p == config_.rank) continue;
@@ -1443,7 +1466,12 @@ absl::Status Agent::ConnectPeers() {
     if (!conn.ok()) return Annotate(conn.status(), what);
     peer_rdma_[p] = target.rdma;
     config_.peers[p] = target.address;
-    env_.peers[p] = *conn;
+    env_.peers.Set(p, *conn);
+    // The others answer a rank taking up the job on its own connections (their connections to
+    // the agent it replaces are dead): read them as the listener's.
+    if (config_.rejoin && sfb_server_) {
+      sfb_server_->Serve(*conn, transport::PeerIdentity{config_.job_id, p});
+    }
     if (telemetry_) telemetry_->SetPeerTransport(p, LinkKind(target.rdma));
     CountLink(peer_rdma_[p]);
   }
@@ -1902,7 +1930,10 @@ absl::Status Agent::ApplyPlan(const v1::Plan& plan) {
           absl::StrCat("server ", s, " moved (", config_.servers[static_cast<size_t>(s)], ")"));
     }
   }
-  const uint64_t at = plan.effective_iteration();
+  // The job's iteration, as the coordinator counts (ReportedIteration), in this process's.
+  const uint64_t at = plan.effective_iteration() > env_.clock_base
+                          ? plan.effective_iteration() - env_.clock_base
+                          : 1;
   for (uint32_t l = 0; l < table_.layers.size(); ++l) {
     const v1::LayerPlan& lp = plan.layers(static_cast<int>(l));
     const LayerSpec& spec = table_.layers[l];
@@ -2058,9 +2089,31 @@ void Agent::PassGonePeers() {
         ++gone_version_;
       }
     }
-    if (gone_version_ == gone_passed_) return;
+    if (gone_version_ == gone_passed_ && gone_since_.empty()) return;
     gone_passed_ = gone_version_;
     gone = gone_peers_;
+  }
+  // A rank that may be restarted (--rejoin_timeout) is waited for that long: what waits for its
+  // frames fails only then (a restarted agent taking it up comes back on a new connection).
+  if (config_.rejoin_timeout > absl::ZeroDuration()) {
+    const absl::Time now = absl::Now();
+    std::erase_if(gone_since_, [&](const auto& g) { return !gone.contains(g.first); });
+    for (auto it = gone.begin(); it != gone.end();) {
+      auto [since, fresh] = gone_since_.try_emplace(it->first, now);
+      if (fresh) {
+        PSD_LOG_WARN("{}: waiting up to {} for it to rejoin", it->second,
+                     absl::FormatDuration(config_.rejoin_timeout));
+      }
+      if (now - since->second < config_.rejoin_timeout) {
+        it = gone.erase(it);
+        continue;
+      }
+      it->second = absl::StrCat(it->second, ", and it did not rejoin within ",
+                                absl::FormatDuration(config_.rejoin_timeout));
+      ++it;
+    }
+    if (gone == gone_told_) return;
+    gone_told_ = gone;
   }
   for (auto& [kind, syncer] : syncers_) syncer->PeersGone(gone);
 }
@@ -2081,19 +2134,42 @@ void Agent::SendKeepalives(absl::Time now) {
   next_keepalive_ = now + config_.peer_timeout / 3;
   for (auto& server : env_.servers) server->OnDone(server->Ping(), [](absl::Status) {});
   for (uint32_t p = 0; p < env_.peers.size(); ++p) {
-    if (p == config_.rank || env_.peers[p] == nullptr) continue;
+    if (p == config_.rank) continue;
+    std::shared_ptr<transport::Connection> link = env_.peers.Get(p);
+    if (link == nullptr) continue;
     FrameHeader ping;
     ping.type = FrameType::kPing;
     ping.job_id = config_.job_id;
     ping.sender_rank = config_.rank;
-    env_.peers[p]->Send(ping, {}, [](absl::Status) {});
+    link->Send(ping, {}, [](absl::Status) {});
   }
 }
 
 void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,
                     transport::MutableBuffer payload) {
   if (h.type == FrameType::kPing) {
-    peer_gate_->MarkReady(peer->identity().rank);
+    const uint32_t rank = peer->identity().rank;
+    // A restarted agent took up this rank at the job's iteration h.clock (--rejoin): what this
+    // agent sends it goes on its connection from now on (ours led to the agent it replaces),
+    // starting with a PING of ours (its gate) and what it needs again of that iteration on.
+    if (h.clock > 0 && config_.rejoin_timeout > absl::ZeroDuration() && registered_.load() &&
+        rank < config_.world_size && rank != config_.rank) {
+      if (std::shared_ptr<transport::Connection> old =
+              env_.peers.Set(rank, peer->shared_connection());
+          old != nullptr && old != peer->shared_connection()) {
+        old->Close();
+      }
+      PSD_LOG_WARN("rank {} ({}) took up the job at iteration {}: this agent's frames to it go "
+                   "on its connection",
+                   rank, peer->address(), h.clock);
+      FrameHeader ping;
+      ping.type = FrameType::kPing;
+      ping.job_id = config_.job_id;
+      ping.sender_rank = config_.rank;
+      peer->connection().Send(ping, {}, [](absl::Status) {});
+      for (auto& [kind, syncer] : syncers_) syncer->PeerBack(rank, h.clock);
+    }
+    peer_gate_->MarkReady(rank);
     return;
   }
   if (transport::FrameHandler* handler = peer_handler_.load()) handler->OnFrame(peer, h, payload);

@@ -3,7 +3,12 @@
 // locally, ranks in order (on the GPU with one cuBLAS GEMM when the layer is on the device).
 // Received factors land in two slots per layer (iteration parity: a peer is at most one
 // iteration ahead of us on a layer). The credit of a layer's task covers its sends and is held
-// until every peer's factors are in (parked once our sends are out).
+// until every peer's factors are in (parked once our sends are out). Frames carry the job's
+// iteration (SyncEnv::clock_base). In a job that takes restarted ranks back (--rejoin_timeout)
+// our own factors of the last two iterations are kept in our slots of the inbox: a restarted
+// rank that takes up the job at iteration T gets them again (PeerBack: its predecessor may have
+// died before they arrived, and ours in shared memory may be a later iteration's by then), and
+// its factors of an iteration we have are taken as a retransmission.
 // Thread model: Start, CheckDeadlines and Waiting on the agent's main thread; the send task and
 // large rebuilds on scheduler workers; the inbound path (OnHeader/OnFrame) and send completions
 // on transport I/O threads. mu_ guards every inbox and the held credits; it is
@@ -54,7 +59,9 @@ struct Inbox {
 
 class SfbSyncer final : public Syncer, public transport::FrameHandler {
  public:
-  explicit SfbSyncer(SyncEnv& env) : env_(env) {
+  explicit SfbSyncer(SyncEnv& env)
+      : env_(env),
+        keep_own_(env.config->rejoin_timeout > absl::ZeroDuration() || env.config->rejoin) {
     const uint32_t world = env.config->world_size;
     for (uint32_t i = 0; i < env.table->layers.size(); ++i) {
       const LayerSpec& st = env.table->layers[i];
@@ -71,7 +78,9 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   int Parts(uint32_t) const override { return 1; }
   transport::FrameHandler* peer_handler() override { return this; }
 
-  void Start(const Post& post) override {
+  void Start(const Post& process_post) override {
+    Post post = process_post;
+    post.iteration += env_.clock_base;  // the job's iteration, as our frames carry it
     const LayerSpec& st = env_.table->layers[post.layer];
     const uint64_t factor_bytes = st.k * (st.m + st.n) * sizeof(float);
     Scheduler::Task task;
@@ -93,13 +102,14 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
                                ->StageOut(post.layer, ranges, [this, staged](size_t i) {
                                  if (i == 1) env_.scheduler->Submit(std::move(*staged));
                                });
-    if (!s.ok()) env_.finished(post.layer, post.iteration, 0, s);
+    if (!s.ok()) Finish(post.layer, post.iteration, s);
   }
 
   std::string Waiting(uint32_t layer, uint64_t iteration,
                       const std::vector<uint8_t>&) const override {
     std::lock_guard<std::mutex> lock(mu_);
-    return absl::StrCat("SFB factors from ranks [", absl::StrJoin(MissingLocked(layer, iteration), ", "),
+    return absl::StrCat("SFB factors from ranks [",
+                        absl::StrJoin(MissingLocked(layer, iteration + env_.clock_base), ", "),
                         "]");
   }
 
@@ -139,7 +149,57 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
                  absl::FormatDuration(env_.config->sync_timeout)))});
       }
     }
-    for (auto& [at, status] : expired) env_.finished(at.first, at.second, 0, status);
+    for (auto& [at, status] : expired) Finish(at.first, at.second, status);
+  }
+
+  // A restarted agent took up `rank` at iteration `clock`: our kept factors of that iteration
+  // and the next, where we have them, go to it again (the frames we sent before went to the
+  // agent it replaces, or nowhere). Transport I/O thread. The slots sent from are not rewritten
+  // before the restarted rank has them: our factors of T + 2 need its factors of T + 1, which
+  // it computes once it has ours of T.
+  void PeerBack(uint32_t rank, uint64_t clock) override {
+    if (!keep_own_ || rank >= env_.config->world_size || rank == env_.config->rank) return;
+    const std::shared_ptr<transport::Connection> link = env_.peers.Get(rank);
+    if (link == nullptr) return;
+    const uint32_t me = env_.config->rank;
+    struct Resend {
+      uint32_t layer;
+      uint64_t clock;
+      const float* data;
+      uint64_t floats;
+    };
+    std::vector<Resend> resend;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [layer, box] : inbox_) {
+        for (int slot = 0; slot < 2; ++slot) {
+          if (box.tag[slot][me] >= clock) {
+            resend.push_back({layer, box.tag[slot][me], box.data[slot].data() + me * box.floats,
+                              box.floats});
+          }
+        }
+      }
+    }
+    for (const Resend& r : resend) {
+      FrameHeader h;
+      h.type = FrameType::kFactors;
+      h.job_id = env_.config->job_id;
+      h.sender_rank = me;
+      h.key = r.layer;
+      h.clock = r.clock;
+      h.payload_length = r.floats * sizeof(float);
+      link->Send(h, {std::as_bytes(std::span(r.data, r.floats))},
+                 [layer = r.layer, c = r.clock, rank](absl::Status s) {
+                   if (!s.ok()) {
+                     PSD_LOG_WARN("layer {}: SFB factors of clock {} not sent again to rank {}: {}",
+                                  layer, c, rank, s.message());
+                   }
+                 });
+    }
+    if (!resend.empty()) {
+      PSD_LOG_INFO("sent rank {} again {} SFB factor frames of iteration {} on", rank,
+                   resend.size(), clock);
+    }
   }
 
   // ---- Inbound factors (transport I/O threads) ----
@@ -172,8 +232,14 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
                                                      box.floats * sizeof(float)));
     }
     if (h.clock == 0) return absl::InvalidArgumentError("iterations start at 1");
+    // Taking up the running job at clock_base + 1: the others' factors of an earlier iteration
+    // (sent again to this rank, PeerBack) are not needed.
+    if (h.clock <= env_.clock_base) return transport::PayloadTarget::Discard();
     const int slot = static_cast<int>(h.clock % 2);
     const uint64_t held = box.tag[slot][from];
+    // A restarted rank sends again the factors of the iteration it took up (its predecessor's
+    // may have arrived): one we hold, or held before, is a retransmission.
+    if (keep_own_ && held != 0 && h.clock <= held) return transport::PayloadTarget::Discard();
     // The slot may be reused once what it holds is consumed (a plan change can leave iterations
     // on PS in between, so the held clock need not be h.clock - 2).
     if (held != 0 && (h.clock <= held || box.finished < held)) {
@@ -187,7 +253,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   }
 
   void OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,
-               transport::MutableBuffer) override {
+               transport::MutableBuffer payload) override {
+    if (payload.empty()) return;  // discarded by OnHeader: not needed, or had already
     const uint32_t from = peer->identity().rank;
     const auto layer = static_cast<uint32_t>(h.key);
     DeviceStager* stager = env_.stager->load(std::memory_order_acquire);
@@ -287,16 +354,26 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
         std::lock_guard<std::mutex> lock(mu_);
         inbox_.at(post.layer).finished = post.iteration;
       }
-      env_.finished(post.layer, post.iteration, 0,
+      Finish(post.layer, post.iteration,
                     absl::DeadlineExceededError(
                         absl::StrCat("peer agents of ranks [", absl::StrJoin(missing, ", "),
                                      "] never registered their model")));
       return;
     }
+    const float* u = env_.shm->FactorU(post.layer);
+    const float* v = env_.shm->FactorV(post.layer);
+    const uint64_t ku = st.k * st.m, kv = st.k * st.n;
     std::optional<Rebuild> rebuild;
     {
       std::lock_guard<std::mutex> lock(mu_);
       Inbox& box = inbox_.at(post.layer);
+      if (keep_own_) {  // for a restarted rank (PeerBack); small: the factors, not the gradient
+        const int slot = static_cast<int>(post.iteration % 2);
+        float* own = box.data[slot].data() + me * box.floats;
+        std::copy_n(u, ku, own);
+        std::copy_n(v, kv, own + ku);
+        box.tag[slot][me] = post.iteration;
+      }
       box.sent = post.iteration;
       box.sends_pending = static_cast<int>(world) - 1;
       box.send_error = absl::OkStatus();
@@ -306,9 +383,6 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       box.credit = std::move(credit);
       rebuild = MaybeRebuildLocked(post.layer, post.iteration);  // world == 1: nothing to wait for
     }
-    const float* u = env_.shm->FactorU(post.layer);
-    const float* v = env_.shm->FactorV(post.layer);
-    const uint64_t ku = st.k * st.m, kv = st.k * st.n;
     if (env_.metrics.sfb_sent_bytes) {
       env_.metrics.sfb_sent_bytes->Increment(
           static_cast<double>((ku + kv) * sizeof(float) * (world - 1)));
@@ -324,23 +398,30 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       h.clock = post.iteration;
       h.payload_length = (ku + kv) * sizeof(float);
       if (env_.telemetry) env_.telemetry->AddPeerBytes(p, h.payload_length, 0);
-      env_.peers[p]->Send(
-          h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
-          [this, layer = post.layer, it = post.iteration, p](absl::Status s) {
-            std::optional<Rebuild> ready;
-            {
-              std::lock_guard<std::mutex> lock(mu_);
-              Inbox& b = inbox_.at(layer);
-              if (b.sent != it) return;
-              --b.sends_pending;
-              if (!s.ok() && b.send_error.ok()) {
-                b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
-              }
-              if (b.sends_pending == 0 && b.credit) b.credit->Park();
-              ready = MaybeRebuildLocked(layer, it);
-            }
-            if (ready) StartRebuild(*ready);
-          });
+      auto sent = [this, layer = post.layer, it = post.iteration, p](absl::Status s) {
+        std::optional<Rebuild> ready;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          Inbox& b = inbox_.at(layer);
+          if (b.sent != it) return;
+          --b.sends_pending;
+          // A rank that may be restarted gets these factors again from our slot (PeerBack);
+          // one that is not fails its own wait, and ours for its factors names it.
+          if (!s.ok() && b.send_error.ok() && !keep_own_) {
+            b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
+          }
+          if (b.sends_pending == 0 && b.credit) b.credit->Park();
+          ready = MaybeRebuildLocked(layer, it);
+        }
+        if (ready) StartRebuild(*ready);
+      };
+      std::shared_ptr<transport::Connection> link = env_.peers.Get(p);
+      if (link == nullptr) {  // every peer is connected at registration
+        sent(absl::FailedPreconditionError("no connection"));
+        continue;
+      }
+      link->Send(h, {std::as_bytes(std::span(u, ku)), std::as_bytes(std::span(v, kv))},
+                 std::move(sent));
     }
     if (rebuild) StartRebuild(*rebuild);
   }
@@ -419,10 +500,16 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       if (box.finished == r.iteration) return;
       box.finished = r.iteration;
     }
-    env_.finished(r.layer, r.iteration, 0, status);
+    Finish(r.layer, r.iteration, status);
+  }
+
+  // Part 0 of the layer's iteration at the job's iteration `clock` is complete.
+  void Finish(uint32_t layer, uint64_t clock, const absl::Status& status) {
+    env_.finished(layer, clock - env_.clock_base, 0, status);
   }
 
   SyncEnv& env_;
+  const bool keep_own_;  // keep our factors of the last two iterations (a restarted rank's)
   mutable std::mutex mu_;
   std::map<uint32_t, std::string> gone_;  // ranks gone (PeersGone), under mu_
   std::map<uint32_t, Inbox> inbox_;  // by SFB-capable layer; created in the constructor, then fixed

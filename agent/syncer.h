@@ -110,6 +110,39 @@ struct Replication {
                 const absl::Status& why);
 };
 
+// The connection this agent's frames to each other agent go out on, by rank (null for itself).
+// A restarted agent taking up the running job (--rejoin) connects to every other and sends its
+// PING with the iteration it takes up; the others' frames to that rank then go on its connection
+// (their own to the rank it replaces is dead), which it reads (FrameServer::Serve). Thread-safe.
+class PeerLinks {
+ public:
+  void Reset(size_t world) {
+    std::lock_guard<std::mutex> lock(mu_);
+    links_.assign(world, nullptr);
+  }
+  void Clear() { Reset(0); }
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return links_.size();
+  }
+  std::shared_ptr<transport::Connection> Get(uint32_t rank) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return rank < links_.size() ? links_[rank] : nullptr;
+  }
+  // The previous connection (null if none).
+  std::shared_ptr<transport::Connection> Set(uint32_t rank,
+                                             std::shared_ptr<transport::Connection> link) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rank >= links_.size()) return nullptr;
+    links_[rank].swap(link);
+    return link;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<transport::Connection>> links_;
+};
+
 // What the syncers share: the agent's parts they work with. Filled before the first Post and
 // fixed afterwards, except `stager` (set once when the framework attaches CUDA, an atomic).
 struct SyncEnv {
@@ -138,7 +171,11 @@ struct SyncEnv {
   std::map<uint64_t, std::unique_ptr<LossyWire>> lossy;
   WireGuardOptions wire_guard;
   Replication replication;
-  std::vector<std::shared_ptr<transport::Connection>> peers;  // by rank, null for ourselves
+  PeerLinks peers;
+  // SFB frames carry the job's iteration: the process's + clock_base (resumed_iteration - 1 in a
+  // resumed job and for a rank that took up the running job, 0 otherwise), so that a restarted
+  // rank's and the others' iterations meet. Set at registration.
+  uint64_t clock_base = 0;
   // All-reduce: Gloo's rendezvous store (the agent's, over the coordinator; null: no
   // all-reduce) and the host the other agents reach this one at.
   gloo::rendezvous::Store* rendezvous = nullptr;
@@ -174,6 +211,10 @@ class Syncer {
   // with why (a rank that reconnects leaves the set). What waits for one of them fails at the
   // next CheckDeadlines instead of at its deadline.
   virtual void PeersGone(const std::map<uint32_t, std::string>& /*gone*/) {}
+  // A restarted agent took up `rank` at the job's iteration `clock` (its PING; transport I/O
+  // thread): send it again what it needs of that iteration on and had gone to the agent it
+  // replaces (SyncEnv::peers already leads to it).
+  virtual void PeerBack(uint32_t /*rank*/, uint64_t /*clock*/) {}
   // Frames from the other agents, when the scheme uses them (null: none).
   virtual transport::FrameHandler* peer_handler() { return nullptr; }
   // Called once peers are connected and every layer exists (registration, main thread).

@@ -120,14 +120,14 @@ class SyncerTest : public ::testing::Test {
     }
     // The SFB connections, once every rank's syncers exist; the PINGs' part: every peer ready.
     for (auto& me : ranks_) {
-      me->env.peers.assign(kWorld, nullptr);
+      me->env.peers.Reset(kWorld);
       for (uint32_t p = 0; p < kWorld; ++p) {
         if (p == me->rank) continue;
         auto conn = transport::ConnectAuthenticated(*ctx_, absl::StrCat("peer-", p), 1, me->rank,
                                                     transport::RankKey(kSecret, 1, me->rank),
                                                     absl::Seconds(10));
         ASSERT_TRUE(conn.ok()) << conn.status();
-        me->env.peers[p] = *conn;
+        me->env.peers.Set(p, *conn);
         me->gate->MarkReady(p);
       }
     }

@@ -554,15 +554,17 @@ TEST(Failover, AFrozenServerIsReplacedByItsBackupAndEveryResultStaysExact) {
 // Rank 1 (one of 3, two servers) is killed once it has done 10 iterations and its agent
 // restarted — with --rejoin, or (`by_marker`) exactly as before, its --rejoin_if_restarted
 // marker telling it it is a restart (a Kubernetes container restarted in its pod): it takes up
-// the running job and every rank verifies every result.
-void KilledRankTakesUpTheRunningJob(bool by_marker) {
+// the running job and every rank verifies every result. With `scheme` sfb the three FC layers go
+// by SFB: the others send the restarted rank again their factors of the iteration it takes up
+// and take its factors of an iteration they had as a retransmission.
+void KilledRankTakesUpTheRunningJob(bool by_marker, const std::string& scheme = "ps") {
   const std::string markers =
       ::testing::TempDir() + "psd-e2e-markers-" + std::to_string(::getpid());
   std::filesystem::remove_all(markers);
   std::filesystem::create_directories(markers);
   std::vector<std::string> agent_flags = {"--rejoin_timeout=60s", "--log_level=info"};
   if (by_marker) agent_flags.push_back("--rejoin_if_restarted=" + markers);
-  Cluster cluster(2, 3, "ps", agent_flags);
+  Cluster cluster(2, 3, scheme, agent_flags);
   ASSERT_TRUE(cluster.ok());
   const std::vector<std::string> slow = {"--compute_scale=10000", "--timeout_ms=120000"};
   std::vector<std::unique_ptr<Subprocess>> synths;
@@ -591,6 +593,9 @@ void KilledRankTakesUpTheRunningJob(bool by_marker) {
     const std::string out = synths[r]->ReadAll(milliseconds(120000));
     ASSERT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << out;
     EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+    if (scheme == "sfb") {
+      EXPECT_NE(out.find("3 on SFB"), std::string::npos) << out;
+    }
     if (r != 1) {
       EXPECT_NE(out.find("verified 480 results"), std::string::npos) << out;  // 60 x 8 layers
       continue;
@@ -605,6 +610,13 @@ void KilledRankTakesUpTheRunningJob(bool by_marker) {
   }
   const std::string log = cluster.early_output(1) + cluster.agent(1).ReadAll(milliseconds(20000));
   EXPECT_NE(log.find("rank 1 rejoins job 1 at iteration"), std::string::npos) << log;
+  if (scheme == "sfb") {
+    const std::string log0 = cluster.early_output(0) + cluster.agent(0).ReadAll(milliseconds(20000));
+    EXPECT_NE(log0.find("waiting up to 1m for it to rejoin"), std::string::npos) << log0;
+    EXPECT_NE(log0.find("took up the job at iteration"), std::string::npos) << log0;
+    // Rank 0 had sent its factors of the iteration taken up (the job completed it): again.
+    EXPECT_NE(log0.find("sent rank 1 again"), std::string::npos) << log0;
+  }
   if (by_marker) {
     EXPECT_NE(log.find("poseidon-1-1.joined exists: this agent restarts rank 1 of job 1 and "
                        "takes up the running job"),
@@ -616,6 +628,10 @@ void KilledRankTakesUpTheRunningJob(bool by_marker) {
 
 TEST(Elastic, AKilledRankRestartedWithRejoinTakesUpTheRunningJobExactly) {
   KilledRankTakesUpTheRunningJob(/*by_marker=*/false);
+}
+
+TEST(Elastic, AKilledRankWithSfbLayersTakesUpTheRunningJobExactly) {
+  KilledRankTakesUpTheRunningJob(/*by_marker=*/false, "sfb");
 }
 
 // The same restarted as it was first started (--rejoin_if_restarted): a Kubernetes pod's

@@ -191,6 +191,20 @@ void FrameServer::Drop(const std::shared_ptr<PeerSession>& peer,
   if (auto it = peers_.find(who); it != peers_.end() && --it->second == 0) peers_.erase(it);
 }
 
+void FrameServer::Serve(std::shared_ptr<Connection> conn, PeerIdentity identity) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) {
+      conn->Close();
+      return;
+    }
+    connections_.insert(conn);
+    ++peers_[{identity.job_id, identity.rank}];
+  }
+  authenticated_.fetch_add(1);
+  ReadNext(std::make_shared<PeerSession>(std::move(conn), identity, weak_from_this()));
+}
+
 bool FrameServer::HasPeer(uint64_t job_id, uint32_t rank) {
   std::lock_guard<std::mutex> lock(mu_);
   return peers_.count({job_id, rank}) > 0;

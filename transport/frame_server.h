@@ -123,6 +123,10 @@ class FrameServer : public std::enable_shared_from_this<FrameServer> {
   // Whether an authenticated connection of this peer (job, rank) is open on this server (a daemon
   // listening once per transport kind tells by it which kind a peer uses).
   bool HasPeer(uint64_t job_id, uint32_t rank);
+  // Serves the frames that arrive on a connection this process opened and authenticated as
+  // `identity` (the peer at its other end sends on it too) as on an accepted one: the same
+  // checks, the same handler, closed by Stop. A stopped server closes it at once.
+  void Serve(std::shared_ptr<Connection> conn, PeerIdentity identity);
 
  private:
   friend class PeerSession;

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <functional>
 #include <future>
+#include <mutex>
 #include <thread>
 
 #include "common/testing/pki.h"
@@ -569,6 +570,86 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   EXPECT_TRUE(SyncReadFrame(**again, absl::Seconds(10)).ok()) << "the others are served on";
   EXPECT_EQ(server->Stats().handshake_failures, 2u);
   server->Stop();
+}
+
+// Keeps what arrives (FrameServer::Serve's test).
+class KeepingHandler : public FrameHandler {
+ public:
+  absl::StatusOr<PayloadTarget> OnHeader(const std::shared_ptr<PeerSession>&,
+                                         const FrameHeader& header) override {
+    buffer_.resize(header.payload_length);
+    return PayloadTarget::Into(buffer_);
+  }
+  void OnFrame(const std::shared_ptr<PeerSession>& peer, const FrameHeader& header,
+               MutableBuffer payload) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    frames_.push_back({peer->identity().rank, header.key,
+                       std::vector<std::byte>(payload.begin(), payload.end())});
+  }
+  void OnClose(const std::shared_ptr<PeerSession>&, const absl::Status&) override {
+    closed_.store(true);
+  }
+  struct Kept {
+    uint32_t rank;
+    uint64_t key;
+    std::vector<std::byte> payload;
+  };
+  std::vector<Kept> frames() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return frames_;
+  }
+  bool closed() const { return closed_.load(); }
+
+ private:
+  std::vector<std::byte> buffer_;
+  std::mutex mu_;
+  std::vector<Kept> frames_;
+  std::atomic<bool> closed_{false};
+};
+
+// A connection this side opened is served like an accepted one (an agent taking up a running job
+// reads the others' frames on its own connections): frames reach the handler as the rank the
+// connection authenticated, one claiming another rank disconnects it, and Stop closes it.
+TEST_P(TransportConformance, AConnectionThisSideOpenedIsServedLikeAnAcceptedOne) {
+  auto echo = StartEchoServer();  // answers as rank 0
+  auto own_listener = ctx_->Listen(GetParam().listen_address);
+  ASSERT_TRUE(own_listener.ok()) << own_listener.status();
+  auto keeping = std::make_shared<KeepingHandler>();
+  auto own = std::make_shared<FrameServer>(*own_listener, std::make_shared<SecretStore>(), keeping);
+  own->Start();
+  auto as_rank_2 = [](FrameHeader h) {
+    h.sender_rank = 2;
+    return h;
+  };
+  auto conn = ConnectAuthenticated(*ctx_, echo->Address(), 1, 2, RankKey("right", 1, 2),
+                                   absl::Seconds(10));
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  own->Serve(*conn, PeerIdentity{1, 0});
+  auto p = Pattern(3000, 4);
+  ASSERT_TRUE(SyncSend(**conn, as_rank_2(DataHeader(4, p.size())), {p}).ok());
+  ASSERT_TRUE(Eventually([&] { return keeping->frames().size() == 1; }));
+  EXPECT_EQ(keeping->frames()[0].rank, 0u);
+  EXPECT_EQ(keeping->frames()[0].key, 4u);
+  EXPECT_EQ(keeping->frames()[0].payload, p);
+  EXPECT_EQ(own->Stats().active, 1u);
+  EXPECT_TRUE(own->HasPeer(1, 0));
+  own->Stop();
+  EXPECT_TRUE(Eventually([&] { return keeping->closed(); })) << "Stop closes it";
+  EXPECT_FALSE(SyncSend(**conn, as_rank_2(DataHeader(5, p.size())), {p}).ok());
+
+  // The peer at the other end is who the handshake proved: an answer as another rank is refused.
+  auto listener2 = ctx_->Listen(GetParam().listen_address);
+  ASSERT_TRUE(listener2.ok()) << listener2.status();
+  auto own2 = std::make_shared<FrameServer>(*listener2, std::make_shared<SecretStore>(), keeping);
+  auto conn2 = ConnectAuthenticated(*ctx_, echo->Address(), 1, 2, RankKey("right", 1, 2),
+                                    absl::Seconds(10));
+  ASSERT_TRUE(conn2.ok()) << conn2.status();
+  own2->Serve(*conn2, PeerIdentity{1, 3});  // the echo answers as rank 0
+  ASSERT_TRUE(SyncSend(**conn2, as_rank_2(DataHeader(6, p.size())), {p}).ok());
+  EXPECT_TRUE(Eventually([&] { return own2->Stats().protocol_errors == 1; }));
+  EXPECT_EQ(keeping->frames().size(), 1u);
+  own2->Stop();
+  echo->Stop();
 }
 
 TEST_P(TransportConformance, SilentClientIsDroppedAfterTheHandshakeTimeout) {

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Elastic workers, issue 18: a rank that dies is restarted and takes up the running job where it
-stopped, and nobody rolls back. Four agents train the tiny model by PS on two KV servers (each key
-backed up on the other) through a coordinator that declares a silent agent dead after 2 s; every
+stopped, and nobody rolls back. Four agents train the tiny model by PS (or, with --scheme sfb, its
+three FC layers by SFB) on two KV servers (each key backed up on the other) through a coordinator that declares a silent agent dead after 2 s; every
 agent has --rejoin_timeout. In each trial one rank, chosen at random, is SIGKILLed at a random
 moment: its training process (its agent then exits), or its agent (and with it the process, as a
 launcher does). A new agent is started for that rank with --rejoin, and a new poseidon-synth on
@@ -53,7 +53,7 @@ def start_job(args, trial, daemons, segments, rejoin_timeout, extra=(), name="re
         return [args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}",
                 f"--local_rank={gpu}",
                 f"--world_size={RANKS}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
-                f"--segment={segment}", "--scheme=ps", "--probe_bytes=0",
+                f"--segment={segment}", f"--scheme={getattr(args, 'scheme', 'ps')}", "--probe_bytes=0",
                 f"--rejoin_timeout={rejoin_timeout}", "--sync_timeout=60s", *extra,
                 *(["--rejoin"] if rejoin else [])]
 
@@ -227,10 +227,12 @@ def main():
         ap.add_argument(f"--{flag}", required=True)
     ap.add_argument("--trials", type=int, default=2, help="per kind of kill")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--scheme", choices=("ps", "sfb"), default="ps",
+                    help="sfb: the FC layers by SFB, the others send the restarted rank their factors")
     args = ap.parse_args()
     job_environment(TOKEN, SECRET)
     seed = args.seed if args.seed is not None else int(time.time())
-    print(f"seed {seed}")
+    print(f"seed {seed}, scheme {args.scheme}")
     rng = random.Random(seed)
     recoveries, durations = [], []
     clean = fault_free(args)
