@@ -169,13 +169,14 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void ApplyChange(uint32_t layer, uint32_t scheme, uint64_t switch_at, uint64_t epoch);
   uint32_t PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const;
   // Ring all-reduce can run: several ranks, a coordinator for Gloo's rendezvous, the scheme not
-  // forced to PS (which a server-side rule does) or SFB, and no data_tls (Gloo's transport has
-  // no TLS: no tensor may cross the network in clear; the planner, told at registration, gives
-  // those layers PS or SFB).
+  // forced to PS (which a server-side rule does) or SFB, no data_tls (Gloo's transport has
+  // no TLS: no tensor may cross the network in clear), and a job that does not take restarted
+  // ranks back (--rejoin_timeout: a Gloo ring cannot take a new member); the planner, told at
+  // registration, gives those layers PS or SFB.
   bool AllreducePossible() const {
     return config_.allreduce && !config_.data_tls.enabled && coord_ != nullptr &&
-           config_.world_size > 1 &&
-           (config_.scheme == "auto" || config_.scheme == "allreduce");
+           config_.world_size > 1 && config_.rejoin_timeout == absl::ZeroDuration() &&
+           !config_.rejoin && (config_.scheme == "auto" || config_.scheme == "allreduce");
   }
   uint64_t RunningEpoch() const;
 
@@ -836,7 +837,8 @@ absl::Status Agent::Register() {
   if (config_.scheme == "allreduce" && !to.allreduce_possible) {
     return absl::FailedPreconditionError(
         "--scheme=allreduce needs several ranks and a coordinator (Gloo's rendezvous store), "
-        "and no server-side update rule");
+        "no server-side update rule, and no --rejoin_timeout (a Gloo ring cannot take a "
+        "restarted rank back)");
   }
   to.fusion_from_plan = config_.fusion == "plan";
   if (config_.wire != "plan") to.force_wire = ParseWireName(config_.wire);

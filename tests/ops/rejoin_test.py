@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """Elastic workers, issue 18: a rank that dies is restarted and takes up the running job where it
-stopped, and nobody rolls back. Four agents train the tiny model by PS (or, with --scheme sfb, its
-three FC layers by SFB) on two KV servers (each key backed up on the other) through a coordinator that declares a silent agent dead after 2 s; every
+stopped, and nobody rolls back. Four agents train the tiny model by PS (or, with --scheme auto,
+by the planner's plan, whose FC layers go by SFB; and with --cli, once the restarted rank is back,
+`poseidon plan --set` moves fc1.weight to the other scheme: every rank must switch at the same
+job iteration) on two KV servers (each key backed up on the other) through a coordinator that declares a silent agent dead after 2 s; every
 agent has --rejoin_timeout. In each trial one rank, chosen at random, is SIGKILLed at a random
 moment: its training process (its agent then exits), or its agent (and with it the process, as a
 launcher does). A new agent is started for that rank with --rejoin, and a new poseidon-synth on
@@ -22,6 +24,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -41,7 +44,8 @@ def start_job(args, trial, daemons, segments, rejoin_timeout, extra=(), name="re
     `extra` arguments (each rank's segment appended to `segments`); returns (agent argv maker,
     agents)."""
     coord = Daemon("coordinator", [args.coordinator, "--listen=127.0.0.1:0", "--job_id=1",
-                                   "--liveness_timeout=2s", "--min_servers=2"])
+                                   "--liveness_timeout=2s", "--min_servers=2",
+                                   "--plan_lead_time=200ms"])
     daemons.append(coord)
     addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
     for s in range(2):
@@ -57,6 +61,7 @@ def start_job(args, trial, daemons, segments, rejoin_timeout, extra=(), name="re
                 f"--rejoin_timeout={rejoin_timeout}", "--sync_timeout=60s", *extra,
                 *(["--rejoin"] if rejoin else [])]
 
+    agent_argv.coordinator = addr
     agents = []
     for rank in range(RANKS):
         segment = f"/psd-ops-{name}-{os.getpid()}-{trial}-{rank}"
@@ -160,6 +165,20 @@ def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
         agent, rejoined = replace(args, agent_argv, victim, segments, daemons, "rejoined",
                                   gpu=7 if elsewhere else 0)
         synths[victim] = rejoined
+        switched = None
+        if args.cli:
+            # A plan epoch after the rank came back: the restarted agent counts its process's
+            # iterations from 1, and must still switch at the job's iteration the others do.
+            rejoined.wait_for(r"takes up the job at iteration", timeout=60)
+            plan = ["plan", f"--coordinator={agent_argv.coordinator}", "--job=1", f"--token={TOKEN}"]
+            shown = subprocess.run([args.cli, *plan], capture_output=True, text=True, timeout=30)
+            now = re.search(r"^fc1\.weight\s+(\w+)", shown.stdout, re.M)
+            to = "ps" if now and now.group(1) == "sfb" else "sfb"
+            p = subprocess.run([args.cli, *plan, f"--set=fc1.weight={to}"],
+                               capture_output=True, text=True, timeout=30)
+            switched = p.returncode == 0
+            check(switched, f"trial {t}: poseidon plan --set fc1.weight={to} exits 0 "
+                            f"({p.stderr.strip()})")
         wait_all(synths)
         durations.append(time.monotonic() - started)
         took = None
@@ -182,6 +201,17 @@ def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
               f"result exact; the rank rejoined at iteration {first} and verified {results[victim]} "
               f"results ({expected} expected); first iteration back "
               f"{'%.2f s' % took if took is not None else '?'} after the kill")
+        if switched:
+            counts = [re.search(r"(\d+) scheme switches", "\n".join(s.lines)) for s in synths]
+            check(all(c is not None and c.group(1) == "1" for c in counts),
+                  f"trial {t}: every rank, the restarted one too, switched fc1.weight at the plan "
+                  f"epoch's iteration (scheme switches: "
+                  f"{[c.group(1) if c else None for c in counts]})")
+        if args.scheme != "ps":
+            sfb = [re.search(r"(\d+) on SFB", "\n".join(s.lines)) for s in synths]
+            check(all(m is not None and int(m.group(1)) > 0 for m in sfb),
+                  f"trial {t}: layers on SFB as registered, every rank "
+                  f"({[m.group(1) if m else None for m in sfb]})")
         if elsewhere:
             log = "\n".join(agent.lines + agent.stderr)
             check("is still held by the agent this one replaces" in log,
@@ -227,8 +257,12 @@ def main():
         ap.add_argument(f"--{flag}", required=True)
     ap.add_argument("--trials", type=int, default=2, help="per kind of kill")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--scheme", choices=("ps", "sfb"), default="ps",
-                    help="sfb: the FC layers by SFB, the others send the restarted rank their factors")
+    ap.add_argument("--scheme", choices=("ps", "sfb", "auto"), default="ps",
+                    help="sfb, auto: FC layers by SFB, the others send the restarted rank their "
+                         "factors")
+    ap.add_argument("--cli", default=None,
+                    help="the poseidon CLI: once the restarted rank is back, a plan epoch moves "
+                         "fc1.weight to the other scheme (with --scheme auto)")
     args = ap.parse_args()
     job_environment(TOKEN, SECRET)
     seed = args.seed if args.seed is not None else int(time.time())

@@ -278,7 +278,8 @@ class Equivalence(WorkersTest):
             self.assertIn("rank 1 takes up at step 16: ElasticState(epoch=3, batch=1)", r.stdout)
             self.assert_close(torch.load(out), want, "server-side Adam, a rank rejoined")
 
-    def take_up_with_handed_over_state(self, modes, what, launcher=(), rank=1, resumed=(17,)):
+    def take_up_with_handed_over_state(self, modes, what, launcher=(), rank=1, resumed=(17,),
+                                       scheme="ps"):
         """With equivalence_worker.py's `modes` (each followed by a comma) and the `launcher`
         arguments, `rank` of 3 (SGD with momentum in the ranks, an ElasticState) dies before
         step 17 and restarts alone (--rejoin), resuming at one of the steps `resumed`; its own
@@ -289,7 +290,7 @@ class Equivalence(WorkersTest):
                                         skip_bias="skip-bias," in modes)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "3", "--scheme", "ps", "--max_restarts", "1", "--rejoin",
+            r = launch(["-n", "3", "--scheme", scheme, "--max_restarts", "1", "--rejoin",
                         *launcher, "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
                         modes + f"momentum,workers=3,crash-at=17,crash-rank={rank},"
                         f"elastic-state,writer={rank}"], timeout=240)
@@ -318,6 +319,14 @@ class Equivalence(WorkersTest):
         # one process on the 3x batch: nobody rolled back, and its fresh optimizer (no momentum)
         # would have taken the replicas apart.
         self.take_up_with_handed_over_state("", "a local optimizer's rank took up the job")
+
+    def test_a_rank_with_sfb_layers_takes_up_the_job_with_a_live_ranks_state(self):
+        # The same with the Linear weights on SFB (--scheme sfb): the live ranks send the
+        # restarted rank their factors of the iterations it takes up again, and take its
+        # factors of an iteration they had as a retransmission.
+        out = self.take_up_with_handed_over_state("", "a rank with SFB layers took up the job",
+                                                  scheme="sfb")
+        self.assertIn("[rank 1] schemes: SFB,PS,SFB,PS", out)
 
     def test_a_ddp_script_rank_takes_up_the_job_with_the_optimizer_its_elastic_state_names(self):
         # The same through DistributedDataParallel and the script's own SGD with momentum: the

@@ -13,7 +13,7 @@ With --checkpoint_dir the job can stop and resume: every KV server writes the jo
 it after every --checkpoint_every-th iteration and at the end (rank 0's agent asks, between two
 iterations), and `--resume` starts the same job from there (docs/operations.md, "Stop and resume").
 With --max_restarts N a failed job starts again by itself, at most N times, from its last
-checkpoint (or from the beginning without one); with --rejoin (and --scheme ps) only the failed
+checkpoint (or from the beginning without one); with --rejoin (PS and SFB layers) only the failed
 rank starts again and takes up the running job where it stopped, the others waiting for it
 (docs/operations.md, "A rank rejoins the running job").
 """
@@ -188,7 +188,8 @@ def main(argv=None):
                     help="with --max_restarts: a rank whose process or agent fails is restarted "
                          "alone (a new agent with --rejoin) and takes up the running job where "
                          "it stopped, while the others wait for it (--rejoin_timeout); nobody "
-                         "rolls back. Needs --scheme ps and a framework that takes up a running "
+                         "rolls back. Needs PS or SFB layers (not --scheme allreduce or "
+                         "--allreduce by-cost) and a framework that takes up a running "
                          "job from psd_start_iteration (poseidon-synth; the PyTorch integration: "
                          "a server-side optimizer's state is the servers', a local one's a live "
                          "rank hands over)")
@@ -259,9 +260,11 @@ def main(argv=None):
         ap.error("--max_restarts alone restarts a local cluster's job; joined to a cluster, a "
                  "failed rank restarts alone with --rejoin (each launcher its own ranks), or "
                  "restart the job from the scheduler (its servers keep their state)")
-    if args.rejoin and (not args.max_restarts or args.scheme != "ps"):
-        ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N and --scheme ps "
-                 "(only PS layers can take a restarted rank back)")
+    if args.rejoin and (not args.max_restarts or args.scheme == "allreduce" or
+                        args.allreduce == "by-cost"):
+        ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N, and PS or SFB "
+                 "layers (--scheme ps, sfb or auto, not all-reduce: a ring cannot take a "
+                 "restarted rank back yet)")
     if args.min_workers and (not 1 <= args.min_workers <= world or
                              args.scheme != "ps"):
         ap.error(f"--min_workers needs --scheme ps (only PS layers can go on without a rank) and "
