@@ -157,7 +157,8 @@ poseidon::ConfigSchema<Flags> Schema() {
       .Field("rejoin_timeout", &Flags::rejoin_timeout,
              "a rank that dies is waited for this long (by the KV servers and the other agents) "
              "so that, restarted with --rejoin, it takes up the running job where it stopped; "
-             "0: the iterations that need it fail at once. Every rank the same; PS layers only",
+             "0: the iterations that need it fail at once. Every rank the same; PS and SFB layers "
+             "(no ring all-reduce is connected)",
              poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
       .Field("min_workers", &Flags::min_workers,
              "a dead rank given up (at once, or after --rejoin_timeout) is removed and the job "

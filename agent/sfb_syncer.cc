@@ -181,14 +181,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       }
     }
     for (const Resend& r : resend) {
-      FrameHeader h;
-      h.type = FrameType::kFactors;
-      h.job_id = env_.config->job_id;
-      h.sender_rank = me;
-      h.key = r.layer;
-      h.clock = r.clock;
-      h.payload_length = r.floats * sizeof(float);
-      link->Send(h, {std::as_bytes(std::span(r.data, r.floats))},
+      link->Send(FactorsHeader(r.layer, r.clock, r.floats * sizeof(float)), {std::as_bytes(std::span(r.data, r.floats))},
                  [layer = r.layer, c = r.clock, rank](absl::Status s) {
                    if (!s.ok()) {
                      PSD_LOG_WARN("layer {}: SFB factors of clock {} not sent again to rank {}: {}",
@@ -390,13 +383,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     if (env_.timeline) env_.timeline->Instant("send factors", post.layer, post.iteration, absl::Now());
     for (uint32_t p = 0; p < world; ++p) {
       if (p == me) continue;
-      FrameHeader h;
-      h.type = FrameType::kFactors;
-      h.job_id = env_.config->job_id;
-      h.sender_rank = me;
-      h.key = post.layer;
-      h.clock = post.iteration;
-      h.payload_length = (ku + kv) * sizeof(float);
+      const FrameHeader h = FactorsHeader(post.layer, post.iteration, (ku + kv) * sizeof(float));
       if (env_.telemetry) env_.telemetry->AddPeerBytes(p, h.payload_length, 0);
       auto sent = [this, layer = post.layer, it = post.iteration, p](absl::Status s) {
         std::optional<Rebuild> ready;
@@ -501,6 +488,18 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       box.finished = r.iteration;
     }
     Finish(r.layer, r.iteration, status);
+  }
+
+  // Our factors of `layer` at the job's iteration `clock`.
+  FrameHeader FactorsHeader(uint32_t layer, uint64_t clock, uint64_t bytes) const {
+    FrameHeader h;
+    h.type = FrameType::kFactors;
+    h.job_id = env_.config->job_id;
+    h.sender_rank = env_.config->rank;
+    h.key = layer;
+    h.clock = clock;
+    h.payload_length = bytes;
+    return h;
   }
 
   // Part 0 of the layer's iteration at the job's iteration `clock` is complete.
