@@ -1246,7 +1246,7 @@ absl::Status Agent::TakeUpRunningJob() {
       return absl::FailedPreconditionError(absl::StrCat(
           "--rejoin: layer ", st.desc.name,
           " goes by all-reduce, and a ring cannot take a restarted rank back yet (run with "
-          "--scheme=ps or --scheme=hybrid)"));
+          "--scheme=auto, ps or sfb)"));
     }
   }
   if (env_.restored.empty()) {

@@ -181,7 +181,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       }
     }
     for (const Resend& r : resend) {
-      link->Send(FactorsHeader(r.layer, r.clock, r.floats * sizeof(float)), {std::as_bytes(std::span(r.data, r.floats))},
+      link->Send(FactorsHeader(r.layer, r.clock, r.floats * sizeof(float)),
+                 {std::as_bytes(std::span(r.data, r.floats))},
                  [layer = r.layer, c = r.clock, rank](absl::Status s) {
                    if (!s.ok()) {
                      PSD_LOG_WARN("layer {}: SFB factors of clock {} not sent again to rank {}: {}",
