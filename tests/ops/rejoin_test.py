@@ -45,7 +45,9 @@ def start_job(args, trial, daemons, segments, rejoin_timeout, extra=(), name="re
     agents)."""
     coord = Daemon("coordinator", [args.coordinator, "--listen=127.0.0.1:0", "--job_id=1",
                                    "--liveness_timeout=2s", "--min_servers=2",
-                                   "--plan_lead_time=200ms"])
+                                   # Plans change only when the test says (--cli), not
+                                   # from telemetry: each rank's scheme switches are counted.
+                                   "--plan_lead_time=200ms", "--replan_min_interval=1h"])
     daemons.append(coord)
     addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
     for s in range(2):
@@ -169,7 +171,10 @@ def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
         if args.cli:
             # A plan epoch after the rank came back: the restarted agent counts its process's
             # iterations from 1, and must still switch at the job's iteration the others do.
-            rejoined.wait_for(r"takes up the job at iteration", timeout=60)
+            took = int(rejoined.wait_for(r"takes up the job at iteration (\d+)", timeout=60)
+                       .group(1))
+            # Once the job runs again (the coordinator plans ahead by the iterations' rate).
+            rejoined.wait_for(rf"iteration {took + 1} ends at", timeout=60)
             plan = ["plan", f"--coordinator={agent_argv.coordinator}", "--job=1", f"--token={TOKEN}"]
             shown = subprocess.run([args.cli, *plan], capture_output=True, text=True, timeout=30)
             now = re.search(r"^fc1\.weight\s+(\w+)", shown.stdout, re.M)
