@@ -176,7 +176,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   bool AllreducePossible() const {
     return config_.allreduce && !config_.data_tls.enabled && coord_ != nullptr &&
            config_.world_size > 1 && config_.rejoin_timeout == absl::ZeroDuration() &&
-           !config_.rejoin && (config_.scheme == "auto" || config_.scheme == "allreduce");
+           config_.min_workers == 0 && !config_.rejoin &&
+           (config_.scheme == "auto" || config_.scheme == "allreduce");
   }
   uint64_t RunningEpoch() const;
 
@@ -750,10 +751,10 @@ absl::Status Agent::Register() {
   ASSIGN_OR_RETURN(server_rule_, shm_->ReadServerRule());
   // A server-side rule keeps parameters on the servers: every layer goes by PS.
   if (server_rule_.rule != 0) config_.scheme = "ps";
-  if (config_.min_workers > 0 && config_.scheme != "ps") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--min_workers needs every layer on PS (--scheme=ps, not ", config_.scheme,
-        "): an SFB or all-reduce layer's peers cannot go on without a member yet"));
+  if (config_.min_workers > 0 && config_.scheme == "allreduce") {
+    return absl::InvalidArgumentError(
+        "--min_workers needs PS or SFB layers (--scheme=auto, ps or sfb, not allreduce): a "
+        "ring cannot go on without a member yet");
   }
   for (const LayerDesc& d : descs) {
     if (d.counters && server_rule_.rule == 0) {
@@ -761,11 +762,11 @@ absl::Status Agent::Register() {
           "layer ", d.name, " is a layer of counters (PSD_LAYER_COUNTERS), which the KV servers "
           "hold under a server-side rule: set one first (psd_set_server_rule)"));
     }
-    if (d.average && config_.scheme != "ps") {
+    if (d.average && (config_.scheme == "allreduce" || AllreducePossible())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer ", d.name, " asks for the mean over the ranks summed (PSD_LAYER_AVERAGE), which "
-          "the KV servers compute: it needs every layer on PS (--scheme=ps, not ", config_.scheme,
-          ")"));
+          "the KV servers and SFB compute, not all-reduce: run with --scheme=ps or sfb, or "
+          "--min_workers (no layer goes by all-reduce then)"));
     }
   }
   if (config_.min_workers > config_.world_size) {
@@ -1290,6 +1291,16 @@ absl::Status Agent::TakeUpRunningJob() {
 // Once every key is at F - 1 its process starts with iteration F, as a rejoining rank's whose
 // keys are all one clock behind (TakeUpRunningJob).
 absl::Status Agent::ReadmitToJob(uint64_t highest) {
+  // The others' SFB layers left this rank out for good (SfbSyncer::PeerRemoved).
+  if (config_.scheme != "ps") {
+    for (const LayerSpec& st : table_.layers) {
+      if (!st.sfb_capable) continue;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--rejoin: rank ", config_.rank, " was removed from the job (--min_workers), and its "
+          "SFB layers (", st.desc.name, ") cannot count a removed rank again yet: only a job "
+          "with every layer on PS (--scheme=ps) grows again"));
+    }
+  }
   const absl::Time deadline = absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
   // Every server's registration, with readmit_from = `readmit` (0: only its keys' progress).
   // `lowest`: the lowest completed clock of a current key and where it is; `top`: the highest.
@@ -1832,6 +1843,8 @@ void Agent::CheckLostMembers() {
       if (left < config_.min_workers) return false;
       ranks_removed_.insert(m.rank());
       nodes_removed_.insert(m.node_id());
+      // SFB layers agree with the other agents on its last iteration that counts.
+      for (auto& [kind, syncer] : syncers_) syncer->PeerRemoved(m.rank());
       PSD_LOG_WARN("rank {} (host {}) {} ({}){}: the job goes on with {} of its {} workers "
                    "(--min_workers {})",
                    m.rank(), m.host(), how, m.reason(),
@@ -2117,6 +2130,10 @@ void Agent::PassGonePeers() {
     if (gone == gone_told_) return;
     gone_told_ = gone;
   }
+  // A job that may go on without a rank (--min_workers) waits for the coordinator's word: the
+  // rank is removed (SFB layers then agree on its last iteration, PeerRemoved), or, where too
+  // few would be left, declared dead, which fails what waits.
+  if (config_.min_workers > 0) gone.clear();
   for (auto& [kind, syncer] : syncers_) syncer->PeersGone(gone);
 }
 

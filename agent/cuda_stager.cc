@@ -235,11 +235,11 @@ class CudaStager final : public DeviceStager {
                     "our V factor");
     // Row-major G (M x N) = U^T V is column-major G^T (N x M) = V^T U: with the column-major
     // views all_v = V^T (N x PK, ld N) and all_u = U^T (M x PK, ld M): C = A * B^T.
-    const float one = 1.0f, zero = 0.0f;
+    const float zero = 0.0f;
     const int n = static_cast<int>(s.n), m = static_cast<int>(s.m),
               pk = static_cast<int>(s.k * s.world);
     const cublasStatus_t st =
-        cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, n, m, pk, &one, all_v, n, all_u, m, &zero,
+        cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, n, m, pk, &s.scale, all_v, n, all_u, m, &zero,
                     reinterpret_cast<float*>(arena_ + s.grad_offset), n);
     if (st != CUBLAS_STATUS_SUCCESS) {
       return absl::InternalError(

@@ -71,6 +71,7 @@ class DeviceStager {
     uint64_t m = 0, n = 0, k = 0;
     uint32_t world = 1, me = 0;
     uint64_t grad_offset = 0, u_offset = 0, v_offset = 0;
+    float scale = 1.0f;  // the sum's factor (1 / the ranks counted for a mean)
   };
   // Rank `peer`'s [U | V] for `iteration` has arrived (host memory, pinned or not): start its
   // copy to the GPU now, so that the rebuild finds it there. Optional: Rebuild copies what was

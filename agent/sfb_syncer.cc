@@ -9,6 +9,14 @@
 // rank that takes up the job at iteration T gets them again (PeerBack: its predecessor may have
 // died before they arrived, and ours in shared memory may be a later iteration's by then), and
 // its factors of an iteration we have are taken as a retransmission.
+// A rank removed from the job (--min_workers, PeerRemoved) may have died while sending its
+// factors of an iteration, so that some agents have them and others not, and some may have
+// completed that iteration with them. Each live agent therefore sends every other the removed
+// rank's factors it holds of its last two iterations (relayed frames), then the highest iteration
+// it holds them of (a HELD frame, on the same connection: after the relays). Once every live
+// agent told, each layer's cut is the highest of those, the same on every agent: the removed
+// rank's factors count up to the cut (those anyone has are relayed to all) and not after. A
+// layer that averages (PSD_LAYER_AVERAGE) divides each iteration's sum by the ranks it counted.
 // Thread model: Start, CheckDeadlines and Waiting on the agent's main thread; the send task and
 // large rebuilds on scheduler workers; the inbound path (OnHeader/OnFrame) and send completions
 // on transport I/O threads. mu_ guards every inbox and the held credits; it is
@@ -19,6 +27,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -41,6 +50,13 @@ using transport::FrameType;
 // the GPU's, go through the queue in priority order.
 constexpr uint64_t kInlineRebuildMacs = uint64_t{1} << 22;
 
+// Up to which iteration the factors of a rank removed from the job count on one layer.
+struct Cut {
+  std::optional<uint64_t> own;        // the highest we held, once this agent removed the rank
+  std::map<uint32_t, uint64_t> told;  // by live peer: the highest it held (its HELD frame)
+  std::optional<uint64_t> agreed;     // the highest of all, once every live agent told
+};
+
 struct Inbox {
   uint64_t floats = 0;           // k * (m + n)
   std::vector<float> data[2];    // world_size * floats each
@@ -55,19 +71,27 @@ struct Inbox {
   absl::Time started;           // when `sent` began (the watchdog's clock)
   uint32_t priority = 0;
   std::shared_ptr<Credit> credit;  // of `sent`, until every peer's factors are in
+  std::map<uint32_t, Cut> cuts;    // by rank removed from the job (or told of by a peer)
+  bool average = false;            // the result is the mean over the ranks counted
 };
 
 class SfbSyncer final : public Syncer, public transport::FrameHandler {
  public:
   explicit SfbSyncer(SyncEnv& env)
       : env_(env),
-        keep_own_(env.config->rejoin_timeout > absl::ZeroDuration() || env.config->rejoin) {
+        keep_own_(env.config->rejoin_timeout > absl::ZeroDuration() || env.config->rejoin),
+        // A rank that may be restarted gets our factors again from our slot (PeerBack); one
+        // that may be removed is no longer waited for (PeerRemoved): a failed send to either
+        // is not the layer's failure (one to a rank that stays fails its own wait, and ours
+        // for its factors names it).
+        tolerate_failed_sends_(keep_own_ || env.config->min_workers > 0) {
     const uint32_t world = env.config->world_size;
     for (uint32_t i = 0; i < env.table->layers.size(); ++i) {
       const LayerSpec& st = env.table->layers[i];
       if (!st.sfb_capable) continue;
       Inbox& box = inbox_[i];
       box.floats = st.k * (st.m + st.n);
+      box.average = st.desc.average;
       for (int s = 0; s < 2; ++s) {
         box.data[s].assign(box.floats * world, 0.0f);
         box.tag[s].assign(world, 0);
@@ -128,7 +152,9 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
         if (box.sent == 0 || box.finished == box.sent || box.rebuild_queued == box.sent) continue;
         const std::vector<uint32_t> missing = MissingLocked(layer, box.sent);
         if (auto g = std::find_if(missing.begin(), missing.end(),
-                                  [&](uint32_t r) { return gone_.contains(r); });
+                                  [&](uint32_t r) {
+                                    return gone_.contains(r) && !removed_.contains(r);
+                                  });
             g != missing.end()) {
           box.finished = box.sent;
           box.credit.reset();
@@ -196,6 +222,74 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     }
   }
 
+  // `rank` left the job for good: send every live peer its factors we hold of its last two
+  // iterations, then the highest iteration we hold them of, for every layer; the cut of each
+  // layer follows once every live peer told us theirs (TryAgreeLocked).
+  void PeerRemoved(uint32_t rank) override {
+    const uint32_t me = env_.config->rank;
+    if (rank >= env_.config->world_size || rank == me) return;
+    struct Relay {
+      uint32_t layer;
+      uint64_t clock;
+      std::shared_ptr<std::vector<float>> factors;  // a copy: a relay may refill the slot
+    };
+    std::vector<Relay> relays;
+    std::vector<std::pair<uint32_t, uint64_t>> held;  // by layer
+    std::vector<Rebuild> ready;
+    std::vector<uint32_t> live;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!removed_.insert(rank).second) return;
+      for (uint32_t p = 0; p < env_.config->world_size; ++p) {
+        if (p != me && !removed_.contains(p)) live.push_back(p);
+      }
+      for (auto& [layer, box] : inbox_) {
+        const uint64_t top = std::max(box.tag[0][rank], box.tag[1][rank]);
+        box.cuts[rank].own = top;
+        held.emplace_back(layer, top);
+        for (int slot = 0; slot < 2; ++slot) {
+          const uint64_t c = box.tag[slot][rank];
+          if (c == 0 || c + 1 < top || c <= env_.clock_base) continue;
+          const float* from = box.data[slot].data() + rank * box.floats;
+          relays.push_back(
+              {layer, c, std::make_shared<std::vector<float>>(from, from + box.floats)});
+        }
+        // Fewer live peers: a cut waiting for this rank's word is agreed without it.
+        for (auto& [removed, cut] : box.cuts) TryAgreeLocked(layer, box, removed);
+        if (box.sent != 0) {
+          if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
+        }
+      }
+    }
+    for (uint32_t p : live) {
+      const std::shared_ptr<transport::Connection> link = env_.peers.Get(p);
+      if (link == nullptr) continue;
+      auto logged = [p, rank](absl::Status s) {
+        if (!s.ok()) {
+          PSD_LOG_WARN("rank {}'s SFB factors not passed on to rank {}: {}", rank, p,
+                       s.message());
+        }
+      };
+      for (const Relay& r : relays) {
+        FrameHeader h = FactorsHeader(r.layer, r.clock, r.factors->size() * sizeof(float));
+        h.flags |= transport::kFlagRelayed;
+        h.sequence = rank;
+        link->Send(h, {std::as_bytes(std::span(*r.factors))}, [keep = r.factors, logged](
+                                                                  absl::Status s) { logged(s); });
+      }
+      for (const auto& [layer, top] : held) {
+        FrameHeader h = FactorsHeader(layer, top, 0);
+        h.flags |= transport::kFlagRelayed;
+        h.sequence = rank;
+        link->Send(h, {}, logged);
+      }
+    }
+    PSD_LOG_INFO("rank {} removed: its SFB factors of {} layer iterations passed on to the {} "
+                 "live peers, with the highest iteration held of each layer",
+                 rank, relays.size(), live.size());
+    for (const Rebuild& r : ready) StartRebuild(r);
+  }
+
   // ---- Inbound factors (transport I/O threads) ----
 
   absl::StatusOr<transport::PayloadTarget> OnHeader(
@@ -213,19 +307,60 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       return absl::InvalidArgumentError(
           absl::StrCat("factors for layer ", h.key, " of ", env_.table->layers.size()));
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = inbox_.find(static_cast<uint32_t>(h.key));
-    if (it == inbox_.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layer ", h.key, " cannot run SFB here (no factor buffers)"));
+    const bool relayed = (h.flags & transport::kFlagRelayed) != 0;
+    if (relayed && (h.sequence >= world || h.sequence == env_.config->rank || h.sequence == from)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", from, " passes on factors of rank ", h.sequence, " (of ", world, ")"));
     }
-    Inbox& box = it->second;
+    const auto origin = relayed ? static_cast<uint32_t>(h.sequence) : from;
+    std::optional<Rebuild> rebuild;
+    absl::StatusOr<transport::PayloadTarget> target = transport::PayloadTarget::Discard();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = inbox_.find(static_cast<uint32_t>(h.key));
+      if (it == inbox_.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", h.key, " cannot run SFB here (no factor buffers)"));
+      }
+      Inbox& box = it->second;
+      if (relayed && h.payload_length == 0) {  // HELD: the highest iteration `from` holds
+        Cut& cut = box.cuts[origin];
+        if (!cut.told.emplace(from, h.clock).second) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "rank ", from, " told twice which factors of rank ", origin, " it holds"));
+        }
+        TryAgreeLocked(it->first, box, origin);
+        if (box.sent != 0) rebuild = MaybeRebuildLocked(it->first, box.sent);
+      } else {
+        target = InboundLocked(box, h, origin, relayed);
+      }
+    }
+    if (rebuild) StartRebuild(*rebuild);
+    return target;
+  }
+
+  // Where factors of `origin` (the sender, or a removed rank whose factors it passes on) go.
+  absl::StatusOr<transport::PayloadTarget> InboundLocked(Inbox& box, const FrameHeader& h,
+                                                         uint32_t origin, bool relayed) {
+    const uint32_t from = origin;
     if (h.payload_length != box.floats * sizeof(float)) {
       return absl::InvalidArgumentError(absl::StrCat("factors of layer ", h.key, " carry ",
                                                      h.payload_length, " bytes, expected ",
                                                      box.floats * sizeof(float)));
     }
     if (h.clock == 0) return absl::InvalidArgumentError("iterations start at 1");
+    // A rank removed before this iteration (alive after all): its factors no longer count.
+    if (ExcludedLocked(box, from, h.clock)) return transport::PayloadTarget::Discard();
+    // Relayed factors: needed only where we have not had them (nor later ones), and never past
+    // the agreed cut (no agent holds those).
+    if (relayed) {
+      const uint64_t held = box.tag[h.clock % 2][from];
+      auto cut = box.cuts.find(from);
+      if (h.clock <= env_.clock_base || (held != 0 && (h.clock <= held || box.finished < held)) ||
+          (cut != box.cuts.end() && cut->second.agreed && h.clock > *cut->second.agreed)) {
+        return transport::PayloadTarget::Discard();
+      }
+    }
     // Taking up the running job at clock_base + 1: the others' factors of an earlier iteration
     // (sent again to this rank, PeerBack) are not needed.
     if (h.clock <= env_.clock_base) return transport::PayloadTarget::Discard();
@@ -249,7 +384,10 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   void OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h,
                transport::MutableBuffer payload) override {
     if (payload.empty()) return;  // discarded by OnHeader: not needed, or had already
-    const uint32_t from = peer->identity().rank;
+    const uint32_t sender = peer->identity().rank;
+    const uint32_t from = (h.flags & transport::kFlagRelayed) != 0
+                              ? static_cast<uint32_t>(h.sequence)
+                              : sender;
     const auto layer = static_cast<uint32_t>(h.key);
     DeviceStager* stager = env_.stager->load(std::memory_order_acquire);
     bool on_device = false;
@@ -278,7 +416,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       if (env_.metrics.sfb_received_bytes) {
         env_.metrics.sfb_received_bytes->Increment(static_cast<double>(h.payload_length));
       }
-      if (env_.telemetry) env_.telemetry->AddPeerBytes(from, 0, h.payload_length);
+      if (env_.telemetry) env_.telemetry->AddPeerBytes(sender, 0, h.payload_length);
       rebuild = MaybeRebuildLocked(layer, h.clock);
     }
     if (rebuild) StartRebuild(*rebuild);
@@ -326,9 +464,38 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     if (it == inbox_.end()) return missing;
     const int slot = static_cast<int>(iteration % 2);
     for (uint32_t p = 0; p < env_.config->world_size; ++p) {
-      if (p != env_.config->rank && it->second.tag[slot][p] != iteration) missing.push_back(p);
+      if (WaitsForLocked(it->second, slot, p, iteration)) missing.push_back(p);
     }
     return missing;
+  }
+
+  // Whether the layer's `iteration` still needs rank p's factors.
+  bool WaitsForLocked(const Inbox& box, int slot, uint32_t p, uint64_t iteration) const {
+    return p != env_.config->rank && box.tag[slot][p] != iteration &&
+           !ExcludedLocked(box, p, iteration);
+  }
+
+  // Whether rank p's factors are left out of the layer's `iteration` (removed before it).
+  static bool ExcludedLocked(const Inbox& box, uint32_t p, uint64_t iteration) {
+    auto it = box.cuts.find(p);
+    return it != box.cuts.end() && it->second.agreed && iteration > *it->second.agreed;
+  }
+
+  // The cut of `rank` on `layer`, once this agent removed it and every live peer told what it
+  // holds (the highest iteration of all: the same on every agent).
+  void TryAgreeLocked(uint32_t layer, Inbox& box, uint32_t rank) {
+    Cut& cut = box.cuts[rank];
+    if (cut.agreed || !cut.own) return;
+    uint64_t top = *cut.own;
+    for (uint32_t p = 0; p < env_.config->world_size; ++p) {
+      if (p == env_.config->rank || removed_.contains(p)) continue;
+      auto told = cut.told.find(p);
+      if (told == cut.told.end()) return;
+      top = std::max(top, told->second);
+    }
+    cut.agreed = top;
+    PSD_LOG_INFO("layer {}: rank {}'s SFB factors count up to iteration {}, not after", layer,
+                 rank, top);
   }
 
   // First half: broadcast our factors (straight from shared memory) to every other agent. The
@@ -358,8 +525,12 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     const float* v = env_.shm->FactorV(post.layer);
     const uint64_t ku = st.k * st.m, kv = st.k * st.n;
     std::optional<Rebuild> rebuild;
+    std::vector<uint32_t> targets;  // every peer not removed from the job
     {
       std::lock_guard<std::mutex> lock(mu_);
+      for (uint32_t p = 0; p < world; ++p) {
+        if (p != me && !removed_.contains(p)) targets.push_back(p);
+      }
       Inbox& box = inbox_.at(post.layer);
       if (keep_own_) {  // for a restarted rank (PeerBack); small: the factors, not the gradient
         const int slot = static_cast<int>(post.iteration % 2);
@@ -369,7 +540,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
         box.tag[slot][me] = post.iteration;
       }
       box.sent = post.iteration;
-      box.sends_pending = static_cast<int>(world) - 1;
+      box.sends_pending = static_cast<int>(targets.size());
       box.send_error = absl::OkStatus();
       box.started = absl::Now();
       box.on_device = post.on_device;
@@ -379,11 +550,10 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     }
     if (env_.metrics.sfb_sent_bytes) {
       env_.metrics.sfb_sent_bytes->Increment(
-          static_cast<double>((ku + kv) * sizeof(float) * (world - 1)));
+          static_cast<double>((ku + kv) * sizeof(float) * targets.size()));
     }
     if (env_.timeline) env_.timeline->Instant("send factors", post.layer, post.iteration, absl::Now());
-    for (uint32_t p = 0; p < world; ++p) {
-      if (p == me) continue;
+    for (const uint32_t p : targets) {
       const FrameHeader h = FactorsHeader(post.layer, post.iteration, (ku + kv) * sizeof(float));
       if (env_.telemetry) env_.telemetry->AddPeerBytes(p, h.payload_length, 0);
       auto sent = [this, layer = post.layer, it = post.iteration, p](absl::Status s) {
@@ -393,9 +563,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
           Inbox& b = inbox_.at(layer);
           if (b.sent != it) return;
           --b.sends_pending;
-          // A rank that may be restarted gets these factors again from our slot (PeerBack);
-          // one that is not fails its own wait, and ours for its factors names it.
-          if (!s.ok() && b.send_error.ok() && !keep_own_) {
+          if (!s.ok() && b.send_error.ok() && !tolerate_failed_sends_) {
             b.send_error = Annotate(s, absl::StrCat("sending SFB factors to rank ", p));
           }
           if (b.sends_pending == 0 && b.credit) b.credit->Park();
@@ -424,7 +592,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     }
     const int slot = static_cast<int>(iteration % 2);
     for (uint32_t p = 0; p < env_.config->world_size; ++p) {
-      if (p != env_.config->rank && box.tag[slot][p] != iteration) return std::nullopt;
+      if (WaitsForLocked(box, slot, p, iteration)) return std::nullopt;
     }
     box.rebuild_queued = iteration;
     box.credit.reset();  // under mu_: Credit's release takes only the scheduler's (leaf) lock
@@ -449,13 +617,25 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     const LayerSpec& st = env_.table->layers[r.layer];
     Inbox& box = inbox_.at(r.layer);
     absl::Status status;
+    const uint32_t me = env_.config->rank;
+    const int slot = static_cast<int>(r.iteration % 2);
+    std::vector<bool> counted(env_.config->world_size, true);  // not removed before r.iteration
+    float scale = 1.0f;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (box.finished == r.iteration) return;  // the watchdog failed it already
       status = box.send_error;
+      uint32_t ranks = 0;
+      for (uint32_t p = 0; p < env_.config->world_size; ++p) {
+        counted[p] = p == me || !ExcludedLocked(box, p, r.iteration);
+        ranks += counted[p] ? 1 : 0;
+        // The GPU rebuild copies the factors not staged from the inbox: a removed rank's are 0.
+        if (!counted[p] && r.on_device) {
+          std::fill_n(box.data[slot].data() + p * box.floats, box.floats, 0.0f);
+        }
+      }
+      if (box.average) scale = 1.0f / static_cast<float>(ranks);
     }
-    const uint32_t me = env_.config->rank;
-    const int slot = static_cast<int>(r.iteration % 2);
     const float* u = env_.shm->FactorU(r.layer);
     const float* v = env_.shm->FactorV(r.layer);
     float* grad = env_.shm->Grad(r.layer);
@@ -467,17 +647,22 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     }
     if (r.on_device) {
       // On the GPU: one cuBLAS GEMM over every rank's factors, straight into the arena.
+      DeviceStager::SfbShape shape = Shape(r.layer);
+      shape.scale = scale;
       if (absl::Status s = env_.stager->load(std::memory_order_acquire)
-                               ->Rebuild(r.layer, Shape(r.layer), r.iteration, box.data[slot].data());
+                               ->Rebuild(r.layer, shape, r.iteration, box.data[slot].data());
           !s.ok() && status.ok()) {
         status = s;
       }
     } else {
+      bool first = true;
       for (uint32_t p = 0; p < env_.config->world_size; ++p) {
+        if (!counted[p]) continue;
         const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
         const float* vp = p == me ? v : up + ku;
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0f, up, m, vp, n,
-                    p == 0 ? 0.0f : 1.0f, grad, n);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, scale, up, m, vp, n,
+                    first ? 0.0f : 1.0f, grad, n);
+        first = false;
       }
     }
     if (env_.timeline) {
@@ -510,7 +695,9 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
 
   SyncEnv& env_;
   const bool keep_own_;  // keep our factors of the last two iterations (a restarted rank's)
+  const bool tolerate_failed_sends_;
   mutable std::mutex mu_;
+  std::set<uint32_t> removed_;  // ranks removed from the job (PeerRemoved), under mu_
   std::map<uint32_t, std::string> gone_;  // ranks gone (PeersGone), under mu_
   std::map<uint32_t, Inbox> inbox_;  // by SFB-capable layer; created in the constructor, then fixed
 };

@@ -215,6 +215,9 @@ class Syncer {
   // thread): send it again what it needs of that iteration on and had gone to the agent it
   // replaces (SyncEnv::peers already leads to it).
   virtual void PeerBack(uint32_t /*rank*/, uint64_t /*clock*/) {}
+  // `rank` was removed from the job (--min_workers; main thread): nothing more comes from it.
+  // The agents agree on the last iteration of each layer that counts it.
+  virtual void PeerRemoved(uint32_t /*rank*/) {}
   // Frames from the other agents, when the scheme uses them (null: none).
   virtual transport::FrameHandler* peer_handler() { return nullptr; }
   // Called once peers are connected and every layer exists (registration, main thread).

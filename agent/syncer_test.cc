@@ -159,6 +159,7 @@ class SyncerTest : public ::testing::Test {
     r.table = *std::move(table);
     ASSERT_EQ(r.table.buckets.size(), 1u);  // b1 + b2
     ASSERT_TRUE(r.table.layers[0].sfb_capable);
+    Adjust(r);
     auto shm = ShmEndpoint::Create(absl::StrCat("/psd-syncer-test-", getpid(), "-", rank), rank,
                                    kWorld, 1);
     ASSERT_TRUE(shm.ok()) << shm.status();
@@ -218,6 +219,9 @@ class SyncerTest : public ::testing::Test {
                                  std::shared_ptr<void>(), r.syncers[SyncerKind::kSfb]->peer_handler()));
     r.peer_server->Start();
   }
+
+  // A test's own settings, before the syncers are made.
+  virtual void Adjust(Rank&) {}
 
   void TearDown() override {
     for (auto& r : ranks_) {
@@ -330,6 +334,56 @@ TEST_F(SyncerTest, EverySchemeGivesTheExactSumAcrossAPlanChange) {
   }
   // Everything returned its credit.
   for (auto& r : ranks_) EXPECT_EQ(r->scheduler->in_flight_bytes(), 0u);
+}
+
+// A job that may shrink (--min_workers) with the FC layer on SFB, averaged (PSD_LAYER_AVERAGE):
+// rank 1 is removed after iteration 3, when rank 0 holds its factors of 3. With no other live
+// agent to hear from, rank 0's cut is 3: iteration 3 counts rank 1 (the mean of both), 4 and 5
+// count rank 0 alone (its own product), and rank 0 sends rank 1 nothing more.
+class SfbShrinkTest : public SyncerTest {
+ protected:
+  void Adjust(Rank& r) override {
+    r.config.min_workers = 1;
+    r.table.layers[0].desc.average = true;
+  }
+};
+
+TEST_F(SfbShrinkTest, ARemovedRanksFactorsCountUpToTheAgreedIterationAndTheMeanIsOverTheRest) {
+  auto expect = [&](uint64_t t, uint32_t ranks) {
+    const float* g = ranks_[0]->shm->Grad(0);
+    for (uint64_t m = 0; m < kM; ++m) {
+      for (uint64_t n = 0; n < kN; ++n) {
+        float want = 0;
+        for (uint32_t p = 0; p < ranks; ++p) {
+          for (uint64_t k = 0; k < kK; ++k) {
+            want += Value(p, t, 0, k * kM + m) * Value(p, t, 10, k * kN + n);
+          }
+        }
+        want /= static_cast<float>(ranks);
+        ASSERT_FLOAT_EQ(g[m * kN + n], want) << "t " << t << " (" << m << ", " << n << ")";
+      }
+    }
+  };
+  for (uint64_t t = 1; t <= 3; ++t) {
+    for (auto& r : ranks_) Post(*r, 0, t, SyncerKind::kSfb);
+    for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+    ASSERT_NO_FATAL_FAILURE(expect(t, 2));
+  }
+  Syncer& sfb = *ranks_[0]->syncers.at(SyncerKind::kSfb);
+  sfb.PeerRemoved(1);
+  sfb.PeerRemoved(1);  // once is enough: a second is ignored
+  for (uint64_t t = 4; t <= 5; ++t) {
+    Post(*ranks_[0], 0, t, SyncerKind::kSfb);
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[0]));
+    ASSERT_NO_FATAL_FAILURE(expect(t, 1));
+  }
+  // Rank 1 was sent nothing of 4 on: it still waits for rank 0's factors of 4.
+  Post(*ranks_[1], 0, 4, SyncerKind::kSfb);
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(ranks_[1]->syncers.at(SyncerKind::kSfb)->Waiting(0, 4, {}),
+            "SFB factors from ranks [0]");
+  for (auto& [kind, syncer] : ranks_[1]->syncers) syncer->Stop();
+  EXPECT_EQ(ranks_[0]->scheduler->in_flight_bytes(), 0u);
 }
 
 // A resumed job: a layer goes on from its keys' restored clock, which must agree. A rank

@@ -72,9 +72,14 @@ enum FrameFlag : uint8_t {
   // encoding too far from the gradient); on a PULL, the puller accepts a float32 answer; on a
   // PULL_RESPONSE or a REPLICATE, the key is on float32 from this clock on.
   kFlagExactWire = 1u << 4,
+  // A FACTORS frame about a rank removed from the job (--min_workers), which `sequence` names:
+  // with a payload, that rank's factors of `clock`, passed on by an agent that received them
+  // (the rank may have died while sending them); without, the highest clock of its factors the
+  // sender holds (0: none). docs/wire.md, "A rank removed from SFB layers".
+  kFlagRelayed = 1u << 5,
 };
 inline constexpr uint8_t kKnownFrameFlags =
-    kFlagPayloadChecksum | kFlagLast | kFlagInit | kFlagReplay | kFlagExactWire;
+    kFlagPayloadChecksum | kFlagLast | kFlagInit | kFlagReplay | kFlagExactWire | kFlagRelayed;
 
 // The rank a KV server authenticates as towards another server of the job (replication):
 // above every worker rank, and its RankKey is derived from the job's secret, which agents never

@@ -32,6 +32,13 @@ with the world at 4 of 4. Printed: what the return cost the survivors (the longe
 iterations begun after the replacement started, against their median before; and how long the
 replacement's agent took from its start to ready, readmitted).
 
+With --scheme auto (the planner's plan: the FC layers on SFB, ops_shrink_sfb) the same trials
+check that the FC layers ran on SFB, and each survivor's agent logs the iteration up to which
+the killed rank's factors count on each SFB layer (the live agents pass on its factors of its
+last iterations and agree on that iteration); a replacement that comes after the removal is
+refused, naming why (SFB layers cannot count a removed rank again yet), and the survivors
+finish without it, every result exact.
+
 Then --min_workers=4: a rank killed is not removed, and the others fail, naming it. Every process
 is killed (and every shared-memory segment removed) on every path."""
 
@@ -133,6 +140,17 @@ def trial(args, t, rng, kill_agent, pauses, steps):
             check(f"rank {victim} " in log and
                   f"the job goes on with {RANKS - 1} of its {RANKS} workers" in log,
                   f"trial {t}: rank {r}'s agent logs that the job goes on without rank {victim}")
+            if args.scheme != "ps":
+                cuts = re.findall(rf"layer (\d+): rank {victim}'s SFB factors count up to "
+                                  rf"iteration (\d+), not after", log)
+                check(len(cuts) >= 3,
+                      f"trial {t}: rank {r}'s agent agreed on the last iteration of rank "
+                      f"{victim}'s factors on each SFB layer ({cuts})")
+        if args.scheme != "ps":
+            sfb = [re.search(r"(\d+) on SFB", "\n".join(synths[r].lines)) for r in survivors]
+            check(all(m is not None and int(m.group(1)) > 0 for m in sfb),
+                  f"trial {t}: layers on SFB as registered, every survivor "
+                  f"({[m.group(1) if m else None for m in sfb]})")
         server_log = "\n".join(l for s in servers for l in s.lines + s.stderr)
         check(f"rank {victim} (" in server_log and "it is removed, the job goes on with 3 of its "
               "4 workers" in server_log,
@@ -176,6 +194,9 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
         for server in servers:
             server.wait_for(rf"rank {victim} \(.*it is removed", timeout=30)
         returned = time.time()
+        if args.scheme != "ps":
+            refused_back(args, t, agent_argv, victim, segments, daemons, synths)
+            return
         agent, back = rejoin_test.replace(args, agent_argv, victim, segments, daemons, "back",
                                           extra=["--allow_shrink"])
         # Started to ready: registration, readmission and the wait for the others to reach
@@ -231,6 +252,34 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
         stop_all(daemons, segments)
 
 
+def refused_back(args, t, agent_argv, victim, segments, daemons, synths):
+    """With SFB layers a removed rank's replacement is refused, naming why; the survivors
+    finish without it, every result exact."""
+    segment = f"{segments[victim]}-back"
+    segments.append(segment)
+    agent = rejoin_test.Daemon(f"agent {victim} (back)",
+                               agent_argv(victim, segment, rejoin=True))
+    daemons.append(agent)
+    # Its process registers the model, then the agent learns from the servers that the rank
+    # was removed.
+    back = synth(args, victim, segment, daemons)
+    try:
+        agent.wait(60)
+        back.wait(30)
+    except Exception:  # noqa: BLE001 - checked below
+        pass
+    log = "\n".join(agent.lines + agent.stderr)
+    check(agent.proc.poll() not in (None, 0) and
+          "cannot count a removed rank again yet" in log,
+          f"trial {t}: rank {victim}'s replacement is refused, naming why ({log[-300:]})")
+    check(back.proc.poll() not in (None, 0),
+          f"trial {t}: and its training process fails ({(back.lines + back.stderr)[-1:]})")
+    survivors = [r for r in range(RANKS) if r != victim]
+    rejoin_test.wait_all(synths[r] for r in survivors)
+    for r in survivors:
+        finished_exact(t, r, synths[r], f"rank {victim} killed, its replacement refused")
+
+
 def too_few(args):
     """--min_workers=4: a killed rank cannot be removed; the others fail, naming it."""
     daemons, segments = [], []
@@ -267,10 +316,12 @@ def main():
         ap.add_argument(f"--{flag}", required=True)
     ap.add_argument("--trials", type=int, default=1, help="per kind of kill")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--scheme", choices=("ps", "sfb", "auto"), default="ps",
+                    help="the agents' --scheme (auto: the FC layers on SFB)")
     args = ap.parse_args()
     job_environment(TOKEN, SECRET)
     seed = args.seed if args.seed is not None else int(time.time())
-    print(f"seed {seed}")
+    print(f"seed {seed}, scheme {args.scheme}")
     rng = random.Random(seed)
     pauses, steps = [], []
     for t in range(2 * args.trials):
@@ -287,9 +338,12 @@ def main():
         print("iteration time before / after the world shrank (median per trial): " +
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
     too_few(args)
-    finish("PASS: a killed rank (or agent) not restarted is removed and the job goes on with the "
-           "ranks left, every result exact; a replacement that comes later is readmitted and the "
-           "world grows again; with too few left the others fail naming it")
+    back = ("a replacement that comes later is readmitted and the world grows again"
+            if args.scheme == "ps" else
+            "the live agents agree on each SFB layer's last iteration that counts it; a "
+            "replacement that comes later is refused, naming why")
+    finish(f"PASS: a killed rank (or agent) not restarted is removed and the job goes on with the "
+           f"ranks left, every result exact; {back}; with too few left the others fail naming it")
 
 
 if __name__ == "__main__":

@@ -565,12 +565,21 @@ class Equivalence(WorkersTest):
         # so each rank's SGD ends with the parameters of one process on the 4x batch until
         # step 17 and on the three ranks' batch after; the buffers come from the lowest rank
         # left, and on_world_change tells each rank at the start of a forward.
+        self.local_optimizer_goes_on_without_rank_0("ps")
+
+    def test_a_local_optimizer_with_sfb_layers_goes_on_with_the_mean_over_the_ranks_left(self):
+        # The same with the Linear weights on SFB: the live agents pass on rank 0's factors of
+        # its last iterations and agree on the last one that counts it; an SFB layer's .grad is
+        # the agent's mean over the ranks that iteration counted.
+        self.local_optimizer_goes_on_without_rank_0("sfb")
+
+    def local_optimizer_goes_on_without_rank_0(self, scheme):
         sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
         steps = 50  # 0.2 s each: the others' agents learn of the removal (a heartbeat, 3 s)
         want = reference_shrunk(sgd, workers=4, removed=0, from_step=17, steps=steps)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
-            r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
+            r = launch(["-n", "4", "--servers", "2", "--scheme", scheme, "--min_workers", "3",
                         "--", PY, os.path.join(HERE, "equivalence_worker.py"), out,
                         "workers=4,crash-at=17,crash-rank=0,buffer-probe,report-world,"
                         f"ddp-wrapper,world-hook,elastic-state,steps={steps},step-sleep=0.2"])
@@ -583,7 +592,9 @@ class Equivalence(WorkersTest):
             self.assertEqual([(old, new) for _, old, new in hooks], [("(2, 4, 0)", "(1, 3, 1)")],
                              r.stdout)
             self.assertTrue(17 <= int(hooks[0][0]) < steps, hooks)
-            self.assert_close(torch.load(out), want, "local SGD, the world shrank")
+            if scheme == "sfb":
+                self.assertIn("schemes: SFB,PS,SFB,PS", r.stdout)
+            self.assert_close(torch.load(out), want, f"local SGD ({scheme}), the world shrank")
             found = re.search(r"rank 2 found buffers of ranks \[(.*)\]", r.stdout)
             self.assertIsNotNone(found, r.stdout)
             found = [int(v) for v in found.group(1).split(",")]  # steps 1 .. steps - 1
@@ -643,10 +654,12 @@ class Equivalence(WorkersTest):
             self.assertIn("rank 0 left the job before its parameters reached the others",
                           r.stdout + r.stderr)
 
-    def test_a_job_that_may_shrink_needs_every_layer_on_ps(self):
-        r = launch(["-n", "2", "--min_workers", "1", "--", PY, "-c", "pass"])
-        self.assertEqual(r.returncode, 2, r.stderr)
-        self.assertIn("--min_workers needs --scheme ps", r.stderr)
+    def test_a_job_that_may_shrink_needs_ps_or_sfb_layers(self):
+        for scheme in (["--scheme", "allreduce"], ["--allreduce", "by-cost"]):
+            r = launch(["-n", "2", "--min_workers", "1", *scheme, "--", PY, "-c", "pass"])
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("--min_workers needs PS or SFB layers (--scheme ps, sfb or auto, not "
+                          "all-reduce", r.stderr)
 
     def test_a_rank_that_keeps_crashing_exhausts_its_restarts(self):
         with tempfile.TemporaryDirectory() as tmp:
