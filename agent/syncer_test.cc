@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <future>
+#include <span>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -384,6 +386,43 @@ TEST_F(SfbShrinkTest, ARemovedRanksFactorsCountUpToTheAgreedIterationAndTheMeanI
             "SFB factors from ranks [0]");
   for (auto& [kind, syncer] : ranks_[1]->syncers) syncer->Stop();
   EXPECT_EQ(ranks_[0]->scheduler->in_flight_bytes(), 0u);
+}
+
+// A relayed FACTORS frame must name a third rank whose factors it passes on: one naming its
+// sender or a rank beyond the world is refused with an ERROR frame saying why, and the
+// connection closed.
+TEST_F(SfbShrinkTest, RelayedFactorsNamingNoThirdRankAreRefusedSayingWhy) {
+  for (const uint64_t origin : {uint64_t{1}, uint64_t{7}}) {
+    auto conn = transport::ConnectAuthenticated(*ctx_, "peer-0", 1, 1,
+                                                transport::RankKey(kSecret, 1, 1),
+                                                absl::Seconds(10));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    transport::FrameHeader h;
+    h.type = transport::FrameType::kFactors;
+    h.flags = transport::kFlagRelayed;
+    h.job_id = 1;
+    h.sender_rank = 1;
+    h.sequence = origin;
+    h.key = 0;
+    h.clock = 3;
+    (*conn)->Send(h, {}, [](absl::Status) {});
+    std::promise<absl::StatusOr<transport::FrameHeader>> header;
+    (*conn)->ReadHeader([&](absl::StatusOr<transport::FrameHeader> got) {
+      header.set_value(std::move(got));
+    }, absl::Seconds(10));
+    const absl::StatusOr<transport::FrameHeader> got = header.get_future().get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->type, transport::FrameType::kError);
+    std::string message(got->payload_length, '\0');
+    std::promise<absl::Status> read;
+    (*conn)->ReadPayload(std::as_writable_bytes(std::span(message.data(), message.size())),
+                         [&](absl::Status st) { read.set_value(st); });
+    ASSERT_TRUE(read.get_future().get().ok());
+    EXPECT_NE(message.find(absl::StrCat("rank 1 passes on factors of rank ", origin, " (of 2)")),
+              std::string::npos)
+        << message;
+    (*conn)->Close();
+  }
 }
 
 // A resumed job: a layer goes on from its keys' restored clock, which must agree. A rank
