@@ -17,9 +17,10 @@
 // agent told, each layer's cut is the highest of those, the same on every agent: the removed
 // rank's factors count up to the cut (those anyone has are relayed to all) and not after. A
 // layer that averages (PSD_LAYER_AVERAGE) divides each iteration's sum by the ranks it counted.
-// Thread model: Start, CheckDeadlines and Waiting on the agent's main thread; the send task and
-// large rebuilds on scheduler workers; the inbound path (OnHeader/OnFrame) and send completions
-// on transport I/O threads. mu_ guards every inbox and the held credits; it is
+// Thread model: Start, CheckDeadlines, PeerRemoved and Waiting on the agent's main thread; the
+// send task and large rebuilds on scheduler workers; the inbound path (OnHeader/OnFrame, which
+// also takes the HELD frames and may start a rebuild) and send completions on transport I/O
+// threads. mu_ guards every inbox, its cuts, the removed ranks and the held credits; it is
 // never held across a transport call, a GEMM or a callback into the agent.
 #include <cblas.h>
 
