@@ -652,6 +652,16 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     hb.world = [this] {
       return std::pair<uint32_t, uint64_t>{live_world_.load(), world_generation_.load()};
     };
+    // The ranks whose connections to this agent all closed: a killed agent is then declared
+    // dead once it misses its heartbeats, and removed (SFB layers wait for that word).
+    hb.peers_gone = [this] {
+      std::vector<uint32_t> gone;
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      for (const auto& [rank, why] : gone_peers_) {
+        if (rank < config_.world_size && rank != config_.rank) gone.push_back(rank);
+      }
+      return gone;
+    };
   }
   // The world this rank joined is the one it runs: a restarted coordinator gets the same rank.
   hb.register_again = true;

@@ -1294,6 +1294,22 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
       node->world_generation = request.world_generation();
     }
   }
+  if (request.peers_gone_size() > 0) {
+    const Job* of = FindJob(node->job_id);
+    for (const uint32_t gone : request.peers_gone()) {
+      if (node->role != v1::NODE_ROLE_AGENT || of == nullptr || gone >= of->world_size ||
+          gone == node->rank) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "peers_gone names rank ", gone, ": an agent reports other ranks of its job's world (",
+            of != nullptr ? of->world_size : 0, " ranks)"));
+      }
+      if (gone >= of->world_agents.size()) continue;  // no world yet
+      if (Node* peer = FindNode(of->world_agents[gone]); peer != nullptr && Live(peer)) {
+        peer->gone_reported = now;
+        peer->gone_reported_by = node->rank;
+      }
+    }
+  }
   node->last_seen = now;
   node->iteration = std::max(node->iteration, request.iteration());
   node->plan_epoch = request.plan_epoch();
@@ -1552,11 +1568,19 @@ bool Registry::Expire(absl::Time now) {
       continue;
     }
     const absl::Duration silent = now - node.last_seen;
-    if (silent <= options_.lease) continue;
+    // An agent whose peers lost every connection to it since its last heartbeat, and that is
+    // suspect (silent for two heartbeat intervals), is gone: its lease is not waited out.
+    const bool reported = node.role == v1::NODE_ROLE_AGENT && node.gone_reported > node.last_seen &&
+                          silent > 2 * heartbeat_interval();
+    if (silent <= options_.lease && !reported) continue;
     node.state = v1::NODE_STATE_DEAD;
     node.state_since = now;
     node.state_reason =
-        absl::StrCat("no heartbeat for ", Ago(silent), "; lease ", Ago(options_.lease));
+        silent <= options_.lease
+            ? absl::StrCat("its connections to rank ", node.gone_reported_by,
+                           "'s agent closed and no heartbeat for ", Ago(silent),
+                           " (two heartbeat intervals: ", Ago(heartbeat_interval()), ")")
+            : absl::StrCat("no heartbeat for ", Ago(silent), "; lease ", Ago(options_.lease));
     ++membership_epoch_;
     died = true;
     PSD_LOG_WARN("{} {} declared dead: {}", RoleName(node.role), node.id, node.state_reason);

@@ -863,6 +863,44 @@ TEST_F(PlanChangeTest, HeartbeatsNameTheWorldsDeadMembers) {
   EXPECT_EQ(servers, static_cast<int>(servers_.size()));
 }
 
+// An agent whose peers report every connection to it closed (HeartbeatRequest.peers_gone, a
+// job that may shrink) is declared dead once it is suspect (silent for two heartbeat intervals,
+// 6 s here), not after its 15 s lease; one that beats after the report is not. A report of the
+// reporter's own rank or of one beyond the world is refused.
+TEST_F(PlanChangeTest, AnAgentItsPeersLostIsDeclaredDeadOnceItMissesItsHeartbeats) {
+  FormJob(BoundaryModel());
+  auto beat = [&](const std::string& agent, std::vector<uint32_t> gone) {
+    v1::HeartbeatRequest request;
+    request.mutable_header()->set_node_id(agent);
+    request.set_role(v1::NODE_ROLE_AGENT);
+    for (uint32_t r : gone) request.add_peers_gone(r);
+    v1::HeartbeatResponse response;
+    const absl::Status s = registry_.Heartbeat(job_, request, now_, &response);
+    return std::make_pair(s, response);
+  };
+  EXPECT_EQ(beat(agents_[0], {0}).first.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(beat(agents_[0], {7}).first.message(), HasSubstr("peers_gone names rank 7"));
+  // Rank 1 beats after rank 0's report: alive, however long it then stays below its lease.
+  ASSERT_TRUE(beat(agents_[0], {1}).first.ok());
+  now_ += absl::Seconds(1);
+  ASSERT_TRUE(beat(agents_[1], {}).first.ok());
+  for (int second = 0; second < 7; ++second) {
+    now_ += absl::Seconds(1);
+    ASSERT_TRUE(beat(agents_[0], {}).first.ok());
+    registry_.Expire(now_);
+  }
+  EXPECT_NE(StateOf(agents_[1]), v1::NODE_STATE_DEAD);
+  // Reported again, and silent past two intervals: dead, 7 s after its last heartbeat.
+  ASSERT_TRUE(beat(agents_[0], {1}).first.ok());
+  registry_.Expire(now_);
+  EXPECT_EQ(StateOf(agents_[1]), v1::NODE_STATE_DEAD);
+  const v1::HeartbeatResponse response = beat(agents_[0], {}).second;
+  ASSERT_EQ(response.lost_size(), 1) << response.DebugString();
+  EXPECT_EQ(response.lost(0).rank(), 1u);
+  EXPECT_THAT(response.lost(0).reason(),
+              HasSubstr("its connections to rank 0's agent closed and no heartbeat for 7s"));
+}
+
 // An agent that leaves because of an error (its training process died; DeregisterRequest.failed)
 // is listed to the other agents as departed, so that a job that may shrink goes on without it;
 // one whose training finished is not, and neither is listed as dead.
