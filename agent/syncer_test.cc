@@ -116,14 +116,14 @@ class SyncerTest : public ::testing::Test {
     ASSERT_TRUE(kv.ok()) << kv.status();
     kv_server_ = std::make_shared<transport::FrameServer>(*kv, secrets_, service_);
     kv_server_->Start();
-    for (uint32_t r = 0; r < kWorld; ++r) {
+    for (uint32_t r = 0; r < World(); ++r) {
       ranks_.push_back(std::make_unique<Rank>());
       ASSERT_NO_FATAL_FAILURE(MakeRank(*ranks_.back(), r));
     }
     // The SFB connections, once every rank's syncers exist; the PINGs' part: every peer ready.
     for (auto& me : ranks_) {
-      me->env.peers.Reset(kWorld);
-      for (uint32_t p = 0; p < kWorld; ++p) {
+      me->env.peers.Reset(World());
+      for (uint32_t p = 0; p < World(); ++p) {
         if (p == me->rank) continue;
         auto conn = transport::ConnectAuthenticated(*ctx_, absl::StrCat("peer-", p), 1, me->rank,
                                                     transport::RankKey(kSecret, 1, me->rank),
@@ -134,26 +134,26 @@ class SyncerTest : public ::testing::Test {
       }
     }
     // The Gloo ring: every rank connects at once (registration does it in the agent).
-    std::vector<absl::Status> ready(kWorld);
+    std::vector<absl::Status> ready(World());
     std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < kWorld; ++r) {
+    for (uint32_t r = 0; r < World(); ++r) {
       threads.emplace_back(
           [&, r] { ready[r] = ranks_[r]->syncers.at(SyncerKind::kAllreduce)->Ready(); });
     }
     for (auto& t : threads) t.join();
-    for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(ready[r].ok()) << ready[r];
+    for (uint32_t r = 0; r < World(); ++r) ASSERT_TRUE(ready[r].ok()) << ready[r];
   }
 
   void MakeRank(Rank& r, uint32_t rank) {
     r.rank = rank;
     r.config.rank = rank;
-    r.config.world_size = kWorld;
+    r.config.world_size = World();
     r.config.job_id = 1;
     r.config.secret = kSecret;
     r.config.servers = {"kv"};
     r.config.sync_timeout = absl::Seconds(20);
     auto table = BuildLayerTable(Descs(), Plan(),
-                                 {.world_size = kWorld,
+                                 {.world_size = World(),
                                   .sfb_possible = true,
                                   .allreduce_possible = true,
                                   .bucket_bytes = 1024});
@@ -163,7 +163,7 @@ class SyncerTest : public ::testing::Test {
     ASSERT_TRUE(r.table.layers[0].sfb_capable);
     Adjust(r);
     auto shm = ShmEndpoint::Create(absl::StrCat("/psd-syncer-test-", getpid(), "-", rank), rank,
-                                   kWorld, 1);
+                                   World(), 1);
     ASSERT_TRUE(shm.ok()) << shm.status();
     r.shm = *std::move(shm);
     std::vector<LayerLayout> layout;
@@ -172,7 +172,7 @@ class SyncerTest : public ::testing::Test {
     // A small credit: the chunks queue behind each other and the parked credit is exercised.
     r.scheduler = std::make_unique<Scheduler>(SchedulerOptions{64, true, 2});
     r.scheduler->Start();
-    r.gate = std::make_unique<PeerGate>(kWorld);
+    r.gate = std::make_unique<PeerGate>(World());
     r.env.rendezvous = &store_;
     r.env.own_host = "127.0.0.1";
     r.env.config = &r.config;
@@ -196,7 +196,7 @@ class SyncerTest : public ::testing::Test {
     // The tables every rank registers alike (the agent's ConnectServers): one per layer's chunks
     // (the SFB layer's too) but the bucket members', and the bucket's key.
     v1::RegisterTablesRequest request;
-    request.set_num_workers(kWorld);
+    request.set_num_workers(World());
     auto add = [&](const std::string& name, const std::vector<PsChunk>& chunks) {
       auto* t = request.add_tables();
       t->set_name(name);
@@ -224,6 +224,8 @@ class SyncerTest : public ::testing::Test {
 
   // A test's own settings, before the syncers are made.
   virtual void Adjust(Rank&) {}
+  // How many ranks the test runs.
+  virtual uint32_t World() const { return kWorld; }
 
   void TearDown() override {
     for (auto& r : ranks_) {
@@ -386,6 +388,62 @@ TEST_F(SfbShrinkTest, ARemovedRanksFactorsCountUpToTheAgreedIterationAndTheMeanI
             "SFB factors from ranks [0]");
   for (auto& [kind, syncer] : ranks_[1]->syncers) syncer->Stop();
   EXPECT_EQ(ranks_[0]->scheduler->in_flight_bytes(), 0u);
+}
+
+// Three ranks: rank 2's factors of iteration 3 reach rank 0 and not rank 1 (it died while
+// sending them), and rank 0 completes iteration 3 with them. Once both remove rank 2, rank 0
+// passes them on: both agree that rank 2 counts up to iteration 3, rank 1 completes it with
+// the same sum over the three ranks, and iteration 4 is the sum over ranks 0 and 1.
+class SfbShrinkOfThreeTest : public SfbShrinkTest {
+ protected:
+  uint32_t World() const override { return 3; }
+  void Adjust(Rank& r) override { r.config.min_workers = 1; }
+};
+
+TEST_F(SfbShrinkOfThreeTest, FactorsOnlySomeAgentsGotAreRelayedAndEveryAgentAgreesOnTheCut) {
+  auto sum = [&](uint32_t rank, uint64_t t, std::vector<uint32_t> of) {
+    const float* g = ranks_[rank]->shm->Grad(0);
+    for (uint64_t m = 0; m < kM; ++m) {
+      for (uint64_t n = 0; n < kN; ++n) {
+        float want = 0;
+        for (uint32_t p : of) {
+          for (uint64_t k = 0; k < kK; ++k) {
+            want += Value(p, t, 0, k * kM + m) * Value(p, t, 10, k * kN + n);
+          }
+        }
+        ASSERT_EQ(g[m * kN + n], want) << "rank " << rank << " t " << t << " (" << m << ", " << n
+                                       << ")";
+      }
+    }
+  };
+  for (uint64_t t = 1; t <= 2; ++t) {
+    for (auto& r : ranks_) Post(*r, 0, t, SyncerKind::kSfb);
+    for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  }
+  // Rank 2's connection to rank 1 is gone: its factors of 3 reach rank 0 only.
+  ranks_[2]->env.peers.Set(1, nullptr);
+  Post(*ranks_[2], 0, 3, SyncerKind::kSfb);
+  Post(*ranks_[0], 0, 3, SyncerKind::kSfb);
+  Post(*ranks_[1], 0, 3, SyncerKind::kSfb);
+  ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[0]));
+  ASSERT_NO_FATAL_FAILURE(sum(0, 3, {0, 1, 2}));
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(ranks_[1]->syncers.at(SyncerKind::kSfb)->Waiting(0, 3, {}),
+            "SFB factors from ranks [2]");
+  ranks_[1]->syncers.at(SyncerKind::kSfb)->PeerRemoved(2);
+  absl::SleepFor(absl::Milliseconds(100));  // rank 1 alone cannot decide: rank 0 has not told
+  EXPECT_EQ(ranks_[1]->syncers.at(SyncerKind::kSfb)->Waiting(0, 3, {}),
+            "SFB factors from ranks [2]");
+  ranks_[0]->syncers.at(SyncerKind::kSfb)->PeerRemoved(2);
+  ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[1]));
+  ASSERT_NO_FATAL_FAILURE(sum(1, 3, {0, 1, 2}));
+  Post(*ranks_[0], 0, 4, SyncerKind::kSfb);
+  Post(*ranks_[1], 0, 4, SyncerKind::kSfb);
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(sum(r, 4, {0, 1}));
+  }
+  for (auto& [kind, syncer] : ranks_[2]->syncers) syncer->Stop();
 }
 
 // A relayed FACTORS frame must name a third rank whose factors it passes on: one naming its
