@@ -94,7 +94,8 @@ struct AgentConfig {
   std::string joined_marker;
   // The world shrinking: a dead rank given up (once rejoin_timeout is over) is removed while at
   // least this many ranks are left — by the KV servers (a job setting sent with the tables) and
-  // by this agent, which then goes on instead of failing; 0: never. PS layers only.
+  // by this agent, which then goes on instead of failing (its SFB layers agree with the other
+  // agents on the last iteration that counts it); 0: never. PS or SFB layers, no all-reduce.
   uint32_t min_workers = 0;
   double bandwidth_bytes_per_second = 1.25e9;
   bool colocated = true;
