@@ -340,10 +340,9 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     return target;
   }
 
-  // Where factors of `origin` (the sender, or a removed rank whose factors it passes on) go.
+  // Where factors of rank `from` (the sender, or a removed rank whose factors it passes on) go.
   absl::StatusOr<transport::PayloadTarget> InboundLocked(Inbox& box, const FrameHeader& h,
-                                                         uint32_t origin, bool relayed) {
-    const uint32_t from = origin;
+                                                         uint32_t from, bool relayed) {
     if (h.payload_length != box.floats * sizeof(float)) {
       return absl::InvalidArgumentError(absl::StrCat("factors of layer ", h.key, " carry ",
                                                      h.payload_length, " bytes, expected ",
@@ -526,12 +525,10 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     const float* v = env_.shm->FactorV(post.layer);
     const uint64_t ku = st.k * st.m, kv = st.k * st.n;
     std::optional<Rebuild> rebuild;
-    std::vector<uint32_t> targets;  // every peer not removed from the job
+    std::vector<uint32_t> removed;  // peers removed from the job: sent nothing (none, usually)
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (uint32_t p = 0; p < world; ++p) {
-        if (p != me && !removed_.contains(p)) targets.push_back(p);
-      }
+      removed.assign(removed_.begin(), removed_.end());
       Inbox& box = inbox_.at(post.layer);
       if (keep_own_) {  // for a restarted rank (PeerBack); small: the factors, not the gradient
         const int slot = static_cast<int>(post.iteration % 2);
@@ -541,7 +538,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
         box.tag[slot][me] = post.iteration;
       }
       box.sent = post.iteration;
-      box.sends_pending = static_cast<int>(targets.size());
+      box.sends_pending = static_cast<int>(world - 1 - removed.size());
       box.send_error = absl::OkStatus();
       box.started = absl::Now();
       box.on_device = post.on_device;
@@ -551,10 +548,11 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     }
     if (env_.metrics.sfb_sent_bytes) {
       env_.metrics.sfb_sent_bytes->Increment(
-          static_cast<double>((ku + kv) * sizeof(float) * targets.size()));
+          static_cast<double>((ku + kv) * sizeof(float) * (world - 1 - removed.size())));
     }
     if (env_.timeline) env_.timeline->Instant("send factors", post.layer, post.iteration, absl::Now());
-    for (const uint32_t p : targets) {
+    for (uint32_t p = 0; p < world; ++p) {
+      if (p == me || std::find(removed.begin(), removed.end(), p) != removed.end()) continue;
       const FrameHeader h = FactorsHeader(post.layer, post.iteration, (ku + kv) * sizeof(float));
       if (env_.telemetry) env_.telemetry->AddPeerBytes(p, h.payload_length, 0);
       auto sent = [this, layer = post.layer, it = post.iteration, p](absl::Status s) {
@@ -620,22 +618,21 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     absl::Status status;
     const uint32_t me = env_.config->rank;
     const int slot = static_cast<int>(r.iteration % 2);
-    std::vector<bool> counted(env_.config->world_size, true);  // not removed before r.iteration
+    std::vector<uint32_t> left_out;  // ranks removed before r.iteration (none, usually)
     float scale = 1.0f;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (box.finished == r.iteration) return;  // the watchdog failed it already
       status = box.send_error;
-      uint32_t ranks = 0;
-      for (uint32_t p = 0; p < env_.config->world_size; ++p) {
-        counted[p] = p == me || !ExcludedLocked(box, p, r.iteration);
-        ranks += counted[p] ? 1 : 0;
+      for (const auto& [p, cut] : box.cuts) {
+        if (!ExcludedLocked(box, p, r.iteration)) continue;
+        left_out.push_back(p);
         // The GPU rebuild copies the factors not staged from the inbox: a removed rank's are 0.
-        if (!counted[p] && r.on_device) {
-          std::fill_n(box.data[slot].data() + p * box.floats, box.floats, 0.0f);
-        }
+        if (r.on_device) std::fill_n(box.data[slot].data() + p * box.floats, box.floats, 0.0f);
       }
-      if (box.average) scale = 1.0f / static_cast<float>(ranks);
+      if (box.average) {
+        scale = 1.0f / static_cast<float>(env_.config->world_size - left_out.size());
+      }
     }
     const float* u = env_.shm->FactorU(r.layer);
     const float* v = env_.shm->FactorV(r.layer);
@@ -658,7 +655,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     } else {
       bool first = true;
       for (uint32_t p = 0; p < env_.config->world_size; ++p) {
-        if (!counted[p]) continue;
+        if (std::find(left_out.begin(), left_out.end(), p) != left_out.end()) continue;
         const float* up = p == me ? u : box.data[slot].data() + p * box.floats;
         const float* vp = p == me ? v : up + ku;
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, scale, up, m, vp, n,
