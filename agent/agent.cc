@@ -1302,14 +1302,13 @@ absl::Status Agent::TakeUpRunningJob() {
 // keys are all one clock behind (TakeUpRunningJob).
 absl::Status Agent::ReadmitToJob(uint64_t highest) {
   // The others' SFB layers left this rank out for good (SfbSyncer::PeerRemoved).
-  if (config_.scheme != "ps") {
-    for (const LayerSpec& st : table_.layers) {
-      if (!st.sfb_capable) continue;
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--rejoin: rank ", config_.rank, " was removed from the job (--min_workers), and its "
-          "SFB layers (", st.desc.name, ") cannot count a removed rank again yet: only a job "
-          "with every layer on PS (--scheme=ps) grows again"));
-    }
+  if (auto sfb = std::find_if(table_.layers.begin(), table_.layers.end(),
+                              [](const LayerSpec& st) { return st.sfb_capable; });
+      sfb != table_.layers.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--rejoin: rank ", config_.rank, " was removed from the job (--min_workers), and its "
+        "SFB layers (", sfb->desc.name, ") cannot count a removed rank again yet: only a job "
+        "with every layer on PS (--scheme=ps) grows again"));
   }
   const absl::Time deadline = absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
   // Every server's registration, with readmit_from = `readmit` (0: only its keys' progress).
@@ -2143,7 +2142,7 @@ void Agent::PassGonePeers() {
   // A job that may go on without a rank (--min_workers) waits for the coordinator's word: the
   // rank is removed (SFB layers then agree on its last iteration, PeerRemoved), or, where too
   // few would be left, declared dead, which fails what waits.
-  if (config_.min_workers > 0) gone.clear();
+  if (config_.min_workers > 0) return;
   for (auto& [kind, syncer] : syncers_) syncer->PeersGone(gone);
 }
 

@@ -1294,15 +1294,18 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
       node->world_generation = request.world_generation();
     }
   }
-  if (request.peers_gone_size() > 0) {
-    const Job* of = FindJob(node->job_id);
+  // Checked whole before any of it is taken.
+  const Job* of = request.peers_gone_size() > 0 ? FindJob(node->job_id) : nullptr;
+  for (const uint32_t gone : request.peers_gone()) {
+    if (node->role != v1::NODE_ROLE_AGENT || of == nullptr || gone >= of->world_size ||
+        gone == node->rank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "peers_gone names rank ", gone, ": an agent reports other ranks of its job's world (",
+          of != nullptr ? of->world_size : 0, " ranks)"));
+    }
+  }
+  if (of != nullptr) {
     for (const uint32_t gone : request.peers_gone()) {
-      if (node->role != v1::NODE_ROLE_AGENT || of == nullptr || gone >= of->world_size ||
-          gone == node->rank) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "peers_gone names rank ", gone, ": an agent reports other ranks of its job's world (",
-            of != nullptr ? of->world_size : 0, " ranks)"));
-      }
       if (gone >= of->world_agents.size()) continue;  // no world yet
       if (Node* peer = FindNode(of->world_agents[gone]); peer != nullptr && Live(peer)) {
         peer->gone_reported = now;

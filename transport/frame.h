@@ -75,7 +75,7 @@ enum FrameFlag : uint8_t {
   // A FACTORS frame about a rank removed from the job (--min_workers), which `sequence` names:
   // with a payload, that rank's factors of `clock`, passed on by an agent that received them
   // (the rank may have died while sending them); without, the highest clock of its factors the
-  // sender holds (0: none). docs/wire.md, "A rank removed from SFB layers".
+  // sender holds (0: none). docs/wire.md (flags) and docs/operations.md, "The world shrinks".
   kFlagRelayed = 1u << 5,
 };
 inline constexpr uint8_t kKnownFrameFlags =
