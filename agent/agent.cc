@@ -1095,9 +1095,10 @@ absl::Status Agent::ConnectServers() {
     const LayerDesc& first = table_.layers[b.members.front()].desc;
     sources.push_back({b.name, {b.chunk}, b.wire, b.members, first.average, first.counters});
   }
-  auto new_table = [&](uint32_t holder, const std::string& name, uint32_t primary, WireType wire,
-                       bool average, bool counters) {
-    v1::KvTableSpec* t = requests[holder].add_tables();
+  auto new_table = [&](uint32_t holder, bool standby, const std::string& name, uint32_t primary,
+                       WireType wire, bool average, bool counters) {
+    v1::KvTableSpec* t =
+        standby ? requests[holder].add_standby_tables() : requests[holder].add_tables();
     t->set_name(name);
     t->set_average(average);
     if (replicas > 0) t->set_primary(primary);
@@ -1126,15 +1127,18 @@ absl::Status Agent::ConnectServers() {
     return t;
   };
   for (const TableSource& src : sources) {
-    // One table per (source, primary) on each server holding a copy: the primary and its
-    // backups, by copy.
+    // One table per (source, primary) on each server of its chain: the primary and its backups
+    // hold a copy, by copy; the other servers stand by to adopt one when a backup is given up.
     std::map<std::pair<uint32_t, uint32_t>, v1::KvTableSpec*> tables;
     for (const auto& c : src.chunks) {
       if (c.server >= requests.size()) return absl::InternalError("chunk on an unknown server");
-      for (uint32_t copy = 0; copy <= replicas; ++copy) {
+      for (uint32_t copy = 0; copy < (replicas > 0 ? n : 1); ++copy) {
         const uint32_t holder = (c.server + copy) % n;
         auto*& t = tables[{c.server, copy}];
-        if (t == nullptr) t = new_table(holder, src.name, c.server, src.wire, src.average, src.counters);
+        if (t == nullptr) {
+          t = new_table(holder, copy > replicas, src.name, c.server, src.wire, src.average,
+                        src.counters);
+        }
         auto* key = t->add_keys();
         key->set_key(c.key);
         key->set_elements(c.length / sizeof(float));
@@ -1184,7 +1188,8 @@ absl::Status Agent::ConnectServers() {
                                    telemetry->AddServerTransfer(s, bytes, busy);
                                  });
     }
-    if (requests[s].tables_size() > 0 && !unreachable.contains(static_cast<uint32_t>(s))) {
+    if ((requests[s].tables_size() > 0 || requests[s].standby_tables_size() > 0) &&
+        !unreachable.contains(static_cast<uint32_t>(s))) {
       std::vector<server::KeyProgress> progress;
       bool removed = false;
       RETURN_IF_ERROR(

@@ -59,10 +59,12 @@ uint32_t Replication::ServerAt(uint32_t primary, uint32_t e) const {
 
 bool Replication::Failover(const SyncEnv& env, uint32_t primary, uint32_t e,
                            server::KvClient& lost, const absl::Status& why) {
-  if (replicas == 0 || e >= replicas || stopping.load(std::memory_order_acquire)) return false;
+  if (replicas == 0 || e + 1 >= servers || stopping.load(std::memory_order_acquire)) return false;
   // A lost connection (the server died, closed, or went silent) or a fenced server (a backup
-  // took its keys over): the next server of the chain holds every clock it answered. Any other
-  // error is the server's answer (a gone rank, a timeout) and stands.
+  // took its keys over): the next server of the chain holds every clock it answered (a backup
+  // from the start, or one that adopted the keys when the primary gave up a backup; one that
+  // holds no copy says so, and that error stands). Any other error is the server's answer (a
+  // gone rank, a timeout) and stands.
   if (!lost.Broken() && !absl::IsAborted(why)) return false;
   uint32_t expected = e;
   if (epoch[primary].compare_exchange_strong(expected, e + 1, std::memory_order_acq_rel)) {

@@ -88,12 +88,14 @@ struct LossyWire {
   size_t received = 0;             // the size of the pull's answer (the pull's callback)
 };
 
-// Replication of the PS keys (AgentConfig::replicas, DESIGN.md "Faults"): a chunk's key is held by
-// the chain of servers primary, primary + 1, ..., primary + replicas (mod the servers); the
-// epoch of a primary's keys is the position in that chain that serves them now. When the server
-// a request went to is lost (its connection broke or went silent) or fenced (Aborted), the epoch
-// moves on and the request is sent again, from the same buffer (no copy: see PushPull), to the
-// next server, which holds every clock the lost one answered. Built at registration; the epochs
+// Replication of the PS keys (AgentConfig::replicas, DESIGN.md "Faults"): a chunk's key has the
+// chain of servers primary, primary + 1, ... (mod the servers, every server once), the first
+// 1 + replicas of which hold it from the start; the others stand by and adopt it when a primary
+// gives a backup up (docs/server.md). The epoch of a primary's keys is the position in that chain
+// that serves them now. When the server a request went to is lost (its connection broke or went
+// silent) or fenced (Aborted), the epoch moves on and the request is sent again, from the same
+// buffer (no copy: see PushPull), to the next server, which holds every clock the lost one
+// answered. Built at registration; the epochs
 // are atomics (transport threads), the rest is then only read.
 struct SyncEnv;
 struct Replication {

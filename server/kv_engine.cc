@@ -101,6 +101,12 @@ struct JobState {
   std::set<std::pair<uint32_t, uint32_t>> promotions_logged;  // (first primary, epoch)
   std::set<uint32_t> backups_lost;
   std::set<uint32_t> fenced_by;  // the servers that took keys over from this one
+  std::set<uint32_t> adoptions_logged;  // first primaries whose keys this server adopted
+  // Replication: the tables this server stands by for (RegisterTablesRequest.standby_tables)
+  // and the registration without any tables (what an adopted key is made from); set at
+  // registration, then only read.
+  std::vector<v1::KvTableSpec> standby_tables;
+  v1::RegisterTablesRequest standby_spec;
   // Restored from a checkpoint and not registered since (under KvEngine::jobs_mu_): the first
   // registration may name the servers at new addresses (a resumed job's servers listen afresh).
   bool awaiting_addresses = false;
@@ -155,6 +161,20 @@ struct KvEngine::Key {
   bool complete_deferred = false;
   int replicas_outstanding = 0;
   std::vector<uint8_t> backup_lost;  // by chain position: given up after a failed send
+  uint32_t replicas = 0;             // the copies it keeps besides the primary's
+  std::vector<size_t> round;         // the chain positions the replica in flight went to
+  // Created for a REPLICATE frame that adopts it (a standby table's key), before that frame's
+  // state is applied: it holds nothing yet.
+  bool adopting = false;
+  // The backups a primary at `epoch` replicates to: the next `replicas` servers of the chain it
+  // has not given up.
+  std::vector<size_t> Backups() const {
+    std::vector<size_t> out;
+    for (size_t p = epoch + 1; p < chain.size() && out.size() < replicas; ++p) {
+      if (!backup_lost[p]) out.push_back(p);
+    }
+    return out;
+  }
   uint64_t steps_wire = 0;           // the optimizer's step count as the REPLICATE frame's prefix
   std::vector<uint8_t> pushed;
   uint32_t count = 0;
@@ -374,9 +394,7 @@ std::vector<ReplicationCounts> KvEngine::ReplicationStatus(absl::Duration timeou
           continue;
         }
         ++c.primary_keys;
-        bool degraded = false;
-        for (size_t p = k.epoch + 1; p < k.chain.size(); ++p) degraded |= k.backup_lost[p] != 0;
-        if (degraded) ++c.degraded_keys;
+        if (k.Backups().size() < k.replicas) ++c.degraded_keys;
         if (k.replicating) {
           ++c.replicating_keys;
           // The live backups have the clock before the one being sent.
@@ -615,7 +633,9 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
     return absl::UnimplementedError(
         "SSP consistency is not supported by this server yet (BSP only)");
   }
-  if (spec.tables_size() == 0) return absl::InvalidArgumentError("no tables to register");
+  if (spec.tables_size() == 0 && spec.standby_tables_size() == 0) {
+    return absl::InvalidArgumentError("no tables to register");
+  }
   if (spec.min_workers() > spec.num_workers()) {
     return absl::InvalidArgumentError(absl::StrCat("min_workers (", spec.min_workers(),
                                                    ") exceeds num_workers (", spec.num_workers(),
@@ -626,7 +646,13 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
         "rejoin_timeout_ms must be at most an hour (3600000), got ", spec.rejoin_timeout_ms()));
   }
   absl::flat_hash_map<uint64_t, std::string> seen;
-  for (const auto& t : spec.tables()) {
+  // The tables this server holds, then those it stands by for (whose memory it takes only if
+  // it adopts their keys).
+  std::vector<std::pair<const v1::KvTableSpec*, bool>> all;
+  for (const auto& t : spec.tables()) all.emplace_back(&t, true);
+  for (const auto& t : spec.standby_tables()) all.emplace_back(&t, false);
+  for (const auto& [table, held] : all) {
+    const v1::KvTableSpec& t = *table;
     if (t.name().empty()) return absl::InvalidArgumentError("a table has no name");
     if (t.element_type() != v1::ELEMENT_TYPE_F32 &&
         t.element_type() != v1::ELEMENT_TYPE_UNSPECIFIED) {
@@ -669,7 +695,7 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
             absl::StrCat("table ", t.name(), " key ", k.key(), ": ", k.elements(),
                          " elements (a key may hold at most ", options.max_key_bytes, " bytes)"));
       }
-      bytes += k.elements() * sizeof(float) * copies;
+      if (held) bytes += k.elements() * sizeof(float) * copies;
       if (bytes > options.max_memory_bytes) {
         return absl::ResourceExhaustedError(absl::StrCat("the tables need more than this server's ",
                                                          options.max_memory_bytes, " bytes"));
@@ -685,6 +711,9 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
   const auto n = static_cast<uint32_t>(spec.servers_size());
   if (spec.replicas() == 0) {
     if (n > 0) return absl::InvalidArgumentError("servers are listed but replicas is 0");
+    if (spec.standby_tables_size() > 0) {
+      return absl::InvalidArgumentError("standby tables are listed but replicas is 0");
+    }
     for (const auto& t : spec.tables()) {
       if (t.primary() != 0) {
         return absl::InvalidArgumentError(
@@ -715,6 +744,19 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
       return absl::InvalidArgumentError(absl::StrCat(
           "table ", t.name(), ": server ", spec.server_index(), " holds no copy of it (primary ",
           t.primary(), ", ", spec.replicas(), " replicas)"));
+    }
+  }
+  for (const auto& t : spec.standby_tables()) {
+    if (t.primary() >= n) {
+      return absl::InvalidArgumentError(absl::StrCat("standby table ", t.name(), ": primary ",
+                                                     t.primary(), " is not one of the ", n,
+                                                     " servers"));
+    }
+    if ((spec.server_index() + n - t.primary()) % n <= spec.replicas()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "standby table ", t.name(), ": server ", spec.server_index(),
+          " holds a copy of it from the start (primary ", t.primary(), ", ", spec.replicas(),
+          " replicas): it belongs in tables"));
     }
   }
   return bytes;
@@ -754,6 +796,46 @@ std::string WithoutAddresses(const v1::RegisterTablesRequest& spec) {
   v1::RegisterTablesRequest copy = spec;
   copy.clear_servers();
   return copy.SerializeAsString();
+}
+}  // namespace
+
+namespace {
+// A key of table `t` of a job registered with `spec`, in its initial state.
+std::unique_ptr<KvEngine::Key> NewKey(const std::shared_ptr<JobState>& job,
+                                      const v1::RegisterTablesRequest& spec,
+                                      const v1::KvTableSpec& t, const v1::KvKey& kspec) {
+  auto k = std::make_unique<KvEngine::Key>();
+  k->job = job;
+  k->key = kspec.key();
+  k->table = t.name();
+  k->elements = kspec.elements();
+  k->workers = spec.num_workers();
+  k->active = k->workers;
+  k->average = spec.average_gradients() || t.average();
+  k->rule = t.update_rule().rule();
+  k->grad_scale = k->average ? 1.0f / static_cast<float>(spec.num_workers()) : 1.0f;
+  k->optimizer = MakeOptimizer(k->rule, *HyperParamsFromSpec(t.update_rule()), k->elements);
+  k->init_pushed = t.initial_value() == v1::INITIAL_VALUE_PUSHED_BY_RANK0;
+  k->initialized = !k->init_pushed;
+  if (!k->IsSum()) k->params.assign(k->elements, 0.0f);
+  if (!k->IsSum() && spec.rejoin_timeout_ms() > 0) k->prev_params.assign(k->elements, 0.0f);
+  k->agg.assign(k->elements, 0.0f);
+  if (k->IsSum()) k->result.assign(k->elements, 0.0f);
+  k->wire = WireOfTable(t);
+  if (k->LossyWire()) {
+    k->residual.assign(k->elements, 0.0f);
+    k->result_wire.assign(k->elements, 0);
+  }
+  k->pushed.assign(k->workers, 0);
+  if (spec.replicas() > 0) {
+    // The chain is every server from the first primary on: the first 1 + replicas hold the key
+    // from the start, the later ones adopt it when a backup is given up.
+    const auto n = static_cast<uint32_t>(spec.servers_size());
+    for (uint32_t i = 0; i < n; ++i) k->chain.push_back((t.primary() + i) % n);
+    k->backup_lost.assign(k->chain.size(), 0);
+    k->replicas = spec.replicas();
+  }
+  return k;
 }
 }  // namespace
 
@@ -821,63 +903,44 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   job->servers.assign(spec.servers().begin(), spec.servers().end());
   job->self = spec.server_index();
   for (const auto& t : spec.tables()) job->total_keys += t.keys_size();
+  job->standby_tables.assign(spec.standby_tables().begin(), spec.standby_tables().end());
+  job->standby_spec = spec;
+  job->standby_spec.clear_tables();
+  job->standby_spec.clear_standby_tables();
   jobs_[job_id] = job;
   // Create each key on its worker.
   std::latch created(static_cast<std::ptrdiff_t>(job->total_keys));
   for (const auto& t : spec.tables()) {
-    const auto hp = *HyperParamsFromSpec(t.update_rule());
     for (const auto& kspec : t.keys()) {
       Worker& w = WorkerFor(job_id, kspec.key());
-      w.Post([&w, &created, job, &t, hp, kspec, &spec, job_id] {
-        auto k = std::make_unique<Key>();
-        k->job = job;
-        k->key = kspec.key();
-        k->table = t.name();
-        k->elements = kspec.elements();
-        k->workers = spec.num_workers();
-        k->active = k->workers;
-        k->average = spec.average_gradients() || t.average();
-        k->rule = t.update_rule().rule();
-        k->grad_scale = k->average ? 1.0f / static_cast<float>(spec.num_workers()) : 1.0f;
-        k->optimizer = MakeOptimizer(k->rule, hp, k->elements);
-        k->init_pushed = t.initial_value() == v1::INITIAL_VALUE_PUSHED_BY_RANK0;
-        k->initialized = !k->init_pushed;
-        if (!k->IsSum()) k->params.assign(k->elements, 0.0f);
-        if (!k->IsSum() && spec.rejoin_timeout_ms() > 0) k->prev_params.assign(k->elements, 0.0f);
-        k->agg.assign(k->elements, 0.0f);
-        if (k->IsSum()) k->result.assign(k->elements, 0.0f);
-        k->wire = WireOfTable(t);
-        if (k->LossyWire()) {
-          k->residual.assign(k->elements, 0.0f);
-          k->result_wire.assign(k->elements, 0);
-        }
-        k->pushed.assign(k->workers, 0);
-        if (spec.replicas() > 0) {
-          const auto n = static_cast<uint32_t>(spec.servers_size());
-          for (uint32_t i = 0; i <= spec.replicas(); ++i) k->chain.push_back((t.primary() + i) % n);
-          k->backup_lost.assign(k->chain.size(), 0);
-        }
-        w.keys[{job_id, kspec.key()}] = std::move(k);
+      w.Post([&w, &created, job, &t, kspec, &spec, job_id] {
+        w.keys[{job_id, kspec.key()}] = NewKey(job, spec, t, kspec);
         created.count_down();
       });
     }
   }
   created.wait();
   auto sizes = std::make_shared<KeySizes>(*key_sizes_.load());
-  for (const auto& t : spec.tables()) {
-    const bool lossy = IsLossy(WireOfTable(t));
-    // The same count the keys' optimizers report (KvEngine::Key::ReplicaBytes).
-    const std::unique_ptr<Optimizer> rule = MakeOptimizer(
-        t.update_rule().rule(), *HyperParamsFromSpec(t.update_rule()), 0);
-    const bool sum = rule == nullptr;
-    const int states = sum ? 0 : rule->StateCount();
-    for (const auto& kspec : t.keys()) {
-      KeySize& size = (*sizes)[{job_id, kspec.key()}];
-      size.push = kspec.elements() * (lossy ? 2 : sizeof(float));
-      size.float_push = kspec.elements() * sizeof(float);
-      if (spec.replicas() > 0) {
-        size.replica = sum ? kspec.elements() * (lossy ? 10 : sizeof(float))
-                           : sizeof(uint64_t) + kspec.elements() * sizeof(float) * (1 + states);
+  // Standby keys too: a REPLICATE frame that adopts one is checked before its key exists.
+  for (const auto* tables : {&spec.tables(), &spec.standby_tables()}) {
+    for (int ti = 0; ti < tables->size(); ++ti) {
+      const v1::KvTableSpec& t = (*tables)[ti];
+      const bool lossy = IsLossy(WireOfTable(t));
+      // The same count the keys' optimizers report (KvEngine::Key::ReplicaBytes).
+      const std::unique_ptr<Optimizer> rule = MakeOptimizer(
+          t.update_rule().rule(), *HyperParamsFromSpec(t.update_rule()), 0);
+      const bool sum = rule == nullptr;
+      const int states = sum ? 0 : rule->StateCount();
+      for (int ki = 0; ki < t.keys_size(); ++ki) {
+        const v1::KvKey& kspec = t.keys(ki);
+        KeySize& size = (*sizes)[{job_id, kspec.key()}];
+        if (tables == &spec.standby_tables()) size = {.standby_job = job, .table = ti, .index = ki};
+        size.push = kspec.elements() * (lossy ? 2 : sizeof(float));
+        size.float_push = kspec.elements() * sizeof(float);
+        if (spec.replicas() > 0) {
+          size.replica = sum ? kspec.elements() * (lossy ? 10 : sizeof(float))
+                             : sizeof(uint64_t) + kspec.elements() * sizeof(float) * (1 + states);
+        }
       }
     }
   }
@@ -923,9 +986,9 @@ absl::Status KvEngine::CheckReplicaSize(uint64_t job_id, uint64_t key, uint64_t 
 
 template <typename Body>
 void KvEngine::OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<void()> done,
-                           Body body) {
+                           bool adopt, Body body) {
   Worker& w = WorkerFor(ctx.header.job_id, ctx.header.key);
-  w.Post([this, &w, ctx = std::move(ctx), data = std::move(data), done = std::move(done),
+  w.Post([this, &w, ctx = std::move(ctx), data = std::move(data), done = std::move(done), adopt,
           body = std::move(body)]() mutable {
     const FrameHeader& h = ctx.header;
     auto fail = [&](absl::Status s) {
@@ -934,17 +997,77 @@ void KvEngine::OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<
       done();
     };
     auto it = w.keys.find({h.job_id, h.key});
-    if (it == w.keys.end()) {
-      return fail(absl::NotFoundError(
-          absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
+    if (it == w.keys.end() && adopt) {
+      absl::StatusOr<Key*> adopted = Adopt(w, h);
+      if (!adopted.ok()) return fail(adopted.status());
+      it = w.keys.find({h.job_id, h.key});
     }
-    body(w, *it->second, ctx, data, done, fail);
+    if (it == w.keys.end()) return fail(NoKey(h));
+    Key& k = *it->second;
+    body(w, k, ctx, data, done, fail);
+    // A key created for a frame that could not be applied holds nothing: it is not kept.
+    if (k.adopting) w.keys.erase({h.job_id, h.key});
   });
+}
+
+absl::Status KvEngine::NoKey(const FrameHeader& h) const {
+  const std::shared_ptr<const KeySizes> sizes = key_sizes_.load();
+  const auto it = sizes->find({h.job_id, h.key});
+  const std::shared_ptr<JobState> job = it == sizes->end() ? nullptr : it->second.standby_job;
+  if (job != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "key ", h.key, " of job ", h.job_id, ": this server (", job->Server(job->self),
+        ") holds no copy of it: it stands by for it, and no primary gave it a copy (the servers "
+        "that held it were lost before one could)"));
+  }
+  return absl::NotFoundError(absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server"));
+}
+
+absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) {
+  const std::shared_ptr<const KeySizes> sizes = key_sizes_.load();
+  const auto it = sizes->find({h.job_id, h.key});
+  if (it == sizes->end() || it->second.standby_job == nullptr) return NoKey(h);
+  const std::shared_ptr<JobState>& job = it->second.standby_job;
+  const v1::KvTableSpec& t = job->standby_tables[it->second.table];
+  const v1::RegisterTablesRequest& spec = job->standby_spec;
+  const auto n = static_cast<uint32_t>(spec.servers_size());
+  const uint32_t from = h.sender_rank - transport::kServerRankBase;
+  const uint32_t self_at = (job->self + n - t.primary()) % n;
+  if (!transport::IsServerRank(h.sender_rank) || from >= n || h.epoch >= n ||
+      (from + n - t.primary()) % n != h.epoch || self_at <= h.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a replica of key ", h.key, " (", t.name(), ") of job ", h.job_id, " at epoch ", h.epoch,
+        " from ", job->Server(from), ", which is not its primary at that epoch or is after this ",
+        "server in its chain"));
+  }
+  const bool sum = t.update_rule().rule() == v1::UPDATE_RULE_SUM ||
+                   t.update_rule().rule() == v1::UPDATE_RULE_UNSPECIFIED;
+  if (h.clock == 0 && sum) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "key ", h.key, " (", t.name(), ") uses the sum rule: it has no initial value to adopt"));
+  }
+  std::unique_ptr<Key> k = NewKey(job, spec, t, t.keys(it->second.index));
+  k->epoch = h.epoch;
+  k->initialized = false;  // the frame's state is what it holds
+  k->adopting = true;
+  {
+    std::lock_guard<std::mutex> lock(job->mu);
+    // The world as it is now (removed ranks), as the keys held from the start have it.
+    if (!job->removed.empty()) {
+      k->SizeMembership();
+      for (const auto& [rank, why] : job->removed) {
+        if (rank < k->workers) k->Drop(rank);
+      }
+    }
+  }
+  Key* key = k.get();
+  w.keys[{h.job_id, h.key}] = std::move(k);
+  return key;
 }
 
 void KvEngine::Push(RequestContext request, PooledBuffer payload,
                     std::function<void()> finished) {
-  OnKeyWorker(std::move(request), std::move(payload), std::move(finished),
+  OnKeyWorker(std::move(request), std::move(payload), std::move(finished), /*adopt=*/false,
               [this](Worker& w, Key& k, const RequestContext& ctx, PooledBuffer& data,
                      std::function<void()>& done, const auto& fail) {
     const FrameHeader& h = ctx.header;
@@ -1113,11 +1236,16 @@ void KvEngine::Complete(Worker& w, Key& k) {
 
 bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
   if (!k.Replicated() || !k.IsPrimary()) return false;
-  std::vector<size_t> backups;
-  for (size_t p = k.epoch + 1; p < k.chain.size(); ++p) {
-    if (!k.backup_lost[p]) backups.push_back(p);
-  }
-  if (backups.empty()) return false;
+  k.round = k.Backups();
+  if (k.round.empty()) return false;
+  k.replicating = true;
+  k.replicating_clock = clock;
+  k.replicas_outstanding = static_cast<int>(k.round.size());
+  for (size_t p : k.round) SendReplica(w, k, p, clock);
+  return true;
+}
+
+void KvEngine::SendReplica(Worker& w, Key& k, size_t position, uint64_t clock) {
   FrameHeader h;
   h.type = FrameType::kReplicate;
   h.job_id = k.job->job_id;
@@ -1144,26 +1272,19 @@ bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
       payload.emplace_back(std::as_bytes(std::span<const float>(k.optimizer->State(i))));
     }
   }
-  k.replicating = true;
-  k.replicating_clock = clock;
-  k.replicas_outstanding = static_cast<int>(backups.size());
   Worker* worker = &w;
   Key* key = &k;
-  for (size_t p : backups) {
-    const uint32_t server = k.chain[p];
-    options_.replica_sender->Send(
-        k.job->job_id, k.job->self, k.job->servers[server], h, payload,
-        [this, worker, key, p, clock](const absl::Status& s) {
-          // A status of its own for the worker thread: a shared one's reference count lives in
-          // Abseil (not built with ThreadSanitizer), so its release on this thread and the
-          // worker's read of the message look racy.
-          worker->Post([this, worker, key, p, clock, code = s.code(),
-                        message = std::string(s.message())] {
-            OnReplicated(*worker, *key, p, clock, absl::Status(code, message));
-          });
+  options_.replica_sender->Send(
+      k.job->job_id, k.job->self, k.job->servers[k.chain[position]], h, std::move(payload),
+      [this, worker, key, position, clock](const absl::Status& s) {
+        // A status of its own for the worker thread: a shared one's reference count lives in
+        // Abseil (not built with ThreadSanitizer), so its release on this thread and the
+        // worker's read of the message look racy.
+        worker->Post([this, worker, key, position, clock, code = s.code(),
+                      message = std::string(s.message())] {
+          OnReplicated(*worker, *key, position, clock, absl::Status(code, message));
         });
-  }
-  return true;
+      });
 }
 
 void KvEngine::OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock,
@@ -1199,8 +1320,18 @@ void KvEngine::OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock,
       first = j.backups_lost.insert(backup).second;
     }
     if (first) {
-      PSD_LOG_WARN("job {}: backup {} given up ({}); its keys serve on without it", j.job_id,
-                   j.Server(backup), s.message());
+      PSD_LOG_WARN("job {}: backup {} given up ({}); the keys it backed up are copied to the "
+                   "next server of their chains instead, where one is left",
+                   j.job_id, j.Server(backup), s.message());
+    }
+    // The replication factor is restored at once: this clock's state also goes to the next
+    // server of the chain not in this round, which adopts the key (a standby table's) or, a
+    // copy that held it already, takes it as the next clock.
+    for (size_t p : k.Backups()) {
+      if (std::find(k.round.begin(), k.round.end(), p) != k.round.end()) continue;
+      k.round.push_back(p);
+      ++k.replicas_outstanding;
+      SendReplica(w, k, p, clock);
     }
   }
   if (--k.replicas_outstanding > 0) return;
@@ -1267,7 +1398,7 @@ absl::Status KvEngine::CheckEpoch(Key& k, const FrameHeader& h) {
 
 void KvEngine::Replicate(RequestContext request, PooledBuffer payload,
                     std::function<void()> finished) {
-  OnKeyWorker(std::move(request), std::move(payload), std::move(finished),
+  OnKeyWorker(std::move(request), std::move(payload), std::move(finished), /*adopt=*/true,
               [this](Worker&, Key& k, const RequestContext& ctx, PooledBuffer& data,
                      std::function<void()>& done, const auto& fail) {
     const FrameHeader& h = ctx.header;
@@ -1302,7 +1433,7 @@ void KvEngine::Replicate(RequestContext request, PooledBuffer payload,
       SendReply(ctx, FrameType::kReplicateAck, {});  // a retransmission
       return done();
     }
-    if (!init && h.clock != k.completed + 1) {
+    if (!init && !k.adopting && h.clock != k.completed + 1) {
       return fail(absl::FailedPreconditionError(absl::StrCat(
           "replica of ", k.Name(), " clock ", h.clock, " while this backup is at clock ",
           k.completed, " (a gap: it cannot take the key over)")));
@@ -1331,6 +1462,26 @@ void KvEngine::Replicate(RequestContext request, PooledBuffer payload,
     }
     k.initialized = true;
     stats_.replicas_applied.fetch_add(1, std::memory_order_relaxed);
+    if (k.adopting) {
+      k.adopting = false;
+      stats_.adopted.fetch_add(1, std::memory_order_relaxed);
+      bool first = false;
+      {
+        std::lock_guard<std::mutex> lock(j.mu);
+        first = j.adoptions_logged.insert(k.chain[0]).second;
+        // It joins the job's keys: the snapshots it will reach count it.
+        ++j.total_keys;
+        for (auto& [clock, pending] : j.snapshots) {
+          if (clock >= h.clock) ++pending.expected_keys;
+        }
+      }
+      if (first) {
+        PSD_LOG_WARN("job {}: {} adopts the keys first held by {} from {} (first {} at clock {}): "
+                     "it is one of their backups now",
+                     j.job_id, j.Server(j.self), j.Server(k.chain[0]), j.Server(from), k.Name(),
+                     h.clock);
+      }
+    }
     data = PooledBuffer();
     SendReply(ctx, FrameType::kReplicateAck, {});
     done();
@@ -1384,10 +1535,7 @@ void KvEngine::Pull(RequestContext ctx, absl::Duration timeout) {
       SendError(ctx, s);
     };
     auto it = w.keys.find({h.job_id, h.key});
-    if (it == w.keys.end()) {
-      return fail(absl::NotFoundError(
-          absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server")));
-    }
+    if (it == w.keys.end()) return fail(NoKey(h));
     Key& k = *it->second;
     if (absl::Status s = CheckEpoch(k, h); !s.ok()) return fail(std::move(s));
     bool ready = false;

@@ -94,12 +94,14 @@ struct EngineStats {
   std::atomic<uint64_t> request_errors{0};
   std::atomic<uint64_t> pull_timeouts{0};
   // Replication: clocks sent to backups and acknowledged, REPLICATE frames applied as a backup,
-  // keys promoted to primary, keys fenced (a backup took them over), backups given up.
+  // keys promoted to primary, keys fenced (a backup took them over), backups given up, keys
+  // adopted.
   std::atomic<uint64_t> replicated{0};
   std::atomic<uint64_t> replicas_applied{0};
   std::atomic<uint64_t> promotions{0};
   std::atomic<uint64_t> fenced{0};
   std::atomic<uint64_t> backups_lost{0};
+  std::atomic<uint64_t> adopted{0};  // standby keys this server took a copy of (a new backup)
 };
 
 // Data-plane bytes moved with one peer (a job's rank, over all its connections): push payloads
@@ -247,15 +249,26 @@ class KvEngine {
   // backups; false when it has none (answer the pulls now). Pulls wait until every backup
   // acknowledged or was given up (OnReplicated).
   bool StartReplication(Worker& w, Key& k, uint64_t clock);
+  // Sends the key's state at `clock` to the server at `position` of its chain (a backup).
+  void SendReplica(Worker& w, Key& k, size_t position, uint64_t clock);
   void OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock, const absl::Status& s);
+  // A REPLICATE frame for a key this server stands by for (a standby table's): checks that it
+  // comes from the key's primary at its epoch and that this server is further down the chain,
+  // then creates the key (Key::adopting until the frame's state is applied). On the key's worker.
+  absl::StatusOr<Key*> Adopt(Worker& w, const transport::FrameHeader& h);
+  // Why a request names a key this server does not hold (NotFound; FailedPrecondition for a key
+  // it stands by for but was never given).
+  absl::Status NoKey(const transport::FrameHeader& h) const;
   // The assignment epoch of an agent's push or pull against the key's: OK when this server is
   // the key's primary at it (promoting a backup whose epoch has come), else why not.
   absl::Status CheckEpoch(Key& k, const transport::FrameHeader& h);
   void FailPulls(Key& k, const absl::Status& why);
   // Runs body(worker, key, ctx, data, done, fail) on the key's worker thread; a request for a key
-  // this server does not hold is answered NotFound there (fail: count, send ERROR, run done).
+  // this server does not hold is answered NotFound there (fail: count, send ERROR, run done),
+  // unless `adopt` (a REPLICATE frame) and this server stands by for it (Adopt).
   template <typename Body>
-  void OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<void()> done, Body body);
+  void OnKeyWorker(RequestContext ctx, PooledBuffer data, std::function<void()> done, bool adopt,
+                   Body body);
   void AnswerPulls(Worker& w, Key& k);
   // previous: Key::prev_params (a rejoining rank's re-read of the clock before the latest).
   void RespondPull(const RequestContext& ctx, Key& k, bool previous = false);
@@ -278,6 +291,12 @@ class KvEngine {
     uint64_t push = 0;
     uint64_t float_push = 0;  // a float32 push (kFlagExactWire on a lossy key)
     uint64_t replica = 0;
+    // A key of a table this server stands by for: its job (read by the key workers, which may
+    // not take jobs_mu_: RegisterJob holds it while it waits for them) and its indices in
+    // JobState::standby_tables.
+    std::shared_ptr<JobState> standby_job;
+    int table = -1;
+    int index = -1;
   };
   using KeySizes = std::map<std::pair<uint64_t, uint64_t>, KeySize>;
   std::atomic<std::shared_ptr<const KeySizes>> key_sizes_{std::make_shared<const KeySizes>()};

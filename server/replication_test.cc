@@ -293,6 +293,128 @@ TEST_F(ReplicationTest, TwoBackupsSurviveTwoLossesInTurn) {
   third.reset();
 }
 
+// The replication factor is restored among the servers left: three servers, one backup. Server
+// 2 stands by for server 0's keys (it is further down their chain). When server 0 gives up its
+// backup (server 1, killed), the same clock's state goes to server 2, which adopts the key; a
+// second loss in the same chain (server 0 itself) then costs nothing: the ranks walk the chain
+// past the dead server 1 to server 2 (epoch 2), which continues exactly where an engine that
+// never failed is, optimizer state included.
+class AdoptionRuleTest : public ReplicationTest,
+                         public ::testing::WithParamInterface<v1::UpdateRule> {};
+
+TEST_P(AdoptionRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNothing) {
+  const v1::UpdateRule rule = GetParam();
+  const bool sum = rule == v1::UPDATE_RULE_SUM;
+  auto third = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(third->server->Address());
+  // Server 2's registration: the table as a standby table (what the agents send it).
+  auto standby = Spec(2, rule);
+  *standby.add_standby_tables() = standby.tables(0);
+  standby.clear_tables();
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
+  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(standby, kWait).ok());
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = 0.02f * static_cast<float>(i);
+  if (!sum) {
+    auto c = Rank(*primary_, 0);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
+  }
+  Reference expected(Spec(0, rule), init);
+  EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
+  EXPECT_EQ(third->engine->stats().replicas_applied.load(), 0u) << "a standby holds nothing";
+  // It refuses a request for the key it holds no copy of, saying so.
+  {
+    auto c = Rank(*third, 1);
+    const absl::Status s = c->Wait(c->Push(kKey, 2, Grad(1, 2, kN), false, 2), kWait);
+    EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+    EXPECT_NE(s.message().find("holds no copy"), std::string::npos) << s;
+  }
+  backup_->Kill();
+  // Clock 2's pulls are answered once server 2 took the copy the dead backup could not.
+  EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
+  EXPECT_GE(primary_->engine->stats().backups_lost.load(), 1u);
+  EXPECT_EQ(third->engine->stats().adopted.load(), 1u);
+  EXPECT_EQ(Clock(*primary_, 3, 0), expected(3));
+  EXPECT_EQ(third->engine->stats().replicas_applied.load(), 2u) << "clocks 2 and 3";
+  {  // Restored: no key of the primary's is degraded again.
+    const std::vector<ReplicationCounts> status = primary_->engine->ReplicationStatus(kWait);
+    ASSERT_EQ(status.size(), 1u);
+    EXPECT_EQ(status[0].degraded_keys, 0u);
+    EXPECT_EQ(status[0].primary_keys, 1u);
+  }
+  primary_->Kill();
+  // Epoch 1 is the dead server 1 (an agent's request there fails and moves on); at epoch 2
+  // server 2 holds clock 3: a rank that missed its answer gets it, and training continues.
+  {
+    auto c = Rank(*third, 0);
+    std::vector<float> out(kN);
+    const std::vector<float> last = sum ? expected(3) : expected.params;
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 3, Grad(0, 3, kN), false, 2), kWait).ok());
+    ASSERT_TRUE(c->Wait(c->Pull(kKey, 3, out, kWait, 2), kWait).ok());
+    EXPECT_EQ(out, last);
+  }
+  for (uint64_t clock = 4; clock <= 5; ++clock) {
+    EXPECT_EQ(Clock(*third, clock, 2), expected(clock)) << "clock " << clock;
+  }
+  EXPECT_EQ(third->engine->stats().promotions.load(), 1u);
+  clients_.clear();
+  third.reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, AdoptionRuleTest,
+                         ::testing::Values(v1::UPDATE_RULE_SUM, v1::UPDATE_RULE_ADAM));
+
+// An adoption is only taken from the key's primary at its epoch, for a server further down the
+// chain, and of a standby table's key: anything else is refused and creates no key.
+TEST_F(ReplicationTest, AForgedAdoptionIsRefusedAndCreatesNoKey) {
+  auto third = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(third->server->Address());
+  auto standby = Spec(2, v1::UPDATE_RULE_SUM);
+  *standby.add_standby_tables() = standby.tables(0);
+  standby.clear_tables();
+  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(standby, kWait).ok());
+  // Listed as standby where the server holds a copy from the start: refused.
+  auto wrong = Spec(1, v1::UPDATE_RULE_SUM);
+  *wrong.add_standby_tables() = wrong.tables(0);
+  wrong.clear_tables();
+  EXPECT_TRUE(absl::IsInvalidArgument(Rank(*backup_, 0)->RegisterTables(wrong, kWait)));
+  auto as_server = [&](uint32_t index) {
+    auto c = KvClient::Connect(*ctx_, third->server->Address(), 1, transport::ServerRank(index),
+                               transport::RankKey(kSecret, 1, transport::ServerRank(index)),
+                               absl::Seconds(10));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
+  };
+  std::vector<float> state(kN, 1.0f);
+  // Server 1 is not the primary at epoch 0.
+  auto s1 = as_server(1);
+  absl::Status s = s1->Wait(s1->Replicate(kKey, 4, 0, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  // Epoch 2 is server 2 itself: nobody before it in the chain sends at that epoch.
+  auto s0 = as_server(0);
+  s = s0->Wait(s0->Replicate(kKey, 4, 2, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_FALSE(s.ok()) << s;
+  // A key of no table.
+  s = s0->Wait(s0->Replicate(kKey + 1, 4, 0, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_EQ(third->engine->stats().adopted.load(), 0u);
+  EXPECT_EQ(third->engine->stats().replicas_applied.load(), 0u);
+  // None created: a request at its epoch still finds no copy.
+  auto c = Rank(*third, 1);
+  s = c->Wait(c->Push(kKey, 4, Grad(1, 4, kN), false, 2), kWait);
+  EXPECT_NE(s.message().find("holds no copy"), std::string::npos) << s;
+  // The real primary at epoch 0 is taken, from any clock (a full state).
+  s = s0->Wait(s0->Replicate(kKey, 4, 0, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(third->engine->stats().adopted.load(), 1u);
+  // And from then on it is a backup like any other: a gap is refused.
+  s = s0->Wait(s0->Replicate(kKey, 6, 0, 0, {std::as_bytes(std::span(state))}), kWait);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  clients_.clear();
+  third.reset();
+}
+
 // A dead backup does not stop its primary: the replica fails, the backup is given up, and the
 // clock is answered.
 TEST_F(ReplicationTest, ADeadBackupIsGivenUpAndThePrimaryServesOn) {

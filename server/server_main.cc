@@ -366,6 +366,8 @@ int Main(int argc, char** argv) {
     add("poseidon_server_fenced_total", "Keys a later primary took from this server", st.fenced);
     add("poseidon_server_backups_lost_total", "Key backups given up (unreachable or silent)",
         st.backups_lost);
+    add("poseidon_server_keys_adopted_total",
+        "Keys this server took a copy of as a new backup (another was given up)", st.adopted);
     auto* active =
         registry.GetGauge("poseidon_server_connections", "Open peer connections").value();
     auto by_transport = [&](const char* kind) {

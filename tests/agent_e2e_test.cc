@@ -539,6 +539,63 @@ TEST(Failover, AKilledServerIsReplacedByItsBackupAndEveryResultStaysExact) {
   ExpectEveryTrialToSurviveALostServer(SIGKILL, 20);
 }
 
+// The replication factor is restored among the servers left (docs/server.md "Replication and
+// failover"): after one server is killed, its keys' new primary and the primary whose backup it
+// was each copy those keys to the next server of their chains, so a second server of the same
+// chain killed later — the new primary (victim + 1) or the primary that lost its backup
+// (victim - 1), in turn — costs the job nothing either: every result exact, every agent exits 0.
+TEST(Failover, TwoServersOfOneChainKilledInTurnCostNothing) {
+  int trials = 4;
+  if (const char* n = std::getenv("POSEIDON_FAILOVER_TRIALS")) trials = std::atoi(n);
+  const auto seed = static_cast<unsigned>(std::random_device{}());
+  std::mt19937 rng(seed);
+  constexpr int kIterations = 80;
+  for (int trial = 0; trial < trials; ++trial) {
+    const int first = static_cast<int>(rng() % 4);
+    const int second = (first + (trial % 2 == 0 ? 1 : 3)) % 4;
+    SCOPED_TRACE(::testing::Message() << "seed " << seed << " trial " << trial << ": server "
+                                      << first << " killed after iteration 2, server " << second
+                                      << " after iteration 30");
+    Cluster cluster(4, 4, "ps",
+                    {"--replicas=1", "--peer_timeout=2s", "--fusion=off",
+                     "--block_bytes=65536", "--sync_timeout=60s"},
+                    {"--peer_timeout=2s"});
+    ASSERT_TRUE(cluster.ok());
+    std::vector<std::unique_ptr<Subprocess>> synths;
+    for (int r = 0; r < 4; ++r) {
+      std::vector<std::string> extra = {"--compute_scale=20"};
+      if (r == 0) extra.push_back("--print_iterations");
+      synths.push_back(cluster.Synth(r, kTiny, kIterations, extra));
+    }
+    std::string early;
+    bool killed_first = false, killed_second = false;
+    while (auto line = synths[0]->ReadLine(milliseconds(60000))) {
+      early += *line + "\n";
+      if (!killed_first && line->find("iteration 2 ends") != std::string::npos) {
+        cluster.server(first).Signal(SIGKILL);
+        killed_first = true;
+      }
+      if (line->find("iteration 30 ends") != std::string::npos) {
+        cluster.server(second).Signal(SIGKILL);
+        killed_second = true;
+        break;
+      }
+    }
+    ASSERT_TRUE(killed_first && killed_second) << early;
+    for (int r = 0; r < 4; ++r) {
+      const std::string out = (r == 0 ? early : "") + synths[r]->ReadAll(milliseconds(120000));
+      EXPECT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << "rank " << r << ": " << out;
+      EXPECT_NE(out.find(std::to_string(kIterations) + " iterations"), std::string::npos) << out;
+      EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+    }
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(cluster.agent(r).Wait(milliseconds(30000)), 0)
+          << "agent " << r << ": " << cluster.agent(r).ReadAll(milliseconds(1000));
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
 // A frozen server (SIGSTOP: its sockets stay open) answers no ping: the agents give it up after
 // their peer_timeout and go on at its keys' backup; its own primary gives it up as a backup. It
 // is resumed 3 s later, while the run goes on.
