@@ -238,6 +238,9 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     std::vector<std::pair<uint32_t, uint64_t>> held;  // by layer
     std::vector<Rebuild> ready;
     std::vector<uint32_t> live;
+    // A rank that died before it announced itself (its PING) is no longer waited for by the
+    // first iteration's layers (SendFactors): they go on without it once the cut is agreed.
+    env_.peer_gate->MarkReady(rank);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!removed_.insert(rank).second) return;

@@ -44,8 +44,8 @@ class Store;
 namespace poseidon::agent {
 
 // Which other agents announced (PING) that they registered their model and can take our
-// frames. PINGs can arrive before this agent registered: the agent owns the gate from its start.
-// Thread-safe.
+// frames, or were removed from the job (SfbSyncer::PeerRemoved: not waited for). PINGs can
+// arrive before this agent registered: the agent owns the gate from its start. Thread-safe.
 class PeerGate {
  public:
   explicit PeerGate(uint32_t world_size) : ready_(world_size, false) {}

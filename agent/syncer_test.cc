@@ -446,6 +446,42 @@ TEST_F(SfbShrinkOfThreeTest, FactorsOnlySomeAgentsGotAreRelayedAndEveryAgentAgre
   for (auto& [kind, syncer] : ranks_[2]->syncers) syncer->Stop();
 }
 
+// A rank that dies before it announced itself (its PING never came): the first iteration's SFB
+// layers wait for it at the peer gate, and once it is removed they go on without it at once
+// (its factors count up to iteration 0: none), not at sync_timeout (20 s here, which would fail
+// the layer).
+TEST_F(SfbShrinkOfThreeTest, ARankRemovedBeforeItAnnouncedItselfIsNotWaitedFor) {
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks_[r]->gate = std::make_unique<PeerGate>(3);
+    ranks_[r]->gate->MarkReady(1 - r);
+    ranks_[r]->env.peer_gate = ranks_[r]->gate.get();
+  }
+  for (uint32_t r = 0; r < 2; ++r) Post(*ranks_[r], 0, 1, SyncerKind::kSfb);
+  absl::SleepFor(absl::Milliseconds(200));
+  for (uint32_t r = 0; r < 2; ++r) {
+    std::lock_guard<std::mutex> lock(ranks_[r]->mu);
+    EXPECT_NE(ranks_[r]->parts_left[0], 0) << "rank " << r << " did not wait at the gate";
+  }
+  for (uint32_t r = 0; r < 2; ++r) ranks_[r]->syncers.at(SyncerKind::kSfb)->PeerRemoved(2);
+  // Released by the removal: a gate that timed out would fail the layer (an error here).
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+  for (uint32_t r = 0; r < 2; ++r) {
+    const float* g = ranks_[r]->shm->Grad(0);
+    for (uint64_t m = 0; m < kM; ++m) {
+      for (uint64_t n = 0; n < kN; ++n) {
+        float want = 0;
+        for (uint32_t p : {0u, 1u}) {
+          for (uint64_t k = 0; k < kK; ++k) {
+            want += Value(p, 1, 0, k * kM + m) * Value(p, 1, 10, k * kN + n);
+          }
+        }
+        ASSERT_EQ(g[m * kN + n], want) << "rank " << r << " (" << m << ", " << n << ")";
+      }
+    }
+  }
+  for (auto& [kind, syncer] : ranks_[2]->syncers) syncer->Stop();
+}
+
 // A relayed FACTORS frame must name a third rank whose factors it passes on: one naming its
 // sender or a rank beyond the world is refused with an ERROR frame saying why, and the
 // connection closed.

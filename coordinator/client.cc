@@ -258,7 +258,8 @@ absl::Status CoordinatorClient::ReportTelemetry(v1::ReportTelemetryRequest reque
 
 absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
     uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world,
-    uint64_t took_up_at, const std::vector<uint32_t>& peers_gone) {
+    uint64_t took_up_at, const std::vector<uint32_t>& peers_gone,
+    const std::map<uint64_t, std::vector<uint32_t>>& ranks_gone) {
   v1::HeartbeatRequest request;
   FillHeader(request.mutable_header());
   request.set_role(role());
@@ -268,6 +269,11 @@ absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
   request.set_world_generation(world.second);
   request.set_took_up_at(took_up_at);
   for (uint32_t rank : peers_gone) request.add_peers_gone(rank);
+  for (const auto& [job, ranks] : ranks_gone) {
+    v1::RanksGone* gone = request.add_ranks_gone();
+    gone->set_job_id(absl::StrCat(job));
+    for (uint32_t rank : ranks) gone->add_ranks(rank);
+  }
   v1::HeartbeatResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);
@@ -443,7 +449,8 @@ void HeartbeatLoop::Run() {
         options_.world ? options_.world() : std::pair<uint32_t, uint64_t>{0, 0};
     const absl::StatusOr<v1::HeartbeatResponse> result = client_->Heartbeat(
         iteration, plan_epoch, world, options_.took_up_at ? options_.took_up_at() : 0,
-        options_.peers_gone ? options_.peers_gone() : std::vector<uint32_t>{});
+        options_.peers_gone ? options_.peers_gone() : std::vector<uint32_t>{},
+        options_.ranks_gone ? options_.ranks_gone() : std::map<uint64_t, std::vector<uint32_t>>{});
     if (options_.on_result) {
       options_.on_result(result);
     } else if (!result.ok()) {

@@ -123,10 +123,12 @@ class CoordinatorClient {
   // One heartbeat. A response with shutdown = true means this node id was declared dead or
   // replaced: stop, or register anew.
   // `world`: HeartbeatRequest.live_world and world_generation (0, 0: not reported);
-  // `took_up_at`: HeartbeatRequest.took_up_at; `peers_gone`: HeartbeatRequest.peers_gone.
+  // `took_up_at`: HeartbeatRequest.took_up_at; `peers_gone`: HeartbeatRequest.peers_gone;
+  // `ranks_gone` (KV servers, by job id): HeartbeatRequest.ranks_gone.
   absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(
       uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world = {0, 0},
-      uint64_t took_up_at = 0, const std::vector<uint32_t>& peers_gone = {});
+      uint64_t took_up_at = 0, const std::vector<uint32_t>& peers_gone = {},
+      const std::map<uint64_t, std::vector<uint32_t>>& ranks_gone = {});
   // failed: leaving because of an error (HeartbeatResponse.departed tells the job's agents).
   absl::Status Deregister(absl::string_view reason, bool failed = false);
   absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();
@@ -162,6 +164,9 @@ class CoordinatorClient {
     // Agents of a job that may shrink: the ranks whose connections to it all closed
     // (HeartbeatRequest.peers_gone); null: none sent.
     std::function<std::vector<uint32_t>()> peers_gone;
+    // KV servers: per job, the ranks whose connections to it all closed or went silent
+    // (HeartbeatRequest.ranks_gone); null: none sent.
+    std::function<std::map<uint64_t, std::vector<uint32_t>>()> ranks_gone;
     // Every result, on the loop's thread (keep it short). Null: failures are logged.
     std::function<void(const absl::StatusOr<poseidon::v1::HeartbeatResponse>&)> on_result;
     // When a heartbeat is answered NOT_FOUND (a restarted coordinator starts empty), the loop

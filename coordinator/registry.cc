@@ -1304,13 +1304,41 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
           of != nullptr ? of->world_size : 0, " ranks)"));
     }
   }
+  // A KV server's: the jobs it serves (in their worlds), ranks within them.
+  for (const v1::RanksGone& gone : request.ranks_gone()) {
+    const Job* job = FindJob(gone.job_id());
+    if (node->role != v1::NODE_ROLE_SERVER || job == nullptr ||
+        std::find(job->world_servers.begin(), job->world_servers.end(), node->id) ==
+            job->world_servers.end() ||
+        (!caller.job_id.empty() && caller.job_id != gone.job_id())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ranks_gone names job '", gone.job_id(),
+          "': a KV server reports the ranks of jobs whose world it serves"));
+    }
+    for (const uint32_t rank : gone.ranks()) {
+      if (rank >= job->world_size) {
+        return absl::InvalidArgumentError(absl::StrCat("ranks_gone names rank ", rank, " of job '",
+                                                       gone.job_id(), "' (", job->world_size,
+                                                       " ranks)"));
+      }
+    }
+  }
+  // Takes a report that `rank` of `job` lost every connection to `by`.
+  auto report = [&](const Job& job, uint32_t rank, const std::string& by) {
+    if (rank >= job.world_agents.size()) return;  // no world yet
+    if (Node* peer = FindNode(job.world_agents[rank]); peer != nullptr && Live(peer)) {
+      peer->gone_reported = now;
+      peer->gone_reported_by = by;
+    }
+  };
   if (of != nullptr) {
     for (const uint32_t gone : request.peers_gone()) {
-      if (gone >= of->world_agents.size()) continue;  // no world yet
-      if (Node* peer = FindNode(of->world_agents[gone]); peer != nullptr && Live(peer)) {
-        peer->gone_reported = now;
-        peer->gone_reported_by = node->rank;
-      }
+      report(*of, gone, absl::StrCat("rank ", node->rank, "'s agent"));
+    }
+  }
+  for (const v1::RanksGone& gone : request.ranks_gone()) {
+    for (const uint32_t rank : gone.ranks()) {
+      report(*FindJob(gone.job_id()), rank, absl::StrCat("KV server ", node->id));
     }
   }
   node->last_seen = now;
@@ -1580,8 +1608,8 @@ bool Registry::Expire(absl::Time now) {
     node.state_since = now;
     node.state_reason =
         silent <= options_.lease
-            ? absl::StrCat("its connections to rank ", node.gone_reported_by,
-                           "'s agent closed and no heartbeat for ", Ago(silent),
+            ? absl::StrCat("its connections to ", node.gone_reported_by,
+                           " closed and no heartbeat for ", Ago(silent),
                            " (two heartbeat intervals: ", Ago(heartbeat_interval()), ")")
             : absl::StrCat("no heartbeat for ", Ago(silent), "; lease ", Ago(options_.lease));
     ++membership_epoch_;

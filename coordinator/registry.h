@@ -232,10 +232,10 @@ class Registry {
     uint64_t plan_epoch = 0;
     uint32_t live_world = 0;  // agents: HeartbeatRequest.live_world and world_generation
     uint64_t world_generation = 0;
-    // Agents: when a peer of its job last reported every connection to it closed
-    // (HeartbeatRequest.peers_gone), and which rank did.
+    // Agents: when a peer of its job or a KV server of it last reported every connection to it
+    // closed (HeartbeatRequest.peers_gone, ranks_gone), and who did ("rank 0's agent").
     absl::Time gone_reported;
-    uint32_t gone_reported_by = 0;
+    std::string gone_reported_by;
     int waits = 0;
     uint64_t seq = 0;
     // The latest ReportTelemetry: its links to known nodes, its layers (agents), and when.

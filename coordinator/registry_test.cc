@@ -901,6 +901,53 @@ TEST_F(PlanChangeTest, AnAgentItsPeersLostIsDeclaredDeadOnceItMissesItsHeartbeat
               HasSubstr("its connections to rank 0's agent closed and no heartbeat for 7s"));
 }
 
+// The same from a KV server (HeartbeatRequest.ranks_gone): every rank's agent connects to the
+// servers, so this covers a job whose agents are not connected to each other (every layer on
+// PS). A report of a job the server does not serve, of a rank beyond the world, or from an
+// agent is refused.
+TEST_F(PlanChangeTest, AnAgentAServerLostIsDeclaredDeadOnceItMissesItsHeartbeats) {
+  FormJob(BoundaryModel());
+  auto server_beat = [&](const std::string& job, std::vector<uint32_t> gone) {
+    v1::HeartbeatRequest request;
+    request.mutable_header()->set_node_id(servers_[0]);
+    request.set_role(v1::NODE_ROLE_SERVER);
+    v1::RanksGone* report = request.add_ranks_gone();
+    report->set_job_id(job);
+    for (uint32_t r : gone) report->add_ranks(r);
+    v1::HeartbeatResponse response;
+    return registry_.Heartbeat(Caller{""}, request, now_, &response);
+  };
+  auto agent_beat = [&](const std::string& agent, bool report) {
+    v1::HeartbeatRequest request;
+    request.mutable_header()->set_node_id(agent);
+    request.set_role(v1::NODE_ROLE_AGENT);
+    if (report) request.add_ranks_gone()->set_job_id("job");
+    v1::HeartbeatResponse response;
+    const absl::Status s = registry_.Heartbeat(job_, request, now_, &response);
+    return std::make_pair(s, response);
+  };
+  EXPECT_THAT(server_beat("other", {1}).message(), HasSubstr("ranks_gone names job 'other'"));
+  EXPECT_THAT(server_beat("job", {7}).message(), HasSubstr("ranks_gone names rank 7"));
+  EXPECT_EQ(agent_beat(agents_[0], true).first.code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(server_beat("job", {1}).ok());
+  for (int second = 0; second < 6; ++second) {
+    now_ += absl::Seconds(1);
+    ASSERT_TRUE(agent_beat(agents_[0], false).first.ok());
+    registry_.Expire(now_);
+  }
+  EXPECT_NE(StateOf(agents_[1]), v1::NODE_STATE_DEAD) << "6 s: not past two intervals yet";
+  now_ += absl::Seconds(1);
+  ASSERT_TRUE(server_beat("job", {1}).ok());
+  registry_.Expire(now_);
+  EXPECT_EQ(StateOf(agents_[1]), v1::NODE_STATE_DEAD);
+  const v1::HeartbeatResponse response = agent_beat(agents_[0], false).second;
+  ASSERT_EQ(response.lost_size(), 1) << response.DebugString();
+  EXPECT_EQ(response.lost(0).rank(), 1u);
+  EXPECT_THAT(response.lost(0).reason(),
+              HasSubstr("its connections to KV server " + servers_[0] +
+                        " closed and no heartbeat for 7s"));
+}
+
 // An agent that leaves because of an error (its training process died; DeregisterRequest.failed)
 // is listed to the other agents as departed, so that a job that may shrink goes on without it;
 // one whose training finished is not, and neither is listed as dead.

@@ -88,6 +88,7 @@ void KvService::Count(const std::shared_ptr<PeerSession>& peer, PeerState& state
   std::lock_guard<std::mutex> lock(traffic_mu_);
   TrafficEntry& entry = traffic_[{peer->identity().job_id, peer->identity().rank}];
   if (entry.data_connections++ == 0) {
+    gone_.erase({peer->identity().job_id, peer->identity().rank});
     if (entry.gone_deadline_ns != 0) {
       PSD_LOG_INFO("job {}: rank {} rejoined from {} ({} ms after its last connection closed)",
                    peer->identity().job_id, peer->identity().rank, peer->address(),
@@ -119,6 +120,7 @@ void KvService::OnClose(const std::shared_ptr<PeerSession>& peer, const absl::St
     // leave the others waiting for their pull timeout. The engine tells them now, naming it —
     // or, when the job lets a restarted rank rejoin, once it has not within the job's timeout
     // (CheckSilence). (Under traffic_mu_, so that a reconnect's RankBack cannot overtake this.)
+    if (!transport::IsServerRank(who.rank)) gone_[{who.job_id, who.rank}] = MonotonicNs();
     std::string why = absl::StrCat("rank ", who.rank, " (", peer->address(),
                                    ") is gone: its last connection to this server closed (",
                                    reason.ok() ? "by the peer" : reason.message(), ")");
@@ -164,6 +166,7 @@ void KvService::CheckSilence() {
     const int64_t last = t.last_frame_ns.load(std::memory_order_relaxed);
     if (last == 0 || now - last < limit) continue;
     t.silenced.store(true, std::memory_order_relaxed);
+    if (!transport::IsServerRank(who.second)) gone_[who] = now;
     std::string why =
         absl::StrCat("rank ", who.second, " (", entry.address, ") is silent: nothing on its ",
                      entry.data_connections, " connection(s) for ",
@@ -184,6 +187,21 @@ void KvService::CheckSilence() {
     }
     engine_->RankLost(who.first, who.second, std::move(why));
   }
+}
+
+std::map<uint64_t, std::vector<uint32_t>> KvService::RanksGone(absl::Duration within) {
+  const int64_t since = MonotonicNs() - absl::ToInt64Nanoseconds(within);
+  std::map<uint64_t, std::vector<uint32_t>> out;
+  std::lock_guard<std::mutex> lock(traffic_mu_);
+  for (auto it = gone_.begin(); it != gone_.end();) {
+    if (it->second < since) {
+      it = gone_.erase(it);
+      continue;
+    }
+    out[it->first.first].push_back(it->first.second);
+    ++it;
+  }
+  return out;
 }
 
 std::vector<PeerTrafficTotals> KvService::TakeTraffic() {
@@ -216,6 +234,7 @@ absl::StatusOr<PayloadTarget> KvService::OnHeader(const std::shared_ptr<PeerSess
   if (traffic.silenced.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lock(traffic_mu_);
     if (traffic.silenced.exchange(false)) {
+      gone_.erase({peer->identity().job_id, peer->identity().rank});
       engine_->RankBack(peer->identity().job_id, peer->identity().rank);
     }
   }

@@ -59,6 +59,10 @@ class KvService : public transport::FrameHandler {
   // one last time and then forgotten (its counters start again from 0 if it comes back).
   std::vector<PeerTrafficTotals> TakeTraffic();
 
+  // Per job, the ranks whose last connection to this server closed, or that went silent, within
+  // `within` and are not back (HeartbeatRequest.ranks_gone). Forgets older ones.
+  std::map<uint64_t, std::vector<uint32_t>> RanksGone(absl::Duration within);
+
   // Declares the ranks silent for longer than peer_timeout lost, and those whose rejoin
   // timeout ran out without a new connection (periodically, any thread).
   void CheckSilence();
@@ -88,6 +92,9 @@ class KvService : public transport::FrameHandler {
 
   std::mutex traffic_mu_;  // a peer's first frame and close, TakeTraffic: never per frame
   std::map<std::pair<uint64_t, uint32_t>, TrafficEntry> traffic_;  // (job, rank)
+  // Under traffic_mu_: when each rank's last connection closed or it went silent (CLOCK_MONOTONIC
+  // ns), until it is back (RanksGone).
+  std::map<std::pair<uint64_t, uint32_t>, int64_t> gone_;
 };
 
 }  // namespace poseidon::server

@@ -457,6 +457,9 @@ int Main(int argc, char** argv) {
     // A restarted coordinator registers this server again under the same node id.
     coordinator::CoordinatorClient::HeartbeatOptions hb;
     hb.register_again = true;
+    // The ranks whose connections closed or went silent lately: the coordinator declares their
+    // agents dead once they also miss their heartbeats, instead of at the end of their lease.
+    hb.ranks_gone = [service] { return service->RanksGone(absl::Minutes(1)); };
     heartbeats = coord->StartHeartbeats(std::move(hb));
     if (config.telemetry_interval > absl::ZeroDuration()) {
       telemetry = std::make_unique<ServerTelemetry>(

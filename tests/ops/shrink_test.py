@@ -155,6 +155,18 @@ def trial(args, t, rng, kill_agent, pauses, steps):
         check(f"rank {victim} (" in server_log and "it is removed, the job goes on with 3 of its "
               "4 workers" in server_log,
               f"trial {t}: a KV server logs that rank {victim} is removed")
+        if kill_agent:
+            # Declared dead on a report of its closed connections (a KV server's ranks_gone; in a
+            # job with SFB layers also the agents' peers_gone) once it missed two heartbeats
+            # (0.8 s here), not at the end of its 2 s lease.
+            coord_log = "\n".join(l for d in daemons if d.name == "coordinator"
+                                  for l in d.lines + d.stderr)
+            m = re.search(r"declared dead: its connections to (KV server \S+|rank \d+'s agent) "
+                          r"closed", coord_log)
+            check(m is not None,
+                  f"trial {t}: the coordinator declared rank {victim}'s killed agent dead on a "
+                  f"report of its closed connections "
+                  f"({[l for l in coord_log.splitlines() if 'declared dead' in l]})")
         # What the death cost the survivors: the longest of the three iterations that end after
         # the kill (the one in flight may not need the dead rank's push yet: its pulls overlap
         # the next iteration's compute) against their median iteration before.
