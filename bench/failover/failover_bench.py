@@ -8,6 +8,14 @@ from its log line) as p50/p99, the run's wall time against fault-free runs of th
 
     bench/failover/failover_bench.py --build build/release --trials 20
     bench/failover/failover_bench.py --build build/release --trials 5 --signal STOP
+    bench/failover/failover_bench.py --build build/release --trials 10 --second
+
+With --second, a second server of the same chain (the victim's neighbour before or after it, at
+random) is killed later in the run (10 %-20 % of a fault-free run after the first): it costs
+nothing only because the first loss's keys were copied to the next servers of their chains
+(adoption, docs/server.md "Replication and failover"). Printed besides: the time from the first
+signal to the last adoption (the replication factor restored) and from the second signal to its
+keys' new primary.
 
 Timing figures on a 2-core machine that runs all 12 processes carry its scheduling noise; the
 exactness check is the tests' (tests/agent_e2e_test.cc, Failover.*).
@@ -28,6 +36,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MODEL = os.path.join(ROOT, "tests", "models", "tiny.json")
 SECRET = "failover-bench"
 PROMOTED = re.compile(r"^(\S+) W \[poseidon-server\] job 1: .* is now the primary of the keys")
+ADOPTED = re.compile(r"^(\S+) W \[poseidon-server\] job 1: .* adopts the keys")
 
 
 def log_time(stamp):
@@ -35,7 +44,19 @@ def log_time(stamp):
     return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f").timestamp()
 
 
-def run(build, victim_signal, delay, iterations, compute_scale, peer_timeout, logdir):
+def stamps_of(logdir, pattern):
+    stamps = []
+    for s in range(4):
+        with open(os.path.join(logdir, f"server{s}.log")) as f:
+            for line in f:
+                m = pattern.match(line)
+                if m:
+                    stamps.append(log_time(m.group(1)))
+    return stamps
+
+
+def run(build, victim_signal, delay, iterations, compute_scale, peer_timeout, logdir,
+        second_delay=None):
     b = build
     procs, servers, addresses = [], [], []
     try:
@@ -85,27 +106,33 @@ def run(build, victim_signal, delay, iterations, compute_scale, peer_timeout, lo
             synths.append(p)
         killed_at = None
         victim = None
+        second_at = None
         if victim_signal is not None:
             time.sleep(delay)
             victim = random.randrange(4)
             killed_at = time.time()
             servers[victim].send_signal(victim_signal)
+            if second_delay is not None:
+                time.sleep(second_delay)
+                second = (victim + random.choice([1, 3])) % 4
+                second_at = time.time()
+                servers[second].send_signal(signal.SIGKILL)
         outs = [p.communicate(timeout=300)[0] for p in synths]
         wall = time.time() - start
         ok = all(p.returncode == 0 and ", 0 mismatches" in o for p, o in zip(synths, outs))
-        promoted = None
+        promoted = promoted2 = restored = None
         if killed_at is not None:
-            stamps = []
-            for s in range(4):
-                with open(os.path.join(logdir, f"server{s}.log")) as f:
-                    for line in f:
-                        m = PROMOTED.match(line)
-                        if m:
-                            stamps.append(log_time(m.group(1)))
-            after = [t for t in stamps if t >= killed_at - 0.01]
+            stamps = stamps_of(logdir, PROMOTED)
+            end = second_at if second_at is not None else float("inf")
+            after = [t for t in stamps if killed_at - 0.01 <= t < end]
             promoted = min(after) - killed_at if after else None
+            if second_at is not None:
+                after2 = [t for t in stamps if t >= second_at - 0.01]
+                promoted2 = min(after2) - second_at if after2 else None
+                adopted = [t for t in stamps_of(logdir, ADOPTED) if killed_at - 0.01 <= t < end]
+                restored = max(adopted) - killed_at if adopted else None
         return {"ok": ok, "wall": wall, "recovery": promoted, "victim": victim,
-                "outs": outs if not ok else None}
+                "recovery2": promoted2, "restored": restored, "outs": outs if not ok else None}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -127,16 +154,18 @@ def main():
     ap.add_argument("--compute_scale", type=float, default=20)
     ap.add_argument("--peer_timeout", default="3s")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--second", action="store_true",
+                    help="kill a second server of the same chain later in the run")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     random.seed(seed)
     sig = signal.SIGKILL if args.signal == "KILL" else signal.SIGSTOP
 
-    def attempt(victim_signal, delay):
+    def attempt(victim_signal, delay, second_delay=None):
         for _ in range(5):
             with tempfile.TemporaryDirectory(prefix="failover-") as d:
                 r = run(args.build, victim_signal, delay, args.iterations, args.compute_scale,
-                        args.peer_timeout, d)
+                        args.peer_timeout, d, second_delay)
             if r is not None:
                 return r
         sys.exit("failover_bench: the cluster did not start in 5 attempts")
@@ -145,7 +174,10 @@ def main():
     base = statistics.median(clean)
     rows, failures = [], 0
     for t in range(args.trials):
-        r = attempt(sig, random.uniform(0.2, 0.7) * base)
+        if args.second:
+            r = attempt(sig, random.uniform(0.2, 0.5) * base, random.uniform(0.1, 0.2) * base)
+        else:
+            r = attempt(sig, random.uniform(0.2, 0.7) * base)
         if not r["ok"]:
             failures += 1
             print(f"trial {t}: FAILED (server {r['victim']}):\n" + "\n".join(
@@ -162,6 +194,18 @@ def main():
     print(f"| SIG{args.signal} | {args.trials} | {args.trials - failures} | {len(rec)} | "
           f"{pct(rec, 0.5) * 1000:.0f} ms | {pct(rec, 0.99) * 1000:.0f} ms | "
           f"{pct(lost, 0.5):.2f} s | {pct(lost, 0.99):.2f} s |" if rec else "| no promotion seen |")
+    if args.second:
+        res = [r["restored"] for r in rows if r["restored"] is not None]
+        rec2 = [r["recovery2"] for r in rows if r["recovery2"] is not None]
+        print("\nA second server of the same chain killed later (SIGKILL):")
+        print("| trials | first signal -> copies restored p50 | p99 | second signal -> new primary "
+              "p50 | p99 |")
+        print("|---:|---:|---:|---:|---:|")
+        if res and rec2:
+            print(f"| {len(rec2)} | {pct(res, 0.5) * 1000:.0f} ms | {pct(res, 0.99) * 1000:.0f} ms "
+                  f"| {pct(rec2, 0.5) * 1000:.0f} ms | {pct(rec2, 0.99) * 1000:.0f} ms |")
+        else:
+            print("| no adoption or second promotion seen |")
     return 1 if failures else 0
 
 
