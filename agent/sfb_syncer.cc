@@ -497,7 +497,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       top = std::max(top, told->second);
     }
     cut.agreed = top;
-    PSD_LOG_INFO("layer {}: rank {}'s SFB factors count up to iteration {}, not after", layer,
+    PSD_LOG_WARN("layer {}: rank {}'s SFB factors count up to iteration {}, not after", layer,
                  rank, top);
   }
 

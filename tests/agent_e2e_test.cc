@@ -477,6 +477,42 @@ TEST(Faults, AKilledServerFailsTheLayerNamingServerLayerAndClock) {
   EXPECT_NE(out.find("127.0.0.1:"), std::string::npos) << "names the server: " << out;
 }
 
+// The failover tests' job: 4 servers, 4 agents (--replicas=1; small blocks and no fusion, so
+// that every server is some keys' primary) and 4 poseidon-synth --verify ranks of the tiny
+// model, rank 0 printing its iterations.
+struct FailoverJob {
+  explicit FailoverJob(int iterations_)
+      : iterations(iterations_),
+        cluster(4, 4, "ps",
+                {"--replicas=1", "--peer_timeout=2s", "--fusion=off", "--block_bytes=65536",
+                 "--sync_timeout=60s"},
+                {"--peer_timeout=2s"}) {
+    if (!cluster.ok()) return;
+    for (int r = 0; r < 4; ++r) {
+      std::vector<std::string> extra = {"--compute_scale=20"};
+      if (r == 0) extra.push_back("--print_iterations");
+      synths.push_back(cluster.Synth(r, kTiny, iterations, extra));
+    }
+  }
+  // Every rank ran every iteration with every result exact, and every agent exited cleanly
+  // (`early`: what rank 0 printed before, already read).
+  void ExpectEveryRankExact(const std::string& early) {
+    for (int r = 0; r < 4; ++r) {
+      const std::string out = (r == 0 ? early : "") + synths[r]->ReadAll(milliseconds(120000));
+      EXPECT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << "rank " << r << ": " << out;
+      EXPECT_NE(out.find(std::to_string(iterations) + " iterations"), std::string::npos) << out;
+      EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+    }
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(cluster.agent(r).Wait(milliseconds(30000)), 0)
+          << "agent " << r << ": " << cluster.agent(r).ReadAll(milliseconds(1000));
+    }
+  }
+  int iterations;
+  Cluster cluster;
+  std::vector<std::unique_ptr<Subprocess>> synths;
+};
+
 // Replication (DESIGN.md "Faults"): four servers, each the backup of the previous one's keys
 // (--replicas=1; small blocks and no fusion, so that every server is some keys' primary). One
 // server killed (or frozen) at a random moment of a 60-clock run (once training is under way),
@@ -497,40 +533,22 @@ void ExpectEveryTrialToSurviveALostServer(int signal, int trials) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed << " trial " << trial << ": server "
                                       << victim << " signalled " << delay_ms
                                       << " ms after iteration 2");
-    Cluster cluster(4, 4, "ps",
-                    {"--replicas=1", "--peer_timeout=2s", "--fusion=off",
-                     "--block_bytes=65536", "--sync_timeout=60s"},
-                    {"--peer_timeout=2s"});
-    ASSERT_TRUE(cluster.ok());
-    std::vector<std::unique_ptr<Subprocess>> synths;
-    for (int r = 0; r < 4; ++r) {
-      std::vector<std::string> extra = {"--compute_scale=20"};
-      if (r == 0) extra.push_back("--print_iterations");
-      synths.push_back(cluster.Synth(r, kTiny, iterations, extra));
-    }
+    FailoverJob job(iterations);
+    ASSERT_TRUE(job.cluster.ok());
     // The moment is counted from rank 0's second iteration: training is under way (a server
     // lost during start-up, before the agents connected to it, is a start-up failure).
     std::string early;
-    while (auto line = synths[0]->ReadLine(milliseconds(60000))) {
+    while (auto line = job.synths[0]->ReadLine(milliseconds(60000))) {
       early += *line + "\n";
       if (line->find("iteration 2 ends") != std::string::npos) break;
     }
     std::this_thread::sleep_for(milliseconds(delay_ms));
-    cluster.server(victim).Signal(signal);
+    job.cluster.server(victim).Signal(signal);
     if (signal == SIGSTOP) {
       std::this_thread::sleep_for(milliseconds(3000));  // past the agents' 2 s peer_timeout
-      cluster.server(victim).Signal(SIGCONT);
+      job.cluster.server(victim).Signal(SIGCONT);
     }
-    for (int r = 0; r < 4; ++r) {
-      const std::string out = (r == 0 ? early : "") + synths[r]->ReadAll(milliseconds(120000));
-      EXPECT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << "rank " << r << ": " << out;
-      EXPECT_NE(out.find(std::to_string(iterations) + " iterations"), std::string::npos) << out;
-      EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
-    }
-    for (int r = 0; r < 4; ++r) {
-      EXPECT_EQ(cluster.agent(r).Wait(milliseconds(30000)), 0)
-          << "agent " << r << ": " << cluster.agent(r).ReadAll(milliseconds(1000));
-    }
+    job.ExpectEveryRankExact(early);
     if (::testing::Test::HasFailure()) return;
   }
 }
@@ -556,42 +574,24 @@ TEST(Failover, TwoServersOfOneChainKilledInTurnCostNothing) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed << " trial " << trial << ": server "
                                       << first << " killed after iteration 2, server " << second
                                       << " after iteration 30");
-    Cluster cluster(4, 4, "ps",
-                    {"--replicas=1", "--peer_timeout=2s", "--fusion=off",
-                     "--block_bytes=65536", "--sync_timeout=60s"},
-                    {"--peer_timeout=2s"});
-    ASSERT_TRUE(cluster.ok());
-    std::vector<std::unique_ptr<Subprocess>> synths;
-    for (int r = 0; r < 4; ++r) {
-      std::vector<std::string> extra = {"--compute_scale=20"};
-      if (r == 0) extra.push_back("--print_iterations");
-      synths.push_back(cluster.Synth(r, kTiny, kIterations, extra));
-    }
+    FailoverJob job(kIterations);
+    ASSERT_TRUE(job.cluster.ok());
     std::string early;
     bool killed_first = false, killed_second = false;
-    while (auto line = synths[0]->ReadLine(milliseconds(60000))) {
+    while (auto line = job.synths[0]->ReadLine(milliseconds(60000))) {
       early += *line + "\n";
       if (!killed_first && line->find("iteration 2 ends") != std::string::npos) {
-        cluster.server(first).Signal(SIGKILL);
+        job.cluster.server(first).Signal(SIGKILL);
         killed_first = true;
       }
       if (line->find("iteration 30 ends") != std::string::npos) {
-        cluster.server(second).Signal(SIGKILL);
+        job.cluster.server(second).Signal(SIGKILL);
         killed_second = true;
         break;
       }
     }
     ASSERT_TRUE(killed_first && killed_second) << early;
-    for (int r = 0; r < 4; ++r) {
-      const std::string out = (r == 0 ? early : "") + synths[r]->ReadAll(milliseconds(120000));
-      EXPECT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << "rank " << r << ": " << out;
-      EXPECT_NE(out.find(std::to_string(kIterations) + " iterations"), std::string::npos) << out;
-      EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
-    }
-    for (int r = 0; r < 4; ++r) {
-      EXPECT_EQ(cluster.agent(r).Wait(milliseconds(30000)), 0)
-          << "agent " << r << ": " << cluster.agent(r).ReadAll(milliseconds(1000));
-    }
+    job.ExpectEveryRankExact(early);
     if (::testing::Test::HasFailure()) return;
   }
 }
