@@ -167,13 +167,12 @@ struct KvEngine::Key {
   // state is applied: it holds nothing yet.
   bool adopting = false;
   // The backups a primary at `epoch` replicates to: the next `replicas` servers of the chain it
-  // has not given up.
-  std::vector<size_t> Backups() const {
-    std::vector<size_t> out;
+  // has not given up, into `out` (reused: no allocation per clock once it has grown).
+  void Backups(std::vector<size_t>& out) const {
+    out.clear();
     for (size_t p = epoch + 1; p < chain.size() && out.size() < replicas; ++p) {
       if (!backup_lost[p]) out.push_back(p);
     }
-    return out;
   }
   uint64_t steps_wire = 0;           // the optimizer's step count as the REPLICATE frame's prefix
   std::vector<uint8_t> pushed;
@@ -394,7 +393,9 @@ std::vector<ReplicationCounts> KvEngine::ReplicationStatus(absl::Duration timeou
           continue;
         }
         ++c.primary_keys;
-        if (k.Backups().size() < k.replicas) ++c.degraded_keys;
+        std::vector<size_t> backups;
+        k.Backups(backups);
+        if (backups.size() < k.replicas) ++c.degraded_keys;
         if (k.replicating) {
           ++c.replicating_keys;
           // The live backups have the clock before the one being sent.
@@ -1030,24 +1031,17 @@ absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) 
   const std::shared_ptr<JobState>& job = it->second.standby_job;
   const v1::KvTableSpec& t = job->standby_tables[it->second.table];
   const v1::RegisterTablesRequest& spec = job->standby_spec;
+  // Who sent it, at which epoch, and what it carries are the Replicate body's checks, as for any
+  // backup (a key whose frame fails them is dropped again); only a primary before this server in
+  // the chain may hand it a copy.
   const auto n = static_cast<uint32_t>(spec.servers_size());
-  const uint32_t from = h.sender_rank - transport::kServerRankBase;
-  const uint32_t self_at = (job->self + n - t.primary()) % n;
-  if (!transport::IsServerRank(h.sender_rank) || from >= n || h.epoch >= n ||
-      (from + n - t.primary()) % n != h.epoch || self_at <= h.epoch) {
+  if ((job->self + n - t.primary()) % n <= h.epoch) {
     return absl::FailedPreconditionError(absl::StrCat(
         "a replica of key ", h.key, " (", t.name(), ") of job ", h.job_id, " at epoch ", h.epoch,
-        " from ", job->Server(from), ", which is not its primary at that epoch or is after this ",
-        "server in its chain"));
-  }
-  const bool sum = t.update_rule().rule() == v1::UPDATE_RULE_SUM ||
-                   t.update_rule().rule() == v1::UPDATE_RULE_UNSPECIFIED;
-  if (h.clock == 0 && sum) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "key ", h.key, " (", t.name(), ") uses the sum rule: it has no initial value to adopt"));
+        ": this server (", job->Server(job->self), ") is not after that epoch's primary in the "
+        "key's chain"));
   }
   std::unique_ptr<Key> k = NewKey(job, spec, t, t.keys(it->second.index));
-  k->epoch = h.epoch;
   k->initialized = false;  // the frame's state is what it holds
   k->adopting = true;
   {
@@ -1236,7 +1230,7 @@ void KvEngine::Complete(Worker& w, Key& k) {
 
 bool KvEngine::StartReplication(Worker& w, Key& k, uint64_t clock) {
   if (!k.Replicated() || !k.IsPrimary()) return false;
-  k.round = k.Backups();
+  k.Backups(k.round);
   if (k.round.empty()) return false;
   k.replicating = true;
   k.replicating_clock = clock;
@@ -1327,7 +1321,9 @@ void KvEngine::OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock,
     // The replication factor is restored at once: this clock's state also goes to the next
     // server of the chain not in this round, which adopts the key (a standby table's) or, a
     // copy that held it already, takes it as the next clock.
-    for (size_t p : k.Backups()) {
+    std::vector<size_t> backups;
+    k.Backups(backups);
+    for (size_t p : backups) {
       if (std::find(k.round.begin(), k.round.end(), p) != k.round.end()) continue;
       k.round.push_back(p);
       ++k.replicas_outstanding;

@@ -252,9 +252,10 @@ class KvEngine {
   // Sends the key's state at `clock` to the server at `position` of its chain (a backup).
   void SendReplica(Worker& w, Key& k, size_t position, uint64_t clock);
   void OnReplicated(Worker& w, Key& k, size_t position, uint64_t clock, const absl::Status& s);
-  // A REPLICATE frame for a key this server stands by for (a standby table's): checks that it
-  // comes from the key's primary at its epoch and that this server is further down the chain,
-  // then creates the key (Key::adopting until the frame's state is applied). On the key's worker.
+  // A REPLICATE frame for a key this server stands by for (a standby table's): checks that this
+  // server is further down the chain than the frame's epoch, then creates the key
+  // (Key::adopting until the frame's state is applied; Replicate checks the sender and the
+  // state as for any backup, and a key whose frame fails is dropped). On the key's worker.
   absl::StatusOr<Key*> Adopt(Worker& w, const transport::FrameHeader& h);
   // Why a request names a key this server does not hold (NotFound; FailedPrecondition for a key
   // it stands by for but was never given).

@@ -299,10 +299,7 @@ TEST_F(ReplicationTest, TwoBackupsSurviveTwoLossesInTurn) {
 // second loss in the same chain (server 0 itself) then costs nothing: the ranks walk the chain
 // past the dead server 1 to server 2 (epoch 2), which continues exactly where an engine that
 // never failed is, optimizer state included.
-class AdoptionRuleTest : public ReplicationTest,
-                         public ::testing::WithParamInterface<v1::UpdateRule> {};
-
-TEST_P(AdoptionRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNothing) {
+TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNothing) {
   const v1::UpdateRule rule = GetParam();
   const bool sum = rule == v1::UPDATE_RULE_SUM;
   auto third = std::make_unique<Shard>(ctx_);
@@ -361,9 +358,6 @@ TEST_P(AdoptionRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNothin
   clients_.clear();
   third.reset();
 }
-
-INSTANTIATE_TEST_SUITE_P(Rules, AdoptionRuleTest,
-                         ::testing::Values(v1::UPDATE_RULE_SUM, v1::UPDATE_RULE_ADAM));
 
 // An adoption is only taken from the key's primary at its epoch, for a server further down the
 // chain, and of a standby table's key: anything else is refused and creates no key.
