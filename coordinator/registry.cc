@@ -1304,17 +1304,26 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
           of != nullptr ? of->world_size : 0, " ranks)"));
     }
   }
-  // A KV server's: the jobs it serves (in their worlds), ranks within them.
-  for (const v1::RanksGone& gone : request.ranks_gone()) {
+  // A KV server's: ranks of the jobs it may serve (its caller's scope), within their worlds. A
+  // job this coordinator has no world of with this server in it (a restarted coordinator, a job
+  // formed without it) is left out, not refused: refusing would fail the server's heartbeat.
+  auto reported = [&](const v1::RanksGone& gone) -> const Job* {
     const Job* job = FindJob(gone.job_id());
-    if (node->role != v1::NODE_ROLE_SERVER || job == nullptr ||
-        std::find(job->world_servers.begin(), job->world_servers.end(), node->id) ==
-            job->world_servers.end() ||
+    if (job == nullptr || std::find(job->world_servers.begin(), job->world_servers.end(),
+                                    node->id) == job->world_servers.end()) {
+      return nullptr;
+    }
+    return job;
+  };
+  for (const v1::RanksGone& gone : request.ranks_gone()) {
+    if (node->role != v1::NODE_ROLE_SERVER ||
         (!caller.job_id.empty() && caller.job_id != gone.job_id())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "ranks_gone names job '", gone.job_id(),
-          "': a KV server reports the ranks of jobs whose world it serves"));
+          "': a KV server reports the ranks of the jobs it serves"));
     }
+    const Job* job = reported(gone);
+    if (job == nullptr) continue;
     for (const uint32_t rank : gone.ranks()) {
       if (rank >= job->world_size) {
         return absl::InvalidArgumentError(absl::StrCat("ranks_gone names rank ", rank, " of job '",
@@ -1337,9 +1346,9 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
     }
   }
   for (const v1::RanksGone& gone : request.ranks_gone()) {
-    for (const uint32_t rank : gone.ranks()) {
-      report(*FindJob(gone.job_id()), rank, absl::StrCat("KV server ", node->id));
-    }
+    const Job* job = reported(gone);
+    if (job == nullptr) continue;
+    for (const uint32_t rank : gone.ranks()) report(*job, rank, absl::StrCat("KV server ", node->id));
   }
   node->last_seen = now;
   node->iteration = std::max(node->iteration, request.iteration());
