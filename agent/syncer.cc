@@ -60,12 +60,13 @@ uint32_t Replication::ServerAt(uint32_t primary, uint32_t e) const {
 bool Replication::Failover(const SyncEnv& env, uint32_t primary, uint32_t e,
                            server::KvClient& lost, const absl::Status& why) {
   if (replicas == 0 || e + 1 >= servers || stopping.load(std::memory_order_acquire)) return false;
-  // A lost connection (the server died, closed, or went silent) or a fenced server (a backup
-  // took its keys over): the next server of the chain holds every clock it answered (a backup
-  // from the start, or one that adopted the keys when the primary gave up a backup; one that
-  // holds no copy says so, and that error stands). Any other error is the server's answer (a
-  // gone rank, a timeout) and stands.
-  if (!lost.Broken() && !absl::IsAborted(why)) return false;
+  // A lost connection (the server died, closed, or went silent), a fenced server (a backup
+  // took its keys over) or one that holds no copy (NotFound: a standby no primary gave the keys
+  // to, as when it had no room for them, or a server that lost its state): the next server of
+  // the chain holds every clock answered (a backup from the start, or one that adopted the keys
+  // when the primary gave up a backup); at the chain's end the error stands. Any other error is
+  // the server's answer (a gone rank, a timeout) and stands.
+  if (!lost.Broken() && !absl::IsAborted(why) && !absl::IsNotFound(why)) return false;
   uint32_t expected = e;
   if (epoch[primary].compare_exchange_strong(expected, e + 1, std::memory_order_acq_rel)) {
     const uint32_t next = ServerAt(primary, e + 1);

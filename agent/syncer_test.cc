@@ -284,6 +284,43 @@ class SyncerTest : public ::testing::Test {
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 
+// Replication::Failover: which errors send the keys of a first primary on to the next server of
+// their chain (the epoch moves once), and which stand. The server's connection is live here, so
+// only the answer decides.
+TEST_F(SyncerTest, AFailoverWalksPastAServerWithoutACopyAndStopsAtTheChainsEnd) {
+  Rank& r = *ranks_[0];
+  AgentConfig config = r.config;
+  config.servers = {"kv-0", "kv-1", "kv-2"};
+  SyncEnv env;
+  env.config = &config;
+  Replication replication;
+  replication.replicas = 1;
+  replication.servers = 3;
+  replication.epoch = std::make_unique<std::atomic<uint32_t>[]>(3);
+  server::KvClient& live = *r.env.servers[0];
+  const absl::Status no_copy = absl::NotFoundError("this server holds no copy of it");
+  // An answer of the server's own stands: a gone rank, a timeout, a refused push.
+  for (const absl::Status& stands : {absl::UnavailableError("rank 1 is gone"),
+                                     absl::DeadlineExceededError("pull timed out"),
+                                     absl::FailedPreconditionError("rank 1 was removed")}) {
+    EXPECT_FALSE(replication.Failover(env, 1, 0, live, stands)) << stands;
+    EXPECT_EQ(replication.Epoch(1), 0u);
+  }
+  // A fenced server, then one that holds no copy (a standby that had no room): on to epoch 2.
+  EXPECT_TRUE(replication.Failover(env, 1, 0, live, absl::AbortedError("moved")));
+  EXPECT_EQ(replication.Epoch(1), 1u);
+  EXPECT_TRUE(replication.Failover(env, 1, 1, live, no_copy));
+  EXPECT_EQ(replication.Epoch(1), 2u);
+  EXPECT_EQ(replication.ServingNow(1), 0u) << "the chain of server 1's keys: 1, 2, 0";
+  // A second request that failed at epoch 1 follows without moving the epoch again.
+  EXPECT_TRUE(replication.Failover(env, 1, 1, live, no_copy));
+  EXPECT_EQ(replication.Epoch(1), 2u);
+  // The last server of the chain: the error stands.
+  EXPECT_FALSE(replication.Failover(env, 1, 2, live, no_copy));
+  EXPECT_EQ(replication.Epoch(1), 2u);
+  EXPECT_EQ(replication.Epoch(0), 0u) << "another first primary's keys stay";
+}
+
 TEST_F(SyncerTest, EverySchemeGivesTheExactSumAcrossAPlanChange) {
   // Layer 0 by SFB at iterations 1 and 3, by PS at 2 (its keys' clock 1 then), all-reduce at 4;
   // layer 3 by PS at 1 and 4 (its keys' clocks 1 and 2), all-reduce at 2 and 3.

@@ -102,6 +102,12 @@ struct JobState {
   std::set<uint32_t> backups_lost;
   std::set<uint32_t> fenced_by;  // the servers that took keys over from this one
   std::set<uint32_t> adoptions_logged;  // first primaries whose keys this server adopted
+  // Adoption takes memory (--max_memory) for all the standby keys of one first primary at once
+  // (standby_bytes, set at registration), at the first of them: the agents move every key of
+  // one first primary together (one epoch), so a server holds all of them or none. Under mu:
+  // true once reserved, false once refused (no room).
+  std::map<uint32_t, uint64_t> standby_bytes;
+  std::map<uint32_t, bool> adoption_room;
   // Replication: the tables this server stands by for (RegisterTablesRequest.standby_tables)
   // and the registration without any tables (what an adopted key is made from); set at
   // registration, then only read.
@@ -576,19 +582,27 @@ absl::StatusOr<std::vector<KeyProgress>> KvEngine::Readmit(uint64_t job_id, uint
   for (const auto& t : spec.tables()) {
     for (const auto& k : t.keys()) keys.push_back(k.key());
   }
-  std::vector<KeyProgress> progress(keys.size());
+  const size_t held = keys.size();
+  // The keys this server adopted (a standby table's) count the rank again too, as the backups
+  // held from the start do; the answer's progress is of the held tables' keys only.
+  for (const auto& t : spec.standby_tables()) {
+    for (const auto& k : t.keys()) keys.push_back(k.key());
+  }
+  std::vector<KeyProgress> progress(held);
   RunOnAllWorkers([&](Worker& w) {  // each worker its own keys, as KeyProgressOf
     for (size_t i = 0; i < keys.size(); ++i) {
       if (&WorkerFor(job_id, keys[i]) != &w) continue;
       if (auto it = w.keys.find({job_id, keys[i]}); it != w.keys.end()) {
         Key& k = *it->second;
         ReadmitRank(w, k, rank, from > k.completed + 3 ? k.completed + 1 : from);
-        progress[i] = {k.completed, k.exact_from};
+        if (i < held) progress[i] = {k.completed, k.exact_from};
       }
     }
   });
-  if (std::none_of(progress.begin(), progress.end(),
-                   [&](const KeyProgress& p) { return p.completed < from; })) {
+  // (A server that holds no table of the job, only standby ones, takes it: keys it adopts later
+  // count the rank from `from`.)
+  if (!progress.empty() && std::none_of(progress.begin(), progress.end(),
+                                        [&](const KeyProgress& p) { return p.completed < from; })) {
     return progress;  // too late everywhere: the replacement asks again from a later clock
   }
   std::lock_guard<std::mutex> lock(job->mu);
@@ -623,6 +637,22 @@ namespace {
 
 // Validates a registration and returns the memory its tables need: per element, the aggregation
 // buffer plus the result (sum) or the parameters and the optimizer's state.
+// The memory a key of table `t` takes on a server that holds it (--max_memory counts it).
+uint64_t KeyMemory(const v1::KvTableSpec& t, const v1::RegisterTablesRequest& spec,
+                   uint64_t elements) {
+  const v1::UpdateRule rule = t.update_rule().rule();
+  // A lossy wire: a residual (a float each) and the encoded result (half a float each) besides.
+  const bool server_rule = rule != v1::UPDATE_RULE_SUM && rule != v1::UPDATE_RULE_UNSPECIFIED;
+  // A server-side rule of a job that lets ranks rejoin keeps the parameters of the clock
+  // before too (Key::prev_params).
+  const uint64_t copies = (rule == v1::UPDATE_RULE_ADAM       ? 4
+                           : rule == v1::UPDATE_RULE_MOMENTUM ? 3
+                           : IsLossy(WireOfTable(t))          ? 4
+                                                              : 2) +
+                          (server_rule && spec.rejoin_timeout_ms() > 0 ? 1 : 0);
+  return elements * sizeof(float) * copies;
+}
+
 absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
                                       const EngineOptions& options) {
   uint64_t bytes = 0;
@@ -680,23 +710,13 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
     if (t.keys_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), " has no keys"));
     }
-    const v1::UpdateRule rule = t.update_rule().rule();
-    // A lossy wire: a residual (a float each) and the encoded result (half a float each) besides.
-    const bool server_rule = rule != v1::UPDATE_RULE_SUM && rule != v1::UPDATE_RULE_UNSPECIFIED;
-    // A server-side rule of a job that lets ranks rejoin keeps the parameters of the clock
-    // before too (Key::prev_params).
-    const uint64_t copies = (rule == v1::UPDATE_RULE_ADAM       ? 4
-                             : rule == v1::UPDATE_RULE_MOMENTUM ? 3
-                             : IsLossy(WireOfTable(t))          ? 4
-                                                                : 2) +
-                            (server_rule && spec.rejoin_timeout_ms() > 0 ? 1 : 0);
     for (const auto& k : t.keys()) {
       if (k.elements() == 0 || k.elements() > options.max_key_bytes / sizeof(float)) {
         return absl::ResourceExhaustedError(
             absl::StrCat("table ", t.name(), " key ", k.key(), ": ", k.elements(),
                          " elements (a key may hold at most ", options.max_key_bytes, " bytes)"));
       }
-      if (held) bytes += k.elements() * sizeof(float) * copies;
+      if (held) bytes += KeyMemory(t, spec, k.elements());
       if (bytes > options.max_memory_bytes) {
         return absl::ResourceExhaustedError(absl::StrCat("the tables need more than this server's ",
                                                          options.max_memory_bytes, " bytes"));
@@ -888,16 +908,14 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is registered with a different table set"));
   }
-  if (registered_bytes_ + bytes > options_.max_memory_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("job ", job_id, " needs ", bytes, " bytes of tables; this server has ",
-                     options_.max_memory_bytes - registered_bytes_, " of its ",
-                     options_.max_memory_bytes, " left"));
-  }
   if (spec.replicas() > 0 && options_.replica_sender == nullptr) {
     return absl::FailedPreconditionError("this server cannot replicate (no replica sender)");
   }
-  registered_bytes_ += bytes;
+  if (!ReserveMemory(bytes)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("job ", job_id, " needs ", bytes, " bytes of tables; this server has ",
+                     MemoryLeft(), " of its ", options_.max_memory_bytes, " left"));
+  }
   auto job = std::make_shared<JobState>();
   job->job_id = job_id;
   job->spec = spec;
@@ -905,6 +923,9 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   job->self = spec.server_index();
   for (const auto& t : spec.tables()) job->total_keys += t.keys_size();
   job->standby_tables.assign(spec.standby_tables().begin(), spec.standby_tables().end());
+  for (const auto& t : spec.standby_tables()) {
+    for (const auto& k : t.keys()) job->standby_bytes[t.primary()] += KeyMemory(t, spec, k.elements());
+  }
   job->standby_spec = spec;
   job->standby_spec.clear_tables();
   job->standby_spec.clear_standby_tables();
@@ -949,6 +970,19 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   PSD_LOG_INFO("job {} registered: {} tables, {} keys, {} workers", job_id, spec.tables_size(),
                job->total_keys, spec.num_workers());
   return absl::OkStatus();
+}
+
+bool KvEngine::ReserveMemory(uint64_t bytes) {
+  uint64_t used = used_bytes_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > options_.max_memory_bytes || used > options_.max_memory_bytes - bytes) return false;
+  } while (!used_bytes_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  return true;
+}
+
+uint64_t KvEngine::MemoryLeft() const {
+  const uint64_t used = used_bytes_.load(std::memory_order_relaxed);
+  return used >= options_.max_memory_bytes ? 0 : options_.max_memory_bytes - used;
 }
 
 absl::Status KvEngine::CheckPushSize(uint64_t job_id, uint64_t key, uint64_t bytes,
@@ -1016,10 +1050,11 @@ absl::Status KvEngine::NoKey(const FrameHeader& h) const {
   const auto it = sizes->find({h.job_id, h.key});
   const std::shared_ptr<JobState> job = it == sizes->end() ? nullptr : it->second.standby_job;
   if (job != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
+    // NotFound, as a key of no table: an agent walks on to the next server of the chain.
+    return absl::NotFoundError(absl::StrCat(
         "key ", h.key, " of job ", h.job_id, ": this server (", job->Server(job->self),
         ") holds no copy of it: it stands by for it, and no primary gave it a copy (the servers "
-        "that held it were lost before one could)"));
+        "that held it were lost before one could, or this server had no room for it)"));
   }
   return absl::NotFoundError(absl::StrCat("job ", h.job_id, " has no key ", h.key, " on this server"));
 }
@@ -1041,16 +1076,36 @@ absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) 
         ": this server (", job->Server(job->self), ") is not after that epoch's primary in the "
         "key's chain"));
   }
+  {
+    // The memory for every key of this first primary's that this server stands by for, taken
+    // (or refused) at the first of them: it holds all of them or none.
+    std::lock_guard<std::mutex> lock(job->mu);
+    auto [room, first] = job->adoption_room.try_emplace(t.primary(), false);
+    const uint64_t bytes = job->standby_bytes[t.primary()];
+    if (first) room->second = ReserveMemory(bytes);
+    if (!room->second) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this server (", job->Server(job->self), ") has no room to adopt the keys of job ",
+          h.job_id, " first held by ", job->Server(t.primary()), " (", bytes,
+          " bytes; its --max_memory is ", options_.max_memory_bytes, ", ", MemoryLeft(),
+          " bytes left): the next server of their chain is asked instead"));
+    }
+  }
   std::unique_ptr<Key> k = NewKey(job, spec, t, t.keys(it->second.index));
   k->initialized = false;  // the frame's state is what it holds
   k->adopting = true;
   {
     std::lock_guard<std::mutex> lock(job->mu);
-    // The world as it is now (removed ranks), as the keys held from the start have it.
-    if (!job->removed.empty()) {
-      k->SizeMembership();
-      for (const auto& [rank, why] : job->removed) {
-        if (rank < k->workers) k->Drop(rank);
+    // The world as it is now, as the keys held from the start have it: the removed ranks, and
+    // those readmitted from a clock after the frame's next one (Replicate admits them there).
+    if (!job->removed.empty() || !job->readmitted.empty()) k->SizeMembership();
+    for (const auto& [rank, why] : job->removed) {
+      if (rank < k->workers) k->Drop(rank);
+    }
+    for (const auto& [rank, from] : job->readmitted) {
+      if (rank < k->workers && !k->Removed(rank) && from > h.clock + 1) {
+        k->Drop(rank);
+        k->join_at[rank] = from;
       }
     }
   }
@@ -1483,6 +1538,11 @@ void KvEngine::Replicate(RequestContext request, PooledBuffer payload,
     done();
     if (init) return;
     k.completed = h.clock;
+    // A rank readmitted from a clock up to the next one counts from there, as Complete admits
+    // it on the primary: a backup promoted later needs its pushes.
+    for (uint32_t r = 0; r < k.join_at.size(); ++r) {
+      if (k.join_at[r] != 0 && k.join_at[r] <= k.completed + 1 && k.Removed(r)) k.Admit(r);
+    }
     MaybeSchedulePeriodicSnapshot(k);
     if (k.job->any_pending.load(std::memory_order_acquire)) ContributeSnapshot(k);
   });

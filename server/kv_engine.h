@@ -284,7 +284,11 @@ class KvEngine {
   std::vector<std::unique_ptr<Worker>> workers_;
   mutable std::mutex jobs_mu_;                          // registration only, never on the data path
   std::map<uint64_t, std::shared_ptr<JobState>> jobs_;  // JobState holds the registered spec
-  uint64_t registered_bytes_ = 0;                       // guarded by jobs_mu_
+  // The memory the held tables take (registrations, adoptions): --max_memory bounds it. Taken
+  // by registration (under jobs_mu_) and by adoption (on a key worker), so lock-free.
+  std::atomic<uint64_t> used_bytes_{0};
+  bool ReserveMemory(uint64_t bytes);
+  uint64_t MemoryLeft() const;
   // (job, key) -> registered bytes; replaced (copy on write, under jobs_mu_) by RegisterJob and
   // read without a lock by CheckPushSize.
   // (and, for a replicated key, the size of its REPLICATE frames; 0: not replicated).

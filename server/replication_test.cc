@@ -33,12 +33,14 @@ std::vector<float> Grad(uint32_t rank, uint64_t clock, size_t n) {
 
 // One poseidon-server: engine, service, frame server, replica sender.
 struct Shard {
-  explicit Shard(std::shared_ptr<transport::Context> ctx) {
+  explicit Shard(std::shared_ptr<transport::Context> ctx,
+                 uint64_t max_memory = EngineOptions{}.max_memory_bytes) {
     secrets = std::make_shared<transport::SecretStore>();
     secrets->Set(1, kSecret);
     sender = std::make_shared<KvReplicaSender>(ctx, secrets, absl::Seconds(5));
     EngineOptions options;
     options.replica_sender = sender;
+    options.max_memory_bytes = max_memory;
     engine = std::make_shared<KvEngine>(options);
     auto listener = ctx->Listen("127.0.0.1:0");
     EXPECT_TRUE(listener.ok());
@@ -324,7 +326,7 @@ TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNot
   {
     auto c = Rank(*third, 1);
     const absl::Status s = c->Wait(c->Push(kKey, 2, Grad(1, 2, kN), false, 2), kWait);
-    EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+    EXPECT_TRUE(absl::IsNotFound(s)) << s;
     EXPECT_NE(s.message().find("holds no copy"), std::string::npos) << s;
   }
   backup_->Kill();
@@ -408,6 +410,177 @@ TEST_F(ReplicationTest, AForgedAdoptionIsRefusedAndCreatesNoKey) {
   clients_.clear();
   third.reset();
 }
+
+// Adoption is bounded by --max_memory: a standby server with no room for a lost backup's keys
+// refuses them, and the primary copies them to the next server of the chain instead. When the
+// primary is lost too, an agent's request at the server without a copy gets NotFound (it walks
+// on, Replication::Failover), and the server that adopted them continues exactly.
+TEST_F(ReplicationTest, AServerWithNoRoomRefusesToAdoptAndTheNextOneOfTheChainDoes) {
+  // Server 2 has room for none of the key's 2 * 300 floats; server 3 has.
+  auto third = std::make_unique<Shard>(ctx_, /*max_memory=*/1000);
+  auto fourth = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(third->server->Address());
+  addresses_.push_back(fourth->server->Address());
+  auto standby = [&](uint32_t index) {
+    auto spec = Spec(index, v1::UPDATE_RULE_SUM);
+    *spec.add_standby_tables() = spec.tables(0);
+    spec.clear_tables();
+    return spec;
+  };
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(standby(2), kWait).ok()) << "a standby takes none";
+  ASSERT_TRUE(Rank(*fourth, 0)->RegisterTables(standby(3), kWait).ok());
+  Reference expected(Spec(0, v1::UPDATE_RULE_SUM), {});
+  EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
+  backup_->Kill();
+  EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
+  EXPECT_EQ(third->engine->stats().adopted.load(), 0u);
+  EXPECT_EQ(fourth->engine->stats().adopted.load(), 1u);
+  EXPECT_EQ(Clock(*primary_, 3, 0), expected(3));
+  EXPECT_EQ(fourth->engine->stats().replicas_applied.load(), 2u) << "clocks 2 and 3";
+  primary_->Kill();
+  {
+    auto c = Rank(*third, 0);
+    const absl::Status s = c->Wait(c->Push(kKey, 4, Grad(0, 4, kN), false, 2), kWait);
+    EXPECT_TRUE(absl::IsNotFound(s)) << s;
+    EXPECT_NE(s.message().find("holds no copy"), std::string::npos) << s;
+  }
+  // At epoch 3: a rank that missed clock 3's answer gets it, and training continues.
+  {
+    auto c = Rank(*fourth, 1);
+    std::vector<float> out(kN);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 3, Grad(1, 3, kN), false, 3), kWait).ok());
+    ASSERT_TRUE(c->Wait(c->Pull(kKey, 3, out, kWait, 3), kWait).ok());
+    EXPECT_EQ(out, expected(3));
+  }
+  EXPECT_EQ(Clock(*fourth, 4, 3), expected(4));
+  EXPECT_EQ(Clock(*fourth, 5, 3), expected(5));
+  clients_.clear();
+  third.reset();
+  fourth.reset();
+}
+
+// A removed rank readmitted from clock F (the world grows again, docs/operations.md) is counted
+// from F by the key's backup too, which follows the primary's clocks by replicas only: promoted
+// before F, it waits for the rank's push of F and sums it.
+TEST_F(ReplicationTest, ABackupPromotedBeforeAReadmittedRanksFirstClockCountsItFromThere) {
+  auto spec = [&](uint32_t index) {
+    auto s = Spec(index, v1::UPDATE_RULE_SUM);
+    s.set_min_workers(1);
+    return s;
+  };
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(spec(0), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(spec(1), kWait).ok());
+  // Rank 1's agent registers with every server too (its connection to each is one of its).
+  ASSERT_TRUE(Rank(*backup_, 1)->RegisterTables(spec(1), kWait).ok());
+  Reference expected(spec(0), {});
+  EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
+  // Rank 1 dies: every server removes it (min_workers 1, no rejoin timeout).
+  for (Shard* shard : {primary_.get(), backup_.get()}) {
+    clients_[{shard, 1}]->Close();
+    clients_.erase({shard, 1});
+  }
+  for (Shard* shard : {primary_.get(), backup_.get()}) {
+    const absl::Time deadline = absl::Now() + kWait;
+    while (!shard->engine->RankRemoved(1, 1) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_TRUE(shard->engine->RankRemoved(1, 1));
+  }
+  auto alone = [&](uint64_t clock) {  // rank 0's clock at the primary: its own gradient
+    auto c = Rank(*primary_, 0);
+    std::vector<float> out(kN);
+    EXPECT_TRUE(c->Wait(c->Push(kKey, clock, Grad(0, clock, kN), false, 0), kWait).ok());
+    EXPECT_TRUE(c->Wait(c->Pull(kKey, clock, out, kWait, 0), kWait).ok());
+    EXPECT_EQ(out, Grad(0, clock, kN)) << "clock " << clock;
+  };
+  alone(2);
+  // Its replacement is readmitted from clock 4 on every server (as Agent::ReadmitToJob asks).
+  for (auto [shard, index] : {std::pair{primary_.get(), 0u}, std::pair{backup_.get(), 1u}}) {
+    auto readmit = spec(index);
+    readmit.set_readmit_from(4);
+    std::vector<KeyProgress> progress;
+    ASSERT_TRUE(Rank(*shard, 1)->RegisterTables(readmit, kWait, &progress).ok());
+    ASSERT_EQ(progress.size(), 1u);
+    EXPECT_EQ(progress[0].completed, 2u);
+  }
+  alone(3);
+  primary_->Kill();
+  // Clock 4 at the backup, promoted: both ranks' pushes, summed.
+  EXPECT_EQ(Clock(*backup_, 4, 1), expected(4));
+  EXPECT_EQ(Clock(*backup_, 5, 1), expected(5));
+}
+
+// The same for a key adopted by a third server (a standby of it), readmitted before the
+// adoption (the adopted key leaves the rank out until its clock) or after it (the readmission
+// reaches the adopted key): promoted, it counts the rank from that clock, not before.
+class AdoptedReadmissionTest : public ReplicationTest,
+                               public ::testing::WithParamInterface<bool> {};
+
+TEST_P(AdoptedReadmissionTest, AnAdoptedKeyCountsAReadmittedRankFromItsClock) {
+  const bool readmitted_first = GetParam();
+  auto third = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(third->server->Address());
+  auto spec = [&](uint32_t index) {
+    auto s = Spec(index, v1::UPDATE_RULE_SUM);
+    s.set_min_workers(1);
+    if (index == 2) {
+      *s.add_standby_tables() = s.tables(0);
+      s.clear_tables();
+    }
+    return s;
+  };
+  Shard* shards[3] = {primary_.get(), backup_.get(), third.get()};
+  for (uint32_t i = 0; i < 3; ++i) {
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      ASSERT_TRUE(Rank(*shards[i], rank)->RegisterTables(spec(i), kWait).ok());
+    }
+  }
+  Reference expected(spec(0), {});
+  EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
+  for (Shard* shard : shards) {
+    clients_[{shard, 1}]->Close();
+    clients_.erase({shard, 1});
+  }
+  for (Shard* shard : shards) {
+    const absl::Time deadline = absl::Now() + kWait;
+    while (!shard->engine->RankRemoved(1, 1) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_TRUE(shard->engine->RankRemoved(1, 1));
+  }
+  // Rank 0's clock alone at `shard` (epoch `epoch`): its own gradient.
+  auto alone = [&](Shard& shard, uint64_t clock, uint32_t epoch) {
+    auto c = Rank(shard, 0);
+    std::vector<float> out(kN);
+    EXPECT_TRUE(c->Wait(c->Push(kKey, clock, Grad(0, clock, kN), false, epoch), kWait).ok());
+    const absl::Status s = c->Wait(c->Pull(kKey, clock, out, absl::Seconds(5), epoch), kWait);
+    EXPECT_TRUE(s.ok()) << "clock " << clock << ": " << s;
+    EXPECT_EQ(out, Grad(0, clock, kN)) << "clock " << clock;
+  };
+  // Readmitted from clock 5 on the servers alive.
+  auto readmit = [&](std::initializer_list<uint32_t> servers) {
+    for (uint32_t i : servers) {
+      auto r = spec(i);
+      r.set_readmit_from(5);
+      ASSERT_TRUE(Rank(*shards[i], 1)->RegisterTables(r, kWait).ok()) << "server " << i;
+    }
+  };
+  alone(*primary_, 2, 0);
+  if (readmitted_first) readmit({0, 1, 2});
+  backup_->Kill();
+  alone(*primary_, 3, 0);  // server 2 adopts the key at clock 3
+  EXPECT_EQ(third->engine->stats().adopted.load(), 1u);
+  if (!readmitted_first) readmit({0, 2});
+  primary_->Kill();
+  alone(*third, 4, 2);  // promoted: clock 4 without rank 1
+  EXPECT_EQ(Clock(*third, 5, 2), expected(5));  // and clock 5 with it
+  clients_.clear();
+  third.reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(BeforeOrAfter, AdoptedReadmissionTest, ::testing::Bool());
 
 // A dead backup does not stop its primary: the replica fails, the backup is given up, and the
 // clock is answered.
