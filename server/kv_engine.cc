@@ -1084,11 +1084,13 @@ absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) 
     const uint64_t bytes = job->standby_bytes[t.primary()];
     if (first) room->second = ReserveMemory(bytes);
     if (!room->second) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+      absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
           "this server (", job->Server(job->self), ") has no room to adopt the keys of job ",
           h.job_id, " first held by ", job->Server(t.primary()), " (", bytes,
           " bytes; its --max_memory is ", options_.max_memory_bytes, ", ", MemoryLeft(),
           " bytes left): the next server of their chain is asked instead"));
+      if (first) PSD_LOG_WARN("{}", refused.message());
+      return refused;
     }
   }
   std::unique_ptr<Key> k = NewKey(job, spec, t, t.keys(it->second.index));
