@@ -257,19 +257,17 @@ absl::Status CoordinatorClient::ReportTelemetry(v1::ReportTelemetryRequest reque
 }
 
 absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
-    uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world,
-    uint64_t took_up_at, const std::vector<uint32_t>& peers_gone,
-    const std::map<uint64_t, std::vector<uint32_t>>& ranks_gone) {
+    const HeartbeatReport& report) {
   v1::HeartbeatRequest request;
   FillHeader(request.mutable_header());
   request.set_role(role());
-  request.set_iteration(iteration);
-  request.set_plan_epoch(plan_epoch);
-  request.set_live_world(world.first);
-  request.set_world_generation(world.second);
-  request.set_took_up_at(took_up_at);
-  for (uint32_t rank : peers_gone) request.add_peers_gone(rank);
-  for (const auto& [job, ranks] : ranks_gone) {
+  request.set_iteration(report.iteration);
+  request.set_plan_epoch(report.plan_epoch);
+  request.set_live_world(report.world.first);
+  request.set_world_generation(report.world.second);
+  request.set_took_up_at(report.took_up_at);
+  for (uint32_t rank : report.peers_gone) request.add_peers_gone(rank);
+  for (const auto& [job, ranks] : report.ranks_gone) {
     v1::RanksGone* gone = request.add_ranks_gone();
     gone->set_job_id(absl::StrCat(job));
     for (uint32_t rank : ranks) gone->add_ranks(rank);
@@ -443,14 +441,14 @@ void HeartbeatLoop::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     lock.unlock();
-    const uint64_t iteration = options_.iteration ? options_.iteration() : 0;
-    const uint64_t plan_epoch = options_.plan_epoch ? options_.plan_epoch() : client_->plan_epoch();
-    const std::pair<uint32_t, uint64_t> world =
-        options_.world ? options_.world() : std::pair<uint32_t, uint64_t>{0, 0};
-    const absl::StatusOr<v1::HeartbeatResponse> result = client_->Heartbeat(
-        iteration, plan_epoch, world, options_.took_up_at ? options_.took_up_at() : 0,
-        options_.peers_gone ? options_.peers_gone() : std::vector<uint32_t>{},
-        options_.ranks_gone ? options_.ranks_gone() : std::map<uint64_t, std::vector<uint32_t>>{});
+    CoordinatorClient::HeartbeatReport report;
+    if (options_.iteration) report.iteration = options_.iteration();
+    report.plan_epoch = options_.plan_epoch ? options_.plan_epoch() : client_->plan_epoch();
+    if (options_.world) report.world = options_.world();
+    if (options_.took_up_at) report.took_up_at = options_.took_up_at();
+    if (options_.peers_gone) report.peers_gone = options_.peers_gone();
+    if (options_.ranks_gone) report.ranks_gone = options_.ranks_gone();
+    const absl::StatusOr<v1::HeartbeatResponse> result = client_->Heartbeat(report);
     if (options_.on_result) {
       options_.on_result(result);
     } else if (!result.ok()) {

@@ -120,15 +120,18 @@ class CoordinatorClient {
   // A whole report (the header is filled in), with its own deadline.
   absl::Status ReportTelemetry(poseidon::v1::ReportTelemetryRequest request,
                                absl::Duration timeout);
+  // What one heartbeat reports (HeartbeatRequest's fields).
+  struct HeartbeatReport {
+    uint64_t iteration = 0;
+    uint64_t plan_epoch = 0;
+    std::pair<uint32_t, uint64_t> world{0, 0};  // live_world, world_generation (0, 0: none)
+    uint64_t took_up_at = 0;
+    std::vector<uint32_t> peers_gone;                      // agents
+    std::map<uint64_t, std::vector<uint32_t>> ranks_gone;  // KV servers, by job id
+  };
   // One heartbeat. A response with shutdown = true means this node id was declared dead or
   // replaced: stop, or register anew.
-  // `world`: HeartbeatRequest.live_world and world_generation (0, 0: not reported);
-  // `took_up_at`: HeartbeatRequest.took_up_at; `peers_gone`: HeartbeatRequest.peers_gone;
-  // `ranks_gone` (KV servers, by job id): HeartbeatRequest.ranks_gone.
-  absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(
-      uint64_t iteration, uint64_t plan_epoch, std::pair<uint32_t, uint64_t> world = {0, 0},
-      uint64_t took_up_at = 0, const std::vector<uint32_t>& peers_gone = {},
-      const std::map<uint64_t, std::vector<uint32_t>>& ranks_gone = {});
+  absl::StatusOr<poseidon::v1::HeartbeatResponse> Heartbeat(const HeartbeatReport& report);
   // failed: leaving because of an error (HeartbeatResponse.departed tells the job's agents).
   absl::Status Deregister(absl::string_view reason, bool failed = false);
   absl::StatusOr<poseidon::v1::GetClusterStatusResponse> GetClusterStatus();

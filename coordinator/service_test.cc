@@ -172,7 +172,7 @@ TEST_F(CoordinatorServiceTest, RestartOnTheSameGpuTakesTheRankOver) {
   EXPECT_EQ(registered->rank(), 0u);
   EXPECT_NE(registered->node_id(), old_agent->node_id());
   // The replaced process is told to stop.
-  auto heartbeat = old_agent->Heartbeat(0, 0);
+  auto heartbeat = old_agent->Heartbeat({});
   ASSERT_TRUE(heartbeat.ok()) << heartbeat.status();
   EXPECT_TRUE(heartbeat->shutdown());
 }
@@ -204,7 +204,7 @@ TEST_F(CoordinatorServiceTest, WrongOrMissingTokenIsRefusedOnEveryCall) {
     EXPECT_STATUS(client->GetPlan().status(), kUnauthenticated, expected);
     EXPECT_STATUS(client->WaitForPlan(1, absl::Seconds(5)).status(), kUnauthenticated, expected);
     EXPECT_STATUS(client->ReportTelemetry({}, 0), kUnauthenticated, expected);
-    EXPECT_STATUS(client->Heartbeat(0, 0).status(), kUnauthenticated, expected);
+    EXPECT_STATUS(client->Heartbeat({}).status(), kUnauthenticated, expected);
     EXPECT_STATUS(client->Deregister("bye"), kUnauthenticated, expected);
     EXPECT_STATUS(client->GetClusterStatus().status(), kUnauthenticated, expected);
     EXPECT_STATUS(client->SetLayerSchemes({{"fc.weight", v1::SYNC_SCHEME_PS}}).status(),
@@ -418,7 +418,7 @@ TEST_F(CoordinatorServiceTest, SetLayerSchemesInstallsAnEpochThatWakesLongPolls)
   ASSERT_EQ(first.layers(2).layer_name(), "fc.weight");
   const v1::SyncScheme other =
       first.layers(2).scheme() == v1::SYNC_SCHEME_SFB ? v1::SYNC_SCHEME_PS : v1::SYNC_SCHEME_SFB;
-  ASSERT_TRUE(members[0].client->Heartbeat(200, 1).ok());
+  ASSERT_TRUE(members[0].client->Heartbeat({.iteration = 200, .plan_epoch = 1}).ok());
 
   // An agent's watcher waits for epoch 2.
   absl::StatusOr<v1::Plan> awaited = absl::UnknownError("");
@@ -474,7 +474,7 @@ TEST_F(CoordinatorServiceTest, SetLayerSchemesInstallsAnEpochThatWakesLongPolls)
   EXPECT_GT(cleared->plan().effective_iteration(), plan->effective_iteration());
 
   // Status shows the epoch each agent says it runs, next to the job's.
-  ASSERT_TRUE(members[0].client->Heartbeat(205, 2).ok());
+  ASSERT_TRUE(members[0].client->Heartbeat({.iteration = 205, .plan_epoch = 2}).ok());
   auto status = tool->GetClusterStatus();
   ASSERT_TRUE(status.ok()) << status.status();
   ASSERT_EQ(status->jobs_size(), 1);
@@ -492,7 +492,7 @@ TEST_F(CoordinatorServiceTest, ServerRejoiningWithNewEndpointsGetsANewPlanEpoch)
   std::vector<Member> members = FormWorld(1);
   auto plans = RegisterModels(members, TinyModel());
   ASSERT_TRUE(plans[0].ok()) << plans[0].status();
-  ASSERT_TRUE(members[0].client->Heartbeat(42, 1).ok());
+  ASSERT_TRUE(members[0].client->Heartbeat({.iteration = 42, .plan_epoch = 1}).ok());
 
   // The server restarts on another port and re-joins under its old id.
   auto restarted = Client("", kClusterToken);
@@ -546,7 +546,7 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsDeclaredDeadAndCanBeReplaced) {
   EXPECT_EQ(state_of(server->node_id()).state(), v1::NODE_STATE_ALIVE);
 
   // The dead node is told to stop, and its calls say why.
-  auto heartbeat = silent->Heartbeat(0, 0);
+  auto heartbeat = silent->Heartbeat({});
   ASSERT_TRUE(heartbeat.ok()) << heartbeat.status();
   EXPECT_TRUE(heartbeat->shutdown());
   EXPECT_GT(heartbeat->header().epoch(), epoch_before);
@@ -1093,7 +1093,7 @@ TEST_F(CoordinatorServiceTest, RandomGarbageNeverStopsTheCoordinator) {
   EXPECT_GT(malformed, 0) << "random bytes that all parsed";
 
   // Still serving.
-  auto heartbeat = agent->Heartbeat(1, 0);
+  auto heartbeat = agent->Heartbeat({.iteration = 1});
   EXPECT_TRUE(heartbeat.ok()) << heartbeat.status();
 }
 

@@ -57,7 +57,9 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
   ASSERT_EQ(plans[0]->layers(2).layer_name(), "fc.weight");
   const bool sfb = plans[0]->layers(2).scheme() == v1::SYNC_SCHEME_SFB;
   const std::string other = sfb ? "ps" : "sfb";
-  for (Member& member : members) ASSERT_TRUE(member.client->Heartbeat(100, 1).ok());
+  for (Member& member : members) {
+    ASSERT_TRUE(member.client->Heartbeat({.iteration = 100, .plan_epoch = 1}).ok());
+  }
   const std::string base = absl::StrCat("plan --coordinator ", server_->address(), " --job ", kJobA,
                                         " --token ", kTokenA);
 
@@ -124,7 +126,7 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
   EXPECT_EQ(members[0].client->GetPlan()->plan_epoch(), 3u);  // no refusal installed anything
 
   // Status: the job is on epoch 3, its agents said they run epoch 1; then one moves to 3.
-  ASSERT_TRUE(members[0].client->Heartbeat(120, 3).ok());
+  ASSERT_TRUE(members[0].client->Heartbeat({.iteration = 120, .plan_epoch = 3}).ok());
   const std::string status = absl::StrCat("status --coordinator ", server_->address(), " --job ",
                                           kJobA, " --token ", kTokenA);
   run = Stdout(status);
@@ -133,7 +135,7 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
   EXPECT_THAT(run.output, HasSubstr("1 (job: 3)"));
   EXPECT_THAT(run.output, HasSubstr("plan epoch 3 (from iteration "));
   EXPECT_THAT(run.output, HasSubstr("; agents on epoch 1: 1 of 2, 3: 1 of 2"));
-  ASSERT_TRUE(members[1].client->Heartbeat(121, 3).ok());
+  ASSERT_TRUE(members[1].client->Heartbeat({.iteration = 121, .plan_epoch = 3}).ok());
   run = Stdout(status);
   EXPECT_THAT(run.output, HasSubstr("; every agent on epoch 3"));
   run = Stdout(status + " --json");
@@ -173,7 +175,8 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
 
   // A world that shrank (an agent's heartbeat says so): the status shows what it trains with.
   EXPECT_THAT(run.output, Not(HasSubstr("training with")));
-  ASSERT_TRUE(members[1].client->Heartbeat(123, 3, {1, 1}).ok());
+  ASSERT_TRUE(
+      members[1].client->Heartbeat({.iteration = 123, .plan_epoch = 3, .world = {1, 1}}).ok());
   run = Stdout(status);
   EXPECT_THAT(run.output, HasSubstr("world size 2 (training with 1 now, world generation 1)"));
   run = Stdout(status + " --json");
