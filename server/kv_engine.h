@@ -143,6 +143,10 @@ class KvEngine {
   ~KvEngine();  // stops the workers (pending pulls get Unavailable)
 
   const EngineStats& stats() const { return stats_; }
+  // The memory the tables this server holds take (every job's registered tables and the keys it
+  // adopted), which --max_memory (EngineOptions::max_memory_bytes) bounds.
+  uint64_t memory_used() const { return used_bytes_.load(std::memory_order_relaxed); }
+  uint64_t max_memory() const { return options_.max_memory_bytes; }
 
   // The replication of every replicated job's keys on this server, by job id: each worker
   // counts its own keys (a task on its thread). Waits up to `timeout` for the workers; a worker

@@ -437,6 +437,11 @@ TEST_F(ReplicationTest, AServerWithNoRoomRefusesToAdoptAndTheNextOneOfTheChainDo
   EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
   EXPECT_EQ(third->engine->stats().adopted.load(), 0u);
   EXPECT_EQ(fourth->engine->stats().adopted.load(), 1u);
+  // What --max_memory counts: the key's sum and aggregate (2 * 300 floats) on the primary, the
+  // backup and the adopter, none on the server that had no room.
+  EXPECT_EQ(primary_->engine->memory_used(), 2 * kN * sizeof(float));
+  EXPECT_EQ(third->engine->memory_used(), 0u);
+  EXPECT_EQ(fourth->engine->memory_used(), 2 * kN * sizeof(float));
   EXPECT_EQ(Clock(*primary_, 3, 0), expected(3));
   EXPECT_EQ(fourth->engine->stats().replicas_applied.load(), 2u) << "clocks 2 and 3";
   primary_->Kill();

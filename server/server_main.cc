@@ -379,7 +379,16 @@ int Main(int argc, char** argv) {
     };
     prometheus::Gauge* by_tcp = by_transport("tcp");
     prometheus::Gauge* by_rdma = by_transport("rdma");
+    auto* table_bytes = registry
+                            .GetGauge("poseidon_server_table_bytes",
+                                      "Memory the tables this server holds take (the keys it "
+                                      "adopted included); --max_memory bounds it")
+                            .value();
+    registry.GetGauge("poseidon_server_max_memory_bytes", "--max_memory")
+        .value()
+        ->Set(static_cast<double>(engine->max_memory()));
     while (!stop_metrics.load()) {
+      table_bytes->Set(static_cast<double>(engine->memory_used()));
       for (auto& e : exported) {
         const uint64_t now = e.source->load(std::memory_order_relaxed);
         e.counter->Increment(static_cast<double>(now - e.last));
