@@ -515,6 +515,25 @@ struct FailoverJob {
           << "agent " << r << ": " << cluster.agent(r).ReadAll(milliseconds(1000));
     }
   }
+  // SIGKILLs server `first` once rank 0 ended iteration `first_after`, then server `second`
+  // once it ended `second_after`; true once both were killed. `early` gets what rank 0 printed.
+  bool KillInTurn(int first, int first_after, int second, int second_after, std::string& early) {
+    const std::string first_at = "iteration " + std::to_string(first_after) + " ends";
+    const std::string second_at = "iteration " + std::to_string(second_after) + " ends";
+    bool killed_first = false;
+    while (auto line = synths[0]->ReadLine(milliseconds(60000))) {
+      early += *line + "\n";
+      if (!killed_first && line->find(first_at) != std::string::npos) {
+        cluster.server(first).Signal(SIGKILL);
+        killed_first = true;
+      }
+      if (line->find(second_at) != std::string::npos) {
+        cluster.server(second).Signal(SIGKILL);
+        return killed_first;
+      }
+    }
+    return false;
+  }
   int iterations;
   Cluster cluster;
   std::vector<std::unique_ptr<Subprocess>> synths;
@@ -584,20 +603,7 @@ TEST(Failover, TwoServersOfOneChainKilledInTurnCostNothing) {
     FailoverJob job(kIterations);
     ASSERT_TRUE(job.cluster.ok());
     std::string early;
-    bool killed_first = false, killed_second = false;
-    while (auto line = job.synths[0]->ReadLine(milliseconds(60000))) {
-      early += *line + "\n";
-      if (!killed_first && line->find("iteration 2 ends") != std::string::npos) {
-        job.cluster.server(first).Signal(SIGKILL);
-        killed_first = true;
-      }
-      if (line->find("iteration 30 ends") != std::string::npos) {
-        job.cluster.server(second).Signal(SIGKILL);
-        killed_second = true;
-        break;
-      }
-    }
-    ASSERT_TRUE(killed_first && killed_second) << early;
+    ASSERT_TRUE(job.KillInTurn(first, 2, second, 30, early)) << early;
     job.ExpectEveryRankExact(early);
     if (::testing::Test::HasFailure()) return;
   }
@@ -613,20 +619,7 @@ TEST(Failover, AServerWithNoRoomToAdoptIsPassedOverAndTheNextOneTakesTheKeys) {
   FailoverJob job(kIterations, {{2, {"--max_memory=1500000"}}});
   ASSERT_TRUE(job.cluster.ok());
   std::string early;
-  bool killed_first = false, killed_second = false;
-  while (auto line = job.synths[0]->ReadLine(milliseconds(60000))) {
-    early += *line + "\n";
-    if (!killed_first && line->find("iteration 2 ends") != std::string::npos) {
-      job.cluster.server(1).Signal(SIGKILL);
-      killed_first = true;
-    }
-    if (line->find("iteration 20 ends") != std::string::npos) {
-      job.cluster.server(0).Signal(SIGKILL);
-      killed_second = true;
-      break;
-    }
-  }
-  ASSERT_TRUE(killed_first && killed_second) << early;
+  ASSERT_TRUE(job.KillInTurn(1, 2, 0, 20, early)) << early;
   job.ExpectEveryRankExact(early);
   const std::string full = job.cluster.server(2).ReadAll(milliseconds(500));
   EXPECT_NE(full.find("has no room to adopt the keys of job 1 first held by server 0"),
