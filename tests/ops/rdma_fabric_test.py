@@ -90,7 +90,7 @@ def start_job(args, name, daemons, segments, rank_env=None, transport="rdma"):
     return addr, servers, agents
 
 
-def synths(args, segments, daemons):
+def synths(args, segments, daemons, print_rank0=False):
     out = []
     for rank, segment in enumerate(segments):
         out.append(Daemon(f"rank {rank}", [
@@ -101,7 +101,8 @@ def synths(args, segments, daemons):
             # process): in CI's ThreadSanitizer stage on two loaded vCPUs rank 2's training
             # process once found its agent's heartbeat 5 s old while it registered (the default
             # agent timeout), which ended that run.
-            "--agent_timeout_ms=30000"]))
+            "--agent_timeout_ms=30000"] + (["--print_iterations"] if print_rank0 and rank == 0
+                                           else [])))
         daemons.append(out[-1])
     return out
 
@@ -229,12 +230,17 @@ def server_killed(args, rng, trial):
     daemons, segments = [], []
     try:
         _, servers, _ = start_job(args, f"kill{trial}", daemons, segments)
-        ranks = synths(args, segments, daemons)
+        ranks = synths(args, segments, daemons, print_rank0=True)
         at = rng.uniform(0.5, 4.0)
-        time.sleep(at)  # a random moment of the training
+        # A random moment of the training: counted from rank 0's first iteration, since in CI's
+        # ThreadSanitizer stage the ranks may still be registering seconds after they started
+        # (a server lost while the agents register its tables fails the job at start-up).
+        ranks[0].wait_for(r"iteration 1 ends", timeout=120)
+        time.sleep(at)
         victim = servers[trial % 2]
         os.killpg(victim.proc.pid, signal.SIGKILL)
-        print(f"trial {trial}: {victim.name} SIGKILLed {at:.2f} s into the training", flush=True)
+        print(f"trial {trial}: {victim.name} SIGKILLed {at:.2f} s after the first iteration",
+              flush=True)
         exact(ranks, f"trial {trial}, {victim.name} killed")
     finally:
         stop_all(daemons, segments)
