@@ -102,12 +102,15 @@ struct JobState {
   std::set<uint32_t> backups_lost;
   std::set<uint32_t> fenced_by;  // the servers that took keys over from this one
   std::set<uint32_t> adoptions_logged;  // first primaries whose keys this server adopted
-  // Adoption takes memory (--max_memory) for all the standby keys of one first primary at once
-  // (standby_bytes, set at registration), at the first of them: the agents move every key of
-  // one first primary together (one epoch), so a server holds all of them or none. Under mu:
-  // true once reserved, false once refused (no room).
-  std::map<uint32_t, uint64_t> standby_bytes;
-  std::map<uint32_t, bool> adoption_room;
+  // Adoption takes memory (--max_memory) for all the standby keys of one first primary at once,
+  // at the first of them: the agents move every key of one first primary together (one epoch),
+  // so a server holds all of them or none. By first primary, under mu: the bytes, and whether
+  // they were reserved (false: refused, no room).
+  struct AdoptionRoom {
+    uint64_t bytes = 0;
+    bool reserved = false;
+  };
+  std::map<uint32_t, AdoptionRoom> adoption_room;
   // Replication: the tables this server stands by for (RegisterTablesRequest.standby_tables)
   // and the registration without any tables (what an adopted key is made from); set at
   // registration, then only read.
@@ -207,6 +210,13 @@ struct KvEngine::Key {
     join_at[rank] = 0;
     ++active;
     if (average) grad_scale = 1.0f / static_cast<float>(active);
+  }
+  // Counts again the ranks readmitted from the clock after `completed` (or before it: a backup
+  // follows the primary's clocks by replicas, an adopted key starts at the frame's clock).
+  void AdmitReadmitted() {
+    for (uint32_t r = 0; r < join_at.size(); ++r) {
+      if (join_at[r] != 0 && join_at[r] <= completed + 1 && Removed(r)) Admit(r);
+    }
   }
   void SizeMembership() {
     if (removed.empty()) {
@@ -635,9 +645,9 @@ void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {
 
 namespace {
 
-// Validates a registration and returns the memory its tables need: per element, the aggregation
-// buffer plus the result (sum) or the parameters and the optimizer's state.
-// The memory a key of table `t` takes on a server that holds it (--max_memory counts it).
+// The memory a key of table `t` takes on a server that holds it (--max_memory counts it): per
+// element, the aggregation buffer plus the result (sum) or the parameters and the optimizer's
+// state.
 uint64_t KeyMemory(const v1::KvTableSpec& t, const v1::RegisterTablesRequest& spec,
                    uint64_t elements) {
   const v1::UpdateRule rule = t.update_rule().rule();
@@ -653,6 +663,7 @@ uint64_t KeyMemory(const v1::KvTableSpec& t, const v1::RegisterTablesRequest& sp
   return elements * sizeof(float) * copies;
 }
 
+// Validates a registration and returns the memory its held tables need.
 absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
                                       const EngineOptions& options) {
   uint64_t bytes = 0;
@@ -923,9 +934,6 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   job->self = spec.server_index();
   for (const auto& t : spec.tables()) job->total_keys += t.keys_size();
   job->standby_tables.assign(spec.standby_tables().begin(), spec.standby_tables().end());
-  for (const auto& t : spec.standby_tables()) {
-    for (const auto& k : t.keys()) job->standby_bytes[t.primary()] += KeyMemory(t, spec, k.elements());
-  }
   job->standby_spec = spec;
   job->standby_spec.clear_tables();
   job->standby_spec.clear_standby_tables();
@@ -1080,13 +1088,20 @@ absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) 
     // The memory for every key of this first primary's that this server stands by for, taken
     // (or refused) at the first of them: it holds all of them or none.
     std::lock_guard<std::mutex> lock(job->mu);
-    auto [room, first] = job->adoption_room.try_emplace(t.primary(), false);
-    const uint64_t bytes = job->standby_bytes[t.primary()];
-    if (first) room->second = ReserveMemory(bytes);
-    if (!room->second) {
+    auto [room, first] = job->adoption_room.try_emplace(t.primary());
+    if (first) {
+      for (const v1::KvTableSpec& other : job->standby_tables) {
+        if (other.primary() != t.primary()) continue;
+        for (const auto& k : other.keys()) {
+          room->second.bytes += KeyMemory(other, spec, k.elements());
+        }
+      }
+      room->second.reserved = ReserveMemory(room->second.bytes);
+    }
+    if (!room->second.reserved) {
       absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
           "this server (", job->Server(job->self), ") has no room to adopt the keys of job ",
-          h.job_id, " first held by ", job->Server(t.primary()), " (", bytes,
+          h.job_id, " first held by ", job->Server(t.primary()), " (", room->second.bytes,
           " bytes; its --max_memory is ", options_.max_memory_bytes, ", ", MemoryLeft(),
           " bytes left): the next server of their chain is asked instead"));
       if (first) PSD_LOG_WARN("{}", refused.message());
@@ -1278,8 +1293,8 @@ void KvEngine::Complete(Worker& w, Key& k) {
       k.leaving[r] = 0;
       k.Drop(r);
     }
-    if (k.join_at[r] == k.completed + 1 && k.Removed(r)) k.Admit(r);  // readmitted from the next
   }
+  k.AdmitReadmitted();  // readmitted from the next
   stats_.clocks_completed.fetch_add(1, std::memory_order_relaxed);
   if (!StartReplication(w, k, k.completed)) AnswerPulls(w, k);
   if (k.job->any_pending.load(std::memory_order_acquire)) ContributeSnapshot(k);
@@ -1540,11 +1555,7 @@ void KvEngine::Replicate(RequestContext request, PooledBuffer payload,
     done();
     if (init) return;
     k.completed = h.clock;
-    // A rank readmitted from a clock up to the next one counts from there, as Complete admits
-    // it on the primary: a backup promoted later needs its pushes.
-    for (uint32_t r = 0; r < k.join_at.size(); ++r) {
-      if (k.join_at[r] != 0 && k.join_at[r] <= k.completed + 1 && k.Removed(r)) k.Admit(r);
-    }
+    k.AdmitReadmitted();  // as Complete on the primary: a backup promoted later needs its pushes
     MaybeSchedulePeriodicSnapshot(k);
     if (k.job->any_pending.load(std::memory_order_acquire)) ContributeSnapshot(k);
   });

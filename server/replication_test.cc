@@ -98,6 +98,13 @@ class ReplicationTest : public ::testing::Test {
     k->set_elements(kN);
     return r;
   }
+  // The same registration with its table as a standby table (what the agents send a server of
+  // the chain that holds no copy from the start).
+  static v1::RegisterTablesRequest AsStandby(v1::RegisterTablesRequest r) {
+    *r.add_standby_tables() = r.tables(0);
+    r.clear_tables();
+    return r;
+  }
   std::shared_ptr<KvClient> Client(const Shard& shard, uint32_t rank) {
     auto c = KvClient::Connect(*ctx_, shard.server->Address(), 1, rank,
                                transport::RankKey(kSecret, 1, rank), absl::Seconds(10));
@@ -109,6 +116,30 @@ class ReplicationTest : public ::testing::Test {
     auto& c = clients_[{&shard, rank}];
     if (c == nullptr) c = Client(shard, rank);
     return c;
+  }
+  // `rank` dies: its connections to `shards` close, and each server removes it (a job with
+  // min_workers and no rejoin timeout), which this waits for.
+  void LoseRank(std::initializer_list<Shard*> shards, uint32_t rank) {
+    for (Shard* shard : shards) {
+      clients_[{shard, rank}]->Close();
+      clients_.erase({shard, rank});
+    }
+    for (Shard* shard : shards) {
+      const absl::Time deadline = absl::Now() + kWait;
+      while (!shard->engine->RankRemoved(1, rank) && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+      ASSERT_TRUE(shard->engine->RankRemoved(1, rank));
+    }
+  }
+  // Rank 0 alone (rank 1 removed) pushes `clock` to `shard` at `epoch`: the answer is its own.
+  void Alone(Shard& shard, uint64_t clock, uint32_t epoch) {
+    auto c = Rank(shard, 0);
+    std::vector<float> out(kN);
+    EXPECT_TRUE(c->Wait(c->Push(kKey, clock, Grad(0, clock, kN), false, epoch), kWait).ok());
+    const absl::Status s = c->Wait(c->Pull(kKey, clock, out, absl::Seconds(5), epoch), kWait);
+    EXPECT_TRUE(s.ok()) << "clock " << clock << ": " << s;
+    EXPECT_EQ(out, Grad(0, clock, kN)) << "clock " << clock;
   }
   // Both ranks push `clock` to `shard` at `epoch` and pull it; returns rank 0's result.
   std::vector<float> Clock(Shard& shard, uint64_t clock, uint32_t epoch) {
@@ -307,9 +338,7 @@ TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNot
   auto third = std::make_unique<Shard>(ctx_);
   addresses_.push_back(third->server->Address());
   // Server 2's registration: the table as a standby table (what the agents send it).
-  auto standby = Spec(2, rule);
-  *standby.add_standby_tables() = standby.tables(0);
-  standby.clear_tables();
+  const auto standby = AsStandby(Spec(2, rule));
   ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
   ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
   ASSERT_TRUE(Rank(*third, 0)->RegisterTables(standby, kWait).ok());
@@ -366,14 +395,9 @@ TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNot
 TEST_F(ReplicationTest, AForgedAdoptionIsRefusedAndCreatesNoKey) {
   auto third = std::make_unique<Shard>(ctx_);
   addresses_.push_back(third->server->Address());
-  auto standby = Spec(2, v1::UPDATE_RULE_SUM);
-  *standby.add_standby_tables() = standby.tables(0);
-  standby.clear_tables();
-  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(standby, kWait).ok());
+  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(AsStandby(Spec(2, v1::UPDATE_RULE_SUM)), kWait).ok());
   // Listed as standby where the server holds a copy from the start: refused.
-  auto wrong = Spec(1, v1::UPDATE_RULE_SUM);
-  *wrong.add_standby_tables() = wrong.tables(0);
-  wrong.clear_tables();
+  const auto wrong = AsStandby(Spec(1, v1::UPDATE_RULE_SUM));
   EXPECT_TRUE(absl::IsInvalidArgument(Rank(*backup_, 0)->RegisterTables(wrong, kWait)));
   auto as_server = [&](uint32_t index) {
     auto c = KvClient::Connect(*ctx_, third->server->Address(), 1, transport::ServerRank(index),
@@ -421,12 +445,7 @@ TEST_F(ReplicationTest, AServerWithNoRoomRefusesToAdoptAndTheNextOneOfTheChainDo
   auto fourth = std::make_unique<Shard>(ctx_);
   addresses_.push_back(third->server->Address());
   addresses_.push_back(fourth->server->Address());
-  auto standby = [&](uint32_t index) {
-    auto spec = Spec(index, v1::UPDATE_RULE_SUM);
-    *spec.add_standby_tables() = spec.tables(0);
-    spec.clear_tables();
-    return spec;
-  };
+  auto standby = [&](uint32_t index) { return AsStandby(Spec(index, v1::UPDATE_RULE_SUM)); };
   ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
   ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
   ASSERT_TRUE(Rank(*third, 0)->RegisterTables(standby(2), kWait).ok()) << "a standby takes none";
@@ -481,26 +500,8 @@ TEST_F(ReplicationTest, ABackupPromotedBeforeAReadmittedRanksFirstClockCountsItF
   ASSERT_TRUE(Rank(*backup_, 1)->RegisterTables(spec(1), kWait).ok());
   Reference expected(spec(0), {});
   EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
-  // Rank 1 dies: every server removes it (min_workers 1, no rejoin timeout).
-  for (Shard* shard : {primary_.get(), backup_.get()}) {
-    clients_[{shard, 1}]->Close();
-    clients_.erase({shard, 1});
-  }
-  for (Shard* shard : {primary_.get(), backup_.get()}) {
-    const absl::Time deadline = absl::Now() + kWait;
-    while (!shard->engine->RankRemoved(1, 1) && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    ASSERT_TRUE(shard->engine->RankRemoved(1, 1));
-  }
-  auto alone = [&](uint64_t clock) {  // rank 0's clock at the primary: its own gradient
-    auto c = Rank(*primary_, 0);
-    std::vector<float> out(kN);
-    EXPECT_TRUE(c->Wait(c->Push(kKey, clock, Grad(0, clock, kN), false, 0), kWait).ok());
-    EXPECT_TRUE(c->Wait(c->Pull(kKey, clock, out, kWait, 0), kWait).ok());
-    EXPECT_EQ(out, Grad(0, clock, kN)) << "clock " << clock;
-  };
-  alone(2);
+  ASSERT_NO_FATAL_FAILURE(LoseRank({primary_.get(), backup_.get()}, 1));
+  Alone(*primary_, 2, 0);
   // Its replacement is readmitted from clock 4 on every server (as Agent::ReadmitToJob asks).
   for (auto [shard, index] : {std::pair{primary_.get(), 0u}, std::pair{backup_.get(), 1u}}) {
     auto readmit = spec(index);
@@ -510,7 +511,7 @@ TEST_F(ReplicationTest, ABackupPromotedBeforeAReadmittedRanksFirstClockCountsItF
     ASSERT_EQ(progress.size(), 1u);
     EXPECT_EQ(progress[0].completed, 2u);
   }
-  alone(3);
+  Alone(*primary_, 3, 0);
   primary_->Kill();
   // Clock 4 at the backup, promoted: both ranks' pushes, summed.
   EXPECT_EQ(Clock(*backup_, 4, 1), expected(4));
@@ -530,11 +531,7 @@ TEST_P(AdoptedReadmissionTest, AnAdoptedKeyCountsAReadmittedRankFromItsClock) {
   auto spec = [&](uint32_t index) {
     auto s = Spec(index, v1::UPDATE_RULE_SUM);
     s.set_min_workers(1);
-    if (index == 2) {
-      *s.add_standby_tables() = s.tables(0);
-      s.clear_tables();
-    }
-    return s;
+    return index == 2 ? AsStandby(s) : s;
   };
   Shard* shards[3] = {primary_.get(), backup_.get(), third.get()};
   for (uint32_t i = 0; i < 3; ++i) {
@@ -544,26 +541,7 @@ TEST_P(AdoptedReadmissionTest, AnAdoptedKeyCountsAReadmittedRankFromItsClock) {
   }
   Reference expected(spec(0), {});
   EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
-  for (Shard* shard : shards) {
-    clients_[{shard, 1}]->Close();
-    clients_.erase({shard, 1});
-  }
-  for (Shard* shard : shards) {
-    const absl::Time deadline = absl::Now() + kWait;
-    while (!shard->engine->RankRemoved(1, 1) && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    ASSERT_TRUE(shard->engine->RankRemoved(1, 1));
-  }
-  // Rank 0's clock alone at `shard` (epoch `epoch`): its own gradient.
-  auto alone = [&](Shard& shard, uint64_t clock, uint32_t epoch) {
-    auto c = Rank(shard, 0);
-    std::vector<float> out(kN);
-    EXPECT_TRUE(c->Wait(c->Push(kKey, clock, Grad(0, clock, kN), false, epoch), kWait).ok());
-    const absl::Status s = c->Wait(c->Pull(kKey, clock, out, absl::Seconds(5), epoch), kWait);
-    EXPECT_TRUE(s.ok()) << "clock " << clock << ": " << s;
-    EXPECT_EQ(out, Grad(0, clock, kN)) << "clock " << clock;
-  };
+  ASSERT_NO_FATAL_FAILURE(LoseRank({shards[0], shards[1], shards[2]}, 1));
   // Readmitted from clock 5 on the servers alive.
   auto readmit = [&](std::initializer_list<uint32_t> servers) {
     for (uint32_t i : servers) {
@@ -572,14 +550,14 @@ TEST_P(AdoptedReadmissionTest, AnAdoptedKeyCountsAReadmittedRankFromItsClock) {
       ASSERT_TRUE(Rank(*shards[i], 1)->RegisterTables(r, kWait).ok()) << "server " << i;
     }
   };
-  alone(*primary_, 2, 0);
+  Alone(*primary_, 2, 0);
   if (readmitted_first) readmit({0, 1, 2});
   backup_->Kill();
-  alone(*primary_, 3, 0);  // server 2 adopts the key at clock 3
+  Alone(*primary_, 3, 0);  // server 2 adopts the key at clock 3
   EXPECT_EQ(third->engine->stats().adopted.load(), 1u);
   if (!readmitted_first) readmit({0, 2});
   primary_->Kill();
-  alone(*third, 4, 2);  // promoted: clock 4 without rank 1
+  Alone(*third, 4, 2);  // promoted: clock 4 without rank 1
   EXPECT_EQ(Clock(*third, 5, 2), expected(5));  // and clock 5 with it
   clients_.clear();
   third.reset();
