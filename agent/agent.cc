@@ -1155,18 +1155,33 @@ absl::Status Agent::ConnectServers() {
   std::map<uint64_t, uint32_t> restored_at;  // a restored key: the first server that said so
   std::map<uint32_t, absl::Status> unreachable;  // servers lost before we connected
   if (telemetry_) telemetry_->SetCapacityMinBytes(config_.capacity_min_bytes);
+  for (const uint32_t s : config_.lost_servers) {
+    if (s >= n || replicas == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--lost_servers names KV server ", s, ", but the job has ", n, " servers and ",
+          replicas, " backups of each key: ",
+          s >= n ? "there is no such server" : "a lost server's keys have no other copy"));
+    }
+  }
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     ConnectTarget target{server_rdma_[s], config_.servers[s], server_tcp_fallback_[s]};
     const std::string what = absl::StrCat("KV server ", config_.servers[s]);
+    // A server lost before the checkpoint this job resumes from is not connected: its file is
+    // older than the others', which hold its keys' copies.
     absl::StatusOr<std::shared_ptr<server::KvClient>> client =
-        ConnectWithFallback<std::shared_ptr<server::KvClient>>(
-            what, target,
-            [&](bool rdma, const std::string& address) {
-              return server::KvClient::Connect(ContextFor(rdma), address, config_.job_id,
-                                               config_.rank, creds_.server_key(),
-                                               absl::Seconds(10));
-            },
-            deadline, absl::Milliseconds(200), nullptr);
+        config_.lost_servers.contains(static_cast<uint32_t>(s))
+            ? absl::UnavailableError(absl::StrCat(
+                  "before the checkpoint of iteration ", config_.resumed_iteration,
+                  " that the job resumes from (--lost_servers); the others' checkpoints hold "
+                  "copies of its keys"))
+            : ConnectWithFallback<std::shared_ptr<server::KvClient>>(
+                  what, target,
+                  [&](bool rdma, const std::string& address) {
+                    return server::KvClient::Connect(ContextFor(rdma), address, config_.job_id,
+                                                     config_.rank, creds_.server_key(),
+                                                     absl::Seconds(10));
+                  },
+                  deadline, absl::Milliseconds(200), nullptr);
     if (!client.ok() && replicas > 0) {
       // Lost during start-up: its keys start at a backup (below); it stays unreachable.
       unreachable[static_cast<uint32_t>(s)] = Annotate(client.status(), what);
@@ -1229,10 +1244,10 @@ absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unrea
           absl::StrJoin(lost, ", "), " cannot be reached (", why.message(), ")"));
     }
     env_.replication.epoch[s].store(epoch);
-    PSD_LOG_WARN("KV server {} ({}) cannot be reached at start ({}): its keys start at server "
-                 "{} ({}), epoch {}",
-                 s, config_.servers[s], why.message(), (s + epoch) % n,
-                 config_.servers[(s + epoch) % n], epoch);
+    PSD_LOG_WARN("KV server {} ({}) {} ({}): its keys start at server {} ({}), epoch {}", s,
+                 config_.servers[s],
+                 config_.lost_servers.contains(s) ? "was lost" : "cannot be reached at start",
+                 why.message(), (s + epoch) % n, config_.servers[(s + epoch) % n], epoch);
   }
   return absl::OkStatus();
 }
@@ -1461,16 +1476,32 @@ void Agent::MaybeCheckpoint(uint64_t next_iteration, bool final) {
   }
   last_checkpoint_ = done;
   const absl::Time start = absl::Now();
+  // A lost server (its connection broken, not connected: --lost_servers, or given up for its
+  // keys, which went on at the next server of their chain) writes nothing: the others' files
+  // hold its keys' copies, since every clock is on a key's backups before it is answered. Every
+  // other server is asked even after one fails: a failure leaves that server's file behind the
+  // others', which a resume refuses unless that server is lost.
+  size_t written = 0, lost = 0;
   for (size_t s = 0; s < env_.servers.size(); ++s) {
+    if (env_.servers[s]->Broken() || env_.replication.Epoch(static_cast<uint32_t>(s)) != 0) {
+      ++lost;
+      continue;
+    }
     if (const absl::Status st = env_.servers[s]->Checkpoint(absl::Seconds(120), label); !st.ok()) {
       PSD_LOG_ERROR("checkpoint after iteration {} on KV server {} failed: {}", label,
                     config_.servers[s], st.message());
       CountError("checkpoint");
-      return;
+      continue;
     }
+    ++written;
   }
-  PSD_LOG_INFO("checkpoint after iteration {} written by {} KV servers in {}", label,
-               env_.servers.size(), absl::FormatDuration(absl::Now() - start));
+  if (written + lost == env_.servers.size()) {
+    PSD_LOG_INFO("checkpoint after iteration {} written by {} KV servers in {}{}", label, written,
+                 absl::FormatDuration(absl::Now() - start),
+                 lost == 0 ? ""
+                           : absl::StrCat(" (", lost, " lost: the others' files hold copies of "
+                                          "their keys)"));
+  }
 }
 
 absl::Status Agent::ConnectPeers() {

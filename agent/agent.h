@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,11 @@ struct AgentConfig {
   uint64_t checkpoint_every = 0;
   bool checkpoint_at_end = false;
   uint64_t resumed_iteration = 0;
+  // The KV servers (indices in the plan's order) lost before the checkpoint the job resumes
+  // from: their files are older than the others', whose files hold copies of their keys (a
+  // checkpoint after a loss is written by the servers left). They are not connected; their keys
+  // start at the next server of their chains, as for a server lost at start. Needs replicas.
+  std::set<uint32_t> lost_servers;
   // Elastic workers (docs/operations.md "A rank rejoins"): a rank that dies is waited for this
   // long — by the KV servers (a job setting, sent with the tables: every rank the same) and by
   // this agent when the coordinator declares it dead — so that it can be restarted and rejoin

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <system_error>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "agent/agent.h"
@@ -16,6 +17,14 @@
 #include "transport/tcp/tls_config.h"
 
 namespace {
+
+// A comma-separated list's items (empty ones skipped).
+std::vector<std::string> List(const std::string& s) {
+  return absl::StrSplit(s, ',', absl::SkipWhitespace());
+}
+
+// Above any plan's server count (the coordinator's and the planner's limits are far lower).
+constexpr uint32_t kMaxServerIndex = 1u << 16;
 
 struct Flags {
   std::string segment;
@@ -41,6 +50,7 @@ struct Flags {
   int64_t checkpoint_every = 0;
   bool checkpoint_at_end = false;
   int64_t resumed_iteration = 0;
+  std::string lost_servers;
   absl::Duration rejoin_timeout = absl::ZeroDuration();
   bool rejoin = false;
   std::string rejoin_if_restarted;
@@ -154,6 +164,20 @@ poseidon::ConfigSchema<Flags> Schema() {
              "the iteration the job's checkpoint was taken at, when it resumes from one (0: a "
              "new job); checkpoints go on counting from it",
              AtLeast<int64_t>(0))
+      .Field("lost_servers", &Flags::lost_servers,
+             "with --resumed_iteration: the KV servers (indices in the plan's order, "
+             "comma-separated) lost before that checkpoint; their keys start at their backups' "
+             "copies, which the others' checkpoints hold (needs --replicas)",
+             [](const std::string& v) {
+               for (const std::string& item : List(v)) {
+                 uint32_t index = 0;
+                 if (!absl::SimpleAtoi(item, &index) || index >= kMaxServerIndex) {
+                   return absl::InvalidArgumentError(absl::StrCat(
+                       "'", item, "' is not a server index (0 to ", kMaxServerIndex - 1, ")"));
+                 }
+               }
+               return absl::OkStatus();
+             })
       .Field("rejoin_timeout", &Flags::rejoin_timeout,
              "a rank that dies is waited for this long (by the KV servers and the other agents) "
              "so that, restarted with --rejoin, it takes up the running job where it stopped; "
@@ -242,10 +266,6 @@ poseidon::ConfigSchema<Flags> Schema() {
   return s;
 }
 
-std::vector<std::string> List(const std::string& s) {
-  return absl::StrSplit(s, ',', absl::SkipWhitespace());
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -290,6 +310,11 @@ int main(int argc, char** argv) {
   c.checkpoint_every = static_cast<uint64_t>(f.checkpoint_every);
   c.checkpoint_at_end = f.checkpoint_at_end;
   c.resumed_iteration = static_cast<uint64_t>(f.resumed_iteration);
+  for (const std::string& item : List(f.lost_servers)) {
+    uint32_t s = 0;
+    (void)absl::SimpleAtoi(item, &s);  // validated by the schema
+    c.lost_servers.insert(s);
+  }
   c.rejoin_timeout = f.rejoin_timeout;
   c.rejoin = f.rejoin;
   if (!f.rejoin_if_restarted.empty()) {

@@ -23,6 +23,7 @@ import re
 import os
 import secrets
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -301,17 +302,25 @@ def main(argv=None):
         return dict(without_secrets(os.environ),
                     **{f"POSEIDON_{k.upper()}": v for k, v in values.items()})
     job = args.job if joining else saved["job"] if args.resume else os.getpid()
+    # job.json also names the servers the job lost (lost_servers): a checkpoint after a loss is
+    # written by the servers left, whose files hold copies of the lost ones' keys; a resumed run
+    # starts the lost ones afresh and their keys at those copies (agent --lost_servers).
     if saved is not None and not args.resume:
-        os.makedirs(args.checkpoint_dir, mode=0o700, exist_ok=True)
-        with open(os.path.join(args.checkpoint_dir, "job.json"), "w") as f:
-            json.dump(dict(job=job, workers=world, servers=args.servers, replicas=args.replicas), f)
-            f.write("\n")
+        saved = dict(job=job, workers=world, servers=args.servers, replicas=args.replicas,
+                     lost_servers=[])
+        _save_job_file(args.checkpoint_dir, saved)
     def attempt(resume, restart):
         """One run of the whole job (servers, agents, ranks): None once every rank finished
         with 0, else what failed (every process stopped)."""
         resumed = 0
         procs = []
         failed = None
+        # The servers lost before the checkpoint resumed from; a run from the beginning has all.
+        lost = (_lost_before(args.checkpoint_dir, job, args.servers, saved["lost_servers"])
+                if saved is not None and resume else set())
+        if saved is not None and not resume and saved.get("lost_servers"):
+            saved["lost_servers"] = []
+            _save_job_file(args.checkpoint_dir, saved)
 
         segments = []
 
@@ -345,6 +354,19 @@ def main(argv=None):
             return next(l for l in p.tail if "listening on " in l).split("listening on ")[1].strip()
 
         servers = []
+
+        def note_lost():
+            """Records in job.json every KV server that died with its keys' copies elsewhere:
+            its checkpoints stop there, and a resume takes its keys from the others' files (their
+            copies), never from its own older one."""
+            if saved is None or not survivable:
+                return
+            dead = {int(p.name.split()[1]) for p in servers
+                    if p.name.startswith("server ") and p.proc.poll() is not None}
+            if not dead <= set(saved["lost_servers"]):
+                saved["lost_servers"] = sorted({*saved["lost_servers"], *dead})
+                _save_job_file(args.checkpoint_dir, saved)
+
         try:
             coordinator = args.coordinator
             if not joining:
@@ -371,8 +393,10 @@ def main(argv=None):
                 for s in range(args.servers):
                     # Checkpoints are rank 0's agent's to ask for (between iterations), not the
                     # servers' own at exit (a job stopped mid-iteration is not at one).
+                    # A lost server starts afresh: its file is older than the others'.
                     ckpt = ([f"--checkpoint_dir={os.path.join(args.checkpoint_dir, f'server-{s}')}",
-                             "--checkpoint_on_exit=false"] if args.checkpoint_dir else [])
+                             "--checkpoint_on_exit=false"]
+                            if args.checkpoint_dir and s not in lost else [])
                     p = Proc(f"server {s}", [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
                                              f"--coordinator={coordinator}", "--log_level=warn",
                                              *ckpt],
@@ -383,8 +407,11 @@ def main(argv=None):
                     # plan's server s in every run (a resumed job's servers hold their own keys).
                     address_of(p)
                 if resume:
-                    resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir)
-                    print(f"poseidon run: job {job} resumes after iteration {resumed}",
+                    resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir, lost)
+                    was = "" if not lost else (
+                        f" (server {', '.join(map(str, sorted(lost)))} was lost before it: its "
+                        "keys start at the copies the others' checkpoints hold)")
+                    print(f"poseidon run: job {job} resumes after iteration {resumed}{was}",
                           file=sys.stderr, flush=True)
             def start_agent(local, segment, rejoin=False):
                 r = first_rank + local
@@ -403,6 +430,8 @@ def main(argv=None):
                                            "--checkpoint_at_end=true",
                                            f"--resumed_iteration={resumed}"]
                                           if args.checkpoint_dir else []),
+                                        *([f"--lost_servers={','.join(map(str, sorted(lost)))}"]
+                                          if lost else []),
                                         *(["--allreduce=false"] if args.allreduce == "off" else []),
                                         *([f"--rejoin_timeout={args.rejoin_timeout}"]
                                           if args.rejoin else []),
@@ -532,6 +561,7 @@ def main(argv=None):
                             survived.add(p.name)
                             print(f"poseidon run: {p.name} died (exit code {code}); its keys go on "
                                   f"at their backups", file=sys.stderr, flush=True)
+                            note_lost()
                             continue
                         if p.name in survived:
                             continue
@@ -544,6 +574,8 @@ def main(argv=None):
                 time.sleep(0.05)
         except RuntimeError as e:
             failed = str(e)
+        # Before anything is stopped: a server that died in the same poll as a rank is lost too.
+        note_lost()
         if failed:
             time.sleep(0.2)  # let the failing process's last lines through
             # Said at once, not after the others stopped: a server finishing its clock on SIGTERM
@@ -617,13 +649,68 @@ def _job_file(ap, args, world):
     if job <= 0 or (workers, servers) != (world, args.servers):
         ap.error(f"--resume: job {job} ran {workers} workers and {servers} servers; this run has "
                  f"{world} and {args.servers}: give the same -n and --servers")
+    lost = saved.get("lost_servers", [])  # absent in the job.json of an older launcher
+    if not isinstance(lost, list) or not all(type(s) is int and 0 <= s < servers for s in lost):
+        ap.error(f"--resume: {path}: lost_servers must be a list of server indices below "
+                 f"{servers}, got {lost!r}")
+    if len(set(lost)) >= servers:
+        ap.error(f"--resume: {path}: every server of job {job} was lost (lost_servers {lost}): "
+                 "nothing to resume from")
+    saved["lost_servers"] = sorted(set(lost))
     return saved
 
 
-def _resumed_iteration(servers, job, checkpoint_dir):
-    """The iteration every KV server restored the job at (they must agree)."""
+def _save_job_file(checkpoint_dir, saved):
+    """Writes job.json atomically (a launcher killed while writing leaves the old one)."""
+    os.makedirs(checkpoint_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(checkpoint_dir, "job.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(saved, f)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _checkpoint_label(checkpoint_dir, server, job):
+    """The iteration of KV server `server`'s checkpoint of `job`, from its header (magic,
+    version, length, job, clock: server/checkpoint.cc); None when it has none, or not a whole
+    one of that job. The server checks the rest (the checksum, every count) when it restores."""
+    header = struct.Struct("<8sIIQQQ")
+    try:
+        with open(os.path.join(checkpoint_dir, f"server-{server}", f"job-{job}.ckpt"), "rb") as f:
+            head, size = f.read(header.size), os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    if len(head) < header.size:
+        return None
+    magic, version, _, total, of_job, clock = header.unpack(head)
+    if magic != b"PSDCKPT1" or version not in (1, 2) or total != size or of_job != job:
+        return None
+    return clock
+
+
+def _lost_before(checkpoint_dir, job, servers, died):
+    """The servers a resume starts afresh, their keys at the copies the others' checkpoints
+    hold: those of `died` (job.json's lost_servers) whose checkpoint is older than the others'
+    (it stopped when they died) or missing. One that died after writing the others' iteration
+    restores its own. The others must agree (checked once they restored)."""
+    labels = {s: _checkpoint_label(checkpoint_dir, s, job) for s in range(servers)}
+    others = {labels[s] for s in range(servers) if s not in died}
+    if not others:  # every server died once: the newest is the job's
+        others = {max((l for l in labels.values() if l is not None), default=None)}
+    if len(others) != 1 or None in others:
+        return set(died)  # no set to resume from: said once the others restored
+    return {s for s in died if labels[s] not in others}
+
+
+def _resumed_iteration(servers, job, checkpoint_dir, lost=()):
+    """The iteration every KV server restored the job at (they must agree); a lost server
+    (started afresh) is not asked."""
     at = {}
     for s, p in enumerate(servers):
+        if s in lost:
+            continue
         lines = [l for l in p.restored if l.startswith(f"poseidon-server restored job {job} ")]
         if not lines:
             raise RuntimeError(f"server {s} has no checkpoint of job {job} in "
@@ -633,7 +720,9 @@ def _resumed_iteration(servers, job, checkpoint_dir):
         which = ", ".join(f"server {s} after iteration {c}" for s, c in sorted(at.items()))
         raise RuntimeError(f"the servers' checkpoints of job {job} are of different iterations "
                            f"({which}): no consistent set to resume from")
-    return at[0]
+    if not at:
+        raise RuntimeError(f"every server of job {job} was lost: nothing to resume")
+    return next(iter(at.values()))
 
 
 if __name__ == "__main__":
