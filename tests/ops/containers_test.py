@@ -16,7 +16,10 @@ machine's images are never touched and the tag shadows nothing). Then:
 Containers run with runc and explicit --ulimit values: crun refuses hybrid cgroups, and podman's
 default RLIMIT_NOFILE / RLIMIT_NPROC are above what a root without CAP_SYS_RESOURCE may set.
 The network, the containers and the store are removed at the end, pass or fail; the base image's
-tarball stays in WORK as a cache.
+tarball stays in WORK as a cache. Podman's networks belong to the machine, not to the store: a
+network left by a run that was killed before its cleanup (its process is gone) is removed at the
+start, and the subnet is podman's pick of a free one, never a fixed or random one that a host
+route or another network may already use.
 
     containers_test.py --source SOURCE --work WORK
 
@@ -24,9 +27,10 @@ Exit 77 (skip) when podman, runc or mmdebstrap is missing, or when Debian's mirr
 reached (mmdebstrap or an apt-get inside a build failed to fetch): the images need it.
 """
 import argparse
+import ipaddress
 import json
 import os
-import random
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +98,17 @@ def wait_listening(name, timeout=60):
             return False
         time.sleep(0.2)
     return False
+
+
+def remove_networks_of_killed_runs():
+    """Removes the networks of runs of this test whose process is gone (killed before cleanup)."""
+    r = podman("network", "ls", "--format", "{{.Name}}", timeout=60)
+    for name in r.stdout.split():
+        m = re.fullmatch(r"poseidon-ci-(\d+)", name)
+        if m and name != network and not os.path.exists(f"/proc/{m.group(1)}"):
+            gone = podman("network", "rm", "--force", name, timeout=60)
+            print(f"removed the network {name} of a killed run" if gone.returncode == 0 else
+                  f"could not remove the network {name} of a killed run: {gone.stderr.strip()}")
 
 
 def build_stage(dockerfile):
@@ -177,11 +192,15 @@ try:
 
     # A job: coordinator, one KV server and a train container with two ranks, on a network of
     # their own with fixed addresses.
-    octet = random.randrange(16, 250)
-    subnet = f"10.231.{octet}"
-    r = podman("network", "create", "--subnet", f"{subnet}.0/24", network)
-    need(r.returncode == 0, f"a podman network {subnet}.0/24", r.stderr)
-    coord, server, train = f"{subnet}.10", f"{subnet}.11", f"{subnet}.12"
+    remove_networks_of_killed_runs()
+    r = podman("network", "create", network)
+    need(r.returncode == 0, f"a podman network {network} on a free subnet", r.stderr)
+    r = podman("network", "inspect", network)
+    subnets = json.loads(r.stdout)[0].get("subnets", []) if r.returncode == 0 else []
+    need(len(subnets) == 1, f"the network {network} has one subnet", r.stdout + r.stderr)
+    subnet = ipaddress.ip_network(subnets[0]["subnet"])
+    need(subnet.num_addresses >= 16, f"its subnet {subnet} has room for three hosts")
+    coord, server, train = (str(subnet.network_address + i) for i in (10, 11, 12))
     job, token, secret = "7", os.urandom(16).hex(), os.urandom(16).hex()
     r = podman("run", "-d", "--name", f"{tag}-coordinator", "--network", network, "--ip", coord,
                *RUN_OPTS, "-e", f"POSEIDON_JOB_TOKEN={token}", "poseidon/coordinator:latest",
