@@ -147,9 +147,19 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
     return done == 0 ? 0 : done + iteration_base_.load();
   }
   void MaybeCheckpoint(uint64_t next_iteration, bool final);
+  // The copies servers hold of keys they stand by for (adopted before the checkpoint a job
+  // resumes from, and restored as adopted), by key: its first primary and each server's progress.
+  struct StandbyCopies {
+    uint32_t primary = 0;
+    std::string table;
+    std::map<uint32_t, server::KeyProgress> at;
+  };
   absl::Status NoteRestoredClocks(size_t server, const v1::RegisterTablesRequest& request,
                                   const std::vector<server::KeyProgress>& progress,
-                                  std::map<uint64_t, uint32_t>& restored_at);
+                                  std::map<uint64_t, uint32_t>& restored_at,
+                                  std::map<uint64_t, StandbyCopies>* standby = nullptr);
+  void NoteFallback(uint64_t key, const server::KeyProgress& p);
+  void TakeStandbyCopies(const std::map<uint64_t, StandbyCopies>& standby);
   absl::Status ConnectPeers();
   void OnReady(const Event& event);
   void Finished(uint32_t layer, uint64_t iteration, int part, const absl::Status& status);
@@ -1153,6 +1163,7 @@ absl::Status Agent::ConnectServers() {
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
   const std::vector<bool> measured = MeasuredServers(config_.servers, own_host_);
   std::map<uint64_t, uint32_t> restored_at;  // a restored key: the first server that said so
+  std::map<uint64_t, StandbyCopies> standby_copies;
   std::map<uint32_t, absl::Status> unreachable;  // servers lost before we connected
   if (telemetry_) telemetry_->SetCapacityMinBytes(config_.capacity_min_bytes);
   for (const uint32_t s : config_.lost_servers) {
@@ -1209,7 +1220,7 @@ absl::Status Agent::ConnectServers() {
       bool removed = false;
       RETURN_IF_ERROR(
           (*client)->RegisterTables(requests[s], absl::Seconds(30), &progress, &removed));
-      RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], progress, restored_at));
+      RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], progress, restored_at, &standby_copies));
       if (removed) removed_on_.insert(s);
     }
     env_.servers.push_back(*client);
@@ -1223,7 +1234,9 @@ absl::Status Agent::ConnectServers() {
             .value_or(nullptr));
   }
   registrations_ = std::move(requests);
-  return StartAtBackups(unreachable);
+  RETURN_IF_ERROR(StartAtBackups(unreachable));
+  TakeStandbyCopies(standby_copies);
+  return absl::OkStatus();
 }
 
 // The keys first held by a server that could not be reached at start go to the first server of
@@ -1231,14 +1244,16 @@ absl::Status Agent::ConnectServers() {
 // none left is an error naming them all.
 absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unreachable) {
   const uint32_t n = static_cast<uint32_t>(env_.servers.size());
+  // At start, only the backups hold copies; in a job resumed after losses (--lost_servers) a
+  // server further down the chain may hold an adopted one, restored from its checkpoint (one
+  // that holds none answers NotFound, and the requests walk on along the chain).
+  const uint32_t last = config_.lost_servers.empty() ? env_.replication.replicas : n - 1;
   for (const auto& [s, why] : unreachable) {
     uint32_t epoch = 1;
-    while (epoch <= env_.replication.replicas && unreachable.contains((s + epoch) % n)) ++epoch;
-    if (epoch > env_.replication.replicas) {
+    while (epoch <= last && unreachable.contains((s + epoch) % n)) ++epoch;
+    if (epoch > last) {
       std::vector<std::string> lost;
-      for (uint32_t e = 0; e <= env_.replication.replicas; ++e) {
-        lost.push_back(config_.servers[(s + e) % n]);
-      }
+      for (uint32_t e = 0; e <= last; ++e) lost.push_back(config_.servers[(s + e) % n]);
       return absl::UnavailableError(absl::StrCat(
           "the keys first held by KV server ", s, " have no reachable copy: ",
           absl::StrJoin(lost, ", "), " cannot be reached (", why.message(), ")"));
@@ -1408,7 +1423,8 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
 // key must have been restored alike.
 absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRequest& request,
                                        const std::vector<server::KeyProgress>& progress,
-                                       std::map<uint64_t, uint32_t>& restored_at) {
+                                       std::map<uint64_t, uint32_t>& restored_at,
+                                       std::map<uint64_t, StandbyCopies>* standby) {
   size_t i = 0;
   for (const auto& t : request.tables()) {
     for (const auto& k : t.keys()) {
@@ -1430,20 +1446,58 @@ absl::Status Agent::NoteRestoredClocks(size_t server, const v1::RegisterTablesRe
       }
       if (!fresh) continue;
       restored_at[k.key()] = static_cast<uint32_t>(server);
-      // A key that fell back at a completed clock (before the checkpoint; its residual was not
-      // kept) is float32 from the start. One falling back at the clock in flight (exact_from =
-      // completed + 1: a rank of a new job pushed it before this one registered) still takes
-      // this rank's 16-bit push of that clock, and its float32 answer switches this rank too.
-      if (auto lossy = env_.lossy.find(k.key());
-          p.exact_from != 0 && p.exact_from <= p.completed && lossy != env_.lossy.end()) {
-        lossy->second->exact.store(true);
-        lossy->second->residual_released = true;
-        PSD_LOG_INFO("{} (key {}) fell back to float32 at clock {} before the checkpoint: it "
-                     "stays float32", lossy->second->name, k.key(), p.exact_from);
-      }
+      NoteFallback(k.key(), p);
+    }
+  }
+  // The standby tables' keys follow: a copy this server holds of one (restored as adopted).
+  for (const auto& t : request.standby_tables()) {
+    for (const auto& k : t.keys()) {
+      const server::KeyProgress p = i < progress.size() ? progress[i] : server::KeyProgress{};
+      ++i;
+      if (standby == nullptr || p.completed == 0) continue;
+      StandbyCopies& copies = (*standby)[k.key()];
+      copies.primary = t.primary();
+      copies.table = t.name();
+      copies.at[static_cast<uint32_t>(server)] = p;
     }
   }
   return absl::OkStatus();
+}
+
+// A key that fell back at a completed clock (before the checkpoint; its residual was not kept)
+// is float32 from the start. One falling back at the clock in flight (exact_from = completed +
+// 1: a rank of a new job pushed it before this one registered) still takes this rank's 16-bit
+// push of that clock, and its float32 answer switches this rank too.
+void Agent::NoteFallback(uint64_t key, const server::KeyProgress& p) {
+  if (auto lossy = env_.lossy.find(key);
+      p.exact_from != 0 && p.exact_from <= p.completed && lossy != env_.lossy.end()) {
+    lossy->second->exact.store(true);
+    lossy->second->residual_released = true;
+    PSD_LOG_INFO("{} (key {}) fell back to float32 at clock {} before the checkpoint: it "
+                 "stays float32", lossy->second->name, key, p.exact_from);
+  }
+}
+
+// A resumed job whose checkpoint came after two servers of a chain were lost: no server that
+// holds a key's table answered for it (every one is lost), but servers further down the chain
+// restored the copies they had adopted. The key goes on from the copy of the first of them from
+// its epoch on (StartAtBackups), the server its requests go to first.
+void Agent::TakeStandbyCopies(const std::map<uint64_t, StandbyCopies>& standby) {
+  const auto n = static_cast<uint32_t>(env_.servers.size());
+  for (const auto& [key, copies] : standby) {
+    if (env_.restored.contains(key)) continue;
+    for (uint32_t e = env_.replication.Epoch(copies.primary); e < n; ++e) {
+      const uint32_t s = (copies.primary + e) % n;
+      const auto it = copies.at.find(s);
+      if (it == copies.at.end()) continue;
+      env_.restored[key] = it->second;
+      NoteFallback(key, it->second);
+      PSD_LOG_INFO("table {} key {} goes on from the copy KV server {} ({}) adopted, restored at "
+                   "clock {}",
+                   copies.table, key, s, config_.servers[s], it->second.completed);
+      break;
+    }
+  }
 }
 
 // Rank 0, at the first event of `next_iteration` (final: the training process detached): if the

@@ -168,8 +168,9 @@ absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
   request.SerializeToArray(bytes->data(), static_cast<int>(bytes->size()));
   size_t count = 0;
   for (const auto& t : request.tables()) count += static_cast<size_t>(t.keys_size());
-  // The answer (a KeyProgress per key) is read like a pull's, into a buffer that lives until it
-  // came; the client takes no other length.
+  for (const auto& t : request.standby_tables()) count += static_cast<size_t>(t.keys_size());
+  // The answer (a KeyProgress per key: the tables', then the standby tables') is read like a
+  // pull's, into a buffer that lives until it came; the client takes no other length.
   struct Answer {
     std::vector<KeyProgress> keys;
     uint64_t key_field = 0;

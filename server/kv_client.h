@@ -58,7 +58,8 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   ~KvClient();
 
   // Registers the job's tables on this server. `keys` (if set) gets every key's progress in
-  // request order: all 0 for a new job, the restored state of a resumed one. `removed` (if
+  // request order, the tables' then the standby tables': all 0 for a new job, the restored
+  // state of a resumed one (a standby key's: 0 unless this server holds a copy). `removed` (if
   // set): whether this rank is out of the job on this server (the world shrank without it, and
   // it was not readmitted: RegisterTablesRequest.readmit_from).
   absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout,

@@ -594,25 +594,27 @@ absl::StatusOr<std::vector<KeyProgress>> KvEngine::Readmit(uint64_t job_id, uint
   }
   const size_t held = keys.size();
   // The keys this server adopted (a standby table's) count the rank again too, as the backups
-  // held from the start do; the answer's progress is of the held tables' keys only.
+  // held from the start do; the answer has their progress after the held tables' keys', as a
+  // registration's (KeyProgressOf), and "too late" is of the held tables' keys.
   for (const auto& t : spec.standby_tables()) {
     for (const auto& k : t.keys()) keys.push_back(k.key());
   }
-  std::vector<KeyProgress> progress(held);
+  std::vector<KeyProgress> progress(keys.size());
   RunOnAllWorkers([&](Worker& w) {  // each worker its own keys, as KeyProgressOf
     for (size_t i = 0; i < keys.size(); ++i) {
       if (&WorkerFor(job_id, keys[i]) != &w) continue;
       if (auto it = w.keys.find({job_id, keys[i]}); it != w.keys.end()) {
         Key& k = *it->second;
         ReadmitRank(w, k, rank, from > k.completed + 3 ? k.completed + 1 : from);
-        if (i < held) progress[i] = {k.completed, k.exact_from};
+        progress[i] = {k.completed, k.exact_from};
       }
     }
   });
   // (A server that holds no table of the job, only standby ones, takes it: keys it adopts later
   // count the rank from `from`.)
-  if (!progress.empty() && std::none_of(progress.begin(), progress.end(),
-                                        [&](const KeyProgress& p) { return p.completed < from; })) {
+  const auto held_end = progress.begin() + static_cast<std::ptrdiff_t>(held);
+  if (held != 0 && std::none_of(progress.begin(), held_end,
+                                [&](const KeyProgress& p) { return p.completed < from; })) {
     return progress;  // too late everywhere: the replacement asks again from a later clock
   }
   std::lock_guard<std::mutex> lock(job->mu);
@@ -1084,30 +1086,7 @@ absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) 
         ": this server (", job->Server(job->self), ") is not after that epoch's primary in the "
         "key's chain"));
   }
-  {
-    // The memory for every key of this first primary's that this server stands by for, taken
-    // (or refused) at the first of them: it holds all of them or none.
-    std::lock_guard<std::mutex> lock(job->mu);
-    auto [room, first] = job->adoption_room.try_emplace(t.primary());
-    if (first) {
-      for (const v1::KvTableSpec& other : job->standby_tables) {
-        if (other.primary() != t.primary()) continue;
-        for (const auto& k : other.keys()) {
-          room->second.bytes += KeyMemory(other, spec, k.elements());
-        }
-      }
-      room->second.reserved = ReserveMemory(room->second.bytes);
-    }
-    if (!room->second.reserved) {
-      absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
-          "this server (", job->Server(job->self), ") has no room to adopt the keys of job ",
-          h.job_id, " first held by ", job->Server(t.primary()), " (", room->second.bytes,
-          " bytes; its --max_memory is ", options_.max_memory_bytes, ", ", MemoryLeft(),
-          " bytes left): the next server of their chain is asked instead"));
-      if (first) PSD_LOG_WARN("{}", refused.message());
-      return refused;
-    }
-  }
+  RETURN_IF_ERROR(ReserveAdoption(*job, t.primary()));
   std::unique_ptr<Key> k = NewKey(job, spec, t, t.keys(it->second.index));
   k->initialized = false;  // the frame's state is what it holds
   k->adopting = true;
@@ -1129,6 +1108,28 @@ absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) 
   Key* key = k.get();
   w.keys[{h.job_id, h.key}] = std::move(k);
   return key;
+}
+
+absl::Status KvEngine::ReserveAdoption(JobState& job, uint32_t first_primary) {
+  std::lock_guard<std::mutex> lock(job.mu);
+  auto [room, first] = job.adoption_room.try_emplace(first_primary);
+  if (first) {
+    for (const v1::KvTableSpec& other : job.standby_tables) {
+      if (other.primary() != first_primary) continue;
+      for (const auto& k : other.keys()) {
+        room->second.bytes += KeyMemory(other, job.standby_spec, k.elements());
+      }
+    }
+    room->second.reserved = ReserveMemory(room->second.bytes);
+  }
+  if (room->second.reserved) return absl::OkStatus();
+  absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
+      "this server (", job.Server(job.self), ") has no room to adopt the keys of job ",
+      job.job_id, " first held by ", job.Server(first_primary), " (", room->second.bytes,
+      " bytes; its --max_memory is ", options_.max_memory_bytes, ", ", MemoryLeft(),
+      " bytes left): the next server of their chain is asked instead"));
+  if (first) PSD_LOG_WARN("{}", refused.message());
+  return refused;
 }
 
 void KvEngine::Push(RequestContext request, PooledBuffer payload,
@@ -1813,14 +1814,48 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
     }
   }
   if (auto s = RegisterJob(snapshot.job_id, snapshot.spec); !s.ok()) return s;
+  std::shared_ptr<JobState> job;
   {
     std::lock_guard<std::mutex> lock(jobs_mu_);
-    jobs_[snapshot.job_id]->awaiting_addresses = true;
+    job = jobs_[snapshot.job_id];
+    job->awaiting_addresses = true;
   }
   absl::flat_hash_map<uint64_t, const KeySnapshot*> by_key;
   for (const auto& k : snapshot.keys) by_key[k.key] = &k;
+  const std::shared_ptr<const KeySizes> sizes = key_sizes_.load();
   std::mutex mu;
   absl::Status status;
+  // One key's state from its snapshot; false (status set) when they do not match.
+  auto apply = [&](Key& k, const KeySnapshot& s) {
+    const bool sizes_ok = (k.IsSum() ? s.result.size() == k.elements && s.params.empty()
+                                     : s.params.size() == k.elements && s.result.empty()) &&
+                          s.optimizer_state.size() ==
+                              static_cast<size_t>(k.optimizer ? k.optimizer->StateCount() : 0);
+    if (!sizes_ok) {
+      status = absl::DataLossError(
+          absl::StrCat("snapshot of job ", snapshot.job_id, " key ", s.key, " has wrong sizes"));
+      return false;
+    }
+    k.completed = s.completed_clock;
+    k.initialized = s.initialized;
+    k.exact_from = k.LossyWire() ? s.exact_from : 0;
+    k.params = s.params;
+    if (k.IsSum()) k.result = s.result;
+    // The residual is not checkpointed: a restored key rounds its last result afresh.
+    if (k.LossyWire()) EncodeWire16(k.wire, k.result, k.result_wire);
+    if (k.optimizer) {
+      k.optimizer->set_steps(s.optimizer_steps);
+      for (int i = 0; i < k.optimizer->StateCount(); ++i) {
+        auto dst = k.optimizer->State(i);
+        if (s.optimizer_state[i].size() != dst.size()) {
+          status = absl::DataLossError("optimizer state size mismatch");
+          return false;
+        }
+        std::copy(s.optimizer_state[i].begin(), s.optimizer_state[i].end(), dst.begin());
+      }
+    }
+    return true;
+  };
   RunOnAllWorkers([&](Worker& w) {
     for (auto& [id, k] : w.keys) {
       if (id.first != snapshot.job_id) continue;
@@ -1831,34 +1866,27 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
             absl::StrCat("snapshot of job ", snapshot.job_id, " lacks key ", id.second));
         continue;
       }
-      const KeySnapshot& s = *it->second;
-      const bool sizes_ok = (k->IsSum() ? s.result.size() == k->elements && s.params.empty()
-                                        : s.params.size() == k->elements && s.result.empty()) &&
-                            s.optimizer_state.size() ==
-                                static_cast<size_t>(k->optimizer ? k->optimizer->StateCount() : 0);
-      if (!sizes_ok) {
-        status = absl::DataLossError(
-            absl::StrCat("snapshot of job ", snapshot.job_id, " key ", s.key, " has wrong sizes"));
+      apply(*k, *it->second);
+    }
+    // The keys this server had adopted (a standby table's, copied to it when one of their
+    // backups was lost) come back as adopted ones, with the memory an adoption takes (all of a
+    // first primary's or none: one refused for room is left out, and the agents walk past this
+    // server as past any that holds no copy).
+    for (const KeySnapshot& s : snapshot.keys) {
+      if (&WorkerFor(snapshot.job_id, s.key) != &w || w.keys.contains({snapshot.job_id, s.key})) {
         continue;
       }
-      k->completed = s.completed_clock;
-      k->initialized = s.initialized;
-      k->exact_from = k->LossyWire() ? s.exact_from : 0;
-      k->params = s.params;
-      if (k->IsSum()) k->result = s.result;
-      // The residual is not checkpointed: a restored key rounds its last result afresh.
-      if (k->LossyWire()) EncodeWire16(k->wire, k->result, k->result_wire);
-      if (k->optimizer) {
-        k->optimizer->set_steps(s.optimizer_steps);
-        for (int i = 0; i < k->optimizer->StateCount(); ++i) {
-          auto dst = k->optimizer->State(i);
-          if (s.optimizer_state[i].size() != dst.size()) {
-            status = absl::DataLossError("optimizer state size mismatch");
-            continue;
-          }
-          std::copy(s.optimizer_state[i].begin(), s.optimizer_state[i].end(), dst.begin());
-        }
+      const auto size = sizes->find({snapshot.job_id, s.key});
+      std::lock_guard<std::mutex> lock(mu);
+      if (size == sizes->end() || size->second.standby_job != job) {
+        status = absl::DataLossError(absl::StrCat("snapshot of job ", snapshot.job_id,
+                                                  " holds key ", s.key, ", of no table of it"));
+        continue;
       }
+      const v1::KvTableSpec& t = job->standby_tables[size->second.table];
+      if (!ReserveAdoption(*job, t.primary()).ok()) continue;
+      std::unique_ptr<Key> k = NewKey(job, job->standby_spec, t, t.keys(size->second.index));
+      if (apply(*k, s)) w.keys[{snapshot.job_id, s.key}] = std::move(k);
     }
   });
   return status;
@@ -1866,9 +1894,12 @@ absl::Status KvEngine::Restore(const JobSnapshot& snapshot) {
 
 std::vector<KeyProgress> KvEngine::KeyProgressOf(uint64_t job_id,
                                                 const v1::RegisterTablesRequest& spec) {
+  // The tables' keys, then the standby tables' (0 where this server holds no copy).
   std::vector<uint64_t> keys;
-  for (const auto& t : spec.tables()) {
-    for (const auto& k : t.keys()) keys.push_back(k.key());
+  for (const auto* tables : {&spec.tables(), &spec.standby_tables()}) {
+    for (const auto& t : *tables) {
+      for (const auto& k : t.keys()) keys.push_back(k.key());
+    }
   }
   std::vector<KeyProgress> progress(keys.size());
   RunOnAllWorkers([&](Worker& w) {  // each worker fills its own keys' entries

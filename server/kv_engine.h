@@ -223,8 +223,10 @@ class KvEngine {
   // Installs a restored job (at start, before serving). Errors if the job exists. Its first
   // registration may name the servers at new addresses (a resumed job); nothing else may differ.
   absl::Status Restore(const JobSnapshot& snapshot);
-  // The progress of every key of `spec` (a registered job's), in the spec's order: all 0 for a
-  // new job, the restored state of a resumed one (the registration's answer).
+  // The progress of every key of `spec` (a registered job's), its tables' then its standby
+  // tables', in the spec's order: all 0 for a new job, the restored state of a resumed one (the
+  // registration's answer; a standby key's is 0 unless this server holds a copy: adopted, or
+  // restored as adopted).
   std::vector<KeyProgress> KeyProgressOf(uint64_t job_id, const v1::RegisterTablesRequest& spec);
 
   // Job ids registered, for checkpoints.
@@ -261,6 +263,10 @@ class KvEngine {
   // (Key::adopting until the frame's state is applied; Replicate checks the sender and the
   // state as for any backup, and a key whose frame fails is dropped). On the key's worker.
   absl::StatusOr<Key*> Adopt(Worker& w, const transport::FrameHeader& h);
+  // The memory for every key of `first_primary`'s that this server stands by for in `job`,
+  // taken (or refused: ResourceExhausted, logged once) at the first of them by an adoption or a
+  // restore: it holds all of them or none. Under job.mu.
+  absl::Status ReserveAdoption(JobState& job, uint32_t first_primary);
   // Why a request names a key this server does not hold (NotFound; FailedPrecondition for a key
   // it stands by for but was never given).
   absl::Status NoKey(const transport::FrameHeader& h) const;

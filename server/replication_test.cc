@@ -390,6 +390,68 @@ TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNot
   third.reset();
 }
 
+// A checkpoint after two losses in one chain: the adopter's file holds the key it adopted, and
+// its restore brings it back as adopted (with the memory an adoption takes), so a job resumed
+// without the two lost servers goes on from it at its epoch exactly, optimizer state included.
+TEST_P(ReplicationRuleTest, AnAdoptedKeyIsCheckpointedAndRestoredForAJobThatLostTheRestOfItsChain) {
+  const v1::UpdateRule rule = GetParam();
+  const bool sum = rule == v1::UPDATE_RULE_SUM;
+  auto third = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(third->server->Address());
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
+  std::vector<KeyProgress> none;
+  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(AsStandby(Spec(2, rule)), kWait, &none).ok());
+  EXPECT_EQ(none, std::vector<KeyProgress>{{}}) << "a standby key without a copy answers 0";
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = 0.01f * static_cast<float>(i);
+  if (!sum) {
+    auto c = Rank(*primary_, 0);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
+  }
+  Reference expected(Spec(0, rule), init);
+  EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
+  backup_->Kill();
+  EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
+  ASSERT_EQ(third->engine->stats().adopted.load(), 1u);
+  primary_->Kill();
+  EXPECT_EQ(Clock(*third, 3, 2), expected(3));
+  auto snap = third->engine->Snapshot(1, kWait);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  ASSERT_EQ(snap->keys.size(), 1u) << "the adopted key is in the file";
+  EXPECT_EQ(snap->keys[0].completed_clock, 3u);
+  clients_.clear();
+  primary_.reset();
+  backup_.reset();
+  third.reset();
+  // The resumed job: servers 0 and 1 were lost before the checkpoint (nothing listens at their
+  // addresses); server 2 restores its file.
+  third = std::make_unique<Shard>(ctx_);
+  ASSERT_TRUE(third->engine->Restore(*snap).ok());
+  EXPECT_GT(third->engine->memory_used(), kN * sizeof(float)) << "the adopted key's memory";
+  addresses_ = {"127.0.0.1:1", "127.0.0.1:2", third->server->Address()};
+  for (uint32_t r = 0; r < 2; ++r) {
+    std::vector<KeyProgress> keys;
+    ASSERT_TRUE(Rank(*third, r)->RegisterTables(AsStandby(Spec(2, rule)), kWait, &keys).ok());
+    EXPECT_EQ(keys, (std::vector<KeyProgress>{{3, 0}}))
+        << "the answer names the adopted copy's restored clock, from which the agents go on";
+  }
+  // Clock 3 is answered again from the restored state, then training goes on at epoch 2.
+  {
+    auto c = Rank(*third, 0);
+    std::vector<float> out(kN);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 3, Grad(0, 3, kN), false, 2), kWait).ok());
+    const absl::Status pulled = c->Wait(c->Pull(kKey, 3, out, kWait, 2), kWait);
+    ASSERT_TRUE(pulled.ok()) << pulled;
+    EXPECT_EQ(out, sum ? expected(3) : expected.params);
+  }
+  for (uint64_t clock = 4; clock <= 5; ++clock) {
+    EXPECT_EQ(Clock(*third, clock, 2), expected(clock)) << "clock " << clock;
+  }
+  clients_.clear();
+  third.reset();
+}
+
 // An adoption is only taken from the key's primary at its epoch, for a server further down the
 // chain, and of a standby table's key: anything else is refused and creates no key.
 TEST_F(ReplicationTest, AForgedAdoptionIsRefusedAndCreatesNoKey) {

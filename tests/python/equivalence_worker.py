@@ -12,7 +12,7 @@ by `poseidon plan --set`; every rank sees the same switches, so all stop at the 
 rank 0 writes the step count and the switches too),
 cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-accumulate (the
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
-kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S: the job
+kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S, one or more: the job
 must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
 3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too;
 crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0; writer=R: rank R
@@ -170,8 +170,11 @@ def main(out, modes=()):
         for layer in opt._layers:
             for buf in (layer.grad, layer.u, layer.v):
                 assert buf is None or buf.device == torch.device(device), (layer.name, buf.device)
-    kill = next((m.split("=", 1)[1] for m in modes if m.startswith("kill-server=")), None)
-    kill_index, kill_step = (int(v) for v in kill.split("@")) if kill else (None, None)
+    # kill-server=I@S, one or more: by step, the index among the servers started (read at the
+    # first kill, before any of them is gone).
+    kills = {int(step): int(index) for index, step in
+             (m.split("=", 1)[1].split("@") for m in modes if m.startswith("kill-server="))}
+    started_servers = None
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
     eval_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("eval-at=")), None)
     crash_rank = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-rank=")), 1)
@@ -203,8 +206,9 @@ def main(out, modes=()):
         if rank == crash_rank and step == crash_at and not crash_after_forward:
             print(f"step {step}: rank {rank} crashes at {time.time():.3f}", flush=True)
             os._exit(3)
-        if rank == 0 and step == kill_step:
-            victim = job_servers()[kill_index]
+        if rank == 0 and step in kills:
+            started_servers = started_servers or job_servers()
+            victim = started_servers[kills[step]]
             os.kill(victim, signal.SIGKILL)
             print(f"step {step}: killed KV server pid {victim}", flush=True)
         if switch:

@@ -409,8 +409,10 @@ def main(argv=None):
                 if resume:
                     resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir, lost)
                     was = "" if not lost else (
-                        f" (server {', '.join(map(str, sorted(lost)))} was lost before it: its "
-                        "keys start at the copies the others' checkpoints hold)")
+                        f" (server {min(lost)} was lost" if len(lost) == 1 else
+                        f" (servers {', '.join(map(str, sorted(lost)))} were lost") + (
+                        " before it: their keys start at the copies the others' checkpoints "
+                        "hold)" if lost else "")
                     print(f"poseidon run: job {job} resumes after iteration {resumed}{was}",
                           file=sys.stderr, flush=True)
             def start_agent(local, segment, rejoin=False):
