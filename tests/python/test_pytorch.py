@@ -175,6 +175,24 @@ class Equivalence(WorkersTest):
         want = reference(lambda params: torch.optim.Adam(params, lr=0.01))
         self.assert_close(got, want, "server-side Adam")
 
+    def test_poseidon_equals_torch_ddp_over_gloo(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            port = free_port()
+            ddp_out = os.path.join(tmp, "ddp.pt")
+            r = subprocess.run([PY, os.path.join(HERE, "ddp_worker.py"), str(port), ddp_out],
+                               capture_output=True, text=True, timeout=300,
+                               env=dict(os.environ, PYTHONPATH=HERE + os.pathsep +
+                                        os.environ.get("PYTHONPATH", "")))
+            self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+            ddp = torch.load(ddp_out)
+        self.assert_close(self.run_workers(), ddp, "Poseidon vs DDP")
+
+
+
+class Recovery(WorkersTest):
+    """Failures survived or recovered from: killed servers, checkpoints and resumes, restarts,
+    ranks taking up the running job, the world shrinking and growing. A ctest of its own
+    (python_pytorch_recovery), run beside the rest (tests/CMakeLists.txt)."""
     def test_a_killed_server_costs_nothing_with_backups(self):
         # 2 servers, each key on both (--replicas 1): killing either mid-training (the keys'
         # primary: failover to the backup; or their backup: the primary serves on) leaves the
@@ -719,18 +737,6 @@ class Equivalence(WorkersTest):
             self.assertEqual(r.stdout.count("rank 1 crashes"), 3, r.stdout)
             self.assertIn("rank 1 failed with exit code 3: no restart left (--max_restarts 2 "
                           "used); the job failed", r.stderr)
-
-    def test_poseidon_equals_torch_ddp_over_gloo(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            port = free_port()
-            ddp_out = os.path.join(tmp, "ddp.pt")
-            r = subprocess.run([PY, os.path.join(HERE, "ddp_worker.py"), str(port), ddp_out],
-                               capture_output=True, text=True, timeout=300,
-                               env=dict(os.environ, PYTHONPATH=HERE + os.pathsep +
-                                        os.environ.get("PYTHONPATH", "")))
-            self.assertEqual(r.returncode, 0, r.stderr[-2000:])
-            ddp = torch.load(ddp_out)
-        self.assert_close(self.run_workers(), ddp, "Poseidon vs DDP")
 
 
 class LossyWire(unittest.TestCase):
@@ -1287,5 +1293,29 @@ class Misuse(unittest.TestCase):
                 take_up(engine, 0, bad)
 
 
+def main():
+    """unittest's command line, plus `--exclude CLASS` (repeatable): every test but those of
+    CLASS (ctest runs Recovery as a test of its own, and the rest with --exclude Recovery)."""
+    argv, exclude = sys.argv[:], set()
+    while "--exclude" in argv:
+        i = argv.index("--exclude")
+        exclude.update(argv[i + 1:i + 2])
+        del argv[i:i + 2]
+    if not exclude:
+        unittest.main(argv=argv)
+        return
+    unknown = exclude - {name for name, value in globals().items() if isinstance(value, type)}
+    if unknown:
+        sys.exit(f"--exclude: no test class {', '.join(sorted(unknown))}")
+
+    def tests(suite):
+        for t in suite:
+            yield from tests(t) if isinstance(t, unittest.TestSuite) else [t]
+    loaded = unittest.defaultTestLoader.loadTestsFromModule(sys.modules[__name__])
+    suite = unittest.TestSuite(t for t in tests(loaded) if type(t).__name__ not in exclude)
+    result = unittest.TextTestRunner(verbosity=2 if "-v" in argv else 1).run(suite)
+    sys.exit(0 if result.wasSuccessful() else 1)
+
+
 if __name__ == "__main__":
-    unittest.main()
+    main()
