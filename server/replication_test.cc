@@ -182,6 +182,29 @@ class ReplicationTest : public ::testing::Test {
     std::unique_ptr<Optimizer> optimizer;
     std::vector<float> params;
   };
+  struct ChainOfThree {
+    std::unique_ptr<Shard> third;
+    Reference expected;
+  };
+  // A third server that stands by for the key (registered with the table as a standby table,
+  // what the agents send it; `progress`: its answer), the key registered on the primary and the
+  // backup, and for a rule other than the sum rank 0's initial value (i * `scale`) pushed: the
+  // never-failing reference starts there.
+  ChainOfThree StartChainOfThree(v1::UpdateRule rule, float scale,
+                                 std::vector<KeyProgress>* progress = nullptr) {
+    auto third = std::make_unique<Shard>(ctx_);
+    addresses_.push_back(third->server->Address());
+    EXPECT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
+    EXPECT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
+    EXPECT_TRUE(Rank(*third, 0)->RegisterTables(AsStandby(Spec(2, rule)), kWait, progress).ok());
+    std::vector<float> init(kN);
+    for (size_t i = 0; i < kN; ++i) init[i] = scale * static_cast<float>(i);
+    if (rule != v1::UPDATE_RULE_SUM) {
+      auto c = Rank(*primary_, 0);
+      EXPECT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
+    }
+    return {std::move(third), Reference(Spec(0, rule), init)};
+  }
   std::shared_ptr<transport::Context> ctx_;
   std::unique_ptr<Shard> primary_, backup_;
   std::map<std::pair<const Shard*, uint32_t>, std::shared_ptr<KvClient>> clients_;
@@ -335,20 +358,7 @@ TEST_F(ReplicationTest, TwoBackupsSurviveTwoLossesInTurn) {
 TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNothing) {
   const v1::UpdateRule rule = GetParam();
   const bool sum = rule == v1::UPDATE_RULE_SUM;
-  auto third = std::make_unique<Shard>(ctx_);
-  addresses_.push_back(third->server->Address());
-  // Server 2's registration: the table as a standby table (what the agents send it).
-  const auto standby = AsStandby(Spec(2, rule));
-  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
-  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
-  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(standby, kWait).ok());
-  std::vector<float> init(kN);
-  for (size_t i = 0; i < kN; ++i) init[i] = 0.02f * static_cast<float>(i);
-  if (!sum) {
-    auto c = Rank(*primary_, 0);
-    ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
-  }
-  Reference expected(Spec(0, rule), init);
+  auto [third, expected] = StartChainOfThree(rule, 0.02f);
   EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
   EXPECT_EQ(third->engine->stats().replicas_applied.load(), 0u) << "a standby holds nothing";
   // It refuses a request for the key it holds no copy of, saying so.
@@ -396,20 +406,9 @@ TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNot
 TEST_P(ReplicationRuleTest, AnAdoptedKeyIsCheckpointedAndRestoredForAJobThatLostTheRestOfItsChain) {
   const v1::UpdateRule rule = GetParam();
   const bool sum = rule == v1::UPDATE_RULE_SUM;
-  auto third = std::make_unique<Shard>(ctx_);
-  addresses_.push_back(third->server->Address());
-  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
-  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
   std::vector<KeyProgress> none;
-  ASSERT_TRUE(Rank(*third, 0)->RegisterTables(AsStandby(Spec(2, rule)), kWait, &none).ok());
+  auto [third, expected] = StartChainOfThree(rule, 0.01f, &none);
   EXPECT_EQ(none, std::vector<KeyProgress>{{}}) << "a standby key without a copy answers 0";
-  std::vector<float> init(kN);
-  for (size_t i = 0; i < kN; ++i) init[i] = 0.01f * static_cast<float>(i);
-  if (!sum) {
-    auto c = Rank(*primary_, 0);
-    ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
-  }
-  Reference expected(Spec(0, rule), init);
   EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
   backup_->Kill();
   EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
