@@ -4,9 +4,9 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <set>
 #include <system_error>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "agent/agent.h"
@@ -25,6 +25,20 @@ std::vector<std::string> List(const std::string& s) {
 
 // Above any plan's server count (the coordinator's and the planner's limits are far lower).
 constexpr uint32_t kMaxServerIndex = 1u << 16;
+
+// --lost_servers: server indices in the plan's order, comma-separated.
+absl::StatusOr<std::set<uint32_t>> ParseServerIndices(const std::string& text) {
+  std::set<uint32_t> indices;
+  for (const std::string& item : List(text)) {
+    const absl::StatusOr<uint64_t> index = poseidon::ParseUint64(item);
+    if (!index.ok() || *index >= kMaxServerIndex) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", item, "' is not a server index (0 to ", kMaxServerIndex - 1, ")"));
+    }
+    indices.insert(static_cast<uint32_t>(*index));
+  }
+  return indices;
+}
 
 struct Flags {
   std::string segment;
@@ -168,16 +182,7 @@ poseidon::ConfigSchema<Flags> Schema() {
              "with --resumed_iteration: the KV servers (indices in the plan's order, "
              "comma-separated) lost before that checkpoint; their keys start at their backups' "
              "copies, which the others' checkpoints hold (needs --replicas)",
-             [](const std::string& v) {
-               for (const std::string& item : List(v)) {
-                 uint32_t index = 0;
-                 if (!absl::SimpleAtoi(item, &index) || index >= kMaxServerIndex) {
-                   return absl::InvalidArgumentError(absl::StrCat(
-                       "'", item, "' is not a server index (0 to ", kMaxServerIndex - 1, ")"));
-                 }
-               }
-               return absl::OkStatus();
-             })
+             [](const std::string& v) { return ParseServerIndices(v).status(); })
       .Field("rejoin_timeout", &Flags::rejoin_timeout,
              "a rank that dies is waited for this long (by the KV servers and the other agents) "
              "so that, restarted with --rejoin, it takes up the running job where it stopped; "
@@ -310,11 +315,7 @@ int main(int argc, char** argv) {
   c.checkpoint_every = static_cast<uint64_t>(f.checkpoint_every);
   c.checkpoint_at_end = f.checkpoint_at_end;
   c.resumed_iteration = static_cast<uint64_t>(f.resumed_iteration);
-  for (const std::string& item : List(f.lost_servers)) {
-    uint32_t s = 0;
-    (void)absl::SimpleAtoi(item, &s);  // validated by the schema
-    c.lost_servers.insert(s);
-  }
+  c.lost_servers = *ParseServerIndices(f.lost_servers);  // validated by the schema
   c.rejoin_timeout = f.rejoin_timeout;
   c.rejoin = f.rejoin;
   if (!f.rejoin_if_restarted.empty()) {

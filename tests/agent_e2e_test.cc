@@ -774,6 +774,37 @@ TEST(Checkpoints, AJobCheckpointedBetweenIterationsResumesOnFreshDaemons) {
   std::filesystem::remove_all(dir);
 }
 
+// --lost_servers (a resume after a server loss, docs/operations.md "Stop and resume") is checked:
+// a value that is not a list of server indices is the one-line config error with exit code 2,
+// and indices the job cannot take (no such server; no backups, so no other copy) fail the
+// agent's registration, naming why.
+TEST(Checkpoints, ALostServersListIsCheckedAgainstTheJob) {
+  for (const std::string bad : {"x", "1,-2", "70000"}) {
+    Subprocess p({POSEIDON_AGENT_BIN, std::string("--secret=") + kSecret, "--segment=/psd-e2e-bad",
+                  "--servers=127.0.0.1:1", "--lost_servers=" + bad},
+                 /*merge_stderr=*/true);
+    const std::string out = p.ReadAll(milliseconds(10000));
+    EXPECT_EQ(p.Wait(milliseconds(10000)), 2) << out;
+    EXPECT_NE(out.find("is not a server index"), std::string::npos) << out;
+  }
+  struct Case {
+    std::vector<std::string> flags;
+    std::string says;
+  };
+  for (const Case& c : {Case{{"--replicas=1", "--lost_servers=5"}, "there is no such server"},
+                        Case{{"--replicas=0", "--lost_servers=1"}, "have no other copy"}}) {
+    Cluster cluster(2, 1, "ps", c.flags);
+    ASSERT_TRUE(cluster.ok());
+    auto synth = cluster.Synth(0, kTiny, 3);
+    synth->ReadAll(milliseconds(60000));
+    EXPECT_NE(synth->Wait(milliseconds(10000)), 0);
+    const std::string log = cluster.agent(0).ReadAll(milliseconds(30000));
+    EXPECT_NE(cluster.agent(0).Wait(milliseconds(30000)), 0) << log;
+    EXPECT_NE(log.find("--lost_servers names KV server"), std::string::npos) << log;
+    EXPECT_NE(log.find(c.says), std::string::npos) << log;
+  }
+}
+
 // A server lost during start-up, before the agents connected to it: with backups its keys start
 // at the next server of their chains, every result exact; two neighbours lost leave some keys
 // without a copy, which the registration names.
