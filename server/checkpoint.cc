@@ -112,6 +112,8 @@ absl::Status WriteCheckpoint(const std::string& dir, const JobSnapshot& snapshot
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return Errno("cannot create", tmp);
   Writer w(fd);
+  // The header up to the clock is read by `poseidon run` too (run.py _checkpoint_label, which
+  // picks a resume's lost servers before starting them): change both together.
   w.Raw(kMagic, sizeof(kMagic));
   w.U32(kVersion);
   w.U32(0);
