@@ -408,11 +408,12 @@ def main(argv=None):
                     address_of(p)
                 if resume:
                     resumed = _resumed_iteration(servers[1:], job, args.checkpoint_dir, lost)
-                    was = "" if not lost else (
-                        f" (server {min(lost)} was lost" if len(lost) == 1 else
-                        f" (servers {', '.join(map(str, sorted(lost)))} were lost") + (
-                        " before it: their keys start at the copies the others' checkpoints "
-                        "hold)" if lost else "")
+                    was = ""
+                    if lost:
+                        who = (f"server {min(lost)} was" if len(lost) == 1 else
+                               f"servers {', '.join(map(str, sorted(lost)))} were")
+                        was = (f" ({who} lost before it: their keys start at the copies the "
+                               "others' checkpoints hold)")
                     print(f"poseidon run: job {job} resumes after iteration {resumed}{was}",
                           file=sys.stderr, flush=True)
             def start_agent(local, segment, rejoin=False):
@@ -655,9 +656,6 @@ def _job_file(ap, args, world):
     if not isinstance(lost, list) or not all(type(s) is int and 0 <= s < servers for s in lost):
         ap.error(f"--resume: {path}: lost_servers must be a list of server indices below "
                  f"{servers}, got {lost!r}")
-    if len(set(lost)) >= servers:
-        ap.error(f"--resume: {path}: every server of job {job} was lost (lost_servers {lost}): "
-                 "nothing to resume from")
     saved["lost_servers"] = sorted(set(lost))
     return saved
 
