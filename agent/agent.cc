@@ -291,6 +291,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // The world trained with now (ranks, removals and returns so far): written by the main thread
   // (psd_world), read by the heartbeat thread (poseidon status).
   std::atomic<uint32_t> live_world_{0};
+  bool peers_connected_ = false;  // by ReadmitToJob (main thread)
   std::atomic<uint64_t> took_up_at_{0};  // the job's iteration this rank took up (--rejoin)
   std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
@@ -1005,7 +1006,7 @@ absl::Status Agent::Register() {
     // Every layer's syncer and inbox exist now: peers send factors as soon as they have our
     // PING below, so the inbound path must be open first (a frame refused here would cost that
     // peer's connection and leave this layer waiting forever).
-    RETURN_IF_ERROR(ConnectPeers());
+    if (!peers_connected_) RETURN_IF_ERROR(ConnectPeers());  // a readmission's are
     for (uint32_t p = 0; p < config_.world_size; ++p) {
       if (p == config_.rank) continue;
       FrameHeader ping;
@@ -1330,22 +1331,28 @@ absl::Status Agent::TakeUpRunningJob() {
 // The world grows again: this rank came back after the job went on without it (its rejoin
 // timeout ran out and the world shrank, --min_workers), so the others are not waiting for it.
 // It asks every server to count it again from clock F = (the highest completed clock it heard
-// of) + 2: each key leaves it out of the clocks before F that it had not counted and needs its
+// of) + 2, or, with SFB layers, from where the other agents' SFB layers wait for it (ComeBack):
+// each key leaves it out of the clocks before F that it had not counted and needs its
 // push from F on, so the others stop at F - 1 at the latest. A key that had completed F already
 // says so, and it asks again from a later clock (the keys that took the earlier one let it go).
 // Once every key is at F - 1 its process starts with iteration F, as a rejoining rank's whose
 // keys are all one clock behind (TakeUpRunningJob).
 absl::Status Agent::ReadmitToJob(uint64_t highest) {
-  // The others' SFB layers left this rank out for good (SfbSyncer::PeerRemoved).
-  if (auto sfb = std::find_if(table_.layers.begin(), table_.layers.end(),
-                              [](const LayerSpec& st) { return st.sfb_capable; });
-      sfb != table_.layers.end()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--rejoin: rank ", config_.rank, " was removed from the job (--min_workers), and its "
-        "SFB layers (", sfb->desc.name, ") cannot count a removed rank again yet: only a job "
-        "with every layer on PS (--scheme=ps) grows again"));
-  }
   const absl::Time deadline = absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
+  // The others' SFB layers left this rank out: they say where they are and wait for it from
+  // there (SfbSyncer::ComeBack), which fixes the iteration it can take up. Their PS layers can
+  // still complete the clock before it, so the servers take it from there.
+  uint64_t sfb_from = 0;
+  if (std::any_of(table_.layers.begin(), table_.layers.end(),
+                  [](const LayerSpec& st) { return st.sfb_capable; }) &&
+      config_.world_size > 1) {
+    RETURN_IF_ERROR(ConnectPeers());
+    peers_connected_ = true;
+    for (auto& [kind, syncer] : syncers_) {
+      ASSIGN_OR_RETURN(const uint64_t from, syncer->ComeBack(deadline));
+      sfb_from = std::max(sfb_from, from);
+    }
+  }
   // Every server's registration, with readmit_from = `readmit` (0: only its keys' progress).
   // `lowest`: the lowest completed clock of a current key and where it is; `top`: the highest.
   struct Lowest {
@@ -1382,7 +1389,10 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
   uint64_t from = 0;
   Lowest lowest;
   for (int attempt = 1;; ++attempt) {
-    from = highest + 2;
+    // Where the SFB layers wait from: the keys cannot complete that clock without this rank's
+    // push (the others' SFB layers hold the iteration before it). Past it (SFB layers idle for
+    // a while, a plan's PS phase), the keys' next clocks.
+    from = attempt == 1 && sfb_from > highest ? sfb_from : highest + 2;
     RETURN_IF_ERROR(ask(from, from, lowest, highest));
     if (highest < from) break;  // every key took it
     if (attempt == 10 || absl::Now() > deadline) {
@@ -1938,6 +1948,12 @@ void Agent::CheckLostMembers() {
       if (m.role() != v1::NODE_ROLE_AGENT || m.rank() >= config_.world_size) return false;
       // Removed already (the coordinator's lists keep an agent that was replaced since).
       if (nodes_removed_.contains(m.node_id()) || ranks_removed_.contains(m.rank())) return true;
+      // A live replacement holds the rank (it came back before this agent heard the old one
+      // was dead: its SFB layers counted it again already, SfbSyncer::ComeBack): not removed.
+      if (replaced.contains(m.rank())) {
+        nodes_removed_.insert(m.node_id());
+        return true;
+      }
       const auto left = static_cast<uint32_t>(config_.world_size - ranks_removed_.size() - 1);
       if (left < config_.min_workers) return false;
       ranks_removed_.insert(m.rank());

@@ -17,14 +17,27 @@
 // agent told, each layer's cut is the highest of those, the same on every agent: the removed
 // rank's factors count up to the cut (those anyone has are relayed to all) and not after. A
 // layer that averages (PSD_LAYER_AVERAGE) divides each iteration's sum by the ranks it counted.
-// Thread model: Start, CheckDeadlines, PeerRemoved and Waiting on the agent's main thread; the
-// send task and large rebuilds on scheduler workers; the inbound path (OnHeader/OnFrame, which
-// also takes the HELD frames and may start a rebuild) and send completions on transport I/O
-// threads. mu_ guards every inbox, its cuts, the removed ranks and the held credits; it is
+// A removed rank that comes back (ComeBack, a readmitted replacement) asks every live agent
+// where its SFB layers are (a RETURN frame); each answers, once it has removed the rank and
+// agreed its cut on every layer, with the highest iteration b it sent factors of, and from then
+// on its layers wait for the rank from b + 1 on. Under BSP the answers differ by at most one
+// (an agent cannot send b + 1 before every other sent b), so F = min(b) + 2 is past every
+// agent's held iteration and the agents still reach F - 1 (each can complete what it holds
+// below F once it knows F, and push its PS layers of F - 1). The rank takes up the job at F:
+// its PING names F, and from F on every agent counts it again and sends it its factors (those
+// of F it sent already go again, PeerBack).
+// Thread model: Start, CheckDeadlines, PeerRemoved, ComeBack (which waits on answered_) and
+// Waiting on the agent's main thread; the send task and large rebuilds on scheduler workers; the
+// inbound path (OnHeader/OnFrame, which also takes the HELD and RETURN frames, may start a
+// rebuild and, for a RETURN, PeerRemoved), PeerBack and send completions on transport I/O
+// threads. mu_ guards every inbox, its
+// cuts, the removed and returning ranks, the answers to our return and the held credits; it is
 // never held across a transport call, a GEMM or a callback into the agent.
 #include <cblas.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -56,6 +69,13 @@ struct Cut {
   std::optional<uint64_t> own;        // the highest we held, once this agent removed the rank
   std::map<uint32_t, uint64_t> told;  // by live peer: the highest it held (its HELD frame)
   std::optional<uint64_t> agreed;     // the highest of all, once every live agent told
+  std::optional<uint64_t> back_from;  // the rank came back: it counts again from here
+};
+
+// A removed rank that asked to come back (its RETURN frame).
+struct Returning {
+  std::shared_ptr<transport::Connection> link;  // its connection to us: our answer goes there
+  std::optional<uint64_t> hold_from;            // answered: our layers wait for it from here
 };
 
 struct Inbox {
@@ -184,8 +204,36 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   // agent it replaces, or nowhere). Transport I/O thread. The slots sent from are not rewritten
   // before the restarted rank has them: our factors of T + 2 need its factors of T + 1, which
   // it computes once it has ours of T.
+  // A removed rank that came back (it asked, ComeBack) counts again from `clock` on every layer:
+  // what we held for it below `clock` completes without it.
   void PeerBack(uint32_t rank, uint64_t clock) override {
     if (!keep_own_ || rank >= env_.config->world_size || rank == env_.config->rank) return;
+    std::vector<Rebuild> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto back = returning_.find(rank); back != returning_.end()) {
+        if (!back->second.hold_from || clock < *back->second.hold_from) {
+          // Cannot happen under BSP (ComeBack checks the answers): say so rather than diverge
+          // silently; its layers wait for it and fail at sync_timeout, naming it.
+          PSD_LOG_ERROR("rank {} takes up the job at iteration {}, before the iteration this "
+                        "agent's SFB layers wait for it from ({}): its factors are not counted",
+                        rank, clock,
+                        back->second.hold_from ? absl::StrCat(*back->second.hold_from)
+                                               : "this agent never answered its return");
+        } else {
+          removed_.erase(rank);
+          returning_.erase(back);  // no longer held: each layer waits as its cut says
+          for (auto& [layer, box] : inbox_) {
+            box.cuts[rank].back_from = clock;
+            if (box.sent == 0) continue;
+            if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
+          }
+          PSD_LOG_WARN("rank {} came back: its SFB factors count again from iteration {}", rank,
+                       clock);
+        }
+      }
+    }
+    for (const Rebuild& r : ready) StartRebuild(r);
     const std::shared_ptr<transport::Connection> link = env_.peers.Get(rank);
     if (link == nullptr) return;
     const uint32_t me = env_.config->rank;
@@ -238,6 +286,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     std::vector<std::pair<uint32_t, uint64_t>> held;  // by layer
     std::vector<Rebuild> ready;
     std::vector<uint32_t> live;
+    std::vector<Answer> answers;  // to ranks coming back, now that the cuts are agreed
     // A rank that died before it announced itself (its PING) is no longer waited for by the
     // first iteration's layers (SendFactors): they go on without it once the cut is agreed.
     env_.peer_gate->MarkReady(rank);
@@ -249,7 +298,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       }
       for (auto& [layer, box] : inbox_) {
         const uint64_t top = std::max(box.tag[0][rank], box.tag[1][rank]);
-        box.cuts[rank].own = top;
+        CutLocked(box, rank).own = top;
         held.emplace_back(layer, top);
         for (int slot = 0; slot < 2; ++slot) {
           const uint64_t c = box.tag[slot][rank];
@@ -264,7 +313,9 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
           if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
         }
       }
+      answers = AnswersLocked();
     }
+    SendAnswers(answers);
     for (uint32_t p : live) {
       const std::shared_ptr<transport::Connection> link = env_.peers.Get(p);
       if (link == nullptr) continue;
@@ -311,6 +362,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       return absl::InvalidArgumentError(
           absl::StrCat("factors for layer ", h.key, " of ", env_.table->layers.size()));
     }
+    if ((h.flags & transport::kFlagReturn) != 0) return OnReturnFrame(peer, h);
     const bool relayed = (h.flags & transport::kFlagRelayed) != 0;
     if (relayed && (h.sequence >= world || h.sequence == env_.config->rank || h.sequence == from)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -318,6 +370,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     }
     const auto origin = relayed ? static_cast<uint32_t>(h.sequence) : from;
     std::optional<Rebuild> rebuild;
+    std::vector<Answer> answers;
     absl::StatusOr<transport::PayloadTarget> target = transport::PayloadTarget::Discard();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -328,19 +381,124 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       }
       Inbox& box = it->second;
       if (relayed && h.payload_length == 0) {  // HELD: the highest iteration `from` holds
-        Cut& cut = box.cuts[origin];
+        Cut& cut = CutLocked(box, origin);
         if (!cut.told.emplace(from, h.clock).second) {
           return absl::InvalidArgumentError(absl::StrCat(
               "rank ", from, " told twice which factors of rank ", origin, " it holds"));
         }
         TryAgreeLocked(it->first, box, origin);
         if (box.sent != 0) rebuild = MaybeRebuildLocked(it->first, box.sent);
+        answers = AnswersLocked();
       } else {
         target = InboundLocked(box, h, origin, relayed);
       }
     }
     if (rebuild) StartRebuild(*rebuild);
+    SendAnswers(answers);
     return target;
+  }
+
+  // This rank was removed and comes back (Agent::ReadmitToJob): every live peer says the highest
+  // iteration it sent SFB factors of, and holds its layers from the next; this rank takes up the
+  // job two past the lowest (the header comment says why).
+  absl::StatusOr<uint64_t> ComeBack(absl::Time deadline) override {
+    const uint32_t me = env_.config->rank;
+    const uint32_t world = env_.config->world_size;
+    if (inbox_.empty() || world < 2) return uint64_t{0};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      answers_.clear();
+      asking_ = true;
+    }
+    for (uint32_t p = 0; p < world; ++p) {
+      if (p == me) continue;
+      std::shared_ptr<transport::Connection> link = env_.peers.Get(p);
+      if (link == nullptr) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("no connection to the peer agent of rank ", p));
+      }
+      link->Send(ReturnHeader(0, 0), {}, [p](absl::Status s) {
+        if (!s.ok()) PSD_LOG_WARN("asking rank {} to count this rank again: {}", p, s.message());
+      });
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    const bool all = answered_.wait_until(lock, absl::ToChronoTime(deadline),
+                                          [&] { return answers_.size() + 1 == world; });
+    asking_ = false;
+    if (!all) {
+      std::vector<uint32_t> silent;
+      for (uint32_t p = 0; p < world; ++p) {
+        if (p != me && !answers_.contains(p)) silent.push_back(p);
+      }
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rank ", me, " comes back to job ", env_.config->job_id, ", and the peer agents of "
+          "ranks [", absl::StrJoin(silent, ", "), "] did not say where their SFB layers are by ",
+          absl::FormatTime(deadline), " (an agent answers once it removed this rank and agreed "
+          "with the others up to which iteration its factors count)"));
+    }
+    uint64_t low = std::numeric_limits<uint64_t>::max(), high = 0;
+    for (const auto& [p, sent] : answers_) {
+      low = std::min(low, sent);
+      high = std::max(high, sent);
+    }
+    if (high > low + 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", me, " cannot come back to job ", env_.config->job_id, ": the peer agents sent "
+          "SFB factors up to iterations ", low, " to ", high, ", more than one apart (no "
+          "iteration is past every one's and reachable by all)"));
+    }
+    PSD_LOG_INFO("the peer agents sent SFB factors up to iterations {} to {}: this rank's count "
+                 "again from iteration {}",
+                 low, high, low + 2);
+    return low + 2;
+  }
+
+  // A RETURN frame (transport I/O thread): a removed rank asks to come back (sequence 0), or a
+  // peer answers ours (sequence 1, ComeBack).
+  absl::StatusOr<transport::PayloadTarget> OnReturnFrame(
+      const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
+    const uint32_t from = peer->identity().rank;
+    if (h.payload_length != 0 || (h.flags & transport::kFlagRelayed) != 0 || h.sequence > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", from, " sent a malformed RETURN frame (sequence ", h.sequence, ", flags ",
+          h.flags, ", ", h.payload_length, " bytes of payload)"));
+    }
+    std::vector<Answer> answers;
+    bool removal = false;  // the rank asks before this agent heard it was removed
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (h.sequence == 1) {
+        if (!asking_) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("rank ", from, " answers a return this agent did not ask for"));
+        }
+        if (!answers_.emplace(from, h.clock).second) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("rank ", from, " answered this agent's return twice"));
+        }
+        answered_.notify_all();
+        return transport::PayloadTarget::Discard();
+      }
+      if (!keep_own_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", from, " asks to come back, and this job takes no rank back (no "
+            "--rejoin_timeout)"));
+      }
+      // A second ask (an earlier replacement died meanwhile) is answered again, on its link.
+      returning_[from].link = peer->shared_connection();
+      removal = !removed_.contains(from);
+      if (!removal) answers = AnswersLocked();
+    }
+    if (removal) {
+      // Only a rank the KV servers removed asks (Agent::ReadmitToJob). The coordinator may
+      // never call its agent dead here (replaced on the same GPU within its lease): its factors
+      // stop counting now, and the answer follows the agreed cut.
+      PSD_LOG_WARN("rank {} asks to come back: the KV servers removed it, so this agent does too",
+                   from);
+      PeerRemoved(from);
+    }
+    SendAnswers(answers);
+    return transport::PayloadTarget::Discard();
   }
 
   // Where factors of rank `from` (the sender, or a removed rank whose factors it passes on) go.
@@ -447,6 +605,59 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     absl::Time queued_at;
   };
 
+  // Our answer to a rank coming back: the highest iteration we sent factors of.
+  struct Answer {
+    std::shared_ptr<transport::Connection> link;
+    uint32_t rank;
+    uint64_t sent;
+  };
+
+  // With mu_ held: the answers due to ranks coming back, once this agent removed each and agreed
+  // its cut on every layer; from then on our layers wait for it past what we sent.
+  std::vector<Answer> AnswersLocked() {
+    std::vector<Answer> out;
+    for (auto& [rank, back] : returning_) {
+      if (back.link == nullptr || !removed_.contains(rank)) continue;  // answered, or not yet
+      bool agreed = true;
+      uint64_t sent = 0;
+      for (const auto& [layer, box] : inbox_) {
+        auto cut = box.cuts.find(rank);
+        agreed &= cut != box.cuts.end() && cut->second.agreed.has_value();
+        sent = std::max(sent, box.sent);
+      }
+      if (!agreed) continue;
+      back.hold_from = std::min(back.hold_from.value_or(sent + 1), sent + 1);
+      out.push_back({std::move(back.link), rank, sent});  // the link left null: answered
+    }
+    return out;
+  }
+
+  void SendAnswers(const std::vector<Answer>& answers) {
+    for (const Answer& a : answers) {
+      PSD_LOG_WARN("rank {} comes back: this agent's SFB layers wait for it from iteration {} "
+                   "until it says where it takes up the job",
+                   a.rank, a.sent + 1);
+      a.link->Send(ReturnHeader(1, a.sent), {}, [rank = a.rank](absl::Status s) {
+        if (!s.ok()) PSD_LOG_WARN("answering rank {}'s return: {}", rank, s.message());
+      });
+    }
+  }
+
+  // A RETURN frame: ask (sequence 0) or answer (1, with the highest iteration sent).
+  FrameHeader ReturnHeader(uint64_t sequence, uint64_t clock) const {
+    FrameHeader h = FactorsHeader(0, clock, 0);
+    h.flags |= transport::kFlagReturn;
+    h.sequence = sequence;
+    return h;
+  }
+
+  // A layer's cut of `rank`; one of an earlier removal the rank came back from starts afresh.
+  static Cut& CutLocked(Inbox& box, uint32_t rank) {
+    Cut& cut = box.cuts[rank];
+    if (cut.back_from) cut = Cut{};
+    return cut;
+  }
+
   DeviceStager::SfbShape Shape(uint32_t layer) const {
     const LayerSpec& st = env_.table->layers[layer];
     DeviceStager::SfbShape shape;
@@ -472,16 +683,23 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     return missing;
   }
 
-  // Whether the layer's `iteration` still needs rank p's factors.
+  // Whether the layer's `iteration` still needs rank p's factors, or waits for p to say where it
+  // comes back (held: we answered its return, it has not taken up the job yet).
   bool WaitsForLocked(const Inbox& box, int slot, uint32_t p, uint64_t iteration) const {
-    return p != env_.config->rank && box.tag[slot][p] != iteration &&
-           !ExcludedLocked(box, p, iteration);
+    if (p == env_.config->rank) return false;
+    if (auto back = returning_.find(p);
+        back != returning_.end() && back->second.hold_from && iteration >= *back->second.hold_from) {
+      return true;
+    }
+    return box.tag[slot][p] != iteration && !ExcludedLocked(box, p, iteration);
   }
 
-  // Whether rank p's factors are left out of the layer's `iteration` (removed before it).
+  // Whether rank p's factors are left out of the layer's `iteration` (removed before it, and not
+  // back by then).
   static bool ExcludedLocked(const Inbox& box, uint32_t p, uint64_t iteration) {
     auto it = box.cuts.find(p);
-    return it != box.cuts.end() && it->second.agreed && iteration > *it->second.agreed;
+    if (it == box.cuts.end() || !it->second.agreed || iteration <= *it->second.agreed) return false;
+    return !it->second.back_from || iteration < *it->second.back_from;
   }
 
   // The cut of `rank` on `layer`, once this agent removed it and every live peer told what it
@@ -699,6 +917,11 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   const bool tolerate_failed_sends_;
   mutable std::mutex mu_;
   std::set<uint32_t> removed_;  // ranks removed from the job (PeerRemoved), under mu_
+  std::map<uint32_t, Returning> returning_;  // removed ranks that asked to come back, under mu_
+  // This agent coming back (ComeBack): the peers' answers, by rank, under mu_.
+  bool asking_ = false;
+  std::map<uint32_t, uint64_t> answers_;
+  std::condition_variable answered_;
   std::map<uint32_t, std::string> gone_;  // ranks gone (PeersGone), under mu_
   std::map<uint32_t, Inbox> inbox_;  // by SFB-capable layer; created in the constructor, then fixed
 };

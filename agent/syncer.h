@@ -217,9 +217,15 @@ class Syncer {
   // thread): send it again what it needs of that iteration on and had gone to the agent it
   // replaces (SyncEnv::peers already leads to it).
   virtual void PeerBack(uint32_t /*rank*/, uint64_t /*clock*/) {}
-  // `rank` was removed from the job (--min_workers; main thread): nothing more comes from it.
-  // The agents agree on the last iteration of each layer that counts it.
+  // `rank` was removed from the job (--min_workers; main thread, or an I/O thread where the
+  // rank's replacement asks to come back first): nothing more comes from it. The agents agree
+  // on the last iteration of each layer that counts it.
   virtual void PeerRemoved(uint32_t /*rank*/) {}
+  // This rank was removed from the job and comes back (Agent::ReadmitToJob; main thread, peers
+  // connected, blocks until `deadline`): the earliest iteration from which every peer can count
+  // it again on this scheme's layers (0: any). The peers hold those layers from the iteration
+  // after where they are until this agent's PING names the iteration it takes up (PeerBack).
+  virtual absl::StatusOr<uint64_t> ComeBack(absl::Time /*deadline*/) { return uint64_t{0}; }
   // Frames from the other agents, when the scheme uses them (null: none).
   virtual transport::FrameHandler* peer_handler() { return nullptr; }
   // Called once peers are connected and every layer exists (registration, main thread).

@@ -519,6 +519,108 @@ TEST_F(SfbShrinkOfThreeTest, ARankRemovedBeforeItAnnouncedItselfIsNotWaitedFor) 
   for (auto& [kind, syncer] : ranks_[2]->syncers) syncer->Stop();
 }
 
+// The world grows again with SFB layers: rank 2 of 3 is removed after iteration 2 and comes
+// back (ComeBack, as a readmitted replacement's agent does). Its question reaches rank 0, which
+// has removed it but cannot agree the cut alone, and rank 1, which has not heard of the removal
+// (a replacement on the same GPU within the coordinator's lease: it never will) and removes it
+// on the question (only a rank the KV servers removed asks). Both answer once the cut is agreed
+// (at 2); both sent factors up to iteration 2, so it takes up the job at 4, and their iteration
+// 3 waits for its word: once its PING names 4 (PeerBack), iteration 3 is the sum over ranks 0
+// and 1, and iteration 4 over all three, on every rank.
+class SfbComeBackTest : public SfbShrinkOfThreeTest {
+ protected:
+  void Adjust(Rank& r) override {
+    r.config.min_workers = 1;
+    r.config.rejoin_timeout = absl::Seconds(1);  // a job that takes ranks back
+  }
+};
+
+TEST_F(SfbComeBackTest, ARemovedRankComesBackAtAnIterationEveryAgentHeldAndCountsFromThere) {
+  auto sum = [&](uint32_t rank, uint64_t t, std::vector<uint32_t> of) {
+    const float* g = ranks_[rank]->shm->Grad(0);
+    for (uint64_t m = 0; m < kM; ++m) {
+      for (uint64_t n = 0; n < kN; ++n) {
+        float want = 0;
+        for (uint32_t p : of) {
+          for (uint64_t k = 0; k < kK; ++k) {
+            want += Value(p, t, 0, k * kM + m) * Value(p, t, 10, k * kN + n);
+          }
+        }
+        ASSERT_EQ(g[m * kN + n], want) << "rank " << rank << " t " << t << " (" << m << ", " << n
+                                       << ")";
+      }
+    }
+  };
+  Syncer& sfb0 = *ranks_[0]->syncers.at(SyncerKind::kSfb);
+  Syncer& sfb1 = *ranks_[1]->syncers.at(SyncerKind::kSfb);
+  Syncer& sfb2 = *ranks_[2]->syncers.at(SyncerKind::kSfb);
+  for (uint64_t t = 1; t <= 2; ++t) {
+    for (auto& r : ranks_) Post(*r, 0, t, SyncerKind::kSfb);
+    for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  }
+  // The answers come back on rank 2's own connections (the agent reads them as its listener's).
+  for (uint32_t p = 0; p < 2; ++p) {
+    ranks_[2]->peer_server->Serve(ranks_[2]->env.peers.Get(p), transport::PeerIdentity{1, p});
+  }
+  sfb0.PeerRemoved(2);
+  const absl::StatusOr<uint64_t> back = sfb2.ComeBack(absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, 4u);
+  // Iteration 3 waits for rank 2's word (it may still take up the job there, for all they know).
+  for (uint32_t r = 0; r < 2; ++r) Post(*ranks_[r], 0, 3, SyncerKind::kSfb);
+  absl::SleepFor(absl::Milliseconds(200));
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(ranks_[r]->syncers.at(SyncerKind::kSfb)->Waiting(0, 3, {}),
+              "SFB factors from ranks [2]");
+  }
+  sfb0.PeerBack(2, *back);
+  sfb1.PeerBack(2, *back);
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(sum(r, 3, {0, 1}));
+  }
+  for (auto& r : ranks_) Post(*r, 0, 4, SyncerKind::kSfb);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(sum(r, 4, {0, 1, 2}));
+  }
+}
+
+// RETURN frames: an answer to a return this agent did not ask for, and a sequence that is
+// neither ask nor answer, are refused with an ERROR frame saying why.
+TEST_F(SfbComeBackTest, AReturnFrameThisAgentCannotTakeIsRefusedSayingWhy) {
+  for (const auto& [sequence, why] :
+       {std::pair<uint64_t, std::string>{1, "rank 1 answers a return this agent did not ask for"},
+        {2, "rank 1 sent a malformed RETURN frame (sequence 2"}}) {
+    auto conn = transport::ConnectAuthenticated(*ctx_, "peer-0", 1, 1,
+                                                transport::RankKey(kSecret, 1, 1),
+                                                absl::Seconds(10));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    transport::FrameHeader h;
+    h.type = transport::FrameType::kFactors;
+    h.flags = transport::kFlagReturn;
+    h.job_id = 1;
+    h.sender_rank = 1;
+    h.sequence = sequence;
+    h.clock = 3;
+    (*conn)->Send(h, {}, [](absl::Status) {});
+    std::promise<absl::StatusOr<transport::FrameHeader>> header;
+    (*conn)->ReadHeader([&](absl::StatusOr<transport::FrameHeader> got) {
+      header.set_value(std::move(got));
+    }, absl::Seconds(10));
+    const absl::StatusOr<transport::FrameHeader> got = header.get_future().get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->type, transport::FrameType::kError);
+    std::string message(got->payload_length, '\0');
+    std::promise<absl::Status> read;
+    (*conn)->ReadPayload(std::as_writable_bytes(std::span(message.data(), message.size())),
+                         [&](absl::Status st) { read.set_value(st); });
+    ASSERT_TRUE(read.get_future().get().ok());
+    EXPECT_NE(message.find(why), std::string::npos) << message;
+    (*conn)->Close();
+  }
+}
+
 // A relayed FACTORS frame must name a third rank whose factors it passes on: one naming its
 // sender or a rank beyond the world is refused with an ERROR frame saying why, and the
 // connection closed.

@@ -77,9 +77,16 @@ enum FrameFlag : uint8_t {
   // (the rank may have died while sending them); without, the highest clock of its factors the
   // sender holds (0: none). docs/wire.md (flags) and docs/operations.md, "The world shrinks".
   kFlagRelayed = 1u << 5,
+  // A FACTORS frame without a payload about a removed rank coming back (docs/operations.md, "The
+  // world grows again"): `sequence` 0, from that rank, asks where the receiver's SFB layers are;
+  // `sequence` 1, the answer, gives in `clock` the highest iteration of which the sender sent
+  // SFB factors (0: none), and the sender's SFB layers wait for the rank from the next iteration
+  // on until its PING names the iteration it counts again from.
+  kFlagReturn = 1u << 6,
 };
-inline constexpr uint8_t kKnownFrameFlags =
-    kFlagPayloadChecksum | kFlagLast | kFlagInit | kFlagReplay | kFlagExactWire | kFlagRelayed;
+inline constexpr uint8_t kKnownFrameFlags = kFlagPayloadChecksum | kFlagLast | kFlagInit |
+                                            kFlagReplay | kFlagExactWire | kFlagRelayed |
+                                            kFlagReturn;
 
 // The rank a KV server authenticates as towards another server of the job (replication):
 // above every worker rank, and its RankKey is derived from the job's secret, which agents never

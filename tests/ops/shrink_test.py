@@ -35,9 +35,10 @@ replacement's agent took from its start to ready, readmitted).
 With --scheme auto (the planner's plan: the FC layers on SFB, ops_shrink_sfb) the same trials
 check that the FC layers ran on SFB, and each survivor's agent logs the iteration up to which
 the killed rank's factors count on each SFB layer (the live agents pass on its factors of its
-last iterations and agree on that iteration); a replacement that comes after the removal is
-refused, naming why (SFB layers cannot count a removed rank again yet), and the survivors
-finish without it, every result exact.
+last iterations and agree on that iteration); a replacement that comes after the removal asks
+the survivors' agents where their SFB layers are, takes up the job past the highest, and every
+survivor's agent logs that the rank's SFB factors count again from the iteration it was
+readmitted from — the same iteration as its PS layers', every result exact.
 
 Then --min_workers=4: a rank killed is not removed, and the others fail, naming it. Every process
 is killed (and every shared-memory segment removed) on every path."""
@@ -206,9 +207,6 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
         for server in servers:
             server.wait_for(rf"rank {victim} \(.*it is removed", timeout=30)
         returned = time.time()
-        if args.scheme != "ps":
-            refused_back(args, t, agent_argv, victim, segments, daemons, synths)
-            return
         agent, back = rejoin_test.replace(args, agent_argv, victim, segments, daemons, "back",
                                           extra=["--allow_shrink"])
         # Started to ready: registration, readmission and the wait for the others to reach
@@ -251,6 +249,13 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
             check((live_rank, live_size) == (r, RANKS) and generation in (0, 2),
                   f"trial {t}: rank {r} ends as rank {live_rank} of {live_size}, generation "
                   f"{generation} (psd_world)")
+        if args.scheme != "ps":
+            for r in (r for r in range(RANKS) if r != victim):
+                log = "\n".join(agents[r].lines + agents[r].stderr)
+                check(f"rank {victim} came back: its SFB factors count again from iteration "
+                      f"{readmitted}" in log,
+                      f"trial {t}: rank {r}'s agent counts rank {victim}'s SFB factors again from "
+                      f"iteration {readmitted}, as its PS layers")
         e = ends(synths[(victim + 1) % RANKS])
         # Iterations begun before the replacement started include the wait for the killed rank
         # (the rejoin timeout, until the servers removed it): not the return's cost.
@@ -262,34 +267,6 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
         check(False, f"trial {t}: {e}")
     finally:
         stop_all(daemons, segments)
-
-
-def refused_back(args, t, agent_argv, victim, segments, daemons, synths):
-    """With SFB layers a removed rank's replacement is refused, naming why; the survivors
-    finish without it, every result exact."""
-    segment = f"{segments[victim]}-back"
-    segments.append(segment)
-    agent = rejoin_test.Daemon(f"agent {victim} (back)",
-                               agent_argv(victim, segment, rejoin=True))
-    daemons.append(agent)
-    # Its process registers the model, then the agent learns from the servers that the rank
-    # was removed.
-    back = synth(args, victim, segment, daemons)
-    try:
-        agent.wait(60)
-        back.wait(30)
-    except Exception:  # noqa: BLE001 - checked below
-        pass
-    log = "\n".join(agent.lines + agent.stderr)
-    check(agent.proc.poll() not in (None, 0) and
-          "cannot count a removed rank again yet" in log,
-          f"trial {t}: rank {victim}'s replacement is refused, naming why ({log[-300:]})")
-    check(back.proc.poll() not in (None, 0),
-          f"trial {t}: and its training process fails ({(back.lines + back.stderr)[-1:]})")
-    survivors = [r for r in range(RANKS) if r != victim]
-    rejoin_test.wait_all(synths[r] for r in survivors)
-    for r in survivors:
-        finished_exact(t, r, synths[r], f"rank {victim} killed, its replacement refused")
 
 
 def too_few(args):
@@ -353,7 +330,8 @@ def main():
     back = ("a replacement that comes later is readmitted and the world grows again"
             if args.scheme == "ps" else
             "the live agents agree on each SFB layer's last iteration that counts it; a "
-            "replacement that comes later is refused, naming why")
+            "replacement that comes later is readmitted, its SFB layers from the same iteration "
+            "as its PS layers, and the world grows again")
     finish(f"PASS: a killed rank (or agent) not restarted is removed and the job goes on with the "
            f"ranks left, every result exact; {back}; with too few left the others fail naming it")
 

@@ -469,6 +469,35 @@ class Recovery(WorkersTest):
                               f"{what}: its momentum buffers")
             self.expect_rank_0s_buffers(r.stdout, forwards=steps)
 
+    def test_a_rank_readmitted_after_the_world_shrank_counts_again_on_sfb_layers_too(self):
+        # The same with the Linear weights on SFB (issue 18): the restarted rank asks the live
+        # agents where their SFB layers are, takes up the job two iterations past the lowest
+        # (they hold their SFB layers until it does), and the KV servers readmit it from that
+        # step too. Every layer counts it again from the same step: rank 1's parameters and
+        # momentum at the end equal one process on the 4x batch until step 17, the three ranks'
+        # batch until that step, and the 4x batch again after.
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+        steps = 60
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r, back = self.readmit_rank_1(
+                out, steps, "ddp-wrapper,register-early,state-optimizer,momentum,report-world,"
+                "writer=1", scheme="sfb")
+            self.assertIn("schemes: SFB,PS,SFB,PS", r.stdout)
+            # Every live agent counts it again from the iteration its agent was readmitted from
+            # (the job's iteration: the worker's steps are counted from 0, after registration).
+            at = re.search(r"rank 1 is readmitted to job \d+ from iteration (\d+)", r.stdout)
+            self.assertIsNotNone(at, r.stdout)
+            self.assertEqual(r.stdout.count(f"rank 1 came back: its SFB factors count again from "
+                                            f"iteration {at.group(1)}"), 3, r.stdout)
+            want, want_momentum = reference_shrunk(sgd, workers=4, removed=1, from_step=17,
+                                                   steps=steps, back_step=back, momentum=True)
+            what = (f"local SGD with momentum, SFB layers, the world shrank at step 17 and grew "
+                    f"at {back}")
+            self.assert_close(torch.load(out), want, what)
+            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
+                              f"{what}: its momentum buffers")
+
     def expect_rank_0s_buffers(self, out, forwards, own_at=(), rank_1s_at=()):
         """Rank 2 found rank 0's buffers in each of its `forwards` forwards but the first two
         (buffer-probe's list), except at the indices `own_at` of that list (no broadcast: its
@@ -568,14 +597,16 @@ class Recovery(WorkersTest):
             self.assertNotEqual(reference(adam, workers=4, steps=steps)[0].tolist(),
                                 want[0].tolist())
 
-    def readmit_rank_1(self, out, steps, modes):
+    def readmit_rank_1(self, out, steps, modes, scheme="ps"):
         """Rank 1 of 4 (equivalence_worker.py's `modes`, an ElasticState, `steps` steps of
         0.2 s: the restart, starting Python and importing torch, comes back while the job runs)
         dies before step 17 and is removed at once (--min_workers 3, --rejoin_timeout 1ms: its
         restart comes later, as a node returning late would); its restart is readmitted by the
         KV servers from a later step, where it resumes, with the training loop's position.
-        Returns the job and that step."""
-        r = launch(["-n", "4", "--servers", "2", "--scheme", "ps", "--min_workers", "3",
+        With scheme "sfb" the Linear weights go by SFB: the live agents hold them at the
+        iteration past where they are until the restart takes up the job there. Returns the job
+        and that step."""
+        r = launch(["-n", "4", "--servers", "2", "--scheme", scheme, "--min_workers", "3",
                     "--rejoin", "--rejoin_timeout", "1ms", "--max_restarts", "1", "--", PY,
                     os.path.join(HERE, "equivalence_worker.py"), out,
                     f"{modes},workers=4,crash-at=17,elastic-state,steps={steps},step-sleep=0.2"],
