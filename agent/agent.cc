@@ -307,6 +307,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::map<uint32_t, std::string> gone_peers_;
   std::map<uint32_t, std::string> peer_address_;  // of its latest inbound connection
   std::set<uint32_t> silent_peers_;                // gone for silence (back at their next frame)
+  std::map<uint32_t, absl::Time> took_up_;         // when a restarted agent last took up a rank
   std::atomic<bool> silent_any_{false};            // !silent_peers_.empty(), read without a lock
   uint64_t gone_version_ = 0;
   uint64_t gone_passed_ = 0;  // main thread: the version the syncers have
@@ -1948,11 +1949,17 @@ void Agent::CheckLostMembers() {
       if (m.role() != v1::NODE_ROLE_AGENT || m.rank() >= config_.world_size) return false;
       // Removed already (the coordinator's lists keep an agent that was replaced since).
       if (nodes_removed_.contains(m.node_id()) || ranks_removed_.contains(m.rank())) return true;
-      // A live replacement holds the rank (it came back before this agent heard the old one
-      // was dead: its SFB layers counted it again already, SfbSyncer::ComeBack): not removed.
-      if (replaced.contains(m.rank())) {
-        nodes_removed_.insert(m.node_id());
-        return true;
+      // The rank was taken up again after this death (its replacement's PING, OnFrame; an
+      // answer older than the replacement may arrive after it): the death it came back from,
+      // whose removal its SFB layers made on its question and undid (SfbSyncer::ComeBack).
+      {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        auto back = took_up_.find(m.rank());
+        const absl::Time died = absl::Now() - absl::Milliseconds(m.dead_for_ms());
+        if (back != took_up_.end() && died < back->second) {
+          nodes_removed_.insert(m.node_id());
+          return true;
+        }
       }
       const auto left = static_cast<uint32_t>(config_.world_size - ranks_removed_.size() - 1);
       if (left < config_.min_workers) return false;
@@ -2296,6 +2303,10 @@ void Agent::OnFrame(const std::shared_ptr<transport::PeerSession>& peer, const F
       PSD_LOG_WARN("rank {} ({}) took up the job at iteration {}: this agent's frames to it go "
                    "on its connection",
                    rank, peer->address(), h.clock);
+      {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        took_up_[rank] = absl::Now();
+      }
       FrameHeader ping;
       ping.type = FrameType::kPing;
       ping.job_id = config_.job_id;

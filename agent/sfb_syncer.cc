@@ -687,8 +687,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   // comes back (held: we answered its return, it has not taken up the job yet).
   bool WaitsForLocked(const Inbox& box, int slot, uint32_t p, uint64_t iteration) const {
     if (p == env_.config->rank) return false;
-    if (auto back = returning_.find(p);
-        back != returning_.end() && back->second.hold_from && iteration >= *back->second.hold_from) {
+    if (auto back = returning_.find(p); back != returning_.end() && back->second.hold_from &&
+                                        iteration >= *back->second.hold_from) {
       return true;
     }
     return box.tag[slot][p] != iteration && !ExcludedLocked(box, p, iteration);
