@@ -175,6 +175,12 @@ def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
                        .group(1))
             # Once the job runs again (the coordinator plans ahead by the iterations' rate).
             rejoined.wait_for(rf"iteration {took + 1} ends at", timeout=60)
+            # The coordinator knows that rate once the job's progress reports span a second;
+            # before, it plans an epoch 200 iterations ahead (past this job's end): a kill early
+            # in the run is back before then.
+            began = re.search(r"iteration 1 ends at ([0-9.]+)",
+                              "\n".join(synths[(victim + 1) % RANKS].lines))
+            time.sleep(max(0.0, float(began.group(1)) + 2.0 - time.time()))
             plan = ["plan", f"--coordinator={agent_argv.coordinator}", "--job=1", f"--token={TOKEN}"]
             shown = subprocess.run([args.cli, *plan], capture_output=True, text=True, timeout=30)
             now = re.search(r"^fc1\.weight\s+(\w+)", shown.stdout, re.M)
