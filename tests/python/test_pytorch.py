@@ -452,7 +452,6 @@ class Recovery(WorkersTest):
         # momentum at the end equal one process on the 4x batch until step 17, on the three
         # ranks' batch until F, and on the 4x batch again after (a fresh optimizer would have
         # no momentum); every forward of rank 2 finds rank 0's buffers.
-        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
         steps = 60
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
@@ -461,13 +460,20 @@ class Recovery(WorkersTest):
                 "report-world,writer=1")
             self.assertIsNotNone(re.search(r"rank 1 ends in world \(1, 4, [02]\)", r.stdout),
                                  r.stdout)
-            want, want_momentum = reference_shrunk(sgd, workers=4, removed=1, from_step=17,
-                                                   steps=steps, back_step=back, momentum=True)
-            what = f"local SGD with momentum, the world shrank at step 17 and grew at {back}"
-            self.assert_close(torch.load(out), want, what)
-            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
-                              f"{what}: its momentum buffers")
+            self.expect_readmitted_sgd(out, steps, back, "")
             self.expect_rank_0s_buffers(r.stdout, forwards=steps)
+
+    def expect_readmitted_sgd(self, out, steps, back, what):
+        """Rank 1's parameters and momentum buffers (writer=1) after readmit_rank_1 with the
+        script's SGD with momentum: one process on the 4x batch until step 17, the three ranks'
+        batch until `back`, the 4x batch again after."""
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+        want, want_momentum = reference_shrunk(sgd, workers=4, removed=1, from_step=17,
+                                               steps=steps, back_step=back, momentum=True)
+        what = f"local SGD with momentum{what}, the world shrank at step 17 and grew at {back}"
+        self.assert_close(torch.load(out), want, what)
+        self.assert_close(torch.load(out + ".optimizer"), want_momentum,
+                          f"{what}: its momentum buffers")
 
     def test_a_rank_readmitted_after_the_world_shrank_counts_again_on_sfb_layers_too(self):
         # The same with the Linear weights on SFB (issue 18): the restarted rank asks the live
@@ -476,7 +482,6 @@ class Recovery(WorkersTest):
         # step too. Every layer counts it again from the same step: rank 1's parameters and
         # momentum at the end equal one process on the 4x batch until step 17, the three ranks'
         # batch until that step, and the 4x batch again after.
-        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
         steps = 60
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "params.pt")
@@ -490,13 +495,7 @@ class Recovery(WorkersTest):
             self.assertIsNotNone(at, r.stdout)
             self.assertEqual(r.stdout.count(f"rank 1 came back: its SFB factors count again from "
                                             f"iteration {at.group(1)}"), 3, r.stdout)
-            want, want_momentum = reference_shrunk(sgd, workers=4, removed=1, from_step=17,
-                                                   steps=steps, back_step=back, momentum=True)
-            what = (f"local SGD with momentum, SFB layers, the world shrank at step 17 and grew "
-                    f"at {back}")
-            self.assert_close(torch.load(out), want, what)
-            self.assert_close(torch.load(out + ".optimizer"), want_momentum,
-                              f"{what}: its momentum buffers")
+            self.expect_readmitted_sgd(out, steps, back, ", SFB layers")
 
     def expect_rank_0s_buffers(self, out, forwards, own_at=(), rank_1s_at=()):
         """Rank 2 found rank 0's buffers in each of its `forwards` forwards but the first two
