@@ -1948,7 +1948,14 @@ void Agent::CheckLostMembers() {
     auto remove = [&](const v1::LostMember& m, absl::string_view how) {
       if (m.role() != v1::NODE_ROLE_AGENT || m.rank() >= config_.world_size) return false;
       // Removed already (the coordinator's lists keep an agent that was replaced since).
-      if (nodes_removed_.contains(m.node_id()) || ranks_removed_.contains(m.rank())) return true;
+      if (nodes_removed_.contains(m.node_id())) return true;
+      if (ranks_removed_.contains(m.rank())) {
+        // A later agent of the removed rank, dead too: a replacement that asked to come back
+        // may have died before it took up the job (the SFB layers' wait for it ends).
+        nodes_removed_.insert(m.node_id());
+        for (auto& [kind, syncer] : syncers_) syncer->PeerRemoved(m.rank());
+        return true;
+      }
       // The rank was taken up again after this death (its replacement's PING, OnFrame; an
       // answer older than the replacement may arrive after it): the death it came back from,
       // whose removal its SFB layers made on its question and undid (SfbSyncer::ComeBack).

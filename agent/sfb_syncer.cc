@@ -290,6 +290,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     // A rank that died before it announced itself (its PING) is no longer waited for by the
     // first iteration's layers (SendFactors): they go on without it once the cut is agreed.
     env_.peer_gate->MarkReady(rank);
+    DropReturn(rank);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!removed_.insert(rank).second) return;
@@ -342,6 +343,26 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     PSD_LOG_INFO("rank {} removed: its SFB factors of {} layer iterations passed on to the {} "
                  "live peers, with the highest iteration held of each layer",
                  rank, relays.size(), live.size());
+    for (const Rebuild& r : ready) StartRebuild(r);
+  }
+
+  // `rank` asked to come back (ComeBack) and is gone before it took up the job: what waited for
+  // its word goes on without it, and it stays removed at the cut agreed before.
+  void DropReturn(uint32_t rank) {
+    std::vector<Rebuild> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto back = returning_.find(rank);
+      if (back == returning_.end()) return;
+      returning_.erase(back);
+      for (auto& [layer, box] : inbox_) {
+        if (box.sent == 0) continue;
+        if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
+      }
+    }
+    PSD_LOG_WARN("rank {} asked to come back and is gone before it took up the job: its SFB "
+                 "factors count up to the cut agreed before, not after",
+                 rank);
     for (const Rebuild& r : ready) StartRebuild(r);
   }
 
@@ -484,10 +505,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
             "rank ", from, " asks to come back, and this job takes no rank back (no "
             "--rejoin_timeout)"));
       }
-      // A second ask (an earlier replacement died meanwhile) is answered again, on its link.
-      returning_[from].link = peer->shared_connection();
       removal = !removed_.contains(from);
-      if (!removal) answers = AnswersLocked();
     }
     if (removal) {
       // Only a rank the KV servers removed asks (Agent::ReadmitToJob). The coordinator may
@@ -496,6 +514,12 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
       PSD_LOG_WARN("rank {} asks to come back: the KV servers removed it, so this agent does too",
                    from);
       PeerRemoved(from);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // A second ask (an earlier replacement died meanwhile) is answered again, on its link.
+      returning_[from].link = peer->shared_connection();
+      answers = AnswersLocked();
     }
     SendAnswers(answers);
     return transport::PayloadTarget::Discard();

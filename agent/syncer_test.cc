@@ -580,6 +580,39 @@ TEST_F(SfbComeBackTest, ARemovedRankComesBackAtAnIterationEveryAgentHeldAndCount
   }
 }
 
+// A replacement that asked to come back and died before it took up the job (no PING): once
+// the others hear it is gone (PeerRemoved again), what waited for its word goes on without it,
+// and the rank stays out at the cut agreed before.
+TEST_F(SfbComeBackTest, AReplacementGoneBeforeItTookUpTheJobIsNotWaitedFor) {
+  for (uint64_t t = 1; t <= 2; ++t) {
+    for (auto& r : ranks_) Post(*r, 0, t, SyncerKind::kSfb);
+    for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  }
+  for (uint32_t p = 0; p < 2; ++p) {
+    ranks_[2]->peer_server->Serve(ranks_[2]->env.peers.Get(p), transport::PeerIdentity{1, p});
+    ranks_[p]->syncers.at(SyncerKind::kSfb)->PeerRemoved(2);
+  }
+  const absl::StatusOr<uint64_t> back =
+      ranks_[2]->syncers.at(SyncerKind::kSfb)->ComeBack(absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (uint32_t r = 0; r < 2; ++r) Post(*ranks_[r], 0, 3, SyncerKind::kSfb);
+  absl::SleepFor(absl::Milliseconds(200));
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(ranks_[r]->syncers.at(SyncerKind::kSfb)->Waiting(0, 3, {}),
+              "SFB factors from ranks [2]");
+    ranks_[r]->syncers.at(SyncerKind::kSfb)->PeerRemoved(2);
+  }
+  for (uint64_t t = 3; t <= 4; ++t) {
+    if (t == 4) {
+      for (uint32_t r = 0; r < 2; ++r) Post(*ranks_[r], 0, t, SyncerKind::kSfb);
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+      ASSERT_NO_FATAL_FAILURE(ExpectSfbSum(r, t, {0, 1}));
+    }
+  }
+}
+
 // Sends one FACTORS frame with `flags` and `sequence` to rank 0's agent as rank 1 (a connection
 // of its own) and returns the ERROR frame's message it answers with ("" when it answers none).
 std::string RefusalOfFactorsFrame(transport::Context& ctx, uint8_t flags, uint64_t sequence) {
