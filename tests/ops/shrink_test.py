@@ -209,8 +209,10 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
         returned = time.time()
         agent, back = rejoin_test.replace(args, agent_argv, victim, segments, daemons, "back",
                                           extra=["--allow_shrink"])
-        # Started to ready: registration, readmission and the wait for the others to reach
-        # the clock before the one it is readmitted from.
+        # Started to readmitted: the agent's start, its process's registration, the SFB
+        # agents' answers, the servers' readmission and the wait for the others to reach the
+        # clock before the one it is readmitted from (its log line, once that is done).
+        agent.wait_for(r"is readmitted to job", timeout=60)
         readies.append((what, time.time() - returned))
         synths[victim] = back
         rejoin_test.wait_all(synths)
@@ -322,7 +324,7 @@ def main():
                    "longer than their median iteration by")
     report(costs, "killed, then back: the longest of the survivors' iterations begun after the "
                   "replacement started took longer than their median before by")
-    report(readies, "killed, then back: the replacement's agent was ready (readmitted) after")
+    report(readies, "killed, then back: the replacement's agent was readmitted after")
     if steps:
         print("iteration time before / after the world shrank (median per trial): " +
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
