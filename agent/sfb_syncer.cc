@@ -30,9 +30,9 @@
 // Waiting on the agent's main thread; the send task and large rebuilds on scheduler workers; the
 // inbound path (OnHeader/OnFrame, which also takes the HELD and RETURN frames, may start a
 // rebuild and, for a RETURN, PeerRemoved), PeerBack and send completions on transport I/O
-// threads. mu_ guards every inbox, its
-// cuts, the removed and returning ranks, the answers to our return and the held credits; it is
-// never held across a transport call, a GEMM or a callback into the agent.
+// threads. mu_ guards every inbox, its cuts, the removed and returning ranks, the answers to our
+// return and the held credits; it is never held across a transport call, a GEMM or a callback
+// into the agent.
 #include <cblas.h>
 
 #include <algorithm>
@@ -223,11 +223,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
         } else {
           removed_.erase(rank);
           returning_.erase(back);  // no longer held: each layer waits as its cut says
-          for (auto& [layer, box] : inbox_) {
-            box.cuts[rank].back_from = clock;
-            if (box.sent == 0) continue;
-            if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
-          }
+          for (auto& [layer, box] : inbox_) box.cuts[rank].back_from = clock;
+          ready = RebuildsDueLocked();
           PSD_LOG_WARN("rank {} came back: its SFB factors count again from iteration {}", rank,
                        clock);
         }
@@ -310,10 +307,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
         }
         // Fewer live peers: a cut waiting for this rank's word is agreed without it.
         for (auto& [removed, cut] : box.cuts) TryAgreeLocked(layer, box, removed);
-        if (box.sent != 0) {
-          if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
-        }
       }
+      ready = RebuildsDueLocked();
       answers = AnswersLocked();
     }
     SendAnswers(answers);
@@ -352,13 +347,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     std::vector<Rebuild> ready;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto back = returning_.find(rank);
-      if (back == returning_.end()) return;
-      returning_.erase(back);
-      for (auto& [layer, box] : inbox_) {
-        if (box.sent == 0) continue;
-        if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
-      }
+      if (returning_.erase(rank) == 0) return;
+      ready = RebuildsDueLocked();
     }
     PSD_LOG_WARN("rank {} asked to come back and is gone before it took up the job: its SFB "
                  "factors count up to the cut agreed before, not after",
@@ -428,8 +418,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     if (inbox_.empty() || world < 2) return uint64_t{0};
     {
       std::lock_guard<std::mutex> lock(mu_);
-      answers_.clear();
-      asking_ = true;
+      answers_.emplace();
     }
     for (uint32_t p = 0; p < world; ++p) {
       if (p == me) continue;
@@ -444,12 +433,13 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     }
     std::unique_lock<std::mutex> lock(mu_);
     const bool all = answered_.wait_until(lock, absl::ToChronoTime(deadline),
-                                          [&] { return answers_.size() + 1 == world; });
-    asking_ = false;
+                                          [&] { return answers_->size() + 1 == world; });
+    const std::map<uint32_t, uint64_t> answers = *std::move(answers_);
+    answers_.reset();
     if (!all) {
       std::vector<uint32_t> silent;
       for (uint32_t p = 0; p < world; ++p) {
-        if (p != me && !answers_.contains(p)) silent.push_back(p);
+        if (p != me && !answers.contains(p)) silent.push_back(p);
       }
       return absl::DeadlineExceededError(absl::StrCat(
           "rank ", me, " comes back to job ", env_.config->job_id, ", and the peer agents of "
@@ -458,7 +448,7 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
           "with the others up to which iteration its factors count)"));
     }
     uint64_t low = std::numeric_limits<uint64_t>::max(), high = 0;
-    for (const auto& [p, sent] : answers_) {
+    for (const auto& [p, sent] : answers) {
       low = std::min(low, sent);
       high = std::max(high, sent);
     }
@@ -479,21 +469,24 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   absl::StatusOr<transport::PayloadTarget> OnReturnFrame(
       const std::shared_ptr<transport::PeerSession>& peer, const FrameHeader& h) {
     const uint32_t from = peer->identity().rank;
-    if (h.payload_length != 0 || (h.flags & transport::kFlagRelayed) != 0 || h.sequence > 1) {
+    // An ask carries nothing but itself; an answer its clock. Neither names a layer.
+    if (h.payload_length != 0 || (h.flags & transport::kFlagRelayed) != 0 || h.sequence > 1 ||
+        h.key != 0 || (h.sequence == 0 && h.clock != 0)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", from, " sent a malformed RETURN frame (sequence ", h.sequence, ", flags ",
-          h.flags, ", ", h.payload_length, " bytes of payload)"));
+          "rank ", from, " sent a malformed RETURN frame (sequence ", h.sequence, ", layer ",
+          h.key, ", clock ", h.clock, ", flags ", h.flags, ", ", h.payload_length,
+          " bytes of payload)"));
     }
     std::vector<Answer> answers;
     bool removal = false;  // the rank asks before this agent heard it was removed
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (h.sequence == 1) {
-        if (!asking_) {
+        if (!answers_) {
           return absl::FailedPreconditionError(
               absl::StrCat("rank ", from, " answers a return this agent did not ask for"));
         }
-        if (!answers_.emplace(from, h.clock).second) {
+        if (!answers_->emplace(from, h.clock).second) {
           return absl::InvalidArgumentError(
               absl::StrCat("rank ", from, " answered this agent's return twice"));
         }
@@ -826,6 +819,17 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
     if (rebuild) StartRebuild(*rebuild);
   }
 
+  // With mu_ held: the rebuilds of every layer's current iteration that can go now (a rank's
+  // removal, a cut agreed, a hold released).
+  std::vector<Rebuild> RebuildsDueLocked() {
+    std::vector<Rebuild> ready;
+    for (auto& [layer, box] : inbox_) {
+      if (box.sent == 0) continue;
+      if (auto r = MaybeRebuildLocked(layer, box.sent)) ready.push_back(*r);
+    }
+    return ready;
+  }
+
   // With mu_ held: the rebuild once our sends are out and every peer's factors are in (at most
   // once per iteration). The credit is returned here: the layer's transfers are complete.
   std::optional<Rebuild> MaybeRebuildLocked(uint32_t layer, uint64_t iteration) {
@@ -942,9 +946,8 @@ class SfbSyncer final : public Syncer, public transport::FrameHandler {
   mutable std::mutex mu_;
   std::set<uint32_t> removed_;  // ranks removed from the job (PeerRemoved), under mu_
   std::map<uint32_t, Returning> returning_;  // removed ranks that asked to come back, under mu_
-  // This agent coming back (ComeBack): the peers' answers, by rank, under mu_.
-  bool asking_ = false;
-  std::map<uint32_t, uint64_t> answers_;
+  // While this agent comes back (ComeBack): the peers' answers, by rank, under mu_.
+  std::optional<std::map<uint32_t, uint64_t>> answers_;
   std::condition_variable answered_;
   std::map<uint32_t, std::string> gone_;  // ranks gone (PeersGone), under mu_
   std::map<uint32_t, Inbox> inbox_;  // by SFB-capable layer; created in the constructor, then fixed
