@@ -161,6 +161,13 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void NoteFallback(uint64_t key, const server::KeyProgress& p);
   void TakeStandbyCopies(const std::map<uint64_t, StandbyCopies>& standby);
   absl::Status ConnectPeers();
+  // Whether this agent exchanges SFB factors with the others (a layer that can go by SFB, in a
+  // world of several ranks): it connects to every peer agent at registration.
+  bool ExchangesFactors() const {
+    return config_.world_size > 1 &&
+           std::any_of(table_.layers.begin(), table_.layers.end(),
+                       [](const LayerSpec& st) { return st.sfb_capable; });
+  }
   void OnReady(const Event& event);
   void Finished(uint32_t layer, uint64_t iteration, int part, const absl::Status& status);
   void AttachCuda();
@@ -291,7 +298,6 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // The world trained with now (ranks, removals and returns so far): written by the main thread
   // (psd_world), read by the heartbeat thread (poseidon status).
   std::atomic<uint32_t> live_world_{0};
-  bool peers_connected_ = false;  // by ReadmitToJob (main thread)
   std::atomic<uint64_t> took_up_at_{0};  // the job's iteration this rank took up (--rejoin)
   std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
@@ -896,12 +902,11 @@ absl::Status Agent::Register() {
     return table.status();
   }
   table_ = *std::move(table);
-  bool any_ps = false, any_sfb_capable = false;
+  bool any_ps = false;
   for (LayerSpec& st : table_.layers) {
     // Without servers an SFB layer's chunks are of no use: it stays on SFB.
     if (config_.servers.empty() && st.layout.scheme == PSD_SCHEME_SFB) st.chunks.clear();
     any_ps |= !st.chunks.empty();
-    any_sfb_capable |= st.sfb_capable;
   }
   if (any_ps && config_.servers.empty()) {
     return absl::FailedPreconditionError("PS layers need KV servers (--servers)");
@@ -1003,11 +1008,12 @@ absl::Status Agent::Register() {
           absl::StrCat("--rejoin_if_restarted: cannot write ", config_.joined_marker));
     }
   }
-  if (any_sfb_capable && config_.world_size > 1) {
+  if (ExchangesFactors()) {
     // Every layer's syncer and inbox exist now: peers send factors as soon as they have our
     // PING below, so the inbound path must be open first (a frame refused here would cost that
     // peer's connection and leave this layer waiting forever).
-    if (!peers_connected_) RETURN_IF_ERROR(ConnectPeers());  // a readmission's are
+    // A readmission connected them already (ReadmitToJob).
+    if (env_.peers.size() == 0) RETURN_IF_ERROR(ConnectPeers());
     for (uint32_t p = 0; p < config_.world_size; ++p) {
       if (p == config_.rank) continue;
       FrameHeader ping;
@@ -1344,11 +1350,8 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
   // there (SfbSyncer::ComeBack), which fixes the iteration it can take up. Their PS layers can
   // still complete the clock before it, so the servers take it from there.
   uint64_t sfb_from = 0;
-  if (std::any_of(table_.layers.begin(), table_.layers.end(),
-                  [](const LayerSpec& st) { return st.sfb_capable; }) &&
-      config_.world_size > 1) {
+  if (ExchangesFactors()) {
     RETURN_IF_ERROR(ConnectPeers());
-    peers_connected_ = true;
     for (auto& [kind, syncer] : syncers_) {
       ASSIGN_OR_RETURN(const uint64_t from, syncer->ComeBack(deadline));
       sfb_from = std::max(sfb_from, from);
