@@ -223,6 +223,18 @@ class SyncerTest : public ::testing::Test {
     r.peer_server->Start();
   }
 
+  // What rank `rank`'s FC layer waits for at iteration t, once it says `want` or 10 s passed
+  // (factors still on their way read as waited for a while).
+  std::string WaitingOnceSettled(uint32_t rank, uint64_t t, const std::string& want) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    std::string now = ranks_[rank]->syncers.at(SyncerKind::kSfb)->Waiting(0, t, {});
+    while (now != want && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+      now = ranks_[rank]->syncers.at(SyncerKind::kSfb)->Waiting(0, t, {});
+    }
+    return now;
+  }
+
   // Rank `rank`'s rebuilt FC gradient of iteration t is the exact sum over the ranks `of`.
   void ExpectSfbSum(uint32_t rank, uint64_t t, const std::vector<uint32_t>& of) {
     const float* g = ranks_[rank]->shm->Grad(0);
@@ -456,9 +468,6 @@ class SfbShrinkOfThreeTest : public SfbShrinkTest {
 };
 
 TEST_F(SfbShrinkOfThreeTest, FactorsOnlySomeAgentsGotAreRelayedAndEveryAgentAgreesOnTheCut) {
-  auto sum = [&](uint32_t rank, uint64_t t, std::vector<uint32_t> of) {
-    ExpectSfbSum(rank, t, of);
-  };
   for (uint64_t t = 1; t <= 2; ++t) {
     for (auto& r : ranks_) Post(*r, 0, t, SyncerKind::kSfb);
     for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
@@ -469,7 +478,7 @@ TEST_F(SfbShrinkOfThreeTest, FactorsOnlySomeAgentsGotAreRelayedAndEveryAgentAgre
   Post(*ranks_[0], 0, 3, SyncerKind::kSfb);
   Post(*ranks_[1], 0, 3, SyncerKind::kSfb);
   ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[0]));
-  ASSERT_NO_FATAL_FAILURE(sum(0, 3, {0, 1, 2}));
+  ASSERT_NO_FATAL_FAILURE(ExpectSfbSum(0, 3, {0, 1, 2}));
   absl::SleepFor(absl::Milliseconds(100));
   EXPECT_EQ(ranks_[1]->syncers.at(SyncerKind::kSfb)->Waiting(0, 3, {}),
             "SFB factors from ranks [2]");
@@ -479,12 +488,12 @@ TEST_F(SfbShrinkOfThreeTest, FactorsOnlySomeAgentsGotAreRelayedAndEveryAgentAgre
             "SFB factors from ranks [2]");
   ranks_[0]->syncers.at(SyncerKind::kSfb)->PeerRemoved(2);
   ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[1]));
-  ASSERT_NO_FATAL_FAILURE(sum(1, 3, {0, 1, 2}));
+  ASSERT_NO_FATAL_FAILURE(ExpectSfbSum(1, 3, {0, 1, 2}));
   Post(*ranks_[0], 0, 4, SyncerKind::kSfb);
   Post(*ranks_[1], 0, 4, SyncerKind::kSfb);
   for (uint32_t r = 0; r < 2; ++r) {
     ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
-    ASSERT_NO_FATAL_FAILURE(sum(r, 4, {0, 1}));
+    ASSERT_NO_FATAL_FAILURE(ExpectSfbSum(r, 4, {0, 1}));
   }
   for (auto& [kind, syncer] : ranks_[2]->syncers) syncer->Stop();
 }
@@ -542,9 +551,6 @@ class SfbComeBackTest : public SfbShrinkOfThreeTest {
 };
 
 TEST_F(SfbComeBackTest, ARemovedRankComesBackAtAnIterationEveryAgentHeldAndCountsFromThere) {
-  auto sum = [&](uint32_t rank, uint64_t t, std::vector<uint32_t> of) {
-    ExpectSfbSum(rank, t, of);
-  };
   Syncer& sfb0 = *ranks_[0]->syncers.at(SyncerKind::kSfb);
   Syncer& sfb1 = *ranks_[1]->syncers.at(SyncerKind::kSfb);
   Syncer& sfb2 = *ranks_[2]->syncers.at(SyncerKind::kSfb);
@@ -562,21 +568,20 @@ TEST_F(SfbComeBackTest, ARemovedRankComesBackAtAnIterationEveryAgentHeldAndCount
   EXPECT_EQ(*back, 4u);
   // Iteration 3 waits for rank 2's word (it may still take up the job there, for all they know).
   for (uint32_t r = 0; r < 2; ++r) Post(*ranks_[r], 0, 3, SyncerKind::kSfb);
-  absl::SleepFor(absl::Milliseconds(200));
   for (uint32_t r = 0; r < 2; ++r) {
-    EXPECT_EQ(ranks_[r]->syncers.at(SyncerKind::kSfb)->Waiting(0, 3, {}),
+    EXPECT_EQ(WaitingOnceSettled(r, 3, "SFB factors from ranks [2]"),
               "SFB factors from ranks [2]");
   }
   sfb0.PeerBack(2, *back);
   sfb1.PeerBack(2, *back);
   for (uint32_t r = 0; r < 2; ++r) {
     ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
-    ASSERT_NO_FATAL_FAILURE(sum(r, 3, {0, 1}));
+    ASSERT_NO_FATAL_FAILURE(ExpectSfbSum(r, 3, {0, 1}));
   }
   for (auto& r : ranks_) Post(*r, 0, 4, SyncerKind::kSfb);
   for (uint32_t r = 0; r < 3; ++r) {
     ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
-    ASSERT_NO_FATAL_FAILURE(sum(r, 4, {0, 1, 2}));
+    ASSERT_NO_FATAL_FAILURE(ExpectSfbSum(r, 4, {0, 1, 2}));
   }
 }
 
@@ -596,12 +601,12 @@ TEST_F(SfbComeBackTest, AReplacementGoneBeforeItTookUpTheJobIsNotWaitedFor) {
       ranks_[2]->syncers.at(SyncerKind::kSfb)->ComeBack(absl::Now() + absl::Seconds(20));
   ASSERT_TRUE(back.ok()) << back.status();
   for (uint32_t r = 0; r < 2; ++r) Post(*ranks_[r], 0, 3, SyncerKind::kSfb);
-  absl::SleepFor(absl::Milliseconds(200));
   for (uint32_t r = 0; r < 2; ++r) {
-    EXPECT_EQ(ranks_[r]->syncers.at(SyncerKind::kSfb)->Waiting(0, 3, {}),
+    EXPECT_EQ(WaitingOnceSettled(r, 3, "SFB factors from ranks [2]"),
               "SFB factors from ranks [2]");
     ranks_[r]->syncers.at(SyncerKind::kSfb)->PeerRemoved(2);
   }
+  // Iteration 3 completes without it, and so does the next.
   for (uint64_t t = 3; t <= 4; ++t) {
     if (t == 4) {
       for (uint32_t r = 0; r < 2; ++r) Post(*ranks_[r], 0, t, SyncerKind::kSfb);
