@@ -178,6 +178,10 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // Plan changes (main thread): the watcher thread hands new epochs over, ApplyPlan writes the
   // layers' schedules.
   void WatchPlans();
+  // The KV servers the coordinator reports joined the running job go on every key's chain
+  // (plan watcher thread).
+  void JoinNewServers();
+  absl::Status JoinServer(uint32_t slot, const std::vector<v1::PlanServer>& joined);
   void ApplyPendingPlan();
   // A world member the coordinator declared dead: every layer waiting, and every later one,
   // fails at once naming it (the iteration cannot complete without it).
@@ -301,6 +305,14 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::atomic<uint64_t> took_up_at_{0};  // the job's iteration this rank took up (--rejoin)
   std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
+  // Under lost_mu_: the KV servers that joined the running job (heartbeat), in join order.
+  std::vector<v1::PlanServer> joined_servers_;
+  // The plan's servers (replication: the joined ones' server-to-server addresses are chosen
+  // with them). Fixed at registration.
+  google::protobuf::RepeatedPtrField<v1::PlanServer> plan_servers_;
+  // The plan watcher's: joined servers it gave up on (no usable endpoint, unreachable), logged
+  // once; a later one cannot take a slot after it (the chains are in join order).
+  bool joining_stuck_ = false;
   // Each server's registration (plan order) and the servers whose answer said this rank is out
   // of the job (removed while it was away): its replacement asks to be readmitted.
   std::vector<v1::RegisterTablesRequest> registrations_;
@@ -509,6 +521,7 @@ int Agent::Run() {
       (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting", code != 0);
     }
     if (watcher_.joinable()) watcher_.join();
+    for (uint32_t j = 0; j < env_.joined.Count(); ++j) env_.joined.clients[j]->Close();
     if (sfb_server_) sfb_server_->Stop();
     if (sfb_server_rdma_) sfb_server_rdma_->Stop();
     transports_.Close();
@@ -694,6 +707,9 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     shm_->SetTakeovers(result->takeovers());
     std::lock_guard<std::mutex> lock(lost_mu_);
     replaced_ = std::set<uint32_t>(result->replaced().begin(), result->replaced().end());
+    if (result->joined_servers_size() > static_cast<int>(joined_servers_.size())) {
+      joined_servers_.assign(result->joined_servers().begin(), result->joined_servers().end());
+    }
     if (result->lost_size() == 0 && result->departed_size() == 0) return;
     // The coordinator lists every member lost so far: a later answer may add one.
     lost_.assign(result->lost().begin(), result->lost().end());
@@ -840,6 +856,7 @@ absl::Status Agent::Register() {
       config_.servers.push_back(chosen.address);
     }
     replication_servers_ = config_.servers;
+    plan_servers_ = plan.servers();
     if (config_.replicas > 0 && plan.servers_size() > 1) {
       ASSIGN_OR_RETURN(replication_servers_, coordinator::ServerToServerAddresses(plan.servers()));
     }
@@ -1870,6 +1887,7 @@ void Agent::WatchPlans() {
       std::lock_guard<std::mutex> lock(plan_mu_);
       if (watcher_stop_) return;
     }
+    JoinNewServers();
     absl::StatusOr<v1::Plan> plan = coord_->WaitForPlan(seen + 1, absl::Seconds(1));
     if (!plan.ok()) {
       PSD_LOG_DEBUG("waiting for a new plan: {}", plan.status().message());
@@ -1883,6 +1901,93 @@ void Agent::WatchPlans() {
     std::lock_guard<std::mutex> lock(plan_mu_);
     pending_plan_ = *std::move(plan);
   }
+}
+
+// A KV server that joined the running job (a replacement for a lost one) is connected,
+// registered as standing by for every table (after the ring in every chain: kv.proto
+// ring_servers), and then named to the job's other servers with the extended list, in that
+// order: a primary short of backups copies its keys there from its next clock, which must find
+// the job registered. Only then do this agent's requests walk on to it after a loss
+// (Replication::ServerAt, JoinedServers::count). Every rank does the same; the servers take the
+// identical registrations once.
+void Agent::JoinNewServers() {
+  if (env_.replication.replicas == 0 || registrations_.empty() || joining_stuck_) return;
+  std::vector<v1::PlanServer> joined;
+  {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    joined = joined_servers_;
+  }
+  for (uint32_t slot = env_.joined.Count(); slot < joined.size(); ++slot) {
+    const absl::Status s = slot >= JoinedServers::kMax
+                               ? absl::ResourceExhaustedError(absl::StrCat(
+                                     "a job takes at most ", JoinedServers::kMax,
+                                     " servers joining it while it runs"))
+                               : JoinServer(slot, joined);
+    if (!s.ok()) {
+      // The chains name the joined servers in join order: one left out blocks the later ones.
+      joining_stuck_ = true;
+      PSD_LOG_WARN("KV server {} joined the running job, but this agent cannot use it ({}): its "
+                   "keys keep the copies they have",
+                   joined[slot].node_id(), s.message());
+      return;
+    }
+  }
+}
+
+absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>& joined) {
+  const auto ring = static_cast<uint32_t>(env_.replication.servers);
+  const uint32_t index = ring + slot;
+  const std::string what = absl::StrCat("KV server ", index, " (", joined[slot].node_id(), ")");
+  ASSIGN_OR_RETURN(coordinator::ChosenEndpoint chosen,
+                   coordinator::ChooseEndpoint(joined[slot].endpoints(), Local(), what));
+  // The servers' addresses for each other: the plan's, then the joined ones, on one transport.
+  google::protobuf::RepeatedPtrField<v1::PlanServer> all = plan_servers_;
+  for (uint32_t j = 0; j <= slot; ++j) *all.Add() = joined[j];
+  ASSIGN_OR_RETURN(std::vector<std::string> addresses,
+                   coordinator::ServerToServerAddresses(all));
+  const bool rdma = chosen.kind == v1::TRANSPORT_KIND_RDMA;
+  ASSIGN_OR_RETURN(std::shared_ptr<server::KvClient> client,
+                   server::KvClient::Connect(ContextFor(rdma), chosen.address, config_.job_id,
+                                             config_.rank, creds_.server_key(),
+                                             absl::Seconds(10)));
+  auto extended = [&](v1::RegisterTablesRequest r) {
+    r.clear_servers();
+    for (const std::string& a : addresses) r.add_servers(a);
+    r.set_ring_servers(ring);
+    return r;
+  };
+  // It stands by for every table (every server of the ring holds each, or stands by for it).
+  v1::RegisterTablesRequest standby = extended(registrations_[0]);
+  for (const v1::KvTableSpec& t : registrations_[0].tables()) *standby.add_standby_tables() = t;
+  standby.clear_tables();
+  standby.set_server_index(index);
+  if (absl::Status st = client->RegisterTables(standby, absl::Seconds(30)); !st.ok()) {
+    client->Close();
+    return Annotate(st, absl::StrCat("registering at ", what));
+  }
+  for (uint32_t s = 0; s < index; ++s) {
+    server::KvClient& other = env_.Server(s);
+    if (other.Broken()) continue;  // a lost server
+    v1::RegisterTablesRequest r =
+        s < ring ? extended(registrations_[s]) : extended(registrations_[0]);
+    if (s >= ring) {
+      for (const v1::KvTableSpec& t : r.tables()) *r.add_standby_tables() = t;
+      r.clear_tables();
+      r.set_server_index(s);
+    }
+    if (absl::Status st = other.RegisterTables(r, absl::Seconds(30)); !st.ok() && !other.Broken()) {
+      PSD_LOG_WARN("KV server {} ({}) was not told of {}: {}", s, env_.ServerAddress(s), what,
+                   st.message());
+    }
+  }
+  env_.joined.clients[slot] = std::move(client);
+  env_.joined.addresses[slot] = chosen.address;
+  env_.joined.count.store(slot + 1, std::memory_order_release);
+  CountLink(rdma);
+  PSD_LOG_WARN("{} at {} joined the running job: the keys short of backups take copies there, "
+               "and a loss walks on to it (server {} of every chain)",
+               what, chosen.address, index);
+  return absl::OkStatus();
 }
 
 void Agent::CheckLostMembers() {
@@ -2275,15 +2380,20 @@ void Agent::PassGonePeers() {
 // requests fail now (and go to the next server of their chain when the keys are replicated).
 void Agent::SendKeepalives(absl::Time now) {
   if (config_.peer_timeout <= absl::ZeroDuration()) return;
-  for (auto& server : env_.servers) {
-    if (server->FailIfSilent(config_.peer_timeout)) {
-      PSD_LOG_WARN("KV server {} is silent for {}: its requests fail", server->server(),
+  const auto servers = static_cast<uint32_t>(env_.servers.size() + env_.joined.Count());
+  for (uint32_t s = 0; s < servers; ++s) {
+    server::KvClient& server = env_.Server(s);
+    if (server.FailIfSilent(config_.peer_timeout)) {
+      PSD_LOG_WARN("KV server {} is silent for {}: its requests fail", server.server(),
                    absl::FormatDuration(config_.peer_timeout));
     }
   }
   if (now < next_keepalive_) return;
   next_keepalive_ = now + config_.peer_timeout / 3;
-  for (auto& server : env_.servers) server->OnDone(server->Ping(), [](absl::Status) {});
+  for (uint32_t s = 0; s < servers; ++s) {
+    server::KvClient& server = env_.Server(s);
+    server.OnDone(server.Ping(), [](absl::Status) {});
+  }
   for (uint32_t p = 0; p < env_.peers.size(); ++p) {
     if (p == config_.rank) continue;
     std::shared_ptr<transport::Connection> link = env_.peers.Get(p);

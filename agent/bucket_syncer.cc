@@ -78,8 +78,8 @@ class BucketSyncer final : public Syncer {
     const Gathering& g = gathering_[static_cast<size_t>(b)];
     std::string waiting =
         absl::StrCat("chunks [key ", bucket.chunk.key, " on ",
-                     env_.config->servers[env_.replication.ServingNow(bucket.chunk.server)], "] (bucket of layers ",
-                     bucket.members.front(), "..", bucket.members.back());
+                     env_.ServerAddress(env_.replication.ServingNow(bucket.chunk.server)),
+                     "] (bucket of layers ", bucket.members.front(), "..", bucket.members.back());
     if (g.iteration == iteration && g.waiting > 0) {
       absl::StrAppend(&waiting, "; ", g.waiting, " members not yet ready");
     }

@@ -79,7 +79,7 @@ class PsSyncer final : public Syncer {
       if (pending[c]) {
         keys.push_back(absl::StrCat(
             "key ", spec.chunks[c].key, " on ",
-            env_.config->servers[env_.replication.ServingNow(spec.chunks[c].server)]));
+            env_.ServerAddress(env_.replication.ServingNow(spec.chunks[c].server))));
       }
     }
     return absl::StrCat("chunks [", absl::StrJoin(keys, ", "), "]");

@@ -54,12 +54,22 @@ uint32_t Replication::Epoch(uint32_t primary) const {
 }
 
 uint32_t Replication::ServerAt(uint32_t primary, uint32_t e) const {
-  return replicas == 0 ? primary : static_cast<uint32_t>((primary + e) % servers);
+  if (replicas == 0) return primary;
+  // The ring from the first primary on, then the servers that joined (in join order).
+  return e < servers ? static_cast<uint32_t>((primary + e) % servers) : e;
+}
+
+const std::string& SyncEnv::ServerAddress(uint32_t s) const {
+  return s < config->servers.size() ? config->servers[s]
+                                    : joined.addresses[s - config->servers.size()];
 }
 
 bool Replication::Failover(const SyncEnv& env, uint32_t primary, uint32_t e,
                            server::KvClient& lost, const absl::Status& why) {
-  if (replicas == 0 || e + 1 >= servers || stopping.load(std::memory_order_acquire)) return false;
+  if (replicas == 0 || e + 1 >= servers + env.joined.Count() ||
+      stopping.load(std::memory_order_acquire)) {
+    return false;
+  }
   // A lost connection (the server died, closed, or went silent), a fenced server (a backup
   // took its keys over) or one that holds no copy (NotFound: a standby no primary gave the keys
   // to, as when it had no room for them, or a server that lost its state): the next server of
@@ -71,7 +81,7 @@ bool Replication::Failover(const SyncEnv& env, uint32_t primary, uint32_t e,
   if (epoch[primary].compare_exchange_strong(expected, e + 1, std::memory_order_acq_rel)) {
     const uint32_t next = ServerAt(primary, e + 1);
     PSD_LOG_WARN("the keys first held by server {} ({}) move to server {} ({}), epoch {}: {}",
-                 primary, env.config->servers[primary], next, env.config->servers[next], e + 1,
+                 primary, env.ServerAddress(primary), next, env.ServerAddress(next), e + 1,
                  why.message());
   }
   return true;
@@ -101,7 +111,7 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
   const PsChunk& chunk = *op->chunk;
   const uint32_t epoch = env.replication.Epoch(chunk.server);
   const uint32_t server = env.replication.ServerAt(chunk.server, epoch);
-  std::shared_ptr<server::KvClient> kv = env.servers[server];
+  std::shared_ptr<server::KvClient> kv = env.ServerPtr(server);
   const bool pushes = !op->init || env.config->rank == 0;
   // A lossy key's push goes as 16 bits until it falls back (PushPull decided, once per clock).
   const bool sixteen = op->lossy != nullptr && !op->exact_push;
@@ -136,7 +146,9 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
   if (push) {
     kv->OnDone(*push, [e, op, server, bytes, kv](absl::Status pushed) {
       if (pushed.ok()) {
-        if (e->metrics.push_bytes[server]) e->metrics.push_bytes[server]->Increment(bytes);
+        if (server < e->metrics.push_bytes.size() && e->metrics.push_bytes[server]) {
+          e->metrics.push_bytes[server]->Increment(bytes);
+        }
         if (e->telemetry) e->telemetry->AddServerBytes(server, bytes, 0);
       } else if (e->replication.replicas == 0 || !kv->Broken()) {
         // The pull fails too (the server never gets our push); say why now.
@@ -169,7 +181,9 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
       }
     }
     if (s.ok()) {
-      if (e->metrics.pull_bytes[server]) e->metrics.pull_bytes[server]->Increment(bytes);
+      if (server < e->metrics.pull_bytes.size() && e->metrics.pull_bytes[server]) {
+        e->metrics.pull_bytes[server]->Increment(bytes);
+      }
       if (e->telemetry) e->telemetry->AddServerBytes(server, 0, bytes);
     }
     op->credit.reset();  // the transfer is complete: the next task may start

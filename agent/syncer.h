@@ -9,6 +9,7 @@
 // be called from any thread, once per part of a posted iteration.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -98,9 +99,21 @@ struct LossyWire {
 // answered. Built at registration; the epochs
 // are atomics (transport threads), the rest is then only read.
 struct SyncEnv;
+// KV servers that joined the running job in place of lost ones (a replacement server the
+// coordinator reports; kv.proto ring_servers): slot j is server ring + j, after the ring in every
+// key's chain. A slot is written once, by the agent's plan watcher, before `count` is raised
+// past it (release); any thread reads the slots below count (acquire).
+struct JoinedServers {
+  static constexpr uint32_t kMax = 16;
+  std::array<std::shared_ptr<server::KvClient>, kMax> clients;
+  std::array<std::string, kMax> addresses;
+  std::atomic<uint32_t> count{0};
+  uint32_t Count() const { return count.load(std::memory_order_acquire); }
+};
+
 struct Replication {
   uint32_t replicas = 0;  // backups per key (0: off)
-  size_t servers = 0;
+  size_t servers = 0;     // the ring: the plan's servers (those that joined later come after)
   std::unique_ptr<std::atomic<uint32_t>[]> epoch;  // by first primary (plan server index)
   std::atomic<bool> stopping{false};                // the agent stops: no more re-sends
   uint32_t Epoch(uint32_t primary) const;
@@ -160,6 +173,15 @@ struct SyncEnv {
   // Server-side update rule (0: sum): iteration 1 then carries rank 0's initial parameters.
   uint32_t server_rule = 0;
   std::vector<std::shared_ptr<server::KvClient>> servers;      // plan order
+  JoinedServers joined;  // after `servers` in every key's chain
+  // Server `s` of the chains (a plan server, or one that joined: Replication::ServerAt).
+  server::KvClient& Server(uint32_t s) const {
+    return s < servers.size() ? *servers[s] : *joined.clients[s - servers.size()];
+  }
+  std::shared_ptr<server::KvClient> ServerPtr(uint32_t s) const {
+    return s < servers.size() ? servers[s] : joined.clients[s - servers.size()];
+  }
+  const std::string& ServerAddress(uint32_t s) const;
   // Every PS key's progress as its servers answered the registration (all 0 for a new job; a
   // resumed job's restored state): the PS and bucket syncers' clocks start there (Ready).
   std::map<uint64_t, server::KeyProgress> restored;

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "absl/strings/escaping.h"
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
@@ -700,6 +701,21 @@ void Registry::Refresh(Job& job, absl::Time now) {
   MaybePlan(job, now);
 }
 
+void Registry::JoinServers(Job& job) {
+  if (!job.plan.has_value() || job.world_servers.empty()) return;
+  for (const Node* server : EligibleServers(job.id)) {
+    if (absl::c_linear_search(job.world_servers, server->id) ||
+        absl::c_linear_search(job.joined_servers, server->id)) {
+      continue;
+    }
+    job.joined_servers.push_back(server->id);
+    PSD_LOG_WARN("job {}: KV server {} ({}) joined the running job (its server {}): a replicated "
+                 "job's keys short of backups take copies there",
+                 job.id, server->id, server->host,
+                 job.world_servers.size() + job.joined_servers.size() - 1);
+  }
+}
+
 std::vector<v1::PlanServer> Registry::PlanServers(const Job& job) const {
   std::vector<v1::PlanServer> servers;
   for (const std::string& id : job.world_servers) {
@@ -1391,6 +1407,16 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
       }
       response->set_takeovers(j.takeovers);
       for (const std::string& server : j.world_servers) lost(server, 0);
+      JoinServers(job->second);
+      // Not listed as lost when they die: a job that does not replicate never used them, and
+      // one that does walks past them as past any lost server.
+      for (const std::string& server : j.joined_servers) {
+        v1::PlanServer* joined = response->add_joined_servers();
+        joined->set_node_id(server);
+        if (const Node* n = FindNode(server)) {
+          for (const v1::Endpoint& endpoint : n->endpoints) *joined->add_endpoints() = endpoint;
+        }
+      }
     }
   }
   response->set_lease_ms(Millis(options_.lease));

@@ -268,6 +268,9 @@ class Registry {
     // world formed).
     std::vector<std::string> world_agents;
     std::vector<std::string> world_servers;
+    // The servers that registered for the job once its first plan was out (replacements for
+    // lost ones), in that order, never removed (HeartbeatResponse.joined_servers).
+    std::vector<std::string> joined_servers;
     std::optional<JobModel> model;
     std::optional<poseidon::v1::Plan> plan;
     double plan_bandwidth = 0;
@@ -293,6 +296,9 @@ class Registry {
     size_t store_bytes = 0;
   };
 
+  // Servers registered for the job since its first plan went out join it
+  // (Job::joined_servers).
+  void JoinServers(Job& job);
   std::string NewId(absl::string_view prefix);
   Node* FindNode(absl::string_view id);
   const Node* FindNode(absl::string_view id) const;

@@ -93,6 +93,34 @@ TEST_F(CoordinatorServiceTest, FourAgentsRendezvousAndGetOnePlan) {
   EXPECT_EQ(current->plan_epoch(), 1u);
 }
 
+// A server that registers for a job once its first plan is out (a replacement for a lost one)
+// is listed to the job's agents as joined, with its endpoints, in the order such servers came;
+// a server of the plan is not, and neither is one before the plan.
+TEST_F(CoordinatorServiceTest, AServerRegisteredAfterThePlanIsListedToTheAgentsAsJoined) {
+  StartServer();
+  auto server = AddServer(7100);
+  std::vector<Member> members = FormWorld(2);
+  ASSERT_EQ(members.size(), 2u);
+  auto before = members[0].client->Heartbeat({});
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->joined_servers_size(), 0) << "nothing joined before the plan";
+  std::vector<absl::StatusOr<v1::Plan>> plans = RegisterModels(members, TinyModel());
+  ASSERT_TRUE(plans[0].ok()) << plans[0].status();
+  auto none = members[1].client->Heartbeat({});
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->joined_servers_size(), 0);
+  auto first = AddServer(7101);
+  auto second = AddServer(7102);
+  for (const Member& member : members) {
+    auto heartbeat = member.client->Heartbeat({});
+    ASSERT_TRUE(heartbeat.ok()) << heartbeat.status();
+    ASSERT_EQ(heartbeat->joined_servers_size(), 2);
+    EXPECT_EQ(heartbeat->joined_servers(0).node_id(), first->node_id());
+    EXPECT_EQ(heartbeat->joined_servers(0).endpoints(0).address(), "127.0.0.1:7101");
+    EXPECT_EQ(heartbeat->joined_servers(1).node_id(), second->node_id());
+  }
+}
+
 TEST_F(CoordinatorServiceTest, RequestedRanksOrderThePeers) {
   StartServer();
   auto server = AddServer(7100);

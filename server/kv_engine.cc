@@ -646,6 +646,17 @@ void KvEngine::RankBack(uint64_t job_id, uint32_t rank) {
 }
 
 namespace {
+// The servers the chains of a replicated job go round (RegisterTablesRequest.ring_servers).
+uint32_t RingOf(const v1::RegisterTablesRequest& spec) {
+  return spec.ring_servers() != 0 ? spec.ring_servers()
+                                  : static_cast<uint32_t>(spec.servers_size());
+}
+// Where server `index` is in the chain of the keys first held by `primary`: its place in the
+// ring from the primary on, or after the ring (a server that joined the running job).
+uint32_t ChainPosition(const v1::RegisterTablesRequest& spec, uint32_t index, uint32_t primary) {
+  const uint32_t ring = RingOf(spec);
+  return index < ring ? (index + ring - primary) % ring : index;
+}
 
 // The memory a key of table `t` takes on a server that holds it (--max_memory counts it): per
 // element, the aggregation buffer plus the result (sum) or the parameters and the optimizer's
@@ -756,9 +767,15 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
     }
     return bytes;
   }
-  if (spec.replicas() >= n) {
+  // The servers after the ring joined the running job (ring_servers).
+  if (spec.ring_servers() > n) {
+    return absl::InvalidArgumentError(absl::StrCat("ring_servers ", spec.ring_servers(),
+                                                   " exceeds the ", n, " servers listed"));
+  }
+  const uint32_t ring = RingOf(spec);
+  if (spec.replicas() >= ring) {
     return absl::InvalidArgumentError(absl::StrCat(
-        spec.replicas(), " replicas need more than the ", n, " servers listed"));
+        spec.replicas(), " replicas need more than the ", ring, " servers of the ring"));
   }
   if (spec.server_index() >= n) {
     return absl::InvalidArgumentError(
@@ -769,24 +786,28 @@ absl::StatusOr<uint64_t> ValidateSpec(const v1::RegisterTablesRequest& spec,
       return absl::InvalidArgumentError("a server address is empty or longer than 512 bytes");
     }
   }
+  auto position = [&](uint32_t primary) {
+    return ChainPosition(spec, spec.server_index(), primary);
+  };
   for (const auto& t : spec.tables()) {
-    if (t.primary() >= n) {
+    if (t.primary() >= ring) {
       return absl::InvalidArgumentError(absl::StrCat("table ", t.name(), ": primary ", t.primary(),
-                                                     " is not one of the ", n, " servers"));
+                                                     " is not one of the ", ring,
+                                                     " servers of the ring"));
     }
-    if ((spec.server_index() + n - t.primary()) % n > spec.replicas()) {
+    if (position(t.primary()) > spec.replicas()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "table ", t.name(), ": server ", spec.server_index(), " holds no copy of it (primary ",
           t.primary(), ", ", spec.replicas(), " replicas)"));
     }
   }
   for (const auto& t : spec.standby_tables()) {
-    if (t.primary() >= n) {
+    if (t.primary() >= ring) {
       return absl::InvalidArgumentError(absl::StrCat("standby table ", t.name(), ": primary ",
-                                                     t.primary(), " is not one of the ", n,
-                                                     " servers"));
+                                                     t.primary(), " is not one of the ", ring,
+                                                     " servers of the ring"));
     }
-    if ((spec.server_index() + n - t.primary()) % n <= spec.replicas()) {
+    if (position(t.primary()) <= spec.replicas()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "standby table ", t.name(), ": server ", spec.server_index(),
           " holds a copy of it from the start (primary ", t.primary(), ", ", spec.replicas(),
@@ -824,6 +845,22 @@ void KvEngine::RunOnAllWorkers(const std::function<void(Worker&)>& fn) {
   done.wait();
 }
 
+void KvEngine::WithWorkersPaused(const std::function<void()>& fn) {
+  const auto n = static_cast<std::ptrdiff_t>(workers_.size());
+  std::latch arrived(n), released(1), left(n);
+  for (auto& w : workers_) {
+    w->Post([&] {
+      arrived.count_down();
+      released.wait();
+      left.count_down();
+    });
+  }
+  arrived.wait();
+  fn();
+  released.count_down();
+  left.wait();  // the latches live on this stack
+}
+
 namespace {
 // A registration with the servers' addresses left out (what a resumed job may change).
 std::string WithoutAddresses(const v1::RegisterTablesRequest& spec) {
@@ -831,7 +868,54 @@ std::string WithoutAddresses(const v1::RegisterTablesRequest& spec) {
   copy.clear_servers();
   return copy.SerializeAsString();
 }
+// Whether `a` is `b` with fewer (or the same) servers joined after the ring: the same job, the
+// same ring, `a.servers` a prefix of `b.servers`.
+bool JoinedFewer(const v1::RegisterTablesRequest& a, const v1::RegisterTablesRequest& b) {
+  if (a.replicas() == 0 || RingOf(a) != RingOf(b) || a.servers_size() > b.servers_size()) {
+    return false;
+  }
+  for (int i = 0; i < a.servers_size(); ++i) {
+    if (a.servers(i) != b.servers(i)) return false;
+  }
+  v1::RegisterTablesRequest x = a, y = b;
+  x.clear_servers();
+  x.clear_ring_servers();
+  y.clear_servers();
+  y.clear_ring_servers();
+  return x.SerializeAsString() == y.SerializeAsString();
+}
 }  // namespace
+
+// Servers joined the running job (a registration whose server list extends the job's): each
+// replicated key's chain goes on to them, so a primary short of backups (lost ones, none left
+// to adopt its keys) gives them a copy at its next clock. Every key worker is paused while the
+// job's lists and the chains change: they read them on every replica sent. Under jobs_mu_.
+void KvEngine::JoinServers(JobState& job, const v1::RegisterTablesRequest& spec) {
+  const size_t before = job.servers.size();
+  WithWorkersPaused([&] {
+    {
+      std::lock_guard<std::mutex> lock(job.mu);
+      job.spec = spec;
+    }
+    job.servers.assign(spec.servers().begin(), spec.servers().end());
+    job.standby_spec.set_ring_servers(RingOf(spec));
+    *job.standby_spec.mutable_servers() = spec.servers();
+    for (auto& w : workers_) {
+      for (auto& [id, k] : w->keys) {
+        if (k->job.get() != &job || !k->Replicated()) continue;
+        for (size_t i = before; i < job.servers.size(); ++i) {
+          k->chain.push_back(static_cast<uint32_t>(i));
+          k->backup_lost.push_back(0);
+        }
+      }
+    }
+  });
+  std::vector<std::string> joined;
+  for (size_t i = before; i < job.servers.size(); ++i) joined.push_back(job.Server(i));
+  PSD_LOG_WARN("job {}: {} joined the running job: the keys short of backups copy their state "
+               "there at their next clock",
+               job.job_id, absl::StrJoin(joined, ", "));
+}
 
 namespace {
 // A key of table `t` of a job registered with `spec`, in its initial state.
@@ -862,10 +946,13 @@ std::unique_ptr<KvEngine::Key> NewKey(const std::shared_ptr<JobState>& job,
   }
   k->pushed.assign(k->workers, 0);
   if (spec.replicas() > 0) {
-    // The chain is every server from the first primary on: the first 1 + replicas hold the key
-    // from the start, the later ones adopt it when a backup is given up.
+    // The chain is every server of the ring from the first primary on, then the servers that
+    // joined the running job: the first 1 + replicas hold the key from the start, the later ones
+    // adopt it when a backup is given up.
     const auto n = static_cast<uint32_t>(spec.servers_size());
-    for (uint32_t i = 0; i < n; ++i) k->chain.push_back((t.primary() + i) % n);
+    const uint32_t ring = RingOf(spec);
+    for (uint32_t i = 0; i < ring; ++i) k->chain.push_back((t.primary() + i) % ring);
+    for (uint32_t i = ring; i < n; ++i) k->chain.push_back(i);
     k->backup_lost.assign(k->chain.size(), 0);
     k->replicas = spec.replicas();
   }
@@ -880,6 +967,13 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
     JobState& job = *it->second;
     if (job.spec.SerializeAsString() == spec.SerializeAsString()) {
       job.awaiting_addresses = false;
+      return absl::OkStatus();
+    }
+    // Replacement servers joined the running job (ring_servers): a rank that has not heard of
+    // them registers the list without them, one that has the list with them.
+    if (!job.awaiting_addresses && JoinedFewer(spec, job.spec)) return absl::OkStatus();
+    if (!job.awaiting_addresses && JoinedFewer(job.spec, spec)) {
+      JoinServers(job, spec);
       return absl::OkStatus();
     }
     if (job.awaiting_addresses && WithoutAddresses(job.spec) == WithoutAddresses(spec)) {
@@ -1079,8 +1173,7 @@ absl::StatusOr<KvEngine::Key*> KvEngine::Adopt(Worker& w, const FrameHeader& h) 
   // Who sent it, at which epoch, and what it carries are the Replicate body's checks, as for any
   // backup (a key whose frame fails them is dropped again); only a primary before this server in
   // the chain may hand it a copy.
-  const auto n = static_cast<uint32_t>(spec.servers_size());
-  if ((job->self + n - t.primary()) % n <= h.epoch) {
+  if (ChainPosition(spec, job->self, t.primary()) <= h.epoch) {
     return absl::FailedPreconditionError(absl::StrCat(
         "a replica of key ", h.key, " (", t.name(), ") of job ", h.job_id, " at epoch ", h.epoch,
         ": this server (", job->Server(job->self), ") is not after that epoch's primary in the "
@@ -1342,7 +1435,8 @@ void KvEngine::SendReplica(Worker& w, Key& k, size_t position, uint64_t clock) {
   Worker* worker = &w;
   Key* key = &k;
   options_.replica_sender->Send(
-      k.job->job_id, k.job->self, k.job->servers[k.chain[position]], h, std::move(payload),
+      k.job->job_id, k.job->self, k.chain[position], k.job->servers[k.chain[position]], h,
+      std::move(payload),
       [this, worker, key, position, clock](const absl::Status& s) {
         // A status of its own for the worker thread: a shared one's reference count lives in
         // Abseil (not built with ThreadSanitizer), so its release on this thread and the

@@ -53,14 +53,14 @@ struct JobSnapshot {
 
 // How a primary reaches its backups (replication, DESIGN.md "Faults"): sends one REPLICATE frame
 // (job, key, clock, epoch in `header`; the key's state in `payload`, valid until `done` runs) to
-// server `address` of the job, authenticated as ServerRank(from), and runs `done` once with the
+// server `to` of the job at `address`, authenticated as ServerRank(from), and runs `done` once with the
 // backup's answer: OK (acknowledged), Aborted (the backup serves a later epoch of the key: this
 // server is fenced), or why it is unreachable. `done` may run on any thread and must not block.
 // Thread-safe.
 class ReplicaSender {
  public:
   virtual ~ReplicaSender() = default;
-  virtual void Send(uint64_t job_id, uint32_t from, const std::string& address,
+  virtual void Send(uint64_t job_id, uint32_t from, uint32_t to, const std::string& address,
                     const transport::FrameHeader& header, std::vector<transport::ConstBuffer> payload,
                     std::function<void(absl::Status)> done) = 0;
 };
@@ -288,6 +288,11 @@ class KvEngine {
 
   Worker& WorkerFor(uint64_t job, uint64_t key);
   void RunOnAllWorkers(const std::function<void(Worker&)>& fn);
+  // Runs fn on the calling thread while every key worker waits (between two of its tasks).
+  void WithWorkersPaused(const std::function<void()>& fn);
+  // Servers that joined the running job (RegisterTablesRequest.ring_servers) go on every
+  // chain; under jobs_mu_.
+  void JoinServers(JobState& job, const v1::RegisterTablesRequest& spec);
 
   EngineOptions options_;
   EngineStats stats_;

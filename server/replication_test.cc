@@ -400,6 +400,100 @@ TEST_P(ReplicationRuleTest, ALostBackupIsReplacedSoASecondLossInTheChainCostsNot
   third.reset();
 }
 
+// Two servers, so once the backup is lost no server is left to take a copy: the key is degraded.
+// A replacement server then joins the running job (its registration names three servers, the
+// first two the ring: ring_servers), and the primary, told of it by a registration that extends
+// its server list, copies the key there at its next clock. So the loss of the primary itself
+// costs nothing: the ranks walk the chain past the dead backup to the joined server (epoch 2),
+// which continues exactly where an engine that never failed is, optimizer state included.
+TEST_P(ReplicationRuleTest, AServerJoiningTheRunningJobRestoresTheCopiesOfADegradedKey) {
+  const v1::UpdateRule rule = GetParam();
+  const bool sum = rule == v1::UPDATE_RULE_SUM;
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, rule), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, rule), kWait).ok());
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = 0.03f * static_cast<float>(i);
+  if (!sum) {
+    auto c = Rank(*primary_, 0);
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 0, init, /*init=*/true), kWait).ok());
+  }
+  Reference expected(Spec(0, rule), init);
+  const v1::RegisterTablesRequest before = Spec(0, rule);  // two servers
+  EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
+  backup_->Kill();
+  EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
+  auto degraded = [&] {
+    const std::vector<ReplicationCounts> status = primary_->engine->ReplicationStatus(kWait);
+    return status.size() == 1 ? status[0].degraded_keys : 99u;
+  };
+  EXPECT_EQ(degraded(), 1u) << "no server is left to take a copy";
+
+  auto joined = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(joined->server->Address());
+  auto with_ring = [&](uint32_t index) {
+    v1::RegisterTablesRequest r = Spec(index, rule);
+    r.set_ring_servers(2);
+    return r;
+  };
+  std::vector<KeyProgress> progress;
+  ASSERT_TRUE(Rank(*joined, 0)->RegisterTables(AsStandby(with_ring(2)), kWait, &progress).ok());
+  ASSERT_EQ(progress.size(), 1u);
+  EXPECT_EQ(progress[0].completed, 0u) << "it holds nothing yet";
+  ASSERT_TRUE(Rank(*primary_, 1)->RegisterTables(with_ring(0), kWait).ok());
+  // A rank that has not heard of the joined server yet registers the list without it: the same.
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(before, kWait).ok());
+  EXPECT_EQ(Clock(*primary_, 3, 0), expected(3));
+  EXPECT_EQ(joined->engine->stats().adopted.load(), 1u);
+  EXPECT_EQ(degraded(), 0u);
+  EXPECT_EQ(Clock(*primary_, 4, 0), expected(4));
+  EXPECT_EQ(joined->engine->stats().replicas_applied.load(), 2u) << "clocks 3 and 4";
+
+  primary_->Kill();
+  {  // A rank that missed clock 4's answer gets it from the joined server, at epoch 2.
+    auto c = Rank(*joined, 1);
+    std::vector<float> out(kN);
+    const std::vector<float> last = sum ? expected(4) : expected.params;
+    ASSERT_TRUE(c->Wait(c->Push(kKey, 4, Grad(1, 4, kN), false, 2), kWait).ok());
+    ASSERT_TRUE(c->Wait(c->Pull(kKey, 4, out, kWait, 2), kWait).ok());
+    EXPECT_EQ(out, last);
+  }
+  for (uint64_t clock = 5; clock <= 6; ++clock) {
+    EXPECT_EQ(Clock(*joined, clock, 2), expected(clock)) << "clock " << clock;
+  }
+  EXPECT_EQ(joined->engine->stats().promotions.load(), 1u);
+  clients_.clear();
+  joined.reset();
+}
+
+// The same for a key whose first primary is server 1 and was lost: server 0, its backup, was
+// promoted (epoch 1) and holds its only copy; the joined server, after the ring in its chain
+// (1, 0, 2), adopts it at epoch 1 and takes over at epoch 2 once server 0 is lost too.
+TEST_F(ReplicationTest, AJoinedServerTakesACopyFromAPromotedPrimary) {
+  auto spec = [&](uint32_t index, uint32_t ring) {
+    v1::RegisterTablesRequest r = Spec(index, v1::UPDATE_RULE_SUM);
+    r.mutable_tables(0)->set_primary(1);
+    if (ring != 0) r.set_ring_servers(ring);
+    return r;
+  };
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(spec(1, 0), kWait).ok());  // the primary
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(spec(0, 0), kWait).ok());
+  Reference expected(spec(0, 0), {});
+  EXPECT_EQ(Clock(*backup_, 1, 0), expected(1));
+  backup_->Kill();
+  EXPECT_EQ(Clock(*primary_, 2, 1), expected(2)) << "server 0 promoted";
+  auto joined = std::make_unique<Shard>(ctx_);
+  addresses_.push_back(joined->server->Address());
+  ASSERT_TRUE(Rank(*joined, 0)->RegisterTables(AsStandby(spec(2, 2)), kWait).ok());
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(spec(0, 2), kWait).ok());
+  EXPECT_EQ(Clock(*primary_, 3, 1), expected(3));
+  EXPECT_EQ(joined->engine->stats().adopted.load(), 1u);
+  primary_->Kill();
+  EXPECT_EQ(Clock(*joined, 4, 2), expected(4)) << "the joined server promoted";
+  EXPECT_EQ(joined->engine->stats().promotions.load(), 1u);
+  clients_.clear();
+  joined.reset();
+}
+
 // A checkpoint after two losses in one chain: the adopter's file holds the key it adopted, and
 // its restore brings it back as adopted (with the memory an adoption takes), so a job resumed
 // without the two lost servers goes on from it at its epoch exactly, optimizer state included.
@@ -686,6 +780,23 @@ TEST_F(ReplicationTest, MisdirectedRequestsAndForgedReplicasAreRefused) {
   auto bad = Spec(1, v1::UPDATE_RULE_SUM);
   bad.mutable_tables(0)->set_primary(5);
   EXPECT_TRUE(absl::IsInvalidArgument(b0->RegisterTables(bad, kWait)));
+  // A ring larger than the servers listed; a joined server (after the ring) holding a table
+  // from the start; a joined list that changes a server of the ring.
+  bad = Spec(1, v1::UPDATE_RULE_SUM);
+  bad.set_ring_servers(3);
+  EXPECT_TRUE(absl::IsInvalidArgument(b0->RegisterTables(bad, kWait)));
+  bad = Spec(1, v1::UPDATE_RULE_SUM);
+  bad.add_servers("127.0.0.1:1");
+  bad.set_ring_servers(2);
+  bad.set_server_index(2);
+  const absl::Status held = b0->RegisterTables(bad, kWait);
+  EXPECT_TRUE(absl::IsInvalidArgument(held)) << held;
+  EXPECT_NE(held.message().find("holds no copy"), std::string::npos) << held;
+  bad = Spec(1, v1::UPDATE_RULE_SUM);
+  bad.set_servers(0, "127.0.0.1:2");
+  bad.add_servers("127.0.0.1:1");
+  bad.set_ring_servers(2);
+  EXPECT_TRUE(absl::IsFailedPrecondition(b0->RegisterTables(bad, kWait)));
   // A REPLICATE from an agent's rank: refused, and its connection closed.
   auto forged = Client(*backup_, 1);
   std::vector<float> state(kN, 1.0f);

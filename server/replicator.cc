@@ -41,7 +41,8 @@ void KvReplicaSender::SendOn(KvClient& client, Queued q) {
   client.OnDone(t, std::move(q.done));
 }
 
-void KvReplicaSender::Send(uint64_t job_id, uint32_t from, const std::string& address,
+void KvReplicaSender::Send(uint64_t job_id, uint32_t from, uint32_t to,
+                           const std::string& address,
                            const transport::FrameHeader& header,
                            std::vector<transport::ConstBuffer> payload,
                            std::function<void(absl::Status)> done) {
@@ -53,7 +54,7 @@ void KvReplicaSender::Send(uint64_t job_id, uint32_t from, const std::string& ad
     if (stop_) {
       refused = absl::UnavailableError("the server is stopping");
     } else {
-      const LinkId id{job_id, from, address};
+      const LinkId id{job_id, from, to, address};
       Link& link = links_[id];
       if (link.client) {
         client = link.client;
@@ -88,7 +89,7 @@ void KvReplicaSender::Run() {
     if (!to_connect_.empty()) {
       const LinkId id = to_connect_.front();
       to_connect_.pop_front();
-      const auto& [job, from, address] = id;
+      const auto& [job, from, to, address] = id;
       lock.unlock();
       absl::StatusOr<std::shared_ptr<KvClient>> client;
       const absl::StatusOr<std::string> key = secrets_->KeyFor(job, transport::ServerRank(from));

@@ -35,7 +35,7 @@ class KvReplicaSender : public ReplicaSender {
                   absl::Duration peer_timeout, absl::Duration connect_timeout = absl::Seconds(10));
   ~KvReplicaSender() override;  // Stop()
 
-  void Send(uint64_t job_id, uint32_t from, const std::string& address,
+  void Send(uint64_t job_id, uint32_t from, uint32_t to, const std::string& address,
             const transport::FrameHeader& header, std::vector<transport::ConstBuffer> payload,
             std::function<void(absl::Status)> done) override;
 
@@ -54,7 +54,9 @@ class KvReplicaSender : public ReplicaSender {
     bool connecting = false;
     std::vector<Queued> queue;  // sends waiting for the connection
   };
-  using LinkId = std::tuple<uint64_t, uint32_t, std::string>;  // job, from, address
+  // job, from, to, address: a server that joined the running job at a lost one's address (a
+  // restarted daemon) is another link than the lost one, given up for good.
+  using LinkId = std::tuple<uint64_t, uint32_t, uint32_t, std::string>;
   static void SendOn(KvClient& client, Queued q);
   void Run();
 
