@@ -215,6 +215,36 @@ class Recovery(WorkersTest):
                                        expect_output=["killed KV server pid"])
                 self.assert_close(got, want, f"server-side Adam, server {victim} killed")
 
+    def test_a_replacement_server_joins_so_a_second_loss_costs_nothing(self):
+        # Issue 17: two servers running Adam, each key on both. Server 1 is killed at step 5:
+        # its keys go on at server 0, which holds the only copy of every key, and the launcher
+        # starts server 2 in its place; it joins the running job and takes a copy of every key
+        # (the agents log it). Server 0 is killed at step 32 (about 7 s later): every key goes
+        # on at server 2, optimizer state included, and the training is exactly that of one
+        # process on the 4x batch (and the launcher starts server 3 in place of server 0).
+        # Without the replacement the second kill ends the job.
+        steps = 40
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01), steps=steps)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--servers", "2", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out,
+                        f"server-adam,kill-server=1@5,kill-server=0@32,steps={steps},"
+                        "step-sleep=0.25,workers=4"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("started server 2 in place of server 1", r.stderr)
+            # And server 3 in place of server 0: the keys get their backups back again.
+            self.assertIn("started server 3 in place of server 0", r.stderr)
+            self.assertEqual(r.stdout.count("killed KV server pid"), 2, r.stdout)
+            took_up = [line for line in r.stdout.splitlines()
+                       if line.startswith("[agent ") and "KV server 2 (" in line and
+                       "joined the running job" in line]
+            self.assertEqual(len(took_up), 4, "every agent took the replacement up: " +
+                             "\n".join(took_up))
+            self.assertRegex(r.stdout, r"\[server 2 \(replacing server 1\)\] .* is now the "
+                                       r"primary of the keys first held by server")
+            self.assert_close(torch.load(out), want, "server-side Adam, both servers replaced")
+
     def test_a_job_stopped_and_resumed_trains_as_if_uninterrupted(self):
         # The servers run Adam (parameters and both moments on them, two servers, each key on
         # both). The first run checkpoints after every 5th iteration and dies at step 17 (rank 1

@@ -7,7 +7,9 @@ POSEIDON_SEGMENT, POSEIDON_RANK, POSEIDON_WORLD_SIZE, POSEIDON_LOCAL_RANK set), 
 process's output prefixed with its name, and stops everything when the job ends. If a rank or a
 daemon fails, everything is stopped, and the exit code is non-zero with a message naming it;
 except a KV server when the keys have backups (--servers 2 or more, --replicas 1, the default):
-the job goes on at the backups (docs/server.md, "Replication and failover").
+the job goes on at the backups, and a new server started in its place joins the running job and
+takes copies of the keys short of backups, so that a later loss costs nothing either
+(docs/server.md, "Replication and failover").
 
 With --checkpoint_dir the job can stop and resume: every KV server writes the job's state under
 it after every --checkpoint_every-th iteration and at the end (rank 0's agent asks, between two
@@ -362,7 +364,8 @@ def main(argv=None):
             if saved is None or not survivable:
                 return
             dead = {int(p.name.split()[1]) for p in servers
-                    if p.name.startswith("server ") and p.proc.poll() is not None}
+                    if p.name.startswith("server ") and "(replacing" not in p.name and
+                    p.proc.poll() is not None}
             if not dead <= set(saved["lost_servers"]):
                 saved["lost_servers"] = sorted({*saved["lost_servers"], *dead})
                 _save_job_file(args.checkpoint_dir, saved)
@@ -385,7 +388,10 @@ def main(argv=None):
                                          # agents at their next heartbeat, which a local
                                          # optimizer's hand-over waits for: every second (not
                                          # liveness_timeout / 5 = 3 s) for these few nodes.
-                                         *(["--heartbeat_interval=1s"] if args.rejoin else [])],
+                                         # So is a replacement server (it is used once
+                                         # every agent heard of it).
+                                         *(["--heartbeat_interval=1s"]
+                                           if args.rejoin or survivable else [])],
                          env=env_with(job_token=token))
                 procs.append(p)
                 servers.append(p)
@@ -524,6 +530,24 @@ def main(argv=None):
             # Watch: every worker must finish with 0; no daemon may die before that (but a server
             # whose keys have backups: said once, and the job goes on).
             survived = set()
+
+            def replace_server(dead):
+                """Starts a server in the place of `dead` (its keys went on at their backups):
+                it registers with the coordinator, joins the running job, and the keys short of
+                backups copy their state to it (a job takes at most 16 such servers)."""
+                replacements = sum("(replacing" in p.name for p in servers)
+                if joining or replacements >= 16:
+                    return
+                index = args.servers + replacements
+                p = Proc(f"server {index} (replacing {dead.name})",
+                         [server_bin, "--listen=127.0.0.1:0", f"--job_id={job}",
+                          f"--coordinator={coordinator}", "--log_level=warn"],
+                         env=env_with(job_secret=secret, coordinator_token=token))
+                procs.append(p)
+                servers.append(p)
+                print(f"poseidon run: started server {index} in place of {dead.name}: it joins "
+                      f"the running job, and the keys short of backups take copies there",
+                      file=sys.stderr, flush=True)
             while True:
                 for local, p in enumerate(workers):
                     code = p.proc.poll()
@@ -565,6 +589,7 @@ def main(argv=None):
                             print(f"poseidon run: {p.name} died (exit code {code}); its keys go on "
                                   f"at their backups", file=sys.stderr, flush=True)
                             note_lost()
+                            replace_server(p)
                             continue
                         if p.name in survived:
                             continue
