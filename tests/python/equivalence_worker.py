@@ -13,7 +13,8 @@ rank 0 writes the step count and the switches too),
 cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-accumulate (the
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
 kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S, one or more: the job
-must go on at the keys' backups and train exactly the same), crash-at=S (rank 1 exits with code
+must go on at the keys' backups and train exactly the same), freeze-server=I@S (the same with
+SIGSTOP: a hung server, given up after the agents' peer_timeout), crash-at=S (rank 1 exits with code
 3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too;
 crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0; writer=R: rank R
 writes them; crash-after-forward: the crash comes after step S's forwards, before its backward), buffer-probe (an
@@ -172,8 +173,11 @@ def main(out, modes=()):
                 assert buf is None or buf.device == torch.device(device), (layer.name, buf.device)
     # kill-server=I@S, one or more: by step, the index among the servers started (read at the
     # first kill, before any of them is gone).
-    kills = {int(step): int(index) for index, step in
+    kills = {int(step): (int(index), signal.SIGKILL) for index, step in
              (m.split("=", 1)[1].split("@") for m in modes if m.startswith("kill-server="))}
+    kills.update({int(step): (int(index), signal.SIGSTOP) for index, step in
+                  (m.split("=", 1)[1].split("@") for m in modes
+                   if m.startswith("freeze-server="))})
     started_servers = None
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-at=")), None)
     eval_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("eval-at=")), None)
@@ -208,9 +212,11 @@ def main(out, modes=()):
             os._exit(3)
         if rank == 0 and step in kills:
             started_servers = started_servers or job_servers()
-            victim = started_servers[kills[step]]
-            os.kill(victim, signal.SIGKILL)
-            print(f"step {step}: killed KV server pid {victim}", flush=True)
+            index, sig = kills[step]
+            victim = started_servers[index]
+            os.kill(victim, sig)
+            print(f"step {step}: {'killed' if sig == signal.SIGKILL else 'froze'} KV server pid "
+                  f"{victim}", flush=True)
         if switch:
             # The scheme 0.weight runs at this iteration (the agent's schedule).
             scheme = dict((n, s) for n, s, _ in poseidon.torch.plan_summary(opt))["0.weight"]

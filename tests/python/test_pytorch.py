@@ -46,9 +46,9 @@ NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False"
 HAS_POST_ACCUMULATE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
-def launch(args, timeout=300):
+def launch(args, timeout=300, env=None):
     return subprocess.run([PY, "-m", "poseidon.run"] + args, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def free_port():
@@ -350,6 +350,28 @@ class Recovery(WorkersTest):
                 self.assertIn(f"({lost} before it", r.stderr)
                 self.assertIn(f"resumed at step {equivalence_worker.STEPS}", r.stdout)
                 self.assert_close(torch.load(out), want, f"{kills} killed, resumed at end")
+
+    def test_a_job_whose_server_froze_restarts_from_the_checkpoints_written_after(self):
+        # Issue 17: server 1 is frozen (SIGSTOP) at step 8 and stays so: the agents give it up
+        # after their peer_timeout (2 s here, POSEIDON_PEER_TIMEOUT) and go on at server 0, which
+        # alone writes the checkpoints of iterations 10 and 15; server 1's file stays at 5, and
+        # its process runs on, so the launcher never records a death. Rank 1 dies at step 17:
+        # the restart takes server 1's older file for a lost server's (the keys have copies),
+        # starts it afresh with its keys at server 0's copies, and the job ends with the
+        # parameters of one process on the 2x batch (server-side Adam).
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01), workers=2)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "2", "--servers", "2", "--checkpoint_dir", os.path.join(tmp, "c"),
+                        "--checkpoint_every", "5", "--max_restarts", "1", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out,
+                        "server-adam,workers=2,freeze-server=1@8,crash-at=17"],
+                       env=dict(os.environ, POSEIDON_PEER_TIMEOUT="2s"))
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("froze KV server pid", r.stdout)
+            self.assertIn("restart 1 of 1", r.stderr)
+            self.assertIn("resumes after iteration 15 (server 1 was lost before it", r.stderr)
+            self.assert_close(torch.load(out), want, "server-side Adam, server 1 frozen")
 
     def test_a_crashed_rank_rejoins_the_running_job_with_a_server_side_optimizer(self):
         # --rejoin (issue 18): rank 1 dies before step 17; only it restarts, re-reads the

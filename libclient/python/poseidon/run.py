@@ -318,7 +318,8 @@ def main(argv=None):
         procs = []
         failed = None
         # The servers lost before the checkpoint resumed from; a run from the beginning has all.
-        lost = (_lost_before(args.checkpoint_dir, job, args.servers, saved["lost_servers"])
+        lost = (_lost_before(args.checkpoint_dir, job, args.servers, saved["lost_servers"],
+                             copies=survivable)
                 if saved is not None and resume else set())
         if saved is not None and not resume and saved.get("lost_servers"):
             saved["lost_servers"] = []
@@ -715,12 +716,22 @@ def _checkpoint_label(checkpoint_dir, server, job):
     return clock
 
 
-def _lost_before(checkpoint_dir, job, servers, died):
+def _lost_before(checkpoint_dir, job, servers, died, copies=False):
     """The servers a resume starts afresh, their keys at the copies the others' checkpoints
     hold: those of `died` (job.json's lost_servers) whose checkpoint is older than the others'
     (it stopped when they died) or missing. One that died after writing the others' iteration
-    restores its own. The others must agree (checked once they restored)."""
+    restores its own. The others must agree (checked once they restored).
+
+    With `copies` (every key has a backup) any server whose checkpoint is older than the newest
+    or missing is lost too: one the agents gave up while its process still ran (frozen, cut
+    off), whose checkpoints stopped there, or one whose last write failed. The newest files
+    hold copies of its keys (a clock is on a key's backups before it is answered); a key whose
+    every copy is in older files fails the agents' registration, naming its servers."""
     labels = {s: _checkpoint_label(checkpoint_dir, s, job) for s in range(servers)}
+    if copies:
+        newest = max((l for l in labels.values() if l is not None), default=None)
+        if newest is not None:
+            return {s for s in range(servers) if labels[s] != newest}
     others = {labels[s] for s in range(servers) if s not in died}
     if not others:  # every server died once: the newest is the job's
         others = {max((l for l in labels.values() if l is not None), default=None)}
