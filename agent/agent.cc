@@ -307,6 +307,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
   // Under lost_mu_: the KV servers that joined the running job (heartbeat), in join order.
   std::vector<v1::PlanServer> joined_servers_;
+  bool joined_mismatch_logged_ = false;  // under lost_mu_
   // The plan's servers (replication: the joined ones' server-to-server addresses are chosen
   // with them). Fixed at registration.
   google::protobuf::RepeatedPtrField<v1::PlanServer> plan_servers_;
@@ -707,8 +708,24 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     shm_->SetTakeovers(result->takeovers());
     std::lock_guard<std::mutex> lock(lost_mu_);
     replaced_ = std::set<uint32_t>(result->replaced().begin(), result->replaced().end());
-    if (result->joined_servers_size() > static_cast<int>(joined_servers_.size())) {
+    // The joined servers' order is their place in every chain: only a list that extends the
+    // one taken so far is taken (a restarted coordinator forgets it, and may list others).
+    const auto listed = static_cast<size_t>(result->joined_servers_size());
+    bool agrees = true;
+    for (size_t j = 0; agrees && j < std::min(listed, joined_servers_.size()); ++j) {
+      agrees = result->joined_servers(static_cast<int>(j)).node_id() ==
+               joined_servers_[j].node_id();
+    }
+    if (agrees && listed > joined_servers_.size()) {
       joined_servers_.assign(result->joined_servers().begin(), result->joined_servers().end());
+    } else if (!agrees || (listed > 0 && listed < joined_servers_.size())) {
+      if (!joined_mismatch_logged_) {
+        joined_mismatch_logged_ = true;
+        PSD_LOG_WARN("the coordinator lists {} servers joined to the job, not the {} this agent "
+                     "took up (a restarted coordinator?): only a list that extends this agent's "
+                     "is taken up",
+                     listed, joined_servers_.size());
+      }
     }
     if (result->lost_size() == 0 && result->departed_size() == 0) return;
     // The coordinator lists every member lost so far: a later answer may add one.
