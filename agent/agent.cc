@@ -308,6 +308,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // Under lost_mu_: the KV servers that joined the running job (heartbeat), in join order.
   std::vector<v1::PlanServer> joined_servers_;
   bool joined_mismatch_logged_ = false;  // under lost_mu_
+  bool checkpoint_refused_logged_ = false;  // main thread
   // The plan's servers (replication: the joined ones' server-to-server addresses are chosen
   // with them). Fixed at registration.
   google::protobuf::RepeatedPtrField<v1::PlanServer> plan_servers_;
@@ -1575,6 +1576,19 @@ void Agent::MaybeCheckpoint(uint64_t next_iteration, bool final) {
         return;
       }
     }
+  }
+  // Keys whose every plan server was lost live on servers that joined the running job only,
+  // which write no checkpoint: a checkpoint without them could not be resumed from.
+  for (uint32_t p = 0; p < env_.replication.servers; ++p) {
+    if (env_.replication.Epoch(p) < env_.replication.servers) continue;
+    if (!checkpoint_refused_logged_) {
+      checkpoint_refused_logged_ = true;
+      PSD_LOG_WARN("no checkpoint after iteration {} (nor later): the keys first held by KV "
+                   "server {} are only on servers that joined the running job, which write no "
+                   "checkpoint; the job's last checkpoint stays the one before (iteration {})",
+                   label, p, last_checkpoint_ == 0 ? 0 : JobIteration(last_checkpoint_));
+    }
+    return;
   }
   last_checkpoint_ = done;
   const absl::Time start = absl::Now();

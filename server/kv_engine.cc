@@ -868,6 +868,18 @@ std::string WithoutAddresses(const v1::RegisterTablesRequest& spec) {
   copy.clear_servers();
   return copy.SerializeAsString();
 }
+// The registration a checkpoint keeps: without the servers that joined the running job (a
+// resumed job's servers start afresh, none joined; its keys' chains are the ring's), unless
+// this server is one of them.
+v1::RegisterTablesRequest RingOnly(const v1::RegisterTablesRequest& spec) {
+  const uint32_t ring = RingOf(spec);
+  if (spec.ring_servers() == 0 || spec.server_index() >= ring) return spec;
+  v1::RegisterTablesRequest copy = spec;
+  copy.mutable_servers()->DeleteSubrange(static_cast<int>(ring),
+                                         spec.servers_size() - static_cast<int>(ring));
+  copy.clear_ring_servers();
+  return copy;
+}
 // Whether `a` is `b` with fewer (or the same) servers joined after the ring: the same job, the
 // same ring, `a.servers` a prefix of `b.servers`.
 bool JoinedFewer(const v1::RegisterTablesRequest& a, const v1::RegisterTablesRequest& b) {
@@ -1788,7 +1800,7 @@ void KvEngine::MaybeSchedulePeriodicSnapshot(Key& k) {
     if (next > options_.snapshot_every) PruneSnapshots(j, next - options_.snapshot_every);
     it->second.expected_keys = j.total_keys;
     it->second.snapshot.job_id = j.job_id;
-    it->second.snapshot.spec = j.spec;
+    it->second.snapshot.spec = RingOnly(j.spec);
     it->second.snapshot.clock = next;
     it->second.waiters.push_back(
         [cb = options_.on_periodic_snapshot](absl::StatusOr<JobSnapshot> s) {
@@ -1824,7 +1836,7 @@ absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration t
   if (quiet && max_clock == min_clock) {
     JobSnapshot s;
     s.job_id = job_id;
-    s.spec = job->spec;
+    s.spec = RingOnly(job->spec);
     s.clock = max_clock;
     s.keys = std::move(keys);
     std::sort(s.keys.begin(), s.keys.end(),
@@ -1842,7 +1854,7 @@ absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration t
       PruneSnapshots(*job, target - 1);
       it->second.expected_keys = job->total_keys;
       it->second.snapshot.job_id = job_id;
-      it->second.snapshot.spec = job->spec;
+      it->second.snapshot.spec = RingOnly(job->spec);
       it->second.snapshot.clock = target;
     }
     it->second.waiters.push_back(
@@ -1863,7 +1875,7 @@ absl::StatusOr<JobSnapshot> KvEngine::SnapshotCompleted(uint64_t job_id, uint64_
     std::lock_guard<std::mutex> lock(jobs_mu_);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
-    s.spec = it->second->spec;
+    s.spec = RingOnly(it->second->spec);
   }
   s.job_id = job_id;
   s.clock = iteration;

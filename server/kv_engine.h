@@ -53,10 +53,10 @@ struct JobSnapshot {
 
 // How a primary reaches its backups (replication, DESIGN.md "Faults"): sends one REPLICATE frame
 // (job, key, clock, epoch in `header`; the key's state in `payload`, valid until `done` runs) to
-// server `to` of the job at `address`, authenticated as ServerRank(from), and runs `done` once with the
-// backup's answer: OK (acknowledged), Aborted (the backup serves a later epoch of the key: this
-// server is fenced), or why it is unreachable. `done` may run on any thread and must not block.
-// Thread-safe.
+// server `to` of the job at `address`, authenticated as ServerRank(from), and runs `done` once
+// with the backup's answer: OK (acknowledged), Aborted (the backup serves a later epoch of the
+// key: this server is fenced), or why it is unreachable. `done` may run on any thread and must
+// not block. Thread-safe.
 class ReplicaSender {
  public:
   virtual ~ReplicaSender() = default;

@@ -447,6 +447,12 @@ TEST_P(ReplicationRuleTest, AServerJoiningTheRunningJobRestoresTheCopiesOfADegra
   EXPECT_EQ(degraded(), 0u);
   EXPECT_EQ(Clock(*primary_, 4, 0), expected(4));
   EXPECT_EQ(joined->engine->stats().replicas_applied.load(), 2u) << "clocks 3 and 4";
+  {  // A checkpoint keeps the ring only: a resumed job's servers start afresh, none joined.
+    absl::StatusOr<JobSnapshot> snap = primary_->engine->SnapshotCompleted(1, 4);
+    ASSERT_TRUE(snap.ok()) << snap.status();
+    EXPECT_EQ(snap->spec.servers_size(), 2);
+    EXPECT_EQ(snap->spec.ring_servers(), 0u);
+  }
 
   primary_->Kill();
   {  // A rank that missed clock 4's answer gets it from the joined server, at epoch 2.

@@ -12,8 +12,8 @@ by `poseidon plan --set`; every rank sees the same switches, so all stop at the 
 rank 0 writes the step count and the switches too),
 cuda (the model and data on cuda:0: the CUDA arena path), tensor-hook / post-accumulate (the
 PS gradient hook, instead of the default for this torch), workers=P (the expected world size),
-kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S, one or more: the job
-must go on at the keys' backups and train exactly the same), freeze-server=I@S (the same with
+kill-server=I@S (rank 0 SIGKILLs the I-th started KV server of its job before step S, one or more, in
+a job's first run: the job must go on at the keys' backups and train exactly the same), freeze-server=I@S (the same with
 SIGSTOP: a hung server, given up after the agents' peer_timeout), crash-at=S (rank 1 exits with code
 3 before step S, in a job's first run: a job that dies; crash-always-at=S in every run too;
 crash-rank=R: rank R instead, and rank 1 writes the parameters when R is 0; writer=R: rank R
@@ -187,6 +187,7 @@ def main(out, modes=()):
                   1 if crash_rank == 0 else 0)
     if os.environ.get("POSEIDON_RESTART_COUNT", "0") != "0":
         crash_at = None  # restarted by poseidon run --max_restarts: it went away
+        kills = {}  # and so did whatever killed the servers
     crash_at = next((int(m.split("=", 1)[1]) for m in modes if m.startswith("crash-always-at=")),
                     crash_at)
     start = poseidon.torch.resumed_steps()

@@ -245,6 +245,28 @@ class Recovery(WorkersTest):
                                        r"primary of the keys first held by server")
             self.assert_close(torch.load(out), want, "server-side Adam, both servers replaced")
 
+    def test_a_job_whose_keys_live_only_on_joined_servers_resumes_from_the_checkpoint_before(self):
+        # The same two kills with checkpoints every 5 iterations: until step 32 server 0 writes
+        # them (server 1 lost: its file stays at iteration 5); after it, every key is on the
+        # servers that joined (they write none), so rank 0's agent writes none and says so
+        # rather than a checkpoint without those keys. Rank 1 dies at step 36: the restart
+        # resumes from iteration 30 (server 1's older file taken for a lost one's) and ends
+        # with the parameters of one process on the 4x batch.
+        steps = 40
+        want = reference(lambda params: torch.optim.Adam(params, lr=0.01), steps=steps)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--servers", "2", "--checkpoint_dir", os.path.join(tmp, "c"),
+                        "--checkpoint_every", "5", "--max_restarts", "1", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out,
+                        f"server-adam,kill-server=1@5,kill-server=0@32,crash-at=36,"
+                        f"steps={steps},step-sleep=0.25,workers=4"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("no checkpoint after iteration 35 (nor later): the keys first held by "
+                          "KV server", r.stdout)
+            self.assertIn("resumes after iteration 30 (server 1 was lost before it", r.stderr)
+            self.assert_close(torch.load(out), want, "server-side Adam, resumed after both lost")
+
     def test_a_job_stopped_and_resumed_trains_as_if_uninterrupted(self):
         # The servers run Adam (parameters and both moments on them, two servers, each key on
         # both). The first run checkpoints after every 5th iteration and dies at step 17 (rank 1
