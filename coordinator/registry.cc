@@ -732,6 +732,7 @@ std::vector<v1::PlanServer> Registry::PlanServers(const Job& job) const {
 absl::flat_hash_set<std::string> Registry::Members(const Job& job) const {
   absl::flat_hash_set<std::string> members(job.world_agents.begin(), job.world_agents.end());
   members.insert(job.world_servers.begin(), job.world_servers.end());
+  members.insert(job.joined_servers.begin(), job.joined_servers.end());
   return members;
 }
 
@@ -1325,8 +1326,8 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
   // formed without it) is left out, not refused: refusing would fail the server's heartbeat.
   auto reported = [&](const v1::RanksGone& gone) -> const Job* {
     const Job* job = FindJob(gone.job_id());
-    if (job == nullptr || std::find(job->world_servers.begin(), job->world_servers.end(),
-                                    node->id) == job->world_servers.end()) {
+    if (job == nullptr || (!absl::c_linear_search(job->world_servers, node->id) &&
+                           !absl::c_linear_search(job->joined_servers, node->id))) {
       return nullptr;
     }
     return job;
@@ -1659,6 +1660,7 @@ bool Registry::Expire(absl::Time now) {
     for (const RankSlot& slot : job.ranks) referenced.insert(slot.node_id);
     referenced.insert(job.world_agents.begin(), job.world_agents.end());
     referenced.insert(job.world_servers.begin(), job.world_servers.end());
+    referenced.insert(job.joined_servers.begin(), job.joined_servers.end());
   }
   for (auto it = nodes_.begin(); it != nodes_.end();) {
     const Node& node = it->second;

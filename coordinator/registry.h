@@ -269,7 +269,8 @@ class Registry {
     std::vector<std::string> world_agents;
     std::vector<std::string> world_servers;
     // The servers that registered for the job once its first plan was out (replacements for
-    // lost ones), in that order, never removed (HeartbeatResponse.joined_servers).
+    // lost ones), in that order, never removed (HeartbeatResponse.joined_servers); members of
+    // the job like world_servers (kept while the job is, their reports of lost ranks taken).
     std::vector<std::string> joined_servers;
     std::optional<JobModel> model;
     std::optional<poseidon::v1::Plan> plan;
