@@ -1836,7 +1836,10 @@ absl::StatusOr<JobSnapshot> KvEngine::Snapshot(uint64_t job_id, absl::Duration t
   if (quiet && max_clock == min_clock) {
     JobSnapshot s;
     s.job_id = job_id;
-    s.spec = RingOnly(job->spec);
+    {
+      std::lock_guard<std::mutex> lock(job->mu);  // servers joining change it (JoinServers)
+      s.spec = RingOnly(job->spec);
+    }
     s.clock = max_clock;
     s.keys = std::move(keys);
     std::sort(s.keys.begin(), s.keys.end(),
