@@ -523,6 +523,8 @@ int Agent::Run() {
       (void)coord_->Deregister(code == 0 ? "training finished" : "agent exiting", code != 0);
     }
     if (watcher_.joinable()) watcher_.join();
+    env_.joined.stuck.store(true, std::memory_order_release);  // nothing more is taken up
+    env_.joined.Unpark();
     for (uint32_t j = 0; j < env_.joined.Count(); ++j) env_.joined.clients[j]->Close();
     if (sfb_server_) sfb_server_->Stop();
     if (sfb_server_rdma_) sfb_server_rdma_->Stop();
@@ -719,6 +721,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     }
     if (agrees && listed > joined_servers_.size()) {
       joined_servers_.assign(result->joined_servers().begin(), result->joined_servers().end());
+      env_.joined.announced.store(static_cast<uint32_t>(listed), std::memory_order_release);
     } else if (!agrees || (listed > 0 && listed < joined_servers_.size())) {
       if (!joined_mismatch_logged_) {
         joined_mismatch_logged_ = true;
@@ -1955,8 +1958,11 @@ void Agent::JoinNewServers() {
                                      " servers joining it while it runs"))
                                : JoinServer(slot, joined);
     if (!s.ok()) {
-      // The chains name the joined servers in join order: one left out blocks the later ones.
+      // The chains name the joined servers in join order: one left out blocks the later ones,
+      // and a request waiting at its chain's end for it fails now.
       joining_stuck_ = true;
+      env_.joined.stuck.store(true, std::memory_order_release);
+      env_.joined.Unpark();
       PSD_LOG_WARN("KV server {} joined the running job, but this agent cannot use it ({}): its "
                    "keys keep the copies they have",
                    joined[slot].node_id(), s.message());
@@ -2014,6 +2020,7 @@ absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>&
   env_.joined.clients[slot] = std::move(client);
   env_.joined.addresses[slot] = chosen.address;
   env_.joined.count.store(slot + 1, std::memory_order_release);
+  env_.joined.Unpark();  // the requests waiting at their chain's end go on to it
   CountLink(rdma);
   PSD_LOG_WARN("{} at {} joined the running job: the keys short of backups take copies there, "
                "and a loss walks on to it (server {} of every chain)",

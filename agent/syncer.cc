@@ -64,19 +64,48 @@ const std::string& SyncEnv::ServerAddress(uint32_t s) const {
                                     : joined.addresses[s - config->servers.size()];
 }
 
-bool Replication::Failover(const SyncEnv& env, uint32_t primary, uint32_t e,
-                           server::KvClient& lost, const absl::Status& why) {
-  if (replicas == 0 || e + 1 >= servers + env.joined.Count() ||
-      stopping.load(std::memory_order_acquire)) {
-    return false;
-  }
+bool Replication::Lost(server::KvClient& lost, const absl::Status& why) const {
   // A lost connection (the server died, closed, or went silent), a fenced server (a backup
   // took its keys over) or one that holds no copy (NotFound: a standby no primary gave the keys
   // to, as when it had no room for them, or a server that lost its state): the next server of
   // the chain holds every clock answered (a backup from the start, or one that adopted the keys
   // when the primary gave up a backup); at the chain's end the error stands. Any other error is
   // the server's answer (a gone rank, a timeout) and stands.
-  if (!lost.Broken() && !absl::IsAborted(why) && !absl::IsNotFound(why)) return false;
+  return replicas > 0 && !stopping.load(std::memory_order_acquire) &&
+         (lost.Broken() || absl::IsAborted(why) || absl::IsNotFound(why));
+}
+
+bool Replication::AwaitsJoin(const SyncEnv& env, uint32_t e, server::KvClient& lost,
+                             const absl::Status& why) const {
+  const uint32_t taken = env.joined.Count();
+  return Lost(lost, why) && e + 1 >= servers + taken &&
+         env.joined.announced.load(std::memory_order_acquire) > taken &&
+         !env.joined.stuck.load(std::memory_order_acquire);
+}
+
+void JoinedServers::Park(uint32_t seen, std::function<void()> retry) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Count() == seen && !stuck.load(std::memory_order_acquire)) {
+      parked_.push_back(std::move(retry));
+      return;
+    }
+  }
+  retry();
+}
+
+void JoinedServers::Unpark() {
+  std::vector<std::function<void()>> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready.swap(parked_);
+  }
+  for (auto& retry : ready) retry();
+}
+
+bool Replication::Failover(const SyncEnv& env, uint32_t primary, uint32_t e,
+                           server::KvClient& lost, const absl::Status& why) {
+  if (e + 1 >= servers + env.joined.Count() || !Lost(lost, why)) return false;
   uint32_t expected = e;
   if (epoch[primary].compare_exchange_strong(expected, e + 1, std::memory_order_acq_rel)) {
     const uint32_t next = ServerAt(primary, e + 1);
@@ -105,6 +134,11 @@ struct PushPullOp {
   // A lossy key's push of this clock is float32 (the key fell back).
   bool exact_push = false;
 };
+
+// A pull's answer (or failure) on a transport thread: done, sent on along the chain, or parked
+// until a joined server is taken up.
+void Pulled(SyncEnv* e, std::shared_ptr<PushPullOp> op, uint32_t epoch, uint32_t server,
+            uint64_t bytes, std::shared_ptr<server::KvClient> kv, absl::Status s);
 
 void Attempt(std::shared_ptr<PushPullOp> op) {
   SyncEnv& env = *op->env;
@@ -161,9 +195,36 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
     op->credit->Park();
   }
   kv->OnDone(pull, [e, op, epoch, server, bytes, kv](absl::Status s) {
+    Pulled(e, op, epoch, server, bytes, kv, std::move(s));
+  });
+}
+
+void Pulled(SyncEnv* e, std::shared_ptr<PushPullOp> op, uint32_t epoch, uint32_t server,
+            uint64_t bytes, std::shared_ptr<server::KvClient> kv, absl::Status s) {
+  {
     if (!s.ok() && e->replication.Failover(*e, op->chunk->server, epoch, *kv, s)) {
       if (s.GetPayload(server::KvClient::kAnswerStarted).has_value()) op->replay = true;
       return Attempt(op);  // only queues requests: fine on this transport thread
+    }
+    const uint32_t seen = e->joined.Count();
+    if (!s.ok() && e->replication.AwaitsJoin(*e, epoch, *kv, s)) {
+      // The chain's last server as this agent knows it is lost, and a server that joined the
+      // running job is being taken up (JoinNewServers): decided again once it is. The status
+      // goes as its parts (the retry may run on another thread).
+      static std::atomic<bool> said{false};
+      if (!said.exchange(true)) {
+        PSD_LOG_WARN("key {} clock {}: the last server of its chain ({}) is lost; waiting for "
+                     "the server that joined the running job to be taken up",
+                     op->chunk->key, op->clock, e->ServerAddress(server));
+      }
+      const bool started = s.GetPayload(server::KvClient::kAnswerStarted).has_value();
+      e->joined.Park(seen, [e, op, epoch, server, bytes, kv, code = s.code(),
+                            message = std::string(s.message()), started] {
+        absl::Status again(code, message);
+        if (started) again.SetPayload(server::KvClient::kAnswerStarted, absl::Cord("1"));
+        Pulled(e, op, epoch, server, bytes, kv, std::move(again));
+      });
+      return;
     }
     if (s.ok() && op->lossy != nullptr) {
       LossyWire& wire = *op->lossy;
@@ -189,7 +250,7 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
     op->credit.reset();  // the transfer is complete: the next task may start
     auto done = std::move(op->done);
     done(s);
-  });
+  }
 }
 
 }  // namespace

@@ -109,6 +109,20 @@ struct JoinedServers {
   std::array<std::string, kMax> addresses;
   std::atomic<uint32_t> count{0};
   uint32_t Count() const { return count.load(std::memory_order_acquire); }
+  // The joined servers the coordinator listed (the heartbeat thread writes it), and whether
+  // taking the next one up failed (none more will be, and nothing waits for it).
+  std::atomic<uint32_t> announced{0};
+  std::atomic<bool> stuck{false};
+  // A request that failed at the last server of its chain while a joined server is announced
+  // but not taken up yet (Replication::AwaitsJoin) waits for it: `retry` runs once count has
+  // moved past `seen` or stuck is set (at once if that happened already). Thread-safe.
+  void Park(uint32_t seen, std::function<void()> retry);
+  // Runs what waits (after count rose or stuck was set).
+  void Unpark();
+
+ private:
+  std::mutex mu_;
+  std::vector<std::function<void()>> parked_;
 };
 
 struct Replication {
@@ -123,6 +137,14 @@ struct Replication {
   // again to the next server (moving the epoch on, once, logged); false: the error stands.
   bool Failover(const SyncEnv& env, uint32_t primary, uint32_t epoch, server::KvClient& lost,
                 const absl::Status& why);
+  // Whether such a request, at the last server its chain has now, waits for a server that
+  // joined the running job (announced by the coordinator, not yet taken up) instead of failing.
+  bool AwaitsJoin(const SyncEnv& env, uint32_t epoch, server::KvClient& lost,
+                  const absl::Status& why) const;
+
+ private:
+  // Whether `why` on `lost` is a loss (the next server of the chain holds every clock).
+  bool Lost(server::KvClient& lost, const absl::Status& why) const;
 };
 
 // The connection this agent's frames to each other agent go out on, by rank (null for itself).

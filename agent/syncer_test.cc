@@ -347,8 +347,40 @@ TEST_F(SyncerTest, AFailoverWalksPastAServerWithoutACopyAndStopsAtTheChainsEnd) 
   EXPECT_EQ(replication.Epoch(1), 2u);
   // The last server of the chain: the error stands.
   EXPECT_FALSE(replication.Failover(env, 1, 2, live, no_copy));
+  EXPECT_FALSE(replication.AwaitsJoin(env, 2, live, no_copy)) << "no server joined";
   EXPECT_EQ(replication.Epoch(1), 2u);
   EXPECT_EQ(replication.Epoch(0), 0u) << "another first primary's keys stay";
+
+  // A server joined the running job (the coordinator listed it) but is not taken up yet: the
+  // request waits for it, and once it is taken up goes on to it (epoch 3, after the ring).
+  env.joined.announced = 1;
+  EXPECT_TRUE(replication.AwaitsJoin(env, 2, live, no_copy));
+  EXPECT_FALSE(replication.AwaitsJoin(env, 2, live, absl::UnavailableError("rank 1 is gone")))
+      << "the server's own answer still stands";
+  int retried = 0;
+  env.joined.Park(0, [&] { ++retried; });
+  EXPECT_EQ(retried, 0);
+  env.joined.clients[0] = r.env.servers[0];
+  env.joined.addresses[0] = "kv-3";
+  env.joined.count = 1;
+  env.joined.Unpark();
+  EXPECT_EQ(retried, 1);
+  EXPECT_FALSE(replication.AwaitsJoin(env, 2, live, no_copy)) << "taken up: walked on to";
+  EXPECT_TRUE(replication.Failover(env, 1, 2, live, no_copy));
+  EXPECT_EQ(replication.Epoch(1), 3u);
+  EXPECT_EQ(replication.ServingNow(1), 3u) << "the joined server, after the ring";
+  // A second one announced whose taking up fails: what waited for it goes on (and fails).
+  env.joined.announced = 2;
+  EXPECT_TRUE(replication.AwaitsJoin(env, 3, live, no_copy));
+  env.joined.Park(1, [&] { ++retried; });
+  env.joined.stuck = true;
+  env.joined.Unpark();
+  EXPECT_EQ(retried, 2);
+  EXPECT_FALSE(replication.AwaitsJoin(env, 3, live, no_copy));
+  EXPECT_FALSE(replication.Failover(env, 1, 3, live, no_copy));
+  // Parked after the count moved (or once stuck): it runs at once.
+  env.joined.Park(0, [&] { ++retried; });
+  EXPECT_EQ(retried, 3);
 }
 
 TEST_F(SyncerTest, EverySchemeGivesTheExactSumAcrossAPlanChange) {
