@@ -657,6 +657,15 @@ uint32_t ChainPosition(const v1::RegisterTablesRequest& spec, uint32_t index, ui
   const uint32_t ring = RingOf(spec);
   return index < ring ? (index + ring - primary) % ring : index;
 }
+// The chain of the keys first held by `primary`: every server of the ring from it on, then the
+// servers that joined the running job, in order (ChainPosition's inverse).
+std::vector<uint32_t> ChainOf(const v1::RegisterTablesRequest& spec, uint32_t primary) {
+  const uint32_t ring = RingOf(spec);
+  std::vector<uint32_t> chain;
+  for (uint32_t i = 0; i < ring; ++i) chain.push_back((primary + i) % ring);
+  for (auto i = ring; i < static_cast<uint32_t>(spec.servers_size()); ++i) chain.push_back(i);
+  return chain;
+}
 
 // The memory a key of table `t` takes on a server that holds it (--max_memory counts it): per
 // element, the aggregation buffer plus the result (sum) or the parameters and the optimizer's
@@ -915,10 +924,8 @@ void KvEngine::JoinServers(JobState& job, const v1::RegisterTablesRequest& spec)
     for (auto& w : workers_) {
       for (auto& [id, k] : w->keys) {
         if (k->job.get() != &job || !k->Replicated()) continue;
-        for (size_t i = before; i < job.servers.size(); ++i) {
-          k->chain.push_back(static_cast<uint32_t>(i));
-          k->backup_lost.push_back(0);
-        }
+        k->chain = ChainOf(spec, k->chain[0]);  // the same chain, longer
+        k->backup_lost.resize(k->chain.size(), 0);
       }
     }
   });
@@ -961,10 +968,7 @@ std::unique_ptr<KvEngine::Key> NewKey(const std::shared_ptr<JobState>& job,
     // The chain is every server of the ring from the first primary on, then the servers that
     // joined the running job: the first 1 + replicas hold the key from the start, the later ones
     // adopt it when a backup is given up.
-    const auto n = static_cast<uint32_t>(spec.servers_size());
-    const uint32_t ring = RingOf(spec);
-    for (uint32_t i = 0; i < ring; ++i) k->chain.push_back((t.primary() + i) % ring);
-    for (uint32_t i = ring; i < n; ++i) k->chain.push_back(i);
+    k->chain = ChainOf(spec, t.primary());
     k->backup_lost.assign(k->chain.size(), 0);
     k->replicas = spec.replicas();
   }
