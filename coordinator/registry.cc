@@ -699,6 +699,9 @@ void Registry::Refresh(Job& job, absl::Time now) {
     }
   }
   MaybePlan(job, now);
+  // A server registered since the first plan went out joins the running job (Refresh runs
+  // on every registration).
+  JoinServers(job);
 }
 
 void Registry::JoinServers(Job& job) {
@@ -1408,7 +1411,6 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
       }
       response->set_takeovers(j.takeovers);
       for (const std::string& server : j.world_servers) lost(server, 0);
-      JoinServers(job->second);
       // Not listed as lost when they die: a job that does not replicate never used them, and
       // one that does walks past them as past any lost server.
       for (const std::string& server : j.joined_servers) {
