@@ -201,13 +201,13 @@ void Attempt(std::shared_ptr<PushPullOp> op) {
 
 void Pulled(SyncEnv* e, std::shared_ptr<PushPullOp> op, uint32_t epoch, uint32_t server,
             uint64_t bytes, std::shared_ptr<server::KvClient> kv, absl::Status s) {
-  {
-    if (!s.ok() && e->replication.Failover(*e, op->chunk->server, epoch, *kv, s)) {
+  if (!s.ok()) {
+    if (e->replication.Failover(*e, op->chunk->server, epoch, *kv, s)) {
       if (s.GetPayload(server::KvClient::kAnswerStarted).has_value()) op->replay = true;
       return Attempt(op);  // only queues requests: fine on this transport thread
     }
     const uint32_t seen = e->joined.Count();
-    if (!s.ok() && e->replication.AwaitsJoin(*e, epoch, *kv, s)) {
+    if (e->replication.AwaitsJoin(*e, epoch, *kv, s)) {
       // The chain's last server as this agent knows it is lost, and a server that joined the
       // running job is being taken up (JoinNewServers): decided again once it is. The status
       // goes as its parts (the retry may run on another thread).
@@ -226,7 +226,8 @@ void Pulled(SyncEnv* e, std::shared_ptr<PushPullOp> op, uint32_t epoch, uint32_t
       });
       return;
     }
-    if (s.ok() && op->lossy != nullptr) {
+  } else {
+    if (op->lossy != nullptr) {
       LossyWire& wire = *op->lossy;
       if (wire.received == op->chunk->length / 2) {
         DecodeWire16InPlace(wire.type, op->values);
@@ -241,16 +242,14 @@ void Pulled(SyncEnv* e, std::shared_ptr<PushPullOp> op, uint32_t epoch, uint32_t
                      wire.name, op->chunk->key, op->clock, WireName(wire.type));
       }
     }
-    if (s.ok()) {
-      if (server < e->metrics.pull_bytes.size() && e->metrics.pull_bytes[server]) {
-        e->metrics.pull_bytes[server]->Increment(bytes);
-      }
-      if (e->telemetry) e->telemetry->AddServerBytes(server, 0, bytes);
+    if (server < e->metrics.pull_bytes.size() && e->metrics.pull_bytes[server]) {
+      e->metrics.pull_bytes[server]->Increment(bytes);
     }
-    op->credit.reset();  // the transfer is complete: the next task may start
-    auto done = std::move(op->done);
-    done(s);
+    if (e->telemetry) e->telemetry->AddServerBytes(server, 0, bytes);
   }
+  op->credit.reset();  // the transfer is complete: the next task may start
+  auto done = std::move(op->done);
+  done(s);
 }
 
 }  // namespace
