@@ -1987,32 +1987,30 @@ absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>&
                    server::KvClient::Connect(ContextFor(rdma), chosen.address, config_.job_id,
                                              config_.rank, creds_.server_key(),
                                              absl::Seconds(10)));
-  auto extended = [&](v1::RegisterTablesRequest r) {
+  // Server s's registration with the extended list: a plan server's own; a joined one stands
+  // by for every table (every plan server holds each, or stands by for it).
+  auto registration = [&](uint32_t s) {
+    v1::RegisterTablesRequest r = registrations_[s < ring ? s : 0];
     r.clear_servers();
     for (const std::string& a : addresses) r.add_servers(a);
     r.set_ring_servers(ring);
+    if (s >= ring) {
+      for (const v1::KvTableSpec& t : r.tables()) *r.add_standby_tables() = t;
+      r.clear_tables();
+      r.set_server_index(s);
+    }
     return r;
   };
-  // It stands by for every table (every server of the ring holds each, or stands by for it).
-  v1::RegisterTablesRequest standby = extended(registrations_[0]);
-  for (const v1::KvTableSpec& t : registrations_[0].tables()) *standby.add_standby_tables() = t;
-  standby.clear_tables();
-  standby.set_server_index(index);
-  if (absl::Status st = client->RegisterTables(standby, absl::Seconds(30)); !st.ok()) {
+  if (absl::Status st = client->RegisterTables(registration(index), absl::Seconds(30));
+      !st.ok()) {
     client->Close();
     return Annotate(st, absl::StrCat("registering at ", what));
   }
   for (uint32_t s = 0; s < index; ++s) {
     server::KvClient& other = env_.Server(s);
     if (other.Broken()) continue;  // a lost server
-    v1::RegisterTablesRequest r =
-        s < ring ? extended(registrations_[s]) : extended(registrations_[0]);
-    if (s >= ring) {
-      for (const v1::KvTableSpec& t : r.tables()) *r.add_standby_tables() = t;
-      r.clear_tables();
-      r.set_server_index(s);
-    }
-    if (absl::Status st = other.RegisterTables(r, absl::Seconds(30)); !st.ok() && !other.Broken()) {
+    if (absl::Status st = other.RegisterTables(registration(s), absl::Seconds(30));
+        !st.ok() && !other.Broken()) {
       PSD_LOG_WARN("KV server {} ({}) was not told of {}: {}", s, env_.ServerAddress(s), what,
                    st.message());
     }
