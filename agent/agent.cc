@@ -860,7 +860,8 @@ absl::Status Agent::Register() {
     v1::UpdateRuleSpec rule;
     rule.set_rule(v1::UPDATE_RULE_SUM);
     ASSIGN_OR_RETURN(plan, coord_->RegisterModel(model, rule, {}, config_.attach_timeout,
-                                                 AllreducePossible()));
+                                                 AllreducePossible(),
+                                                 config_.allreduce_bucket_bytes));
     config_.servers.clear();
     server_rdma_.clear();
     server_tcp_fallback_.clear();

@@ -5,6 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/planner/planner.h"
+
 namespace poseidon::agent {
 namespace {
 
@@ -340,6 +345,72 @@ TEST(LayerTable, AllReduceBucketsFuseAdjacentFusableAllReduceLayers) {
   LayerTableOptions no_ring = options;
   no_ring.allreduce_possible = false;
   EXPECT_TRUE(BuildLayerTable(descs, plan, no_ring)->ring_groups.empty());
+}
+
+// The planner weighs the ring by the buckets the agents will form (coordinator/planner/fusion.h
+// RingBuckets): on random models and plans (FC layers with and without factor buffers, biases,
+// layers on PS, SFB and all-reduce, bfloat16 wires, bucket sizes), the plan report's all-reduce
+// buckets are exactly the layer table's ring groups.
+TEST(LayerTable, ThePlannersAllReduceBucketsAreTheAgentsRingGroups) {
+  std::mt19937 rng(20261206);
+  auto below = [&](uint32_t n) { return static_cast<uint32_t>(rng() % n); };
+  constexpr uint32_t kBatch = 4;
+  int grouped = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const uint64_t caps[] = {0, 256, 1024, 4096, uint64_t{1} << 20};
+    const uint64_t cap = caps[below(5)];
+    v1::ModelSpec model;
+    model.set_name("random");
+    std::vector<LayerDesc> descs;
+    planner::PlannerConfig config;
+    config.workers = 2;
+    config.servers = 1;
+    config.batch_per_worker = kBatch;
+    config.bandwidth_bytes_per_second = 1.25e9;
+    config.allreduce_bucket_bytes = cap;
+    const uint32_t layers = 1 + below(12);
+    for (uint32_t i = 0; i < layers; ++i) {
+      const std::string name = absl::StrCat("layer", i);
+      v1::LayerSpec* spec = model.add_layers();
+      spec->set_name(name);
+      const bool fc = below(2) == 0;
+      if (fc) {
+        const uint64_t m = 1 + below(40), n = 1 + below(40);
+        spec->set_kind(v1::LAYER_KIND_FC);
+        spec->add_shape(m);
+        spec->add_shape(n);
+        descs.push_back(Fc(name, m, n, kBatch, /*fusable=*/true));
+      } else {
+        const uint64_t n = 1 + below(300);
+        spec->set_kind(v1::LAYER_KIND_BIAS);
+        spec->add_shape(n);
+        descs.push_back(Bias(name, n));
+      }
+      const uint32_t pick = below(10);
+      if (pick < 6) {
+        config.scheme_overrides[name] = v1::SYNC_SCHEME_ALLREDUCE;
+        if (below(3) == 0) config.wire_overrides[name] = v1::ELEMENT_TYPE_BF16;
+      } else if (pick < 8 || !fc) {
+        config.scheme_overrides[name] = v1::SYNC_SCHEME_PS;
+      } else {
+        config.scheme_overrides[name] = v1::SYNC_SCHEME_SFB;
+      }
+    }
+    absl::StatusOr<planner::PlanResult> planned = planner::BuildPlan(model, config);
+    ASSERT_TRUE(planned.ok()) << planned.status();
+    const LayerTableOptions options{.world_size = 2, .sfb_possible = true,
+                                    .allreduce_possible = true, .allreduce_bucket_bytes = cap};
+    absl::StatusOr<LayerTable> table = BuildLayerTable(descs, planned->plan, options);
+    ASSERT_TRUE(table.ok()) << table.status();
+    for (uint32_t i = 0; i < layers; ++i) {
+      const uint32_t bucket = planned->report.layers[i].allreduce_bucket;
+      EXPECT_EQ(table->layers[i].ring_group, bucket == 0 ? -1 : static_cast<int>(bucket) - 1)
+          << "trial " << trial << ", layer " << i << ", bucket size " << cap;
+    }
+    EXPECT_EQ(table->ring_groups.size(), planned->report.allreduce_buckets) << "trial " << trial;
+    grouped += static_cast<int>(table->ring_groups.size());
+  }
+  EXPECT_GT(grouped, 50) << "the random plans should form many buckets";
 }
 
 // Low rank: a layer the first plan puts on all-reduce, whose 2-D view the rank shrinks, by the

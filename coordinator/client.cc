@@ -194,16 +194,19 @@ absl::StatusOr<World> CoordinatorClient::RegisterAgentAndRendezvous(const AgentR
   return Rendezvous(deadline - absl::Now());
 }
 
-absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(const v1::ModelSpec& model,
-                                                          const v1::UpdateRuleSpec& update_rule,
-                                                          const v1::ConsistencySpec& consistency,
-                                                          absl::Duration timeout, bool allreduce) {
+absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(
+    const v1::ModelSpec& model, const v1::UpdateRuleSpec& update_rule,
+    const v1::ConsistencySpec& consistency, absl::Duration timeout, bool allreduce,
+    std::optional<uint64_t> allreduce_bucket_bytes) {
   v1::RegisterModelRequest request;
   FillHeader(request.mutable_header());
   *request.mutable_model() = model;
   *request.mutable_update_rule() = update_rule;
   *request.mutable_consistency() = consistency;
   request.set_allreduce_unavailable(!allreduce);
+  if (allreduce_bucket_bytes.has_value()) {
+    request.set_allreduce_bucket_bytes(*allreduce_bucket_bytes);
+  }
   v1::RegisterModelResponse response;
   grpc::ClientContext context;
   Prepare(&context, timeout);

@@ -530,6 +530,16 @@ std::string Registry::DescribeIncompleteWorld(absl::string_view job_id, absl::Ti
 
 // ---- Model and plan ----------------------------------------------------------------------------
 
+namespace {
+
+// The agents' all-reduce bucket size a registration gives (unset: their default).
+uint64_t BucketBytesOf(const v1::RegisterModelRequest& request) {
+  return request.has_allreduce_bucket_bytes() ? request.allreduce_bucket_bytes()
+                                              : planner::kDefaultAllreduceBucketBytes;
+}
+
+}  // namespace
+
 absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterModelRequest& request,
                                      absl::Time now) {
   ASSIGN_OR_RETURN(Node * node,
@@ -550,6 +560,12 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
       difference = absl::StrCat("this rank ", request.allreduce_unavailable() ? "cannot" : "can",
                                 " run ring all-reduce, the model's first rank ",
                                 job->model->allreduce ? "can" : "cannot");
+    }
+    if (!difference && job->model->allreduce_bucket_bytes != BucketBytesOf(request)) {
+      difference = absl::StrCat("this rank fuses all-reduce layers into buckets of ",
+                                BucketBytesOf(request), " bytes, the model's first rank into ",
+                                job->model->allreduce_bucket_bytes,
+                                " (--allreduce_bucket_bytes must be the same on every rank)");
     }
   }
   bool others_agree = false;
@@ -579,12 +595,13 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
     trial.block_bytes = options_.block_bytes;
     trial.scheme_rule = options_.scheme_rule;
     trial.allreduce = !request.allreduce_unavailable();
+    trial.allreduce_bucket_bytes = BucketBytesOf(request);
     if (absl::StatusOr<planner::PlanResult> dry = planner::BuildPlan(request.model(), trial);
         !dry.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("model: ", dry.status().message()));
     }
     job->model = JobModel{request.model(), request.update_rule(), request.consistency(),
-                          node->rank, !request.allreduce_unavailable()};
+                          node->rank, !request.allreduce_unavailable(), BucketBytesOf(request)};
     job->scheme_overrides.clear();  // they named the old model's layers
     job->plan.reset();
     job->allreduce_step_ns.clear();  // measured by the ranks of this model's world
@@ -764,6 +781,7 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.lowrank_rank = options_.lowrank_rank;
   config.lowrank_overrides = options_.lowrank_overrides;
   config.allreduce = job.model->allreduce;
+  config.allreduce_bucket_bytes = job.model->allreduce_bucket_bytes;
   if (options_.allreduce_by_cost) config.allreduce_step_seconds = AllreduceStep(job);
   config.job_id = job.id;
   config.plan_epoch = epoch;

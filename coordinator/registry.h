@@ -257,6 +257,8 @@ class Registry {
     poseidon::v1::ConsistencySpec consistency;
     uint32_t registered_by_rank = 0;
     bool allreduce = true;  // the agents can run ring all-reduce
+    // The agents' --allreduce_bucket_bytes (RegisterModelRequest.allreduce_bucket_bytes).
+    uint64_t allreduce_bucket_bytes = planner::kDefaultAllreduceBucketBytes;
   };
   struct Job {
     std::string id;

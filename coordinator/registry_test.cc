@@ -3,6 +3,7 @@
 #include "coordinator/registry.h"
 
 #include <map>
+#include <optional>
 
 #include "common/status.h"
 #include "coordinator/planner/planner.h"
@@ -1170,8 +1171,10 @@ class RingPlanTest : public RegistryTelemetryTest {
   }
 
   // One server, two agents, one conv layer of 2^20 parameters registered by both; `allreduce`:
-  // whether the agents can run the ring.
-  void FormRingJob(bool allreduce) {
+  // whether the agents can run the ring; with `bias` a 16-element bias after it; `buckets`: each
+  // rank's --allreduce_bucket_bytes (unset: not sent).
+  void FormRingJob(bool allreduce, bool bias = false,
+                   std::vector<std::optional<uint64_t>> buckets = {std::nullopt, std::nullopt}) {
     servers_ = {AddServer()};
     agents_ = {AddAgent(0, 2, 0), AddAgent(1, 2, 1)};
     v1::RendezvousResponse world;
@@ -1183,15 +1186,26 @@ class RingPlanTest : public RegistryTelemetryTest {
     conv->set_kind(v1::LAYER_KIND_CONV);
     conv->set_batch_per_worker(1);
     for (const uint64_t d : {256, 256, 4, 4}) conv->add_shape(d);
-    for (const std::string& agent : agents_) {
+    if (bias) {
+      auto* layer = model.add_layers();
+      layer->set_name("conv.bias");
+      layer->set_kind(v1::LAYER_KIND_BIAS);
+      layer->set_batch_per_worker(1);
+      layer->add_shape(16);
+    }
+    for (size_t r = 0; r < agents_.size(); ++r) {
       v1::RegisterModelRequest request;
-      request.mutable_header()->set_node_id(agent);
+      request.mutable_header()->set_node_id(agents_[r]);
       *request.mutable_model() = model;
       request.set_allreduce_unavailable(!allreduce);
-      const absl::Status status = registry_.RegisterModel(job_, request, now_);
-      ASSERT_TRUE(status.ok()) << status;
+      if (buckets[r].has_value()) request.set_allreduce_bucket_bytes(*buckets[r]);
+      last_registration_ = registry_.RegisterModel(job_, request, now_);
+      if (r + 1 < agents_.size() || buckets[0] == buckets[r]) {
+        ASSERT_TRUE(last_registration_.ok()) << last_registration_;
+      }
     }
   }
+  absl::Status last_registration_;
 
   void ReportStep(const std::string& agent, uint64_t step_ns) {
     v1::ReportTelemetryRequest request;
@@ -1216,6 +1230,36 @@ TEST_F(RingPlanTest, TheRingIsWeighedOnceEveryRankMeasuredIt) {
   ReportStep(agents_[1], 30000);
   ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 2u);
   EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+}
+
+// The agents' --allreduce_bucket_bytes reaches the planner. A ring step measured at 60 us (two
+// of them: 120 us against PS's two 50 us legs): with the agents' buckets (25 MiB, the default,
+// sent or not) the bias shares the conv's collective and goes by ring too; with one collective
+// per layer (0) it would pay the ring's steps alone: PS. Every rank must send the same.
+TEST_F(RingPlanTest, TheAgentsAllReduceBucketsReachThePlanner) {
+  FormRingJob(/*allreduce=*/true, /*bias=*/true, {uint64_t{25} << 20, std::nullopt});
+  ReportStep(agents_[0], 60000);
+  ReportStep(agents_[1], 60000);
+  ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 2u);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(0).scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(1).scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+}
+
+TEST_F(RingPlanTest, WithoutAllReduceBucketsASmallLayerStaysOffTheRing) {
+  FormRingJob(/*allreduce=*/true, /*bias=*/true, {uint64_t{0}, uint64_t{0}});
+  ReportStep(agents_[0], 60000);
+  ReportStep(agents_[1], 60000);
+  ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 2u);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(0).scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(1).scheme(), v1::SYNC_SCHEME_PS);
+}
+
+TEST_F(RingPlanTest, ARankWithAnotherAllReduceBucketSizeIsRefused) {
+  FormRingJob(/*allreduce=*/true, /*bias=*/false, {uint64_t{1} << 20, uint64_t{2} << 20});
+  EXPECT_EQ(last_registration_.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(last_registration_.message().find("--allreduce_bucket_bytes must be the same"),
+            std::string::npos)
+      << last_registration_;
 }
 
 TEST_F(RingPlanTest, AJobWhoseAgentsCannotRunTheRingNeverGetsIt) {

@@ -163,6 +163,33 @@ TEST(PlanCliTest, ALowRankOverrideForcesOrForbidsALayersRank) {
   EXPECT_NE(table.output.find("8*"), std::string::npos) << table.output;
 }
 
+// --allreduce_by_cost: what the coordinator's rule would choose with the agents' measured ring
+// step; the ring is weighed with the agents' all-reduce buckets (docs/planner.md), which the
+// table names, and which --allreduce_bucket_bytes 0 turns off.
+TEST(PlanCliTest, TheRingIsWeighedWithTheAgentsBuckets) {
+  const std::string cluster =
+      "plan --model resnet-152 --workers 8 --servers 1 --batch 32 --bandwidth 10Gbit "
+      "--allreduce_by_cost --allreduce_step 40us";
+  auto totals = [](const std::string& args, google::protobuf::Struct* root) {
+    const CliRun run = Stdout(args + " --json");
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(run.output, root).ok()) << run.output;
+    return Field(*root, "totals").struct_value();
+  };
+  google::protobuf::Struct bucketed_root, per_layer_root;
+  const auto bucketed = totals(cluster, &bucketed_root);
+  const auto per_layer = totals(cluster + " --allreduce_bucket_bytes 0", &per_layer_root);
+  EXPECT_GT(Field(bucketed, "allreduce_buckets").number_value(), 0);
+  EXPECT_EQ(Field(bucketed, "allreduce_bucket_bytes").number_value(), 25 << 20);
+  EXPECT_EQ(Field(per_layer, "allreduce_buckets").number_value(), 0);
+  EXPECT_GT(Field(bucketed, "allreduce_layers").number_value(),
+            Field(per_layer, "allreduce_layers").number_value());
+  const CliRun table = Stdout(cluster);
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  EXPECT_NE(table.output.find("all-reduce layers in "), std::string::npos) << table.output;
+  EXPECT_NE(table.output.find("buckets of at most 25.0 MiB"), std::string::npos) << table.output;
+}
+
 TEST(PlanCliTest, UnknownModelIsOneLineAndExitCode2) {
   const CliRun run = Stderr("plan --model no-such-net --workers 4 --batch 32 --bandwidth 10Gbit");
   EXPECT_EQ(run.exit_code, 2);
@@ -196,6 +223,7 @@ TEST(PlanCliTest, BadInputIsOneLineAndExitCode2) {
       "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --lowrank fc6.bias=4",
       "plan --model vgg19 --workers 1 --batch 32 --bandwidth 10Gbit --lowrank fc6.weight=4",
       "plan --model vgg19 --workers 4 --bandwidth 10Gbit --batch 32 --lowrank fc6.weight=4 --wire fc6.weight=fp32",
+      "plan --model vgg19 --workers 4 --batch 32 --bandwidth 10Gbit --allreduce_by_cost --allreduce_step -5us",
       "frobnicate",
   };
   for (const char* args : bad) {

@@ -36,6 +36,9 @@ struct PlanFlags {
   int64_t lowrank_rank = 0;
   std::string wire;  // "layer=bf16,other=fp32"
   std::string lowrank;  // "layer=4,other=0"
+  bool allreduce_by_cost = false;
+  absl::Duration allreduce_step = absl::ZeroDuration();
+  uint64_t allreduce_bucket_bytes = planner::kDefaultAllreduceBucketBytes;
   bool json = false;
 };
 
@@ -82,6 +85,15 @@ ConfigSchema<PlanFlags> PlanFlagsSchema() {
       .Field("lowrank", &PlanFlags::lowrank,
              "per-layer low-rank overrides, 'fc6.weight=4,conv1.weight=0' (r: that layer by "
              "all-reduce at rank r whatever the cost; 0: never low rank)")
+      .Field("allreduce_by_cost", &PlanFlags::allreduce_by_cost,
+             "let the time rule put layers on ring all-reduce, each step of the ring costing "
+             "at least --allreduce_step (the coordinator's --allreduce_by_cost, with the agents' "
+             "measured step); off: only --lowrank overrides put a layer on it")
+      .Field("allreduce_step", &PlanFlags::allreduce_step,
+             "with --allreduce_by_cost: the measured cost of one ring step (0: the latency)")
+      .ByteSizeField("allreduce_bucket_bytes", &PlanFlags::allreduce_bucket_bytes,
+                     "the agents' --allreduce_bucket_bytes: consecutive all-reduce layers fused "
+                     "into one collective of at most this size (25MiB; 0: one per layer)")
       .Field("json", &PlanFlags::json, "print JSON instead of a table");
   return schema;
 }
@@ -130,6 +142,14 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   config.fusion = flags.fusion == "off" ? planner::FusionRule::kOff : planner::FusionRule::kCost;
   config.lossy_wire = *planner::ParseWireType(flags.lossy_wire);  // checked by OneOf
   config.lowrank_rank = static_cast<uint32_t>(flags.lowrank_rank);
+  config.allreduce_bucket_bytes = flags.allreduce_bucket_bytes;
+  if (flags.allreduce_by_cost) {
+    if (flags.allreduce_step < absl::ZeroDuration()) {
+      return Fail(absl::InvalidArgumentError("--allreduce_step must be >= 0"));
+    }
+    config.scheme_rule = planner::SchemeRule::kTime;
+    config.allreduce_step_seconds = absl::ToDoubleSeconds(flags.allreduce_step);
+  }
   for (absl::string_view entry : absl::StrSplit(flags.wire, ',', absl::SkipEmpty())) {
     const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(entry, '=');
     const std::optional<poseidon::v1::ElementType> wire = planner::ParseWireType(std::string(kv.second));

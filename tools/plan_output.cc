@@ -333,6 +333,12 @@ std::string FormatPlanTable(const poseidon::v1::ModelSpec& model, const PlannerC
   } else {
     absl::StrAppend(&out, "fusion   none\n");
   }
+  if (report.allreduce_buckets > 0) {
+    absl::StrAppend(&out, "ring     ", report.allreduce_fused_layers, " all-reduce layers in ",
+                    report.allreduce_buckets, " buckets of at most ",
+                    HumanBytes(config.allreduce_bucket_bytes),
+                    " (one collective each, as the agents fuse them)\n");
+  }
   return out;
 }
 
@@ -497,6 +503,12 @@ absl::StatusOr<std::string> FormatPlanJson(const poseidon::v1::ModelSpec& model,
   w.Unsigned(report.bucket_target_bytes);
   w.Key("fusion_by_model");
   w.Bool(report.fusion_by_model);
+  w.Key("allreduce_buckets");
+  w.Unsigned(report.allreduce_buckets);
+  w.Key("allreduce_fused_layers");
+  w.Unsigned(report.allreduce_fused_layers);
+  w.Key("allreduce_bucket_bytes");
+  w.Unsigned(config.allreduce_bucket_bytes);
   w.EndObject();
 
   w.Key("plan");

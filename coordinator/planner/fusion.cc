@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/shm_layout.h"
+
 namespace poseidon::planner {
 
 uint64_t FusionTargetBytes(const FusionOptions& options) {
@@ -110,6 +112,40 @@ FusionResult PlanFusion(const std::vector<FusionLayer>& layers, const FusionOpti
   }
   result.buckets = number;
   return result;
+}
+
+std::vector<uint32_t> RingBuckets(const std::vector<RingLayer>& layers, uint64_t cap_bytes) {
+  std::vector<uint32_t> bucket(layers.size(), 0);
+  if (cap_bytes == 0) return bucket;
+  uint32_t number = 0;
+  std::vector<size_t> run;
+  uint64_t offset = 0, run_start = 0, run_end = 0;
+  auto close = [&] {
+    if (run.size() >= 2) {
+      ++number;
+      for (size_t l : run) bucket[l] = number;
+    }
+    run.clear();
+  };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const RingLayer& layer = layers[i];
+    const uint64_t start = offset;
+    offset = PSD_SHM_ALIGN_UP(offset + layer.bytes) + layer.factor_bytes;
+    if (!layer.ring || layer.bytes >= cap_bytes) {
+      close();
+      continue;
+    }
+    if (!run.empty() && (start != PSD_SHM_ALIGN_UP(run_end) ||
+                         start + layer.bytes - run_start > cap_bytes ||
+                         layers[run.back()].wire != layer.wire)) {
+      close();
+    }
+    if (run.empty()) run_start = start;
+    run.push_back(i);
+    run_end = start + layer.bytes;
+  }
+  close();
+  return bucket;
 }
 
 }  // namespace poseidon::planner

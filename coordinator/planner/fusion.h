@@ -83,4 +83,24 @@ std::vector<LayerTiming> FusedTimings(const std::vector<FusionLayer>& layers,
                                       const std::vector<uint32_t>& bucket,
                                       const FusionOptions& options);
 
+// ---- The ring's buckets ----------------------------------------------------------------------
+// The agents fuse consecutive all-reduce layers into one collective (agent/layer_table.cc
+// FormRingGroups, DDP's bucket_cap_mb; the agents' --allreduce_bucket_bytes): runs of two or more
+// layers on the ring, each smaller than the cap, adjacent in the agent's data segment (an FC
+// layer with SFB factor buffers ends a run: they follow its gradient), on one wire, spanning at
+// most the cap, alignment padding included. RingBuckets finds the same runs, so that the planner
+// weighs the ring as the agents will run it (docs/planner.md, "All-reduce buckets").
+
+// One layer, in forward order, as the agents lay it out.
+struct RingLayer {
+  uint64_t bytes = 0;         // its gradient in the agent's buffers: elements × 4
+  uint64_t factor_bytes = 0;  // its SFB factor buffers after it (U, then V, each aligned); 0: none
+  bool ring = false;          // the plan puts it on all-reduce
+  uint32_t wire = 1;          // ElementType: members of one bucket share it
+};
+
+// Per layer: 0 when it is not in a bucket (alone on the ring, or not on it), else its bucket's
+// number (1, 2, … in forward order). `cap_bytes` 0: no buckets.
+std::vector<uint32_t> RingBuckets(const std::vector<RingLayer>& layers, uint64_t cap_bytes);
+
 }  // namespace poseidon::planner

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/lowrank_shape.h"
+#include "common/shm_layout.h"
 #include "common/status.h"
 #include "coordinator/planner/model_spec.h"
 #include "coordinator/planner/partition.h"
@@ -172,6 +173,189 @@ FusionOptions FusionOptionsFor(const PlannerConfig& config, bool compute_known) 
   return o;
 }
 
+// What the time rule weighed for one layer, for the ring's buckets (PlanRing).
+struct RingChoice {
+  bool has_ring = false;   // all-reduce is possible for it
+  bool candidate = false;  // the rule may move it onto or off the ring (no override decides)
+  poseidon::v1::SyncScheme other = poseidon::v1::SYNC_SCHEME_PS;  // the better of PS and SFB
+  double other_seconds = 0;
+  poseidon::v1::ElementType ps_wire = poseidon::v1::ELEMENT_TYPE_F32;
+  double ring_seconds = 0;  // its best all-reduce column alone (float32, 16-bit or low rank)
+  poseidon::v1::ElementType ring_wire = poseidon::v1::ELEMENT_TYPE_F32;
+  double ring_latency = 0;  // the step latencies within ring_seconds (two all-reduces at low rank)
+};
+
+// The agents' view of the layers with `on` on the ring (fusion.h RingLayer).
+std::vector<RingLayer> RingLayersOf(const std::vector<LayerReport>& layers,
+                                    const std::vector<RingChoice>& choices,
+                                    const std::vector<bool>& on, bool sfb_possible) {
+  std::vector<RingLayer> out(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerReport& layer = layers[i];
+    RingLayer& r = out[i];
+    r.bytes = layer.cost.parameters * sizeof(float);
+    r.ring = on[i];
+    r.wire = static_cast<uint32_t>(on[i] && layer.cost.lowrank == 0
+                                       ? choices[i].ring_wire
+                                       : poseidon::v1::ELEMENT_TYPE_F32);
+    // agent/layer_table.cc SfbCapable: where the agents can run SFB, an FC matrix whose factors
+    // are no larger than its gradient, or planned on SFB, gets factor buffers after its
+    // gradient. (A candidate off the ring is on its other scheme.)
+    const bool sfb = !on[i] && (choices[i].candidate
+                                    ? choices[i].other == poseidon::v1::SYNC_SCHEME_SFB
+                                    : layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB);
+    if (sfb_possible && layer.kind == poseidon::v1::LAYER_KIND_FC && layer.shape.size() == 2) {
+      const uint64_t m = layer.shape[0], n = layer.shape[1], k = layer.batch_per_worker;
+      if (sfb || k * (m + n) <= m * n) {
+        r.factor_bytes = PSD_SHM_ALIGN_UP(k * m * sizeof(float)) +
+                         PSD_SHM_ALIGN_UP(k * n * sizeof(float));
+      }
+    }
+  }
+  return out;
+}
+
+// The members of each bucket of `bucket` (RingBuckets), in forward order.
+std::vector<std::vector<size_t>> BucketMembers(const std::vector<uint32_t>& bucket) {
+  std::vector<std::vector<size_t>> members;
+  for (size_t i = 0; i < bucket.size(); ++i) {
+    if (bucket[i] == 0) continue;
+    if (members.size() < bucket[i]) members.resize(bucket[i]);
+    members[bucket[i] - 1].push_back(i);
+  }
+  return members;
+}
+
+// The time rule with the agents' all-reduce buckets (docs/planner.md, "All-reduce buckets"). A
+// bucket is one collective: its members share its 2·(P1−1) step latencies, which a layer alone
+// pays in full. Starting with every candidate on the ring, the agents' buckets are formed and,
+// until nothing changes:
+//   - a member whose bytes cost more on the ring than on its better other scheme leaves (the
+//     latencies it shares are paid anyway); a PS layer that fusion.h could fuse is charged its
+//     bytes' share of a B*-byte key's message there;
+//   - a bucket whose collective (the step latencies once and its members' bytes) is no faster
+//     than its members on their other schemes (PS keys fused: one message per B* bytes) breaks
+//     up: its members go back to the per-layer rule;
+//   - a layer alone keeps the per-layer rule;
+// and the buckets are formed again (a member leaving splits its bucket). Layers only leave the
+// ring, so this ends. Then every layer on the ring gets its bucket and its share of the
+// bucket's time.
+void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choices,
+              std::vector<LayerReport>& layers) {
+  const size_t L = layers.size();
+  const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
+  const double step = config.allreduce_step_seconds.value_or(0);
+  const double latency = AllreduceSeconds(SchemeVolume{}, config.workers, network, step);
+  std::vector<bool> on(L);
+  for (size_t i = 0; i < L; ++i) {
+    on[i] = layers[i].cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE;
+  }
+  const bool decide = config.scheme_rule == SchemeRule::kTime &&
+                      config.allreduce_step_seconds.has_value() &&
+                      config.allreduce_bucket_bytes > 0;
+  if (decide) {
+    for (size_t i = 0; i < L; ++i) {
+      if (choices[i].candidate) on[i] = true;
+    }
+    const FusionOptions fusion = FusionOptionsFor(config, /*compute_known=*/false);
+    const uint64_t target = config.fusion == FusionRule::kCost ? FusionTargetBytes(fusion) : 0;
+    const double ps_message = 2 * config.latency_seconds;  // PsSeconds' two legs
+    for (bool changed = true; changed;) {
+      changed = false;
+      const std::vector<uint32_t> bucket = RingBuckets(
+          RingLayersOf(layers, choices, on, config.sfb_possible), config.allreduce_bucket_bytes);
+      for (size_t i = 0; i < L; ++i) {  // alone on the ring: the per-layer rule
+        if (on[i] && bucket[i] == 0 && choices[i].candidate &&
+            !(choices[i].ring_seconds < choices[i].other_seconds)) {
+          on[i] = false;
+          changed = true;
+        }
+      }
+      // A PS layer's cost apart from the message it would share with fused neighbours.
+      auto fusable_ps = [&](size_t i) {
+        const uint64_t bytes = layers[i].cost.parameters * layers[i].cost.element_bytes;
+        return choices[i].other == poseidon::v1::SYNC_SCHEME_PS && layers[i].ps_chunks == 1 &&
+               bytes < target;
+      };
+      for (const std::vector<size_t>& members : BucketMembers(bucket)) {
+        bool left = false;
+        for (size_t i : members) {
+          const RingChoice& c = choices[i];
+          if (!c.candidate || c.ring_seconds < c.other_seconds) continue;
+          double other_marginal = c.other_seconds;
+          if (fusable_ps(i)) {
+            const double bytes =
+                static_cast<double>(layers[i].cost.parameters * layers[i].cost.element_bytes);
+            other_marginal -= ps_message * (1 - bytes / static_cast<double>(target));
+          }
+          if (c.ring_seconds - c.ring_latency >= other_marginal) {
+            on[i] = false;
+            left = changed = true;
+          }
+        }
+        if (left) continue;  // weighed again once the buckets are formed again
+        bool lowrank_any = false, lowrank_fixed = false, fixed = false;
+        double ring = 0, other = 0;
+        uint64_t fused_bytes = 0;
+        for (size_t i : members) {
+          const RingChoice& c = choices[i];
+          const bool lowrank = layers[i].cost.lowrank > 0;
+          lowrank_any = lowrank_any || lowrank;
+          if (!c.candidate) {
+            fixed = true;
+            lowrank_fixed = lowrank_fixed || lowrank;
+            continue;
+          }
+          ring += c.ring_seconds - c.ring_latency;
+          if (fusable_ps(i)) {
+            other += c.other_seconds - ps_message;  // its message is shared with others
+            fused_bytes += layers[i].cost.parameters * layers[i].cost.element_bytes;
+          } else {
+            other += c.other_seconds;
+          }
+        }
+        // The step latencies the candidates add to the collective (none where members the rule
+        // does not move pay them already).
+        ring += latency * ((lowrank_any ? 2 : 1) - (fixed ? (lowrank_fixed ? 2 : 1) : 0));
+        if (target > 0 && fused_bytes > 0) {
+          other += ps_message * std::ceil(static_cast<double>(fused_bytes) /
+                                          static_cast<double>(target));
+        }
+        if (ring < other) continue;
+        for (size_t i : members) {
+          const RingChoice& c = choices[i];
+          if (c.candidate && !(c.ring_seconds < c.other_seconds)) {
+            on[i] = false;
+            changed = true;
+          }
+        }
+      }
+    }
+    for (size_t i = 0; i < L; ++i) {
+      const RingChoice& c = choices[i];
+      if (!c.candidate) continue;
+      LayerCost& cost = layers[i].cost;
+      cost.scheme = on[i] ? poseidon::v1::SYNC_SCHEME_ALLREDUCE : c.other;
+      cost.wire = cost.scheme == poseidon::v1::SYNC_SCHEME_PS ? c.ps_wire
+                  : cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE && cost.lowrank == 0
+                      ? c.ring_wire
+                      : poseidon::v1::ELEMENT_TYPE_F32;
+      layers[i].seconds = on[i] ? c.ring_seconds : c.other_seconds;
+    }
+  }
+  const std::vector<uint32_t> bucket = RingBuckets(
+      RingLayersOf(layers, choices, on, config.sfb_possible), config.allreduce_bucket_bytes);
+  for (const std::vector<size_t>& members : BucketMembers(bucket)) {
+    bool lowrank = false;
+    for (size_t i : members) lowrank = lowrank || layers[i].cost.lowrank > 0;
+    const double share = latency * (lowrank ? 2 : 1) / static_cast<double>(members.size());
+    for (size_t i : members) {
+      layers[i].allreduce_bucket = bucket[i];
+      layers[i].seconds = choices[i].ring_seconds - choices[i].ring_latency + share;
+    }
+  }
+}
+
 // Fills totals.iteration and totals.speedup from per-layer compute and sync times; under the
 // plan with its buckets (`bucket`, empty for none).
 // `fused` is fusion's view of the layers (FusionLayers) when `bucket` is not empty.
@@ -184,6 +368,18 @@ void Predict(const std::vector<LayerReport>& layers, bool use_plan, uint32_t wor
   } else {
     timings.reserve(layers.size());
     for (const LayerReport& layer : layers) timings.push_back(TimingOf(layer, use_plan));
+  }
+  if (use_plan) {
+    // An all-reduce bucket is one collective, run when its lowest-index member is ready: its
+    // members' shares (their seconds) belong to that member.
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const uint32_t b = layers[i].allreduce_bucket;
+      if (b == 0 || (i > 0 && layers[i - 1].allreduce_bucket == b)) continue;
+      for (size_t j = i + 1; j < layers.size() && layers[j].allreduce_bucket == b; ++j) {
+        timings[i].sync_seconds += timings[j].sync_seconds;
+        timings[j].sync_seconds = 0;
+      }
+    }
   }
   totals.iteration = PredictIteration(timings);
   if (totals.iteration->iteration_seconds > 0) {
@@ -287,6 +483,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
   PlanResult result;
   PlanReport& report = result.report;
   std::vector<PartitionInput> partitioned;  // every layer, whatever its scheme
+  std::vector<RingChoice> choices;          // per layer, for the ring's buckets (PlanRing)
 
   for (int i = 0; i < model.layers_size(); ++i) {
     const LayerSpec& spec = model.layers(i);
@@ -340,6 +537,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     // with fewer elements than workers stays float32 (the agents' shards would be empty).
     poseidon::v1::ElementType allreduce_wire = poseidon::v1::ELEMENT_TYPE_F32;
     double allreduce_best = 0;
+    RingChoice choice;
     if (layer.cost.allreduce_bytes.has_value()) {
       const double step = config.allreduce_step_seconds.value_or(0);
       layer.allreduce_seconds =
@@ -381,11 +579,19 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       const double best_other = layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB
                                     ? *layer.sfb_seconds
                                     : ps_best;
+      choice.has_ring = true;
+      choice.other = layer.cost.scheme;
+      choice.other_seconds = best_other;
+      choice.ring_seconds = allreduce_best;
+      choice.ring_wire = allreduce_wire;
+      choice.ring_latency = AllreduceSeconds(SchemeVolume{}, config.workers, network, step) *
+                            (layer.cost.lowrank > 0 ? 2 : 1);
       if (config.scheme_rule == SchemeRule::kTime && config.allreduce_step_seconds.has_value() &&
           allreduce_best < best_other) {
         layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
       }
     }
+    choice.ps_wire = ps_wire;
     if (const auto forced = config.scheme_overrides.find(spec.name());
         forced != config.scheme_overrides.end()) {
       layer.cost.scheme = forced->second;  // checked above: PS, all-reduce, or SFB for FC
@@ -395,6 +601,8 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       layer.lowrank_overridden = true;
       if (layer.cost.lowrank > 0) layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
     }
+    choice.candidate = choice.has_ring && !layer.overridden && !layer.lowrank_overridden;
+    choices.push_back(choice);
     // Only a PS or all-reduce layer is on a lossy wire (an SFB layer stays exact).
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) layer.cost.wire = ps_wire;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) {
@@ -413,17 +621,25 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     layer.ps_chunks = ChunkCount(layer.cost.parameters, element_bytes, config.block_bytes);
     // Every layer is partitioned, so its chunks do not depend on the schemes (planner.h, 3.).
     partitioned.push_back(PartitionInput{layer.index, layer.cost.parameters, element_bytes});
+    report.layers.push_back(std::move(layer));
+  }
+
+  PlanRing(config, choices, report.layers);
+  for (const LayerReport& layer : report.layers) {
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) ++report.allreduce_layers;
     if (IsLossyWire(layer.cost.wire)) ++report.lossy_layers;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE && layer.cost.lowrank > 0) {
       ++report.lowrank_layers;
     }
+    if (layer.allreduce_bucket != 0) {
+      ++report.allreduce_fused_layers;
+      report.allreduce_buckets = std::max(report.allreduce_buckets, layer.allreduce_bucket);
+    }
     Accumulate(layer.cost, layer.cost.scheme, layer.cost.wire, layer.seconds, config.colocated,
                report.plan);
     Accumulate(layer.cost, poseidon::v1::SYNC_SCHEME_PS, poseidon::v1::ELEMENT_TYPE_F32,
                layer.ps_seconds, config.colocated, report.ps_only);
-    report.layers.push_back(std::move(layer));
   }
 
   ASSIGN_OR_RETURN(const std::vector<ChunkAssignment> chunks,

@@ -25,6 +25,11 @@
 //      faster of the two PS columns with SFB and with the faster of the two all-reduce columns.
 //      LayerPlan.wire_type; a world's first plan decides it for the world (the servers' tables
 //      are registered with it).
+//   2c. The ring's buckets (PlanRing in planner.cc, fusion.h RingBuckets): the agents fuse
+//      consecutive all-reduce layers into one collective of at most allreduce_bucket_bytes, so
+//      the time rule weighs the ring bucket by bucket (a bucket pays its step latencies once)
+//      against its members' other schemes, PS keys fused; every layer on the ring gets its
+//      bucket (LayerReport::allreduce_bucket) and its share of the bucket's time.
 //   6. Predicts the iteration time and the speed-up, for the plan (its buckets included) and for
 //      PS everywhere (no buckets).
 // LayerPlan.predicted_bytes_per_worker is the per-worker column of the chosen scheme (PS: 2·S,
@@ -54,6 +59,8 @@ inline constexpr uint32_t kMaxServers = 65536;
 inline constexpr uint32_t kMaxBatchPerWorker = 1u << 20;
 
 inline constexpr uint64_t kDefaultBlockBytes = uint64_t{4} << 20;
+// The agents' default --allreduce_bucket_bytes (DDP's bucket_cap_mb).
+inline constexpr uint64_t kDefaultAllreduceBucketBytes = uint64_t{25} << 20;
 
 // How an FC layer's scheme is chosen (every other kind always uses PS).
 enum class SchemeRule {
@@ -66,7 +73,8 @@ enum class SchemeRule {
   // a layer near the boundary from one scheme to the other (the coordinator re-plans then). Any
   // layer goes by ring all-reduce (PlannerConfig::allreduce, allreduce_step_seconds) when that
   // is strictly faster than the better of the other two (AllreduceSeconds: 2·(P1−1) steps, each
-  // the larger of the latency and the measured step).
+  // the larger of the latency and the measured step), weighed with the agents' all-reduce
+  // buckets where it shares one (2c. below).
   kTime,
 };
 
@@ -96,6 +104,15 @@ struct PlannerConfig {
   // only the network's latency): without one, only an operator's override puts a layer on it.
   bool allreduce = true;
   std::optional<double> allreduce_step_seconds;
+  // The agents' --allreduce_bucket_bytes (RegisterModelRequest.allreduce_bucket_bytes): they fuse
+  // consecutive all-reduce layers into one collective of at most this many bytes (fusion.h,
+  // RingBuckets); 0: one collective per layer. The time rule weighs the ring by the buckets the
+  // agents will form, and the prediction runs each bucket as one collective.
+  uint64_t allreduce_bucket_bytes = kDefaultAllreduceBucketBytes;
+  // The agents can run SFB (their --scheme is auto or sfb): FC layers get factor buffers after
+  // their gradients, which end an all-reduce bucket (RingBuckets). false: --scheme ps or
+  // allreduce.
+  bool sfb_possible = true;
   // Layer name -> scheme forced instead of the rule's choice (an operator's override).
   // SYNC_SCHEME_PS or SYNC_SCHEME_ALLREDUCE for any layer, SYNC_SCHEME_SFB only for FC layers;
   // an unknown name, SFB for a non-FC layer or any other value is an error naming the layer.
@@ -167,6 +184,10 @@ struct LayerReport {
   uint64_t ps_chunks = 0;   // chunks the layer has on PS (the same as chunks)
   bool overridden = false;  // the scheme came from PlannerConfig::scheme_overrides
   uint32_t bucket = 0;      // LayerPlan.bucket: 0 alone, else the bucket it is fused into
+  // On all-reduce: 0 alone, else the agents' all-reduce bucket it is in (fusion.h RingBuckets;
+  // 1, 2, … in forward order). A member's `seconds` is its share: its bytes' time plus the
+  // bucket's step latencies split evenly among the members.
+  uint32_t allreduce_bucket = 0;
 };
 
 // Totals over all layers when every layer uses the given schemes (bytes per iteration).
@@ -189,6 +210,8 @@ struct PlanReport {
   uint32_t allreduce_layers = 0;
   uint32_t lossy_layers = 0;  // PS and all-reduce layers on a 16-bit wire (LayerCost::wire)
   uint32_t lowrank_layers = 0;  // all-reduce layers at low rank (LayerCost::lowrank)
+  uint32_t allreduce_buckets = 0;  // the agents' all-reduce buckets (LayerReport::allreduce_bucket)
+  uint32_t allreduce_fused_layers = 0;  // all-reduce layers in them
   // Empty when every layer's compute time is known; else why not (names the first such layer).
   std::string compute_unknown_reason;
   // Bytes of the chunks placed on each server (every layer's, SFB layers' included: the

@@ -6,6 +6,7 @@
 #include <set>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/planner/model_spec.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -477,11 +478,23 @@ TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
   EXPECT_DOUBLE_EQ(*conv.allreduce_seconds,
                    14 * 50e-6 + 4.0 * (1 << 20) * 7 / 8 * 4 / (2 * config.bandwidth_bytes_per_second));
   EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
-  EXPECT_EQ(result->plan.layers(1).scheme(), poseidon::v1::SYNC_SCHEME_PS);
-  EXPECT_EQ(result->report.allreduce_layers, 1u);
+  EXPECT_EQ(result->report.allreduce_layers, 2u);
   EXPECT_FALSE(result->plan.layers(0).chunks().empty());  // the chunks it would use on PS
   EXPECT_EQ(result->plan.layers(0).predicted_bytes_per_worker(),
             static_cast<uint64_t>(4.0 * (1 << 20) * 7 / 8 * 4));
+
+  // With the agents' all-reduce buckets (the default 25 MiB) the bias shares the conv's
+  // collective, whose 14 legs it then costs nothing: the ring; one collective per layer
+  // (allreduce_bucket_bytes 0): the bias pays the ring's 14 legs for nothing: PS.
+  EXPECT_EQ(result->plan.layers(1).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(result->report.layers[1].allreduce_bucket, 1u);
+  PlannerConfig per_layer = config;
+  per_layer.allreduce_bucket_bytes = 0;
+  result = BuildPlan(ConvAndBias(), per_layer);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(result->plan.layers(1).scheme(), poseidon::v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(result->report.allreduce_buckets, 0u);
 
   // The bytes rule is the paper's (PS or SFB); all-reduce off; not measured; a measured step of
   // 3 ms (14 of them: 42 ms + 5.9 > 26.9 ms); colocated with P2 = P1 the ring moves PS's bytes
@@ -509,6 +522,97 @@ TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
   result = BuildPlan(ConvAndBias(), one);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_FALSE(result->report.layers[0].cost.allreduce_bytes.has_value());
+}
+
+// `count` conv layers of 10,000 parameters (40,000 bytes, a multiple of the agents' 64-byte
+// alignment) and, when `fc` is set, a 512 x 512 FC layer after them.
+ModelSpec SmallConvs(int count, bool fc) {
+  ModelSpec model;
+  model.set_name("small-convs");
+  for (int i = 0; i < count; ++i) {
+    auto* conv = model.add_layers();
+    conv->set_name(absl::StrCat("conv", i, ".weight"));
+    conv->set_kind(poseidon::v1::LAYER_KIND_CONV);
+    for (const uint64_t d : {10, 10, 10, 10}) conv->add_shape(d);
+  }
+  if (fc) {
+    auto* layer = model.add_layers();
+    layer->set_name("fc.weight");
+    layer->set_kind(poseidon::v1::LAYER_KIND_FC);
+    for (const uint64_t d : {512, 512}) layer->add_shape(d);
+  }
+  return model;
+}
+
+TEST(PlannerTest, SmallLayersGoByRingTogetherWhereTheirBucketPays) {
+  // RingCluster: alone, a 40,000-byte layer takes 2 legs + 256 us by PS (the server's interface
+  // carries 2·8·S) and 14 legs (700 us) + 56 us by ring: PS. The agents run 40 of them in one
+  // all-reduce bucket: one collective of 14 legs + 40 x 56 us = 2.94 ms, against 40 x 256 us
+  // plus one PS message per fused key (B* ~ 125 KB: 13 keys) = 11.5 ms: the ring.
+  const PlannerConfig config = RingCluster();
+  const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
+  absl::StatusOr<PlanResult> result = BuildPlan(SmallConvs(40, false), config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->report.allreduce_layers, 40u);
+  EXPECT_EQ(result->report.allreduce_buckets, 1u);
+  EXPECT_EQ(result->report.allreduce_fused_layers, 40u);
+  double seconds = 0;
+  SchemeVolume total;
+  for (const LayerReport& layer : result->report.layers) {
+    EXPECT_EQ(layer.cost.scheme, poseidon::v1::SYNC_SCHEME_ALLREDUCE) << layer.name;
+    EXPECT_EQ(layer.allreduce_bucket, 1u) << layer.name;
+    seconds += layer.seconds;
+    total.per_worker += layer.cost.allreduce_bytes->per_worker;
+  }
+  // The members' shares add up to the bucket's one collective.
+  EXPECT_NEAR(seconds, AllreduceSeconds(total, 8, network, 20e-6), 1e-12);
+  EXPECT_NEAR(result->report.plan.sync_seconds, seconds, 1e-12);
+
+  // Buckets of at most 400 KiB: four of ten layers (each 1.26 ms against 2.96 ms): the ring.
+  PlannerConfig smaller = config;
+  smaller.allreduce_bucket_bytes = 400 << 10;
+  result = BuildPlan(SmallConvs(40, false), smaller);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->report.allreduce_layers, 40u);
+  EXPECT_EQ(result->report.allreduce_buckets, 4u);
+  EXPECT_EQ(result->report.layers[9].allreduce_bucket, 1u);
+  EXPECT_EQ(result->report.layers[10].allreduce_bucket, 2u);
+
+  // One collective per layer (the agents' --allreduce_bucket_bytes=0), or a step of 1 ms
+  // (14 ms a collective: more than 11.5 ms): PS, no buckets.
+  PlannerConfig per_layer = config;
+  per_layer.allreduce_bucket_bytes = 0;
+  PlannerConfig slow = config;
+  slow.allreduce_step_seconds = 1e-3;
+  for (const PlannerConfig& c : {per_layer, slow}) {
+    result = BuildPlan(SmallConvs(40, false), c);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->report.allreduce_layers, 0u);
+    EXPECT_EQ(result->report.allreduce_buckets, 0u);
+  }
+
+  // Colocated with P2 = P1 a PS layer moves what the ring moves with 2 legs instead of 14 (and
+  // fuses too): PS.
+  PlannerConfig colocated = config;
+  colocated.servers = 8;
+  colocated.colocated = true;
+  result = BuildPlan(SmallConvs(40, false), colocated);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->report.allreduce_layers, 0u);
+}
+
+TEST(PlannerTest, AMemberWhoseBytesCostMoreOnTheRingLeavesItsBucket) {
+  // 20 small convs and a 512 x 512 FC layer (K = 1) last: the FC layer's bytes take 1.47 ms on
+  // the ring and its SFB factors 73 us, so it leaves the bucket although the bucket as a whole
+  // (21 members) beats their other schemes; the convs stay on the ring in one bucket. Its factor
+  // buffers follow its gradient, so it could only have been a bucket's last member.
+  absl::StatusOr<PlanResult> result = BuildPlan(SmallConvs(20, true), RingCluster());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.layers(20).scheme(), poseidon::v1::SYNC_SCHEME_SFB);
+  EXPECT_EQ(result->report.layers[20].allreduce_bucket, 0u);
+  EXPECT_EQ(result->report.allreduce_layers, 20u);
+  EXPECT_EQ(result->report.allreduce_buckets, 1u);
+  EXPECT_EQ(result->report.layers[19].allreduce_bucket, 1u);
 }
 
 // Fusion as the plan's decision (fusion.h): buckets of consecutive single-chunk PS layers, each
@@ -703,6 +807,9 @@ TEST(PlannerTest, WireOverridesPinALayerAndAreChecked) {
 // layer forced to SFB is refused.
 TEST(PlannerTest, AllReduceTakesALossyWireWhereAllowedAndWhereItPays) {
   PlannerConfig config = RingCluster();
+  // One collective per layer: the conv's predicted time is its column alone (the bias would
+  // share its bucket's steps otherwise: SmallLayersGoByRingTogetherWhereTheirBucketPays).
+  config.allreduce_bucket_bytes = 0;
   const absl::StatusOr<PlanResult> exact = BuildPlan(ConvAndBias(), config);
   ASSERT_TRUE(exact.ok()) << exact.status();
   EXPECT_FALSE(exact->report.layers[0].allreduce_lossy_seconds.has_value());
@@ -759,6 +866,9 @@ TEST(PlannerTest, AllReduceTakesALossyWireWhereAllowedAndWhereItPays) {
 // exact; a rank above 1024 is refused.
 TEST(PlannerTest, AllReduceGoesAtLowRankWhereAllowedAndWhereItPays) {
   PlannerConfig config = RingCluster();
+  // One collective per layer: the conv's predicted time is its column alone (the bias would
+  // share its bucket's steps otherwise: SmallLayersGoByRingTogetherWhereTheirBucketPays).
+  config.allreduce_bucket_bytes = 0;
   config.bandwidth_bytes_per_second = 1e9 / 8;
   const absl::StatusOr<PlanResult> exact = BuildPlan(ConvAndBias(), config);
   ASSERT_TRUE(exact.ok()) << exact.status();
@@ -817,6 +927,9 @@ TEST(PlannerTest, AllReduceGoesAtLowRankWhereAllowedAndWhereItPays) {
 // one worker, a scheme override to PS, a wire override, an unknown layer.
 TEST(PlannerTest, ALowRankOverrideForcesOrForbidsALayersRank) {
   PlannerConfig config = RingCluster();
+  // One collective per layer: the conv's predicted time is its column alone (the bias would
+  // share its bucket's steps otherwise: SmallLayersGoByRingTogetherWhereTheirBucketPays).
+  config.allreduce_bucket_bytes = 0;
   config.bandwidth_bytes_per_second = 10e9 / 8;
   config.lowrank_rank = 4;
   const std::string conv = ConvAndBias().layers(0).name();
