@@ -45,7 +45,8 @@ struct Layer {
   int bucket_unit = -1;
   double forward = 0, backward = 0;
   double rebuild = 0;        // SFB: seconds of the rebuild GEMM
-  double ring_seconds = 0;   // all-reduce
+  double ring_seconds = 0;   // all-reduce: the layer's collective, or its bucket's (first member)
+  uint32_t ring_last = 0;    // all-reduce: the last layer its collective completes (itself alone)
 };
 
 enum class EventType : uint8_t {
@@ -222,7 +223,9 @@ class Simulation {
           SfbDone(e.a, e.b, e.c);
           break;
         case EventType::kRingDone:
-          for (uint32_t w = 0; w < P1_; ++w) LayerSynced(w, e.b);
+          for (uint32_t l = e.b; l <= layers_[e.b].ring_last; ++l) {
+            for (uint32_t w = 0; w < P1_; ++w) LayerSynced(w, l);
+          }
           break;
         case EventType::kReplicated:
           if (--replicas_pending_[e.a] == 0) Answer(e.a, e.c);
@@ -726,6 +729,8 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
         absl::StrCat("shared_cpus must be at most ", kMaxSharedCpus, ", not ", options.shared_cpus));
   }
   planner::PlannerConfig forced = config;
+  // The agents' --scheme ps or allreduce gives FC layers no factor buffers.
+  forced.sfb_possible = options.scheme == AgentScheme::kAuto;
   for (const poseidon::v1::LayerSpec& layer : model.layers()) {
     if (options.scheme == AgentScheme::kAllreduce && config.workers > 1) {
       forced.scheme_overrides[layer.name()] = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
@@ -841,6 +846,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
       }
       case poseidon::v1::SYNC_SCHEME_ALLREDUCE: {
         layer.mode = LayerMode::kRing;
+        layer.ring_last = i;
         // A 16-bit wire (AR-16) moves half the ring's bytes.
         const planner::SchemeVolume v =
             planner::IsLossyWire(lp.wire_type()) && rep.cost.allreduce_lossy_bytes.has_value()
@@ -869,6 +875,29 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
         }
         break;
     }
+  }
+  // The agents' all-reduce buckets (the report's, fusion.h RingBuckets): one collective each,
+  // started when every worker posted its first (lowest-index, last ready) member, of its
+  // members' bytes and one set of step latencies (two where a member is at low rank).
+  const double ring_latency =
+      planner::AllreduceSeconds(planner::SchemeVolume{}, P1, network, options.alpha_seconds);
+  for (uint32_t i = 0; i < L;) {
+    const uint32_t b = reports[i].allreduce_bucket;
+    uint32_t end = i + 1;
+    while (b != 0 && end < L && reports[end].allreduce_bucket == b) ++end;
+    if (end - i >= 2) {
+      double bytes_seconds = 0;
+      bool lowrank = false;
+      for (uint32_t j = i; j < end; ++j) {
+        const bool at_low_rank = reports[j].cost.lowrank > 0;
+        lowrank = lowrank || at_low_rank;
+        bytes_seconds += layers[j].ring_seconds - ring_latency * (at_low_rank ? 2 : 1);
+        layers[j].trigger = j == i;
+      }
+      layers[i].ring_seconds = bytes_seconds + ring_latency * (lowrank ? 2 : 1);
+      layers[i].ring_last = end - 1;
+    }
+    i = end;
   }
   Simulation simulation(config, options, std::move(layers), std::move(units));
   return simulation.Run();

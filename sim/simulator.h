@@ -36,7 +36,9 @@
 //     parks when sent, returns when all peers' factors arrived; the rebuild (2·K·M·N·P1 FLOPs) runs
 //     at the GPU rate. Ring all-reduce: when every worker posted the layer, one collective at a
 //     time of time_model.h AllreduceSeconds with steps of max(latency, alpha); it does not share
-//     the links with PS and SFB traffic.
+//     the links with PS and SFB traffic. The agents' all-reduce buckets (the plan report's,
+//     PlannerConfig::allreduce_bucket_bytes) are one collective each, of the members' bytes and
+//     one set of steps, once every worker posted the first (lowest-index) member.
 //   - Servers. BSP: a key's pull answers for clock t leave (one message per worker, in the order
 //     the pushes arrived) once all P1 pushes of t are in; with replicas = k, once the key's
 //     bytes went to each of the next k servers (its backups) and their acknowledgements (one

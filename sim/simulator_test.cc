@@ -63,6 +63,34 @@ constexpr double kMs = 1e-3;
 constexpr double kEps = 1e-9;
 constexpr auto kOther = poseidon::v1::LAYER_KIND_OTHER;
 
+// The agents' all-reduce buckets: two workers, every layer on the ring, 1 GB/s, 1 ms a leg (a
+// collective: 2 ms of steps plus S·4 / 1 GB/s: layer a 4 ms, b 1 ms). One collective per layer
+// (allreduce_bucket_bytes 0): b's runs during a's backward. One bucket: a single collective of
+// 2 + 5 ms once a is posted. With a's backward of 10 ms b's collective was hidden, so the bucket
+// loses its overlap: period 3 + 10 + 6 + 3 = 22 ms per layer against 3 + 10 + 7 + 3 = 23 ms.
+// With a's backward of 1 ms, b's collective held a's back: 3 + (6 - 4 + 6) + 3 = 15 ms per
+// layer against 3 + 1 + 7 + 3 = 14 ms: the bucket pays its steps once.
+TEST(SimulatorTest, AnAllReduceBucketIsOneCollectiveOnceItsLastMemberIsReady) {
+  for (const double backward_a : {10.0, 1.0}) {
+    const auto model =
+        Model({{"a", kOther, {1000000}, 1, backward_a}, {"b", kOther, {250000}, 2, 3}});
+    planner::PlannerConfig config = Cluster(2, 2, true, 1e9);
+    config.latency_seconds = 1e-3;
+    SimOptions o = Options();
+    o.scheme = AgentScheme::kAllreduce;
+    double periods[2];
+    for (const uint64_t cap : {uint64_t{0}, uint64_t{25} << 20}) {
+      config.allreduce_bucket_bytes = cap;
+      absl::StatusOr<SimResult> r = Simulate(model, config, o);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->allreduce_layers, 2u);
+      periods[cap == 0 ? 0 : 1] = r->period_seconds;
+    }
+    EXPECT_THAT(periods[0], DoubleNear((backward_a == 10 ? 22 : 15) * kMs, kEps)) << backward_a;
+    EXPECT_THAT(periods[1], DoubleNear((backward_a == 10 ? 23 : 14) * kMs, kEps)) << backward_a;
+  }
+}
+
 // One worker, one server on its own host, one link each way at 1 GB/s. Layer 0: 4 MB (one chunk,
 // 4 ms a leg), layer 1: 1 MB (1 ms). Backward of layer 0 (10 ms) hides layer 1's push and pull
 // (2 ms); layer 0's push and pull (8 ms, store-and-forward at the server: the answer leaves once

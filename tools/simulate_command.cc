@@ -47,6 +47,7 @@ struct SimulateFlags {
   uint64_t credit_bytes = uint64_t{64} << 20;
   std::string fusion = "plan";
   uint64_t bucket_bytes = uint64_t{512} << 10;
+  uint64_t allreduce_bucket_bytes = planner::kDefaultAllreduceBucketBytes;
   uint32_t iterations = 20;
   std::string calibration;
   absl::Duration alpha = absl::ZeroDuration();
@@ -161,7 +162,10 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
       .Field("replicas", &SimulateFlags::replicas,
              "backups per PS key, as the agents' --replicas (default 1, capped at servers - 1; "
              "0: no replication)",
-             InRange(0u, 8u));
+             InRange(0u, 8u))
+      .ByteSizeField("allreduce_bucket_bytes", &SimulateFlags::allreduce_bucket_bytes,
+                     "the agents' --allreduce_bucket_bytes: consecutive all-reduce layers run as "
+                     "one collective of at most this size (25MiB; 0: one per layer)");
   return schema;
 }
 
@@ -344,6 +348,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   base.bandwidth_bytes_per_second = flags.bandwidth;
   base.latency_seconds = absl::ToDoubleSeconds(flags.latency);
   base.block_bytes = flags.block_size;
+  base.allreduce_bucket_bytes = flags.allreduce_bucket_bytes;
   base.lossy_wire = *planner::ParseWireType(flags.lossy_wire);  // checked by OneOf
   if (absl::AsciiStrToLower(flags.gpu) != "none") {
     absl::StatusOr<planner::GpuRate> gpu = planner::ParseGpuRate(flags.gpu);
@@ -444,6 +449,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.String(flags.lossy_wire);
     w.Key("bucket_bytes");
     w.Unsigned(flags.fusion == "bytes" ? flags.bucket_bytes : 0);
+    w.Key("allreduce_bucket_bytes");
+    w.Unsigned(flags.allreduce_bucket_bytes);
     w.Key("block_bytes");
     w.Unsigned(flags.block_size);
     w.Key("iterations");
