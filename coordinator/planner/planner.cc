@@ -238,10 +238,12 @@ std::vector<std::vector<size_t>> BucketMembers(const std::vector<uint32_t>& buck
 //     up: its members go back to the per-layer rule;
 //   - a layer alone keeps the per-layer rule;
 // and the buckets are formed again (a member leaving splits its bucket). Layers only leave the
-// ring, so this ends. Then every layer on the ring gets its bucket and its share of the
-// bucket's time.
+// ring, so this ends. Where every layer's compute is known, the iteration model then weighs the
+// overlap each bucket gives up (it is sent when its last member is ready): a bucket whose
+// members on the per-layer rule predict a shorter iteration breaks up, one at a time. Then
+// every layer on the ring gets its bucket and its share of the bucket's time.
 void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choices,
-              std::vector<LayerReport>& layers) {
+              bool compute_known, std::vector<LayerReport>& layers) {
   const size_t L = layers.size();
   const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
   const double step = config.allreduce_step_seconds.value_or(0);
@@ -253,6 +255,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
   const bool decide = config.scheme_rule == SchemeRule::kTime &&
                       config.allreduce_step_seconds.has_value() &&
                       config.allreduce_bucket_bytes > 0;
+  const std::vector<bool> per_layer = on;  // the per-layer rule's choice
   if (decide) {
     for (size_t i = 0; i < L; ++i) {
       if (choices[i].candidate) on[i] = true;
@@ -330,6 +333,75 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
           }
         }
       }
+    }
+    if (compute_known) {
+      // The overlap a bucket gives up: it is sent when its last member is ready. A bucket stays
+      // only if the iteration model (time_model.h) predicts no shorter an iteration with its
+      // members back on the per-layer rule.
+      // The plan's layers with `ring` on the ring and the rest on their other schemes, PS keys
+      // fused as `fusion` says, as the iteration model sees them.
+      auto iteration = [&](const std::vector<bool>& ring, const FusionOptions& fusion) {
+        const std::vector<uint32_t> bucket = RingBuckets(
+            RingLayersOf(layers, choices, ring, config.sfb_possible), config.allreduce_bucket_bytes);
+        std::vector<LayerReport> trial = layers;
+        for (size_t i = 0; i < L; ++i) {
+          const RingChoice& c = choices[i];
+          LayerReport& layer = trial[i];
+          layer.chunks = static_cast<uint32_t>(layer.ps_chunks);  // placed after this pass
+          if (ring[i]) {
+            layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
+            layer.seconds = bucket[i] == 0 ? c.ring_seconds : c.ring_seconds - c.ring_latency;
+          } else if (c.candidate) {
+            layer.cost.scheme = c.other;
+            layer.cost.wire = c.other == poseidon::v1::SYNC_SCHEME_PS ? c.ps_wire
+                                                                      : poseidon::v1::ELEMENT_TYPE_F32;
+            layer.seconds = c.other_seconds;
+          }
+        }
+        const std::vector<FusionLayer> fused =
+            FusionLayers(trial, config.fusion == FusionRule::kCost);
+        std::vector<LayerTiming> timings =
+            FusedTimings(fused, PlanFusion(fused, fusion).bucket, fusion);
+        for (const std::vector<size_t>& members : BucketMembers(bucket)) {
+          bool lowrank = false;
+          for (size_t i : members) lowrank = lowrank || layers[i].cost.lowrank > 0;
+          double total = latency * (lowrank ? 2 : 1);
+          for (size_t i : members) {
+            total += timings[i].sync_seconds;
+            timings[i].sync_seconds = 0;
+          }
+          timings[members.front()].sync_seconds = total;
+        }
+        return PredictIteration(timings).iteration_seconds;
+      };
+      // Fused by size while buckets are weighed (fusion.h without the iteration model, whose
+      // decision per layer would make this quadratic in the layers once more).
+      const FusionOptions by_size = FusionOptionsFor(config, /*compute_known=*/false);
+      for (bool changed = true; changed;) {
+        changed = false;
+        const double with = iteration(on, by_size);
+        for (const std::vector<size_t>& members : BucketMembers(RingBuckets(
+                 RingLayersOf(layers, choices, on, config.sfb_possible),
+                 config.allreduce_bucket_bytes))) {
+          std::vector<bool> without = on;
+          bool moved = false;
+          for (size_t i : members) {
+            if (choices[i].candidate && !(choices[i].ring_seconds < choices[i].other_seconds)) {
+              without[i] = false;
+              moved = true;
+            }
+          }
+          if (moved && iteration(without, by_size) < with * (1 - 1e-9)) {
+            on = std::move(without);
+            changed = true;
+            break;
+          }
+        }
+      }
+      // Last, the whole against the per-layer rule's choice (which the agents would bucket
+      // too), PS fused as the plan will be: the buckets' plan only where it predicts shorter.
+      const FusionOptions planned = FusionOptionsFor(config, /*compute_known=*/true);
+      if (!(iteration(on, planned) < iteration(per_layer, planned) * (1 - 1e-9))) on = per_layer;
     }
     for (size_t i = 0; i < L; ++i) {
       const RingChoice& c = choices[i];
@@ -624,7 +696,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     report.layers.push_back(std::move(layer));
   }
 
-  PlanRing(config, choices, report.layers);
+  PlanRing(config, choices, report.compute_unknown_reason.empty(), report.layers);
   for (const LayerReport& layer : report.layers) {
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_SFB) ++report.sfb_layers;
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE) ++report.allreduce_layers;

@@ -525,8 +525,9 @@ TEST(PlannerTest, TheTimeRuleTakesAllReduceWhereItIsFaster) {
 }
 
 // `count` conv layers of 10,000 parameters (40,000 bytes, a multiple of the agents' 64-byte
-// alignment) and, when `fc` is set, a 512 x 512 FC layer after them.
-ModelSpec SmallConvs(int count, bool fc) {
+// alignment) and, when `fc` is set, a 512 x 512 FC layer after them; each conv's forward and
+// backward take `compute_ns` when it is not 0.
+ModelSpec SmallConvs(int count, bool fc, uint64_t compute_ns = 0) {
   ModelSpec model;
   model.set_name("small-convs");
   for (int i = 0; i < count; ++i) {
@@ -534,6 +535,10 @@ ModelSpec SmallConvs(int count, bool fc) {
     conv->set_name(absl::StrCat("conv", i, ".weight"));
     conv->set_kind(poseidon::v1::LAYER_KIND_CONV);
     for (const uint64_t d : {10, 10, 10, 10}) conv->add_shape(d);
+    if (compute_ns != 0) {
+      conv->set_forward_time_ns(compute_ns);
+      conv->set_backward_time_ns(compute_ns);
+    }
   }
   if (fc) {
     auto* layer = model.add_layers();
@@ -599,6 +604,26 @@ TEST(PlannerTest, SmallLayersGoByRingTogetherWhereTheirBucketPays) {
   result = BuildPlan(SmallConvs(40, false), colocated);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->report.allreduce_layers, 0u);
+}
+
+TEST(PlannerTest, ABucketGivesWayWhereTheOverlapItLosesCostsMore) {
+  // The 40 convs with 1 ms of backward each: alone on PS each layer's 356 us is hidden behind
+  // the next layer's backward, and only layer 0's shows; one bucket is sent when layer 0 is
+  // ready, and its 2.94 ms all show. The iteration model sees it: PS, no bucket. With 1 us of
+  // compute nothing hides anything, and the bucket's one collective beats 40 PS syncs: the ring.
+  absl::StatusOr<PlanResult> result = BuildPlan(SmallConvs(40, false, 1000000), RingCluster());
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_TRUE(result->report.compute_unknown_reason.empty());
+  EXPECT_EQ(result->report.allreduce_layers, 0u);
+  EXPECT_EQ(result->report.allreduce_buckets, 0u);
+  result = BuildPlan(SmallConvs(40, false, 1000), RingCluster());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->report.allreduce_layers, 40u);
+  EXPECT_EQ(result->report.allreduce_buckets, 1u);
+  // The plan's prediction includes the bucket, and is no worse than PS everywhere.
+  ASSERT_TRUE(result->report.plan.iteration.has_value());
+  EXPECT_LT(result->report.plan.iteration->iteration_seconds,
+            result->report.ps_only.iteration->iteration_seconds);
 }
 
 TEST(PlannerTest, AMemberWhoseBytesCostMoreOnTheRingLeavesItsBucket) {
