@@ -24,7 +24,9 @@ where the job allows bfloat16 and each layer's wire is the plan's: --plan_lossy_
 data-plane connection: data_tls, one throwaway certificate), ps (--scheme ps),
 no-wfbp (synth --wfbp=false), no-priority
 (agents synchronise layers in the order they become ready: --priority=false), sep-servers
-(servers on N hosts of their own; --sep_models), ddp (PyTorch DDP with gloo, ddp_worker.py),
+(servers on N hosts of their own, or --sep_servers; --sep_models), coord-auto (the
+coordinator's plan, the ring weighed by cost: --allreduce_by_cost) and coord-auto-sep (the same
+with servers on hosts of their own, --sep_servers of them), ddp (PyTorch DDP with gloo, ddp_worker.py),
 allreduce and allreduce-bf16 (every layer by all-reduce through a coordinator, float32 or
 bfloat16), allreduce-lowrank (the same, every matrix it shrinks as rank-4 factors: PowerSGD,
 --lowrank_rank=4 --lowrank_warmup=1: the first, unmeasured iteration exact), ddp-fp16 (DDP with its fp16 compression hook). DDP's PowerSGD hook cannot
@@ -38,7 +40,6 @@ import argparse
 import atexit
 import datetime
 import json
-import math
 import os
 import re
 import shlex
@@ -82,6 +83,9 @@ MODES = {
     # weighed by the agents' measured step: --allreduce_by_cost), on the nominal network (no
     # start-up probes: the plan does not depend on this host's load).
     "coord-auto": ("auto", True, False, True),
+    # The same with the servers on hosts of their own (--sep_servers of them: P2 < P1 is where
+    # PS's busiest interface is a server's and the ring can win).
+    "coord-auto-sep": ("auto", True, True, True),
     "ddp": (None, True, False, False),  # PyTorch DDP, gloo: bench/cluster/ddp_worker.py
     # DDP with its fp16 compression hook (fp16_compress_hook: gloo has no bfloat16 all-reduce,
     # so DDP's bf16 hook cannot run on it).
@@ -169,10 +173,10 @@ def is_fc(l):
     return l.get("kind") == "LAYER_KIND_FC" and len(l["shape"]) == 2
 
 
-def comm_bound_seconds(spec, batch, n, rate_bps, colocated=True):
+def comm_bound_seconds(spec, batch, n, rate_bps, colocated=True, servers=None):
     """Per-iteration communication time of the best plan (HybComm cost model, DESIGN.md) on
     full-duplex links of rate_bps: the busiest direction of the busiest NIC carries half of the
-    sent+received bytes per machine."""
+    sent+received bytes per machine. Not colocated: `servers` hosts of their own (default n)."""
     if n <= 1:
         return 0.0
     total = 0.0
@@ -182,7 +186,8 @@ def comm_bound_seconds(spec, batch, n, rate_bps, colocated=True):
         if colocated:
             ps = 2 * mn * (n + n - 2) / n
         else:
-            ps = 2 * mn  # per worker; a server host moves 2*P1*MN/P2 = 2*MN too (P1 = P2)
+            # per worker 2*MN; a server host moves 2*P1*MN/P2 (2*MN when P2 = P1)
+            ps = 2 * mn * max(1, n / (servers or n))
         best = ps
         if is_fc(l):
             m_, n_ = l["shape"]
@@ -433,7 +438,8 @@ def start_coordinator(cluster, build, subnet, logdir, env, flags, log_level="war
 def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, rate_bps, subnet,
             logroot):
     scheme, wfbp, separate, coordinated = MODES[mode]
-    hosts = 2 * n if separate else n
+    k = args.sep_servers or n  # servers on hosts of their own
+    hosts = n + k if separate else n
     cluster = Cluster(hosts, rate_bps, subnet, args.slow_start_after_idle)
     LIVE.append(cluster)
     logdir = os.path.join(logroot, f"{spec_scaled['name']}-{mode}-n{n}")
@@ -445,7 +451,7 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
         if scheme is None:
             return run_ddp(args, cluster, spec_path, n, compute_scale, batch_scaled, logdir,
                            hook="fp16" if mode == "ddp-fp16" else "none")
-        server_hosts = list(range(n, 2 * n)) if separate else list(range(n))
+        server_hosts = list(range(n, n + k)) if separate else list(range(n))
         tls = tls_flags(logdir) if mode == "tls" else []
         env, joined = None, []
         if coordinated:
@@ -455,7 +461,8 @@ def run_one(args, spec_path, spec_scaled, n, mode, compute_scale, batch_scaled, 
                 [f"--bandwidth={int(rate_bps)}bit", f"--colocated={'false' if separate else 'true'}",
                  f"--block_size={args.agent_sizes['block_bytes']}",
                  f"--min_servers={len(server_hosts)}",
-                 *(["--allreduce_by_cost"] if mode == "coord-auto" else [])])
+                 *(["--allreduce_by_cost"] if mode.startswith("coord-auto") else [])],
+                log_level="info" if args.keep_logs else "warn")
             joined = [f"--coordinator={address}"]
         servers = []
         for j, h in enumerate(server_hosts):
@@ -726,6 +733,11 @@ def main():
     ap.add_argument("--modes", default="poseidon,ps,no-wfbp,ddp")
     ap.add_argument("--sep_models", default="vgg19-22k",
                     help="models also run with servers on separate hosts (mode sep-servers)")
+    ap.add_argument("--keep_logs", action="store_true",
+                    help="keep every run's logs (daemons, workers), not only failed runs'")
+    ap.add_argument("--sep_servers", type=int, default=0,
+                    help="modes with servers on hosts of their own (sep-servers, coord-auto-sep): "
+                         "this many server hosts (0: as many as workers)")
     ap.add_argument("--scale", type=int, default=8, help="s: dimensions and K / s, bandwidth / s^2")
     ap.add_argument("--bandwidth", default="10Gbit", help="the unscaled cluster's link rate")
     ap.add_argument("--batch", type=int, default=32, help="the unscaled per-worker batch K")
@@ -856,12 +868,13 @@ def main():
                 bar.set_postfix_str(f"{model} {mode} N={n}")
             colocated = not MODES[mode][2]
             compute = compute_seconds(spec, args.batch, gpu_rate)
-            comm = comm_bound_seconds(spec, args.batch, n, rate_unscaled, colocated)
+            comm = comm_bound_seconds(spec, args.batch, n, rate_unscaled, colocated,
+                                      args.sep_servers or None)
             row = {"model": model, "mode": mode, "n": n, "scale": s, "compute_scale": cs,
                    "compute_seconds": compute, "comm_bound_seconds": comm,
                    "bound_seconds": max(compute, comm),
                    "comm_bound_seconds_scaled_check": comm_bound_seconds(
-                       scaled, batch_scaled, n, rate, colocated)}
+                       scaled, batch_scaled, n, rate, colocated, args.sep_servers or None)}
             try:
                 r = run_one(args, path, scaled, n, mode, cs, batch_scaled, rate, subnet, logroot)
                 row.update(r)
@@ -910,8 +923,10 @@ def main():
     png = plot(results, os.path.join(out, "speedup.png"))
     print(f"results in {out} (results.md, results.json{', speedup.png' if png else ''})",
           flush=True)
-    shutil.rmtree(logroot, ignore_errors=True) if not any(r.get("error") for r in results) else \
-        log(f"logs of the failed runs kept in {logroot}")
+    if args.keep_logs or any(r.get("error") for r in results):
+        log(f"logs of the runs kept in {logroot}")
+    else:
+        shutil.rmtree(logroot, ignore_errors=True)
     return 1 if any(r.get("error") for r in results) else 0
 
 
