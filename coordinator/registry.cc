@@ -789,6 +789,21 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.membership_epoch = membership_epoch_;
   config.server_node_ids = job.world_servers;
   config.scheme_overrides = overrides;
+  // A re-plan of the same world: the agents formed their all-reduce buckets from its first plan
+  // (they form them only then), so the planner plans with those (plan.proto, allreduce_bucket).
+  if (job.plan.has_value() && job.plan->layers_size() == job.model->spec.layers_size() &&
+      job.plan->servers_size() == static_cast<int>(job.world_servers.size())) {
+    bool same_world = true;
+    for (int i = 0; same_world && i < job.plan->servers_size(); ++i) {
+      same_world = job.plan->servers(i).node_id() == job.world_servers[static_cast<size_t>(i)];
+    }
+    // All zeros too: then every layer the ring takes runs its own collective.
+    if (same_world) {
+      for (const v1::LayerPlan& layer : job.plan->layers()) {
+        config.fixed_allreduce_buckets.push_back(layer.allreduce_bucket());
+      }
+    }
+  }
   ASSIGN_OR_RETURN(planner::PlanResult result, planner::BuildPlan(job.model->spec, config));
   const std::vector<v1::PlanServer> servers = PlanServers(job);
   for (size_t i = 0; i < servers.size(); ++i) {
@@ -823,6 +838,8 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
         layer->set_wire_type(previous.wire_type());
         // And the low rank (the agents' compressors were set up from the first plan).
         layer->set_lowrank_rank(previous.lowrank_rank());
+        // And the all-reduce buckets (the planner kept them: fixed_allreduce_buckets).
+        layer->set_allreduce_bucket(previous.allreduce_bucket());
       }
       result.plan.set_bucket_bytes(job.plan->bucket_bytes());
       if (moved) {

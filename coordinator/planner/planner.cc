@@ -252,9 +252,12 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
   for (size_t i = 0; i < L; ++i) {
     on[i] = layers[i].cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE;
   }
+  // A re-plan of a running world keeps the buckets of its first plan (fixed_allreduce_buckets):
+  // no bucket forms or grows, so a layer moved onto the ring runs alone (the per-layer rule).
+  const bool fixed = !config.fixed_allreduce_buckets.empty();
   const bool decide = config.scheme_rule == SchemeRule::kTime &&
                       config.allreduce_step_seconds.has_value() &&
-                      config.allreduce_bucket_bytes > 0;
+                      config.allreduce_bucket_bytes > 0 && !fixed;
   const std::vector<bool> per_layer = on;  // the per-layer rule's choice
   if (decide) {
     for (size_t i = 0; i < L; ++i) {
@@ -297,7 +300,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
           }
         }
         if (left) continue;  // weighed again once the buckets are formed again
-        bool lowrank_any = false, lowrank_fixed = false, fixed = false;
+        bool lowrank_any = false, lowrank_fixed = false, fixed_member = false;
         double ring = 0, other = 0;
         uint64_t fused_bytes = 0;
         for (size_t i : members) {
@@ -305,7 +308,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
           const bool lowrank = layers[i].cost.lowrank > 0;
           lowrank_any = lowrank_any || lowrank;
           if (!c.candidate) {
-            fixed = true;
+            fixed_member = true;
             lowrank_fixed = lowrank_fixed || lowrank;
             continue;
           }
@@ -319,7 +322,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
         }
         // The step latencies the candidates add to the collective (none where members the rule
         // does not move pay them already).
-        ring += latency * ((lowrank_any ? 2 : 1) - (fixed ? (lowrank_fixed ? 2 : 1) : 0));
+        ring += latency * ((lowrank_any ? 2 : 1) - (fixed_member ? (lowrank_fixed ? 2 : 1) : 0));
         if (target > 0 && fused_bytes > 0) {
           other += ps_message * std::ceil(static_cast<double>(fused_bytes) /
                                           static_cast<double>(target));
@@ -415,9 +418,12 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
       layers[i].seconds = on[i] ? c.ring_seconds : c.other_seconds;
     }
   }
-  const std::vector<uint32_t> bucket = RingBuckets(
-      RingLayersOf(layers, choices, on, config.sfb_possible), config.allreduce_bucket_bytes);
+  const std::vector<uint32_t> bucket =
+      fixed ? config.fixed_allreduce_buckets
+            : RingBuckets(RingLayersOf(layers, choices, on, config.sfb_possible),
+                          config.allreduce_bucket_bytes);
   for (const std::vector<size_t>& members : BucketMembers(bucket)) {
+    if (members.empty()) continue;  // a fixed bucket's number without members
     bool lowrank = false;
     for (size_t i : members) lowrank = lowrank || layers[i].cost.lowrank > 0;
     const double share = latency * (lowrank ? 2 : 1) / static_cast<double>(members.size());
@@ -550,6 +556,12 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     }
   }
 
+  const std::vector<uint32_t>& fixed = config.fixed_allreduce_buckets;
+  if (!fixed.empty() && fixed.size() != static_cast<size_t>(model.layers_size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fixed_allreduce_buckets has ", fixed.size(), " entries for ",
+                     model.layers_size(), " layers"));
+  }
   const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
   const GpuRate* gpu = config.gpu.has_value() ? &*config.gpu : nullptr;
   PlanResult result;
@@ -673,7 +685,20 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       layer.lowrank_overridden = true;
       if (layer.cost.lowrank > 0) layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
     }
-    choice.candidate = choice.has_ring && !layer.overridden && !layer.lowrank_overridden;
+    // A member of an all-reduce bucket the agents formed from the world's first plan stays on
+    // the ring (they refuse to move it).
+    if (!fixed.empty() && fixed[i] != 0) {
+      if (!choice.has_ring || (layer.overridden &&
+                               layer.cost.scheme != poseidon::v1::SYNC_SCHEME_ALLREDUCE)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "layer ", i, " '", spec.name(), "' is in all-reduce bucket ", fixed[i],
+            ", which the agents formed from the world's first plan: it stays on all-reduce",
+            choice.has_ring ? "" : " (which this plan cannot use)"));
+      }
+      layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
+    }
+    choice.candidate = choice.has_ring && !layer.overridden && !layer.lowrank_overridden &&
+                       (fixed.empty() || fixed[i] == 0);
     choices.push_back(choice);
     // Only a PS or all-reduce layer is on a lossy wire (an SFB layer stays exact).
     if (layer.cost.scheme == poseidon::v1::SYNC_SCHEME_PS) layer.cost.wire = ps_wire;
@@ -738,6 +763,7 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
     out->set_predicted_bytes_per_worker(ToBytes(volume.per_worker));
     if (IsLossyWire(layer.cost.wire)) out->set_wire_type(layer.cost.wire);
     out->set_lowrank_rank(layer.cost.lowrank);
+    out->set_allreduce_bucket(layer.allreduce_bucket);
     out->set_predicted_seconds(layer.seconds);
   }
   // Chunks come grouped by layer in layer order, in offset order within a layer.

@@ -109,6 +109,12 @@ struct PlannerConfig {
   // RingBuckets); 0: one collective per layer. The time rule weighs the ring by the buckets the
   // agents will form, and the prediction runs each bucket as one collective.
   uint64_t allreduce_bucket_bytes = kDefaultAllreduceBucketBytes;
+  // A re-plan of a running world: per layer, the all-reduce bucket the agents formed from the
+  // world's first plan (LayerPlan.allreduce_bucket; they form buckets only then). Its members
+  // stay on all-reduce (the agents refuse to move a member) and run in those buckets; a layer
+  // outside them that goes by ring runs alone. Empty: the buckets are formed from this plan. A
+  // size other than the model's layers, or a member that cannot go by ring, is an error.
+  std::vector<uint32_t> fixed_allreduce_buckets;
   // The agents can run SFB (their --scheme is auto or sfb): FC layers get factor buffers after
   // their gradients, which end an all-reduce bucket (RingBuckets). false: --scheme ps or
   // allreduce.

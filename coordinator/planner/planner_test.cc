@@ -626,6 +626,44 @@ TEST(PlannerTest, ABucketGivesWayWhereTheOverlapItLosesCostsMore) {
             result->report.ps_only.iteration->iteration_seconds);
 }
 
+// A re-plan of a running world: the agents formed their all-reduce buckets from its first plan
+// (and form none later), so the planner keeps them and their members on the ring, and forms
+// none: a layer moved onto the ring runs alone.
+TEST(PlannerTest, ARePlanKeepsTheFirstPlansAllReduceBuckets) {
+  PlannerConfig config = RingCluster();
+  config.fixed_allreduce_buckets = {1, 1};
+  absl::StatusOr<PlanResult> result = BuildPlan(ConvAndBias(), config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(result->plan.layers(l).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE) << l;
+    EXPECT_EQ(result->plan.layers(l).allreduce_bucket(), 1u) << l;
+  }
+  // The first plan had no bucket: the bias alone pays the ring's 14 legs for nothing.
+  config.fixed_allreduce_buckets = {0, 0};
+  result = BuildPlan(ConvAndBias(), config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.layers(0).scheme(), poseidon::v1::SYNC_SCHEME_ALLREDUCE);
+  EXPECT_EQ(result->plan.layers(1).scheme(), poseidon::v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(result->report.allreduce_buckets, 0u);
+  // A bucket's member cannot be moved off the ring (the agents would refuse the plan), nor can
+  // the ring be off for it; the list must cover the model.
+  config.fixed_allreduce_buckets = {1, 1};
+  config.scheme_overrides = {{"conv.bias", poseidon::v1::SYNC_SCHEME_PS}};
+  result = BuildPlan(ConvAndBias(), config);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(result.status().message().find("layer 1 'conv.bias' is in all-reduce bucket 1"),
+            std::string::npos)
+      << result.status();
+  config.scheme_overrides.clear();
+  config.allreduce = false;
+  EXPECT_EQ(BuildPlan(ConvAndBias(), config).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  config.allreduce = true;
+  config.fixed_allreduce_buckets = {1};
+  EXPECT_EQ(BuildPlan(ConvAndBias(), config).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(PlannerTest, AMemberWhoseBytesCostMoreOnTheRingLeavesItsBucket) {
   // 20 small convs and a 512 x 512 FC layer (K = 1) last: the FC layer's bytes take 1.47 ms on
   // the ring and its SFB factors 73 us, so it leaves the bucket although the bucket as a whole
