@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "agent/connect_fallback.h"
 #include "agent/device_stager.h"
+#include "agent/gloo_ring.h"
 #include "agent/gloo_store.h"
 #include "agent/layer_table.h"
 #include "agent/scheduler.h"
@@ -212,6 +213,9 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::string own_host_;  // the host part of our listen address (empty: none)
   uint64_t membership_epoch_ = 0;  // the world's (from the rendezvous)
   std::unique_ptr<CoordinatorStore> rendezvous_;  // Gloo's, for all-reduce (null: none)
+  // The Gloo ring, connected before the model's registration (its step goes with it; the
+  // all-reduce syncer takes it over).
+  std::optional<GlooRing> ring_;
   std::unique_ptr<ShmEndpoint> shm_;
   // The GPU path, once the training process has attached its CUDA arena. Owned here (main
   // thread); the syncers read the pointer (set once, before any layer is posted on the device;
@@ -859,9 +863,20 @@ absl::Status Agent::Register() {
     // them registered the same model (or names the first layer that differs).
     v1::UpdateRuleSpec rule;
     rule.set_rule(v1::UPDATE_RULE_SUM);
+    // Where the ring can run, every rank connects it first and measures its step, which goes
+    // with the model: the coordinator's first plan can then weigh the ring (--allreduce_by_cost),
+    // and that plan decides the all-reduce buckets for the world (docs/planner.md).
+    if (AllreducePossible()) {
+      // Keys of this world only (a later world of the job rendezvouses afresh).
+      rendezvous_ = std::make_unique<CoordinatorStore>(
+          coord_.get(), absl::StrCat("gloo/", membership_epoch_, "/"), config_.connect_timeout);
+      ASSIGN_OR_RETURN(ring_, ConnectGlooRing(*rendezvous_, config_.rank, config_.world_size,
+                                              own_host_, config_.sync_timeout));
+    }
     ASSIGN_OR_RETURN(plan, coord_->RegisterModel(model, rule, {}, config_.attach_timeout,
                                                  AllreducePossible(),
-                                                 config_.allreduce_bucket_bytes));
+                                                 config_.allreduce_bucket_bytes,
+                                                 ring_ ? ring_->step : absl::ZeroDuration()));
     config_.servers.clear();
     server_rdma_.clear();
     server_tcp_fallback_.clear();
@@ -971,10 +986,13 @@ absl::Status Agent::Register() {
   env_.wire_guard.check_every = config_.wire_check_every;
   env_.wire_guard.max_error = config_.wire_max_error;
   if (to.allreduce_possible) {
-    // Keys of this world only (a later world of the job rendezvouses afresh).
-    rendezvous_ = std::make_unique<CoordinatorStore>(
-        coord_.get(), absl::StrCat("gloo/", membership_epoch_, "/"), config_.connect_timeout);
+    if (rendezvous_ == nullptr) {
+      // Keys of this world only (a later world of the job rendezvouses afresh).
+      rendezvous_ = std::make_unique<CoordinatorStore>(
+          coord_.get(), absl::StrCat("gloo/", membership_epoch_, "/"), config_.connect_timeout);
+    }
     env_.rendezvous = rendezvous_.get();
+    env_.ring = ring_ ? &*ring_ : nullptr;
   }
   env_.own_host = own_host_;
   env_.finished = [this](uint32_t layer, uint64_t iteration, int part, const absl::Status& s) {

@@ -51,6 +51,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "agent/gloo_ring.h"
 #include "agent/lowrank.h"
 #include "agent/syncer.h"
 #include "agent/telemetry_reporter.h"
@@ -72,9 +73,6 @@ std::chrono::milliseconds Millis(absl::Duration d) {
   return std::chrono::milliseconds(std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
 }
 
-// The step probes at connection (Ready) and their tag, above every layer's.
-constexpr int kStepProbes = 15;
-constexpr uint32_t kProbeTag = 0xffffffffu;
 // A lossy layer's collectives after its alltoallv (whose tag is the layer's): the allgatherv and
 // the guard's vote, each in a tag space of its own.
 constexpr uint32_t kGatherTagBase = 1u << 29;
@@ -160,46 +158,23 @@ class AllreduceSyncer final : public Syncer {
     for (const LayerSpec& l : env_.table->layers) any |= l.allreduce_capable;
     if (!any || env_.rendezvous == nullptr || env_.config->world_size < 2) return absl::OkStatus();
     const uint32_t rank = env_.config->rank, world = env_.config->world_size;
-    std::string host = env_.own_host.empty() ? "127.0.0.1" : env_.own_host;
-    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-    try {
-      gloo::transport::tcp::attr attr;
-      attr.hostname = host;
-      device_ = gloo::transport::tcp::CreateDevice(attr);
-      auto context = std::make_shared<gloo::rendezvous::Context>(static_cast<int>(rank),
-                                                                 static_cast<int>(world));
-      context->setTimeout(Millis(env_.config->sync_timeout));
-      context->connectFullMesh(*env_.rendezvous, device_);
-      context_ = std::move(context);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("all-reduce: connecting the Gloo ring of ", world, " ranks on ", host,
-                       " (rendezvous through the coordinator): ", e.what()));
+    // The ring the agent connected before registering its model (its step went to the
+    // coordinator with it), or one connected now; either way its step measured.
+    GlooRing ring;
+    if (env_.ring != nullptr && env_.ring->context != nullptr) {
+      ring = *env_.ring;
+    } else {
+      ASSIGN_OR_RETURN(ring, ConnectGlooRing(*env_.rendezvous, rank, world, env_.own_host,
+                                             env_.config->sync_timeout));
     }
-    // The cost of one ring step, for the planner: the median of a few 1-element all-reduces
-    // (every rank runs them at once, here) over their 2 (P - 1) steps. It holds Gloo's and the
-    // threads' per-message overhead, which the network's round trip does not.
-    std::vector<double> seconds;
-    for (int i = 0; i < kStepProbes; ++i) {
-      float one = 1;
-      const absl::Time start = absl::Now();
-      if (const absl::Status s = Sum(&one, 1, kProbeTag); !s.ok()) {
-        return Annotate(s, absl::StrCat("all-reduce: measuring the Gloo ring of ", world,
-                                        " ranks"));
-      }
-      if (one != static_cast<float>(world)) {
-        return absl::InternalError(absl::StrCat("all-reduce: the ring's probe summed to ", one,
-                                                ", not ", world));
-      }
-      seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
-    }
-    std::nth_element(seconds.begin(), seconds.begin() + kStepProbes / 2, seconds.end());
+    device_ = std::move(ring.device);
+    context_ = std::move(ring.context);
     if (const absl::Status s = PrepareLossy(); !s.ok()) return s;
     PrepareLowRank();
-    const absl::Duration step = absl::Seconds(seconds[kStepProbes / 2] / (2.0 * (world - 1)));
-    if (env_.telemetry) env_.telemetry->SetAllreduceStep(step);
-    PSD_LOG_INFO("all-reduce: Gloo ring of {} ranks connected ({}), {} per step", world, host,
-                 absl::FormatDuration(step));
+    if (env_.telemetry) env_.telemetry->SetAllreduceStep(ring.step);
+    PSD_LOG_INFO("all-reduce: Gloo ring of {} ranks connected ({}), {} per step", world,
+                 env_.own_host.empty() ? "127.0.0.1" : env_.own_host,
+                 absl::FormatDuration(ring.step));
     return absl::OkStatus();
   }
 

@@ -43,6 +43,7 @@ namespace gloo::rendezvous {
 class Store;
 }  // namespace gloo::rendezvous
 namespace poseidon::agent {
+struct GlooRing;
 
 // Which other agents announced (PING) that they registered their model and can take our
 // frames, or were removed from the job (SfbSyncer::PeerRemoved: not waited for). PINGs can
@@ -226,6 +227,9 @@ struct SyncEnv {
   // all-reduce) and the host the other agents reach this one at.
   gloo::rendezvous::Store* rendezvous = nullptr;
   std::string own_host;
+  // The Gloo ring the agent connected before registering its model (agent/gloo_ring.h; the
+  // all-reduce syncer takes it over), or null: the syncer connects one through `rendezvous`.
+  GlooRing* ring = nullptr;
   // Part `part` of the layer's iteration completed (PS: chunk index; SFB and buckets: 0). For a
   // PS part on the device, the result is already on its way back to the GPU.
   std::function<void(uint32_t layer, uint64_t iteration, int part, const absl::Status&)> finished;

@@ -197,7 +197,7 @@ absl::StatusOr<World> CoordinatorClient::RegisterAgentAndRendezvous(const AgentR
 absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(
     const v1::ModelSpec& model, const v1::UpdateRuleSpec& update_rule,
     const v1::ConsistencySpec& consistency, absl::Duration timeout, bool allreduce,
-    std::optional<uint64_t> allreduce_bucket_bytes) {
+    std::optional<uint64_t> allreduce_bucket_bytes, absl::Duration allreduce_step) {
   v1::RegisterModelRequest request;
   FillHeader(request.mutable_header());
   *request.mutable_model() = model;
@@ -206,6 +206,10 @@ absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(
   request.set_allreduce_unavailable(!allreduce);
   if (allreduce_bucket_bytes.has_value()) {
     request.set_allreduce_bucket_bytes(*allreduce_bucket_bytes);
+  }
+  if (allreduce_step > absl::ZeroDuration()) {
+    request.set_allreduce_step_ns(
+        std::max<uint64_t>(1, static_cast<uint64_t>(absl::ToInt64Nanoseconds(allreduce_step))));
   }
   v1::RegisterModelResponse response;
   grpc::ClientContext context;

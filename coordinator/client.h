@@ -103,12 +103,14 @@ class CoordinatorClient {
   // Registers this rank's model and waits (at most `timeout`) until every rank registered the
   // same model; returns the job's plan. FAILED_PRECONDITION names the first differing layer.
   // `allreduce`: whether this rank can run ring all-reduce (the plans use it only if so);
-  // `allreduce_bucket_bytes`: its --allreduce_bucket_bytes (unset: the planner's default).
+  // `allreduce_bucket_bytes`: its --allreduce_bucket_bytes (unset: the planner's default);
+  // `allreduce_step`: the ring step it measured (zero: none).
   absl::StatusOr<poseidon::v1::Plan> RegisterModel(
       const poseidon::v1::ModelSpec& model, const poseidon::v1::UpdateRuleSpec& update_rule = {},
       const poseidon::v1::ConsistencySpec& consistency = {},
       absl::Duration timeout = absl::Minutes(5), bool allreduce = true,
-      std::optional<uint64_t> allreduce_bucket_bytes = std::nullopt);
+      std::optional<uint64_t> allreduce_bucket_bytes = std::nullopt,
+      absl::Duration allreduce_step = absl::ZeroDuration());
 
   // The job's newest plan (FAILED_PRECONDITION when it has none yet).
   absl::StatusOr<poseidon::v1::Plan> GetPlan();

@@ -611,6 +611,10 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
   }
   slot.model_ok = true;
   slot.model_refusal.clear();
+  // The ring step the rank measured before registering: the first plan weighs the ring with it.
+  if (request.allreduce_step_ns() > 0 && node->rank < job->world_size) {
+    job->allreduce_step_ns[node->rank] = request.allreduce_step_ns();
+  }
   ++version_;
   Refresh(*job, now);
   return absl::OkStatus();
@@ -859,15 +863,18 @@ void Registry::Install(Job& job, v1::Plan plan, double bandwidth, double latency
   job.plan_error.clear();
   job.last_evaluated_bandwidth.reset();
   job.plan_installed_at = now;
-  int sfb = 0;
+  int sfb = 0, ring = 0;
+  uint32_t ring_buckets = 0;
   for (const v1::LayerPlan& layer : plan.layers()) {
     if (layer.scheme() == v1::SYNC_SCHEME_SFB) ++sfb;
+    if (layer.scheme() == v1::SYNC_SCHEME_ALLREDUCE) ++ring;
+    ring_buckets = std::max(ring_buckets, layer.allreduce_bucket());
   }
   PSD_LOG_INFO(
-      "job {}: plan epoch {} from iteration {} ({}): {} layers, {} on SFB, bandwidth {}, "
-      "latency {:.6g}us",
-      job.id, plan.plan_epoch(), plan.effective_iteration(), why, plan.layers_size(), sfb,
-      Bandwidth(bandwidth), latency * 1e6);
+      "job {}: plan epoch {} from iteration {} ({}): {} layers, {} on SFB, {} on ring all-reduce "
+      "({} all-reduce buckets), bandwidth {}, latency {:.6g}us",
+      job.id, plan.plan_epoch(), plan.effective_iteration(), why, plan.layers_size(), sfb, ring,
+      ring_buckets, Bandwidth(bandwidth), latency * 1e6);
   job.plan = std::move(plan);
   ++plans_installed_;
   ++version_;

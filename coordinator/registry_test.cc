@@ -1172,9 +1172,11 @@ class RingPlanTest : public RegistryTelemetryTest {
 
   // One server, two agents, one conv layer of 2^20 parameters registered by both; `allreduce`:
   // whether the agents can run the ring; with `bias` a 16-element bias after it; `buckets`: each
-  // rank's --allreduce_bucket_bytes (unset: not sent).
+  // rank's --allreduce_bucket_bytes (unset: not sent); `step_ns`: the ring step each rank
+  // measured before registering (0: none).
   void FormRingJob(bool allreduce, bool bias = false,
-                   std::vector<std::optional<uint64_t>> buckets = {std::nullopt, std::nullopt}) {
+                   std::vector<std::optional<uint64_t>> buckets = {std::nullopt, std::nullopt},
+                   uint64_t step_ns = 0) {
     servers_ = {AddServer()};
     agents_ = {AddAgent(0, 2, 0), AddAgent(1, 2, 1)};
     v1::RendezvousResponse world;
@@ -1199,6 +1201,7 @@ class RingPlanTest : public RegistryTelemetryTest {
       *request.mutable_model() = model;
       request.set_allreduce_unavailable(!allreduce);
       if (buckets[r].has_value()) request.set_allreduce_bucket_bytes(*buckets[r]);
+      request.set_allreduce_step_ns(step_ns);
       last_registration_ = registry_.RegisterModel(job_, request, now_);
       if (r + 1 < agents_.size() || buckets[0] == buckets[r]) {
         ASSERT_TRUE(last_registration_.ok()) << last_registration_;
@@ -1250,6 +1253,31 @@ TEST_F(RingPlanTest, ARePlanFormsNoAllReduceBuckets) {
   }
 }
 
+// The agents connect their ring and measure its step before registering the model: the first
+// plan weighs the ring with it, and with the agents' buckets the bias shares the conv's
+// collective (bucket 1: both by ring). A later re-plan keeps the bucket, and an operator moving
+// a member off the ring is refused, naming it.
+TEST_F(RingPlanTest, AStepMeasuredAtRegistrationPutsTheRingInTheFirstPlansBuckets) {
+  FormRingJob(/*allreduce=*/true, /*bias=*/true, {std::nullopt, std::nullopt}, 60000);
+  ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(registry_.CurrentPlan("job")->layers(l).scheme(), v1::SYNC_SCHEME_ALLREDUCE) << l;
+    EXPECT_EQ(registry_.CurrentPlan("job")->layers(l).allreduce_bucket(), 1u) << l;
+  }
+  // Telemetry of the same step changes nothing.
+  ReportStep(agents_[0], 60000);
+  ReportStep(agents_[1], 60000);
+  EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+  v1::SetLayerSchemesRequest request;
+  (*request.mutable_schemes())["conv.bias"] = v1::SYNC_SCHEME_PS;
+  v1::SetLayerSchemesResponse response;
+  const absl::Status moved = registry_.SetLayerSchemes(job_, request, now_, &response);
+  EXPECT_EQ(moved.code(), absl::StatusCode::kInvalidArgument) << moved;
+  EXPECT_NE(moved.message().find("'conv.bias' is in all-reduce bucket 1"), std::string::npos)
+      << moved;
+  EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
+}
+
 TEST_F(RingPlanTest, ARankWithAnotherAllReduceBucketSizeIsRefused) {
   FormRingJob(/*allreduce=*/true, /*bias=*/false, {uint64_t{1} << 20, uint64_t{2} << 20});
   EXPECT_EQ(last_registration_.code(), absl::StatusCode::kFailedPrecondition);
@@ -1283,6 +1311,13 @@ TEST_F(RingPlanOffTest, WithoutAllreduceByCostOnlyAnOverridePutsALayerOnTheRing)
   v1::SetLayerSchemesResponse response;
   ASSERT_TRUE(registry_.SetLayerSchemes(job_, request, now_, &response).ok());
   EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_ALLREDUCE);
+}
+
+// Without the coordinator's --allreduce_by_cost the measured step changes nothing.
+TEST_F(RingPlanOffTest, AStepMeasuredAtRegistrationIsNotWeighedWithoutAllreduceByCost) {
+  FormRingJob(/*allreduce=*/true, /*bias=*/true, {std::nullopt, std::nullopt}, 60000);
+  EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(registry_.CurrentPlan("job")->layers(1).scheme(), v1::SYNC_SCHEME_PS);
 }
 
 // --plan_lowrank_layers: the coordinator's per-layer rank is in the job's plan from the first
