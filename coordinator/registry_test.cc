@@ -1173,10 +1173,11 @@ class RingPlanTest : public RegistryTelemetryTest {
   // One server, two agents, one conv layer of 2^20 parameters registered by both; `allreduce`:
   // whether the agents can run the ring; with `bias` a 16-element bias after it; `buckets`: each
   // rank's --allreduce_bucket_bytes (unset: not sent); `step_ns`: the ring step each rank
-  // measured before registering (0: none).
+  // measured before registering (0: none); `compute_ns`: each layer's forward and backward
+  // time in the spec (0: none, as the agents send it).
   void FormRingJob(bool allreduce, bool bias = false,
                    std::vector<std::optional<uint64_t>> buckets = {std::nullopt, std::nullopt},
-                   uint64_t step_ns = 0) {
+                   uint64_t step_ns = 0, uint64_t compute_ns = 0) {
     servers_ = {AddServer()};
     agents_ = {AddAgent(0, 2, 0), AddAgent(1, 2, 1)};
     v1::RendezvousResponse world;
@@ -1194,6 +1195,12 @@ class RingPlanTest : public RegistryTelemetryTest {
       layer->set_kind(v1::LAYER_KIND_BIAS);
       layer->set_batch_per_worker(1);
       layer->add_shape(16);
+    }
+    if (compute_ns != 0) {
+      for (v1::LayerSpec& layer : *model.mutable_layers()) {
+        layer.set_forward_time_ns(compute_ns);
+        layer.set_backward_time_ns(compute_ns);
+      }
     }
     for (size_t r = 0; r < agents_.size(); ++r) {
       v1::RegisterModelRequest request;
@@ -1255,10 +1262,12 @@ TEST_F(RingPlanTest, ARePlanFormsNoAllReduceBuckets) {
 
 // The agents connect their ring and measure its step before registering the model: the first
 // plan weighs the ring with it, and with the agents' buckets the bias shares the conv's
-// collective (bucket 1: both by ring). A later re-plan keeps the bucket, and an operator moving
-// a member off the ring is refused, naming it.
+// collective (bucket 1: both by ring; the layers' compute times, 1 us, let the iteration model
+// weigh the bucket: the ring's 3.5 ms against PS's 6.8 ms is within the margin a plan without
+// them asks for). A later re-plan keeps the bucket, and an operator moving a member off the
+// ring is refused, naming it.
 TEST_F(RingPlanTest, AStepMeasuredAtRegistrationPutsTheRingInTheFirstPlansBuckets) {
-  FormRingJob(/*allreduce=*/true, /*bias=*/true, {std::nullopt, std::nullopt}, 60000);
+  FormRingJob(/*allreduce=*/true, /*bias=*/true, {std::nullopt, std::nullopt}, 60000, 1000);
   ASSERT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
   for (int l = 0; l < 2; ++l) {
     EXPECT_EQ(registry_.CurrentPlan("job")->layers(l).scheme(), v1::SYNC_SCHEME_ALLREDUCE) << l;
@@ -1315,7 +1324,7 @@ TEST_F(RingPlanOffTest, WithoutAllreduceByCostOnlyAnOverridePutsALayerOnTheRing)
 
 // Without the coordinator's --allreduce_by_cost the measured step changes nothing.
 TEST_F(RingPlanOffTest, AStepMeasuredAtRegistrationIsNotWeighedWithoutAllreduceByCost) {
-  FormRingJob(/*allreduce=*/true, /*bias=*/true, {std::nullopt, std::nullopt}, 60000);
+  FormRingJob(/*allreduce=*/true, /*bias=*/true, {std::nullopt, std::nullopt}, 60000, 1000);
   EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
   EXPECT_EQ(registry_.CurrentPlan("job")->layers(1).scheme(), v1::SYNC_SCHEME_PS);
 }

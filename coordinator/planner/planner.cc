@@ -238,7 +238,8 @@ std::vector<std::vector<size_t>> BucketMembers(const std::vector<uint32_t>& buck
 //     up: its members go back to the per-layer rule;
 //   - a layer alone keeps the per-layer rule;
 // and the buckets are formed again (a member leaving splits its bucket). Layers only leave the
-// ring, so this ends. Where every layer's compute is known, the iteration model then weighs the
+// ring, so this ends. Without compute times a bucket must be kRingBucketMarginWithoutCompute
+// times faster than its members' other schemes (the overlap it gives up is unknown). Where every layer's compute is known, the iteration model then weighs the
 // overlap each bucket gives up (it is sent when its last member is ready): a bucket whose
 // members on the per-layer rule predict a shorter iteration breaks up, one at a time. Then
 // every layer on the ring gets its bucket and its share of the bucket's time.
@@ -327,7 +328,10 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
           other += ps_message * std::ceil(static_cast<double>(fused_bytes) /
                                           static_cast<double>(target));
         }
-        if (ring < other) continue;
+        // Without compute times the overlap the bucket gives up is unknown (up to its whole
+        // collective, sent after the backward): it must beat the other schemes by a margin.
+        const double margin = compute_known ? 1.0 : kRingBucketMarginWithoutCompute;
+        if (ring * margin < other) continue;
         for (size_t i : members) {
           const RingChoice& c = choices[i];
           if (c.candidate && !(c.ring_seconds < c.other_seconds)) {

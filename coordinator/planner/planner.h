@@ -61,6 +61,14 @@ inline constexpr uint32_t kMaxBatchPerWorker = 1u << 20;
 inline constexpr uint64_t kDefaultBlockBytes = uint64_t{4} << 20;
 // The agents' default --allreduce_bucket_bytes (DDP's bucket_cap_mb).
 inline constexpr uint64_t kDefaultAllreduceBucketBytes = uint64_t{25} << 20;
+// Where no layer's compute time is known (the coordinator's plans: the agents register shapes
+// only), the overlap an all-reduce bucket gives up by waiting for its last member cannot be
+// weighed; a bucket is then chosen only where its collective takes at most 1/this of what its
+// members take on their other schemes. Measured in the emulated cluster (docs/cluster.md, "The
+// coordinator's ring by cost"): with one server for eight workers (PS's incast at the server)
+// the bucketed ring ran 1.5-4.4x faster than PS/SFB; colocated (P2 = P1) the schemes move the
+// same bytes, and GoogLeNet's one bucket, chosen without the margin, ran 1.3x slower than PS.
+inline constexpr double kRingBucketMarginWithoutCompute = 2.0;
 
 // How an FC layer's scheme is chosen (every other kind always uses PS).
 enum class SchemeRule {

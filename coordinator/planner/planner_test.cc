@@ -626,6 +626,21 @@ TEST(PlannerTest, ABucketGivesWayWhereTheOverlapItLosesCostsMore) {
             result->report.ps_only.iteration->iteration_seconds);
 }
 
+TEST(PlannerTest, WithoutComputeTimesABucketMustWinByAMargin) {
+  // A ring step of 400 us: the 40 convs' one collective takes 14 x 400 us + 40 x 56 us = 7.8 ms
+  // against 11.5 ms by PS. With compute times (1 us a pass: nothing to overlap) the iteration
+  // model sees the gain: the ring. Without them the overlap the bucket gives up is unknown and
+  // the gain is below kRingBucketMarginWithoutCompute: PS.
+  PlannerConfig config = RingCluster();
+  config.allreduce_step_seconds = 400e-6;
+  absl::StatusOr<PlanResult> result = BuildPlan(SmallConvs(40, false, 1000), config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->report.allreduce_layers, 40u);
+  result = BuildPlan(SmallConvs(40, false), config);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->report.allreduce_layers, 0u);
+}
+
 // A re-plan of a running world: the agents formed their all-reduce buckets from its first plan
 // (and form none later), so the planner keeps them and their members on the ring, and forms
 // none: a layer moved onto the ring runs alone.
