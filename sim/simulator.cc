@@ -719,6 +719,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
     return absl::InvalidArgumentError("iterations must be at least 2 (the first is warm-up)");
   }
   if (!(options.alpha_seconds >= 0) || !(options.compute_overhead_seconds >= 0) ||
+      !(options.allreduce_step_seconds >= 0) ||
       !(options.cpu_seconds_per_byte >= 0) || !(options.jitter.iteration_sigma >= 0) ||
       !(options.jitter.layer_sigma >= 0)) {
     return absl::InvalidArgumentError(
@@ -803,6 +804,8 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
   }
 
   const planner::NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
+  // A ring step costs at least the per-message overhead and the measured step.
+  const double ring_step = std::max(options.alpha_seconds, options.allreduce_step_seconds);
   for (uint32_t i = 0; i < L; ++i) {
     const planner::LayerReport& rep = reports[i];
     const poseidon::v1::LayerPlan& lp = plan.layers(static_cast<int>(i));
@@ -852,13 +855,13 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
             planner::IsLossyWire(lp.wire_type()) && rep.cost.allreduce_lossy_bytes.has_value()
                 ? *rep.cost.allreduce_lossy_bytes
                 : rep.cost.allreduce_bytes.value_or(planner::SchemeVolume{});
-        layer.ring_seconds = planner::AllreduceSeconds(v, P1, network, options.alpha_seconds);
+        layer.ring_seconds = planner::AllreduceSeconds(v, P1, network, ring_step);
         if (rep.cost.lowrank > 0 && rep.cost.allreduce_lowrank_bytes.has_value()) {
           // Low rank (AR-LR): two all-reduces of the factors and the agent's arithmetic, as the
           // planner's column.
           layer.ring_seconds =
               planner::LowRankSeconds(*rep.cost.allreduce_lowrank_bytes, rep.cost.parameters, P1,
-                                      network, options.alpha_seconds);
+                                      network, ring_step);
         }
         break;
       }
@@ -880,7 +883,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
   // started when every worker posted its first (lowest-index, last ready) member, of its
   // members' bytes and one set of step latencies (two where a member is at low rank).
   const double ring_latency =
-      planner::AllreduceSeconds(planner::SchemeVolume{}, P1, network, options.alpha_seconds);
+      planner::AllreduceSeconds(planner::SchemeVolume{}, P1, network, ring_step);
   for (uint32_t i = 0; i < L;) {
     const uint32_t b = reports[i].allreduce_bucket;
     uint32_t end = i + 1;

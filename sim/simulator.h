@@ -82,6 +82,10 @@ struct SimOptions {
   bool fusion_from_plan = true;
   uint64_t bucket_bytes = uint64_t{512} << 10;  // agent --bucket_bytes
   double alpha_seconds = 0;                     // per message, at its sender
+  // The cost of one ring all-reduce step, as the agents measure it (Gloo's per-message work and
+  // the threads': a 1-element all-reduce / 2 (P1 - 1)); each step of a collective costs at least
+  // this, the latency and alpha.
+  double allreduce_step_seconds = 0;
   // CPU per byte of a message at each end, the sender's beside alpha before its link, the
   // receiver's (one message after another per host) before it counts as delivered: copies,
   // checksums, the TCP stack, a server's summation.

@@ -91,6 +91,26 @@ TEST(SimulatorTest, AnAllReduceBucketIsOneCollectiveOnceItsLastMemberIsReady) {
   }
 }
 
+// A measured ring step above the latency bounds every step: 2 ms a step, so b's collective
+// takes 4 + 1 ms and a's 4 + 4 ms: per layer 3 + 10 + 8 + 3 = 24 ms, one bucket (4 + 5 ms from
+// a's post) 3 + 10 + 9 + 3 = 25 ms.
+TEST(SimulatorTest, AMeasuredRingStepBoundsEveryStepOfACollective) {
+  const auto model = Model({{"a", kOther, {1000000}, 1, 10}, {"b", kOther, {250000}, 2, 3}});
+  planner::PlannerConfig config = Cluster(2, 2, true, 1e9);
+  config.latency_seconds = 1e-3;
+  SimOptions o = Options();
+  o.scheme = AgentScheme::kAllreduce;
+  o.allreduce_step_seconds = 2e-3;
+  for (const uint64_t cap : {uint64_t{0}, uint64_t{25} << 20}) {
+    config.allreduce_bucket_bytes = cap;
+    absl::StatusOr<SimResult> r = Simulate(model, config, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->period_seconds, DoubleNear((cap == 0 ? 24 : 25) * kMs, kEps)) << cap;
+  }
+  o.allreduce_step_seconds = -1;
+  EXPECT_FALSE(Simulate(model, config, o).ok());
+}
+
 // One worker, one server on its own host, one link each way at 1 GB/s. Layer 0: 4 MB (one chunk,
 // 4 ms a leg), layer 1: 1 MB (1 ms). Backward of layer 0 (10 ms) hides layer 1's push and pull
 // (2 ms); layer 0's push and pull (8 ms, store-and-forward at the server: the answer leaves once

@@ -50,7 +50,8 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
     out << R"({"alpha_seconds": 4e-05, "jitter": {"kind": "lognormal", "iteration_sigma": 0.02},
               "emulation": {"compute_overhead_seconds": 1e-04,
                             "overhead_per_extra_host_seconds": 1e-05,
-                            "cpu_seconds_per_byte": 2e-11, "shared_cpus": 2},
+                            "cpu_seconds_per_byte": 2e-11, "shared_cpus": 2,
+                            "allreduce_step_seconds": 3e-04},
               "validation": []})";
   }
   const std::string with = std::string(kGooglenet) + " --workers 3 --calibration " + path;
@@ -62,6 +63,7 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
   EXPECT_EQ(Field(row, "compute_overhead_seconds").number_value(), 0);  // not without --emulation
   EXPECT_EQ(Field(settings, "cpu_seconds_per_byte").number_value(), 0);
   EXPECT_EQ(Field(settings, "shared_cpus").number_value(), 0);
+  EXPECT_EQ(Field(settings, "allreduce_step_seconds").number_value(), 0);
   const google::protobuf::Struct emulated = Json(Stdout(with + " --emulation --alpha 0us"));
   EXPECT_EQ(Field(Field(emulated, "settings").struct_value(), "alpha_seconds").number_value(), 0);
   const auto& row3 = Field(emulated, "rows").list_value().values(0).struct_value();
@@ -69,9 +71,13 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
   const auto& emulated_settings = Field(emulated, "settings").struct_value();
   EXPECT_NEAR(Field(emulated_settings, "cpu_seconds_per_byte").number_value(), 2e-11, 1e-20);
   EXPECT_EQ(Field(emulated_settings, "shared_cpus").number_value(), 2);
+  EXPECT_NEAR(Field(emulated_settings, "allreduce_step_seconds").number_value(), 3e-04, 1e-12);
   // A flag still wins over the calibration.
-  const google::protobuf::Struct own = Json(Stdout(with + " --emulation --shared_cpus 0"));
+  const google::protobuf::Struct own =
+      Json(Stdout(with + " --emulation --shared_cpus 0 --allreduce_step 0us"));
   EXPECT_EQ(Field(Field(own, "settings").struct_value(), "shared_cpus").number_value(), 0);
+  EXPECT_EQ(Field(Field(own, "settings").struct_value(), "allreduce_step_seconds").number_value(),
+            0);
 }
 
 TEST(SimulateCliTest, ACalibrationsSharedCpusMustBeAWholeNumber) {

@@ -48,6 +48,7 @@ struct SimulateFlags {
   std::string fusion = "plan";
   uint64_t bucket_bytes = uint64_t{512} << 10;
   uint64_t allreduce_bucket_bytes = planner::kDefaultAllreduceBucketBytes;
+  absl::Duration allreduce_step = absl::ZeroDuration();
   uint32_t iterations = 20;
   std::string calibration;
   absl::Duration alpha = absl::ZeroDuration();
@@ -74,6 +75,7 @@ constexpr size_t kJitterSigmaField = 20;
 constexpr size_t kLayerJitterSigmaField = 21;
 constexpr size_t kCpuPerByteField = 28;
 constexpr size_t kSharedCpusField = 29;
+constexpr size_t kAllreduceStepField = 32;
 
 ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
   ConfigSchema<SimulateFlags> schema("poseidon simulate", "POSEIDON_SIMULATE_");
@@ -165,7 +167,10 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
              InRange(0u, 8u))
       .ByteSizeField("allreduce_bucket_bytes", &SimulateFlags::allreduce_bucket_bytes,
                      "the agents' --allreduce_bucket_bytes: consecutive all-reduce layers run as "
-                     "one collective of at most this size (25MiB; 0: one per layer)");
+                     "one collective of at most this size (25MiB; 0: one per layer)")
+      .Field("allreduce_step", &SimulateFlags::allreduce_step,
+             "the cost of one ring all-reduce step, as the agents measure it (0: the latency "
+             "and alpha bound each step)");
   return schema;
 }
 
@@ -206,6 +211,7 @@ struct Calibration {
   double overhead_per_extra_host_seconds = 0;    // emulation: c1
   double cpu_seconds_per_byte = 0;               // emulation: the senders' CPU per byte
   double shared_cpus = 0;                        // emulation: the machine's CPUs
+  double allreduce_step_seconds = 0;             // emulation: a ring step under its load
   std::string jitter = "none";
   double iteration_sigma = 0;
   double layer_sigma = 0;
@@ -256,6 +262,10 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
       return s;
     }
     if (absl::Status s = number(e, "shared_cpus", &c.shared_cpus); !s.ok()) return s;
+    if (absl::Status s = number(e, "allreduce_step_seconds", &c.allreduce_step_seconds);
+        !s.ok()) {
+      return s;
+    }
     if (c.shared_cpus > sim::kMaxSharedCpus ||
         c.shared_cpus != static_cast<double>(static_cast<uint32_t>(c.shared_cpus))) {
       return absl::InvalidArgumentError(
@@ -333,6 +343,9 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     if (flags.emulation && from_default(kSharedCpusField)) {
       flags.shared_cpus = static_cast<uint32_t>(c->shared_cpus);
     }
+    if (flags.emulation && from_default(kAllreduceStepField)) {
+      flags.allreduce_step = absl::Seconds(c->allreduce_step_seconds);
+    }
     if (from_default(kJitterField)) flags.jitter = c->jitter;
     if (from_default(kJitterSigmaField)) flags.jitter_sigma = c->iteration_sigma;
     if (from_default(kLayerJitterSigmaField)) flags.layer_jitter_sigma = c->layer_sigma;
@@ -370,6 +383,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   options.fusion_from_plan = flags.fusion == "plan";
   options.bucket_bytes = flags.fusion == "bytes" ? flags.bucket_bytes : 0;
   options.alpha_seconds = absl::ToDoubleSeconds(flags.alpha);
+  options.allreduce_step_seconds = absl::ToDoubleSeconds(flags.allreduce_step);
   options.compute_overhead_seconds = absl::ToDoubleSeconds(flags.compute_overhead);
   options.cpu_seconds_per_byte = flags.cpu_ns_per_byte * 1e-9;
   options.shared_cpus = flags.shared_cpus;
@@ -457,6 +471,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Unsigned(flags.iterations);
     w.Key("alpha_seconds");
     w.Number(options.alpha_seconds);
+    w.Key("allreduce_step_seconds");
+    w.Number(options.allreduce_step_seconds);
     w.Key("compute_overhead_seconds");
     w.Number(options.compute_overhead_seconds);
     w.Key("jitter");

@@ -4,7 +4,9 @@ validates it there.
 
 1. Measure (root): run_cluster.py's runs, imported (not copied) with poseidon-synth's
    --print_iterations added, for the five models at N = 1, 2, 4, 8 in mode poseidon and at
-   N = 2, 4, 8 in modes ps and no-wfbp.
+   N = 2, 4, 8 in modes ps, no-wfbp, allreduce (every layer on Gloo's ring, in the agents'
+   all-reduce buckets) and allreduce-per-layer (the same, one collective per layer:
+   --allreduce_bucket_bytes 0).
 2. Fit, each by a grid over the simulator's own output (`poseidon simulate --json`):
    - jitter: lognormal, one factor per worker and iteration, sigma = the pooled coefficient of
      variation of the N = 1 runs' per-iteration times;
@@ -17,7 +19,11 @@ validates it there.
      Every simulation of the fit and the check runs the senders' work (alpha + beta x bytes) of
      all emulated hosts on the machine's CPUs, shared (`--shared_cpus`, os.cpu_count() when
      measured): the 3N processes of an N-host emulation take turns on them.
-   N = 8 is left out of the fit: it is the check of what the fit predicts. c0, c1, beta and the
+   - the ring step under load (Gloo's and the threads' work per step of a collective, which the
+     agents' idle probe at connection underestimates) from allreduce-per-layer at N = 2 and 4,
+     given the rest.
+   N = 8 is left out of the fit, and so is every bucketed ring run: they are the check of what
+   the fit predicts. c0, c1, beta and the
    shared CPUs are the emulation's (a real cluster has CPUs per host and no sleeps): `poseidon
    simulate` applies them only with --emulation.
 3. Write bench/cluster/calibration.json (what `poseidon simulate --calibration` reads: alpha,
@@ -89,11 +95,14 @@ def measure(args, out):
     load = {"before": os.getloadavg(), "commit": git_commit(), "cpus": os.cpu_count(),
             "build_time": datetime.datetime.fromtimestamp(os.path.getmtime(
                 os.path.join(args.build, "agent", "poseidon-agent"))).isoformat()}
-    sets = [("poseidon", "1,2,4,8", "poseidon"), ("modes", "2,4,8", "ps,no-wfbp")]
-    for name, hosts, modes in sets:
+    sets = [("poseidon", "1,2,4,8", "poseidon", []), ("modes", "2,4,8", "ps,no-wfbp", []),
+            ("ring", "2,4,8", "allreduce", []),
+            ("ring-per-layer", "2,4,8", "allreduce", ["--allreduce_bucket_bytes", "0"])]
+    for name, hosts, modes, extra in sets:
         sys.argv = ["run_cluster.py", "--build", args.build, "--models", ",".join(args.models),
                     "--hosts", hosts, "--modes", modes, "--sep_models", "",
-                    "--iterations", str(args.iterations), "--out", os.path.join(out, name)]
+                    "--iterations", str(args.iterations), "--out", os.path.join(out, name),
+                    *extra]
         try:
             code = rc.main()
         finally:
@@ -107,20 +116,35 @@ def measure(args, out):
 
 def load_rows(out):
     rows = []
-    for name in ("poseidon", "modes"):
+    for name in ("poseidon", "modes", "ring", "ring-per-layer"):
         path = os.path.join(out, name, "results.json")
+        if name.startswith("ring") and not os.path.exists(path):
+            continue  # a measurement from before the ring sets
         with open(path) as f:
             data = json.load(f)
         for r in data["results"]:
             if not r.get("error"):
                 r["iterations"] = data["iterations"]
+                if name == "ring-per-layer":
+                    r["mode"] = "allreduce-per-layer"
                 rows.append(r)
     return rows
 
 
+def is_ring(mode):
+    return mode.startswith("allreduce")
+
+
+def mode_flags(mode):
+    """poseidon simulate's flags for a mode of the harness."""
+    return {"ps": ["--scheme=ps"], "no-wfbp": ["--wfbp=false"],
+            "allreduce": ["--scheme=allreduce"],
+            "allreduce-per-layer": ["--scheme=allreduce", "--allreduce_bucket_bytes=0"]}.get(mode, [])
+
+
 def simulate(cli, run, m):
     """The simulated s/iter of measured run `run` under model settings `m` (a dict: alpha, c0,
-    c1, beta, sigma, cpus, replicas)."""
+    c1, beta, sigma, cpus, replicas, step)."""
     model, mode, n = run["model"], run["mode"], run["n"]
     overhead = m["c0"] + m["c1"] * (n - 1)
     cmd = [cli, "simulate", f"--model={model}", "--batch=32", "--bandwidth=10Gbit",
@@ -131,15 +155,15 @@ def simulate(cli, run, m):
            f"--alpha={m['alpha'] * 1e6:.3f}us", f"--compute_overhead={overhead * 1e6:.3f}us",
            "--jitter=lognormal" if m["sigma"] > 0 else "--jitter=none",
            f"--jitter_sigma={m['sigma']}",
-           "--scheme=ps" if mode == "ps" else "--scheme=auto",
-           "--wfbp=false" if mode == "no-wfbp" else "--wfbp=true"]
+           f"--allreduce_step={m.get('step', 0.0) * 1e6:.3f}us",
+           *(mode_flags(mode) or ["--scheme=auto"])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     row = [r for r in json.loads(out)["rows"] if r["workers"] == n][0]
     return row["iteration_seconds"]
 
 
 def sim_command(model, mode, n, iterations, replicas):
-    extra = " --scheme ps" if mode == "ps" else " --wfbp=false" if mode == "no-wfbp" else ""
+    extra = "".join(" " + f for f in mode_flags(mode))
     if replicas != 1:  # the simulator's default, as the agents'
         extra += f" --replicas {replicas}"
     return (f"poseidon simulate --model {model} --batch 32 --bandwidth 10Gbit --latency {LATENCY}"
@@ -176,6 +200,9 @@ def fit(args, rows, cpus, pool):
                   for s, r in zip(sims, subset))
         return err / max(1, len(subset))
 
+    # The ring's runs fit the ring step alone (below), given the rest.
+    ring_rows = [r for r in rows if is_ring(r["mode"])]
+    rows = [r for r in rows if not is_ring(r["mode"])]
     # c0: N = 1 has no network, so only the emulation's overhead per pass separates it from the
     # spec's compute.
     c0, _ = grid_fit([i * 5e-6 for i in range(0, 61)], lambda c: loss(n1, 0.0, c, 0.0, 0.0))
@@ -194,11 +221,24 @@ def fit(args, rows, cpus, pool):
         alpha, _ = grid_fit(alphas, lambda a: loss(exposed, a, c0, c1, beta))
         beta, _ = grid_fit(betas, lambda b: loss(small, alpha, c0, c1, b))
         c1, err = grid_fit(c1s, lambda c: loss(small, alpha, c0, c, beta))
+    # The ring step: from the per-layer ring runs at N = 2 and 4 (one collective per layer, each
+    # paying its 2 (N - 1) steps), given everything else.
+    per_layer = [r for r in ring_rows if r["mode"] == "allreduce-per-layer" and r["n"] in (2, 4)]
+    step = 0.0
+    if per_layer:
+        def ring_loss(st):
+            m = dict(alpha=alpha, c0=c0, c1=c1, beta=beta, sigma=sigma, cpus=cpus,
+                     replicas=args.replicas, step=st)
+            sims = pool.map(lambda r: simulate(cli, r, m), per_layer)
+            return sum(((x - r["seconds_per_iteration"]) / r["seconds_per_iteration"]) ** 2
+                       for x, r in zip(sims, per_layer)) / len(per_layer)
+        step, _ = grid_fit([i * 20e-6 for i in range(0, 51)], ring_loss)
     return {"alpha_seconds": alpha,
             "jitter": {"kind": "lognormal" if sigma > 0 else "none", "iteration_sigma": sigma,
                        "layer_sigma": 0.0},
             "emulation": {"compute_overhead_seconds": c0, "overhead_per_extra_host_seconds": c1,
-                          "cpu_seconds_per_byte": beta, "shared_cpus": cpus},
+                          "cpu_seconds_per_byte": beta, "shared_cpus": cpus,
+                          "allreduce_step_seconds": step},
             "fit": {"latency": LATENCY, "link_burst": BURST,
                     "jitter_from": "pooled CV of the per-iteration times, poseidon N = 1",
                     "compute_overhead_from": "poseidon N = 1 (grid 0..300 us, 5 us)",
@@ -207,21 +247,24 @@ def fit(args, rows, cpus, pool):
                     "cpu_per_byte_from": "all modes N = 2, 4 (grid 0, 0.001 ns x 1.25^k, k < 28)",
                     "replicas": args.replicas,
                     "shared_cpus_from": "os.cpu_count() of the measuring machine",
+                    "allreduce_step_from": "allreduce-per-layer N = 2, 4 (grid 0..1 ms, 20 us)",
                     "mean_squared_relative_error_n2_n4": err}}, cli, sigma
 
 
 def validate(cli, rows, cal, sigma, pool):
     table = []
-    order = {"poseidon": 0, "ps": 1, "no-wfbp": 2}
+    order = {"poseidon": 0, "ps": 1, "no-wfbp": 2, "allreduce": 3, "allreduce-per-layer": 4}
     e = cal["emulation"]
     settings = dict(alpha=cal["alpha_seconds"], c0=e["compute_overhead_seconds"],
                     c1=e["overhead_per_extra_host_seconds"], beta=e["cpu_seconds_per_byte"],
-                    sigma=sigma, cpus=e["shared_cpus"], replicas=cal["fit"]["replicas"])
+                    sigma=sigma, cpus=e["shared_cpus"], replicas=cal["fit"]["replicas"],
+                    step=e.get("allreduce_step_seconds", 0.0))
     rows = sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 9,
                                        order.get(r["mode"], 9), r["n"]))
     for r, s in zip(rows, pool.map(lambda r: simulate(cli, r, settings), rows)):
         m = r["seconds_per_iteration"]
-        in_fit = r["n"] in (1, 2, 4)
+        # The bucketed ring is a check at every N; the per-layer ring fits the step at N = 2, 4.
+        in_fit = r["n"] in (1, 2, 4) and r["mode"] != "allreduce"
         table.append({"model": r["model"], "mode": r["mode"], "n": r["n"], "measured": m,
                       "simulated": s, "error": (s - m) / m, "in_fit": in_fit,
                       "cpu_busy": r.get("cpu_busy"),
@@ -306,9 +349,10 @@ def main():
     print(f"alpha {cal['alpha_seconds'] * 1e6:.0f} us, jitter lognormal sigma {sigma:.4f} per "
           f"iteration; emulation: compute overhead {e['compute_overhead_seconds'] * 1e6:.0f} us "
           f"per pass + {e['overhead_per_extra_host_seconds'] * 1e6:.0f} us per extra host, "
-          f"{e['cpu_seconds_per_byte'] * 1e9:.4f} ns per byte, on {e['shared_cpus']} shared CPUs")
+          f"{e['cpu_seconds_per_byte'] * 1e9:.4f} ns per byte, on {e['shared_cpus']} shared CPUs, "
+          f"ring step {e['allreduce_step_seconds'] * 1e6:.0f} us")
     print(markdown(table))
-    for name, sel in (("in the fit (N <= 4)", True), ("out of the fit (N = 8)", False)):
+    for name, sel in (("in the fit", True), ("out of the fit", False)):
         errors = [abs(t["error"]) for t in table if t["in_fit"] == sel]
         if errors:
             print(f"{name}: {sum(x <= 0.10 for x in errors)} of {len(errors)} within 10 %, "
