@@ -1025,6 +1025,22 @@ absl::Status Agent::Register() {
                  "--allreduce_bucket_bytes={})", fused, table_.ring_groups.size(), largest,
                  config_.allreduce_bucket_bytes);
   }
+  // The coordinator's planner predicted the same buckets (LayerPlan.allreduce_bucket, from the
+  // agents' rule); where this agent formed others (layers on the GPU are not fused, a forced
+  // scheme), the plan's times for those layers are off: say so once.
+  if (coord_ && to.allreduce_possible && !to.force_allreduce) {
+    size_t differ = 0;
+    for (int i = 0; i < plan.layers_size(); ++i) {
+      const int group = table_.layers[static_cast<size_t>(i)].ring_group;
+      const uint32_t planned = plan.layers(i).allreduce_bucket();
+      differ += (group < 0 ? planned != 0 : planned != static_cast<uint32_t>(group) + 1);
+    }
+    if (differ > 0) {
+      PSD_LOG_WARN("{} layers are in other all-reduce buckets than the plan predicted (this "
+                   "agent fuses only host-memory layers): the plan's times for them are off",
+                   differ);
+    }
+  }
   {
     std::map<std::string, size_t> lossy;  // by wire name
     size_t planned_lossy = 0;
