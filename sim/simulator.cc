@@ -47,6 +47,7 @@ struct Layer {
   double rebuild = 0;        // SFB: seconds of the rebuild GEMM
   double ring_seconds = 0;   // all-reduce: the layer's collective, or its bucket's (first member)
   uint32_t ring_last = 0;    // all-reduce: the last layer its collective completes (itself alone)
+  double ring_steps = 0;     // all-reduce: the steps of its collective (or its bucket's)
 };
 
 enum class EventType : uint8_t {
@@ -375,7 +376,16 @@ class Simulation {
         if (slot.iteration != it) slot = Slot{it, 0, 0};
         if (++slot.count == P1_) {
           const double start = std::max(now_, ring_free_);
-          ring_free_ = start + layer.ring_seconds;
+          double end = start + layer.ring_seconds;
+          // On shared CPUs (an emulation) every rank's work per step takes its turn there too:
+          // the collective ends no earlier than the last rank's work.
+          if (options_.allreduce_cpu_seconds_per_step > 0 && !shared_cpu_free_.empty()) {
+            const double work = layer.ring_steps * options_.allreduce_cpu_seconds_per_step;
+            for (uint32_t rank = 0; rank < P1_; ++rank) {
+              end = std::max(end, CpuWorkFrom(start, cpu_free_[rank], work));
+            }
+          }
+          ring_free_ = end;
           Schedule(ring_free_, EventType::kRingDone, 0, l, it);
         }
         return;
@@ -499,9 +509,12 @@ class Simulation {
 
   // `work` seconds of CPU from now on, after what `host_free` (one host's FIFO) and, with shared
   // CPUs, the first free of them hold; returns when it ends.
-  double CpuWork(double& host_free, double work) {
+  double CpuWork(double& host_free, double work) { return CpuWorkFrom(now_, host_free, work); }
+
+  // The same from time `from` (>= now) on.
+  double CpuWorkFrom(double from, double& host_free, double work) {
     cpu_work_ += work;
-    double start = std::max(now_, host_free);
+    double start = std::max(from, host_free);
     if (!shared_cpu_free_.empty()) {
       auto cpu = std::min_element(shared_cpu_free_.begin(), shared_cpu_free_.end());
       start = std::max(start, *cpu);
@@ -719,7 +732,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
     return absl::InvalidArgumentError("iterations must be at least 2 (the first is warm-up)");
   }
   if (!(options.alpha_seconds >= 0) || !(options.compute_overhead_seconds >= 0) ||
-      !(options.allreduce_step_seconds >= 0) ||
+      !(options.allreduce_step_seconds >= 0) || !(options.allreduce_cpu_seconds_per_step >= 0) ||
       !(options.cpu_seconds_per_byte >= 0) || !(options.jitter.iteration_sigma >= 0) ||
       !(options.jitter.layer_sigma >= 0)) {
     return absl::InvalidArgumentError(
@@ -850,6 +863,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
       case poseidon::v1::SYNC_SCHEME_ALLREDUCE: {
         layer.mode = LayerMode::kRing;
         layer.ring_last = i;
+        layer.ring_steps = 2.0 * (P1 - 1) * (rep.cost.lowrank > 0 ? 2 : 1);
         // A 16-bit wire (AR-16) moves half the ring's bytes.
         const planner::SchemeVolume v =
             planner::IsLossyWire(lp.wire_type()) && rep.cost.allreduce_lossy_bytes.has_value()
@@ -898,6 +912,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
         layers[j].trigger = j == i;
       }
       layers[i].ring_seconds = bytes_seconds + ring_latency * (lowrank ? 2 : 1);
+      layers[i].ring_steps = 2.0 * (P1 - 1) * (lowrank ? 2 : 1);
       layers[i].ring_last = end - 1;
     }
     i = end;

@@ -86,6 +86,10 @@ struct SimOptions {
   // the threads': a 1-element all-reduce / 2 (P1 - 1)); each step of a collective costs at least
   // this, the latency and alpha.
   double allreduce_step_seconds = 0;
+  // With shared_cpus: the CPU work of one ring step at each rank (Gloo's threads, the
+  // syscalls), which every rank's steps put on the shared CPUs; a collective ends no earlier than
+  // its ranks' work there. 0: none (a real cluster's step holds it: allreduce_step_seconds).
+  double allreduce_cpu_seconds_per_step = 0;
   // CPU per byte of a message at each end, the sender's beside alpha before its link, the
   // receiver's (one message after another per host) before it counts as delivered: copies,
   // checksums, the TCP stack, a server's summation.

@@ -91,6 +91,30 @@ TEST(SimulatorTest, AnAllReduceBucketIsOneCollectiveOnceItsLastMemberIsReady) {
   }
 }
 
+// The ring's work on shared CPUs (an emulation): each rank's 2 steps cost 3 ms of CPU, and one
+// CPU serves both ranks, so a collective ends no earlier than 12 ms after it starts: b's
+// (posted at 3 ms) at 15 ms, a's (posted at 13 ms, started at 15) at 27 ms; period 27 + 3 = 30 ms
+// against 22 without that work. CPUs of their own (a real cluster): the term does not apply.
+TEST(SimulatorTest, TheRingsWorkOnSharedCpusBoundsACollective) {
+  const auto model = Model({{"a", kOther, {1000000}, 1, 10}, {"b", kOther, {250000}, 2, 3}});
+  planner::PlannerConfig config = Cluster(2, 2, true, 1e9);
+  config.latency_seconds = 1e-3;
+  config.allreduce_bucket_bytes = 0;
+  SimOptions o = Options();
+  o.scheme = AgentScheme::kAllreduce;
+  o.allreduce_cpu_seconds_per_step = 3e-3;
+  o.shared_cpus = 1;
+  absl::StatusOr<SimResult> r = Simulate(model, config, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(30 * kMs, kEps));
+  o.shared_cpus = 0;
+  r = Simulate(model, config, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(22 * kMs, kEps));
+  o.allreduce_cpu_seconds_per_step = -1;
+  EXPECT_FALSE(Simulate(model, config, o).ok());
+}
+
 // A measured ring step above the latency bounds every step: 2 ms a step, so b's collective
 // takes 4 + 1 ms and a's 4 + 4 ms: per layer 3 + 10 + 8 + 3 = 24 ms, one bucket (4 + 5 ms from
 // a's post) 3 + 10 + 9 + 3 = 25 ms.

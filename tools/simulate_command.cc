@@ -49,6 +49,7 @@ struct SimulateFlags {
   uint64_t bucket_bytes = uint64_t{512} << 10;
   uint64_t allreduce_bucket_bytes = planner::kDefaultAllreduceBucketBytes;
   absl::Duration allreduce_step = absl::ZeroDuration();
+  absl::Duration allreduce_cpu_per_step = absl::ZeroDuration();
   uint32_t iterations = 20;
   std::string calibration;
   absl::Duration alpha = absl::ZeroDuration();
@@ -76,6 +77,7 @@ constexpr size_t kLayerJitterSigmaField = 21;
 constexpr size_t kCpuPerByteField = 28;
 constexpr size_t kSharedCpusField = 29;
 constexpr size_t kAllreduceStepField = 32;
+constexpr size_t kAllreduceCpuPerStepField = 33;
 
 ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
   ConfigSchema<SimulateFlags> schema("poseidon simulate", "POSEIDON_SIMULATE_");
@@ -170,7 +172,9 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
                      "one collective of at most this size (25MiB; 0: one per layer)")
       .Field("allreduce_step", &SimulateFlags::allreduce_step,
              "the cost of one ring all-reduce step, as the agents measure it (0: the latency "
-             "and alpha bound each step)");
+             "and alpha bound each step)")
+      .Field("allreduce_cpu_per_step", &SimulateFlags::allreduce_cpu_per_step,
+             "with --shared_cpus: each rank's CPU work per ring step, on the shared CPUs (0)");
   return schema;
 }
 
@@ -212,6 +216,7 @@ struct Calibration {
   double cpu_seconds_per_byte = 0;               // emulation: the senders' CPU per byte
   double shared_cpus = 0;                        // emulation: the machine's CPUs
   double allreduce_step_seconds = 0;             // emulation: a ring step under its load
+  double allreduce_cpu_seconds_per_step = 0;     // emulation: a rank's CPU per ring step
   std::string jitter = "none";
   double iteration_sigma = 0;
   double layer_sigma = 0;
@@ -263,6 +268,11 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
     }
     if (absl::Status s = number(e, "shared_cpus", &c.shared_cpus); !s.ok()) return s;
     if (absl::Status s = number(e, "allreduce_step_seconds", &c.allreduce_step_seconds);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            number(e, "allreduce_cpu_seconds_per_step", &c.allreduce_cpu_seconds_per_step);
         !s.ok()) {
       return s;
     }
@@ -346,6 +356,9 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     if (flags.emulation && from_default(kAllreduceStepField)) {
       flags.allreduce_step = absl::Seconds(c->allreduce_step_seconds);
     }
+    if (flags.emulation && from_default(kAllreduceCpuPerStepField)) {
+      flags.allreduce_cpu_per_step = absl::Seconds(c->allreduce_cpu_seconds_per_step);
+    }
     if (from_default(kJitterField)) flags.jitter = c->jitter;
     if (from_default(kJitterSigmaField)) flags.jitter_sigma = c->iteration_sigma;
     if (from_default(kLayerJitterSigmaField)) flags.layer_jitter_sigma = c->layer_sigma;
@@ -384,6 +397,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   options.bucket_bytes = flags.fusion == "bytes" ? flags.bucket_bytes : 0;
   options.alpha_seconds = absl::ToDoubleSeconds(flags.alpha);
   options.allreduce_step_seconds = absl::ToDoubleSeconds(flags.allreduce_step);
+  options.allreduce_cpu_seconds_per_step = absl::ToDoubleSeconds(flags.allreduce_cpu_per_step);
   options.compute_overhead_seconds = absl::ToDoubleSeconds(flags.compute_overhead);
   options.cpu_seconds_per_byte = flags.cpu_ns_per_byte * 1e-9;
   options.shared_cpus = flags.shared_cpus;
@@ -473,6 +487,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Number(options.alpha_seconds);
     w.Key("allreduce_step_seconds");
     w.Number(options.allreduce_step_seconds);
+    w.Key("allreduce_cpu_seconds_per_step");
+    w.Number(options.allreduce_cpu_seconds_per_step);
     w.Key("compute_overhead_seconds");
     w.Number(options.compute_overhead_seconds);
     w.Key("jitter");

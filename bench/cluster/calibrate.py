@@ -20,8 +20,8 @@ validates it there.
      all emulated hosts on the machine's CPUs, shared (`--shared_cpus`, os.cpu_count() when
      measured): the 3N processes of an N-host emulation take turns on them.
    - the ring step under load (Gloo's and the threads' work per step of a collective, which the
-     agents' idle probe at connection underestimates) from allreduce-per-layer at N = 2 and 4,
-     given the rest.
+     agents' idle probe at connection underestimates) and each rank's CPU work per step on the
+     shared CPUs, from allreduce-per-layer at N = 2 and 4, given the rest (twice round).
    N = 8 is left out of the fit, and so is every bucketed ring run: they are the check of what
    the fit predicts. c0, c1, beta and the
    shared CPUs are the emulation's (a real cluster has CPUs per host and no sleeps): `poseidon
@@ -156,6 +156,7 @@ def simulate(cli, run, m):
            "--jitter=lognormal" if m["sigma"] > 0 else "--jitter=none",
            f"--jitter_sigma={m['sigma']}",
            f"--allreduce_step={m.get('step', 0.0) * 1e6:.3f}us",
+           f"--allreduce_cpu_per_step={m.get('ring_cpu', 0.0) * 1e6:.3f}us",
            *(mode_flags(mode) or ["--scheme=auto"])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     row = [r for r in json.loads(out)["rows"] if r["workers"] == n][0]
@@ -224,21 +225,25 @@ def fit(args, rows, cpus, pool):
     # The ring step: from the per-layer ring runs at N = 2 and 4 (one collective per layer, each
     # paying its 2 (N - 1) steps), given everything else.
     per_layer = [r for r in ring_rows if r["mode"] == "allreduce-per-layer" and r["n"] in (2, 4)]
-    step = 0.0
+    step, ring_cpu = 0.0, 0.0
     if per_layer:
-        def ring_loss(st):
+        def ring_loss(st, rc):
             m = dict(alpha=alpha, c0=c0, c1=c1, beta=beta, sigma=sigma, cpus=cpus,
-                     replicas=args.replicas, step=st)
+                     replicas=args.replicas, step=st, ring_cpu=rc)
             sims = pool.map(lambda r: simulate(cli, r, m), per_layer)
             return sum(((x - r["seconds_per_iteration"]) / r["seconds_per_iteration"]) ** 2
                        for x, r in zip(sims, per_layer)) / len(per_layer)
-        step, _ = grid_fit([i * 20e-6 for i in range(0, 51)], ring_loss)
+        for _ in range(2):
+            step, _ = grid_fit([i * 20e-6 for i in range(0, 26)], lambda st: ring_loss(st, ring_cpu))
+            ring_cpu, _ = grid_fit([i * 10e-6 for i in range(0, 21)] if cpus else [0.0],
+                                   lambda rc: ring_loss(step, rc))
     return {"alpha_seconds": alpha,
             "jitter": {"kind": "lognormal" if sigma > 0 else "none", "iteration_sigma": sigma,
                        "layer_sigma": 0.0},
             "emulation": {"compute_overhead_seconds": c0, "overhead_per_extra_host_seconds": c1,
                           "cpu_seconds_per_byte": beta, "shared_cpus": cpus,
-                          "allreduce_step_seconds": step},
+                          "allreduce_step_seconds": step,
+                          "allreduce_cpu_seconds_per_step": ring_cpu},
             "fit": {"latency": LATENCY, "link_burst": BURST,
                     "jitter_from": "pooled CV of the per-iteration times, poseidon N = 1",
                     "compute_overhead_from": "poseidon N = 1 (grid 0..300 us, 5 us)",
@@ -247,7 +252,10 @@ def fit(args, rows, cpus, pool):
                     "cpu_per_byte_from": "all modes N = 2, 4 (grid 0, 0.001 ns x 1.25^k, k < 28)",
                     "replicas": args.replicas,
                     "shared_cpus_from": "os.cpu_count() of the measuring machine",
-                    "allreduce_step_from": "allreduce-per-layer N = 2, 4 (grid 0..1 ms, 20 us)",
+                    "allreduce_step_from": "allreduce-per-layer N = 2, 4 (grid 0..500 us, 20 us; "
+                                           "with the CPU per step, twice round)",
+                    "allreduce_cpu_per_step_from": "allreduce-per-layer N = 2, 4 (grid 0..200 us, "
+                                                   "10 us)",
                     "mean_squared_relative_error_n2_n4": err}}, cli, sigma
 
 
@@ -258,7 +266,8 @@ def validate(cli, rows, cal, sigma, pool):
     settings = dict(alpha=cal["alpha_seconds"], c0=e["compute_overhead_seconds"],
                     c1=e["overhead_per_extra_host_seconds"], beta=e["cpu_seconds_per_byte"],
                     sigma=sigma, cpus=e["shared_cpus"], replicas=cal["fit"]["replicas"],
-                    step=e.get("allreduce_step_seconds", 0.0))
+                    step=e.get("allreduce_step_seconds", 0.0),
+                    ring_cpu=e.get("allreduce_cpu_seconds_per_step", 0.0))
     rows = sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 9,
                                        order.get(r["mode"], 9), r["n"]))
     for r, s in zip(rows, pool.map(lambda r: simulate(cli, r, settings), rows)):
@@ -350,7 +359,8 @@ def main():
           f"iteration; emulation: compute overhead {e['compute_overhead_seconds'] * 1e6:.0f} us "
           f"per pass + {e['overhead_per_extra_host_seconds'] * 1e6:.0f} us per extra host, "
           f"{e['cpu_seconds_per_byte'] * 1e9:.4f} ns per byte, on {e['shared_cpus']} shared CPUs, "
-          f"ring step {e['allreduce_step_seconds'] * 1e6:.0f} us")
+          f"ring step {e['allreduce_step_seconds'] * 1e6:.0f} us, "
+          f"{e['allreduce_cpu_seconds_per_step'] * 1e6:.0f} us of CPU per step and rank")
     print(markdown(table))
     for name, sel in (("in the fit", True), ("out of the fit", False)):
         errors = [abs(t["error"]) for t in table if t["in_fit"] == sel]
