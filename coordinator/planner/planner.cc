@@ -182,7 +182,6 @@ struct RingChoice {
   poseidon::v1::ElementType ps_wire = poseidon::v1::ELEMENT_TYPE_F32;
   double ring_seconds = 0;  // its best all-reduce column alone (float32, 16-bit or low rank)
   poseidon::v1::ElementType ring_wire = poseidon::v1::ELEMENT_TYPE_F32;
-  double ring_latency = 0;  // the step latencies within ring_seconds (two all-reduces at low rank)
 };
 
 // The agents' view of the layers with `on` on the ring (fusion.h RingLayer).
@@ -249,6 +248,10 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
   const NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
   const double step = config.allreduce_step_seconds.value_or(0);
   const double latency = AllreduceSeconds(SchemeVolume{}, config.workers, network, step);
+  // A layer's collective without its step latencies (two all-reduces at low rank).
+  auto ring_bytes_seconds = [&](size_t i) {
+    return choices[i].ring_seconds - latency * (layers[i].cost.lowrank > 0 ? 2 : 1);
+  };
   std::vector<bool> on(L);
   for (size_t i = 0; i < L; ++i) {
     on[i] = layers[i].cost.scheme == poseidon::v1::SYNC_SCHEME_ALLREDUCE;
@@ -295,7 +298,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
                 static_cast<double>(layers[i].cost.parameters * layers[i].cost.element_bytes);
             other_marginal -= ps_message * (1 - bytes / static_cast<double>(target));
           }
-          if (c.ring_seconds - c.ring_latency >= other_marginal) {
+          if (ring_bytes_seconds(i) >= other_marginal) {
             on[i] = false;
             left = changed = true;
           }
@@ -313,7 +316,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
             lowrank_fixed = lowrank_fixed || lowrank;
             continue;
           }
-          ring += c.ring_seconds - c.ring_latency;
+          ring += ring_bytes_seconds(i);
           if (fusable_ps(i)) {
             other += c.other_seconds - ps_message;  // its message is shared with others
             fused_bytes += layers[i].cost.parameters * layers[i].cost.element_bytes;
@@ -357,7 +360,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
           layer.chunks = static_cast<uint32_t>(layer.ps_chunks);  // placed after this pass
           if (ring[i]) {
             layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
-            layer.seconds = bucket[i] == 0 ? c.ring_seconds : c.ring_seconds - c.ring_latency;
+            layer.seconds = bucket[i] == 0 ? c.ring_seconds : ring_bytes_seconds(i);
           } else if (c.candidate) {
             layer.cost.scheme = c.other;
             layer.cost.wire = c.other == poseidon::v1::SYNC_SCHEME_PS ? c.ps_wire
@@ -433,7 +436,7 @@ void PlanRing(const PlannerConfig& config, const std::vector<RingChoice>& choice
     const double share = latency * (lowrank ? 2 : 1) / static_cast<double>(members.size());
     for (size_t i : members) {
       layers[i].allreduce_bucket = bucket[i];
-      layers[i].seconds = choices[i].ring_seconds - choices[i].ring_latency + share;
+      layers[i].seconds = ring_bytes_seconds(i) + share;
     }
   }
 }
@@ -672,8 +675,6 @@ absl::StatusOr<PlanResult> BuildPlan(const ModelSpec& model, const PlannerConfig
       choice.other_seconds = best_other;
       choice.ring_seconds = allreduce_best;
       choice.ring_wire = allreduce_wire;
-      choice.ring_latency = AllreduceSeconds(SchemeVolume{}, config.workers, network, step) *
-                            (layer.cost.lowrank > 0 ? 2 : 1);
       if (config.scheme_rule == SchemeRule::kTime && config.allreduce_step_seconds.has_value() &&
           allreduce_best < best_other) {
         layer.cost.scheme = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
