@@ -193,12 +193,13 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // Ring all-reduce can run: several ranks, a coordinator for Gloo's rendezvous, the scheme not
   // forced to PS (which a server-side rule does) or SFB, no data_tls (Gloo's transport has
   // no TLS: no tensor may cross the network in clear), and a job that does not take restarted
-  // ranks back (--rejoin_timeout: a Gloo ring cannot take a new member); the planner, told at
-  // registration, gives those layers PS or SFB.
+  // ranks back (--rejoin_timeout: a Gloo ring cannot take a new member; one that shrinks,
+  // --min_workers, goes on in a ring of the ranks left); the planner, told at registration,
+  // gives those layers PS or SFB.
   bool AllreducePossible() const {
     return config_.allreduce && !config_.data_tls.enabled && coord_ != nullptr &&
            config_.world_size > 1 && config_.rejoin_timeout == absl::ZeroDuration() &&
-           config_.min_workers == 0 && !config_.rejoin &&
+           !config_.rejoin &&
            (config_.scheme == "auto" || config_.scheme == "allreduce");
   }
   uint64_t RunningEpoch() const;
@@ -820,22 +821,11 @@ absl::Status Agent::Register() {
   ASSIGN_OR_RETURN(server_rule_, shm_->ReadServerRule());
   // A server-side rule keeps parameters on the servers: every layer goes by PS.
   if (server_rule_.rule != 0) config_.scheme = "ps";
-  if (config_.min_workers > 0 && config_.scheme == "allreduce") {
-    return absl::InvalidArgumentError(
-        "--min_workers needs PS or SFB layers (--scheme=auto, ps or sfb, not allreduce): a "
-        "ring cannot go on without a member yet");
-  }
   for (const LayerDesc& d : descs) {
     if (d.counters && server_rule_.rule == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer ", d.name, " is a layer of counters (PSD_LAYER_COUNTERS), which the KV servers "
           "hold under a server-side rule: set one first (psd_set_server_rule)"));
-    }
-    if (d.average && (config_.scheme == "allreduce" || AllreducePossible())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", d.name, " asks for the mean over the ranks summed (PSD_LAYER_AVERAGE), which "
-          "the KV servers and SFB compute, not all-reduce: run with --scheme=ps or sfb, or "
-          "--min_workers (no layer goes by all-reduce then)"));
     }
   }
   if (config_.min_workers > config_.world_size) {
@@ -944,6 +934,18 @@ absl::Status Agent::Register() {
     return absl::FailedPreconditionError(
         absl::StrCat("SFB layers need every agent's address (--peers: ", config_.world_size,
                      " entries, got ", config_.peers.size(), ")"));
+  }
+  // A rank taking up a running job whose plan runs layers by ring all-reduce (a job that may
+  // shrink: its ranks left went on in a ring without this one) cannot join that ring.
+  if (config_.rejoin && !to.allreduce_possible) {
+    for (const v1::LayerPlan& lp : plan.layers()) {
+      if (lp.scheme() != v1::SYNC_SCHEME_ALLREDUCE) continue;
+      return absl::FailedPreconditionError(
+          absl::StrCat("the job's plan runs layer ", lp.layer_name(),
+                       " (and maybe others) by ring all-reduce, and a ring cannot take a rank "
+                       "back: this rank cannot take up the running job (run jobs whose ranks "
+                       "come back with --scheme ps, sfb or auto without all-reduce)"));
+    }
   }
   auto table = BuildLayerTable(descs, plan, to);
   if (!table.ok()) {
@@ -1422,10 +1424,15 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
   // The others' SFB layers left this rank out: they say where they are and wait for it from
   // there (SfbSyncer::ComeBack), which fixes the iteration it can take up. Their PS layers can
   // still complete the clock before it, so the servers take it from there.
+  // Ring layers cannot take it back (their ring went on without it): refused before anything.
+  if (auto ring = syncers_.find(SyncerKind::kAllreduce); ring != syncers_.end()) {
+    RETURN_IF_ERROR(ring->second->ComeBack(deadline).status());
+  }
   uint64_t sfb_from = 0;
   if (ExchangesFactors()) {
     RETURN_IF_ERROR(ConnectPeers());
     for (auto& [kind, syncer] : syncers_) {
+      if (kind == SyncerKind::kAllreduce) continue;
       ASSIGN_OR_RETURN(const uint64_t from, syncer->ComeBack(deadline));
       sfb_from = std::max(sfb_from, from);
     }
@@ -2064,6 +2071,7 @@ absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>&
 void Agent::CheckLostMembers() {
   if (!lost_why_.empty()) return;
   std::vector<v1::LostMember> lost, departed;
+  std::vector<v1::LostMember> gone;  // left with an error, cannot be removed (ring layers)
   std::set<uint32_t> replaced;
   {
     std::lock_guard<std::mutex> lock(lost_mu_);
@@ -2167,13 +2175,17 @@ void Agent::CheckLostMembers() {
     std::erase_if(lost, [&](const v1::LostMember& m) {
       return remove(m, "declared dead by the coordinator");
     });
+    // Ring all-reduce layers have no KV server to name a rank that left and cannot be removed:
+    // their collectives would wait for a ring without it. It ends the job here, named.
+    const bool ring = syncers_.contains(SyncerKind::kAllreduce) && AllreducePossible();
     for (const v1::LostMember& m : departed) {
-      if (absl::Milliseconds(m.dead_for_ms()) >= config_.rejoin_timeout) {
-        remove(m, "left the job with an error");
+      if (absl::Milliseconds(m.dead_for_ms()) >= config_.rejoin_timeout &&
+          !remove(m, "left the job with an error") && ring && m.role() == v1::NODE_ROLE_AGENT) {
+        gone.push_back(m);
       }
     }
   }
-  if (lost.empty()) return;
+  if (lost.empty() && gone.empty()) return;
   std::vector<std::string> names;
   for (const v1::LostMember& m : lost) {
     // Who first: the framework's copy of a failure message is 128 bytes.
@@ -2181,8 +2193,16 @@ void Agent::CheckLostMembers() {
                         ? absl::StrCat("server ", m.node_id(), " (host ", m.host(), ")")
                         : absl::StrCat("rank ", m.rank(), " (host ", m.host(), ")"));
   }
-  lost_why_ = absl::StrCat(absl::StrJoin(names, ", "), " declared dead by the coordinator: ",
-                           lost.front().reason(), " (", lost.front().node_id(), ")");
+  if (lost.empty()) {
+    const v1::LostMember& m = gone.front();
+    lost_why_ = absl::StrCat("rank ", m.rank(), " (host ", m.host(), ") left the job with an "
+                             "error (", m.reason(), "), and it cannot go on without it: ",
+                             config_.world_size - ranks_removed_.size() - 1,
+                             " ranks would be left, its min_workers is ", config_.min_workers);
+  } else {
+    lost_why_ = absl::StrCat(absl::StrJoin(names, ", "), " declared dead by the coordinator: ",
+                             lost.front().reason(), " (", lost.front().node_id(), ")");
+  }
   PSD_LOG_ERROR("{}: the iterations of this job cannot complete without it", lost_why_);
   CountError("sync_failed");
   std::vector<std::pair<uint32_t, uint64_t>> waiting;

@@ -29,6 +29,25 @@
 // iteration is ready, and every member completes with it; a layer not in a bucket is a unit of
 // its own. Everything below works on units (a collective's tag is its first layer's index).
 //
+// Elastic jobs (--min_workers): a rank removed from the job (PeerRemoved, the coordinator's
+// word) leaves the ring. A Gloo context cannot drop a member, so each removal makes a new ring, a
+// generation: a context among the live ranks, connected through the rendezvous store under a
+// prefix naming the removed ranks (every live agent hears the same removals), on a thread of its
+// own (the keeper). The old ring takes no more collectives; those in it fail (a dead neighbour's
+// connection breaks; a rank whose collectives on the old ring all ended closes its connections,
+// so that the failure goes round the ring instead of waiting for the timeout). A failed
+// collective is run again on the next ring, from its input (each unit keeps a copy of the
+// gradient it sends) — but the dead rank may have died after some ranks completed it: the first
+// collective of a unit on a new ring is therefore an exchange of where each rank is (the last
+// iteration it completed, a one-element all-reduce of the maximum), and where some completed
+// iteration D and others not, the lowest-indexed rank that did sends D's result (each unit also
+// keeps its last result) to every rank (Gloo's broadcast): those that had not completed D
+// complete it with that result. Under BSP the ranks differ by at most one iteration of a unit
+// (no rank completes D before every rank posted it), so every live rank ends each iteration with
+// the same bits: the sum over the ranks of the ring that completed it. A layer that averages
+// (PSD_LAYER_AVERAGE) divides by that ring's ranks. Lossy wires and low rank are off in an
+// elastic job (their residuals and shards are per rank): its ring is float32, exact.
+//
 // Concurrency: Gloo's collectives block. Each posted layer's all-reduce runs on a thread of its
 // own (a pool that grows to the number of layers in flight, never beyond the layer count) with
 // the layer's index as Gloo's tag, so collectives of different layers proceed side by side and
@@ -37,9 +56,12 @@
 // iteration in flight, so its tag is unique among the collectives running. The ring uses the
 // link whole: the scheduler's credit and priority do not apply to it.
 //
-// Thread model: Start and Waiting on the main thread; the collectives on the pool's threads; a
-// CUDA layer's staging callback on the stager's thread. mu_ guards the queue, the pool's counts,
-// the running set and the broken state (a leaf lock; never held in Gloo).
+// Thread model: Start, Waiting and PeerRemoved on the main thread; the collectives on the pool's
+// threads; a CUDA layer's staging callback on the stager's thread; the connection of a new ring
+// on the keeper thread (elastic jobs). mu_ guards the queue, the pool's counts, the running set,
+// the broken state, the current ring (its in-flight count and failure) and the removed ranks (a
+// leaf lock; never held in Gloo). A unit's copies (UnitProgress) are used only by the thread
+// running the unit (one at a time).
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -51,6 +73,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "agent/gloo_ring.h"
 #include "agent/lowrank.h"
 #include "agent/syncer.h"
@@ -61,9 +84,11 @@
 #include "common/wire_codec.h"
 #include "gloo/allgatherv.h"
 #include "gloo/allreduce.h"
+#include "gloo/broadcast.h"
 #include "gloo/alltoallv.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/prefix_store.h"
 #include "gloo/transport/tcp/device.h"
 
 namespace poseidon::agent {
@@ -77,6 +102,52 @@ std::chrono::milliseconds Millis(absl::Duration d) {
 // the guard's vote, each in a tag space of its own.
 constexpr uint32_t kGatherTagBase = 1u << 29;
 constexpr uint32_t kVoteTagBase = 2u << 29;
+// Elastic jobs: a unit's exchange of where the ranks are on a new ring, and the hand-over of a
+// result some ranks lack.
+constexpr uint32_t kWhereTagBase = 3u << 29;
+constexpr uint32_t kHandOverTagBase = 4u << 29;
+
+// A Gloo context among the ranks of the job that are in it (every rank, or those left after
+// removals: elastic jobs), and its state.
+struct Ring {
+  uint32_t generation = 0;            // 0: the first ring; +1 for each ring made since
+  std::shared_ptr<gloo::Context> context;
+  std::vector<uint32_t> members;      // the job's ranks, in ring order
+  std::set<uint32_t> removed;         // the job's ranks not in it
+  uint32_t index = 0;                 // this rank's index in members
+  // Guarded by the syncer's mu_:
+  int in_flight = 0;                  // collectives running on it
+  bool failed = false;                // a collective failed on it, or a newer ring replaced it
+  bool closed = false;                // its connections were closed (failed, none in flight)
+  uint32_t Left() const { return members[(index + members.size() - 1) % members.size()]; }
+  uint32_t Right() const { return members[(index + 1) % members.size()]; }
+  std::string Describe() const {
+    return absl::StrCat("the Gloo ring of ", members.size(), " ranks",
+                        removed.empty() ? "" : absl::StrCat(" without rank",
+                                                            removed.size() > 1 ? "s " : " ",
+                                                            absl::StrJoin(removed, ", ")),
+                        " (neighbours: ranks ", Left(), " and ", Right(), ")");
+  }
+};
+
+// Where the ranks are with a unit on a new ring (elastic jobs): from the maximum of each rank's
+// (last completed iteration, index) key and of its complement, the highest completed iteration,
+// the rank that sends its result (the lowest index among those that completed it) and the lowest
+// completed iteration.
+struct UnitWhere {
+  uint64_t highest = 0;
+  uint32_t sender = 0;  // ring index
+  uint64_t lowest = 0;
+};
+inline constexpr uint32_t kWhereIndexBits = 16;  // rings of at most 65,535 ranks
+inline uint64_t WhereKey(uint64_t done, uint32_t index) {
+  return (done << kWhereIndexBits) | ((1u << kWhereIndexBits) - 1 - index);
+}
+inline UnitWhere DecodeWhere(uint64_t max_key, uint64_t max_complement) {
+  const uint64_t mask = (uint64_t{1} << kWhereIndexBits) - 1;
+  return {max_key >> kWhereIndexBits, static_cast<uint32_t>(mask - (max_key & mask)),
+          ~max_complement};
+}
 
 // What one collective covers: a layer, or an all-reduce bucket of consecutive layers.
 struct Unit {
@@ -121,10 +192,22 @@ struct LowRankUnit {
   bool released = false;      // the residuals went out with the first exact all-reduce
 };
 
+// A unit's copies in an elastic job: the gradient it posted (a failed collective goes again
+// from it) and its last result (handed over to ranks that lack it), with that iteration and the
+// ring generation the unit last ran in. Used only by the thread running the unit.
+struct UnitProgress {
+  std::vector<float> input, result;
+  uint64_t done = 0;  // the last iteration completed (0: none)
+  uint32_t generation = 0;
+};
+
 class AllreduceSyncer final : public Syncer {
  public:
   explicit AllreduceSyncer(SyncEnv& env)
-      : env_(env), unit_of_(env.table->layers.size()), gathering_(env.table->ring_groups.size()) {
+      : env_(env),
+        elastic_(env.config->min_workers > 0),
+        unit_of_(env.table->layers.size()),
+        gathering_(env.table->ring_groups.size()) {
     // Bucket members are consecutive: the units follow the layers in order.
     const LayerTable& table = *env.table;
     for (uint32_t l = 0; l < table.layers.size(); ++l) {
@@ -148,6 +231,7 @@ class AllreduceSyncer final : public Syncer {
       unit_of_[l] = static_cast<uint32_t>(units_.size());
       units_.push_back(std::move(u));
     }
+    if (elastic_) progress_.resize(units_.size());
   }
   ~AllreduceSyncer() override { Stop(); }
 
@@ -169,8 +253,30 @@ class AllreduceSyncer final : public Syncer {
     }
     device_ = std::move(ring.device);
     context_ = std::move(ring.context);
-    if (const absl::Status s = PrepareLossy(); !s.ok()) return s;
-    PrepareLowRank();
+    {
+      auto first = std::make_shared<Ring>();
+      first->context = context_;
+      for (uint32_t r = 0; r < world; ++r) first->members.push_back(r);
+      first->index = rank;
+      std::lock_guard<std::mutex> lock(mu_);
+      ring_ = std::move(first);
+    }
+    if (elastic_) {
+      // Residuals and shards are per rank and ring: an elastic job's ring is float32, exact.
+      size_t off = 0;
+      for (const LayerSpec& l : env_.table->layers) {
+        off += l.allreduce_capable && (IsLossy(l.wire) || l.lowrank > 0) ? 1 : 0;
+      }
+      if (off > 0) {
+        PSD_LOG_WARN("all-reduce: {} layers would go on a lossy wire or at low rank on the ring; "
+                     "in a job that may shrink (--min_workers) the ring sums float32 (exact)",
+                     off);
+      }
+      keeper_ = std::thread([this] { Keep(); });
+    } else {
+      if (const absl::Status s = PrepareLossy(); !s.ok()) return s;
+      PrepareLowRank();
+    }
     if (env_.telemetry) env_.telemetry->SetAllreduceStep(ring.step);
     PSD_LOG_INFO("all-reduce: Gloo ring of {} ranks connected ({}), {} per step", world,
                  env_.own_host.empty() ? "127.0.0.1" : env_.own_host,
@@ -219,11 +325,15 @@ class AllreduceSyncer final : public Syncer {
     const Unit& unit = units_[unit_of_[layer]];
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok()) return absl::StrCat("all-reduce (the ring failed: ", broken_.message(), ")");
-    if (running_.count(unit.first) != 0) {
+    if (running_.count(unit.first) != 0 && ring_ != nullptr) {
+      if (ring_->failed) {
+        return absl::StrCat("all-reduce", unit.members.size() > 1 ? " of " + unit.name : "",
+                            ": ", ring_->Describe(), " failed; waiting for the ring of the ranks "
+                            "left (", removed_.size(), " removed from the job)");
+      }
       return absl::StrCat("all-reduce", unit.members.size() > 1 ? " of " + unit.name : "",
-                          " in the Gloo ring of ", env_.config->world_size,
-                          " ranks (this rank's neighbours: ranks ", Left(), " and ", Right(),
-                          "; ", running_.size(), " collectives in the ring)");
+                          " in ", ring_->Describe(), ", ", running_.size(),
+                          " collectives in the ring");
     }
     if (const int group = env_.table->layers[layer].ring_group; group >= 0) {
       const Gathering& g = gathering_[static_cast<size_t>(group)];  // the main thread's
@@ -244,10 +354,275 @@ class AllreduceSyncer final : public Syncer {
       threads.swap(threads_);
     }
     cv_.notify_all();
+    ring_cv_.notify_all();
     for (auto& t : threads) t.join();
+    // A keeper connecting a ring waits for it at most the sync timeout.
+    if (keeper_.joinable()) keeper_.join();
+  }
+
+  // Elastic jobs: `rank` left the job. The ring it is in takes no more collectives; the keeper
+  // connects one among the ranks left.
+  void PeerRemoved(uint32_t rank) override {
+    if (!elastic_ || rank >= env_.config->world_size || rank == env_.config->rank) return;
+    std::shared_ptr<Ring> close;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!removed_.insert(rank).second || ring_ == nullptr) return;
+      close = FailLocked(ring_);
+    }
+    if (close) CloseRing(*close);
+    ring_cv_.notify_all();
+  }
+
+  // A removed rank's replacement: the ring cannot take it back (a Gloo context's members are
+  // fixed, and the others' rings went on without it). A replacement is started with --rejoin,
+  // which keeps its own layers off the ring (Agent::Register refuses a plan with ring layers
+  // then); this is the check where a ring was connected all the same.
+  absl::StatusOr<uint64_t> ComeBack(absl::Time) override {
+    if (context_ == nullptr) return uint64_t{0};
+    return absl::FailedPreconditionError(
+        "this job's plan runs layers by ring all-reduce, and the ranks left go on in a ring "
+        "without this one: a ring cannot take a removed rank back (run with --scheme ps, sfb "
+        "or auto without all-reduce for ranks to come back)");
   }
 
  private:
+  // Marks `ring` failed (mu_ held); the ring to close now when nothing runs on it any more.
+  static std::shared_ptr<Ring> FailLocked(const std::shared_ptr<Ring>& ring) {
+    ring->failed = true;
+    if (ring->in_flight > 0 || ring->closed) return nullptr;
+    ring->closed = true;
+    return ring;
+  }
+
+  // Closes a failed ring's connections (mu_ not held): its peers' collectives in it fail at once
+  // instead of waiting for their timeout.
+  static void CloseRing(Ring& ring) {
+    try {
+      ring.context->closeConnections();
+    } catch (const std::exception& e) {
+      PSD_LOG_DEBUG("all-reduce: closing {}: {}", ring.Describe(), e.what());
+    }
+  }
+
+  // The keeper (elastic jobs): once ranks were removed, connects the ring of the ranks left
+  // through the rendezvous store under a prefix naming the removed ranks, and makes it the
+  // current ring. A ring that cannot connect within the sync timeout while no further rank was
+  // removed fails what waits for it.
+  void Keep() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      ring_cv_.wait(lock, [&] { return stopping_ || removed_ != ring_->removed; });
+      if (stopping_) return;
+      const std::set<uint32_t> removed = removed_;
+      const uint32_t generation = ring_->generation + 1;
+      lock.unlock();
+      auto next = std::make_shared<Ring>();
+      next->generation = generation;
+      next->removed = removed;
+      for (uint32_t r = 0; r < env_.config->world_size; ++r) {
+        if (removed.contains(r)) continue;
+        if (r == env_.config->rank) next->index = static_cast<uint32_t>(next->members.size());
+        next->members.push_back(r);
+      }
+      absl::Status s;
+      if (next->members.size() < 2) {
+        s = absl::FailedPreconditionError("no other rank is left for a ring");
+      } else {
+        try {
+          gloo::rendezvous::PrefixStore store(
+              absl::StrCat("ring-without-", absl::StrJoin(removed, "-")), *env_.rendezvous);
+          auto context = std::make_shared<gloo::rendezvous::Context>(
+              static_cast<int>(next->index), static_cast<int>(next->members.size()));
+          context->setTimeout(Millis(env_.config->sync_timeout));
+          context->connectFullMesh(store, device_);
+          next->context = std::move(context);
+        } catch (const std::exception& e) {
+          s = absl::UnavailableError(e.what());
+        }
+      }
+      lock.lock();
+      if (stopping_) return;
+      if (!s.ok()) {
+        if (removed_ != removed) continue;  // a further removal: connect without it too
+        const absl::Status error = absl::UnavailableError(absl::StrCat(
+            "all-reduce: connecting the ring of the ", next->members.size(),
+            " ranks left (without rank", removed.size() > 1 ? "s " : " ",
+            absl::StrJoin(removed, ", "), "): ", s.message()));
+        PSD_LOG_ERROR("{}", error.message());
+        if (broken_.ok()) broken_ = error;
+        lock.unlock();
+        ring_cv_.notify_all();
+        return;
+      }
+      const std::shared_ptr<Ring> old = ring_;
+      const std::shared_ptr<Ring> close = FailLocked(old);
+      ring_ = next;
+      lock.unlock();
+      if (close) CloseRing(*close);
+      PSD_LOG_WARN("all-reduce: {} connected (ring generation {}): the all-reduces that "
+                   "failed in the ring before go again in it", next->Describe(), generation);
+      ring_cv_.notify_all();
+      lock.lock();
+    }
+  }
+
+  // The current ring once it is at least `generation` and not failed, counted in flight; null
+  // with why when the keeper failed, the syncer stops, or `deadline` passed.
+  std::shared_ptr<Ring> AcquireRing(uint32_t generation, absl::Time deadline,
+                                    absl::Status* why) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto until = absl::ToChronoTime(deadline);
+    const bool ready = ring_cv_.wait_until(lock, until, [&] {
+      return stopping_ || !broken_.ok() ||
+             (ring_ != nullptr && ring_->generation >= generation && !ring_->failed);
+    });
+    if (stopping_) {
+      *why = absl::CancelledError("the agent stops");
+      return nullptr;
+    }
+    if (!broken_.ok()) {
+      *why = broken_;
+      return nullptr;
+    }
+    if (!ready) {
+      *why = absl::DeadlineExceededError(absl::StrCat(
+          "no ring without the lost rank came within ", absl::FormatDuration(
+              env_.config->sync_timeout), " (", removed_.size(),
+          " ranks removed from the job; --min_workers ", env_.config->min_workers, ")"));
+      return nullptr;
+    }
+    ++ring_->in_flight;
+    return ring_;
+  }
+
+  // A collective on `ring` ended (`ok`: it completed).
+  void ReleaseRing(const std::shared_ptr<Ring>& ring, bool ok) {
+    std::shared_ptr<Ring> close;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --ring->in_flight;
+      if (!ok || ring->failed) close = FailLocked(ring);
+    }
+    if (close) CloseRing(*close);
+    if (!ok) ring_cv_.notify_all();
+  }
+
+  // Divides the members of a unit that average (PSD_LAYER_AVERAGE) by the ranks summed.
+  void Average(const Unit& unit, float* span, size_t ranks) const {
+    const float scale = 1.0f / static_cast<float>(ranks);
+    const uint64_t base = env_.table->layers[unit.first].layout.grad_offset;
+    for (uint32_t member : unit.members) {
+      const LayerSpec& spec = env_.table->layers[member];
+      if (!spec.desc.average) continue;
+      float* v = span + (spec.layout.grad_offset - base) / sizeof(float);
+      for (uint64_t i = 0; i < spec.desc.elements; ++i) v[i] *= scale;
+    }
+  }
+
+  // One all-reduce of a unit in an elastic job (the file's comment): on the current ring, again
+  // on the next one after a failure, each time from the gradient posted. `ring_out`: the ring it
+  // completed in (its size and neighbours for the telemetry).
+  absl::Status ElasticReduce(const Post& post, const Unit& unit,
+                             std::shared_ptr<Ring>* ring_out) {
+    float* grad = env_.shm->Grad(post.layer);
+    const size_t n = unit.elements;
+    UnitProgress& at = progress_[unit_of_[post.layer]];
+    if (at.input.size() != n) {
+      at.input.assign(n, 0.0f);
+      at.result.assign(n, 0.0f);
+    }
+    std::copy(grad, grad + n, at.input.begin());
+    const absl::Time deadline = absl::Now() + env_.config->sync_timeout;
+    uint32_t generation = 0;
+    absl::Status first;  // the first failure (the one to report)
+    while (true) {
+      absl::Status why;
+      std::shared_ptr<Ring> ring = AcquireRing(generation, deadline, &why);
+      if (ring == nullptr) {
+        return first.ok() ? why : Annotate(first, absl::StrCat("and then ", why.message()));
+      }
+      bool handed_over = false;
+      absl::Status s;
+      if (at.generation != ring->generation) {
+        s = Where(*ring, post, unit, at, &handed_over);
+        if (s.ok()) at.generation = ring->generation;
+      }
+      if (s.ok() && !handed_over) {
+        s = Sum(ring->context, grad, n, post.layer);
+        if (s.ok() && env_.allreduce_fault) s = env_.allreduce_fault(unit.first, post.iteration);
+        if (s.ok()) Average(unit, grad, ring->members.size());
+      }
+      ReleaseRing(ring, s.ok());
+      if (s.code() == absl::StatusCode::kInternal) return Annotate(s, ring->Describe());
+      if (s.ok()) {
+        at.done = post.iteration;
+        std::copy(grad, grad + n, at.result.begin());
+        *ring_out = std::move(ring);
+        return absl::OkStatus();
+      }
+      if (first.ok()) first = Annotate(s, ring->Describe());
+      PSD_LOG_WARN("all-reduce of {} iteration {} failed in {} ({}): it goes again in the ring "
+                   "of the ranks left", unit.name, post.iteration, ring->Describe(), s.message());
+      std::copy(at.input.begin(), at.input.end(), grad);
+      generation = ring->generation + 1;
+    }
+  }
+
+  // The first collective of a unit on a new ring (elastic jobs): where the ranks are with it, and
+  // the hand-over of the highest completed iteration's result to the ranks without it.
+  // `handed_over`: this rank's post completed with it.
+  absl::Status Where(const Ring& ring, const Post& post, const Unit& unit, UnitProgress& at,
+                     bool* handed_over) {
+    uint64_t keys[2] = {WhereKey(at.done, ring.index), ~at.done};
+    try {
+      gloo::AllreduceOptions opts(ring.context);
+      opts.setOutput(keys, 2);
+      opts.setReduceFunction(
+          static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::max<uint64_t>));
+      opts.setTag(kWhereTagBase + unit.first);
+      opts.setTimeout(Millis(env_.config->sync_timeout));
+      gloo::allreduce(opts);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("where the ranks are: ", e.what()));
+    }
+    const UnitWhere where = DecodeWhere(keys[0], keys[1]);
+    if (where.lowest == where.highest) return absl::OkStatus();  // all alike
+    if (where.highest > where.lowest + 1 || at.done + 1 < where.highest ||
+        where.sender >= ring.members.size()) {
+      return absl::InternalError(absl::StrCat(
+          "the ranks of ", ring.Describe(), " are ", where.highest - where.lowest,
+          " iterations apart on ", unit.name, " (completed ", where.lowest, " to ", where.highest,
+          "): more than BSP allows"));
+    }
+    const bool lacks = at.done < where.highest;
+    if (lacks && post.iteration != where.highest) {
+      return absl::InternalError(absl::StrCat("iteration ", where.highest, " of ", unit.name,
+                                              " came from another rank while this one posted ",
+                                              post.iteration));
+    }
+    float* out = lacks ? env_.shm->Grad(post.layer) : at.result.data();
+    try {
+      gloo::BroadcastOptions opts(ring.context);
+      opts.setOutput(out, unit.elements);
+      opts.setRoot(static_cast<int>(where.sender));
+      opts.setTag(kHandOverTagBase + unit.first);
+      opts.setTimeout(Millis(env_.config->sync_timeout));
+      gloo::broadcast(opts);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("handing over iteration ", where.highest, ": ",
+                                                 e.what()));
+    }
+    if (lacks) {
+      *handed_over = true;
+      PSD_LOG_WARN("all-reduce of {} iteration {}: rank {} completed it before the ring lost a "
+                   "rank and handed its result over", unit.name, where.highest,
+                   ring.members[where.sender]);
+    }
+    return absl::OkStatus();
+  }
+
+  // The neighbours in the first ring (every rank).
   uint32_t Left() const {
     const uint32_t w = env_.config->world_size;
     return (env_.config->rank + w - 1) % w;
@@ -285,7 +660,11 @@ class AllreduceSyncer final : public Syncer {
       const auto low = lowrank_.find(post.layer);
       LowRankUnit* const lr = low == lowrank_.end() ? nullptr : low->second.get();
       bool factored = false;  // this all-reduce sent low-rank factors
-      absl::Status s = broken.ok() ? Reduce(post, unit, ring, lr, &factored) : broken;
+      std::shared_ptr<Ring> in;  // the ring it completed in (elastic jobs)
+      absl::Status s = !broken.ok() ? broken
+                       : elastic_   ? ElasticReduce(post, unit, &in)
+                                    : Reduce(post, unit, ring, lr, &factored);
+      if (s.ok() && !elastic_) Average(unit, env_.shm->Grad(post.layer), env_.config->world_size);
       const uint64_t bytes = unit.elements * sizeof(float);
       // What went on the wire: half the bytes while the layer is lossy (one that fell back in
       // this Reduce sent float32; this thread is the only one using the entry now), the factors
@@ -304,10 +683,10 @@ class AllreduceSyncer final : public Syncer {
       if (s.ok() && env_.telemetry) {
         // The ring's bytes: 2 (P - 1) / P of the gradient to the right neighbour, as much from
         // the left (`poseidon status`'s peer links).
-        const uint32_t w = env_.config->world_size;
+        const auto w = static_cast<uint32_t>(in ? in->members.size() : env_.config->world_size);
         const uint64_t moved = 2 * (w - 1) * wire_bytes / w;
-        env_.telemetry->AddPeerBytes(Right(), moved, 0);
-        env_.telemetry->AddPeerBytes(Left(), 0, moved);
+        env_.telemetry->AddPeerBytes(in ? in->Right() : Right(), moved, 0);
+        env_.telemetry->AddPeerBytes(in ? in->Left() : Left(), 0, moved);
       }
       if (s.ok() && post.on_device) {  // a layer of its own (buckets are host memory)
         s = env_.stager->load(std::memory_order_acquire)
@@ -325,11 +704,15 @@ class AllreduceSyncer final : public Syncer {
     }
   }
 
-  // One Gloo all-reduce (sum) of `count` floats in place, bounded by sync_timeout; Gloo's
-  // exception as UNAVAILABLE.
+  // One Gloo all-reduce (sum) of `count` floats in place in the first ring (or in `context`),
+  // bounded by sync_timeout; Gloo's exception as UNAVAILABLE.
   absl::Status Sum(float* data, size_t count, uint32_t tag) {
+    return Sum(context_, data, count, tag);
+  }
+  absl::Status Sum(const std::shared_ptr<gloo::Context>& context, float* data, size_t count,
+                   uint32_t tag) {
     try {
-      gloo::AllreduceOptions opts(context_);
+      gloo::AllreduceOptions opts(context);
       opts.setOutput(data, count);
       opts.setReduceFunction(
           static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
@@ -631,6 +1014,7 @@ class AllreduceSyncer final : public Syncer {
   }
 
   SyncEnv& env_;
+  const bool elastic_;  // --min_workers: rings of the ranks left (the file's comment)
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;  // set in Ready, before any layer is posted
   // The units, and each layer's (built at construction, then only read).
@@ -656,6 +1040,12 @@ class AllreduceSyncer final : public Syncer {
   std::set<uint32_t> running_;       // units in the ring now (by first layer)
   absl::Status broken_;              // the first failure: every later all-reduce fails with it
   bool stopping_ = false;
+  std::shared_ptr<Ring> ring_;       // the current ring (Ready; elastic jobs: the keeper's)
+  std::set<uint32_t> removed_;       // the ranks removed from the job (PeerRemoved)
+  std::condition_variable ring_cv_;  // removed_, ring_ or broken_ changed, or stopping_
+  std::thread keeper_;               // elastic jobs: connects the rings of the ranks left
+  // Elastic jobs, by unit: each used only by the thread running the unit.
+  std::vector<UnitProgress> progress_;
 };
 
 }  // namespace

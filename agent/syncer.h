@@ -230,6 +230,10 @@ struct SyncEnv {
   // The Gloo ring the agent connected before registering its model (agent/gloo_ring.h; the
   // all-reduce syncer takes it over), or null: the syncer connects one through `rendezvous`.
   GlooRing* ring = nullptr;
+  // Tests only (null in the agent): called on a unit's pool thread after each of its all-reduces
+  // in an elastic job completed in the ring; a non-OK status makes it count as failed on this
+  // rank (as when its last receive broke after the other ranks had completed).
+  std::function<absl::Status(uint32_t unit, uint64_t iteration)> allreduce_fault;
   // Part `part` of the layer's iteration completed (PS: chunk index; SFB and buckets: 0). For a
   // PS part on the device, the result is already on its way back to the GPU.
   std::function<void(uint32_t layer, uint64_t iteration, int part, const absl::Status&)> finished;

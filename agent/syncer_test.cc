@@ -703,6 +703,93 @@ TEST_F(SfbShrinkTest, RelayedFactorsNamingNoThirdRankAreRefusedSayingWhy) {
   }
 }
 
+// Elastic jobs (--min_workers): the all-reduce syncer goes on in a ring of the ranks left
+// (allreduce_syncer.cc). Three ranks; the 100-element layer 3 by all-reduce.
+class AllreduceShrinkTest : public SyncerTest {
+ protected:
+  uint32_t World() const override { return 3; }
+  void Adjust(Rank& r) override { r.config.min_workers = 2; }
+
+  void PostRing(uint32_t rank, uint64_t t) { Post(*ranks_[rank], 3, t, SyncerKind::kAllreduce); }
+
+  // Rank `rank`'s layer 3 holds the exact sum of iteration t over the ranks `of`.
+  void ExpectRingSum(uint32_t rank, uint64_t t, const std::vector<uint32_t>& of) {
+    const float* g = ranks_[rank]->shm->Grad(3);
+    for (uint64_t i = 0; i < 100; ++i) {
+      float want = 0;
+      for (uint32_t p : of) want += Value(p, t, 3, i);
+      ASSERT_EQ(g[i], want) << "rank " << rank << " t " << t << " element " << i;
+    }
+  }
+
+  // Rank 2 dies: its syncer (and its Gloo connections) go away; ranks 0 and 1 remove it.
+  void KillRank2AndRemoveIt() {
+    ranks_[2]->syncers.erase(SyncerKind::kAllreduce);
+    for (uint32_t r : {0u, 1u}) ranks_[r]->syncers.at(SyncerKind::kAllreduce)->PeerRemoved(2);
+  }
+};
+
+// Rank 2 dies before it posts iteration 2: the all-reduces of ranks 0 and 1 fail in the ring of
+// three and go again, from the gradients they posted, in the ring of the two left.
+TEST_F(AllreduceShrinkTest, AnAllreduceInARingThatLostARankGoesAgainInTheRingOfTheRanksLeft) {
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 1);
+  for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  for (uint32_t r = 0; r < 3; ++r) ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 1, {0, 1, 2}));
+  PostRing(0, 2);
+  PostRing(1, 2);
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_THAT(ranks_[0]->syncers.at(SyncerKind::kAllreduce)->Waiting(3, 2, {}),
+              ::testing::HasSubstr("in the Gloo ring of 3 ranks (neighbours: ranks 2 and 1)"));
+  KillRank2AndRemoveIt();
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 2, {0, 1}));
+  }
+  for (uint32_t r : {0u, 1u}) PostRing(r, 3);
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 3, {0, 1}));
+  }
+}
+
+// Rank 1's all-reduce of iteration 2 breaks after ranks 0 and 2 completed it (its last receive
+// failed), then rank 2 dies: in the ring of ranks 0 and 1, rank 0 hands its result of 2 (the sum
+// over all three) to rank 1, and iteration 3 is the sum over the two — every rank ends every
+// iteration with the same bits.
+TEST_F(AllreduceShrinkTest, AResultSomeRanksCompletedBeforeTheRingBrokeIsHandedToTheOthers) {
+  ranks_[1]->env.allreduce_fault = [](uint32_t, uint64_t t) {
+    return t == 2 ? absl::UnavailableError("forged: the last receive broke")
+                  : absl::OkStatus();
+  };
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 1);
+  for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 2);
+  for (uint32_t r : {0u, 2u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 2, {0, 1, 2}));
+  }
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_THAT(ranks_[1]->syncers.at(SyncerKind::kAllreduce)->Waiting(3, 2, {}),
+              ::testing::HasSubstr("failed; waiting for the ring of the ranks left"));
+  KillRank2AndRemoveIt();
+  PostRing(0, 3);  // rank 0 is at 3: its first collective in the new ring says it has 2
+  ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[1]));
+  ASSERT_NO_FATAL_FAILURE(ExpectRingSum(1, 2, {0, 1, 2}));
+  PostRing(1, 3);
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 3, {0, 1}));
+  }
+}
+
+// A removed rank's replacement is refused by a syncer whose ring went on without it.
+TEST_F(AllreduceShrinkTest, AReplacementCannotComeBackIntoTheRing) {
+  const auto back = ranks_[0]->syncers.at(SyncerKind::kAllreduce)->ComeBack(absl::Now());
+  ASSERT_FALSE(back.ok());
+  EXPECT_THAT(std::string(back.status().message()),
+              ::testing::HasSubstr("a ring cannot take a removed rank back"));
+}
+
 // A resumed job: a layer goes on from its keys' restored clock, which must agree. A rank
 // rejoining a running job (rejoin_top: the highest completed clock of the job's keys): a layer
 // there or one behind starts one below it (its first push is that clock, a retransmission where

@@ -938,32 +938,6 @@ TEST(Faults, AHostileWriterOnTheSharedMemoryDoesNotCrashTheAgent) {
   EXPECT_EQ(out.find("runtime error"), std::string::npos) << out;
 }
 
-// PSD_LAYER_AVERAGE asks for the mean over the ranks each clock summed, which the KV servers
-// (PS) and the agents (SFB) compute: an agent whose layers may go by all-reduce refuses it,
-// naming the layer and what it needs; one on SFB takes it.
-TEST(CAbi, AnAveragedLayerCannotGoByAllreduce) {
-  const uint64_t shape[2] = {8, 4};
-  psd_layer_desc layer{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, PSD_LAYER_AVERAGE};
-  {
-    Cluster cluster(0, 1, "allreduce");
-    psd_context* ctx = cluster.Attach(0);
-    ASSERT_NE(ctx, nullptr);
-    EXPECT_EQ(psd_register_layers(ctx, &layer, 1, 30000), PSD_FAILED_PRECONDITION);
-    const std::string why = psd_last_error();
-    EXPECT_NE(
-        why.find("layer fc.weight asks for the mean over the ranks summed (PSD_LAYER_AVERAGE)"),
-        std::string::npos)
-        << why;
-    EXPECT_NE(why.find("not all-reduce: run with --scheme=ps or sfb"), std::string::npos) << why;
-    psd_detach(ctx);
-  }
-  Cluster cluster(0, 1, "sfb");
-  psd_context* ctx = cluster.Attach(0);
-  ASSERT_NE(ctx, nullptr);
-  EXPECT_EQ(psd_register_layers(ctx, &layer, 1, 30000), PSD_OK) << psd_last_error();
-  psd_detach(ctx);
-}
-
 // PSD_LAYER_COUNTERS is held by the KV servers under a server-side rule: without one the agent
 // refuses it, naming the layer.
 TEST(CAbi, ACountersLayerNeedsAServerSideRule) {

@@ -40,6 +40,12 @@ the survivors' agents where their SFB layers are, takes up the job past the high
 survivor's agent logs that the rank's SFB factors count again from the iteration it was
 readmitted from — the same iteration as its PS layers', every result exact.
 
+With --scheme allreduce (every layer in the Gloo ring, ops_shrink_allreduce) the same trials
+check that each survivor's agent connected a ring of the three ranks left (generation 1): the
+all-reduces that failed in the ring of four go again there, each from the gradient posted, and
+where the killed rank died after some ranks had completed an all-reduce, the others take that
+result (every result exact, as above). No return trials: a ring cannot take a rank back.
+
 Then --min_workers=4: a rank killed is not removed, and the others fail, naming it. Every process
 is killed (and every shared-memory segment removed) on every path."""
 
@@ -141,22 +147,40 @@ def trial(args, t, rng, kill_agent, pauses, steps):
             check(f"rank {victim} " in log and
                   f"the job goes on with {RANKS - 1} of its {RANKS} workers" in log,
                   f"trial {t}: rank {r}'s agent logs that the job goes on without rank {victim}")
-            if args.scheme != "ps":
+            if args.scheme == "allreduce":
+                # The ring of the three left connected, and the all-reduces that failed in the
+                # ring of four went again in it (or took the result a rank had completed).
+                ring = re.search(rf"the Gloo ring of 3 ranks without rank {victim} \(neighbours: "
+                                 rf"ranks \d+ and \d+\) connected \(ring generation 1\)", log)
+                check(ring is not None,
+                      f"trial {t}: rank {r}'s agent connected the ring of the three ranks left")
+                handed = re.findall(r"all-reduce of (\S+) iteration (\d+): rank (\d+) "
+                                    r"completed it before the ring lost a rank", log)
+                again = log.count("it goes again in the ring of the ranks left")
+                print(f"trial {t}: rank {r}: {again} all-reduces went again in the new ring, "
+                      f"{len(handed)} took the result another rank had completed before rank "
+                      f"{victim} died {sorted(set(handed))}", flush=True)
+            elif args.scheme != "ps":
                 cuts = re.findall(rf"layer (\d+): rank {victim}'s SFB factors count up to "
                                   rf"iteration (\d+), not after", log)
                 check(len(cuts) >= 3,
                       f"trial {t}: rank {r}'s agent agreed on the last iteration of rank "
                       f"{victim}'s factors on each SFB layer ({cuts})")
-        if args.scheme != "ps":
+        if args.scheme == "allreduce":
+            ring = [re.search(r"all-reduce: Gloo ring of 4 ranks connected",
+                              "\n".join(agents[r].lines + agents[r].stderr)) for r in survivors]
+            check(all(ring), f"trial {t}: every survivor ran its layers in the ring of four first")
+        elif args.scheme != "ps":
             sfb = [re.search(r"(\d+) on SFB", "\n".join(synths[r].lines)) for r in survivors]
             check(all(m is not None and int(m.group(1)) > 0 for m in sfb),
                   f"trial {t}: layers on SFB as registered, every survivor "
                   f"({[m.group(1) if m else None for m in sfb]})")
         server_log = "\n".join(l for s in servers for l in s.lines + s.stderr)
-        check(f"rank {victim} (" in server_log and "it is removed, the job goes on with 3 of its "
+        # With every layer on the ring the KV servers hold no key: the agents alone remove it.
+        check(args.scheme == "allreduce" or f"rank {victim} (" in server_log and "it is removed, the job goes on with 3 of its "
               "4 workers" in server_log,
               f"trial {t}: a KV server logs that rank {victim} is removed")
-        if kill_agent:
+        if kill_agent and args.scheme != "allreduce":
             # Declared dead on a report of its closed connections (a KV server's ranks_gone; in a
             # job with SFB layers also the agents' peers_gone) once it missed two heartbeats
             # (0.8 s here), not at the end of its 2 s lease.
@@ -307,8 +331,10 @@ def main():
         ap.add_argument(f"--{flag}", required=True)
     ap.add_argument("--trials", type=int, default=1, help="per kind of kill")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--scheme", choices=("ps", "sfb", "auto"), default="ps",
-                    help="the agents' --scheme (auto: the FC layers on SFB)")
+    ap.add_argument("--scheme", choices=("ps", "sfb", "auto", "allreduce"), default="ps",
+                    help="the agents' --scheme (auto: the FC layers on SFB; allreduce: every "
+                         "layer in the Gloo ring, which cannot take a rank back: no return "
+                         "trials)")
     args = ap.parse_args()
     job_environment(TOKEN, SECRET)
     seed = args.seed if args.seed is not None else int(time.time())
@@ -318,7 +344,7 @@ def main():
     for t in range(2 * args.trials):
         trial(args, t, rng, kill_agent=t % 2 == 1, pauses=pauses, steps=steps)
     costs, readies = [], []
-    for t in range(2 * args.trials):
+    for t in range(2 * args.trials if args.scheme != "allreduce" else 0):
         comes_back(args, f"back{t}", rng, kill_agent=t % 2 == 1, costs=costs, readies=readies)
     report(pauses, "killed: the longest of the survivors' three iterations after the kill took "
                    "longer than their median iteration by")
@@ -329,7 +355,10 @@ def main():
         print("iteration time before / after the world shrank (median per trial): " +
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
     too_few(args)
-    back = ("a replacement that comes later is readmitted and the world grows again"
+    back = ("every all-reduce left in the ring of four went again in the ring of the ranks "
+            "left, or took the result a rank had completed"
+            if args.scheme == "allreduce" else
+            "a replacement that comes later is readmitted and the world grows again"
             if args.scheme == "ps" else
             "the live agents agree on each SFB layer's last iteration that counts it; a "
             "replacement that comes later is readmitted, its SFB layers from the same iteration "

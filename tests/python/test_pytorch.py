@@ -670,6 +670,35 @@ class Recovery(WorkersTest):
             self.assertNotEqual(reference(adam, workers=4, steps=steps)[0].tolist(),
                                 want[0].tolist())
 
+    def test_a_crashed_rank_leaves_the_ring_and_the_job_goes_on_with_the_ranks_left(self):
+        # --min_workers with every layer by ring all-reduce and the script's own SGD (the DDP
+        # contract): rank 1 of 4 dies before step 17 and is not restarted; the other agents'
+        # all-reduces of step 17 fail in the ring of four and go again in a ring of the three
+        # left, each .grad the mean over those three (PSD_LAYER_AVERAGE: the ring divides by its
+        # ranks): the job ends with the parameters of one process on the 4x batch until step 17
+        # and on the three ranks' batch after.
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        steps = 50
+        want = reference_shrunk(sgd, workers=4, removed=1, from_step=17, steps=steps)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r = launch(["-n", "4", "--scheme", "allreduce", "--min_workers", "3", "--", PY,
+                        os.path.join(HERE, "equivalence_worker.py"), out,
+                        "workers=4,crash-at=17,report-world,world-hook,"
+                        f"steps={steps},step-sleep=0.2"], timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("rank 1 crashes", r.stdout)
+            self.assertIn("rank 1 failed with exit code 3; no restart left: the job goes on with "
+                          "3 of 4 workers (--min_workers 3)", r.stderr)
+            self.assertIn("rank 0 ends in world (0, 3, 1)", r.stdout)
+            hooks = re.findall(r"rank 2 after step (\d+): world (\(.*\)) -> (\(.*\))", r.stdout)
+            self.assertEqual([(old, new) for _, old, new in hooks], [("(2, 4, 0)", "(1, 3, 1)")],
+                             r.stdout)
+            self.assert_close(torch.load(out), want, "local SGD by ring all-reduce, the world "
+                                                     "shrank")
+            self.assertNotEqual(reference(sgd, workers=4, steps=steps)[0].tolist(),
+                                want[0].tolist())
+
     def readmit_rank_1(self, out, steps, modes, scheme="ps"):
         """Rank 1 of 4 (equivalence_worker.py's `modes`, an ElasticState, `steps` steps of
         0.2 s: the restart, starting Python and importing torch, comes back while the job runs)
@@ -823,12 +852,10 @@ class Recovery(WorkersTest):
             self.assertIn("rank 0 left the job before its parameters reached the others",
                           r.stdout + r.stderr)
 
-    def test_a_job_that_may_shrink_needs_ps_or_sfb_layers(self):
-        for scheme in (["--scheme", "allreduce"], ["--allreduce", "by-cost"]):
-            r = launch(["-n", "2", "--min_workers", "1", *scheme, "--", PY, "-c", "pass"])
-            self.assertEqual(r.returncode, 2, r.stderr)
-            self.assertIn("--min_workers needs PS or SFB layers (--scheme ps, sfb or auto, not "
-                          "all-reduce", r.stderr)
+    def test_min_workers_beyond_the_world_is_refused(self):
+        r = launch(["-n", "2", "--min_workers", "3", "--", PY, "-c", "pass"])
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--min_workers needs a value in [1, 2] (the world size), got 3", r.stderr)
 
     def test_a_rank_that_keeps_crashing_exhausts_its_restarts(self):
         with tempfile.TemporaryDirectory() as tmp:

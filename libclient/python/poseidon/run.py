@@ -205,8 +205,8 @@ def main(argv=None):
                          "ranks left, while at least N are: the KV servers sum the ranks left "
                          "from the first clock it did not push, and each process learns its new "
                          "rank and world size (psd_world; poseidon.world()); SFB layers leave "
-                         "it out from one iteration the live agents agree on. Needs "
-                         "--scheme ps, sfb or auto (no all-reduce); 0: a failed rank fails the "
+                         "it out from one iteration the live agents agree on, all-reduce "
+                         "layers go on in a ring of the ranks left; 0: a failed rank fails the "
                          "job")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
@@ -270,11 +270,9 @@ def main(argv=None):
         ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N, and PS or SFB "
                  "layers (--scheme ps, sfb or auto, not all-reduce: a ring cannot take a "
                  "restarted rank back yet)")
-    if args.min_workers and (not 1 <= args.min_workers <= world or
-                             args.scheme == "allreduce" or args.allreduce == "by-cost"):
-        ap.error(f"--min_workers needs PS or SFB layers (--scheme ps, sfb or auto, not all-reduce: "
-                 f"a ring cannot go on without a member yet) and a value in [1, {world}] (the "
-                 f"world size), got {args.min_workers}")
+    if args.min_workers and not 1 <= args.min_workers <= world:
+        ap.error(f"--min_workers needs a value in [1, {world}] (the world size), got "
+                 f"{args.min_workers}")
     if not re.fullmatch(r"[0-9]+(ms|s|m)", args.rejoin_timeout):
         ap.error(f"--rejoin_timeout {args.rejoin_timeout!r} is not a duration (30s, 500ms, 2m)")
     if args.checkpoint_dir and joining:
