@@ -63,6 +63,7 @@
 // leaf lock; never held in Gloo). A unit's copies (UnitProgress) are used only by the thread
 // running the unit (one at a time).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -74,6 +75,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "agent/gloo_ring.h"
 #include "agent/lowrank.h"
 #include "agent/syncer.h"
@@ -118,7 +120,13 @@ struct Ring {
   // Guarded by the syncer's mu_:
   int in_flight = 0;                  // collectives running on it
   bool failed = false;                // a collective failed on it, or a newer ring replaced it
-  bool closed = false;                // its connections were closed (failed, none in flight)
+  bool closed = false;                // failed with none in flight: its connections are closing
+  bool shut = false;                  // its connections are closed: Gloo writes no more into
+                                      // the buffers of its collectives
+  // The options (and so the buffers) of collectives that failed in it: Gloo's device thread may
+  // still complete a send on a buffer of a collective that threw, so they are freed only once
+  // the ring's connections are closed (which takes them off the device's loop).
+  std::vector<std::shared_ptr<void>> parked;
   uint32_t Left() const { return members[(index + members.size() - 1) % members.size()]; }
   uint32_t Right() const { return members[(index + 1) % members.size()]; }
   std::string Describe() const {
@@ -396,13 +404,61 @@ class AllreduceSyncer final : public Syncer {
   }
 
   // Closes a failed ring's connections (mu_ not held): its peers' collectives in it fail at once
-  // instead of waiting for their timeout.
-  static void CloseRing(Ring& ring) {
+  // instead of waiting for their timeout. Then frees its failed collectives' buffers.
+  void CloseRing(Ring& ring) {
     try {
       ring.context->closeConnections();
     } catch (const std::exception& e) {
       PSD_LOG_DEBUG("all-reduce: closing {}: {}", ring.Describe(), e.what());
     }
+    std::vector<std::shared_ptr<void>> parked;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      parked.swap(ring.parked);
+      ring.shut = true;
+    }
+    ring_cv_.notify_all();
+  }
+
+  // Runs one collective of an elastic job's ring: `opts` (Gloo's options, holding its buffers)
+  // goes to `run`; on Gloo's exception the options are parked with the ring (Ring::parked) and
+  // the error returned as UNAVAILABLE, prefixed with `what`.
+  // `keep`: memory its buffers point at that would be freed on return (parked with it).
+  template <typename Options, typename Run>
+  absl::Status RunInRing(Ring& ring, std::unique_ptr<Options> opts, Run run,
+                         absl::string_view what, std::shared_ptr<void> keep = nullptr) {
+    try {
+      run(*opts);
+    } catch (const std::exception& e) {
+      const absl::Status s = absl::UnavailableError(absl::StrCat(what, e.what()));
+      std::lock_guard<std::mutex> lock(mu_);
+      ring.parked.push_back(std::shared_ptr<Options>(std::move(opts)));
+      if (keep) ring.parked.push_back(std::move(keep));
+      return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // After a collective failed in `ring`: waits until its connections are closed (every
+  // collective of this agent in it ended), so that no late receive of the failed one writes into
+  // the unit's buffers once its input is back there. False at `deadline` or when stopping.
+  bool AwaitShut(Ring& ring, absl::Time deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return ring_cv_.wait_until(lock, absl::ToChronoTime(deadline),
+                               [&] { return stopping_ || ring.shut; }) &&
+           ring.shut;
+  }
+
+  // The sum of `count` floats in place in an elastic job's ring (a unit's tag).
+  absl::Status SumInRing(Ring& ring, float* data, size_t count, uint32_t tag) {
+    auto opts = std::make_unique<gloo::AllreduceOptions>(ring.context);
+    opts->setOutput(data, count);
+    opts->setReduceFunction(
+        static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
+    opts->setTag(tag);
+    opts->setTimeout(Millis(env_.config->sync_timeout));
+    return RunInRing(ring, std::move(opts), [](gloo::AllreduceOptions& o) { gloo::allreduce(o); },
+                     "");
   }
 
   // The keeper (elastic jobs): once ranks were removed, connects the ring of the ranks left
@@ -549,7 +605,7 @@ class AllreduceSyncer final : public Syncer {
         if (s.ok()) at.generation = ring->generation;
       }
       if (s.ok() && !handed_over) {
-        s = Sum(ring->context, grad, n, post.layer);
+        s = SumInRing(*ring, grad, n, post.layer);
         if (s.ok() && env_.allreduce_fault) s = env_.allreduce_fault(unit.first, post.iteration);
         if (s.ok()) Average(unit, grad, ring->members.size());
       }
@@ -564,6 +620,11 @@ class AllreduceSyncer final : public Syncer {
       if (first.ok()) first = Annotate(s, ring->Describe());
       PSD_LOG_WARN("all-reduce of {} iteration {} failed in {} ({}): it goes again in the ring "
                    "of the ranks left", unit.name, post.iteration, ring->Describe(), s.message());
+      if (!AwaitShut(*ring, deadline)) {
+        return Annotate(first, absl::StrCat("and then the failed ring's other collectives did "
+                                            "not end within ",
+                                            absl::FormatDuration(env_.config->sync_timeout)));
+      }
       std::copy(at.input.begin(), at.input.end(), grad);
       generation = ring->generation + 1;
     }
@@ -572,21 +633,23 @@ class AllreduceSyncer final : public Syncer {
   // The first collective of a unit on a new ring (elastic jobs): where the ranks are with it, and
   // the hand-over of the highest completed iteration's result to the ranks without it.
   // `handed_over`: this rank's post completed with it.
-  absl::Status Where(const Ring& ring, const Post& post, const Unit& unit, UnitProgress& at,
+  absl::Status Where(Ring& ring, const Post& post, const Unit& unit, UnitProgress& at,
                      bool* handed_over) {
-    uint64_t keys[2] = {WhereKey(at.done, ring.index), ~at.done};
-    try {
-      gloo::AllreduceOptions opts(ring.context);
-      opts.setOutput(keys, 2);
-      opts.setReduceFunction(
+    // Kept with the options (a failed exchange's buffer is parked with them).
+    auto keys = std::make_shared<std::array<uint64_t, 2>>(
+        std::array<uint64_t, 2>{WhereKey(at.done, ring.index), ~at.done});
+    {
+      auto opts = std::make_unique<gloo::AllreduceOptions>(ring.context);
+      opts->setOutput(keys->data(), 2);
+      opts->setReduceFunction(
           static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::max<uint64_t>));
-      opts.setTag(kWhereTagBase + unit.first);
-      opts.setTimeout(Millis(env_.config->sync_timeout));
-      gloo::allreduce(opts);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("where the ranks are: ", e.what()));
+      opts->setTag(kWhereTagBase + unit.first);
+      opts->setTimeout(Millis(env_.config->sync_timeout));
+      RETURN_IF_ERROR(RunInRing(
+          ring, std::move(opts), [](gloo::AllreduceOptions& o) { gloo::allreduce(o); },
+          "where the ranks are: ", keys));
     }
-    const UnitWhere where = DecodeWhere(keys[0], keys[1]);
+    const UnitWhere where = DecodeWhere((*keys)[0], (*keys)[1]);
     if (where.lowest == where.highest) return absl::OkStatus();  // all alike
     if (where.highest > where.lowest + 1 || at.done + 1 < where.highest ||
         where.sender >= ring.members.size()) {
@@ -602,17 +665,14 @@ class AllreduceSyncer final : public Syncer {
                                               post.iteration));
     }
     float* out = lacks ? env_.shm->Grad(post.layer) : at.result.data();
-    try {
-      gloo::BroadcastOptions opts(ring.context);
-      opts.setOutput(out, unit.elements);
-      opts.setRoot(static_cast<int>(where.sender));
-      opts.setTag(kHandOverTagBase + unit.first);
-      opts.setTimeout(Millis(env_.config->sync_timeout));
-      gloo::broadcast(opts);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("handing over iteration ", where.highest, ": ",
-                                                 e.what()));
-    }
+    auto opts = std::make_unique<gloo::BroadcastOptions>(ring.context);
+    opts->setOutput(out, unit.elements);
+    opts->setRoot(static_cast<int>(where.sender));
+    opts->setTag(kHandOverTagBase + unit.first);
+    opts->setTimeout(Millis(env_.config->sync_timeout));
+    RETURN_IF_ERROR(RunInRing(ring, std::move(opts),
+                              [](gloo::BroadcastOptions& o) { gloo::broadcast(o); },
+                              absl::StrCat("handing over iteration ", where.highest, ": ")));
     if (lacks) {
       *handed_over = true;
       PSD_LOG_WARN("all-reduce of {} iteration {}: rank {} completed it before the ring lost a "
