@@ -771,6 +771,13 @@ class Recovery(WorkersTest):
         # the agent's mean over the ranks that iteration counted.
         self.local_optimizer_goes_on_without_rank_0("sfb")
 
+    def test_a_local_optimizer_by_ring_allreduce_goes_on_with_the_mean_over_the_ranks_left(self):
+        # The same with every layer by ring all-reduce: rank 0 is in the ring too; the other
+        # agents connect a ring of the three left, every .grad the mean over that ring's ranks
+        # from the step rank 0 died in, and the buffers (a sum layer by ring, DDP's broadcast
+        # from the lowest rank left) from rank 1.
+        self.local_optimizer_goes_on_without_rank_0("allreduce")
+
     def local_optimizer_goes_on_without_rank_0(self, scheme):
         sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
         steps = 50  # 0.2 s each: the others' agents learn of the removal (a heartbeat, 3 s)
@@ -792,6 +799,8 @@ class Recovery(WorkersTest):
             self.assertTrue(17 <= int(hooks[0][0]) < steps, hooks)
             if scheme == "sfb":
                 self.assertIn("schemes: SFB,PS,SFB,PS", r.stdout)
+            if scheme == "allreduce":
+                self.assertIn("schemes: AR,AR,AR,AR", r.stdout)
             self.assert_close(torch.load(out), want, f"local SGD ({scheme}), the world shrank")
             found = re.search(r"rank 2 found buffers of ranks \[(.*)\]", r.stdout)
             self.assertIsNotNone(found, r.stdout)
