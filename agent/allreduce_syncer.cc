@@ -364,7 +364,7 @@ class AllreduceSyncer final : public Syncer {
     cv_.notify_all();
     ring_cv_.notify_all();
     for (auto& t : threads) t.join();
-    // A keeper connecting a ring waits for it at most the sync timeout.
+    // A keeper waiting for the ranks of a ring checks every 200 ms whether the agent stops.
     if (keeper_.joinable()) keeper_.join();
   }
 
@@ -461,16 +461,59 @@ class AllreduceSyncer final : public Syncer {
                      "");
   }
 
+  // Connects `ring` (its members and index set) through the rendezvous store under `prefix`.
+  // Every member first announces itself (`prefix`/present/<rank>), and the Gloo mesh is
+  // connected only once all have: agents that heard of two removals in different orders first
+  // wait for different rings, and one that waits for a dead rank (a removal it has not heard
+  // of yet) must be able to leave that ring for the next one, which a Gloo connection in
+  // progress (it blocks, and its keys can be set only once) would not let it. Between its
+  // checks, every 200 ms, the wait ends when a further rank was removed (CANCELLED: try the
+  // ring without it), the agent stops, or `give_up` passed.
+  absl::Status ConnectRing(Ring& ring, const std::string& prefix, absl::Time give_up) {
+    try {
+      gloo::rendezvous::PrefixStore store(prefix, *env_.rendezvous);
+      store.set(absl::StrCat("present/", env_.config->rank), {'1'});
+      std::vector<std::string> present;
+      for (uint32_t r : ring.members) present.push_back(absl::StrCat("present/", r));
+      while (true) {
+        try {
+          store.wait(present, std::chrono::milliseconds(200));
+          break;
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (stopping_) return absl::CancelledError("the agent stops");
+          if (removed_ != ring.removed) return absl::CancelledError("a further rank was removed");
+          if (absl::Now() >= give_up) {
+            return absl::DeadlineExceededError(absl::StrCat(
+                "not every rank left came within ", absl::FormatDuration(
+                    2 * env_.config->sync_timeout), " (", e.what(), ")"));
+          }
+        }
+      }
+      gloo::rendezvous::PrefixStore mesh(absl::StrCat(prefix, "/mesh"), *env_.rendezvous);
+      auto context = std::make_shared<gloo::rendezvous::Context>(
+          static_cast<int>(ring.index), static_cast<int>(ring.members.size()));
+      context->setTimeout(Millis(env_.config->sync_timeout));
+      context->connectFullMesh(mesh, device_);
+      ring.context = std::move(context);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(e.what());
+    }
+    return absl::OkStatus();
+  }
+
   // The keeper (elastic jobs): once ranks were removed, connects the ring of the ranks left
-  // through the rendezvous store under a prefix naming the removed ranks, and makes it the
-  // current ring. A ring that cannot connect within the sync timeout while no further rank was
-  // removed fails what waits for it.
+  // through the rendezvous store under a prefix naming the removed ranks (ConnectRing), and
+  // makes it the current ring. With a further removal meanwhile it connects the ring without
+  // that rank too; a set of removals whose ring cannot connect within two sync timeouts fails
+  // what waits for the ring.
   void Keep() {
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       ring_cv_.wait(lock, [&] { return stopping_ || removed_ != ring_->removed; });
       if (stopping_) return;
       const std::set<uint32_t> removed = removed_;
+      const absl::Time give_up = absl::Now() + 2 * env_.config->sync_timeout;
       const uint32_t generation = ring_->generation + 1;
       lock.unlock();
       auto next = std::make_shared<Ring>();
@@ -485,17 +528,8 @@ class AllreduceSyncer final : public Syncer {
       if (next->members.size() < 2) {
         s = absl::FailedPreconditionError("no other rank is left for a ring");
       } else {
-        try {
-          gloo::rendezvous::PrefixStore store(
-              absl::StrCat("ring-without-", absl::StrJoin(removed, "-")), *env_.rendezvous);
-          auto context = std::make_shared<gloo::rendezvous::Context>(
-              static_cast<int>(next->index), static_cast<int>(next->members.size()));
-          context->setTimeout(Millis(env_.config->sync_timeout));
-          context->connectFullMesh(store, device_);
-          next->context = std::move(context);
-        } catch (const std::exception& e) {
-          s = absl::UnavailableError(e.what());
-        }
+        s = ConnectRing(*next, absl::StrCat("ring-without-", absl::StrJoin(removed, "-")),
+                        give_up);
       }
       lock.lock();
       if (stopping_) return;
@@ -544,7 +578,7 @@ class AllreduceSyncer final : public Syncer {
     if (!ready) {
       *why = absl::DeadlineExceededError(absl::StrCat(
           "no ring without the lost rank came within ", absl::FormatDuration(
-              env_.config->sync_timeout), " (", removed_.size(),
+              3 * env_.config->sync_timeout), " (", removed_.size(),
           " ranks removed from the job; --min_workers ", env_.config->min_workers, ")"));
       return nullptr;
     }
@@ -589,7 +623,8 @@ class AllreduceSyncer final : public Syncer {
       at.result.assign(n, 0.0f);
     }
     std::copy(grad, grad + n, at.input.begin());
-    const absl::Time deadline = absl::Now() + env_.config->sync_timeout;
+    // A failed collective ends within a sync timeout, a new ring connects within two (Keep).
+    const absl::Time deadline = absl::Now() + 3 * env_.config->sync_timeout;
     uint32_t generation = 0;
     absl::Status first;  // the first failure (the one to report)
     while (true) {

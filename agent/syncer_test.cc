@@ -782,6 +782,40 @@ TEST_F(AllreduceShrinkTest, AResultSomeRanksCompletedBeforeTheRingBrokeIsHandedT
   }
 }
 
+// Four ranks; ranks 2 and 3 die. Rank 1 hears of both at once, rank 0 of rank 3 0.5 s later and
+// of rank 2 0.5 s after that: rank 0's first ring (without rank 3) waits for rank 2, and leaves
+// it for the ring without both once it hears, where rank 1 waits for it. Ranks 0 and 1 end in
+// one ring of the two, their all-reduce the sum over the two.
+class AllreduceShrinkOfFourTest : public AllreduceShrinkTest {
+ protected:
+  uint32_t World() const override { return 4; }
+  void Adjust(Rank& r) override {
+    r.config.min_workers = 2;
+    r.config.sync_timeout = absl::Seconds(4);  // a ring that does not come fails in 8 s
+  }
+};
+
+TEST_F(AllreduceShrinkOfFourTest, TwoRemovalsHeardInDifferentOrdersEndInOneRing) {
+  for (uint32_t r = 0; r < 4; ++r) PostRing(r, 1);
+  for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  for (uint32_t r : {2u, 3u}) ranks_[r]->syncers.erase(SyncerKind::kAllreduce);
+  Syncer& zero = *ranks_[0]->syncers.at(SyncerKind::kAllreduce);
+  Syncer& one = *ranks_[1]->syncers.at(SyncerKind::kAllreduce);
+  one.PeerRemoved(2);
+  one.PeerRemoved(3);
+  absl::SleepFor(absl::Milliseconds(500));
+  zero.PeerRemoved(3);
+  absl::SleepFor(absl::Milliseconds(500));  // rank 0's keeper waits in the ring without rank 3
+  zero.PeerRemoved(2);
+  PostRing(0, 2);
+  PostRing(1, 2);
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 2, {0, 1}));
+  }
+  EXPECT_THAT(zero.Waiting(3, 2, {}), ::testing::Not(::testing::HasSubstr("failed")));
+}
+
 // A removed rank's replacement is refused by a syncer whose ring went on without it.
 TEST_F(AllreduceShrinkTest, AReplacementCannotComeBackIntoTheRing) {
   const auto back = ranks_[0]->syncers.at(SyncerKind::kAllreduce)->ComeBack(absl::Now());
