@@ -130,6 +130,11 @@ struct Ring {
   uint32_t Left() const { return members[(index + members.size() - 1) % members.size()]; }
   uint32_t Right() const { return members[(index + 1) % members.size()]; }
   std::string Describe() const {
+    if (members.size() < 2) {
+      return absl::StrCat("the ring of this rank alone (without the other ",
+                          removed.size() > 1 ? "ranks " : "rank ", absl::StrJoin(removed, ", "),
+                          ")");
+    }
     return absl::StrCat("the Gloo ring of ", members.size(), " ranks",
                         removed.empty() ? "" : absl::StrCat(" without rank",
                                                             removed.size() > 1 ? "s " : " ",
@@ -407,7 +412,7 @@ class AllreduceSyncer final : public Syncer {
   // instead of waiting for their timeout. Then frees its failed collectives' buffers.
   void CloseRing(Ring& ring) {
     try {
-      ring.context->closeConnections();
+      if (ring.context != nullptr) ring.context->closeConnections();
     } catch (const std::exception& e) {
       PSD_LOG_DEBUG("all-reduce: closing {}: {}", ring.Describe(), e.what());
     }
@@ -524,13 +529,12 @@ class AllreduceSyncer final : public Syncer {
         if (r == env_.config->rank) next->index = static_cast<uint32_t>(next->members.size());
         next->members.push_back(r);
       }
-      absl::Status s;
-      if (next->members.size() < 2) {
-        s = absl::FailedPreconditionError("no other rank is left for a ring");
-      } else {
-        s = ConnectRing(*next, absl::StrCat("ring-without-", absl::StrJoin(removed, "-")),
-                        give_up);
-      }
+      // This rank alone (--min_workers 1): no context; its all-reduces are its own gradients.
+      const absl::Status s =
+          next->members.size() < 2
+              ? absl::OkStatus()
+              : ConnectRing(*next, absl::StrCat("ring-without-", absl::StrJoin(removed, "-")),
+                            give_up);
       lock.lock();
       if (stopping_) return;
       if (!s.ok()) {
@@ -635,11 +639,13 @@ class AllreduceSyncer final : public Syncer {
       }
       bool handed_over = false;
       absl::Status s;
-      if (at.generation != ring->generation) {
+      if (ring->members.size() < 2) {
+        // Alone: the sum over the ranks left is this rank's gradient (its own from the input).
+      } else if (at.generation != ring->generation) {
         s = Where(*ring, post, unit, at, &handed_over);
         if (s.ok()) at.generation = ring->generation;
       }
-      if (s.ok() && !handed_over) {
+      if (s.ok() && !handed_over && ring->members.size() > 1) {
         s = SumInRing(*ring, grad, n, post.layer);
         if (s.ok() && env_.allreduce_fault) s = env_.allreduce_fault(unit.first, post.iteration);
         if (s.ok()) Average(unit, grad, ring->members.size());

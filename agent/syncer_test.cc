@@ -816,6 +816,28 @@ TEST_F(AllreduceShrinkOfFourTest, TwoRemovalsHeardInDifferentOrdersEndInOneRing)
   EXPECT_THAT(zero.Waiting(3, 2, {}), ::testing::Not(::testing::HasSubstr("failed")));
 }
 
+// Two ranks, --min_workers 1: rank 1 dies while rank 0's all-reduce of iteration 2 waits for it;
+// rank 0 goes on alone, each all-reduce its own gradient.
+class AllreduceShrinkToOneTest : public AllreduceShrinkTest {
+ protected:
+  uint32_t World() const override { return 2; }
+  void Adjust(Rank& r) override { r.config.min_workers = 1; }
+};
+
+TEST_F(AllreduceShrinkToOneTest, TheLastRankLeftGoesOnAlone) {
+  for (uint32_t r = 0; r < 2; ++r) PostRing(r, 1);
+  for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  ASSERT_NO_FATAL_FAILURE(ExpectRingSum(0, 1, {0, 1}));
+  PostRing(0, 2);
+  ranks_[1]->syncers.erase(SyncerKind::kAllreduce);
+  ranks_[0]->syncers.at(SyncerKind::kAllreduce)->PeerRemoved(1);
+  for (uint64_t t = 2; t <= 3; ++t) {
+    if (t > 2) PostRing(0, t);
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[0]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(0, t, {0}));
+  }
+}
+
 // A removed rank's replacement is refused by a syncer whose ring went on without it.
 TEST_F(AllreduceShrinkTest, AReplacementCannotComeBackIntoTheRing) {
   const auto back = ranks_[0]->syncers.at(SyncerKind::kAllreduce)->ComeBack(absl::Now());
