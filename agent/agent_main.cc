@@ -192,7 +192,7 @@ poseidon::ConfigSchema<Flags> Schema() {
       .Field("min_workers", &Flags::min_workers,
              "a dead rank given up (at once, or after --rejoin_timeout) is removed and the job "
              "goes on with the ranks left while at least this many are; 0: the job fails naming "
-             "it. Every rank the same; PS or SFB layers (--scheme=auto, ps or sfb: no all-reduce)",
+             "it. Every rank the same; all-reduce layers go on in a ring of the ranks left",
              InRange<int64_t>(0, 65536))
       .Field("rejoin", &Flags::rejoin,
              "this agent replaces a dead rank of the running job: its layers start at the KV "

@@ -86,9 +86,9 @@ typedef struct psd_layer_desc {
 #define PSD_LAYER_FUSABLE 1u
 /* AVERAGE: the synchronised result is the mean over the ranks whose gradient it summed — the
  * world size, or the ranks left in the iterations after one was removed from a job that may
- * shrink (poseidon-agent --min_workers), which only the KV servers know exactly: they divide
- * each key's clock by the ranks it summed. For a framework's own optimizer in such a job. PS
- * only: the agent refuses it unless every layer is on PS (--scheme=ps). */
+ * shrink (poseidon-agent --min_workers): the KV servers divide each key's clock by the ranks it
+ * summed, the agents an SFB layer's iteration by the ranks it counted and an all-reduce by the
+ * ranks of the ring that summed it. For a framework's own optimizer in such a job. */
 #define PSD_LAYER_AVERAGE 2u
 /* COUNTERS (a job with a server-side rule, psd_set_server_rule): the KV servers hold this
  * layer as parameters stepped by plain SGD with learning rate 1 on the ranks' mean push,
