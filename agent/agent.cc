@@ -134,7 +134,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   absl::Status ConnectServers();
   absl::Status StartAtBackups(const std::map<uint32_t, absl::Status>& unreachable);
   absl::Status TakeUpRunningJob();
-  absl::Status ReadmitToJob(uint64_t highest);
+  absl::Status ReadmitToJob(uint64_t highest, uint64_t ring_from);
   // Checkpoints (AgentConfig::checkpoint_every): the job's label of this process's iteration,
   // and the request to every server once the iteration is complete on every layer.
   uint64_t JobIteration(uint64_t iteration) const {
@@ -192,14 +192,16 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   uint32_t PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const;
   // Ring all-reduce can run: several ranks, a coordinator for Gloo's rendezvous, the scheme not
   // forced to PS (which a server-side rule does) or SFB, no data_tls (Gloo's transport has
-  // no TLS: no tensor may cross the network in clear), and a job that does not take restarted
-  // ranks back (--rejoin_timeout: a Gloo ring cannot take a new member; one that shrinks,
-  // --min_workers, goes on in a ring of the ranks left); the planner, told at registration,
-  // gives those layers PS or SFB.
+  // no TLS: no tensor may cross the network in clear), and a job that takes restarted ranks
+  // back (--rejoin_timeout, --rejoin) only if it may shrink (--min_workers: a Gloo context
+  // cannot change its members, but such a job's ring goes on in new rings — of the ranks left,
+  // and with a rank coming back); the planner, told at registration, gives those layers PS or
+  // SFB otherwise.
   bool AllreducePossible() const {
     return config_.allreduce && !config_.data_tls.enabled && coord_ != nullptr &&
-           config_.world_size > 1 && config_.rejoin_timeout == absl::ZeroDuration() &&
-           !config_.rejoin &&
+           config_.world_size > 1 &&
+           (config_.min_workers > 0 ||
+            (config_.rejoin_timeout == absl::ZeroDuration() && !config_.rejoin)) &&
            (config_.scheme == "auto" || config_.scheme == "allreduce");
   }
   uint64_t RunningEpoch() const;
@@ -214,6 +216,11 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::string own_host_;  // the host part of our listen address (empty: none)
   uint64_t membership_epoch_ = 0;  // the world's (from the rendezvous)
   std::unique_ptr<CoordinatorStore> rendezvous_;  // Gloo's, for all-reduce (null: none)
+  std::unique_ptr<CoordinatorStore> ring_store_;  // the job's, for the all-reduce syncer
+  // Replacements (node ids) the syncers heard of (PeerReturning); those already there when they
+  // were first told are not news (main thread).
+  std::set<std::string> returning_told_;
+  bool returning_baseline_ = false;
   // The Gloo ring, connected before the model's registration (its step goes with it; the
   // all-reduce syncer takes it over).
   std::optional<GlooRing> ring_;
@@ -310,6 +317,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::atomic<uint64_t> took_up_at_{0};  // the job's iteration this rank took up (--rejoin)
   std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
+  std::map<std::string, uint32_t> replaced_by_;  // under lost_mu_: those replacements' nodes
   // Under lost_mu_: the KV servers that joined the running job (heartbeat), in join order.
   std::vector<v1::PlanServer> joined_servers_;
   bool joined_mismatch_logged_ = false;  // under lost_mu_
@@ -716,6 +724,10 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     shm_->SetTakeovers(result->takeovers());
     std::lock_guard<std::mutex> lock(lost_mu_);
     replaced_ = std::set<uint32_t>(result->replaced().begin(), result->replaced().end());
+    replaced_by_.clear();
+    for (int i = 0; i < result->replaced_size() && i < result->replaced_by_size(); ++i) {
+      replaced_by_[result->replaced_by(i)] = result->replaced(i);
+    }
     // The joined servers' order is their place in every chain: only a list that extends the
     // one taken so far is taken (a restarted coordinator forgets it, and may list others).
     const auto listed = static_cast<size_t>(result->joined_servers_size());
@@ -856,7 +868,9 @@ absl::Status Agent::Register() {
     // Where the ring can run, every rank connects it first and measures its step, which goes
     // with the model: the coordinator's first plan can then weigh the ring (--allreduce_by_cost),
     // and that plan decides the all-reduce buckets for the world (docs/planner.md).
-    if (AllreducePossible()) {
+    // A rank taking up the running job comes into the others' ring later (AllreduceSyncer::
+    // ComeBack): they connect no ring of the world now.
+    if (AllreducePossible() && !config_.rejoin) {
       // Keys of this world only (a later world of the job rendezvouses afresh).
       rendezvous_ = std::make_unique<CoordinatorStore>(
           coord_.get(), absl::StrCat("gloo/", membership_epoch_, "/"), config_.connect_timeout);
@@ -910,8 +924,8 @@ absl::Status Agent::Register() {
   if (config_.scheme == "allreduce" && !to.allreduce_possible) {
     return absl::FailedPreconditionError(
         "--scheme=allreduce needs several ranks and a coordinator (Gloo's rendezvous store), "
-        "no server-side update rule, and no --rejoin_timeout (a Gloo ring cannot take a "
-        "restarted rank back)");
+        "no server-side update rule, and with --rejoin_timeout or --rejoin also --min_workers "
+        "(a ring takes a restarted rank back only in a job that may shrink)");
   }
   to.fusion_from_plan = config_.fusion == "plan";
   if (config_.wire != "plan") to.force_wire = ParseWireName(config_.wire);
@@ -942,9 +956,10 @@ absl::Status Agent::Register() {
       if (lp.scheme() != v1::SYNC_SCHEME_ALLREDUCE) continue;
       return absl::FailedPreconditionError(
           absl::StrCat("the job's plan runs layer ", lp.layer_name(),
-                       " (and maybe others) by ring all-reduce, and a ring cannot take a rank "
-                       "back: this rank cannot take up the running job (run jobs whose ranks "
-                       "come back with --scheme ps, sfb or auto without all-reduce)"));
+                       " (and maybe others) by ring all-reduce, and a ring takes a rank back "
+                       "only in a job that may shrink: this rank cannot take up the running job "
+                       "(give every agent the same --min_workers, or run with --scheme ps, sfb "
+                       "or auto without all-reduce)"));
     }
   }
   auto table = BuildLayerTable(descs, plan, to);
@@ -988,12 +1003,12 @@ absl::Status Agent::Register() {
   env_.wire_guard.check_every = config_.wire_check_every;
   env_.wire_guard.max_error = config_.wire_max_error;
   if (to.allreduce_possible) {
-    if (rendezvous_ == nullptr) {
-      // Keys of this world only (a later world of the job rendezvouses afresh).
-      rendezvous_ = std::make_unique<CoordinatorStore>(
-          coord_.get(), absl::StrCat("gloo/", membership_epoch_, "/"), config_.connect_timeout);
-    }
-    env_.rendezvous = rendezvous_.get();
+    // The job's keys; the syncer's of this world are under ring_world (a later world of the job
+    // rendezvouses afresh), a returning rank's question outside it.
+    ring_store_ = std::make_unique<CoordinatorStore>(coord_.get(), "gloo/",
+                                                     config_.connect_timeout);
+    env_.rendezvous = ring_store_.get();
+    env_.ring_world = absl::StrCat(membership_epoch_);
     env_.ring = ring_ ? &*ring_ : nullptr;
   }
   env_.own_host = own_host_;
@@ -1368,15 +1383,26 @@ absl::Status Agent::TakeUpRunningJob() {
   }
   // SFB layers take it back too: the others send this rank again their factors of the
   // iterations it takes up (their last two are kept, SfbSyncer) and take its factors of an
-  // iteration they have as a retransmission (a server-side rule runs every layer on PS). A ring
-  // cannot take a new member yet.
-  for (const LayerSpec& st : table_.layers) {
-    if (st.layout.scheme == PSD_SCHEME_ALLREDUCE) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--rejoin: layer ", st.desc.name,
-          " goes by all-reduce, and a ring cannot take a restarted rank back yet (run with "
-          "--scheme=auto, ps or sfb)"));
-    }
+  // iteration they have as a retransmission (a server-side rule runs every layer on PS). Ring
+  // layers (a job that may shrink): the live agents say where their all-reduces are, and this
+  // rank comes into a new ring with them (AllreduceSyncer::ComeBack) — from the iteration after
+  // those they started where it was removed, from the highest they completed where it rejoins
+  // in its predecessor's place.
+  uint64_t ring_from = 0;
+  if (auto ring = syncers_.find(SyncerKind::kAllreduce); ring != syncers_.end()) {
+    const absl::Time deadline =
+        absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
+    ASSIGN_OR_RETURN(ring_from, ring->second->ComeBack(deadline));
+  }
+  if (env_.restored.empty() && ring_from > 0) {
+    // Ring layers only: the ring says where the job is.
+    env_.rejoin_top = ring_from;
+    config_.resumed_iteration = ring_from;
+    took_up_at_.store(ring_from);
+    RETURN_IF_ERROR(syncers_.at(SyncerKind::kAllreduce)->TakeUpAt(ring_from));
+    PSD_LOG_WARN("rank {} takes up job {} at iteration {} in the others' ring", config_.rank,
+                 config_.job_id, ring_from);
+    return absl::OkStatus();
   }
   if (env_.restored.empty()) {
     return absl::FailedPreconditionError(
@@ -1401,9 +1427,13 @@ absl::Status Agent::TakeUpRunningJob() {
         "--rejoin: the job has completed ", highest, " updates of its server-side rule; a rank "
         "can take it up from the second on (restart the job instead)"));
   }
-  if (!removed_on_.empty()) return ReadmitToJob(highest);
+  if (!removed_on_.empty()) return ReadmitToJob(highest, ring_from);
+  highest = std::max(highest, ring_from);
   env_.rejoin_top = highest;
   config_.resumed_iteration = std::max<uint64_t>(highest, 1);
+  for (auto& [kind, syncer] : syncers_) {
+    RETURN_IF_ERROR(syncer->TakeUpAt(config_.resumed_iteration));
+  }
   took_up_at_.store(config_.resumed_iteration);
   PSD_LOG_WARN("rank {} rejoins job {} at iteration {} (its keys completed clocks {} to {})",
                config_.rank, config_.job_id, config_.resumed_iteration, lowest, highest);
@@ -1419,20 +1449,17 @@ absl::Status Agent::TakeUpRunningJob() {
 // says so, and it asks again from a later clock (the keys that took the earlier one let it go).
 // Once every key is at F - 1 its process starts with iteration F, as a rejoining rank's whose
 // keys are all one clock behind (TakeUpRunningJob).
-absl::Status Agent::ReadmitToJob(uint64_t highest) {
+absl::Status Agent::ReadmitToJob(uint64_t highest, uint64_t ring_from) {
   const absl::Time deadline = absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
   // The others' SFB layers left this rank out: they say where they are and wait for it from
   // there (SfbSyncer::ComeBack), which fixes the iteration it can take up. Their PS layers can
-  // still complete the clock before it, so the servers take it from there.
-  // Ring layers cannot take it back (their ring went on without it): refused before anything.
-  if (auto ring = syncers_.find(SyncerKind::kAllreduce); ring != syncers_.end()) {
-    RETURN_IF_ERROR(ring->second->ComeBack(deadline).status());
-  }
-  uint64_t sfb_from = 0;
+  // still complete the clock before it, so the servers take it from there. Their ring layers
+  // likewise hold from `ring_from` (TakeUpRunningJob asked them).
+  uint64_t sfb_from = ring_from;
   if (ExchangesFactors()) {
     RETURN_IF_ERROR(ConnectPeers());
     for (auto& [kind, syncer] : syncers_) {
-      if (kind == SyncerKind::kAllreduce) continue;
+      if (kind == SyncerKind::kAllreduce) continue;  // asked already
       ASSIGN_OR_RETURN(const uint64_t from, syncer->ComeBack(deadline));
       sfb_from = std::max(sfb_from, from);
     }
@@ -1486,10 +1513,13 @@ absl::Status Agent::ReadmitToJob(uint64_t highest) {
           attempt, " tries, the last from clock ", from, ")"));
     }
   }
+  // The others' ring layers hold until they know F (they run those below it in their ring).
+  for (auto& [kind, syncer] : syncers_) RETURN_IF_ERROR(syncer->TakeUpAt(from));
   // Every key needs this rank's push of F: each stops at F - 1, which its process's first
   // push follows (a push of F to a key still at F - 2 would break BSP). Read back from every
   // server's plain registration answer until then.
-  while (lowest.clock + 1 < from) {
+  // (No key counts it, every one idle: all-reduce layers alone are posted.)
+  while (lowest.clock != std::numeric_limits<uint64_t>::max() && lowest.clock + 1 < from) {
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
           "rank ", config_.rank, " was readmitted to job ", config_.job_id, " from clock ",
@@ -2073,11 +2103,24 @@ void Agent::CheckLostMembers() {
   std::vector<v1::LostMember> lost, departed;
   std::vector<v1::LostMember> gone;  // left with an error, cannot be removed (ring layers)
   std::set<uint32_t> replaced;
+  std::map<std::string, uint32_t> replaced_by;
   {
     std::lock_guard<std::mutex> lock(lost_mu_);
     lost = lost_;
     departed = departed_;
     replaced = replaced_;
+    replaced_by = replaced_by_;
+  }
+  // A replacement registered: a ring makes room for it (AllreduceSyncer::TakeBack).
+  if (!syncers_.empty()) {
+    for (const auto& [node, rank] : replaced_by) {
+      if (!returning_told_.insert(node).second || !returning_baseline_ ||
+          rank == config_.rank) {
+        continue;
+      }
+      for (auto& [kind, syncer] : syncers_) syncer->PeerReturning(rank);
+    }
+    returning_baseline_ = true;
   }
   // A dead rank may be restarted and rejoin (--rejoin_timeout): waited for that long.
   if (config_.rejoin_timeout > absl::ZeroDuration()) {

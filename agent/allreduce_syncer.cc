@@ -68,12 +68,18 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
+#include <optional>
+#include <random>
 #include <span>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <thread>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "agent/gloo_ring.h"
@@ -117,6 +123,10 @@ struct Ring {
   std::vector<uint32_t> members;      // the job's ranks, in ring order
   std::set<uint32_t> removed;         // the job's ranks not in it
   uint32_t index = 0;                 // this rank's index in members
+  // A ring a returning rank came into serves the job's iterations from `from` on; `older`, the
+  // ring before, those below (0 and null: every iteration).
+  uint64_t from = 0;
+  std::shared_ptr<Ring> older;
   // Guarded by the syncer's mu_:
   int in_flight = 0;                  // collectives running on it
   bool failed = false;                // a collective failed on it, or a newer ring replaced it
@@ -210,8 +220,9 @@ struct LowRankUnit {
 // ring generation the unit last ran in. Used only by the thread running the unit.
 struct UnitProgress {
   std::vector<float> input, result;
-  uint64_t done = 0;  // the last iteration completed (0: none)
+  uint64_t done = 0;  // the last job iteration completed (0: none)
   uint32_t generation = 0;
+  bool fresh = false;  // a rank coming back: `done` is where it starts, with no result to hand
 };
 
 class AllreduceSyncer final : public Syncer {
@@ -255,13 +266,16 @@ class AllreduceSyncer final : public Syncer {
     for (const LayerSpec& l : env_.table->layers) any |= l.allreduce_capable;
     if (!any || env_.rendezvous == nullptr || env_.config->world_size < 2) return absl::OkStatus();
     const uint32_t rank = env_.config->rank, world = env_.config->world_size;
+    if (!came_back_.empty()) return ReadyComingBack();
+    world_ = env_.ring_world;
     // The ring the agent connected before registering its model (its step went to the
     // coordinator with it), or one connected now; either way its step measured.
     GlooRing ring;
     if (env_.ring != nullptr && env_.ring->context != nullptr) {
       ring = *env_.ring;
     } else {
-      ASSIGN_OR_RETURN(ring, ConnectGlooRing(*env_.rendezvous, rank, world, env_.own_host,
+      gloo::rendezvous::PrefixStore keys(world_, *env_.rendezvous);
+      ASSIGN_OR_RETURN(ring, ConnectGlooRing(keys, rank, world, env_.own_host,
                                              env_.config->sync_timeout));
     }
     device_ = std::move(ring.device);
@@ -338,6 +352,13 @@ class AllreduceSyncer final : public Syncer {
     const Unit& unit = units_[unit_of_[layer]];
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok()) return absl::StrCat("all-reduce (the ring failed: ", broken_.message(), ")");
+    if (running_.count(unit.first) != 0 && back_.has_value() && back_->answered &&
+        iteration + env_.clock_base >= back_->hold_from) {
+      return absl::StrCat("all-reduce", unit.members.size() > 1 ? " of " + unit.name : "",
+                          ": waiting for rank ", back_->rank, " coming back into the ring",
+                          back_->from == 0 ? " to name the iteration it takes up"
+                                           : absl::StrCat(" from iteration ", back_->from));
+    }
     if (running_.count(unit.first) != 0 && ring_ != nullptr) {
       if (ring_->failed) {
         return absl::StrCat("all-reduce", unit.members.size() > 1 ? " of " + unit.name : "",
@@ -380,24 +401,38 @@ class AllreduceSyncer final : public Syncer {
     std::shared_ptr<Ring> close;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!removed_.insert(rank).second || ring_ == nullptr) return;
+      // A replacement coming back is gone before it came into the ring: what waited for it
+      // goes on in the ring it had (TakeBack gives up).
+      if (back_.has_value() && back_->rank == rank) back_.reset();
+      if (!removed_.insert(rank).second || ring_ == nullptr) {
+        ring_cv_.notify_all();
+        return;
+      }
       close = FailLocked(ring_);
     }
     if (close) CloseRing(*close);
     ring_cv_.notify_all();
   }
 
-  // A removed rank's replacement: the ring cannot take it back (a Gloo context's members are
-  // fixed, and the others' rings went on without it). A replacement is started with --rejoin,
-  // which keeps its own layers off the ring (Agent::Register refuses a plan with ring layers
-  // then); this is the check where a ring was connected all the same.
-  absl::StatusOr<uint64_t> ComeBack(absl::Time) override {
-    if (context_ == nullptr) return uint64_t{0};
-    return absl::FailedPreconditionError(
-        "this job's plan runs layers by ring all-reduce, and the ranks left go on in a ring "
-        "without this one: a ring cannot take a removed rank back (run with --scheme ps, sfb "
-        "or auto without all-reduce for ranks to come back)");
+  // A replacement of `rank` registered (the coordinator's word): the keeper answers its question
+  // once it asks (TakeBack).
+  void PeerReturning(uint32_t rank) override {
+    if (!elastic_ || rank >= env_.config->world_size || rank == env_.config->rank) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (context_ == nullptr || ring_ == nullptr || back_.has_value()) return;
+    back_ = Return{};
+    back_->rank = rank;
+    back_->removed = removed_.contains(rank);
+    ring_cv_.notify_all();
   }
+
+  // This rank comes back into the ring (a replacement, --rejoin): it asks every live agent
+  // where its all-reduces are (TakeBack answers) and returns the job iteration it can take up —
+  // where it was removed, the one after the highest any live agent started (they hold their
+  // all-reduces from there until it names the iteration it takes up, Ready); where it rejoins
+  // before being removed (its ring broke with its predecessor), the highest any completed
+  // (those that lack it get it handed over in the new ring).
+  absl::StatusOr<uint64_t> ComeBack(absl::Time deadline) override;
 
  private:
   // Marks `ring` failed (mu_ held); the ring to close now when nothing runs on it any more.
@@ -474,9 +509,12 @@ class AllreduceSyncer final : public Syncer {
   // progress (it blocks, and its keys can be set only once) would not let it. Between its
   // checks, every 200 ms, the wait ends when a further rank was removed (CANCELLED: try the
   // ring without it), the agent stops, or `give_up` passed.
-  absl::Status ConnectRing(Ring& ring, const std::string& prefix, absl::Time give_up) {
+  // `expect`: the removals under which the ring is still the one to make (default: its own).
+  absl::Status ConnectRing(Ring& ring, const std::string& prefix, absl::Time give_up,
+                           const std::set<uint32_t>* expect = nullptr) {
+    if (expect == nullptr) expect = &ring.removed;
     try {
-      gloo::rendezvous::PrefixStore store(prefix, *env_.rendezvous);
+      gloo::rendezvous::PrefixStore store(absl::StrCat(world_, "/", prefix), *env_.rendezvous);
       store.set(absl::StrCat("present/", env_.config->rank), {'1'});
       std::vector<std::string> present;
       for (uint32_t r : ring.members) present.push_back(absl::StrCat("present/", r));
@@ -487,7 +525,7 @@ class AllreduceSyncer final : public Syncer {
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(mu_);
           if (stopping_) return absl::CancelledError("the agent stops");
-          if (removed_ != ring.removed) return absl::CancelledError("a further rank was removed");
+          if (removed_ != *expect) return absl::CancelledError("a further rank was removed");
           if (absl::Now() >= give_up) {
             return absl::DeadlineExceededError(absl::StrCat(
                 "not every rank left came within ", absl::FormatDuration(
@@ -495,7 +533,8 @@ class AllreduceSyncer final : public Syncer {
           }
         }
       }
-      gloo::rendezvous::PrefixStore mesh(absl::StrCat(prefix, "/mesh"), *env_.rendezvous);
+      gloo::rendezvous::PrefixStore mesh(absl::StrCat(world_, "/", prefix, "/mesh"),
+                                         *env_.rendezvous);
       auto context = std::make_shared<gloo::rendezvous::Context>(
           static_cast<int>(ring.index), static_cast<int>(ring.members.size()));
       context->setTimeout(Millis(env_.config->sync_timeout));
@@ -515,9 +554,19 @@ class AllreduceSyncer final : public Syncer {
   void Keep() {
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
-      ring_cv_.wait(lock, [&] { return stopping_ || removed_ != ring_->removed; });
+      ring_cv_.wait(lock, [&] {
+        return stopping_ || removed_ != ring_->removed ||
+               (back_.has_value() && !back_->answered);
+      });
       if (stopping_) return;
+      if (removed_ == ring_->removed) {  // a replacement coming back (removals go first)
+        lock.unlock();
+        TakeBack();
+        lock.lock();
+        continue;
+      }
       const std::set<uint32_t> removed = removed_;
+      const uint32_t returns = returns_;
       const absl::Time give_up = absl::Now() + 2 * env_.config->sync_timeout;
       const uint32_t generation = ring_->generation + 1;
       lock.unlock();
@@ -533,7 +582,8 @@ class AllreduceSyncer final : public Syncer {
       const absl::Status s =
           next->members.size() < 2
               ? absl::OkStatus()
-              : ConnectRing(*next, absl::StrCat("ring-without-", absl::StrJoin(removed, "-")),
+              : ConnectRing(*next, absl::StrCat("ring-r", returns, "-without-",
+                                                absl::StrJoin(removed, "-")),
                             give_up);
       lock.lock();
       if (stopping_) return;
@@ -561,15 +611,287 @@ class AllreduceSyncer final : public Syncer {
     }
   }
 
-  // The current ring once it is at least `generation` and not failed, counted in flight; null
-  // with why when the keeper failed, the syncer stops, or `deadline` passed.
-  std::shared_ptr<Ring> AcquireRing(uint32_t generation, absl::Time deadline,
+  // Ready for a replacement that asked to come back (ComeBack): it names the iteration it takes
+  // up (its process's first, SyncEnv::clock_base + 1) and connects the ring with the live
+  // agents, which take its all-reduces from there (TakeBack). Each unit starts as having
+  // completed the iteration before, with no result to hand over (UnitProgress::fresh).
+  absl::Status ReadyComingBack() {
+    const uint32_t me = env_.config->rank;
+    const uint64_t from = env_.clock_base + 1;
+    if (named_ != from) RETURN_IF_ERROR(TakeUpAt(from));
+    ASSIGN_OR_RETURN(device_, MakeGlooDevice(env_.own_host));
+    auto ring = std::make_shared<Ring>();
+    ring->generation = 1;  // its units' first collective in it is the exchange of where
+    ring->members = back_members_;
+    for (uint32_t r = 0; r < env_.config->world_size; ++r) {
+      if (std::find(back_members_.begin(), back_members_.end(), r) == back_members_.end()) {
+        ring->removed.insert(r);
+      }
+    }
+    ring->index = static_cast<uint32_t>(
+        std::find(back_members_.begin(), back_members_.end(), me) - back_members_.begin());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      removed_ = ring->removed;
+      returns_ = back_returns_ + 1;
+    }
+    if (ring->members.size() > 1) {
+      RETURN_IF_ERROR(Annotate(
+          ConnectRing(*ring, absl::StrCat(came_back_, "/ring"),
+                      absl::Now() + 2 * env_.config->sync_timeout),
+          absl::StrCat("all-reduce: coming back into the ring of ranks ",
+                       absl::StrJoin(ring->members, ", "))));
+    }
+    context_ = ring->context;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      UnitProgress& at = progress_[u];
+      at.input.assign(units_[u].elements, 0.0f);
+      at.result.assign(units_[u].elements, 0.0f);
+      at.done = from - 1;
+      at.fresh = true;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ring_ = ring;
+    }
+    keeper_ = std::thread([this] { Keep(); });
+    PSD_LOG_WARN("all-reduce: this rank is back in {} (ring generation {}) from iteration {}",
+                 ring->Describe(), ring->generation, from);
+    return absl::OkStatus();
+  }
+
+  absl::Status TakeUpAt(uint64_t from) override {
+    if (came_back_.empty()) return absl::OkStatus();
+    try {
+      gloo::rendezvous::PrefixStore asked(came_back_, *env_.rendezvous);
+      const std::string text = absl::StrCat(from, " ", absl::StrJoin(back_ids_, ","));
+      asked.set("from", std::vector<char>(text.begin(), text.end()));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("all-reduce: naming the iteration this rank takes up: ", e.what()));
+    }
+    named_ = from;
+    return absl::OkStatus();
+  }
+
+  // What a live agent answers a replacement coming back, in the store (TakeBack, ComeBack).
+  // Its fields: returns, started, completed, removed (0/1), the ring's ranks, the answer's id
+  // (the replacement's word on its first iteration lists the ids it heard, so that a stale word
+  // of an earlier replacement is not taken for it) and the world's rendezvous prefix.
+  static std::string AnswerText(uint32_t returns, uint64_t started, uint64_t completed,
+                                bool removed, const std::vector<uint32_t>& members,
+                                const std::string& id, const std::string& world) {
+    return absl::StrCat(returns, " ", started, " ", completed, " ", removed ? 1 : 0, " ",
+                        absl::StrJoin(members, ","), " ", id, " ", world);
+  }
+  static std::string RandomId() {
+    std::mt19937_64 random(std::random_device{}());
+    return absl::StrCat(absl::Hex(random(), absl::kZeroPad16));
+  }
+
+  // The keeper: a replacement of back_->rank registered (PeerReturning). Once it asks (its
+  // nonce under return-<rank>/), this agent answers where it is and holds its all-reduces from
+  // the iteration after the highest it started; once the replacement names the iteration F it
+  // takes up (…/from), those below F go on in the current ring, and this agent connects the
+  // ring with the rank, which takes those from F on. The return ends without the rank (the
+  // current ring goes on) when a rank is removed meanwhile, the replacement is removed again,
+  // or it does not come within the wait.
+  void TakeBack() {
+    uint32_t rank = 0;
+    bool removed = false;
+    std::set<uint32_t> expect;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!back_.has_value() || back_->answered) return;
+      rank = back_->rank;
+      removed = back_->removed;
+      expect = removed_;
+    }
+    // Its predecessor is gone with its ring (a rejoin before the removal): the collectives in
+    // it end, so that what this agent completed is known before it answers.
+    std::shared_ptr<Ring> dead;
+    if (!removed) {
+      std::shared_ptr<Ring> close;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        dead = ring_;
+        close = FailLocked(dead);
+      }
+      if (close) CloseRing(*close);
+    }
+    auto abandon = [&](const std::string& why) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (back_.has_value() && back_->rank == rank) back_.reset();
+      if (!why.empty()) {
+        PSD_LOG_WARN("all-reduce: rank {}'s replacement does not come into the ring ({}); the "
+                     "all-reduces go on in {}", rank, why, ring_->Describe());
+      }
+      ring_cv_.notify_all();
+    };
+    // Whether to stop waiting: the agent stops, the return was called off, or a rank was
+    // removed (the keeper makes that ring first; the return ends).
+    auto off = [&]() -> std::string {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return "the agent stops";
+      if (!back_.has_value() || back_->rank != rank) return "it was removed again";
+      if (removed_ != expect) return "another rank was removed meanwhile";
+      return "";
+    };
+    const absl::Duration patience = std::max(env_.config->connect_timeout, absl::Seconds(30)) +
+                                    2 * env_.config->sync_timeout;
+    try {
+      gloo::rendezvous::PrefixStore root(absl::StrCat("return-", rank), *env_.rendezvous);
+      auto read_nonce = [&](std::chrono::milliseconds wait) -> std::string {
+        try {
+          root.wait({"nonce"}, wait);
+          const std::vector<char> v = root.get("nonce");
+          return std::string(v.begin(), v.end());
+        } catch (const std::exception&) {
+          return "";
+        }
+      };
+      // Until the replacement asks (it may be waiting for its training process to attach).
+      std::string nonce;
+      while (nonce.empty()) {
+        nonce = read_nonce(std::chrono::milliseconds(200));
+        if (nonce.empty()) {
+          if (std::string why = off(); !why.empty()) return abandon(why == "the agent stops" ? "" : why);
+        }
+      }
+      while (true) {
+        if (dead != nullptr && !AwaitShut(*dead, absl::Now() + env_.config->sync_timeout)) {
+          return abandon("the collectives of its predecessor's ring did not end");
+        }
+        std::string answer;
+        const std::string id = RandomId();
+        uint64_t hold = 0;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (!back_.has_value() || back_->rank != rank) return abandon("");
+          back_->answered = true;
+          back_->hold_from = hold = started_ + 1;
+          answer = AnswerText(returns_, started_, completed_, removed, ring_->members, id, world_);
+        }
+        ring_cv_.notify_all();
+        gloo::rendezvous::PrefixStore asked(absl::StrCat("return-", rank, "-", nonce),
+                                            *env_.rendezvous);
+        asked.set(absl::StrCat("where/", env_.config->rank),
+                  std::vector<char>(answer.begin(), answer.end()));
+        PSD_LOG_INFO("all-reduce: rank {}'s replacement asks to come back into the ring; this "
+                     "agent's all-reduces wait from iteration {} until it names its first",
+                     rank, hold);
+        // Its first iteration; a newer replacement's question (a new nonce) is answered afresh.
+        const absl::Time give_up = absl::Now() + patience;
+        uint64_t from = 0;
+        std::string renewed;
+        while (from == 0 && renewed.empty()) {
+          try {
+            asked.wait({"from"}, std::chrono::milliseconds(200));
+            const std::vector<char> v = asked.get("from");
+            const std::vector<std::string> f =
+                absl::StrSplit(absl::string_view(v.data(), v.size()), ' ');
+            if (f.size() != 2 || !absl::SimpleAtoi(f[0], &from) || from == 0) {
+              return abandon("its first iteration is not a number");
+            }
+            const std::vector<std::string> heard = absl::StrSplit(f[1], ',');
+            if (std::find(heard.begin(), heard.end(), id) == heard.end()) {
+              from = 0;  // an earlier replacement's word (it asked under the same nonce)
+              throw std::runtime_error("stale");
+            }
+          } catch (const std::exception&) {
+            if (std::string why = off(); !why.empty()) {
+              return abandon(why == "the agent stops" ? "" : why);
+            }
+            if (absl::Now() > give_up) {
+              return abandon(absl::StrCat("it named no first iteration within ",
+                                          absl::FormatDuration(patience)));
+            }
+            if (std::string now = read_nonce(std::chrono::milliseconds(1));
+                !now.empty() && now != nonce) {
+              renewed = now;
+            }
+          }
+        }
+        if (!renewed.empty()) {
+          nonce = renewed;
+          continue;
+        }
+        return JoinReturned(rank, removed, nonce, from, expect);
+      }
+    } catch (const std::exception& e) {
+      return abandon(e.what());
+    }
+  }
+
+  // TakeBack, once the replacement named its first iteration `from`: the iterations below it go
+  // on in the current ring; the ring with the rank is connected and takes those from it on.
+  void JoinReturned(uint32_t rank, bool removed, const std::string& nonce, uint64_t from,
+                    const std::set<uint32_t>& expect) {
+    auto next = std::make_shared<Ring>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!back_.has_value() || back_->rank != rank) return;
+      back_->from = from;
+      next->generation = ring_->generation + 1;
+      next->removed = removed_;
+      next->removed.erase(rank);
+    }
+    ring_cv_.notify_all();
+    for (uint32_t r = 0; r < env_.config->world_size; ++r) {
+      if (next->removed.contains(r)) continue;
+      if (r == env_.config->rank) next->index = static_cast<uint32_t>(next->members.size());
+      next->members.push_back(r);
+    }
+    const absl::Status s = ConnectRing(*next, absl::StrCat("return-", rank, "-", nonce, "/ring"),
+                                       absl::Now() + 2 * env_.config->sync_timeout, &expect);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!s.ok() || !back_.has_value() || back_->rank != rank) {
+      if (back_.has_value() && back_->rank == rank) back_.reset();
+      PSD_LOG_WARN("all-reduce: rank {}'s replacement did not come into the ring ({}); the "
+                   "all-reduces go on in {}",
+                   rank, s.ok() ? "it was removed again" : s.message(), ring_->Describe());
+      ring_cv_.notify_all();
+      return;
+    }
+    if (removed) {
+      next->from = from;
+      next->older = ring_;
+    }
+    removed_.erase(rank);
+    ring_ = next;
+    ++returns_;
+    back_.reset();
+    PSD_LOG_WARN("all-reduce: rank {} is back in {} (ring generation {}): the all-reduces of "
+                 "iteration {} on go in it", rank, next->Describe(), next->generation, from);
+    ring_cv_.notify_all();
+  }
+
+  // The ring job iteration `job` of a unit goes in (mu_ held): the current ring, or the one
+  // before it below the iteration a returning rank came in at; null while it is not at least
+  // `generation` or failed, or while the iteration waits for a returning rank (TakeBack).
+  std::shared_ptr<Ring> UsableLocked(uint32_t generation, uint64_t job) const {
+    if (back_.has_value() && back_->answered && job >= back_->hold_from &&
+        (back_->from == 0 || job >= back_->from)) {
+      return nullptr;
+    }
+    std::shared_ptr<Ring> r = ring_;
+    if (r != nullptr && job < r->from) r = r->older;
+    if (r == nullptr || r->generation < generation || r->failed) return nullptr;
+    return r;
+  }
+
+  // The ring for job iteration `job` once it is at least `generation` and not failed
+  // (UsableLocked), counted in flight; null with why when the keeper failed, the syncer stops,
+  // or `deadline` passed.
+  std::shared_ptr<Ring> AcquireRing(uint32_t generation, uint64_t job, absl::Time deadline,
                                     absl::Status* why) {
     std::unique_lock<std::mutex> lock(mu_);
     const auto until = absl::ToChronoTime(deadline);
+    std::shared_ptr<Ring> ring;
     const bool ready = ring_cv_.wait_until(lock, until, [&] {
-      return stopping_ || !broken_.ok() ||
-             (ring_ != nullptr && ring_->generation >= generation && !ring_->failed);
+      if (stopping_ || !broken_.ok()) return true;
+      ring = UsableLocked(generation, job);
+      return ring != nullptr;
     });
     if (stopping_) {
       *why = absl::CancelledError("the agent stops");
@@ -580,22 +902,29 @@ class AllreduceSyncer final : public Syncer {
       return nullptr;
     }
     if (!ready) {
-      *why = absl::DeadlineExceededError(absl::StrCat(
-          "no ring without the lost rank came within ", absl::FormatDuration(
-              3 * env_.config->sync_timeout), " (", removed_.size(),
-          " ranks removed from the job; --min_workers ", env_.config->min_workers, ")"));
+      *why = absl::DeadlineExceededError(
+          back_.has_value() && back_->answered
+              ? absl::StrCat("iteration ", job, " waited ", absl::FormatDuration(
+                                 3 * env_.config->sync_timeout), " for the ring with rank ",
+                             back_->rank, " coming back")
+              : absl::StrCat("no ring without the lost rank came within ",
+                             absl::FormatDuration(3 * env_.config->sync_timeout), " (",
+                             removed_.size(), " ranks removed from the job; --min_workers ",
+                             env_.config->min_workers, ")"));
       return nullptr;
     }
-    ++ring_->in_flight;
-    return ring_;
+    ++ring->in_flight;
+    started_ = std::max(started_, job);
+    return ring;
   }
 
-  // A collective on `ring` ended (`ok`: it completed).
-  void ReleaseRing(const std::shared_ptr<Ring>& ring, bool ok) {
+  // A collective on `ring` ended (`ok`: it completed; `job`: the iteration it completed).
+  void ReleaseRing(const std::shared_ptr<Ring>& ring, bool ok, uint64_t job = 0) {
     std::shared_ptr<Ring> close;
     {
       std::lock_guard<std::mutex> lock(mu_);
       --ring->in_flight;
+      if (ok) completed_ = std::max(completed_, job);
       if (!ok || ring->failed) close = FailLocked(ring);
     }
     if (close) CloseRing(*close);
@@ -621,6 +950,7 @@ class AllreduceSyncer final : public Syncer {
                              std::shared_ptr<Ring>* ring_out) {
     float* grad = env_.shm->Grad(post.layer);
     const size_t n = unit.elements;
+    const uint64_t job = post.iteration + env_.clock_base;
     UnitProgress& at = progress_[unit_of_[post.layer]];
     if (at.input.size() != n) {
       at.input.assign(n, 0.0f);
@@ -633,7 +963,7 @@ class AllreduceSyncer final : public Syncer {
     absl::Status first;  // the first failure (the one to report)
     while (true) {
       absl::Status why;
-      std::shared_ptr<Ring> ring = AcquireRing(generation, deadline, &why);
+      std::shared_ptr<Ring> ring = AcquireRing(generation, job, deadline, &why);
       if (ring == nullptr) {
         return first.ok() ? why : Annotate(first, absl::StrCat("and then ", why.message()));
       }
@@ -642,7 +972,7 @@ class AllreduceSyncer final : public Syncer {
       if (ring->members.size() < 2) {
         // Alone: the sum over the ranks left is this rank's gradient (its own from the input).
       } else if (at.generation != ring->generation) {
-        s = Where(*ring, post, unit, at, &handed_over);
+        s = Where(*ring, job, post, unit, at, &handed_over);
         if (s.ok()) at.generation = ring->generation;
       }
       if (s.ok() && !handed_over && ring->members.size() > 1) {
@@ -650,10 +980,11 @@ class AllreduceSyncer final : public Syncer {
         if (s.ok() && env_.allreduce_fault) s = env_.allreduce_fault(unit.first, post.iteration);
         if (s.ok()) Average(unit, grad, ring->members.size());
       }
-      ReleaseRing(ring, s.ok());
+      ReleaseRing(ring, s.ok(), job);
       if (s.code() == absl::StatusCode::kInternal) return Annotate(s, ring->Describe());
       if (s.ok()) {
-        at.done = post.iteration;
+        at.done = job;
+        at.fresh = false;
         std::copy(grad, grad + n, at.result.begin());
         *ring_out = std::move(ring);
         return absl::OkStatus();
@@ -674,11 +1005,13 @@ class AllreduceSyncer final : public Syncer {
   // The first collective of a unit on a new ring (elastic jobs): where the ranks are with it, and
   // the hand-over of the highest completed iteration's result to the ranks without it.
   // `handed_over`: this rank's post completed with it.
-  absl::Status Where(Ring& ring, const Post& post, const Unit& unit, UnitProgress& at,
-                     bool* handed_over) {
+  // `job`: the post's job iteration. A rank coming back (UnitProgress::fresh) holds no result:
+  // it never sends one.
+  absl::Status Where(Ring& ring, uint64_t job, const Post& post, const Unit& unit,
+                     UnitProgress& at, bool* handed_over) {
     // Kept with the options (a failed exchange's buffer is parked with them).
-    auto keys = std::make_shared<std::array<uint64_t, 2>>(
-        std::array<uint64_t, 2>{WhereKey(at.done, ring.index), ~at.done});
+    auto keys = std::make_shared<std::array<uint64_t, 2>>(std::array<uint64_t, 2>{
+        at.fresh ? at.done << kWhereIndexBits : WhereKey(at.done, ring.index), ~at.done});
     {
       auto opts = std::make_unique<gloo::AllreduceOptions>(ring.context);
       opts->setOutput(keys->data(), 2);
@@ -700,10 +1033,10 @@ class AllreduceSyncer final : public Syncer {
           "): more than BSP allows"));
     }
     const bool lacks = at.done < where.highest;
-    if (lacks && post.iteration != where.highest) {
+    if (lacks && job != where.highest) {
       return absl::InternalError(absl::StrCat("iteration ", where.highest, " of ", unit.name,
                                               " came from another rank while this one posted ",
-                                              post.iteration));
+                                              job));
     }
     float* out = lacks ? env_.shm->Grad(post.layer) : at.result.data();
     auto opts = std::make_unique<gloo::BroadcastOptions>(ring.context);
@@ -1145,9 +1478,147 @@ class AllreduceSyncer final : public Syncer {
   std::set<uint32_t> removed_;       // the ranks removed from the job (PeerRemoved)
   std::condition_variable ring_cv_;  // removed_, ring_ or broken_ changed, or stopping_
   std::thread keeper_;               // elastic jobs: connects the rings of the ranks left
+  // A rank coming back into the ring (PeerReturning, TakeBack).
+  struct Return {
+    uint32_t rank = 0;
+    bool removed = false;    // it had been removed (else its predecessor died and it rejoins)
+    bool answered = false;   // this agent answered its replacement's question
+    uint64_t hold_from = 0;  // answered: this agent's all-reduces from this job iteration wait
+    uint64_t from = 0;       // the iteration it takes up (0: not yet named)
+  };
+  std::optional<Return> back_;
+  uint64_t started_ = 0;    // the highest job iteration a unit's collective started in a ring
+  uint64_t completed_ = 0;  // the highest job iteration a unit completed
+  uint32_t returns_ = 0;    // returns completed: part of every later ring's rendezvous prefix
+  // This agent is a replacement coming back (ComeBack, then Ready): the keys of its question
+  // ("return-<rank>-<nonce>"), the ring's ranks it joins and the live agents' returns count.
+  std::string came_back_;
+  std::vector<uint32_t> back_members_;
+  uint32_t back_returns_ = 0;
+  std::vector<std::string> back_ids_;  // the live agents' answers (their ids)
+  uint64_t named_ = 0;                 // the iteration it named (TakeUpAt)
+  // The rendezvous prefix of this job's world (SyncEnv::ring_world; a replacement coming back:
+  // the live agents'). Set in Ready or ComeBack, then only read.
+  std::string world_;
   // Elastic jobs, by unit: each used only by the thread running the unit.
   std::vector<UnitProgress> progress_;
 };
+
+absl::StatusOr<uint64_t> AllreduceSyncer::ComeBack(absl::Time deadline) {
+  bool any = false;
+  for (const LayerSpec& l : env_.table->layers) any |= l.allreduce_capable;
+  if (!any || env_.rendezvous == nullptr || env_.config->world_size < 2) return uint64_t{0};
+  if (!elastic_) {
+    return absl::FailedPreconditionError(
+        "this job's plan runs layers by ring all-reduce, and a ring takes a rank back only in a "
+        "job that may shrink (--min_workers)");
+  }
+  const uint32_t me = env_.config->rank;
+  std::mt19937_64 random(std::random_device{}());
+  const std::string nonce = absl::StrCat(absl::Hex(random(), absl::kZeroPad16));
+  const std::string keys = absl::StrCat("return-", me, "-", nonce);
+  struct Answer {
+    uint32_t returns = 0;
+    uint64_t started = 0, completed = 0;
+    bool removed = false;
+    std::vector<uint32_t> members;
+    std::string id, world;
+  };
+  std::map<uint32_t, Answer> answers;
+  std::vector<uint32_t> members;  // the live agents' ring (from the first answer)
+  try {
+    gloo::rendezvous::PrefixStore root(absl::StrCat("return-", me), *env_.rendezvous);
+    root.set("nonce", std::vector<char>(nonce.begin(), nonce.end()));
+    gloo::rendezvous::PrefixStore asked(keys, *env_.rendezvous);
+    while (true) {
+      std::vector<uint32_t> waiting;
+      for (uint32_t r = 0; r < env_.config->world_size; ++r) {
+        if (r == me || answers.contains(r)) continue;
+        if (members.empty() || std::find(members.begin(), members.end(), r) != members.end()) {
+          waiting.push_back(r);
+        }
+      }
+      if (!members.empty() && waiting.empty()) break;
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "all-reduce: rank ", me, " asked the live agents where their all-reduces are to come "
+            "back into their ring, and rank", waiting.size() > 1 ? "s " : " ",
+            absl::StrJoin(waiting, ", "), " did not answer by ", absl::FormatTime(deadline)));
+      }
+      for (uint32_t r : waiting) {
+        const std::string key = absl::StrCat("where/", r);
+        std::vector<char> value;
+        try {
+          asked.wait({key}, std::chrono::milliseconds(members.empty() ? 50 : 200));
+          value = asked.get(key);
+        } catch (const std::exception&) {
+          continue;
+        }
+        const std::vector<std::string> f =
+            absl::StrSplit(absl::string_view(value.data(), value.size()), ' ');
+        Answer a;
+        uint32_t removed = 0;
+        bool ok = f.size() == 7 && absl::SimpleAtoi(f[0], &a.returns) &&
+                  absl::SimpleAtoi(f[1], &a.started) && absl::SimpleAtoi(f[2], &a.completed) &&
+                  absl::SimpleAtoi(f[3], &removed) && removed <= 1;
+        for (absl::string_view m : absl::StrSplit(ok ? f[4] : "", ',', absl::SkipEmpty())) {
+          uint32_t rank = 0;
+          ok = ok && absl::SimpleAtoi(m, &rank) && rank < env_.config->world_size;
+          a.members.push_back(rank);
+        }
+        if (!ok || a.members.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "all-reduce: rank ", r, "'s answer to this rank coming back is not one ('",
+              absl::CHexEscape(absl::string_view(value.data(), value.size())), "')"));
+        }
+        a.removed = removed == 1;
+        a.id = f[5];
+        a.world = f[6];
+        if (members.empty()) {
+          for (uint32_t m : a.members) {
+            if (m != me) members.push_back(m);
+          }
+        }
+        answers[r] = std::move(a);
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("all-reduce: asking the live agents to come back into their ring: ",
+                     e.what()));
+  }
+  const Answer& first = answers.begin()->second;
+  uint64_t started = 0, completed = 0;
+  for (const auto& [r, a] : answers) {
+    if (a.members != first.members || a.returns != first.returns ||
+        a.removed != first.removed || a.world != first.world) {
+      return absl::UnavailableError(absl::StrCat(
+          "all-reduce: the live agents answered this rank coming back from different rings "
+          "(rank ", answers.begin()->first, ": ranks ", absl::StrJoin(first.members, ", "),
+          "; rank ", r, ": ranks ", absl::StrJoin(a.members, ", "),
+          "): a rank was removed or came back meanwhile; start it again"));
+    }
+    started = std::max(started, a.started);
+    completed = std::max(completed, a.completed);
+  }
+  came_back_ = keys;
+  world_ = first.world;
+  back_ids_.clear();
+  for (const auto& [r, a] : answers) back_ids_.push_back(a.id);
+  back_members_ = members;
+  back_members_.push_back(me);
+  std::sort(back_members_.begin(), back_members_.end());
+  back_returns_ = first.returns;
+  // Removed: the live ranks hold their all-reduces from the iteration after the highest any
+  // started. Rejoining in its predecessor's place: from the highest any completed (a rank that
+  // completed it hands the result over to the others in the new ring).
+  const uint64_t from = first.removed ? started + 1 : std::max<uint64_t>(completed, 1);
+  PSD_LOG_INFO("all-reduce: the {} live agents answered (their all-reduces started up to "
+               "iteration {}, completed up to {}): this rank {} the ring at iteration {} at the "
+               "earliest", answers.size(), started, completed,
+               first.removed ? "comes back into" : "rejoins", from);
+  return from;
+}
 
 }  // namespace
 

@@ -14,6 +14,19 @@
 
 namespace poseidon::agent {
 
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> MakeGlooDevice(std::string host) {
+  if (host.empty()) host = "127.0.0.1";
+  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = host;
+    return gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("all-reduce: Gloo's TCP device on ", host, ": ", e.what()));
+  }
+}
+
 absl::StatusOr<GlooRing> ConnectGlooRing(gloo::rendezvous::Store& store, uint32_t rank,
                                          uint32_t world, std::string host,
                                          absl::Duration timeout) {
@@ -27,10 +40,12 @@ absl::StatusOr<GlooRing> ConnectGlooRing(gloo::rendezvous::Store& store, uint32_
   const auto millis =
       std::chrono::milliseconds(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout)));
   GlooRing ring;
+  {
+    auto device = MakeGlooDevice(host);
+    if (!device.ok()) return device.status();
+    ring.device = *std::move(device);
+  }
   try {
-    gloo::transport::tcp::attr attr;
-    attr.hostname = host;
-    ring.device = gloo::transport::tcp::CreateDevice(attr);
     auto context = std::make_shared<gloo::rendezvous::Context>(static_cast<int>(rank),
                                                                static_cast<int>(world));
     context->setTimeout(millis);

@@ -41,6 +41,9 @@ struct GlooRing {
 
 inline constexpr int kGlooStepProbes = 15;
 
+// Gloo's TCP device on `host` (as ConnectGlooRing takes it), for a ring connected later.
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> MakeGlooDevice(std::string host);
+
 // Connects rank `rank` of `world` (>= 2) on `host` (the address the other agents reach this one
 // at; brackets around an IPv6 address are dropped) through `store`, every collective bounded by
 // `timeout`, and measures the step. UNAVAILABLE names the ring and Gloo's error; INTERNAL a probe

@@ -226,6 +226,10 @@ struct SyncEnv {
   // All-reduce: Gloo's rendezvous store (the agent's, over the coordinator; null: no
   // all-reduce) and the host the other agents reach this one at.
   gloo::rendezvous::Store* rendezvous = nullptr;
+  // The world's keys in that store are under this prefix (the coordinator's membership epoch the
+  // world formed at: a later world of the job rendezvouses afresh); a returning rank's question
+  // is outside it (its own world's epoch differs), AllreduceSyncer::ComeBack.
+  std::string ring_world = "0";
   std::string own_host;
   // The Gloo ring the agent connected before registering its model (agent/gloo_ring.h; the
   // all-reduce syncer takes it over), or null: the syncer connects one through `rendezvous`.
@@ -273,11 +277,19 @@ class Syncer {
   // rank's replacement asks to come back first): nothing more comes from it. The agents agree
   // on the last iteration of each layer that counts it.
   virtual void PeerRemoved(uint32_t /*rank*/) {}
+  // A replacement of `rank` registered with the coordinator (its heartbeat's `replaced`; main
+  // thread, once per replacement): a scheme that needs the others to make room for it before it
+  // asks (a new Gloo ring) starts listening for its question now.
+  virtual void PeerReturning(uint32_t /*rank*/) {}
   // This rank was removed from the job and comes back (Agent::ReadmitToJob; main thread, peers
   // connected, blocks until `deadline`): the earliest iteration from which every peer can count
   // it again on this scheme's layers (0: any). The peers hold those layers from the iteration
   // after where they are until this agent's PING names the iteration it takes up (PeerBack).
   virtual absl::StatusOr<uint64_t> ComeBack(absl::Time /*deadline*/) { return uint64_t{0}; }
+  // This rank takes up the job at iteration `from` after ComeBack (main thread, before Ready;
+  // before it waits for the others to reach `from` - 1): a scheme whose peers hold their layers
+  // until they know it tells them now.
+  virtual absl::Status TakeUpAt(uint64_t /*from*/) { return absl::OkStatus(); }
   // Frames from the other agents, when the scheme uses them (null: none).
   virtual transport::FrameHandler* peer_handler() { return nullptr; }
   // Called once peers are connected and every layer exists (registration, main thread).

@@ -290,7 +290,7 @@ class SyncerTest : public ::testing::Test {
       std::lock_guard<std::mutex> lock(r.mu);
       r.parts_left[layer] += syncer.Parts(layer);
     }
-    syncer.Start({layer, t, false, 0, absl::Now()});
+    syncer.Start({layer, t - r.env.clock_base, false, 0, absl::Now()});  // the process's
   }
 
   void WaitAll(Rank& r) {
@@ -838,12 +838,128 @@ TEST_F(AllreduceShrinkToOneTest, TheLastRankLeftGoesOnAlone) {
   }
 }
 
-// A removed rank's replacement is refused by a syncer whose ring went on without it.
-TEST_F(AllreduceShrinkTest, AReplacementCannotComeBackIntoTheRing) {
-  const auto back = ranks_[0]->syncers.at(SyncerKind::kAllreduce)->ComeBack(absl::Now());
-  ASSERT_FALSE(back.ok());
-  EXPECT_THAT(std::string(back.status().message()),
-              ::testing::HasSubstr("a ring cannot take a removed rank back"));
+// The world grows again: rank 2, removed, comes back. Its replacement (a new syncer, its agent
+// started with --rejoin) asks the live agents where they are (ComeBack); they hold their
+// all-reduces from the iteration after the highest they started until it names the iteration it
+// takes up (Ready), run those below it in the ring of two and those from it in the ring of three.
+class AllreduceComeBackTest : public AllreduceShrinkTest {
+ protected:
+  void Adjust(Rank& r) override {
+    r.config.min_workers = 2;
+    r.config.sync_timeout = absl::Seconds(10);
+  }
+
+  Syncer& Ring(uint32_t rank) { return *ranks_[rank]->syncers.at(SyncerKind::kAllreduce); }
+
+  // Rank 2's replacement: a new syncer that asks to come back once ranks 0 and 1 heard of it;
+  // the iteration it may take up from.
+  absl::StatusOr<uint64_t> Replace2() {
+    ranks_[2]->syncers[SyncerKind::kAllreduce] = MakeAllreduceSyncer(ranks_[2]->env);
+    for (uint32_t r : {0u, 1u}) Ring(r).PeerReturning(2);
+    return Ring(2).ComeBack(absl::Now() + absl::Seconds(20));
+  }
+
+  // The replacement takes up job iteration `from` (its process's iteration 1) and connects the
+  // ring with the others (on a thread of its own: it waits for them).
+  std::thread TakeUp(uint64_t from, absl::Status* ready) {
+    ranks_[2]->env.clock_base = from - 1;
+    return std::thread([this, ready] { *ready = Ring(2).Ready(); });
+  }
+};
+
+TEST_F(AllreduceComeBackTest, ARemovedRankComesBackIntoTheRingFromTheIterationItNames) {
+  for (uint64_t t = 1; t <= 2; ++t) {
+    for (uint32_t r = 0; r < 3; ++r) PostRing(r, t);
+    for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  }
+  KillRank2AndRemoveIt();
+  for (uint32_t r : {0u, 1u}) PostRing(r, 3);
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 3, {0, 1}));
+  }
+  const absl::StatusOr<uint64_t> back = Replace2();
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, 4u);  // they started 3
+  // Iteration 4 waits for the replacement's word; it takes up 5 (its KV servers' keys asked for
+  // a later one, say): 4 goes in the ring of two, 5 on in the ring of three.
+  for (uint32_t r : {0u, 1u}) PostRing(r, 4);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_THAT(Ring(0).Waiting(3, 4, {}),
+              ::testing::HasSubstr("waiting for rank 2 coming back into the ring to name"));
+  absl::Status ready;
+  std::thread taking_up = TakeUp(5, &ready);
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 4, {0, 1}));
+  }
+  taking_up.join();
+  ASSERT_TRUE(ready.ok()) << ready;
+  for (uint64_t t = 5; t <= 6; ++t) {
+    for (uint32_t r = 0; r < 3; ++r) PostRing(r, t);
+    for (uint32_t r = 0; r < 3; ++r) {
+      ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+      ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, t, {0, 1, 2}));
+    }
+  }
+  // And it can leave again: the ring of the two left goes on.
+  KillRank2AndRemoveIt();
+  for (uint32_t r : {0u, 1u}) PostRing(r, 7);
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 7, {0, 1}));
+  }
+}
+
+// Rank 2 dies and its replacement comes before the others removed it (--rejoin_timeout): their
+// ring broke with its predecessor, and rank 0 had completed iteration 2 before (rank 1's last
+// receive broke). The replacement takes up 2, the highest completed: rank 0 hands its result
+// over to rank 1 and to it in the new ring of three, and iteration 3 is the sum over all three.
+TEST_F(AllreduceComeBackTest, ARankRejoiningBeforeItsRemovalGetsTheIterationSomeRankCompleted) {
+  ranks_[1]->env.allreduce_fault = [](uint32_t, uint64_t t) {
+    return t == 2 ? absl::UnavailableError("forged: the last receive broke") : absl::OkStatus();
+  };
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 1);
+  for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 2);
+  ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[0]));
+  ASSERT_NO_FATAL_FAILURE(ExpectRingSum(0, 2, {0, 1, 2}));
+  ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[2]));
+  ranks_[2]->syncers.erase(SyncerKind::kAllreduce);  // dies; nobody removes it
+  PostRing(0, 3);
+  const absl::StatusOr<uint64_t> back = Replace2();
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, 2u);
+  absl::Status ready;
+  TakeUp(*back, &ready).join();
+  ASSERT_TRUE(ready.ok()) << ready;
+  PostRing(2, 2);
+  for (uint32_t r : {1u, 2u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 2, {0, 1, 2}));
+  }
+  for (uint32_t r : {1u, 2u}) PostRing(r, 3);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 3, {0, 1, 2}));
+  }
+}
+
+// A replacement that asked and is removed again before it named its iteration: the others go on
+// in the ring they had.
+TEST_F(AllreduceComeBackTest, AReplacementRemovedBeforeItTookUpTheJobIsNotWaitedFor) {
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 1);
+  for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  KillRank2AndRemoveIt();
+  ASSERT_TRUE(Replace2().ok());
+  for (uint32_t r : {0u, 1u}) PostRing(r, 2);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_THAT(Ring(1).Waiting(3, 2, {}), ::testing::HasSubstr("waiting for rank 2 coming back"));
+  for (uint32_t r : {0u, 1u}) Ring(r).PeerRemoved(2);
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 2, {0, 1}));
+  }
 }
 
 // A resumed job: a layer goes on from its keys' restored clock, which must agree. A rank

@@ -1449,7 +1449,10 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
       }
       for (uint32_t r = 0; r < j.ranks.size(); ++r) {
         const Node* holder = FindNode(j.ranks[r].node_id);
-        if (Live(holder) && holder->rank_restarts > 0) response->add_replaced(r);
+        if (Live(holder) && holder->rank_restarts > 0) {
+          response->add_replaced(r);
+          response->add_replaced_by(holder->id);
+        }
       }
       response->set_takeovers(j.takeovers);
       for (const std::string& server : j.world_servers) lost(server, 0);

@@ -991,6 +991,9 @@ TEST_P(DepartedTest, HeartbeatsNameTheAgentsThatLeftWithAnError) {
   EXPECT_EQ(response.departed_size(), 0) << response.DebugString();
   ASSERT_EQ(response.replaced_size(), 1) << response.DebugString();
   EXPECT_EQ(response.replaced(0), 1u);
+  // By which node: a ring makes room for each replacement once (agent: PeerReturning).
+  ASSERT_EQ(response.replaced_by_size(), 1) << response.DebugString();
+  EXPECT_EQ(response.replaced_by(0), replacement);
   EXPECT_EQ(response.takeovers(), 0u) << "not before it says it took up the running job";
   // It took up the running job at iteration 7 (said in every heartbeat: counted once); the
   // others learn it, so that a job with a local optimizer hands it its state.

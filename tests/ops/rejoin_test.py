@@ -16,6 +16,12 @@ result of every rank (the survivors' and the rejoined one's from its first itera
 the exact sum over the four ranks' gradients of that iteration (--verify): the fault-free run's.
 Printed: the time from the kill to the first iteration the rejoined rank completed (p50, p99).
 
+With --scheme allreduce every layer goes in the Gloo ring, in a job that may shrink
+(--min_workers=4: a ring takes a rank back only there; with 4 of 4 none is removed): the killed
+rank's ring breaks, and its replacement asks the survivors' agents where their all-reduces are;
+it takes up the highest iteration any completed (a survivor that completed it hands the result
+over in the new ring) and every survivor's agent logs that the rank is back in a ring of four.
+
 Then a rank that is killed and not restarted: once --rejoin_timeout has run out the others fail,
 naming it. Every process is killed (and every shared-memory segment removed) on every path."""
 
@@ -114,11 +120,16 @@ def summary(d):
     return None
 
 
+def ring_extra(args):
+    """The agents' arguments a ring that takes a rank back needs (a job that may shrink)."""
+    return [f"--min_workers={RANKS}"] if args.scheme == "allreduce" else []
+
+
 def fault_free(args):
     """The same job without a kill: how long its ranks take (the reference for the time lost)."""
     daemons, segments = [], []
     try:
-        start_job(args, "clean", daemons, segments, "30s")
+        start_job(args, "clean", daemons, segments, "30s", extra=ring_extra(args))
         started = time.monotonic()
         synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
         for s in synths:
@@ -138,7 +149,8 @@ def fault_free(args):
 def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
     daemons, segments = [], []
     try:
-        agent_argv, agents = start_job(args, t, daemons, segments, "30s")
+        agent_argv, agents = start_job(args, t, daemons, segments, "30s",
+                                       extra=ring_extra(args))
         started = time.monotonic()
         synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
         victim = rng.randrange(RANKS)
@@ -218,7 +230,15 @@ def trial(args, t, rng, kill_agent, recoveries, durations, elsewhere=False):
                   f"trial {t}: every rank, the restarted one too, switched fc1.weight at the plan "
                   f"epoch's iteration (scheme switches: "
                   f"{[c.group(1) if c else None for c in counts]})")
-        if args.scheme != "ps":
+        if args.scheme == "allreduce":
+            for r in (r for r in range(RANKS) if r != victim):
+                log = "\n".join(agents[r].lines + agents[r].stderr)
+                check(re.search(rf"all-reduce: rank {victim} is back in the Gloo ring of {RANKS} "
+                                rf"ranks .*: the all-reduces of iteration {first} on go in it",
+                                log) is not None,
+                      f"trial {t}: rank {r}'s agent took rank {victim} back into a ring of "
+                      f"{RANKS} from iteration {first}")
+        elif args.scheme != "ps":
             sfb = [re.search(r"(\d+) on SFB", "\n".join(s.lines)) for s in synths]
             check(all(m is not None and int(m.group(1)) > 0 for m in sfb),
                   f"trial {t}: layers on SFB as registered, every rank "
@@ -243,7 +263,7 @@ def not_restarted(args):
     """A rank killed and never restarted: the others fail once --rejoin_timeout is over, naming it."""
     daemons, segments = [], []
     try:
-        _, agents = start_job(args, "gone", daemons, segments, "3s")
+        _, agents = start_job(args, "gone", daemons, segments, "3s", extra=ring_extra(args))
         synths = [synth(args, r, segments[r], daemons) for r in range(RANKS)]
         synths[2].wait_for(r"iteration 1 ends at", timeout=60)
         time.sleep(1.0)
@@ -252,10 +272,15 @@ def not_restarted(args):
         out = ended_after(synths[0], killed, "rank 2's kill", timeout=60)
         check(synths[0].proc.poll() not in (None, 0),
               "a rank that is not restarted: the others fail once the rejoin timeout is over")
-        check("rank 2 (127.0.0.1:" in out and "is gone" in out,
-              "its error names rank 2 (the training process gets the first 128 bytes)")
-        log = "\n".join(agents[0].lines + agents[0].stderr)
-        check("did not rejoin within 3s" in log, "and rank 0's agent logs that it did not rejoin")
+        if args.scheme == "allreduce":  # no KV server waits for it: the agents name it
+            check("rank 2 (host" in out and "left the job with an error" in out,
+                  "its error names rank 2 (the training process gets the first 128 bytes)")
+        else:
+            check("rank 2 (127.0.0.1:" in out and "is gone" in out,
+                  "its error names rank 2 (the training process gets the first 128 bytes)")
+            log = "\n".join(agents[0].lines + agents[0].stderr)
+            check("did not rejoin within 3s" in log,
+                  "and rank 0's agent logs that it did not rejoin")
     except RuntimeError as e:
         check(False, str(e))
     finally:
@@ -268,9 +293,10 @@ def main():
         ap.add_argument(f"--{flag}", required=True)
     ap.add_argument("--trials", type=int, default=2, help="per kind of kill")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--scheme", choices=("ps", "sfb", "auto"), default="ps",
+    ap.add_argument("--scheme", choices=("ps", "sfb", "auto", "allreduce"), default="ps",
                     help="sfb, auto: FC layers by SFB, the others send the restarted rank their "
-                         "factors")
+                         "factors; allreduce: every layer in the Gloo ring (--min_workers=4), "
+                         "the restarted rank comes into a new ring with the others")
     ap.add_argument("--cli", default=None,
                     help="the poseidon CLI: once the restarted rank is back, a plan epoch moves "
                          "fc1.weight to the other scheme (with --scheme auto)")

@@ -44,7 +44,10 @@ With --scheme allreduce (every layer in the Gloo ring, ops_shrink_allreduce) the
 check that each survivor's agent connected a ring of the three ranks left (generation 1): the
 all-reduces that failed in the ring of four go again there, each from the gradient posted, and
 where the killed rank died after some ranks had completed an all-reduce, the others take that
-result (every result exact, as above). No return trials: a ring cannot take a rank back.
+result (every result exact, as above). Its return trials: the replacement asks the survivors'
+agents where their all-reduces are, they hold theirs from the iteration after the highest they
+started until it names the iteration it takes up, and every survivor's agent logs that the rank
+is back in the ring of four from that iteration (a new ring generation), every result exact.
 
 Then --min_workers=4: a rank killed is not removed, and the others fail, naming it. Every process
 is killed (and every shared-memory segment removed) on every path."""
@@ -227,21 +230,31 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
         os.kill(synths[victim].proc.pid, signal.SIGKILL)
         synths[victim].wait(20)
         agents[victim].wait(20)
-        # Back once every server removed it (its rejoin timeout ran out: the others went on).
-        for server in servers:
-            server.wait_for(rf"rank {victim} \(.*it is removed", timeout=30)
+        # Back once every server removed it (its rejoin timeout ran out: the others went on);
+        # with every layer in the ring the servers hold no key: once the survivors' agents did.
+        if args.scheme == "allreduce":
+            for r in (r for r in range(RANKS) if r != victim):
+                agents[r].wait_for(rf"rank {victim} .*the job goes on with {RANKS - 1} of its",
+                                   timeout=30)
+        else:
+            for server in servers:
+                server.wait_for(rf"rank {victim} \(.*it is removed", timeout=30)
         returned = time.time()
         agent, back = rejoin_test.replace(args, agent_argv, victim, segments, daemons, "back",
                                           extra=["--allow_shrink"])
         # Started to readmitted: the agent's start, its process's registration, the SFB
         # agents' answers, the servers' readmission and the wait for the others to reach the
         # clock before the one it is readmitted from (its log line, once that is done).
-        agent.wait_for(r"is readmitted to job", timeout=60)
+        # With every layer in the ring the servers' keys are idle: the replacement may register
+        # before a server removed the rank (it then takes up the iteration the ring names).
+        readmitted_line = (r"(?:is readmitted to job 1 from|takes up job 1 at|rejoins job 1 at) "
+                           r"iteration (\d+)")
+        agent.wait_for(readmitted_line, timeout=60)
         readies.append((what, time.time() - returned))
         synths[victim] = back
         rejoin_test.wait_all(synths)
         log = "\n".join(agent.lines + agent.stderr)
-        m = re.search(r"is readmitted to job 1 from iteration (\d+)", log)
+        m = re.search(readmitted_line, log)
         check(m is not None, f"trial {t} ({what} of rank {victim} killed, then back): the "
                              f"replacement logs that it is readmitted")
         readmitted = int(m.group(1)) if m else -1
@@ -275,7 +288,15 @@ def comes_back(args, t, rng, kill_agent, costs, readies):
             check((live_rank, live_size) == (r, RANKS) and generation in (0, 2),
                   f"trial {t}: rank {r} ends as rank {live_rank} of {live_size}, generation "
                   f"{generation} (psd_world)")
-        if args.scheme != "ps":
+        if args.scheme == "allreduce":
+            for r in (r for r in range(RANKS) if r != victim):
+                log = "\n".join(agents[r].lines + agents[r].stderr)
+                check(re.search(rf"all-reduce: rank {victim} is back in the Gloo ring of {RANKS} "
+                                rf"ranks .*: the all-reduces of iteration {readmitted} on go in "
+                                rf"it", log) is not None,
+                      f"trial {t}: rank {r}'s agent took rank {victim} back into its ring from "
+                      f"iteration {readmitted}")
+        elif args.scheme != "ps":
             for r in (r for r in range(RANKS) if r != victim):
                 log = "\n".join(agents[r].lines + agents[r].stderr)
                 check(f"rank {victim} came back: its SFB factors count again from iteration "
@@ -333,8 +354,7 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--scheme", choices=("ps", "sfb", "auto", "allreduce"), default="ps",
                     help="the agents' --scheme (auto: the FC layers on SFB; allreduce: every "
-                         "layer in the Gloo ring, which cannot take a rank back: no return "
-                         "trials)")
+                         "layer in the Gloo ring)")
     args = ap.parse_args()
     job_environment(TOKEN, SECRET)
     seed = args.seed if args.seed is not None else int(time.time())
@@ -344,7 +364,7 @@ def main():
     for t in range(2 * args.trials):
         trial(args, t, rng, kill_agent=t % 2 == 1, pauses=pauses, steps=steps)
     costs, readies = [], []
-    for t in range(2 * args.trials if args.scheme != "allreduce" else 0):
+    for t in range(2 * args.trials):
         comes_back(args, f"back{t}", rng, kill_agent=t % 2 == 1, costs=costs, readies=readies)
     report(pauses, "killed: the longest of the survivors' three iterations after the kill took "
                    "longer than their median iteration by")
@@ -356,7 +376,8 @@ def main():
               ", ".join(f"{a * 1000:.1f} / {b * 1000:.1f} ms" for a, b in steps))
     too_few(args)
     back = ("every all-reduce left in the ring of four went again in the ring of the ranks "
-            "left, or took the result a rank had completed"
+            "left, or took the result a rank had completed; a replacement that comes later "
+            "comes back into the ring, and the world grows again"
             if args.scheme == "allreduce" else
             "a replacement that comes later is readmitted and the world grows again"
             if args.scheme == "ps" else

@@ -191,9 +191,9 @@ def main(argv=None):
                     help="with --max_restarts: a rank whose process or agent fails is restarted "
                          "alone (a new agent with --rejoin) and takes up the running job where "
                          "it stopped, while the others wait for it (--rejoin_timeout); nobody "
-                         "rolls back. Needs PS or SFB layers (not --scheme allreduce or "
-                         "--allreduce by-cost) and a framework that takes up a running "
-                         "job from psd_start_iteration (poseidon-synth; the PyTorch integration: "
+                         "rolls back. All-reduce layers (--scheme allreduce, --allreduce "
+                         "by-cost) need --min_workers too; and a framework that takes up a "
+                         "running job from psd_start_iteration (poseidon-synth; the PyTorch integration: "
                          "a server-side optimizer's state is the servers', a local one's a live "
                          "rank hands over)")
     ap.add_argument("--rejoin_timeout", default="30s",
@@ -265,11 +265,13 @@ def main(argv=None):
         ap.error("--max_restarts alone restarts a local cluster's job; joined to a cluster, a "
                  "failed rank restarts alone with --rejoin (each launcher its own ranks), or "
                  "restart the job from the scheduler (its servers keep their state)")
-    if args.rejoin and (not args.max_restarts or args.scheme == "allreduce" or
-                        args.allreduce == "by-cost"):
-        ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N, and PS or SFB "
-                 "layers (--scheme ps, sfb or auto, not all-reduce: a ring cannot take a "
-                 "restarted rank back yet)")
+    if args.rejoin and not args.max_restarts:
+        ap.error("--rejoin restarts a failed rank alone: it needs --max_restarts N")
+    if args.rejoin and not args.min_workers and (args.scheme == "allreduce" or
+                                                 args.allreduce == "by-cost"):
+        ap.error("--rejoin with all-reduce layers (--scheme allreduce, --allreduce by-cost) needs "
+                 "--min_workers: a ring takes a restarted rank back only in a job that may "
+                 "shrink (its ring goes on in new rings)")
     if args.min_workers and not 1 <= args.min_workers <= world:
         ap.error(f"--min_workers needs a value in [1, {world}] (the world size), got "
                  f"{args.min_workers}")
