@@ -1389,6 +1389,7 @@ absl::Status Agent::TakeUpRunningJob() {
   // those they started where it was removed, from the highest they completed where it rejoins
   // in its predecessor's place.
   uint64_t ring_from = 0;
+  env_.removed_by_servers = !removed_on_.empty();
   if (auto ring = syncers_.find(SyncerKind::kAllreduce); ring != syncers_.end()) {
     const absl::Time deadline =
         absl::Now() + std::max(config_.connect_timeout, absl::Seconds(30));
@@ -2282,7 +2283,7 @@ void Agent::ApplyPendingPlan() {
 }
 
 uint32_t Agent::PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const {
-  if (config_.scheme == "ps") return PSD_SCHEME_PS;
+  if (config_.scheme == "ps" || spec.desc.by_servers) return PSD_SCHEME_PS;
   if (config_.scheme == "allreduce") return PSD_SCHEME_ALLREDUCE;
   if (config_.scheme == "sfb" && spec.desc.kind == PSD_KIND_FC) return PSD_SCHEME_SFB;
   switch (lp.scheme()) {

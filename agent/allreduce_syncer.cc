@@ -401,9 +401,14 @@ class AllreduceSyncer final : public Syncer {
     std::shared_ptr<Ring> close;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      // A replacement coming back is gone before it came into the ring: what waited for it
-      // goes on in the ring it had (TakeBack gives up).
-      if (back_.has_value() && back_->rank == rank) back_.reset();
+      // A replacement coming back is gone before it came into the ring (removed again, or
+      // removed once it was waited for in its predecessor's place): what waited for it goes on
+      // in the ring it had (TakeBack gives up). Its predecessor's removal, which its question
+      // waits for (its servers removed it), is not that.
+      if (back_.has_value() && back_->rank == rank &&
+          (back_->answered || (removed_.contains(rank) && !back_->awaiting_removal))) {
+        back_.reset();
+      }
       if (!removed_.insert(rank).second || ring_ == nullptr) {
         ring_cv_.notify_all();
         return;
@@ -422,7 +427,6 @@ class AllreduceSyncer final : public Syncer {
     if (context_ == nullptr || ring_ == nullptr || back_.has_value()) return;
     back_ = Return{};
     back_->rank = rank;
-    back_->removed = removed_.contains(rank);
     ring_cv_.notify_all();
   }
 
@@ -690,34 +694,23 @@ class AllreduceSyncer final : public Syncer {
   }
 
   // The keeper: a replacement of back_->rank registered (PeerReturning). Once it asks (its
-  // nonce under return-<rank>/), this agent answers where it is and holds its all-reduces from
-  // the iteration after the highest it started; once the replacement names the iteration F it
-  // takes up (…/from), those below F go on in the current ring, and this agent connects the
-  // ring with the rank, which takes those from F on. The return ends without the rank (the
-  // current ring goes on) when a rank is removed meanwhile, the replacement is removed again,
-  // or it does not come within the wait.
+  // question under return-<rank>/: a nonce of its own, and whether its KV servers removed the
+  // rank), this agent answers where it is and holds its all-reduces from the iteration after
+  // the highest it started; once the replacement names the iteration F it takes up (…/from),
+  // those below F go on in the current ring, and this agent connects the ring with the rank,
+  // which takes those from F on. A replacement whose servers removed the rank is answered once
+  // this agent removed it too (the coordinator's word; the keeper makes the ring without it
+  // first), so that every layer leaves it out alike. The return ends without the rank (the
+  // current ring goes on) when another rank is removed once it answered, the replacement is
+  // removed again, or it does not come within the wait.
   void TakeBack() {
     uint32_t rank = 0;
-    bool removed = false;
     std::set<uint32_t> expect;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!back_.has_value() || back_->answered) return;
       rank = back_->rank;
-      removed = back_->removed;
       expect = removed_;
-    }
-    // Its predecessor is gone with its ring (a rejoin before the removal): the collectives in
-    // it end, so that what this agent completed is known before it answers.
-    std::shared_ptr<Ring> dead;
-    if (!removed) {
-      std::shared_ptr<Ring> close;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        dead = ring_;
-        close = FailLocked(dead);
-      }
-      if (close) CloseRing(*close);
     }
     auto abandon = [&](const std::string& why) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -728,8 +721,8 @@ class AllreduceSyncer final : public Syncer {
       }
       ring_cv_.notify_all();
     };
-    // Whether to stop waiting: the agent stops, the return was called off, or a rank was
-    // removed (the keeper makes that ring first; the return ends).
+    // Why to stop waiting: the agent stops, the return was called off, or a rank was removed
+    // (the keeper makes that ring first, then asks again, unless this agent answered already).
     auto off = [&]() -> std::string {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return "the agent stops";
@@ -741,23 +734,72 @@ class AllreduceSyncer final : public Syncer {
                                     2 * env_.config->sync_timeout;
     try {
       gloo::rendezvous::PrefixStore root(absl::StrCat("return-", rank), *env_.rendezvous);
-      auto read_nonce = [&](std::chrono::milliseconds wait) -> std::string {
+      // (nonce, whether its KV servers removed the rank), or an empty nonce.
+      auto read_question = [&](std::chrono::milliseconds wait) {
+        std::pair<std::string, bool> q;
         try {
           root.wait({"nonce"}, wait);
           const std::vector<char> v = root.get("nonce");
-          return std::string(v.begin(), v.end());
+          const std::vector<std::string> f =
+              absl::StrSplit(absl::string_view(v.data(), v.size()), ' ');
+          if (f.size() == 2 && !f[0].empty()) q = {f[0], f[1] == "1"};
         } catch (const std::exception&) {
-          return "";
         }
+        return q;
       };
       // Until the replacement asks (it may be waiting for its training process to attach).
-      std::string nonce;
-      while (nonce.empty()) {
-        nonce = read_nonce(std::chrono::milliseconds(200));
-        if (nonce.empty()) {
-          if (std::string why = off(); !why.empty()) return abandon(why == "the agent stops" ? "" : why);
+      std::pair<std::string, bool> question;
+      while (question.first.empty()) {
+        question = read_question(std::chrono::milliseconds(200));
+        if (question.first.empty()) {
+          const std::string why = off();
+          if (why == "another rank was removed meanwhile") return;  // asked again after
+          if (!why.empty()) return abandon(why == "the agent stops" ? "" : why);
         }
       }
+      bool removed = false;
+      {
+        std::shared_ptr<Ring> close;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (!back_.has_value() || back_->rank != rank) return;
+          removed = removed_.contains(rank);
+          if (question.second && !removed) {
+            // Its KV servers removed it, and this agent has not heard (a replacement that
+            // registered before the coordinator's word reached this agent is the rank's holder
+            // now: that word never comes). The ring leaves it out as the servers' keys do —
+            // those that failed without it go again without it — and answers from there.
+            PSD_LOG_WARN("all-reduce: rank {}'s replacement asks to come back after its KV "
+                         "servers removed it: the ring leaves it out first", rank);
+            back_->awaiting_removal = true;
+            removed_.insert(rank);
+            close = FailLocked(ring_);
+          }
+        }
+        if (close) CloseRing(*close);
+        if (question.second && !removed) {
+          ring_cv_.notify_all();
+          return;  // the keeper makes the ring without it, then answers
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!back_.has_value() || back_->rank != rank) return;
+        back_->removed = removed;
+      }
+      // Its predecessor is gone with its ring (a rejoin before the removal): the collectives in
+      // it end, so that what this agent completed is known before it answers.
+      std::shared_ptr<Ring> dead;
+      if (!removed) {
+        std::shared_ptr<Ring> close;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          dead = ring_;
+          close = FailLocked(dead);
+        }
+        if (close) CloseRing(*close);
+      }
+      std::string nonce = question.first;
       while (true) {
         if (dead != nullptr && !AwaitShut(*dead, absl::Now() + env_.config->sync_timeout)) {
           return abandon("the collectives of its predecessor's ring did not end");
@@ -770,7 +812,8 @@ class AllreduceSyncer final : public Syncer {
           if (!back_.has_value() || back_->rank != rank) return abandon("");
           back_->answered = true;
           back_->hold_from = hold = started_ + 1;
-          answer = AnswerText(returns_, started_, completed_, removed, ring_->members, id, world_);
+          answer = AnswerText(returns_, started_, completed_, removed, ring_->members, id,
+                              world_);
         }
         ring_cv_.notify_all();
         gloo::rendezvous::PrefixStore asked(absl::StrCat("return-", rank, "-", nonce),
@@ -806,7 +849,7 @@ class AllreduceSyncer final : public Syncer {
               return abandon(absl::StrCat("it named no first iteration within ",
                                           absl::FormatDuration(patience)));
             }
-            if (std::string now = read_nonce(std::chrono::milliseconds(1));
+            if (std::string now = read_question(std::chrono::milliseconds(1)).first;
                 !now.empty() && now != nonce) {
               renewed = now;
             }
@@ -856,6 +899,7 @@ class AllreduceSyncer final : public Syncer {
     if (removed) {
       next->from = from;
       next->older = ring_;
+      ring_->older = nullptr;  // every unit is past the ring before it (no chain of rings)
     }
     removed_.erase(rank);
     ring_ = next;
@@ -1485,6 +1529,8 @@ class AllreduceSyncer final : public Syncer {
     bool answered = false;   // this agent answered its replacement's question
     uint64_t hold_from = 0;  // answered: this agent's all-reduces from this job iteration wait
     uint64_t from = 0;       // the iteration it takes up (0: not yet named)
+    bool awaiting_removal = false;  // its servers removed it: the ring left it out on its
+                                    // question (TakeBack), not on the coordinator's word
   };
   std::optional<Return> back_;
   uint64_t started_ = 0;    // the highest job iteration a unit's collective started in a ring
@@ -1528,7 +1574,10 @@ absl::StatusOr<uint64_t> AllreduceSyncer::ComeBack(absl::Time deadline) {
   std::vector<uint32_t> members;  // the live agents' ring (from the first answer)
   try {
     gloo::rendezvous::PrefixStore root(absl::StrCat("return-", me), *env_.rendezvous);
-    root.set("nonce", std::vector<char>(nonce.begin(), nonce.end()));
+    // The question: its nonce, and whether its KV servers removed this rank (the live agents
+    // then answer once they removed it too).
+    const std::string question = absl::StrCat(nonce, " ", env_.removed_by_servers ? 1 : 0);
+    root.set("nonce", std::vector<char>(question.begin(), question.end()));
     gloo::rendezvous::PrefixStore asked(keys, *env_.rendezvous);
     while (true) {
       std::vector<uint32_t> waiting;

@@ -41,17 +41,18 @@ absl::StatusOr<LayerTable> BuildLayerTable(const std::vector<LayerDesc>& descs,
     st.desc = descs[i];
     bool sfb = lp.scheme() == v1::SYNC_SCHEME_SFB;
     if (options.force_sfb && descs[i].kind == PSD_KIND_FC) sfb = true;
-    if (options.force_allreduce) sfb = false;
+    if (options.force_allreduce || descs[i].by_servers) sfb = false;
     if (sfb && (descs[i].kind != PSD_KIND_FC || !options.sfb_possible)) {
       return absl::InternalError(
           absl::StrCat("the plan puts layer ", descs[i].name, " on SFB, which it cannot run"));
     }
-    st.sfb_capable = options.sfb_possible && SfbCapable(descs[i], sfb);
+    st.sfb_capable = options.sfb_possible && !descs[i].by_servers && SfbCapable(descs[i], sfb);
     // A plan's all-reduce where the job cannot run it (a scheme forced to PS, a server-side
-    // rule) is PS: every rank of the job has the same options, so all of them fall back alike.
-    const bool allreduce = !sfb && options.allreduce_possible &&
+    // rule, a layer that goes by the servers) is PS: every rank of the job has the same
+    // options and layers, so all of them fall back alike.
+    st.allreduce_capable = options.allreduce_possible && !descs[i].by_servers;
+    const bool allreduce = !sfb && st.allreduce_capable &&
                            (options.force_allreduce || lp.scheme() == v1::SYNC_SCHEME_ALLREDUCE);
-    st.allreduce_capable = options.allreduce_possible;
     if (options.force_wire.has_value()) {
       st.wire = *options.force_wire;
     } else {

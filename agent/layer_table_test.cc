@@ -474,5 +474,24 @@ TEST(LayerTable, AllReduceLayersOnlyWhereTheJobCanRunThem) {
   EXPECT_FALSE(table->layers[0].allreduce_capable);
 }
 
+// PSD_LAYER_BY_SERVERS: PS whatever the plan or a forced scheme says, and never movable.
+TEST(LayerTable, ALayerThatGoesByTheServersStaysOnPs) {
+  std::vector<LayerDesc> descs = {Fc("fc1", 256, 100, 8), Bias("b1", 3)};
+  descs[0].by_servers = true;
+  for (const LayerTableOptions& options :
+       {LayerTableOptions{.world_size = 2, .sfb_possible = true, .allreduce_possible = true},
+        LayerTableOptions{.world_size = 2, .allreduce_possible = true, .force_allreduce = true},
+        LayerTableOptions{.world_size = 2, .sfb_possible = true, .force_sfb = true}}) {
+    for (v1::SyncScheme planned : {v1::SYNC_SCHEME_ALLREDUCE, v1::SYNC_SCHEME_SFB}) {
+      auto table = BuildLayerTable(descs, PlanFor(descs, {planned, v1::SYNC_SCHEME_PS}), options);
+      ASSERT_TRUE(table.ok()) << table.status();
+      EXPECT_EQ(table->layers[0].layout.scheme, PSD_SCHEME_PS) << planned;
+      EXPECT_FALSE(table->layers[0].allreduce_capable);
+      EXPECT_FALSE(table->layers[0].sfb_capable);
+      EXPECT_FALSE(table->layers[0].chunks.empty());
+    }
+  }
+}
+
 }  // namespace
 }  // namespace poseidon::agent

@@ -300,7 +300,7 @@ absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
     }
     d.kind = l.kind;
     d.batch_k = l.batch_k;
-    if ((l.flags & ~15u) != 0) {
+    if ((l.flags & ~31u) != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", i, " (", d.name, "): unknown flags ", l.flags));
     }
@@ -313,6 +313,7 @@ absl::StatusOr<std::vector<LayerDesc>> ShmEndpoint::ReadLayers() const {
     d.average = (l.flags & 2u) != 0;   // PSD_LAYER_AVERAGE
     d.counters = (l.flags & 4u) != 0;  // PSD_LAYER_COUNTERS
     d.own_clock = (l.flags & 8u) != 0;  // PSD_LAYER_OWN_CLOCK
+    d.by_servers = (l.flags & 16u) != 0;  // PSD_LAYER_BY_SERVERS
     d.elements = 1;
     for (uint32_t k = 0; k < l.ndim; ++k) {
       if (l.shape[k] == 0 || l.shape[k] > (uint64_t{1} << 32)) {

@@ -33,6 +33,7 @@ struct LayerDesc {
   bool average = false;  // the result is the mean over the ranks summed (PSD_LAYER_AVERAGE)
   bool counters = false;  // SGD with learning rate 1 under a server-side rule (PSD_LAYER_COUNTERS)
   bool own_clock = false;  // iterations of its own, not the job's (PSD_LAYER_OWN_CLOCK)
+  bool by_servers = false;  // PS whatever the plan says (PSD_LAYER_BY_SERVERS)
 };
 
 struct LayerLayout {

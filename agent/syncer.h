@@ -213,6 +213,9 @@ struct SyncEnv {
   // starts one below it, so that the process's iteration 1 is that clock's; one further behind
   // (not posted lately) goes on from its own (Agent::TakeUpRunningJob).
   std::optional<uint64_t> rejoin_top;
+  // That rank's KV servers had removed it (the world shrank without it): it is readmitted
+  // (Agent::ReadmitToJob), and a ring answers it once its agents removed it too.
+  bool removed_by_servers = false;
   // The PS keys on a lossy wire (the chunks and bucket keys of layers whose LayerSpec::wire is
   // not float32). Built at registration, then only read.
   std::map<uint64_t, std::unique_ptr<LossyWire>> lossy;

@@ -945,6 +945,38 @@ TEST_F(AllreduceComeBackTest, ARankRejoiningBeforeItsRemovalGetsTheIterationSome
   }
 }
 
+// Rank 2 dies and its replacement comes before the others removed it, but its KV servers had
+// (their rejoin timeout ran out first; the replacement holds the rank now, so the coordinator's
+// word that it died never reaches the others): its question says so, and the others' ring
+// leaves it out first, as the servers' keys do — iteration 2 goes again in the ring of the two
+// left — then answers; it comes back from the iteration after.
+TEST_F(AllreduceComeBackTest, AReplacementItsServersRemovedIsLeftOutOfTheRingFirst) {
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 1);
+  for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
+  ranks_[2]->syncers.erase(SyncerKind::kAllreduce);  // dies; not removed by the others
+  for (uint32_t r : {0u, 1u}) PostRing(r, 2);
+  ranks_[2]->env.removed_by_servers = true;
+  absl::StatusOr<uint64_t> back;
+  std::thread asking([&] { back = Replace2(); });
+  for (uint32_t r : {0u, 1u}) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 2, {0, 1}));
+  }
+  asking.join();
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, 3u);
+  absl::Status ready;
+  std::thread taking_up = TakeUp(3, &ready);
+  for (uint32_t r : {0u, 1u}) PostRing(r, 3);
+  taking_up.join();
+  ASSERT_TRUE(ready.ok()) << ready;
+  PostRing(2, 3);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 3, {0, 1, 2}));
+  }
+}
+
 // A replacement that asked and is removed again before it named its iteration: the others go on
 // in the ring they had.
 TEST_F(AllreduceComeBackTest, AReplacementRemovedBeforeItTookUpTheJobIsNotWaitedFor) {

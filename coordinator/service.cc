@@ -202,9 +202,12 @@ void CoordinatorService::ExpireWaitersLocked(absl::Time now, std::vector<Complet
       continue;
     }
     const absl::Status status = Guarded([&] { return waiter.expire(now); });
-    if (!status.ok() && waiter.method != Method::kGetPlan) {
+    if (!status.ok() && waiter.method != Method::kGetPlan && !waiter.poll_only) {
       PSD_LOG_WARN("{} of node {}: {}", MethodName(waiter.method), waiter.node_id,
                    status.message());
+    } else if (!status.ok() && waiter.poll_only) {
+      PSD_LOG_DEBUG("{} of node {}: {}", MethodName(waiter.method), waiter.node_id,
+                    status.message());
     }
     registry_.EndWait(waiter.node_id, now);
     done.push_back(Completion{it->first, waiter.method, ToGrpcStatus(status)});
@@ -458,8 +461,10 @@ grpc::ServerUnaryReactor* CoordinatorService::StoreGet(grpc::CallbackServerConte
       options_.rendezvous_timeout,
       absl::Milliseconds(static_cast<int64_t>(std::min(request->timeout_ms(), kMaxTimeoutMs))));
   return Park(context, Method::kStoreGet, *request, wait, kNothingFirst,
-              [this, request, response](const Caller& caller, const std::string& /*node_id*/,
-                                        absl::Time now, Waiter& waiter) {
+              [this, request, response, wait](const Caller& caller,
+                                              const std::string& /*node_id*/, absl::Time now,
+                                              Waiter& waiter) {
+                waiter.poll_only = wait < absl::Seconds(1);
                 waiter.poll = [this, caller, request, response](absl::Time at) {
                   return registry_.TryStoreGet(caller, *request, at, response);
                 };

@@ -109,6 +109,9 @@ class CoordinatorService final : public poseidon::v1::Coordinator::CallbackServi
     absl::Time deadline;
     absl::AnyInvocable<absl::StatusOr<bool>(absl::Time now)> poll;
     absl::AnyInvocable<absl::Status(absl::Time now)> expire;
+    // A short wait (a store poll, under a second: an agent checking for a key now and then)
+    // that ends unanswered is no news: logged at debug, not as a warning.
+    bool poll_only = false;
   };
   // A call to finish once mu_ is released.
   struct Completion {

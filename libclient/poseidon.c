@@ -306,7 +306,8 @@ PSD_EXPORT psd_status psd_register_layers(psd_context* ctx, const psd_layer_desc
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown kind %u", i, d->name, d->kind);
     }
     const uint32_t known =
-        PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS | PSD_LAYER_OWN_CLOCK;
+        PSD_LAYER_FUSABLE | PSD_LAYER_AVERAGE | PSD_LAYER_COUNTERS | PSD_LAYER_OWN_CLOCK |
+        PSD_LAYER_BY_SERVERS;
     if ((d->flags & ~known) != 0) {
       return fail(PSD_INVALID_ARGUMENT, "layer %u (%s): unknown flags 0x%x", i, d->name,
                   d->flags & ~known);

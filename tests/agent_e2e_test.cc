@@ -988,9 +988,9 @@ TEST(CAbi, MisuseReturnsTheRightStatus) {
   psd_layer_desc bad{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, bad_shape, 4, 0};
   EXPECT_EQ(psd_register_layers(ctx, &bad, 1, 10000), PSD_INVALID_ARGUMENT);
   const uint64_t shape[2] = {8, 4};
-  psd_layer_desc unknown_flag{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, 16u};
+  psd_layer_desc unknown_flag{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4, 32u};
   EXPECT_EQ(psd_register_layers(ctx, &unknown_flag, 1, 10000), PSD_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(psd_last_error()).find("unknown flags 0x10"), std::string::npos)
+  EXPECT_NE(std::string(psd_last_error()).find("unknown flags 0x20"), std::string::npos)
       << psd_last_error();
   psd_layer_desc fused_own_clock{"fc.weight", PSD_LAYER_FC, PSD_FLOAT32, 2, shape, 4,
                                  PSD_LAYER_OWN_CLOCK | PSD_LAYER_FUSABLE};

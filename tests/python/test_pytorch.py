@@ -515,6 +515,15 @@ class Recovery(WorkersTest):
         self.take_up_with_handed_over_state("", "a rank of a job that may shrink took up the job",
                                             launcher=["--min_workers", "2"])
 
+    def test_a_rank_whose_layers_go_by_ring_takes_up_the_job_with_a_live_ranks_state(self):
+        # The same with every layer by ring all-reduce (--scheme allreduce; a ring takes a rank
+        # back in a job that may shrink, --min_workers 2): the others' ring broke with rank 1,
+        # and its restart asks their agents where their all-reduces are and comes into a new
+        # ring with them; the broadcast layers the state is handed over on go by the KV servers
+        # (they count iterations of their own). Nobody is removed: one process on the 3x batch.
+        self.take_up_with_handed_over_state("", "a rank whose layers go by ring took up the job",
+                                            launcher=["--min_workers", "2"], scheme="allreduce")
+
     def test_a_local_optimizers_rank_readmitted_after_the_world_shrank_gets_a_live_ranks_state(
             self):
         # --min_workers with --rejoin, through a DDP script (DistributedDataParallel, its own
@@ -548,6 +557,24 @@ class Recovery(WorkersTest):
         self.assert_close(torch.load(out), want, what)
         self.assert_close(torch.load(out + ".optimizer"), want_momentum,
                           f"{what}: its momentum buffers")
+
+    def test_a_rank_readmitted_after_the_world_shrank_comes_back_into_the_ring(self):
+        # The same with every layer by ring all-reduce (--scheme allreduce): the restarted rank
+        # asks the live agents where their all-reduces are; they hold theirs from the iteration
+        # after the highest they started until it names the one it takes up (also where the KV
+        # servers readmit it from), run those before in the ring of three and those after in a
+        # new ring of four. Rank 1's parameters and momentum at the end equal one process on the
+        # 4x batch until step 17, the three ranks' batch until that step, and the 4x batch again.
+        steps = 60
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r, back = self.readmit_rank_1(
+                out, steps, "ddp-wrapper,register-early,state-optimizer,momentum,report-world,"
+                "writer=1", scheme="allreduce")
+            self.assertIn("schemes: AR,AR,AR,AR", r.stdout)
+            self.assertEqual(len(re.findall(r"all-reduce: rank 1 is back in the Gloo ring of 4 "
+                                            r"ranks", r.stdout + r.stderr)), 3, r.stdout)
+            self.expect_readmitted_sgd(out, steps, back, ", every layer by ring all-reduce")
 
     def test_a_rank_readmitted_after_the_world_shrank_counts_again_on_sfb_layers_too(self):
         # The same with the Linear weights on SFB (issue 18): the restarted rank asks the live

@@ -104,6 +104,11 @@ typedef struct psd_layer_desc {
  * (a retransmission: the servers answer that clock's sum) — the framework learns from a live
  * rank where its own posts go on. Not with FUSABLE. */
 #define PSD_LAYER_OWN_CLOCK 8u
+/* BY_SERVERS: the layer goes by the KV servers (PS) whatever the plan says (never SFB or ring
+ * all-reduce): it is posted now and then, or a rank taking up the running job posts again
+ * iterations the others completed (a retransmission only a server can answer) — the PyTorch
+ * integration's broadcast layers in a job that takes ranks back. Needs KV servers. */
+#define PSD_LAYER_BY_SERVERS 16u
 
 typedef struct psd_layer_info {
   uint32_t scheme;   /* PSD_SYNC_PS or PSD_SYNC_SFB, as the first plan says (psd_layer_scheme:

@@ -19,6 +19,7 @@ PSD_LAYER_FUSABLE = 1  # psd_layer_desc.flags
 PSD_LAYER_AVERAGE = 2  # the KV servers answer the mean over the ranks each clock summed
 PSD_LAYER_COUNTERS = 4  # server-side rule jobs: SGD with learning rate 1 (ElasticState)
 PSD_LAYER_OWN_CLOCK = 8  # iterations of its own (the buffers' broadcasts), not the job's
+PSD_LAYER_BY_SERVERS = 16  # PS whatever the plan says (a retransmission only a server answers)
 PSD_FLOAT32 = 1
 PSD_SYNC_PS, PSD_SYNC_SFB, PSD_SYNC_ALLREDUCE = 1, 2, 3
 ABI_VERSION = 3

@@ -53,7 +53,7 @@ import torch
 import poseidon
 from ._capi import (LayerDesc, LayerInfo, PoseidonError, ServerRule, PSD_FLOAT32, PSD_LAYER_BIAS,
                     PSD_LAYER_AVERAGE, PSD_LAYER_CONV, PSD_LAYER_COUNTERS, PSD_LAYER_FC,
-                    PSD_LAYER_OWN_CLOCK,
+                    PSD_LAYER_OWN_CLOCK, PSD_LAYER_BY_SERVERS,
                     PSD_LAYER_FUSABLE, PSD_LAYER_OTHER, PSD_SYNC_ALLREDUCE, PSD_SYNC_SFB,
                     PSD_TIMEOUT, check, lib)
 
@@ -420,15 +420,18 @@ class _Engine:
                                  (PSD_LAYER_FUSABLE if device.type == "cpu" else 0) |
                                  (PSD_LAYER_AVERAGE if self.counted else 0))
         # The extra layers are posted alone (and waited for before other layers are posted):
-        # not fusable.
+        # not fusable. In a job that takes ranks back a rank taking up the job posts again what
+        # the others completed on them, which only a KV server answers: never SFB or ring.
+        by_servers = PSD_LAYER_BY_SERVERS if _takeovers()[1] > 0 or self.elastic else 0
         for j in range(len(extra)):
             i = len(layers) + j
             descs[i] = LayerDesc(names[i], PSD_LAYER_OTHER, PSD_FLOAT32, 1,
                                  ctypes.cast(shapes[i], ctypes.POINTER(ctypes.c_uint64)), 0,
                                  # The buffers' broadcasts are not the iterations: a forward
                                  # without backward adds one, a no_sync() one has none.
-                                 PSD_LAYER_COUNTERS if extra[j][0] == STATE_LAYER else
-                                 PSD_LAYER_OWN_CLOCK if extra[j][0] == BUFFERS_LAYER else 0)
+                                 by_servers |
+                                 (PSD_LAYER_COUNTERS if extra[j][0] == STATE_LAYER else
+                                  PSD_LAYER_OWN_CLOCK if extra[j][0] == BUFFERS_LAYER else 0))
         check(lib().psd_register_layers(ctx, descs, len(names), self.timeout_ms), "register layers")
         start = ctypes.c_uint64()
         check(lib().psd_start_iteration(ctx, ctypes.byref(start)), "start iteration")
