@@ -217,8 +217,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   uint64_t membership_epoch_ = 0;  // the world's (from the rendezvous)
   std::unique_ptr<CoordinatorStore> rendezvous_;  // Gloo's, for all-reduce (null: none)
   std::unique_ptr<CoordinatorStore> ring_store_;  // the job's, for the all-reduce syncer
-  // Replacements (node ids) the syncers heard of (PeerReturning); those already there when they
-  // were first told are not news (main thread).
+  // Replacements (node ids) the syncers heard of (PeerReturning); those already there when this
+  // agent registered are not news (main thread).
   std::set<std::string> returning_told_;
   bool returning_baseline_ = false;
   // The Gloo ring, connected before the model's registration (its step goes with it; the
@@ -318,6 +318,10 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::atomic<uint64_t> world_generation_{0};
   std::set<uint32_t> replaced_;  // under lost_mu_: ranks held by a live replacement (heartbeat)
   std::map<std::string, uint32_t> replaced_by_;  // under lost_mu_: those replacements' nodes
+  // Under lost_mu_: heartbeat answers so far, and how many had come when this agent registered
+  // (the replacements listed in the first answer after are the ones it found, not news).
+  uint64_t heartbeat_seq_ = 0;
+  uint64_t heartbeat_seq_at_register_ = 0;
   // Under lost_mu_: the KV servers that joined the running job (heartbeat), in join order.
   std::vector<v1::PlanServer> joined_servers_;
   bool joined_mismatch_logged_ = false;  // under lost_mu_
@@ -603,6 +607,16 @@ int Agent::Run() {
           return stop(1);
         }
         registered_.store(true);
+        {
+          // The replacements alive when this rank registered are not news to its syncers
+          // (PeerReturning): the last heartbeat answer's, or else the first one's after.
+          std::lock_guard<std::mutex> lock(lost_mu_);
+          heartbeat_seq_at_register_ = heartbeat_seq_;
+          if (heartbeat_seq_ > 0) {
+            for (const auto& [node, rank] : replaced_by_) returning_told_.insert(node);
+            returning_baseline_ = true;
+          }
+        }
         if (coord_) watcher_ = std::thread([this] { WatchPlans(); });
         break;
       case PSD_EVENT_LAYER_READY:
@@ -724,6 +738,7 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     shm_->SetTakeovers(result->takeovers());
     std::lock_guard<std::mutex> lock(lost_mu_);
     replaced_ = std::set<uint32_t>(result->replaced().begin(), result->replaced().end());
+    ++heartbeat_seq_;
     replaced_by_.clear();
     for (int i = 0; i < result->replaced_size() && i < result->replaced_by_size(); ++i) {
       replaced_by_[result->replaced_by(i)] = result->replaced(i);
@@ -2105,20 +2120,24 @@ void Agent::CheckLostMembers() {
   std::vector<v1::LostMember> gone;  // left with an error, cannot be removed (ring layers)
   std::set<uint32_t> replaced;
   std::map<std::string, uint32_t> replaced_by;
+  bool answered_since_registered = false;
   {
     std::lock_guard<std::mutex> lock(lost_mu_);
     lost = lost_;
     departed = departed_;
     replaced = replaced_;
     replaced_by = replaced_by_;
+    answered_since_registered = heartbeat_seq_ > heartbeat_seq_at_register_;
   }
-  // A replacement registered: a ring makes room for it (AllreduceSyncer::TakeBack).
-  if (!syncers_.empty()) {
+  // A replacement registered: a ring makes room for it (AllreduceSyncer::TakeBack). Those
+  // listed when this agent registered were there before it.
+  if (!syncers_.empty() && (returning_baseline_ || answered_since_registered)) {
     for (const auto& [node, rank] : replaced_by) {
       if (!returning_told_.insert(node).second || !returning_baseline_ ||
           rank == config_.rank) {
         continue;
       }
+      PSD_LOG_INFO("rank {} is held by a replacement now (agent {})", rank, node);
       for (auto& [kind, syncer] : syncers_) syncer->PeerReturning(rank);
     }
     returning_baseline_ = true;

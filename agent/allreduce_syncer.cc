@@ -647,6 +647,14 @@ class AllreduceSyncer final : public Syncer {
                        absl::StrJoin(ring->members, ", "))));
     }
     context_ = ring->context;
+    try {
+      // Answered and in: a live agent told of this replacement later (its first heartbeat
+      // answer) finds no question to answer.
+      gloo::rendezvous::PrefixStore root(absl::StrCat("return-", me), *env_.rendezvous);
+      root.set("nonce", {});
+    } catch (const std::exception& e) {
+      PSD_LOG_DEBUG("all-reduce: clearing this rank's question: {}", e.what());
+    }
     for (size_t u = 0; u < units_.size(); ++u) {
       UnitProgress& at = progress_[u];
       at.input.assign(units_[u].elements, 0.0f);
@@ -742,7 +750,11 @@ class AllreduceSyncer final : public Syncer {
           const std::vector<char> v = root.get("nonce");
           const std::vector<std::string> f =
               absl::StrSplit(absl::string_view(v.data(), v.size()), ' ');
-          if (f.size() == 2 && !f[0].empty()) q = {f[0], f[1] == "1"};
+          if (f.size() == 2 && !f[0].empty()) {
+            q = {f[0], f[1] == "1"};
+          } else {
+            std::this_thread::sleep_for(wait);  // a question answered (cleared): none yet
+          }
         } catch (const std::exception&) {
         }
         return q;

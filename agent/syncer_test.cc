@@ -1,8 +1,8 @@
 // The syncers in-process: two ranks of one job in this process, each with its own shared-memory
 // segments, scheduler and syncers (PS, SFB, bucket and all-reduce from the registration table), a
 // KV server and the SFB peer connections over the in-process transport, the all-reduce's Gloo
-// ring over loopback TCP (its rendezvous through a Gloo HashStore here, the coordinator in the
-// agent). Four iterations in which one FC layer runs SFB, PS, SFB, then all-reduce (what plan
+// ring over loopback TCP (its rendezvous through a store that, like the coordinator's in the
+// agent, lets a key be set again). Four iterations in which one FC layer runs SFB, PS, SFB, then all-reduce (what plan
 // changes do: its keys are clocked per layer, its inbox slots reused), a two-chunk layer PS, then
 // all-reduce twice, then PS again, and a bucket of two small layers: every result is the exact
 // sum over both ranks.
@@ -22,7 +22,8 @@
 #include "agent/scheduler.h"
 #include "agent/shm_endpoint.h"
 #include "agent/syncer.h"
-#include "gloo/rendezvous/hash_store.h"
+#include "gloo/common/error.h"
+#include "gloo/rendezvous/store.h"
 #include "server/buffer_pool.h"
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
@@ -35,6 +36,38 @@ namespace poseidon::agent {
 namespace {
 
 constexpr char kSecret[] = "syncer-test";
+
+// The rendezvous store as the coordinator keeps it (agent/gloo_store.h): a key may be set again
+// (a replacement's question, cleared once answered), get and wait block until the keys exist,
+// at most the timeout.
+class TestStore final : public gloo::rendezvous::Store {
+ public:
+  void set(const std::string& key, const std::vector<char>& data) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    map_[key] = data;
+    cv_.notify_all();
+  }
+  std::vector<char> get(const std::string& key) override {
+    wait({key});
+    std::lock_guard<std::mutex> lock(mu_);
+    return map_.at(key);
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    const bool all = cv_.wait_for(lock, timeout, [&] {
+      return std::all_of(keys.begin(), keys.end(),
+                         [&](const std::string& k) { return map_.count(k) != 0; });
+    });
+    if (!all) throw gloo::IoException("test store: keys not set within the timeout");
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::vector<char>> map_;
+};
 constexpr uint32_t kWorld = 2;
 constexpr uint64_t kM = 16, kN = 8, kK = 2;  // layer 0: FC [16, 8], K = 2
 
@@ -310,7 +343,7 @@ class SyncerTest : public ::testing::Test {
   std::shared_ptr<server::KvEngine> engine_;
   std::shared_ptr<server::KvService> service_;
   std::shared_ptr<transport::FrameServer> kv_server_;
-  gloo::rendezvous::HashStore store_;
+  TestStore store_;
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 
@@ -860,10 +893,11 @@ class AllreduceComeBackTest : public AllreduceShrinkTest {
   }
 
   // The replacement takes up job iteration `from` (its process's iteration 1) and connects the
-  // ring with the others (on a thread of its own: it waits for them).
-  std::thread TakeUp(uint64_t from, absl::Status* ready) {
+  // ring with the others (on a thread of its own: it waits for them; joined however the test
+  // ends).
+  std::jthread TakeUp(uint64_t from, absl::Status* ready) {
     ranks_[2]->env.clock_base = from - 1;
-    return std::thread([this, ready] { *ready = Ring(2).Ready(); });
+    return std::jthread([this, ready] { *ready = Ring(2).Ready(); });
   }
 };
 
@@ -888,7 +922,7 @@ TEST_F(AllreduceComeBackTest, ARemovedRankComesBackIntoTheRingFromTheIterationIt
   EXPECT_THAT(Ring(0).Waiting(3, 4, {}),
               ::testing::HasSubstr("waiting for rank 2 coming back into the ring to name"));
   absl::Status ready;
-  std::thread taking_up = TakeUp(5, &ready);
+  std::jthread taking_up = TakeUp(5, &ready);
   for (uint32_t r : {0u, 1u}) {
     ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
     ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 4, {0, 1}));
@@ -902,12 +936,21 @@ TEST_F(AllreduceComeBackTest, ARemovedRankComesBackIntoTheRingFromTheIterationIt
       ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, t, {0, 1, 2}));
     }
   }
+  // Told of that replacement again (an agent that registers later hears of every replacement
+  // alive): it asked and came in, its question is answered — nothing to hold for.
+  Ring(0).PeerReturning(2);
+  absl::SleepFor(absl::Milliseconds(300));
+  for (uint32_t r = 0; r < 3; ++r) PostRing(r, 7);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 7, {0, 1, 2}));
+  }
   // And it can leave again: the ring of the two left goes on.
   KillRank2AndRemoveIt();
-  for (uint32_t r : {0u, 1u}) PostRing(r, 7);
+  for (uint32_t r : {0u, 1u}) PostRing(r, 8);
   for (uint32_t r : {0u, 1u}) {
     ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
-    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 7, {0, 1}));
+    ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 8, {0, 1}));
   }
 }
 
@@ -957,7 +1000,7 @@ TEST_F(AllreduceComeBackTest, AReplacementItsServersRemovedIsLeftOutOfTheRingFir
   for (uint32_t r : {0u, 1u}) PostRing(r, 2);
   ranks_[2]->env.removed_by_servers = true;
   absl::StatusOr<uint64_t> back;
-  std::thread asking([&] { back = Replace2(); });
+  std::jthread asking([&] { back = Replace2(); });
   for (uint32_t r : {0u, 1u}) {
     ASSERT_NO_FATAL_FAILURE(WaitAll(*ranks_[r]));
     ASSERT_NO_FATAL_FAILURE(ExpectRingSum(r, 2, {0, 1}));
@@ -966,7 +1009,7 @@ TEST_F(AllreduceComeBackTest, AReplacementItsServersRemovedIsLeftOutOfTheRingFir
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, 3u);
   absl::Status ready;
-  std::thread taking_up = TakeUp(3, &ready);
+  std::jthread taking_up = TakeUp(3, &ready);
   for (uint32_t r : {0u, 1u}) PostRing(r, 3);
   taking_up.join();
   ASSERT_TRUE(ready.ok()) << ready;
