@@ -322,6 +322,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // (the replacements listed in the first answer after are the ones it found, not news).
   uint64_t heartbeat_seq_ = 0;
   uint64_t heartbeat_seq_at_register_ = 0;
+  uint64_t replaced_by_version_ = 0;  // under lost_mu_: bumped when replaced_by_ changes
+  uint64_t replaced_by_seen_ = 0;     // main thread: the version its syncers were told of
   // Under lost_mu_: the KV servers that joined the running job (heartbeat), in join order.
   std::vector<v1::PlanServer> joined_servers_;
   bool joined_mismatch_logged_ = false;  // under lost_mu_
@@ -614,6 +616,7 @@ int Agent::Run() {
           heartbeat_seq_at_register_ = heartbeat_seq_;
           if (heartbeat_seq_ > 0) {
             for (const auto& [node, rank] : replaced_by_) returning_told_.insert(node);
+            replaced_by_seen_ = replaced_by_version_;
             returning_baseline_ = true;
           }
         }
@@ -739,9 +742,13 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
     std::lock_guard<std::mutex> lock(lost_mu_);
     replaced_ = std::set<uint32_t>(result->replaced().begin(), result->replaced().end());
     ++heartbeat_seq_;
-    replaced_by_.clear();
+    std::map<std::string, uint32_t> by;
     for (int i = 0; i < result->replaced_size() && i < result->replaced_by_size(); ++i) {
-      replaced_by_[result->replaced_by(i)] = result->replaced(i);
+      by[result->replaced_by(i)] = result->replaced(i);
+    }
+    if (by != replaced_by_) {
+      replaced_by_ = std::move(by);
+      ++replaced_by_version_;
     }
     // The joined servers' order is their place in every chain: only a list that extends the
     // one taken so far is taken (a restarted coordinator forgets it, and may list others).
@@ -2119,28 +2126,32 @@ void Agent::CheckLostMembers() {
   std::vector<v1::LostMember> lost, departed;
   std::vector<v1::LostMember> gone;  // left with an error, cannot be removed (ring layers)
   std::set<uint32_t> replaced;
-  std::map<std::string, uint32_t> replaced_by;
-  bool answered_since_registered = false;
+  std::map<std::string, uint32_t> replaced_by;  // copied only when it changed (main loop)
+  bool tell = false;
   {
     std::lock_guard<std::mutex> lock(lost_mu_);
     lost = lost_;
     departed = departed_;
     replaced = replaced_;
-    replaced_by = replaced_by_;
-    answered_since_registered = heartbeat_seq_ > heartbeat_seq_at_register_;
+    if (!returning_baseline_ && heartbeat_seq_ > heartbeat_seq_at_register_) {
+      // No answer had come before it registered: the first one after is what it found.
+      for (const auto& [node, rank] : replaced_by_) returning_told_.insert(node);
+      replaced_by_seen_ = replaced_by_version_;
+      returning_baseline_ = true;
+    } else if (returning_baseline_ && replaced_by_version_ != replaced_by_seen_) {
+      replaced_by = replaced_by_;
+      replaced_by_seen_ = replaced_by_version_;
+      tell = true;
+    }
   }
   // A replacement registered: a ring makes room for it (AllreduceSyncer::TakeBack). Those
   // listed when this agent registered were there before it.
-  if (!syncers_.empty() && (returning_baseline_ || answered_since_registered)) {
+  if (!syncers_.empty() && tell) {
     for (const auto& [node, rank] : replaced_by) {
-      if (!returning_told_.insert(node).second || !returning_baseline_ ||
-          rank == config_.rank) {
-        continue;
-      }
+      if (!returning_told_.insert(node).second || rank == config_.rank) continue;
       PSD_LOG_INFO("rank {} is held by a replacement now (agent {})", rank, node);
       for (auto& [kind, syncer] : syncers_) syncer->PeerReturning(rank);
     }
-    returning_baseline_ = true;
   }
   // A dead rank may be restarted and rejoin (--rejoin_timeout): waited for that long.
   if (config_.rejoin_timeout > absl::ZeroDuration()) {

@@ -759,7 +759,11 @@ class AllreduceSyncer final : public Syncer {
         }
         return q;
       };
-      // Until the replacement asks (it may be waiting for its training process to attach).
+      // Until the replacement asks: it may be waiting for its training process to attach
+      // (--attach_timeout), then registers with the servers; one that never asks (it came in
+      // already, or left unnoticed) is not waited for longer.
+      const absl::Duration ask_wait = env_.config->attach_timeout + patience;
+      const absl::Time ask_by = absl::Now() + ask_wait;
       std::pair<std::string, bool> question;
       while (question.first.empty()) {
         question = read_question(std::chrono::milliseconds(200));
@@ -767,6 +771,10 @@ class AllreduceSyncer final : public Syncer {
           const std::string why = off();
           if (why == "another rank was removed meanwhile") return;  // asked again after
           if (!why.empty()) return abandon(why == "the agent stops" ? "" : why);
+          if (absl::Now() > ask_by) {
+            return abandon(
+                absl::StrCat("it asked nothing within ", absl::FormatDuration(ask_wait)));
+          }
         }
       }
       bool removed = false;
@@ -793,11 +801,6 @@ class AllreduceSyncer final : public Syncer {
           ring_cv_.notify_all();
           return;  // the keeper makes the ring without it, then answers
         }
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!back_.has_value() || back_->rank != rank) return;
-        back_->removed = removed;
       }
       // Its predecessor is gone with its ring (a rejoin before the removal): the collectives in
       // it end, so that what this agent completed is known before it answers.
@@ -1537,7 +1540,6 @@ class AllreduceSyncer final : public Syncer {
   // A rank coming back into the ring (PeerReturning, TakeBack).
   struct Return {
     uint32_t rank = 0;
-    bool removed = false;    // it had been removed (else its predecessor died and it rejoins)
     bool answered = false;   // this agent answered its replacement's question
     uint64_t hold_from = 0;  // answered: this agent's all-reduces from this job iteration wait
     uint64_t from = 0;       // the iteration it takes up (0: not yet named)
