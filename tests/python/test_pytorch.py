@@ -558,6 +558,20 @@ class Recovery(WorkersTest):
         self.assert_close(torch.load(out + ".optimizer"), want_momentum,
                           f"{what}: its momentum buffers")
 
+    def readmit_through_a_ddp_script(self, scheme, schemes, what):
+        """readmit_rank_1 through a DDP script (its SGD with momentum named by its ElasticState)
+        with `scheme`: the worker reports `schemes`, and rank 1's parameters and momentum end as
+        expect_readmitted_sgd says. Returns the job and the step rank 1 came back at."""
+        steps = 60
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "params.pt")
+            r, back = self.readmit_rank_1(
+                out, steps, "ddp-wrapper,register-early,state-optimizer,momentum,report-world,"
+                "writer=1", scheme=scheme)
+            self.assertIn(f"schemes: {schemes}", r.stdout)
+            self.expect_readmitted_sgd(out, steps, back, what)
+            return r, back
+
     def test_a_rank_readmitted_after_the_world_shrank_comes_back_into_the_ring(self):
         # The same with every layer by ring all-reduce (--scheme allreduce): the restarted rank
         # asks the live agents where their all-reduces are; they hold theirs from the iteration
@@ -565,16 +579,10 @@ class Recovery(WorkersTest):
         # servers readmit it from), run those before in the ring of three and those after in a
         # new ring of four. Rank 1's parameters and momentum at the end equal one process on the
         # 4x batch until step 17, the three ranks' batch until that step, and the 4x batch again.
-        steps = 60
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "params.pt")
-            r, back = self.readmit_rank_1(
-                out, steps, "ddp-wrapper,register-early,state-optimizer,momentum,report-world,"
-                "writer=1", scheme="allreduce")
-            self.assertIn("schemes: AR,AR,AR,AR", r.stdout)
-            self.assertEqual(len(re.findall(r"all-reduce: rank 1 is back in the Gloo ring of 4 "
-                                            r"ranks", r.stdout + r.stderr)), 3, r.stdout)
-            self.expect_readmitted_sgd(out, steps, back, ", every layer by ring all-reduce")
+        r, _ = self.readmit_through_a_ddp_script("allreduce", "AR,AR,AR,AR",
+                                                 ", every layer by ring all-reduce")
+        self.assertEqual(len(re.findall(r"all-reduce: rank 1 is back in the Gloo ring of 4 ranks",
+                                        r.stdout + r.stderr)), 3, r.stdout)
 
     def test_a_rank_readmitted_after_the_world_shrank_counts_again_on_sfb_layers_too(self):
         # The same with the Linear weights on SFB (issue 18): the restarted rank asks the live
@@ -583,20 +591,13 @@ class Recovery(WorkersTest):
         # step too. Every layer counts it again from the same step: rank 1's parameters and
         # momentum at the end equal one process on the 4x batch until step 17, the three ranks'
         # batch until that step, and the 4x batch again after.
-        steps = 60
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "params.pt")
-            r, back = self.readmit_rank_1(
-                out, steps, "ddp-wrapper,register-early,state-optimizer,momentum,report-world,"
-                "writer=1", scheme="sfb")
-            self.assertIn("schemes: SFB,PS,SFB,PS", r.stdout)
-            # Every live agent counts it again from the iteration its agent was readmitted from
-            # (the job's iteration: the worker's steps are counted from 0, after registration).
-            at = re.search(r"rank 1 is readmitted to job \d+ from iteration (\d+)", r.stdout)
-            self.assertIsNotNone(at, r.stdout)
-            self.assertEqual(r.stdout.count(f"rank 1 came back: its SFB factors count again from "
-                                            f"iteration {at.group(1)}"), 3, r.stdout)
-            self.expect_readmitted_sgd(out, steps, back, ", SFB layers")
+        r, _ = self.readmit_through_a_ddp_script("sfb", "SFB,PS,SFB,PS", ", SFB layers")
+        # Every live agent counts it again from the iteration its agent was readmitted from
+        # (the job's iteration: the worker's steps are counted from 0, after registration).
+        at = re.search(r"rank 1 is readmitted to job \d+ from iteration (\d+)", r.stdout)
+        self.assertIsNotNone(at, r.stdout)
+        self.assertEqual(r.stdout.count(f"rank 1 came back: its SFB factors count again from "
+                                        f"iteration {at.group(1)}"), 3, r.stdout)
 
     def expect_rank_0s_buffers(self, out, forwards, own_at=(), rank_1s_at=()):
         """Rank 2 found rank 0's buffers in each of its `forwards` forwards but the first two
