@@ -731,12 +731,18 @@ class AllreduceSyncer final : public Syncer {
     };
     // Why to stop waiting: the agent stops, the return was called off, or a rank was removed
     // (the keeper makes that ring first, then asks again, unless this agent answered already).
-    auto off = [&]() -> std::string {
+    enum class Off { kNo, kStopping, kCalledOff, kRemoval };
+    auto off = [&] {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return "the agent stops";
-      if (!back_.has_value() || back_->rank != rank) return "it was removed again";
-      if (removed_ != expect) return "another rank was removed meanwhile";
-      return "";
+      if (stopping_) return Off::kStopping;
+      if (!back_.has_value() || back_->rank != rank) return Off::kCalledOff;
+      if (removed_ != expect) return Off::kRemoval;
+      return Off::kNo;
+    };
+    auto stop_waiting = [&](Off why) {
+      abandon(why == Off::kStopping    ? ""
+              : why == Off::kCalledOff ? "it was removed again"
+                                       : "another rank was removed meanwhile");
     };
     const absl::Duration patience = std::max(env_.config->connect_timeout, absl::Seconds(30)) +
                                     2 * env_.config->sync_timeout;
@@ -768,9 +774,9 @@ class AllreduceSyncer final : public Syncer {
       while (question.first.empty()) {
         question = read_question(std::chrono::milliseconds(200));
         if (question.first.empty()) {
-          const std::string why = off();
-          if (why == "another rank was removed meanwhile") return;  // asked again after
-          if (!why.empty()) return abandon(why == "the agent stops" ? "" : why);
+          const Off why = off();
+          if (why == Off::kRemoval) return;  // asked again after
+          if (why != Off::kNo) return stop_waiting(why);
           if (absl::Now() > ask_by) {
             return abandon(
                 absl::StrCat("it asked nothing within ", absl::FormatDuration(ask_wait)));
@@ -857,9 +863,7 @@ class AllreduceSyncer final : public Syncer {
               throw std::runtime_error("stale");
             }
           } catch (const std::exception&) {
-            if (std::string why = off(); !why.empty()) {
-              return abandon(why == "the agent stops" ? "" : why);
-            }
+            if (const Off why = off(); why != Off::kNo) return stop_waiting(why);
             if (absl::Now() > give_up) {
               return abandon(absl::StrCat("it named no first iteration within ",
                                           absl::FormatDuration(patience)));
