@@ -62,6 +62,13 @@ using transport::FrameType;
 // latency more than rate).
 constexpr uint64_t kCapacityTransferBytes = uint64_t{32} << 10;
 
+// Whether a server's failed table registration means the server is lost (its connection closed
+// or broke, or it answered nothing in time) rather than its refusal (a table that differs, no
+// room), which stands.
+bool RegistrationLost(server::KvClient& client, const absl::Status& why) {
+  return client.Broken() || absl::IsDeadlineExceeded(why);
+}
+
 // The transport kind of a connected link, as telemetry reports it.
 v1::TransportKind LinkKind(bool rdma) {
   return rdma ? v1::TRANSPORT_KIND_RDMA : v1::TRANSPORT_KIND_TCP;
@@ -1338,10 +1345,23 @@ absl::Status Agent::ConnectServers() {
         !unreachable.contains(static_cast<uint32_t>(s))) {
       std::vector<server::KeyProgress> progress;
       bool removed = false;
-      RETURN_IF_ERROR(
-          (*client)->RegisterTables(requests[s], absl::Seconds(30), &progress, &removed));
-      RETURN_IF_ERROR(NoteRestoredClocks(s, requests[s], progress, restored_at, &standby_copies));
-      if (removed) removed_on_.insert(s);
+      const absl::Status registered =
+          (*client)->RegisterTables(requests[s], absl::Seconds(30), &progress, &removed);
+      if (!registered.ok() && replicas > 0 && RegistrationLost(**client, registered)) {
+        // Lost while it registered the job (its connection closed or broke, or it said nothing
+        // for 30 s): as one lost before we connected, its keys start at a backup, and the
+        // ranks it registered find it lost at their first request (failover, clock 0).
+        unreachable[static_cast<uint32_t>(s)] =
+            Annotate(registered, absl::StrCat(what, ", lost while it registered the job"));
+        (*client)->Close();
+        client = server::KvClient::Unreachable(config_.servers[s], config_.job_id, config_.rank,
+                                               unreachable[static_cast<uint32_t>(s)]);
+      } else {
+        RETURN_IF_ERROR(registered);
+        RETURN_IF_ERROR(
+            NoteRestoredClocks(s, requests[s], progress, restored_at, &standby_copies));
+        if (removed) removed_on_.insert(s);
+      }
     }
     env_.servers.push_back(*client);
     CountLink(server_rdma_[s]);
