@@ -189,7 +189,13 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // The KV servers the coordinator reports joined the running job go on every key's chain
   // (plan watcher thread).
   void JoinNewServers();
-  absl::Status JoinServer(uint32_t slot, const std::vector<v1::PlanServer>& joined);
+  // `progress` (optional): the joined server's answer for its standby tables, in their order.
+  absl::Status JoinServer(uint32_t slot, const std::vector<v1::PlanServer>& joined,
+                          std::vector<server::KeyProgress>* progress = nullptr);
+  // A rank taking up the running job (--rejoin), before it connects its servers: the
+  // coordinator's word on the job's servers (declared dead, joined), from one heartbeat answer.
+  void AwaitHeartbeatAnswer();
+  void TakeUpJoinedServers();
   void ApplyPendingPlan();
   // A world member the coordinator declared dead: every layer waiting, and every later one,
   // fails at once naming it (the iteration cannot complete without it).
@@ -1109,7 +1115,10 @@ absl::Status Agent::Register() {
                    "(exact parameters) they stay float32", planned_lossy);
     }
   }
-  if (any_ps) RETURN_IF_ERROR(ConnectServers());
+  if (any_ps) {
+    if (config_.rejoin) AwaitHeartbeatAnswer();
+    RETURN_IF_ERROR(ConnectServers());
+  }
   if (config_.rejoin) {
     RETURN_IF_ERROR(TakeUpRunningJob());
     // The others may need to hand this rank their state (psd_takeovers): tell it at once.
@@ -1301,9 +1310,23 @@ absl::Status Agent::ConnectServers() {
           s >= n ? "there is no such server" : "a lost server's keys have no other copy"));
     }
   }
+  // A rank taking up the running job does not wait for a server the coordinator declared dead:
+  // the others went on without it, and its keys are further down their chains.
+  std::map<uint32_t, std::string> declared_dead;
+  if (config_.rejoin && replicas > 0) {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    for (const v1::LostMember& m : lost_) {
+      for (int i = 0; m.role() == v1::NODE_ROLE_SERVER && i < plan_servers_.size(); ++i) {
+        if (plan_servers_[i].node_id() == m.node_id()) {
+          declared_dead[static_cast<uint32_t>(i)] = m.reason();
+        }
+      }
+    }
+  }
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     ConnectTarget target{server_rdma_[s], config_.servers[s], server_tcp_fallback_[s]};
     const std::string what = absl::StrCat("KV server ", config_.servers[s]);
+    const auto dead = declared_dead.find(static_cast<uint32_t>(s));
     // A server lost before the checkpoint this job resumes from is not connected: its file is
     // older than the others', which hold its keys' copies.
     absl::StatusOr<std::shared_ptr<server::KvClient>> client =
@@ -1312,6 +1335,9 @@ absl::Status Agent::ConnectServers() {
                   "before the checkpoint of iteration ", config_.resumed_iteration,
                   " that the job resumes from (--lost_servers); the others' checkpoints hold "
                   "copies of its keys"))
+        : dead != declared_dead.end()
+            ? absl::UnavailableError(
+                  absl::StrCat("declared dead by the coordinator: ", dead->second))
             : ConnectWithFallback<std::shared_ptr<server::KvClient>>(
                   what, target,
                   [&](bool rdma, const std::string& address) {
@@ -1374,9 +1400,73 @@ absl::Status Agent::ConnectServers() {
             .value_or(nullptr));
   }
   registrations_ = std::move(requests);
+  if (config_.rejoin && replicas > 0) TakeUpJoinedServers();
   RETURN_IF_ERROR(StartAtBackups(unreachable));
   TakeStandbyCopies(standby_copies);
   return absl::OkStatus();
+}
+
+void Agent::AwaitHeartbeatAnswer() {
+  if (!heartbeats_) return;
+  uint64_t seen;
+  {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    seen = heartbeat_seq_;
+  }
+  heartbeats_->BeatNow();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (absl::Now() < deadline) {
+    {
+      std::lock_guard<std::mutex> lock(lost_mu_);
+      if (heartbeat_seq_ > seen) return;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  PSD_LOG_WARN("no heartbeat answer from the coordinator in 5 s: rank {} takes up the job "
+               "without its word on the job's servers (declared dead, joined)",
+               config_.rank);
+}
+
+// A rank taking up the running job takes the servers that joined it up before its keys start
+// (the others did as they joined): a key whose every plan server was lost lives on them only,
+// and the copy a joined server holds says where such a key is (TakeUpRunningJob).
+void Agent::TakeUpJoinedServers() {
+  std::vector<v1::PlanServer> joined;
+  {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    joined = joined_servers_;
+  }
+  for (uint32_t slot = 0; slot < joined.size(); ++slot) {
+    std::vector<server::KeyProgress> progress;
+    const absl::Status st =
+        slot >= JoinedServers::kMax
+            ? absl::ResourceExhaustedError(absl::StrCat(
+                  "a job takes at most ", JoinedServers::kMax, " servers joining it while it runs"))
+            : JoinServer(slot, joined, &progress);
+    if (!st.ok()) {
+      // Later ones come after it in every chain: the plan watcher does not try them either.
+      joining_stuck_ = true;
+      env_.joined.stuck.store(true, std::memory_order_release);
+      PSD_LOG_WARN("KV server {} joined the running job, but this agent cannot use it ({}): its "
+                   "keys keep the copies they have",
+                   joined[slot].node_id(), st.message());
+      return;
+    }
+    // The joined server stands by for every table: server 0's standby tables, then its tables
+    // (JoinServer), answered in that order; a key it holds a copy of has a completed clock.
+    size_t i = 0;
+    auto note = [&](const v1::KvTableSpec& t) {
+      for (const auto& k : t.keys()) {
+        const server::KeyProgress p = i < progress.size() ? progress[i] : server::KeyProgress{};
+        ++i;
+        if (p.completed == 0 || env_.restored.contains(k.key())) continue;
+        env_.restored[k.key()] = p;
+        NoteFallback(k.key(), p);
+      }
+    };
+    for (const v1::KvTableSpec& t : registrations_[0].standby_tables()) note(t);
+    for (const v1::KvTableSpec& t : registrations_[0].tables()) note(t);
+  }
 }
 
 // The keys first held by a server that could not be reached at start go to the first server of
@@ -1387,11 +1477,16 @@ absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unrea
   // At start, only the backups hold copies; in a job resumed after losses (--lost_servers) a
   // server further down the chain may hold an adopted one, restored from its checkpoint (one
   // that holds none answers NotFound, and the requests walk on along the chain).
-  const uint32_t last = config_.lost_servers.empty() ? env_.replication.replicas : n - 1;
+  // A rank taking up the running job may find a copy anywhere down the chain (adopted after
+  // losses), and past the ring on the servers that joined the job (TakeUpJoinedServers).
+  const uint32_t last =
+      config_.lost_servers.empty() && !config_.rejoin ? env_.replication.replicas : n - 1;
+  const uint32_t joined = config_.rejoin ? env_.joined.Count() : 0;
   for (const auto& [s, why] : unreachable) {
     uint32_t epoch = 1;
     while (epoch <= last && unreachable.contains((s + epoch) % n)) ++epoch;
-    if (epoch > last) {
+    if (epoch > last && joined > 0) epoch = n;  // the first server that joined
+    if (epoch > last && joined == 0) {
       std::vector<std::string> lost;
       for (uint32_t e = 0; e <= last; ++e) lost.push_back(config_.servers[(s + e) % n]);
       return absl::UnavailableError(absl::StrCat(
@@ -1399,10 +1494,11 @@ absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unrea
           absl::StrJoin(lost, ", "), " cannot be reached (", why.message(), ")"));
     }
     env_.replication.epoch[s].store(epoch);
+    const uint32_t at = env_.replication.ServerAt(s, epoch);
     PSD_LOG_WARN("KV server {} ({}) {} ({}): its keys start at server {} ({}), epoch {}", s,
                  config_.servers[s],
                  config_.lost_servers.contains(s) ? "was lost" : "cannot be reached at start",
-                 why.message(), (s + epoch) % n, config_.servers[(s + epoch) % n], epoch);
+                 why.message(), at, env_.ServerAddress(at), epoch);
   }
   return absl::OkStatus();
 }
@@ -2086,7 +2182,8 @@ void Agent::JoinNewServers() {
   }
 }
 
-absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>& joined) {
+absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>& joined,
+                               std::vector<server::KeyProgress>* progress) {
   const auto ring = static_cast<uint32_t>(env_.replication.servers);
   const uint32_t index = ring + slot;
   const std::string what = absl::StrCat("KV server ", index, " (", joined[slot].node_id(), ")");
@@ -2116,7 +2213,7 @@ absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>&
     }
     return r;
   };
-  if (absl::Status st = client->RegisterTables(registration(index), absl::Seconds(30));
+  if (absl::Status st = client->RegisterTables(registration(index), absl::Seconds(30), progress);
       !st.ok()) {
     client->Close();
     return Annotate(st, absl::StrCat("registering at ", what));

@@ -7,7 +7,9 @@ the only copy of every key (none is left to take one). A replacement server is t
 as systemd's Restart= or an operator would: it registers with the coordinator, which tells the
 agents it joined the job; they register the job there and name it to the surviving server, which
 copies every key to it at the key's next clock. Once it holds them, the surviving server is
-SIGKILLed too: with two servers and no replacement that would end the job.
+SIGKILLed too: with two servers and no replacement that would end the job. In every other trial
+a rank is then SIGKILLed and restarted with --rejoin: every key lives on the replacement only,
+and the restarted agent takes it up before its keys start.
 
 Checked in every trial: every rank finishes every iteration with exit 0, and every synchronised
 result equals the exact sum over the four ranks' gradients of that iteration (--verify): the
@@ -49,7 +51,7 @@ def show(daemons):
 def trial(args, t, rng, restored):
     daemons, segments = [], []
     try:
-        agent_argv, agents = rejoin_test.start_job(args, t, daemons, segments, "0s",
+        agent_argv, agents = rejoin_test.start_job(args, t, daemons, segments, "30s",
                                                    name="join")
         servers = [d for d in daemons if d.name.startswith("server ")]
         synths = [rejoin_test.synth(args, r, segments[r], daemons) for r in range(RANKS)]
@@ -97,13 +99,33 @@ def trial(args, t, rng, restored):
         os.kill(servers[survivor].proc.pid, signal.SIGKILL)
         servers[survivor].wait(20)
         print(f"trial {t}: server {survivor} killed (no original server left)", flush=True)
+        expected = [rejoin_test.ITERATIONS * LAYERS] * RANKS
+        rejoiner = None
+        if t % 2 == 1:
+            # A rank dies now and is restarted with --rejoin: every key lives on the replacement
+            # only, which its agent takes up before its keys start (the coordinator declared
+            # both plan servers dead after --liveness_timeout).
+            time.sleep(3)
+            rejoiner = rng.randrange(RANKS)
+            os.kill(synths[rejoiner].proc.pid, signal.SIGKILL)
+            synths[rejoiner].wait(20)
+            agents[rejoiner].wait(20)  # an agent whose process died exits by itself
+            agent, synths[rejoiner] = rejoin_test.replace(args, agent_argv, rejoiner, segments,
+                                                          daemons, "rejoined")
+            first = int(agent.wait_for(r"rejoins job 1 at iteration (\d+)", timeout=60).group(1))
+            expected[rejoiner] = (rejoin_test.ITERATIONS - first + 1) * LAYERS
+            log = "\n".join(agent.lines + agent.stderr)
+            check(all(f"KV server {s} (" in log and "declared dead by the coordinator" in log
+                      for s in range(2)) and
+                  log.count("its keys start at server 2 ") == 2,
+                  f"trial {t}: rank {rejoiner}'s replacement started the keys of both dead plan "
+                  f"servers at the joined one and took up the job at iteration {first}")
         rejoin_test.wait_all(synths, timeout=120)
         for r, s in enumerate(synths):
             last = (s.lines + s.stderr)[-1:] or ["(nothing)"]
-            check(s.proc.returncode == 0 and
-                  rejoin_test.summary(s) == (rejoin_test.ITERATIONS * LAYERS, 0),
-                  f"trial {t}: rank {r} finished every iteration, every result exact "
-                  f"({last[0][:400]})")
+            check(s.proc.returncode == 0 and rejoin_test.summary(s) == (expected[r], 0),
+                  f"trial {t}: rank {r}{' (rejoined)' if r == rejoiner else ''} finished every "
+                  f"iteration, every result exact ({last[0][:400]})")
         log = "\n".join(joined.lines + joined.stderr)
         check(all(f"is now the primary of the keys first held by server {f} " in log
                   for f in range(2)),
