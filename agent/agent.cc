@@ -307,6 +307,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // main thread applies it. applied_* and deferred_ are the main thread's.
   std::mutex plan_mu_;
   std::optional<v1::Plan> pending_plan_;
+  // Under plan_mu_: the newest plan received (registration, watcher), applied or not yet.
+  std::optional<v1::Plan> latest_plan_;
   bool watcher_stop_ = false;
   std::thread watcher_;
   std::atomic<uint64_t> applied_epoch_{0};
@@ -741,8 +743,28 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
       return gone;
     };
   }
-  // The world this rank joined is the one it runs: a restarted coordinator gets the same rank.
+  // The world this rank joined is the one it runs: a restarted coordinator gets the same rank,
+  // and the job's model, plan and joined servers from its agents (Registry::TakeUpRunningPlan).
   hb.register_again = true;
+  hb.on_registered_again = [this] {
+    std::optional<v1::Plan> plan;
+    {
+      std::lock_guard<std::mutex> lock(plan_mu_);
+      plan = latest_plan_;
+    }
+    if (!plan) return;  // its model is not registered yet: registration does it
+    std::vector<std::string> joined;
+    {
+      std::lock_guard<std::mutex> lock(lost_mu_);
+      for (const v1::PlanServer& server : joined_servers_) joined.push_back(server.node_id());
+    }
+    if (absl::Status s = coord_->RegisterModelAgain(*plan, joined); s.ok()) {
+      PSD_LOG_WARN("registered the model again with the coordinator, running plan epoch {}",
+                   plan->plan_epoch());
+    } else {
+      PSD_LOG_WARN("registering the model again with the coordinator failed: {}", s.message());
+    }
+  };
   hb.on_result = [this](const absl::StatusOr<v1::HeartbeatResponse>& result) {
     if (!result.ok()) {
       PSD_LOG_WARN("heartbeat to the coordinator failed: {}", result.status().message());
@@ -916,6 +938,10 @@ absl::Status Agent::Register() {
                                                  AllreducePossible(),
                                                  config_.allreduce_bucket_bytes,
                                                  ring_ ? ring_->step : absl::ZeroDuration()));
+    {
+      std::lock_guard<std::mutex> lock(plan_mu_);
+      latest_plan_ = plan;  // a restarted coordinator learns it from here (on_registered_again)
+    }
     config_.servers.clear();
     server_rdma_.clear();
     server_tcp_fallback_.clear();
@@ -2144,6 +2170,7 @@ void Agent::WatchPlans() {
     if (plan->plan_epoch() <= seen) continue;
     seen = plan->plan_epoch();
     std::lock_guard<std::mutex> lock(plan_mu_);
+    latest_plan_ = *plan;
     pending_plan_ = *std::move(plan);
   }
 }

@@ -216,7 +216,34 @@ absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(
   Prepare(&context, timeout);
   RETURN_IF_ERROR(CallStatus(stub_->RegisterModel(&context, request, &response), "RegisterModel"));
   Observe(response.header());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    model_registration_ = std::move(request);
+  }
   return std::move(*response.mutable_plan());
+}
+
+absl::Status CoordinatorClient::RegisterModelAgain(const v1::Plan& running,
+                                                   const std::vector<std::string>& joined_servers) {
+  std::optional<v1::RegisterModelRequest> request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    request = model_registration_;
+  }
+  if (!request) {
+    return absl::FailedPreconditionError("no model registered yet: nothing to register again");
+  }
+  FillHeader(request->mutable_header());  // this node's id now
+  *request->mutable_running_plan() = running;
+  request->clear_joined_servers();
+  for (const std::string& id : joined_servers) request->add_joined_servers(id);
+  v1::RegisterModelResponse response;
+  grpc::ClientContext context;
+  Prepare(&context, options_.call_timeout);
+  RETURN_IF_ERROR(
+      CallStatus(stub_->RegisterModel(&context, *request, &response), "RegisterModel"));
+  Observe(response.header());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Plan> CoordinatorClient::GetPlan() {
@@ -469,6 +496,7 @@ void HeartbeatLoop::Run() {
       if (absl::Status again = client_->RegisterAgain(); again.ok()) {
         PSD_LOG_WARN("registered again with the coordinator as {} (it did not know {}: restarted?)",
                      client_->node_id(), was);
+        if (options_.on_registered_again) options_.on_registered_again();
       } else {
         PSD_LOG_WARN("registering again with the coordinator failed (it did not know {}: "
                      "restarted?): {}",

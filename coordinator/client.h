@@ -112,6 +112,12 @@ class CoordinatorClient {
       std::optional<uint64_t> allreduce_bucket_bytes = std::nullopt,
       absl::Duration allreduce_step = absl::ZeroDuration());
 
+  // After RegisterAgain (a restarted coordinator): the last model registration again, with the
+  // plan this agent runs and the servers that joined its job (RegisterModelRequest.running_plan),
+  // answered at once. FAILED_PRECONDITION when no model was registered yet.
+  absl::Status RegisterModelAgain(const poseidon::v1::Plan& running,
+                                  const std::vector<std::string>& joined_servers);
+
   // The job's newest plan (FAILED_PRECONDITION when it has none yet).
   absl::StatusOr<poseidon::v1::Plan> GetPlan();
   // Waits (at most `timeout`) for a plan of epoch >= min_plan_epoch. When none arrives in time
@@ -180,6 +186,9 @@ class CoordinatorClient {
     // calls RegisterAgain() (the data plane never stopped), so that the coordinator lists this
     // node again and watches its liveness; it logs the outcome and goes on beating either way.
     bool register_again = false;
+    // After a successful RegisterAgain, on the loop's thread (an agent registers its model and
+    // running plan again: RegisterModelAgain).
+    std::function<void()> on_registered_again;
   };
   std::unique_ptr<HeartbeatLoop> StartHeartbeats(HeartbeatOptions options);
 
@@ -215,6 +224,7 @@ class CoordinatorClient {
   // The last successful registration (its header is filled anew when it is sent again).
   std::optional<poseidon::v1::RegisterAgentRequest> agent_registration_;    // guarded by mu_
   std::optional<poseidon::v1::RegisterServerRequest> server_registration_;  // guarded by mu_
+  std::optional<poseidon::v1::RegisterModelRequest> model_registration_;    // guarded by mu_
 };
 
 // A running heartbeat thread (CoordinatorClient::StartHeartbeats). Stops when destroyed.

@@ -615,9 +615,56 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
   if (request.allreduce_step_ns() > 0 && node->rank < job->world_size) {
     job->allreduce_step_ns[node->rank] = request.allreduce_step_ns();
   }
+  if (request.has_running_plan()) TakeUpRunningPlan(*job, node->rank, request, now);
   ++version_;
   Refresh(*job, now);
   return absl::OkStatus();
+}
+
+// A restarted coordinator learns a running job's plan from its agents (RegisterModelRequest.
+// running_plan): the newest epoch any rank received is the job's, its servers in their order are
+// the world's, and the servers that joined are taken in the agents' order; later epochs go on
+// from it. A plan that does not fit the model is ignored (logged): the rank is registered all
+// the same, and the job is planned afresh once every rank is.
+void Registry::TakeUpRunningPlan(Job& job, uint32_t rank, const v1::RegisterModelRequest& request,
+                                 absl::Time now) {
+  const v1::Plan& running = request.running_plan();
+  if (running.plan_epoch() == 0 || running.layers_size() != request.model().layers_size() ||
+      running.servers_size() == 0) {
+    PSD_LOG_WARN("job {}: rank {}'s running plan (epoch {}, {} layers, {} servers) does not fit "
+                 "its model of {} layers: not taken up",
+                 job.id, rank, running.plan_epoch(), running.layers_size(),
+                 running.servers_size(), request.model().layers_size());
+    return;
+  }
+  if (job.plan.has_value() && job.plan->plan_epoch() >= running.plan_epoch()) {
+    job.last_plan_epoch = std::max(job.last_plan_epoch, running.plan_epoch());
+  } else {
+    job.plan = running;
+    job.plan_error.clear();
+    job.last_plan_epoch = std::max(job.last_plan_epoch, running.plan_epoch());
+    job.plan_installed_at = now;
+    job.last_evaluated_bandwidth.reset();
+    std::tie(job.plan_bandwidth, job.plan_latency) = Network(job, now);
+    job.world_servers.clear();
+    for (const v1::PlanServer& server : running.servers()) {
+      job.world_servers.push_back(server.node_id());
+    }
+    ++plans_installed_;
+    PSD_LOG_WARN("job {}: taken up from rank {} after a restart: plan epoch {} ({} layers, {} "
+                 "servers) goes on",
+                 job.id, rank, running.plan_epoch(), running.layers_size(),
+                 running.servers_size());
+  }
+  // The joined servers' order is their place in every key's chain: a list that extends the
+  // job's is taken.
+  const auto& joined = request.joined_servers();
+  if (static_cast<size_t>(joined.size()) > job.joined_servers.size() &&
+      std::equal(job.joined_servers.begin(), job.joined_servers.end(), joined.begin())) {
+    job.joined_servers.assign(joined.begin(), joined.end());
+    PSD_LOG_WARN("job {}: {} servers had joined the running job (rank {})", job.id,
+                 job.joined_servers.size(), rank);
+  }
 }
 
 absl::StatusOr<bool> Registry::TryModelPlan(const Caller& caller, absl::string_view node_id,
@@ -747,6 +794,12 @@ std::vector<v1::PlanServer> Registry::PlanServers(const Job& job) const {
     server.set_node_id(id);
     if (const Node* node = FindNode(id)) {
       for (const v1::Endpoint& endpoint : node->endpoints) *server.add_endpoints() = endpoint;
+    } else if (job.plan.has_value()) {
+      // Unknown here: a server lost before this coordinator restarted (TakeUpRunningPlan). The
+      // plan keeps the endpoints it had, so that its death alone never makes a new plan.
+      for (const v1::PlanServer& planned : job.plan->servers()) {
+        if (planned.node_id() == id) server = planned;
+      }
     }
     servers.push_back(std::move(server));
   }

@@ -299,6 +299,9 @@ class Registry {
     size_t store_bytes = 0;
   };
 
+  // A running job's plan and joined servers, from an agent after this coordinator restarted.
+  void TakeUpRunningPlan(Job& job, uint32_t rank,
+                         const poseidon::v1::RegisterModelRequest& request, absl::Time now);
   // Servers registered for the job since its first plan went out join it
   // (Job::joined_servers).
   void JoinServers(Job& job);

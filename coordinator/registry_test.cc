@@ -2,6 +2,8 @@
 // what a waiting call lacks.
 #include "coordinator/registry.h"
 
+#include <google/protobuf/util/message_differencer.h>
+
 #include <map>
 #include <optional>
 
@@ -1368,6 +1370,88 @@ TEST_F(RingPlanTest, ASlowRingKeepsThePlan) {
   ReportStep(agents_[1], 20000);
   EXPECT_EQ(registry_.CurrentPlan("job")->plan_epoch(), 1u);
   EXPECT_EQ(Scheme(), v1::SYNC_SCHEME_PS);
+}
+
+// A restarted coordinator starts empty (issue 17): the job's nodes register again, and each agent
+// registers its model again with the newest plan it received and the servers that joined the
+// running job. The restarted coordinator takes the newest epoch as the job's plan, with its
+// servers in the plan's order whatever order they registered in, lists the joined servers, and
+// plans on from that epoch with the same chunks. A plan that does not fit the model is ignored.
+TEST_F(PlanChangeTest, ARestartedCoordinatorTakesUpTheRunningPlanFromItsAgents) {
+  FormJob(TinyModel());  // conv.weight, conv.bias, fc.weight, fc.bias
+  const v1::Plan first = *registry_.CurrentPlan("job");
+  const v1::SyncScheme fc = first.layers(2).scheme();
+  const v1::SyncScheme other = fc == v1::SYNC_SCHEME_SFB ? v1::SYNC_SCHEME_PS : v1::SYNC_SCHEME_SFB;
+  Beat(agents_[0], 40);
+  ASSERT_TRUE(Override({{"fc.weight", other}}, job_).ok());
+  const v1::Plan running = *registry_.CurrentPlan("job");
+  ASSERT_EQ(running.plan_epoch(), 2u);
+  const std::string joined = AddServer();  // after the first plan: it joined the running job
+  Beat(agents_[0], 41, 2);
+
+  Registry restarted(Options(), "test");
+  for (const std::string& id : {servers_[1], joined, servers_[0]}) {  // another order
+    v1::RegisterServerRequest again;
+    again.set_host("server-host");
+    again.set_previous_node_id(id);
+    *again.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.9:7100");
+    v1::RegisterServerResponse response;
+    ASSERT_TRUE(restarted.RegisterServer(Caller{""}, again, now_, &response).ok());
+  }
+  std::vector<std::string> agents;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    v1::RegisterAgentRequest again;
+    again.set_host(absl::StrCat("host", rank));
+    again.set_gpu_index(rank);
+    *again.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.1:7200");
+    again.set_world_size(2);
+    again.set_requested_rank(rank);
+    v1::RegisterAgentResponse response;
+    ASSERT_TRUE(restarted.RegisterAgent(job_, again, now_, &response).ok());
+    agents.push_back(response.node_id());
+  }
+  auto register_again = [&](const std::string& agent, const v1::Plan& plan) {
+    v1::RegisterModelRequest request;
+    request.mutable_header()->set_node_id(agent);
+    *request.mutable_model() = TinyModel();
+    *request.mutable_running_plan() = plan;
+    request.add_joined_servers(joined);
+    return restarted.RegisterModel(job_, request, now_);
+  };
+  // A plan that does not fit the model: the rank is registered, its plan ignored.
+  v1::Plan misfit = running;
+  misfit.mutable_layers()->RemoveLast();
+  ASSERT_TRUE(register_again(agents[0], misfit).ok());
+  EXPECT_EQ(restarted.CurrentPlan("job"), nullptr);
+  // Rank 0 had not received epoch 2 yet, rank 1 had: the newest is the job's.
+  ASSERT_TRUE(register_again(agents[0], first).ok());
+  ASSERT_TRUE(register_again(agents[1], running).ok());
+  v1::Plan plan;
+  ASSERT_TRUE(*restarted.TryModelPlan(job_, agents[0], now_, &plan));
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(plan, running))
+      << plan.DebugString();
+  v1::HeartbeatRequest beat;
+  beat.mutable_header()->set_node_id(agents[0]);
+  beat.set_role(v1::NODE_ROLE_AGENT);
+  beat.set_iteration(42);
+  beat.set_plan_epoch(2);
+  v1::HeartbeatResponse answer;
+  ASSERT_TRUE(restarted.Heartbeat(job_, beat, now_, &answer).ok());
+  ASSERT_EQ(answer.joined_servers_size(), 1);
+  EXPECT_EQ(answer.joined_servers(0).node_id(), joined);
+  EXPECT_TRUE(restarted.CurrentPlan("job") != nullptr &&
+              restarted.CurrentPlan("job")->plan_epoch() == 2u);
+  // The operator's next override is epoch 3, with the running plan's chunks and servers.
+  v1::SetLayerSchemesRequest set;
+  (*set.mutable_schemes())["fc.weight"] = fc;
+  v1::SetLayerSchemesResponse response;
+  ASSERT_TRUE(restarted.SetLayerSchemes(job_, set, now_, &response).ok());
+  EXPECT_EQ(response.plan().plan_epoch(), 3u);
+  EXPECT_EQ(response.plan().layers(2).scheme(), fc);
+  EXPECT_EQ(ChunksOf(response.plan()), ChunksOf(running));
+  ASSERT_EQ(response.plan().servers_size(), 2);
+  EXPECT_EQ(response.plan().servers(0).node_id(), servers_[0]);
+  EXPECT_EQ(response.plan().servers(1).node_id(), servers_[1]);
 }
 
 TEST_F(PlanChangeTest, OperatorOverridesAreCheckedInstalledAndPersist) {

@@ -402,13 +402,17 @@ grpc::ServerUnaryReactor* CoordinatorService::RegisterModel(grpc::CallbackServer
         PollWaitersLocked(now, done);  // other ranks may have waited for this one
         return registered;
       },
-      [this, response](const Caller& caller, const std::string& node_id, absl::Time now,
-                       Waiter& waiter) {
-        waiter.poll = [this, caller, node_id, response](absl::Time at) -> absl::StatusOr<bool> {
+      [this, request, response](const Caller& caller, const std::string& node_id,
+                                absl::Time now, Waiter& waiter) {
+        // A running job's agent after a restart (running_plan) is answered at once: it runs its
+        // plan already, and waits for the next epoch as before.
+        const bool running = request->has_running_plan();
+        waiter.poll = [this, caller, node_id, response,
+                       running](absl::Time at) -> absl::StatusOr<bool> {
           ASSIGN_OR_RETURN(const bool ready,
                            registry_.TryModelPlan(caller, node_id, at, response->mutable_plan()));
-          if (ready) registry_.FillHeader(caller.job_id, response->mutable_header());
-          return ready;
+          if (ready || running) registry_.FillHeader(caller.job_id, response->mutable_header());
+          return ready || running;
         };
         waiter.expire = [this, caller, started = now](absl::Time at) {
           return absl::DeadlineExceededError(

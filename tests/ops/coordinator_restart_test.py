@@ -5,13 +5,16 @@ while training runs and, right after, the coordinator too, which starts again on
 (empty: nodes register again). Every rank must run every iteration with every result exactly the
 sum over the ranks (poseidon-synth --verify), every agent must exit 0, and the live servers must
 register again with the new coordinator (same node ids), and so must every agent (its rank), which
-`poseidon status` then lists; no process is left behind (every daemon is killed, every segment
-removed, on every path). Trials at random moments."""
+`poseidon status` then lists. Every agent registers its model again with the plan it runs, which
+the new coordinator then serves (`poseidon plan`: epoch 1); in the first trial an override there
+(`poseidon plan --set`) installs epoch 2, which every agent runs. No process is left behind (every
+daemon is killed, every segment removed, on every path). Trials at random moments."""
 
 import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -30,11 +33,22 @@ SERVERS, RANKS, ITERATIONS = 4, 4, 150
 def coordinator(args, address):
     return Daemon("poseidon-coordinator", [args.coordinator, f"--listen={address}", "--job_id=1",
                                            f"--min_servers={SERVERS}", "--log_level=warn",
-                                           "--liveness_timeout=5s"])
+                                           "--liveness_timeout=5s", "--plan_lead_time=200ms"])
+
+
+def status(args, address):
+    """`poseidon status --json` of job 1: (document, process)."""
+    p = subprocess.run([args.cli, "status", f"--coordinator={address}", "--job_id=1",
+                        "--json", "--timeout=5s"], capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, POSEIDON_TOKEN=TOKEN))
+    return (json.loads(p.stdout) if p.returncode == 0 else {"nodes": []}), p
 
 
 def trial(args, rng, number):
     daemons, segments = [], []
+    # The first trial's plan change comes after the restart: at most 200 iterations ahead (the
+    # coordinator has not learned the job's rate yet), before its end.
+    iterations = 350 if number == 0 else ITERATIONS
     try:
         address = f"127.0.0.1:{free_port()}"
         daemons.append(coordinator(args, address))
@@ -55,7 +69,8 @@ def trial(args, rng, number):
                 args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}", f"--world_size={RANKS}",
                 f"--coordinator={address}", "--listen=127.0.0.1:0", f"--segment={segment}",
                 "--replicas=1", "--fusion=off", "--block_bytes=65536", "--peer_timeout=2s",
-                "--scheme=ps", "--log_level=warn"])
+                # The first trial's plan change moves fc1.weight between PS and SFB.
+                f"--scheme={'auto' if number == 0 else 'ps'}", "--log_level=warn"])
             daemons.append(agent)
             agents.append(agent)
         for agent in agents:
@@ -64,7 +79,7 @@ def trial(args, rng, number):
         for rank, segment in enumerate(segments):
             synth = Daemon(f"synth {rank}", [
                 args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
-                f"--iterations={ITERATIONS}", "--compute_scale=20000", "--verify",
+                f"--iterations={iterations}", "--compute_scale=20000", "--verify",
                 *(["--print_iterations"] if rank == 0 else [])])
             daemons.append(synth)
             synths.append(synth)
@@ -91,18 +106,49 @@ def trial(args, rng, number):
         for s, server in enumerate(servers):
             if s != victim:
                 server.wait_for(r"registered again with the coordinator", timeout=20)
-        p = subprocess.run([args.cli, "status", f"--coordinator={address}", "--job_id=1",
-                            "--json", "--timeout=5s"], capture_output=True, text=True, timeout=30,
-                           env=dict(os.environ, POSEIDON_TOKEN=TOKEN))
-        doc = json.loads(p.stdout) if p.returncode == 0 else {"nodes": []}
+        doc, p = status(args, address)
         roles = [n.get("role") for n in doc.get("nodes", [])]
         ok &= check(roles.count("agent") == RANKS and roles.count("server") == SERVERS - 1,
                     f"trial {number}: status on the new coordinator lists {RANKS} agents and "
                     f"{SERVERS - 1} servers (got {roles}; rc {p.returncode} {p.stderr[-300:]})")
+        # The job's plan too: every agent registers its model again with the plan it runs, and
+        # the new coordinator serves that plan (before it registered, it had none) and plans on
+        # from its epoch.
+        for agent in agents:
+            agent.wait_for(r"registered the model again with the coordinator, running plan "
+                           r"epoch 1", timeout=20)
+        plan = [args.cli, "plan", f"--coordinator={address}", "--job=1", f"--token={TOKEN}"]
+        env = dict(os.environ, POSEIDON_TOKEN=TOKEN)
+        shown = subprocess.run(plan, capture_output=True, text=True, timeout=30, env=env)
+        ok &= check(shown.returncode == 0 and "job 1: plan epoch 1," in shown.stdout,
+                    f"trial {number}: the new coordinator serves the running job's plan, epoch 1 "
+                    f"(rc {shown.returncode} {shown.stdout[:200]}{shown.stderr[-300:]})")
+        if number == 0:
+            # An override on the new coordinator: every agent runs its epoch 2 from the
+            # iteration it names, and every result stays exact across the switch.
+            time.sleep(2)  # the new coordinator learns the job's rate from its progress reports
+            now = re.search(r"^fc1\.weight\s+(\w+)", shown.stdout, re.M)
+            to = "ps" if now and now.group(1) == "sfb" else "sfb"
+            p = subprocess.run(plan + [f"--set=fc1.weight={to}"], capture_output=True, text=True,
+                               timeout=30, env=env)
+            ok &= check(p.returncode == 0 and "new plan epoch 2" in p.stdout,
+                        f"trial {number}: poseidon plan --set fc1.weight={to} on the new "
+                        f"coordinator installs epoch 2 ({p.stdout[:200]}{p.stderr[-300:]})")
+            epochs = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                doc, _ = status(args, address)
+                epochs = [n.get("plan_epoch") for n in doc.get("nodes", [])
+                          if n.get("role") == "agent"]
+                if epochs == [2] * RANKS:
+                    break
+                time.sleep(0.2)
+            ok &= check(epochs == [2] * RANKS,
+                        f"trial {number}: every agent runs plan epoch 2 (got {epochs})")
         for rank, synth in enumerate(synths):
             code = synth.wait(120)
             out = "\n".join(synth.lines + synth.stderr)
-            good = code == 0 and f"{ITERATIONS} iterations" in out and ", 0 mismatches" in out
+            good = code == 0 and f"{iterations} iterations" in out and ", 0 mismatches" in out
             if not good:
                 print(out[-1500:])
             ok &= check(good, f"trial {number}: rank {rank} ran every iteration, every result "
