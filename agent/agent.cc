@@ -309,6 +309,8 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   std::optional<v1::Plan> pending_plan_;
   // Under plan_mu_: the newest plan received (registration, watcher), applied or not yet.
   std::optional<v1::Plan> latest_plan_;
+  // Set once ConnectServers filled env_.servers (read by the heartbeat thread after).
+  std::atomic<bool> servers_connected_{false};
   bool watcher_stop_ = false;
   std::thread watcher_;
   std::atomic<uint64_t> applied_epoch_{0};
@@ -753,12 +755,21 @@ absl::Status Agent::JoinCoordinator(const std::string& listen) {
       plan = latest_plan_;
     }
     if (!plan) return;  // its model is not registered yet: registration does it
-    std::vector<std::string> joined;
+    std::vector<std::string> joined, lost;
     {
       std::lock_guard<std::mutex> lock(lost_mu_);
       for (const v1::PlanServer& server : joined_servers_) joined.push_back(server.node_id());
     }
-    if (absl::Status s = coord_->RegisterModelAgain(*plan, joined); s.ok()) {
+    // The plan's servers this agent lost (their keys moved on), once its servers are connected.
+    if (servers_connected_.load(std::memory_order_acquire)) {
+      for (size_t s = 0; s < env_.servers.size() && s < static_cast<size_t>(plan->servers_size());
+           ++s) {
+        if (env_.servers[s]->Broken() || env_.replication.Epoch(static_cast<uint32_t>(s)) > 0) {
+          lost.push_back(plan->servers(static_cast<int>(s)).node_id());
+        }
+      }
+    }
+    if (absl::Status s = coord_->RegisterModelAgain(*plan, joined, lost); s.ok()) {
       PSD_LOG_WARN("registered the model again with the coordinator, running plan epoch {}",
                    plan->plan_epoch());
     } else {
@@ -1429,6 +1440,7 @@ absl::Status Agent::ConnectServers() {
   if (config_.rejoin && replicas > 0) TakeUpJoinedServers();
   RETURN_IF_ERROR(StartAtBackups(unreachable));
   TakeStandbyCopies(standby_copies);
+  servers_connected_.store(true, std::memory_order_release);  // env_.servers is final
   return absl::OkStatus();
 }
 

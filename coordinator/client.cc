@@ -224,7 +224,8 @@ absl::StatusOr<v1::Plan> CoordinatorClient::RegisterModel(
 }
 
 absl::Status CoordinatorClient::RegisterModelAgain(const v1::Plan& running,
-                                                   const std::vector<std::string>& joined_servers) {
+                                                   const std::vector<std::string>& joined_servers,
+                                                   const std::vector<std::string>& lost_servers) {
   std::optional<v1::RegisterModelRequest> request;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -237,6 +238,8 @@ absl::Status CoordinatorClient::RegisterModelAgain(const v1::Plan& running,
   *request->mutable_running_plan() = running;
   request->clear_joined_servers();
   for (const std::string& id : joined_servers) request->add_joined_servers(id);
+  request->clear_lost_servers();
+  for (const std::string& id : lost_servers) request->add_lost_servers(id);
   v1::RegisterModelResponse response;
   grpc::ClientContext context;
   Prepare(&context, options_.call_timeout);

@@ -116,7 +116,8 @@ class CoordinatorClient {
   // plan this agent runs and the servers that joined its job (RegisterModelRequest.running_plan),
   // answered at once. FAILED_PRECONDITION when no model was registered yet.
   absl::Status RegisterModelAgain(const poseidon::v1::Plan& running,
-                                  const std::vector<std::string>& joined_servers);
+                                  const std::vector<std::string>& joined_servers,
+                                  const std::vector<std::string>& lost_servers = {});
 
   // The job's newest plan (FAILED_PRECONDITION when it has none yet).
   absl::StatusOr<poseidon::v1::Plan> GetPlan();

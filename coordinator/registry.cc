@@ -656,6 +656,31 @@ void Registry::TakeUpRunningPlan(Job& job, uint32_t rank, const v1::RegisterMode
                  job.id, rank, running.plan_epoch(), running.layers_size(),
                  running.servers_size());
   }
+  // A plan server the agent lost before the restart, which did not register again: listed dead
+  // to the job's agents (a rank taking the job up connects no such server), until it registers.
+  for (const std::string& id : request.lost_servers()) {
+    if (FindNode(id) != nullptr || !absl::c_linear_search(job.world_servers, id) ||
+        nodes_.size() >= options_.max_nodes) {
+      continue;
+    }
+    Node lost;
+    lost.id = id;
+    lost.role = v1::NODE_ROLE_SERVER;
+    lost.job_id = job.id;
+    lost.state = v1::NODE_STATE_DEAD;
+    lost.state_reason = absl::StrCat("lost before this coordinator started (rank ", rank,
+                                     " moved its keys on)");
+    lost.last_seen = now;
+    lost.state_since = now;
+    // Its endpoints stay the plan's: its death alone never makes a new plan (MaybePlan).
+    for (const v1::PlanServer& planned : job.plan->servers()) {
+      if (planned.node_id() == id) lost.endpoints.assign(planned.endpoints().begin(),
+                                                         planned.endpoints().end());
+    }
+    nodes_.emplace(id, std::move(lost));
+    PSD_LOG_WARN("job {}: server {} was lost before this coordinator started (rank {})", job.id,
+                 id, rank);
+  }
   // The joined servers' order is their place in every key's chain: a list that extends the
   // job's is taken.
   const auto& joined = request.joined_servers();

@@ -7,7 +7,9 @@ sum over the ranks (poseidon-synth --verify), every agent must exit 0, and the l
 register again with the new coordinator (same node ids), and so must every agent (its rank), which
 `poseidon status` then lists. Every agent registers its model again with the plan it runs, which
 the new coordinator then serves (`poseidon plan`: epoch 1); in the first trial an override there
-(`poseidon plan --set`) installs epoch 2, which every agent runs. No process is left behind (every
+(`poseidon plan --set`) installs epoch 2, which every agent runs; in the second a rank is then
+killed and restarted with --rejoin, and takes the job up without waiting for the server lost
+before the restart (its agents told the new coordinator). No process is left behind (every
 daemon is killed, every segment removed, on every path). Trials at random moments."""
 
 import argparse
@@ -28,6 +30,7 @@ from metrics_test import Daemon, free_port, job_environment, stop_all  # noqa: E
 TOKEN = "ops-coordinator-restart-token"
 SECRET = "ops-coordinator-restart-secret"
 SERVERS, RANKS, ITERATIONS = 4, 4, 150
+LAYERS = 8  # tiny.json
 
 
 def coordinator(args, address):
@@ -47,8 +50,9 @@ def status(args, address):
 def trial(args, rng, number):
     daemons, segments = [], []
     # The first trial's plan change comes after the restart: at most 200 iterations ahead (the
-    # coordinator has not learned the job's rate yet), before its end.
-    iterations = 350 if number == 0 else ITERATIONS
+    # coordinator has not learned the job's rate yet), before its end; the second trial's rank
+    # dies after the restart and rejoins before the end.
+    iterations = 350 if number < 2 else ITERATIONS
     try:
         address = f"127.0.0.1:{free_port()}"
         daemons.append(coordinator(args, address))
@@ -61,26 +65,33 @@ def trial(args, rng, number):
             daemons.append(server)
             servers.append(server)
             server.wait_for(r"poseidon-server listening on")  # one at a time: a stable order
+        def agent_argv(rank, segment):
+            return [args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}",
+                    f"--world_size={RANKS}", f"--coordinator={address}", "--listen=127.0.0.1:0",
+                    f"--segment={segment}", "--replicas=1", "--fusion=off", "--block_bytes=65536",
+                    "--peer_timeout=2s",
+                    # The first trial's plan change moves fc1.weight between PS and SFB.
+                    f"--scheme={'auto' if number == 0 else 'ps'}", "--log_level=warn",
+                    # The second trial's rank rejoins after the restart.
+                    *(["--rejoin_timeout=30s"] if number == 1 else [])]
+
+        def synth_argv(rank, segment):
+            return [args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
+                    f"--iterations={iterations}", "--compute_scale=20000", "--verify",
+                    *(["--print_iterations"] if rank == 0 else [])]
+
         agents = []
         for rank in range(RANKS):
             segment = f"/psd-ops-crestart-{os.getpid()}-{number}-{rank}"
             segments.append(segment)
-            agent = Daemon(f"agent {rank}", [
-                args.agent, "--job_id=1", f"--secret={SECRET}", f"--rank={rank}", f"--world_size={RANKS}",
-                f"--coordinator={address}", "--listen=127.0.0.1:0", f"--segment={segment}",
-                "--replicas=1", "--fusion=off", "--block_bytes=65536", "--peer_timeout=2s",
-                # The first trial's plan change moves fc1.weight between PS and SFB.
-                f"--scheme={'auto' if number == 0 else 'ps'}", "--log_level=warn"])
+            agent = Daemon(f"agent {rank}", agent_argv(rank, segment))
             daemons.append(agent)
             agents.append(agent)
         for agent in agents:
             agent.wait_for(r"poseidon-agent ready")
         synths = []
-        for rank, segment in enumerate(segments):
-            synth = Daemon(f"synth {rank}", [
-                args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
-                f"--iterations={iterations}", "--compute_scale=20000", "--verify",
-                *(["--print_iterations"] if rank == 0 else [])])
+        for rank, segment in enumerate(list(segments)):
+            synth = Daemon(f"synth {rank}", synth_argv(rank, segment))
             daemons.append(synth)
             synths.append(synth)
         synths[0].wait_for(r"iteration 2 ends", timeout=60)
@@ -107,10 +118,12 @@ def trial(args, rng, number):
             if s != victim:
                 server.wait_for(r"registered again with the coordinator", timeout=20)
         doc, p = status(args, address)
-        roles = [n.get("role") for n in doc.get("nodes", [])]
+        # The killed server may be listed too, as dead: the agents tell the new coordinator.
+        roles = [n.get("role") for n in doc.get("nodes", []) if n.get("alive")]
         ok &= check(roles.count("agent") == RANKS and roles.count("server") == SERVERS - 1,
-                    f"trial {number}: status on the new coordinator lists {RANKS} agents and "
-                    f"{SERVERS - 1} servers (got {roles}; rc {p.returncode} {p.stderr[-300:]})")
+                    f"trial {number}: status on the new coordinator lists {RANKS} live agents "
+                    f"and {SERVERS - 1} live servers (got {roles}; rc {p.returncode} "
+                    f"{p.stderr[-300:]})")
         # The job's plan too: every agent registers its model again with the plan it runs, and
         # the new coordinator serves that plan (before it registered, it had none) and plans on
         # from its epoch.
@@ -145,10 +158,35 @@ def trial(args, rng, number):
                 time.sleep(0.2)
             ok &= check(epochs == [2] * RANKS,
                         f"trial {number}: every agent runs plan epoch 2 (got {epochs})")
+        verified = [iterations * LAYERS] * RANKS
+        if number == 1:
+            # A rank dies after the restart and is restarted with --rejoin: the new coordinator
+            # gives it the job's plan, and lists the server lost before the restart as dead
+            # (the agents said they lost it), so the rejoining agent does not wait for it.
+            rank = rng.randrange(1, RANKS)  # rank 0 prints the iterations the trial waits on
+            os.kill(synths[rank].proc.pid, signal.SIGKILL)
+            synths[rank].wait(20)
+            agents[rank].wait(20)  # an agent whose process died exits by itself
+            segment = f"{segments[rank]}-rejoined"
+            segments.append(segment)
+            agents[rank] = Daemon(f"agent {rank} (rejoined)", agent_argv(rank, segment) +
+                                  ["--rejoin"])
+            daemons.append(agents[rank])
+            agents[rank].wait_for(r"poseidon-agent ready")
+            synths[rank] = Daemon(f"synth {rank} (rejoined)", synth_argv(rank, segment))
+            daemons.append(synths[rank])
+            first = int(agents[rank].wait_for(r"rejoins job 1 at iteration (\d+)", timeout=60)
+                        .group(1))
+            log = "\n".join(agents[rank].lines + agents[rank].stderr)
+            ok &= check(f"KV server {victim} (" in log and "declared dead by the coordinator: "
+                        "lost before this coordinator started" in log,
+                        f"trial {number}: rank {rank} rejoined at iteration {first} after the "
+                        f"restart, without waiting for server {victim}, lost before it")
+            verified[rank] = (iterations - first + 1) * LAYERS
         for rank, synth in enumerate(synths):
             code = synth.wait(120)
             out = "\n".join(synth.lines + synth.stderr)
-            good = code == 0 and f"{iterations} iterations" in out and ", 0 mismatches" in out
+            good = (code == 0 and f"verified {verified[rank]} results, 0 mismatches" in out)
             if not good:
                 print(out[-1500:])
             ok &= check(good, f"trial {number}: rank {rank} ran every iteration, every result "
