@@ -641,6 +641,8 @@ void Registry::TakeUpRunningPlan(Job& job, uint32_t rank, const v1::RegisterMode
     job.last_plan_epoch = std::max(job.last_plan_epoch, running.plan_epoch());
   } else {
     job.plan = running;
+    job.scheme_overrides = SchemeOverrides(running.scheme_overrides().begin(),
+                                           running.scheme_overrides().end());
     job.plan_error.clear();
     job.last_plan_epoch = std::max(job.last_plan_epoch, running.plan_epoch());
     job.plan_installed_at = now;
@@ -887,6 +889,9 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
     }
   }
   ASSIGN_OR_RETURN(planner::PlanResult result, planner::BuildPlan(job.model->spec, config));
+  for (const auto& [name, scheme] : overrides) {
+    (*result.plan.mutable_scheme_overrides())[name] = scheme;
+  }
   const std::vector<v1::PlanServer> servers = PlanServers(job);
   for (size_t i = 0; i < servers.size(); ++i) {
     *result.plan.mutable_servers(static_cast<int>(i)) = servers[i];

@@ -1447,8 +1447,16 @@ TEST_F(PlanChangeTest, ARestartedCoordinatorTakesUpTheRunningPlanFromItsAgents) 
   EXPECT_THAT(answer.lost(0).reason(), HasSubstr("lost before this coordinator started"));
   EXPECT_TRUE(restarted.CurrentPlan("job") != nullptr &&
               restarted.CurrentPlan("job")->plan_epoch() == 2u);
-  // The operator's next override is epoch 3, with the running plan's chunks and servers.
+  // The operator's override before the restart is in force; the next one is epoch 3, with the
+  // running plan's chunks and servers.
   v1::SetLayerSchemesRequest set;
+  (*set.mutable_schemes())["conv.bias"] = v1::SYNC_SCHEME_PS;
+  v1::SetLayerSchemesResponse kept;
+  ASSERT_TRUE(restarted.SetLayerSchemes(job_, set, now_, &kept).ok());
+  EXPECT_FALSE(kept.installed());
+  ASSERT_EQ(kept.overrides().count("fc.weight"), 1u);
+  EXPECT_EQ(kept.overrides().at("fc.weight"), other);
+  set.clear_schemes();
   (*set.mutable_schemes())["fc.weight"] = fc;
   v1::SetLayerSchemesResponse response;
   ASSERT_TRUE(restarted.SetLayerSchemes(job_, set, now_, &response).ok());

@@ -9,7 +9,8 @@ register again with the new coordinator (same node ids), and so must every agent
 the new coordinator then serves (`poseidon plan`: epoch 1); in the first trial an override there
 (`poseidon plan --set`) installs epoch 2, which every agent runs; in the second a rank is then
 killed and restarted with --rejoin, and takes the job up without waiting for the server lost
-before the restart (its agents told the new coordinator). No process is left behind (every
+before the restart (its agents told the new coordinator); in the third a replacement server
+started after the restart joins the running job at every agent. No process is left behind (every
 daemon is killed, every segment removed, on every path). Trials at random moments."""
 
 import argparse
@@ -51,7 +52,7 @@ def trial(args, rng, number):
     daemons, segments = [], []
     # The first trial's plan change comes after the restart: at most 200 iterations ahead (the
     # coordinator has not learned the job's rate yet), before its end; the second trial's rank
-    # dies after the restart and rejoins before the end.
+    # dies after the restart and rejoins before the end, the third's replacement server joins.
     iterations = 350 if number < 2 else ITERATIONS
     try:
         address = f"127.0.0.1:{free_port()}"
@@ -159,6 +160,25 @@ def trial(args, rng, number):
             ok &= check(epochs == [2] * RANKS,
                         f"trial {number}: every agent runs plan epoch 2 (got {epochs})")
         verified = [iterations * LAYERS] * RANKS
+        if number == 2:
+            # A replacement server after the restart joins the running job: the new coordinator
+            # lists it to the agents (it knows the job's plan servers from them), and each takes
+            # it up.
+            joined = Daemon("server (replacement)", [
+                args.server, "--listen=127.0.0.1:0", "--job_id=1", f"--coordinator={address}",
+                "--log_level=warn", "--peer_timeout=2s"])
+            daemons.append(joined)
+            joined.wait_for(r"poseidon-server listening on")
+            took = 0
+            for agent in agents:
+                try:
+                    agent.wait_for(r"joined the running job: the keys short of backups",
+                                   timeout=20)
+                    took += 1
+                except RuntimeError:
+                    pass
+            ok &= check(took == RANKS, f"trial {number}: a server started after the restart "
+                                       f"joined the running job at {took} of {RANKS} agents")
         if number == 1:
             # A rank dies after the restart and is restarted with --rejoin: the new coordinator
             # gives it the job's plan, and lists the server lost before the restart as dead
