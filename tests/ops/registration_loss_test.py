@@ -239,11 +239,8 @@ def trial(args, t, let_through, rng):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--server", required=True)
-    parser.add_argument("--agent", required=True)
-    parser.add_argument("--synth", required=True)
-    parser.add_argument("--model", required=True)
+    for flag in ("coordinator", "server", "agent", "synth", "model"):
+        parser.add_argument(f"--{flag}", required=True)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--let_through", default=",".join(str(k) for k in range(RANKS)),
                         help="one trial per number of agents that register before the loss")
