@@ -624,19 +624,11 @@ absl::Status Registry::RegisterModel(const Caller& caller, const v1::RegisterMod
 // A restarted coordinator learns a running job's plan from its agents (RegisterModelRequest.
 // running_plan): the newest epoch any rank received is the job's, its servers in their order are
 // the world's, and the servers that joined are taken in the agents' order; later epochs go on
-// from it. A plan that does not fit the model is ignored (logged): the rank is registered all
-// the same, and the job is planned afresh once every rank is.
+// from it. A plan that does not fit its model is refused before (ValidateRequest).
 void Registry::TakeUpRunningPlan(Job& job, uint32_t rank, const v1::RegisterModelRequest& request,
                                  absl::Time now) {
+  // Validated (ValidateRequest): it fits its model, its chunks its servers.
   const v1::Plan& running = request.running_plan();
-  if (running.plan_epoch() == 0 || running.layers_size() != request.model().layers_size() ||
-      running.servers_size() == 0) {
-    PSD_LOG_WARN("job {}: rank {}'s running plan (epoch {}, {} layers, {} servers) does not fit "
-                 "its model of {} layers: not taken up",
-                 job.id, rank, running.plan_epoch(), running.layers_size(),
-                 running.servers_size(), request.model().layers_size());
-    return;
-  }
   if (job.plan.has_value() && job.plan->plan_epoch() >= running.plan_epoch()) {
     job.last_plan_epoch = std::max(job.last_plan_epoch, running.plan_epoch());
   } else {
@@ -674,12 +666,7 @@ void Registry::TakeUpRunningPlan(Job& job, uint32_t rank, const v1::RegisterMode
                                      " moved its keys on)");
     lost.last_seen = now;
     lost.state_since = now;
-    // Its endpoints stay the plan's: its death alone never makes a new plan (MaybePlan).
-    for (const v1::PlanServer& planned : job.plan->servers()) {
-      if (planned.node_id() == id) lost.endpoints.assign(planned.endpoints().begin(),
-                                                         planned.endpoints().end());
-    }
-    nodes_.emplace(id, std::move(lost));
+    nodes_.emplace(id, std::move(lost));  // no endpoints: PlanServers keeps the plan's
     PSD_LOG_WARN("job {}: server {} was lost before this coordinator started (rank {})", job.id,
                  id, rank);
   }
@@ -819,11 +806,13 @@ std::vector<v1::PlanServer> Registry::PlanServers(const Job& job) const {
   for (const std::string& id : job.world_servers) {
     v1::PlanServer server;
     server.set_node_id(id);
-    if (const Node* node = FindNode(id)) {
+    const Node* node = FindNode(id);
+    if (node != nullptr && !node->endpoints.empty()) {
       for (const v1::Endpoint& endpoint : node->endpoints) *server.add_endpoints() = endpoint;
     } else if (job.plan.has_value()) {
-      // Unknown here: a server lost before this coordinator restarted (TakeUpRunningPlan). The
-      // plan keeps the endpoints it had, so that its death alone never makes a new plan.
+      // Endpoints unknown here: a server lost before this coordinator restarted, or not
+      // registered again yet (TakeUpRunningPlan). The plan keeps the endpoints it had, so that
+      // its death alone never makes a new plan.
       for (const v1::PlanServer& planned : job.plan->servers()) {
         if (planned.node_id() == id) server = planned;
       }

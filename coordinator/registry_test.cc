@@ -1377,7 +1377,7 @@ TEST_F(RingPlanTest, ASlowRingKeepsThePlan) {
 // running job. The restarted coordinator takes the newest epoch as the job's plan, with its
 // servers in the plan's order whatever order they registered in, lists the joined servers and,
 // as dead, a server the agents lost before the restart (keeping its endpoints), and plans on from
-// that epoch with the same chunks. A plan that does not fit the model is ignored.
+// that epoch with the same chunks.
 TEST_F(PlanChangeTest, ARestartedCoordinatorTakesUpTheRunningPlanFromItsAgents) {
   FormJob(TinyModel());  // conv.weight, conv.bias, fc.weight, fc.bias
   const v1::Plan first = *registry_.CurrentPlan("job");
@@ -1421,11 +1421,6 @@ TEST_F(PlanChangeTest, ARestartedCoordinatorTakesUpTheRunningPlanFromItsAgents) 
     request.add_lost_servers(servers_[1]);
     return restarted.RegisterModel(job_, request, now_);
   };
-  // A plan that does not fit the model: the rank is registered, its plan ignored.
-  v1::Plan misfit = running;
-  misfit.mutable_layers()->RemoveLast();
-  ASSERT_TRUE(register_again(agents[0], misfit).ok());
-  EXPECT_EQ(restarted.CurrentPlan("job"), nullptr);
   // Rank 0 had not received epoch 2 yet, rank 1 had: the newest is the job's.
   ASSERT_TRUE(register_again(agents[0], first).ok());
   ASSERT_TRUE(register_again(agents[1], running).ok());

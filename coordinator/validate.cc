@@ -257,6 +257,49 @@ absl::Status ValidateRequest(const v1::RegisterModelRequest& request) {
   RETURN_IF_ERROR(ValidateModel(request.model()));
   RETURN_IF_ERROR(ValidateUpdateRule(request.update_rule()));
   RETURN_IF_ERROR(ValidateConsistency(request.consistency(), request.update_rule()));
+  for (const auto* ids : {&request.joined_servers(), &request.lost_servers()}) {
+    const char* what = ids == &request.joined_servers() ? "joined_servers" : "lost_servers";
+    if (ids->size() > kMaxPlanServers) {
+      return Invalid(what, absl::StrCat(ids->size(), " entries; at most ", kMaxPlanServers,
+                                        " allowed"));
+    }
+    for (int i = 0; i < ids->size(); ++i) {
+      RETURN_IF_ERROR(ValidateId(absl::StrCat(what, "[", i, "]"), ids->Get(i)));
+    }
+  }
+  if (!request.has_running_plan()) return absl::OkStatus();
+  // The plan an agent runs, from before a coordinator restart: it must fit the model it comes
+  // with, and its chunks its servers.
+  const v1::Plan& plan = request.running_plan();
+  if (plan.plan_epoch() == 0) return Invalid("running_plan.plan_epoch", "must be at least 1");
+  if (plan.layers_size() != request.model().layers_size()) {
+    return Invalid("running_plan.layers",
+                   absl::StrCat(plan.layers_size(), " layers; the model has ",
+                                request.model().layers_size()));
+  }
+  if (plan.servers_size() < 1 || plan.servers_size() > kMaxPlanServers) {
+    return Invalid("running_plan.servers",
+                   absl::StrCat(plan.servers_size(), " servers; 1 to ", kMaxPlanServers,
+                                " allowed"));
+  }
+  for (int i = 0; i < plan.servers_size(); ++i) {
+    RETURN_IF_ERROR(ValidateId(absl::StrCat("running_plan.servers[", i, "].node_id"),
+                               plan.servers(i).node_id()));
+  }
+  for (int l = 0; l < plan.layers_size(); ++l) {
+    const v1::LayerPlan& layer = plan.layers(l);
+    if (!v1::SyncScheme_IsValid(layer.scheme())) {
+      return Invalid(absl::StrCat("running_plan.layers[", l, "].scheme"),
+                     absl::StrCat("unknown scheme ", layer.scheme()));
+    }
+    for (int c = 0; c < layer.chunks_size(); ++c) {
+      if (layer.chunks(c).server_index() >= static_cast<uint32_t>(plan.servers_size())) {
+        return Invalid(absl::StrCat("running_plan.layers[", l, "].chunks[", c, "].server_index"),
+                       absl::StrCat(layer.chunks(c).server_index(), "; the plan has ",
+                                    plan.servers_size(), " servers"));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -23,6 +23,8 @@ inline constexpr size_t kMaxAddressBytes = 300;
 inline constexpr uint32_t kMaxGpuIndex = 4095;
 inline constexpr uint32_t kMaxWorldSize = 65536;  // planner::kMaxWorkers
 inline constexpr int kMaxLinks = 4096;
+// A running plan's servers (RegisterModelRequest.running_plan), and the servers that joined.
+inline constexpr int kMaxPlanServers = 65536;
 inline constexpr size_t kMaxReasonBytes = 1024;
 inline constexpr int kMaxLayers = 100000;
 inline constexpr size_t kMaxLayerNameBytes = 1024;

@@ -52,6 +52,48 @@ TEST(ValidateTest, ConsistencyNeedsAServerSideRuleForSsp) {
               HasSubstr("update_rule.learning_rate: must be a finite number >= 0, got -1"));
 }
 
+// A running plan an agent sends a restarted coordinator must fit its model and its servers, and
+// every server id it names must be an id: otherwise the registration is refused, naming the field.
+TEST(ValidateTest, ARunningPlanMustFitItsModelAndServers) {
+  v1::RegisterModelRequest request;
+  request.mutable_header()->set_node_id("agent-1");
+  *request.mutable_model() = TinyModel();
+  v1::Plan& plan = *request.mutable_running_plan();
+  plan.set_plan_epoch(3);
+  plan.add_servers()->set_node_id("server-a");
+  for (int l = 0; l < request.model().layers_size(); ++l) {
+    plan.add_layers()->add_chunks()->set_server_index(0);
+  }
+  request.add_joined_servers("server-b");
+  request.add_lost_servers("server-a");
+  EXPECT_TRUE(ValidateRequest(request).ok()) << ValidateRequest(request);
+
+  v1::RegisterModelRequest bad = request;
+  bad.mutable_running_plan()->mutable_layers()->RemoveLast();
+  EXPECT_THAT(Message(ValidateRequest(bad)),
+              HasSubstr("running_plan.layers: 3 layers; the model has 4"));
+  bad = request;
+  bad.mutable_running_plan()->mutable_layers(2)->mutable_chunks(0)->set_server_index(1);
+  EXPECT_THAT(Message(ValidateRequest(bad)),
+              HasSubstr("running_plan.layers[2].chunks[0].server_index: 1; the plan has 1 servers"));
+  bad = request;
+  bad.mutable_running_plan()->set_plan_epoch(0);
+  EXPECT_THAT(Message(ValidateRequest(bad)), HasSubstr("running_plan.plan_epoch: "));
+  bad = request;
+  bad.mutable_running_plan()->clear_servers();
+  EXPECT_THAT(Message(ValidateRequest(bad)), HasSubstr("running_plan.servers: 0 servers"));
+  bad = request;
+  bad.mutable_running_plan()->mutable_layers(0)->set_scheme(static_cast<v1::SyncScheme>(99));
+  EXPECT_THAT(Message(ValidateRequest(bad)),
+              HasSubstr("running_plan.layers[0].scheme: unknown scheme 99"));
+  bad = request;
+  bad.set_lost_servers(0, std::string(500, 'x'));
+  EXPECT_THAT(Message(ValidateRequest(bad)), HasSubstr("lost_servers[0]"));
+  bad = request;
+  bad.set_joined_servers(0, "");
+  EXPECT_THAT(Message(ValidateRequest(bad)), HasSubstr("joined_servers[0]"));
+}
+
 TEST(ValidateTest, ModelLimits) {
   v1::ModelSpec model = TinyModel();
   for (int i = 0; i < 17; ++i) model.mutable_layers(0)->add_shape(1);
