@@ -187,15 +187,16 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // layers' schedules.
   void WatchPlans();
   // The KV servers the coordinator reports joined the running job go on every key's chain
-  // (plan watcher thread).
-  void JoinNewServers();
+  // (plan watcher thread; a rank taking up the running job: the main thread, before the
+  // watcher starts, noting the copies they hold).
+  void JoinNewServers(bool note_copies = false);
+  void NoteJoinedCopies(const std::vector<server::KeyProgress>& progress);
   // `progress` (optional): the joined server's answer for its standby tables, in their order.
   absl::Status JoinServer(uint32_t slot, const std::vector<v1::PlanServer>& joined,
                           std::vector<server::KeyProgress>* progress = nullptr);
   // A rank taking up the running job (--rejoin), before it connects its servers: the
   // coordinator's word on the job's servers (declared dead, joined), from one heartbeat answer.
   void AwaitHeartbeatAnswer();
-  void TakeUpJoinedServers();
   void ApplyPendingPlan();
   // A world member the coordinator declared dead: every layer waiting, and every later one,
   // fails at once naming it (the iteration cannot complete without it).
@@ -1437,7 +1438,9 @@ absl::Status Agent::ConnectServers() {
             .value_or(nullptr));
   }
   registrations_ = std::move(requests);
-  if (config_.rejoin && replicas > 0) TakeUpJoinedServers();
+  // A rank taking up the running job takes the joined servers up before its keys start (the
+  // others did as they joined): a key whose every plan server was lost lives on them only.
+  if (config_.rejoin && replicas > 0) JoinNewServers(/*note_copies=*/true);
   RETURN_IF_ERROR(StartAtBackups(unreachable));
   TakeStandbyCopies(standby_copies);
   servers_connected_.store(true, std::memory_order_release);  // env_.servers is final
@@ -1465,46 +1468,23 @@ void Agent::AwaitHeartbeatAnswer() {
                config_.rank);
 }
 
-// A rank taking up the running job takes the servers that joined it up before its keys start
-// (the others did as they joined): a key whose every plan server was lost lives on them only,
-// and the copy a joined server holds says where such a key is (TakeUpRunningJob).
-void Agent::TakeUpJoinedServers() {
-  std::vector<v1::PlanServer> joined;
-  {
-    std::lock_guard<std::mutex> lock(lost_mu_);
-    joined = joined_servers_;
-  }
-  for (uint32_t slot = 0; slot < joined.size(); ++slot) {
-    std::vector<server::KeyProgress> progress;
-    const absl::Status st =
-        slot >= JoinedServers::kMax
-            ? absl::ResourceExhaustedError(absl::StrCat(
-                  "a job takes at most ", JoinedServers::kMax, " servers joining it while it runs"))
-            : JoinServer(slot, joined, &progress);
-    if (!st.ok()) {
-      // Later ones come after it in every chain: the plan watcher does not try them either.
-      joining_stuck_ = true;
-      env_.joined.stuck.store(true, std::memory_order_release);
-      PSD_LOG_WARN("KV server {} joined the running job, but this agent cannot use it ({}): its "
-                   "keys keep the copies they have",
-                   joined[slot].node_id(), st.message());
-      return;
+// The copies a joined server holds (its answer to JoinServer's standby registration: server 0's
+// standby tables, then its tables, in that order; a key it holds a copy of has a completed
+// clock) tell a rank taking up the running job where the keys only it holds are
+// (TakeUpRunningJob).
+void Agent::NoteJoinedCopies(const std::vector<server::KeyProgress>& progress) {
+  size_t i = 0;
+  auto note = [&](const v1::KvTableSpec& t) {
+    for (const auto& k : t.keys()) {
+      const server::KeyProgress p = i < progress.size() ? progress[i] : server::KeyProgress{};
+      ++i;
+      if (p.completed == 0 || env_.restored.contains(k.key())) continue;
+      env_.restored[k.key()] = p;
+      NoteFallback(k.key(), p);
     }
-    // The joined server stands by for every table: server 0's standby tables, then its tables
-    // (JoinServer), answered in that order; a key it holds a copy of has a completed clock.
-    size_t i = 0;
-    auto note = [&](const v1::KvTableSpec& t) {
-      for (const auto& k : t.keys()) {
-        const server::KeyProgress p = i < progress.size() ? progress[i] : server::KeyProgress{};
-        ++i;
-        if (p.completed == 0 || env_.restored.contains(k.key())) continue;
-        env_.restored[k.key()] = p;
-        NoteFallback(k.key(), p);
-      }
-    };
-    for (const v1::KvTableSpec& t : registrations_[0].standby_tables()) note(t);
-    for (const v1::KvTableSpec& t : registrations_[0].tables()) note(t);
-  }
+  };
+  for (const v1::KvTableSpec& t : registrations_[0].standby_tables()) note(t);
+  for (const v1::KvTableSpec& t : registrations_[0].tables()) note(t);
 }
 
 // The keys first held by a server that could not be reached at start go to the first server of
@@ -1516,7 +1496,7 @@ absl::Status Agent::StartAtBackups(const std::map<uint32_t, absl::Status>& unrea
   // server further down the chain may hold an adopted one, restored from its checkpoint (one
   // that holds none answers NotFound, and the requests walk on along the chain).
   // A rank taking up the running job may find a copy anywhere down the chain (adopted after
-  // losses), and past the ring on the servers that joined the job (TakeUpJoinedServers).
+  // losses), and past the ring on the servers that joined the job (JoinNewServers).
   const uint32_t last =
       config_.lost_servers.empty() && !config_.rejoin ? env_.replication.replicas : n - 1;
   const uint32_t joined = config_.rejoin ? env_.joined.Count() : 0;
@@ -2194,7 +2174,7 @@ void Agent::WatchPlans() {
 // the job registered. Only then do this agent's requests walk on to it after a loss
 // (Replication::ServerAt, JoinedServers::count). Every rank does the same; the servers take the
 // identical registrations once.
-void Agent::JoinNewServers() {
+void Agent::JoinNewServers(bool note_copies) {
   if (env_.replication.replicas == 0 || registrations_.empty() || joining_stuck_) return;
   std::vector<v1::PlanServer> joined;
   {
@@ -2202,11 +2182,12 @@ void Agent::JoinNewServers() {
     joined = joined_servers_;
   }
   for (uint32_t slot = env_.joined.Count(); slot < joined.size(); ++slot) {
+    std::vector<server::KeyProgress> progress;
     const absl::Status s = slot >= JoinedServers::kMax
                                ? absl::ResourceExhaustedError(absl::StrCat(
                                      "a job takes at most ", JoinedServers::kMax,
                                      " servers joining it while it runs"))
-                               : JoinServer(slot, joined);
+                               : JoinServer(slot, joined, note_copies ? &progress : nullptr);
     if (!s.ok()) {
       // The chains name the joined servers in join order: one left out blocks the later ones,
       // and a request waiting at its chain's end for it fails now.
@@ -2218,6 +2199,7 @@ void Agent::JoinNewServers() {
                    joined[slot].node_id(), s.message());
       return;
     }
+    if (note_copies) NoteJoinedCopies(progress);
   }
 }
 
