@@ -12,6 +12,7 @@
 #include "common/shm_layout.h"
 #include "coordinator/planner/cost_model.h"
 #include "coordinator/planner/time_model.h"
+#include "sim/shared_cpus.h"
 
 namespace poseidon::sim {
 namespace {
@@ -152,7 +153,11 @@ class Simulation {
  public:
   Simulation(const planner::PlannerConfig& config, const SimOptions& options,
              std::vector<Layer> layers, std::vector<Unit> units)
-      : config_(config), options_(options), layers_(std::move(layers)), units_(std::move(units)) {
+      : config_(config),
+        options_(options),
+        layers_(std::move(layers)),
+        units_(std::move(units)),
+        shared_cpus_(options.shared_cpus) {
     P1_ = config.workers;
     P2_ = config.servers;
     hosts_ = config.colocated ? std::max(P1_, P2_) : P1_ + P2_;
@@ -162,7 +167,6 @@ class Simulation {
     up_free_.assign(hosts_, 0);
     cpu_free_.assign(hosts_, 0);
     rx_free_.assign(hosts_, 0);
-    shared_cpu_free_.assign(options.shared_cpus, 0);
     up_bucket_.assign(hosts_, Bucket{});
     down_bucket_.assign(hosts_, Bucket{});
     down_free_.assign(hosts_, 0);
@@ -379,7 +383,7 @@ class Simulation {
           double end = start + layer.ring_seconds;
           // On shared CPUs (an emulation) every rank's work per step takes its turn there too:
           // the collective ends no earlier than the last rank's work.
-          if (options_.allreduce_cpu_seconds_per_step > 0 && !shared_cpu_free_.empty()) {
+          if (options_.allreduce_cpu_seconds_per_step > 0 && !shared_cpus_.empty()) {
             const double work = layer.ring_steps * options_.allreduce_cpu_seconds_per_step;
             for (uint32_t rank = 0; rank < P1_; ++rank) {
               end = std::max(end, CpuWorkFrom(start, cpu_free_[rank], work));
@@ -507,19 +511,15 @@ class Simulation {
     return seconds;
   }
 
-  // `work` seconds of CPU from now on, after what `host_free` (one host's FIFO) and, with shared
-  // CPUs, the first free of them hold; returns when it ends.
+  // `work` seconds of CPU from now on, after what `host_free` (one host's FIFO) holds and, with
+  // shared CPUs, at the earliest free stretch of one of them (SharedCpus); returns when it ends.
   double CpuWork(double& host_free, double work) { return CpuWorkFrom(now_, host_free, work); }
 
   // The same from time `from` (>= now) on.
   double CpuWorkFrom(double from, double& host_free, double work) {
     cpu_work_ += work;
     double start = std::max(from, host_free);
-    if (!shared_cpu_free_.empty()) {
-      auto cpu = std::min_element(shared_cpu_free_.begin(), shared_cpu_free_.end());
-      start = std::max(start, *cpu);
-      *cpu = start + work;
-    }
+    if (!shared_cpus_.empty()) start = shared_cpus_.Book(now_, start, work);
     host_free = start + work;
     return host_free;
   }
@@ -699,7 +699,7 @@ class Simulation {
   double latency_ = 0;
   std::vector<double> up_rate_, down_rate_, up_free_, down_free_, up_busy_, down_busy_, cpu_free_;
   std::vector<double> rx_free_;          // per host: its receiving work (per byte)
-  std::vector<double> shared_cpu_free_;  // per shared CPU (SimOptions::shared_cpus)
+  SharedCpus shared_cpus_;               // SimOptions::shared_cpus (none: 0)
   double cpu_work_ = 0;                  // the senders' CPU work, every host, every iteration
   std::vector<Bucket> up_bucket_, down_bucket_;
   std::vector<uint32_t> port_queue_;

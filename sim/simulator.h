@@ -19,9 +19,11 @@
 //     latency) (cut-through). A message's CPU work is alpha plus cpu_seconds_per_byte per byte
 //     at its sender and cpu_seconds_per_byte per byte at its receiver (after the link, one
 //     message after another per host); with shared_cpus = k the work of all hosts shares k CPUs
-//     (an emulated cluster on one machine), otherwise each host has its own. With link_burst_bytes every link is a token bucket instead (the
-//     emulated cluster's tc tbf): what its bucket holds crosses at once. Traffic between a worker and the server on its own host costs
-//     alpha and no link.
+//     (an emulated cluster on one machine: each piece takes the earliest free stretch of one of
+//     them, sim/shared_cpus.h), otherwise each host has its own. With link_burst_bytes every
+//     link is a token bucket instead (the emulated cluster's tc tbf): what its bucket holds
+//     crosses at once. Traffic between a worker and the server on its own host costs alpha and
+//     no link.
 //   - Compute. Per layer, forward and backward seconds from the planner (the spec's measured times,
 //     or FLOPs × K / GPU rate: time_model.h LayerComputeSeconds), each multiplied by the jitter
 //     (one factor per worker and iteration, one per layer pass) plus a fixed overhead per pass.
