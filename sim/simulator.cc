@@ -167,6 +167,10 @@ class Simulation {
     up_free_.assign(hosts_, 0);
     cpu_free_.assign(hosts_, 0);
     rx_free_.assign(hosts_, 0);
+    pass_cpu_free_.assign(P1_, 0);
+    if (options.shared_cpus > 0) {
+      load_stretch_ = 1 / (1 - hosts_ * options.host_cpu_load / options.shared_cpus);
+    }
     up_bucket_.assign(hosts_, Bucket{});
     down_bucket_.assign(hosts_, Bucket{});
     down_free_.assign(hosts_, 0);
@@ -255,9 +259,14 @@ class Simulation {
     return JitterFactor(s.rng, options_.jitter.kind, options_.jitter.iteration_sigma);
   }
 
-  double Pass(Worker& s, double nominal) {
+  // One layer pass of worker w from its clock on: its compute (jittered, plus the overhead),
+  // then its CPU work (SimOptions::pass_cpu_seconds); returns the seconds it takes.
+  double Pass(uint32_t w, Worker& s, double nominal) {
     const double h = JitterFactor(s.rng, options_.jitter.kind, options_.jitter.layer_sigma);
-    return nominal * s.iteration_factor * h + options_.compute_overhead_seconds;
+    const double compute = nominal * s.iteration_factor * h + options_.compute_overhead_seconds;
+    if (options_.pass_cpu_seconds <= 0) return compute;
+    double& free = pass_cpu_free_[w];
+    return CpuWorkFrom(std::max(now_, s.t + compute), free, options_.pass_cpu_seconds) - s.t;
   }
 
   void Advance(uint32_t w, double now) {
@@ -276,7 +285,7 @@ class Simulation {
           const uint32_t l = s.fwd;
           const uint64_t need = s.it - 1;
           if (!WaitFor(w, s, l, need, now)) return;
-          const double f = Pass(s, layers_[l].forward);
+          const double f = Pass(w, s, layers_[l].forward);
           if (s.it >= 2) s.compute += f;
           s.t += f;
           ++s.fwd;
@@ -284,7 +293,7 @@ class Simulation {
         }
         case Worker::Phase::kBackward: {
           for (uint32_t l = L; l-- > 0;) {
-            const double b = Pass(s, layers_[l].backward);
+            const double b = Pass(w, s, layers_[l].backward);
             if (s.it >= 2) s.compute += b;
             s.t += b;
             if (options_.wfbp) Posted(w, l, s.t);
@@ -493,6 +502,15 @@ class Simulation {
 
   // ---- Network -------------------------------------------------------------------------------
 
+  // The bytes a message of `bytes` takes on a link: its TCP segments' headers and framing
+  // (SimOptions::mtu) included.
+  uint64_t OnWire(uint64_t bytes) const {
+    if (options_.mtu == 0) return bytes;
+    const uint64_t payload = options_.mtu - kTcpIpHeaderBytes;
+    const uint64_t segments = std::max<uint64_t>(1, (bytes + payload - 1) / payload);
+    return bytes + segments * (kTcpIpHeaderBytes + options_.frame_overhead_bytes);
+  }
+
   // Seconds a link of `rate` takes for `bytes` starting at `start`, its token bucket (tc tbf)
   // holding up to link_burst_bytes: what the bucket holds goes at once, the rest at the rate.
   double Transmit(Bucket& bucket, double rate, double start, uint64_t bytes) const {
@@ -519,7 +537,10 @@ class Simulation {
   double CpuWorkFrom(double from, double& host_free, double work) {
     cpu_work_ += work;
     double start = std::max(from, host_free);
-    if (!shared_cpus_.empty()) start = shared_cpus_.Book(now_, start, work);
+    if (!shared_cpus_.empty()) {
+      work *= load_stretch_;
+      start = shared_cpus_.Book(now_, start, work);
+    }
     host_free = start + work;
     return host_free;
   }
@@ -550,7 +571,8 @@ class Simulation {
       return msg.up_end;
     }
     const double start = std::max(cpu_end, up_free_[msg.src]);
-    const double end = start + Transmit(up_bucket_[msg.src], up_rate_[msg.src], start, msg.bytes);
+    const double end =
+        start + Transmit(up_bucket_[msg.src], up_rate_[msg.src], start, OnWire(msg.bytes));
     up_free_[msg.src] = end;
     up_busy_[msg.src] += end - start;
     msg.up_end = end;
@@ -562,7 +584,7 @@ class Simulation {
     Message& msg = messages_[id];
     const double start = std::max(now_, down_free_[msg.dst]);
     const double end = std::max(
-        start + Transmit(down_bucket_[msg.dst], down_rate_[msg.dst], start, msg.bytes),
+        start + Transmit(down_bucket_[msg.dst], down_rate_[msg.dst], start, OnWire(msg.bytes)),
                                 msg.up_end + latency_);
     down_free_[msg.dst] = end;
     down_busy_[msg.dst] += end - start;
@@ -699,7 +721,9 @@ class Simulation {
   double latency_ = 0;
   std::vector<double> up_rate_, down_rate_, up_free_, down_free_, up_busy_, down_busy_, cpu_free_;
   std::vector<double> rx_free_;          // per host: its receiving work (per byte)
+  std::vector<double> pass_cpu_free_;    // per worker: its passes' CPU work
   SharedCpus shared_cpus_;               // SimOptions::shared_cpus (none: 0)
+  double load_stretch_ = 1;              // SimOptions::host_cpu_load: work's length on them
   double cpu_work_ = 0;                  // the senders' CPU work, every host, every iteration
   std::vector<Bucket> up_bucket_, down_bucket_;
   std::vector<uint32_t> port_queue_;
@@ -737,6 +761,29 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
       !(options.jitter.layer_sigma >= 0)) {
     return absl::InvalidArgumentError(
         "alpha, CPU per byte, compute overhead and jitter must be numbers >= 0");
+  }
+  if (!(options.pass_cpu_seconds >= 0)) {
+    return absl::InvalidArgumentError("pass CPU must be a number >= 0");
+  }
+  if (!(options.host_cpu_load >= 0)) {
+    return absl::InvalidArgumentError("the hosts' CPU load must be a number >= 0");
+  }
+  if (options.shared_cpus > 0) {
+    const uint32_t hosts =
+        config.colocated ? std::max(config.workers, config.servers) : config.workers + config.servers;
+    if (!(hosts * options.host_cpu_load < options.shared_cpus)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the hosts' constant CPU load (", hosts, " hosts x ", options.host_cpu_load,
+          " CPU) leaves nothing of the ", options.shared_cpus, " shared CPUs"));
+    }
+  }
+  if (options.mtu != 0 && (options.mtu < kMinMtu || options.mtu > kMaxMtu)) {
+    return absl::InvalidArgumentError(absl::StrCat("mtu must be 0 or in [", kMinMtu, ", ",
+                                                   kMaxMtu, "], not ", options.mtu));
+  }
+  if (options.frame_overhead_bytes > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "frame overhead must be at most 1024 bytes per packet, not ", options.frame_overhead_bytes));
   }
   if (options.shared_cpus > kMaxSharedCpus) {
     return absl::InvalidArgumentError(
@@ -816,7 +863,14 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
     close();
   }
 
-  const planner::NetworkModel network{config.bandwidth_bytes_per_second, config.latency_seconds};
+  // The ring's bytes pay the framing's share of the link (SimOptions::mtu).
+  const double payload_share =
+      options.mtu == 0
+          ? 1.0
+          : static_cast<double>(options.mtu - kTcpIpHeaderBytes) /
+                static_cast<double>(options.mtu + options.frame_overhead_bytes);
+  const planner::NetworkModel network{config.bandwidth_bytes_per_second * payload_share,
+                                      config.latency_seconds};
   // A ring step costs at least the per-message overhead and the measured step.
   const double ring_step = std::max(options.alpha_seconds, options.allreduce_step_seconds);
   for (uint32_t i = 0; i < L; ++i) {

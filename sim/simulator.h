@@ -72,6 +72,10 @@ struct JitterModel {
 };
 
 inline constexpr uint32_t kMaxSharedCpus = 4096;
+// Framing: IPv4 and TCP (with timestamps) headers per segment; the smallest and largest MTU.
+inline constexpr uint32_t kTcpIpHeaderBytes = 52;
+inline constexpr uint32_t kMinMtu = 576;
+inline constexpr uint32_t kMaxMtu = 65535;
 
 struct SimOptions {
   uint32_t iterations = 20;  // >= 2; the first is warm-up
@@ -100,10 +104,26 @@ struct SimOptions {
   // (alpha and per byte, sending and receiving) runs on k CPUs they share, first come first
   // served: an emulated cluster whose hosts are processes on one k-CPU machine.
   uint32_t shared_cpus = 0;  // at most kMaxSharedCpus
+  // With shared_cpus: the CPU each host spends whatever the job does (an emulated host's
+  // timers, heartbeats, polls), as a fraction of one CPU. The hosts' load takes that share of
+  // every shared CPU: a piece of work of w seconds holds one for w / (1 − hosts · load / k).
+  // hosts · load must stay below k.
+  double host_cpu_load = 0;
   // Every link's token bucket (tc tbf, as bench/cluster shapes its links): after idling, a link
   // sends up to this many bytes at once, then at its rate. 0: a plain rate (a switch port).
   uint64_t link_burst_bytes = 0;
+  // Framing: a message of S bytes crosses a link as TCP segments of at most mtu − 52 bytes
+  // (IPv4, TCP with timestamps), each with 52 + frame_overhead_bytes more on the link (Ethernet
+  // on the wire: 38 — header, FCS, preamble, gap; bench/cluster's tc tbf counts the 14 of the
+  // header). The ring's bytes pay the same share. mtu 0: the link rate is the payload rate.
+  uint32_t mtu = 0;
+  uint32_t frame_overhead_bytes = 0;
   double compute_overhead_seconds = 0;          // added to every layer's forward and backward
+  // CPU work of each layer pass (forward and backward) at its worker's host, after the pass's
+  // compute: in an emulated cluster the worker's wake-up and gradient write and the agent's
+  // handling of its event, which with shared_cpus take their turn on the shared CPUs (a pass
+  // ends when its work is done). 0: none (a real cluster's GPU compute holds it).
+  double pass_cpu_seconds = 0;
   bool sfb_rebuild = true;                      // count the SFB rebuild at the GPU rate
   // Backups per PS key (agent --replicas; capped at servers - 1): a completed clock goes to each
   // backup, and its answers leave once every backup acknowledged it (docs/server.md).

@@ -365,6 +365,79 @@ TEST(SimulatorTest, SharedCpusRunEveryHostsBurstSideBySide) {
   EXPECT_THAT(shared.period_seconds, DoubleNear(own.period_seconds, 1e-9));
 }
 
+// Framing: one worker pushes one 1,448,000-byte chunk (1,000 full segments at MTU 1500) to a
+// server on a host of its own at 1 GB/s. Each segment takes 52 bytes of IPv4 and TCP headers and
+// 38 of Ethernet framing on the link: 1,538,000 bytes a leg, 1.538 ms instead of 1.448. With
+// tc tbf's 14 bytes: 1,514,000.
+TEST(SimulatorTest, FramingMakesEveryByteCostItsSegmentsHeaders) {
+  const auto model = Model({{"a", kOther, {362000}, 1, 1}});
+  auto period = [&](uint32_t mtu, uint32_t overhead) {
+    SimOptions o = Options();
+    o.mtu = mtu;
+    o.frame_overhead_bytes = overhead;
+    absl::StatusOr<SimResult> r = Simulate(model, Cluster(1, 1, false, 1e9), o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->period_seconds : 0.0;
+  };
+  EXPECT_THAT(period(0, 38), DoubleNear(2 * kMs + 2 * 1.448 * kMs, kEps)) << "no framing";
+  EXPECT_THAT(period(1500, 38), DoubleNear(2 * kMs + 2 * 1.538 * kMs, kEps));
+  EXPECT_THAT(period(1500, 14), DoubleNear(2 * kMs + 2 * 1.514 * kMs, kEps));
+  SimOptions o = Options();
+  for (const uint32_t mtu : {100u, 70000u}) {
+    o.mtu = mtu;
+    EXPECT_FALSE(Simulate(model, Cluster(1, 1, false, 1e9), o).ok()) << mtu;
+  }
+  o.mtu = 1500;
+  o.frame_overhead_bytes = 5000;
+  EXPECT_FALSE(Simulate(model, Cluster(1, 1, false, 1e9), o).ok());
+}
+
+// A pass's CPU work: two workers, one tiny layer (1 ms forward, 1 ms backward), links too fast
+// to matter, 0.5 ms of CPU after each pass. With CPUs of their own (or two shared): 3 ms an
+// iteration. On one shared CPU the workers' passes take turns: worker 0's forward work runs
+// 1-1.5 ms, worker 1's 1.5-2; their backward ends 3 and 3.5 ms: 3.5 ms an iteration.
+TEST(SimulatorTest, APassesCpuWorkTakesItsTurnOnTheSharedCpus) {
+  const auto model = Model({{"a", kOther, {1024}, 1, 1}});
+  auto run = [&](uint32_t shared_cpus) {
+    SimOptions o = Options();
+    o.pass_cpu_seconds = 0.5e-3;
+    o.shared_cpus = shared_cpus;
+    absl::StatusOr<SimResult> r = Simulate(model, Cluster(2, 2, true, 1e15), o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : SimResult{};
+  };
+  const SimResult own = run(0), two = run(2), one = run(1);
+  EXPECT_THAT(own.period_seconds, DoubleNear(3 * kMs, 1e-8));
+  EXPECT_THAT(two.period_seconds, DoubleNear(3 * kMs, 1e-8));
+  EXPECT_THAT(one.period_seconds, DoubleNear(3.5 * kMs, 1e-8));
+  EXPECT_THAT(one.cpu_seconds_per_iteration, DoubleNear(2 * kMs, kEps)) << "2 passes x 2 workers";
+  SimOptions o = Options();
+  o.pass_cpu_seconds = -1;
+  EXPECT_FALSE(Simulate(model, Cluster(2, 2, true, 1e15), o).ok());
+}
+
+// The hosts' constant load: two hosts at half a CPU each on two shared CPUs leave each piece of
+// work half a CPU: the 0.5 ms of a pass holds a CPU 1 ms (2 + 2 × 1 ms an iteration); the work
+// counted stays 0.5 ms a pass. A load the CPUs cannot carry is refused.
+TEST(SimulatorTest, TheHostsLoadTakesItsShareOfTheSharedCpus) {
+  const auto model = Model({{"a", kOther, {1024}, 1, 1}});
+  SimOptions o = Options();
+  o.pass_cpu_seconds = 0.5e-3;
+  o.shared_cpus = 2;
+  o.host_cpu_load = 0.5;
+  absl::StatusOr<SimResult> r = Simulate(model, Cluster(2, 2, true, 1e15), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(4 * kMs, 1e-8));
+  EXPECT_THAT(r->cpu_seconds_per_iteration, DoubleNear(2 * kMs, kEps));
+  o.host_cpu_load = 1;
+  EXPECT_FALSE(Simulate(model, Cluster(2, 2, true, 1e15), o).ok());
+  o.host_cpu_load = 0.5;
+  o.shared_cpus = 0;  // CPUs of their own: no load on anybody's
+  r = Simulate(model, Cluster(2, 2, true, 1e15), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->period_seconds, DoubleNear(3 * kMs, 1e-8));
+}
+
 TEST(SimulatorTest, RejectsBadCpuSettings) {
   const auto model = Model({{"a", kOther, {1024}, 1, 1}});
   SimOptions o = Options();

@@ -51,7 +51,9 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
               "emulation": {"compute_overhead_seconds": 1e-04,
                             "overhead_per_extra_host_seconds": 1e-05,
                             "cpu_seconds_per_byte": 2e-11, "shared_cpus": 2,
-                            "allreduce_step_seconds": 3e-04},
+                            "allreduce_step_seconds": 3e-04,
+                            "cpu_seconds_per_pass": 5e-05, "host_cpu_load": 0.1,
+                            "frame_overhead_bytes": 14},
               "validation": []})";
   }
   const std::string with = std::string(kGooglenet) + " --workers 3 --calibration " + path;
@@ -64,6 +66,10 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
   EXPECT_EQ(Field(settings, "cpu_seconds_per_byte").number_value(), 0);
   EXPECT_EQ(Field(settings, "shared_cpus").number_value(), 0);
   EXPECT_EQ(Field(settings, "allreduce_step_seconds").number_value(), 0);
+  EXPECT_EQ(Field(settings, "pass_cpu_seconds").number_value(), 0);
+  EXPECT_EQ(Field(settings, "host_cpu_load").number_value(), 0);
+  EXPECT_EQ(Field(settings, "mtu").number_value(), 1500);
+  EXPECT_EQ(Field(settings, "frame_overhead_bytes").number_value(), 38) << "an Ethernet wire's";
   const google::protobuf::Struct emulated = Json(Stdout(with + " --emulation --alpha 0us"));
   EXPECT_EQ(Field(Field(emulated, "settings").struct_value(), "alpha_seconds").number_value(), 0);
   const auto& row3 = Field(emulated, "rows").list_value().values(0).struct_value();
@@ -72,12 +78,27 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
   EXPECT_NEAR(Field(emulated_settings, "cpu_seconds_per_byte").number_value(), 2e-11, 1e-20);
   EXPECT_EQ(Field(emulated_settings, "shared_cpus").number_value(), 2);
   EXPECT_NEAR(Field(emulated_settings, "allreduce_step_seconds").number_value(), 3e-04, 1e-12);
+  EXPECT_NEAR(Field(emulated_settings, "pass_cpu_seconds").number_value(), 5e-05, 1e-12);
+  EXPECT_DOUBLE_EQ(Field(emulated_settings, "host_cpu_load").number_value(), 0.1);
+  EXPECT_EQ(Field(emulated_settings, "frame_overhead_bytes").number_value(), 14) << "tc tbf's";
   // A flag still wins over the calibration.
   const google::protobuf::Struct own =
       Json(Stdout(with + " --emulation --shared_cpus 0 --allreduce_step 0us"));
   EXPECT_EQ(Field(Field(own, "settings").struct_value(), "shared_cpus").number_value(), 0);
   EXPECT_EQ(Field(Field(own, "settings").struct_value(), "allreduce_step_seconds").number_value(),
             0);
+}
+
+TEST(SimulateCliTest, ACalibrationsHostLoadMustBeBelowOneCpu) {
+  const std::string path = ::testing::TempDir() + "/bad_load_calibration.json";
+  {
+    std::ofstream out(path);
+    out << R"({"emulation": {"host_cpu_load": 1.0}})";
+  }
+  const CliRun run = Stderr(std::string(kGooglenet) + " --workers 2 --emulation --calibration " +
+                            path);
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("host_cpu_load"), std::string::npos) << run.output;
 }
 
 TEST(SimulateCliTest, ACalibrationsSharedCpusMustBeAWholeNumber) {
@@ -120,6 +141,18 @@ TEST(SimulateCliTest, BadInputIsOneLineAndExitCode2) {
   run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --shared_cpus 4000000000");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_NE(run.output.find("shared_cpus"), std::string::npos) << run.output;
+  run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --mtu 100");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("mtu"), std::string::npos) << run.output;
+  run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --host_cpu_load 1.5");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("host_cpu_load"), std::string::npos) << run.output;
+  // Eight hosts' load of 0.3 CPU each is more than 2 shared CPUs.
+  run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --workers 8 "
+               "--shared_cpus 2 --host_cpu_load 0.3");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("leaves nothing of the 2 shared CPUs"), std::string::npos)
+      << run.output;
   run = Stderr("simulate --model googlenet --bandwidth 10Gbit --batch 32 --gpu none");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_NE(run.output.find("compute time unknown"), std::string::npos) << run.output;

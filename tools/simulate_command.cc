@@ -65,6 +65,10 @@ struct SimulateFlags {
   double cpu_ns_per_byte = 0;
   uint32_t shared_cpus = 0;
   uint32_t replicas = 1;
+  uint32_t mtu = 1500;
+  uint32_t frame_overhead = 38;
+  absl::Duration pass_cpu = absl::ZeroDuration();
+  double host_cpu_load = 0;
 };
 
 // Positions of the fields a calibration sets, in declaration order (LoadedConfig::origins): a new
@@ -78,6 +82,9 @@ constexpr size_t kCpuPerByteField = 28;
 constexpr size_t kSharedCpusField = 29;
 constexpr size_t kAllreduceStepField = 32;
 constexpr size_t kAllreduceCpuPerStepField = 33;
+constexpr size_t kFrameOverheadField = 35;
+constexpr size_t kPassCpuField = 36;
+constexpr size_t kHostCpuLoadField = 37;
 
 ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
   ConfigSchema<SimulateFlags> schema("poseidon simulate", "POSEIDON_SIMULATE_");
@@ -174,7 +181,34 @@ ConfigSchema<SimulateFlags> SimulateFlagsSchema() {
              "the cost of one ring all-reduce step, as the agents measure it (0: the latency "
              "and alpha bound each step)")
       .Field("allreduce_cpu_per_step", &SimulateFlags::allreduce_cpu_per_step,
-             "with --shared_cpus: each rank's CPU work per ring step, on the shared CPUs (0)");
+             "with --shared_cpus: each rank's CPU work per ring step, on the shared CPUs (0)")
+      .Field("mtu", &SimulateFlags::mtu,
+             "the links' MTU: a message crosses as TCP segments of MTU - 52 bytes, each with "
+             "its headers and --frame_overhead on the link (1500; 0: the link rate is the "
+             "payload rate)",
+             [](const uint32_t& v) {
+               return v == 0 || (v >= sim::kMinMtu && v <= sim::kMaxMtu)
+                          ? absl::OkStatus()
+                          : absl::InvalidArgumentError(absl::StrCat(
+                                "must be 0 or in [", sim::kMinMtu, ", ", sim::kMaxMtu, "]"));
+             })
+      .Field("frame_overhead", &SimulateFlags::frame_overhead,
+             "bytes per packet on the link besides the IP packet: 38 on an Ethernet wire "
+             "(header, FCS, preamble, gap); bench/cluster's tc tbf counts 14 (with --emulation "
+             "the calibration's)",
+             InRange(0u, 1024u))
+      .Field("pass_cpu", &SimulateFlags::pass_cpu,
+             "CPU work of each layer pass at its worker's host, on the shared CPUs with "
+             "--shared_cpus (an emulated worker's wake-up and gradient write, its agent's "
+             "handling; 0; with --emulation the calibration's)")
+      .Field("host_cpu_load", &SimulateFlags::host_cpu_load,
+             "with --shared_cpus: the CPU each host spends whatever the job does (timers, "
+             "heartbeats), as a fraction of one CPU; it takes its share of the shared CPUs (0; "
+             "with --emulation the calibration's)",
+             [](const double& v) {
+               return v >= 0 && v < 1 ? absl::OkStatus()
+                                      : absl::InvalidArgumentError("must be in [0, 1)");
+             });
   return schema;
 }
 
@@ -217,6 +251,9 @@ struct Calibration {
   double shared_cpus = 0;                        // emulation: the machine's CPUs
   double allreduce_step_seconds = 0;             // emulation: a ring step under its load
   double allreduce_cpu_seconds_per_step = 0;     // emulation: a rank's CPU per ring step
+  double cpu_seconds_per_pass = 0;               // emulation: a layer pass's CPU work
+  double host_cpu_load = 0;                      // emulation: each host's constant CPU
+  double frame_overhead_bytes = -1;              // emulation: the links' framing (-1: none given)
   std::string jitter = "none";
   double iteration_sigma = 0;
   double layer_sigma = 0;
@@ -275,6 +312,24 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
             number(e, "allreduce_cpu_seconds_per_step", &c.allreduce_cpu_seconds_per_step);
         !s.ok()) {
       return s;
+    }
+    if (absl::Status s = number(e, "cpu_seconds_per_pass", &c.cpu_seconds_per_pass); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = number(e, "host_cpu_load", &c.host_cpu_load); !s.ok()) return s;
+    if (c.host_cpu_load >= 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration ", path, ": 'host_cpu_load' must be below 1 CPU"));
+    }
+    if (e.fields().count("frame_overhead_bytes") > 0) {
+      if (absl::Status s = number(e, "frame_overhead_bytes", &c.frame_overhead_bytes); !s.ok()) {
+        return s;
+      }
+      if (c.frame_overhead_bytes > 1024 ||
+          c.frame_overhead_bytes != static_cast<double>(static_cast<uint32_t>(c.frame_overhead_bytes))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "calibration ", path, ": 'frame_overhead_bytes' must be a whole number of bytes (0..1024)"));
+      }
     }
     if (c.shared_cpus > sim::kMaxSharedCpus ||
         c.shared_cpus != static_cast<double>(static_cast<uint32_t>(c.shared_cpus))) {
@@ -359,6 +414,15 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     if (flags.emulation && from_default(kAllreduceCpuPerStepField)) {
       flags.allreduce_cpu_per_step = absl::Seconds(c->allreduce_cpu_seconds_per_step);
     }
+    if (flags.emulation && from_default(kPassCpuField)) {
+      flags.pass_cpu = absl::Seconds(c->cpu_seconds_per_pass);
+    }
+    if (flags.emulation && from_default(kHostCpuLoadField)) {
+      flags.host_cpu_load = c->host_cpu_load;
+    }
+    if (flags.emulation && from_default(kFrameOverheadField) && c->frame_overhead_bytes >= 0) {
+      flags.frame_overhead = static_cast<uint32_t>(c->frame_overhead_bytes);
+    }
     if (from_default(kJitterField)) flags.jitter = c->jitter;
     if (from_default(kJitterSigmaField)) flags.jitter_sigma = c->iteration_sigma;
     if (from_default(kLayerJitterSigmaField)) flags.layer_jitter_sigma = c->layer_sigma;
@@ -402,6 +466,10 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   options.cpu_seconds_per_byte = flags.cpu_ns_per_byte * 1e-9;
   options.shared_cpus = flags.shared_cpus;
   options.replicas = flags.replicas;
+  options.mtu = flags.mtu;
+  options.frame_overhead_bytes = flags.frame_overhead;
+  options.pass_cpu_seconds = absl::ToDoubleSeconds(flags.pass_cpu);
+  options.host_cpu_load = flags.host_cpu_load;
   options.jitter = {*jitter, flags.jitter_sigma, flags.layer_jitter_sigma};
   options.sfb_rebuild = flags.sfb_rebuild;
   options.seed = flags.seed;
@@ -511,6 +579,14 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     w.Unsigned(options.shared_cpus);
     w.Key("replicas");
     w.Unsigned(options.replicas);
+    w.Key("mtu");
+    w.Unsigned(options.mtu);
+    w.Key("frame_overhead_bytes");
+    w.Unsigned(options.frame_overhead_bytes);
+    w.Key("pass_cpu_seconds");
+    w.Number(options.pass_cpu_seconds);
+    w.Key("host_cpu_load");
+    w.Number(options.host_cpu_load);
     w.EndObject();
     w.Key("rows");
     w.BeginArray();
@@ -567,14 +643,18 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     std::fputc('\n', stdout);
   } else {
     std::string out = absl::StrFormat(
-        "poseidon simulate: %s, K = %u, %s, %s per host and direction, latency %s, %s; scheme "
+        "poseidon simulate: %s, K = %u, %s, %s per host and direction%s, latency %s, %s; scheme "
         "%s%s%s%s; alpha %s%s, compute overhead %s per pass%s, jitter %s (σ %g per iteration, %g "
-        "per layer)%s; %u iterations, seed %u\n\n",
+        "per layer)%s%s; %u iterations, seed %u\n\n",
         model->name(), batch_for_samples,
         base.gpu ? absl::StrFormat("%s (%g TFLOP/s)", base.gpu->name,
                                    base.gpu->flops_per_second / 1e12)
                  : std::string("measured compute"),
-        FormatBandwidth(flags.bandwidth), absl::FormatDuration(flags.latency),
+        FormatBandwidth(flags.bandwidth),
+        flags.mtu > 0 ? absl::StrFormat(" (MTU %u, %u B framing per packet)", flags.mtu,
+                                        flags.frame_overhead)
+                      : std::string(),
+        absl::FormatDuration(flags.latency),
         flags.colocated ? "servers colocated" : "servers on hosts of their own", flags.scheme,
         flags.wfbp ? "" : ", no WFBP", flags.priority ? "" : ", no priority",
         flags.replicas > 0 ? absl::StrFormat(", %u backup(s) per key", flags.replicas)
@@ -590,6 +670,9 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
         flags.jitter, flags.jitter_sigma, flags.layer_jitter_sigma,
         flags.shared_cpus > 0
             ? absl::StrFormat(", every host's sending on %u shared CPUs", flags.shared_cpus)
+            : std::string(),
+        flags.pass_cpu > absl::ZeroDuration()
+            ? absl::StrCat(", ", absl::FormatDuration(flags.pass_cpu), " of CPU per pass")
             : std::string(),
         flags.iterations, flags.seed);
     absl::StrAppend(&out,

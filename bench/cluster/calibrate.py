@@ -34,6 +34,7 @@ validates it there.
     bench/cluster/calibrate.py --from_results bench/cluster/results/calib-<time>   # refit only
 """
 import argparse
+import bisect
 import concurrent.futures
 import datetime
 import json
@@ -41,6 +42,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -48,11 +51,16 @@ sys.path.insert(0, HERE)
 import run_cluster as rc  # noqa: E402
 
 ITER_RE = re.compile(r"poseidon-synth rank (\d+): iteration (\d+) ends at [0-9.]+ \(([0-9.]+) s\)")
+END_RE = re.compile(r"poseidon-synth rank \d+: iteration (\d+) ends at ([0-9.]+) ")
 MODELS = ["vgg19", "vgg19-22k", "inception-v3", "resnet-152", "googlenet"]
 LATENCY = "20us"  # one-way, the order of the agents' measured pings here (docs/cluster.md)
 # run_cluster.py's tc tbf bucket, max(64 KiB, 10 ms of the rate) on the scaled links: 10 ms of
 # the rate on the unscaled ones (the 64 KiB floor is 4 MiB unscaled, below 10 ms of 10 Gbit/s).
 BURST = "10ms"
+# The emulated links' framing: veth's MTU, and the 14 bytes of Ethernet header tc tbf counts per
+# packet (no FCS, preamble or gap on a veth).
+MTU = 1500
+FRAME_OVERHEAD = 14
 # run_cluster.py's modes poseidon, ps and no-wfbp run the agents with their default --replicas=1
 # (every PS key has a backup on the next server): the simulation replicates the same (--replicas).
 
@@ -63,8 +71,68 @@ def cpu_times():
         return [int(x) for x in f.readline().split()[1:]]
 
 
+class CpuSampler:
+    """Samples the machine's busy CPU time (/proc/stat) every `period` s while a run goes, to
+    tell the CPU seconds spent between two moments of it (the steady iterations)."""
+
+    def __init__(self, period=0.02):
+        self.period, self.samples, self.stop = period, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def busy_seconds(self):
+        t = cpu_times()
+        return (sum(t) - t[3] - t[4]) / os.sysconf("SC_CLK_TCK")
+
+    def run(self):
+        while True:
+            self.samples.append((time.time(), self.busy_seconds()))
+            if self.stop.wait(self.period):
+                self.samples.append((time.time(), self.busy_seconds()))
+                return
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def at(self, t):
+        """Busy CPU seconds at time t, interpolated between the samples around it."""
+        s = self.samples
+        if not s or t < s[0][0] or t > s[-1][0]:
+            return None
+        i = bisect.bisect_left(s, (t,))
+        if i == 0:
+            return s[0][1]
+        (t0, b0), (t1, b1) = s[i - 1], s[i]
+        return b0 if t1 == t0 else b0 + (b1 - b0) * (t - t0) / (t1 - t0)
+
+
+def steady_cpu(sampler, logs, cpus):
+    """The machine's CPU seconds per iteration, and its busy fraction, from the end of iteration
+    2 to the end of the last one (the mean over the workers of each end time): the iterations
+    bench/synth times, without the start-up and the first iteration."""
+    ends = {}
+    for text in logs:
+        for it, at in END_RE.findall(text):
+            ends.setdefault(int(it), []).append(float(at))
+    if 2 not in ends or not ends:
+        return None, None
+    last = max(ends)
+    if last <= 2:
+        return None, None
+    t0, t1 = sum(ends[2]) / len(ends[2]), sum(ends[last]) / len(ends[last])
+    b0, b1 = sampler.at(t0), sampler.at(t1)
+    if b0 is None or b1 is None or t1 <= t0:
+        return None, None
+    return (b1 - b0) / (last - 2), (b1 - b0) / ((t1 - t0) * cpus)
+
+
 def patch_harness():
-    """poseidon-synth prints every iteration; collect() keeps every worker's per-iteration s."""
+    """poseidon-synth prints every iteration; collect() keeps every worker's per-iteration s and
+    the machine's CPU seconds per steady iteration."""
     start, collect = rc.Cluster.start, rc.collect
 
     def start_with_iterations(self, i, name, argv, logdir, env=None):
@@ -74,16 +142,20 @@ def patch_harness():
 
     def collect_iterations(args, cluster, workers):
         before = cpu_times()
-        r = collect(args, cluster, workers)
+        with CpuSampler() as sampler:
+            r = collect(args, cluster, workers)
         after = cpu_times()
         total = sum(after) - sum(before)
         idle = (after[3] + after[4]) - (before[3] + before[4])
         r["cpu_busy"] = 1 - idle / total if total > 0 else None  # this machine, all processes
-        per_worker = []
+        per_worker, logs = [], []
         for w in workers:
-            lines = ITER_RE.findall(open(w.log, errors="replace").read())
+            logs.append(open(w.log, errors="replace").read())
+            lines = ITER_RE.findall(logs[-1])
             per_worker.append([float(s) for _, it, s in lines if int(it) >= 2])
         r["worker_iterations"] = per_worker
+        r["cpu_seconds_per_iteration"], r["cpu_busy_steady"] = steady_cpu(
+            sampler, logs, os.cpu_count() or 1)
         return r
 
     rc.Cluster.start = start_with_iterations
@@ -142,14 +214,15 @@ def mode_flags(mode):
             "allreduce-per-layer": ["--scheme=allreduce", "--allreduce_bucket_bytes=0"]}.get(mode, [])
 
 
-def simulate(cli, run, m):
-    """The simulated s/iter of measured run `run` under model settings `m` (a dict: alpha, c0,
-    c1, beta, sigma, cpus, replicas, step)."""
+def sim_row(cli, run, m):
+    """The simulation of measured run `run` under model settings `m` (a dict: alpha, c0, c1,
+    beta, sigma, cpus, replicas, step, ring_cpu, pass_cpu): its row of `poseidon simulate
+    --json`."""
     model, mode, n = run["model"], run["mode"], run["n"]
     overhead = m["c0"] + m["c1"] * (n - 1)
     cmd = [cli, "simulate", f"--model={model}", "--batch=32", "--bandwidth=10Gbit",
            f"--cpu_ns_per_byte={m['beta'] * 1e9:.6f}", f"--shared_cpus={m['cpus']}",
-           f"--replicas={m['replicas']}",
+           f"--replicas={m['replicas']}", f"--mtu={MTU}", f"--frame_overhead={FRAME_OVERHEAD}",
            f"--latency={LATENCY}", f"--link_burst={BURST}", "--colocated=true", "--gpu=titanx",
            f"--iterations={run['iterations']}", f"--workers={n}", "--json",
            f"--alpha={m['alpha'] * 1e6:.3f}us", f"--compute_overhead={overhead * 1e6:.3f}us",
@@ -157,10 +230,16 @@ def simulate(cli, run, m):
            f"--jitter_sigma={m['sigma']}",
            f"--allreduce_step={m.get('step', 0.0) * 1e6:.3f}us",
            f"--allreduce_cpu_per_step={m.get('ring_cpu', 0.0) * 1e6:.3f}us",
+           f"--pass_cpu={m.get('pass_cpu', 0.0) * 1e6:.3f}us",
+           f"--host_cpu_load={m.get('host_load', 0.0):.6f}",
            *(mode_flags(mode) or ["--scheme=auto"])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    row = [r for r in json.loads(out)["rows"] if r["workers"] == n][0]
-    return row["iteration_seconds"]
+    return [r for r in json.loads(out)["rows"] if r["workers"] == n][0]
+
+
+def simulate(cli, run, m):
+    """The simulated s/iter of measured run `run` under model settings `m` (sim_row)."""
+    return sim_row(cli, run, m)["iteration_seconds"]
 
 
 def sim_command(model, mode, n, iterations, replicas):
@@ -175,6 +254,58 @@ def sim_command(model, mode, n, iterations, replicas):
 def grid_fit(values, loss):
     best = min(values, key=loss)
     return best, loss(best)
+
+
+# The CPU terms of the simulation, each with its unit for cpu_features and its grid for a fit
+# by time where the measurement has no CPU seconds per iteration.
+CPU_TERMS = [("alpha", 1e-6), ("beta", 1e-9), ("pass_cpu", 1e-6), ("ring_cpu", 1e-6)]
+
+
+def cpu_features(cli, rows, cpus, replicas, pool):
+    """Per run, the simulation's CPU seconds per iteration for one unit of each CPU term alone
+    (alpha: its messages; beta: its bytes at both ends; pass_cpu: its layer passes; ring_cpu:
+    its ranks' ring steps), and the run's host-seconds per iteration (N x measured s/iter: what
+    a constant load per emulated host would cost)."""
+    zero = dict(alpha=0.0, c0=0.0, c1=0.0, beta=0.0, sigma=0.0, cpus=cpus, replicas=replicas,
+                step=0.0, ring_cpu=0.0, pass_cpu=0.0)
+    columns = []
+    for name, unit in CPU_TERMS:
+        m = dict(zero, **{name: unit})
+        columns.append(list(pool.map(
+            lambda r: sim_row(cli, r, m)["cpu_seconds_per_iteration"] / unit, rows)))
+    columns.append([r["n"] * r["seconds_per_iteration"] for r in rows])
+    return [list(x) for x in zip(*columns)]
+
+
+def nonnegative_least_squares(x, y):
+    """min |X c - y| over c >= 0, for a handful of columns: every subset of them by least
+    squares, the best whose coefficients are all >= 0."""
+    import numpy as np  # python3-numpy, with python3-torch
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    k = x.shape[1]
+    best_err, best = None, np.zeros(k)
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        full = np.zeros(k)
+        full[cols] = coef
+        err = float(((x @ full - y) ** 2).sum())
+        if best_err is None or err < best_err:
+            best_err, best = err, full
+    return [float(c) for c in best]
+
+
+def fit_cpu(cli, rows, cpus, replicas, pool):  # --cpu_terms_from cpu
+    """The CPU terms from the machine's measured CPU seconds per steady iteration of the runs
+    at N <= 4 (relative least squares, every term >= 0). Returns the terms and the constant
+    load per emulated host (CPU seconds per second)."""
+    fitted = [r for r in rows if r["n"] <= 4 and r.get("cpu_seconds_per_iteration")]
+    feats = cpu_features(cli, fitted, cpus, replicas, pool)
+    x = [[v / r["cpu_seconds_per_iteration"] for v in f] for r, f in zip(fitted, feats)]
+    coef = nonnegative_least_squares(x, [1.0] * len(fitted))
+    return {name: c for (name, _), c in zip(CPU_TERMS, coef)}, coef[-1]
 
 
 def fit(args, rows, cpus, pool):
@@ -192,70 +323,90 @@ def fit(args, rows, cpus, pool):
 
     # --no_cpu_terms: every host its own CPUs and no CPU per byte (the model before they existed).
     cpus = 0 if args.no_cpu_terms else cpus
+    base = dict(alpha=0.0, c0=0.0, c1=0.0, beta=0.0, sigma=sigma, cpus=cpus,
+                replicas=args.replicas, step=0.0, ring_cpu=0.0, pass_cpu=0.0, host_load=0.0)
 
-    def loss(subset, alpha, c0, c1, beta):
-        m = dict(alpha=alpha, c0=c0, c1=c1, beta=beta, sigma=sigma, cpus=cpus,
-                 replicas=args.replicas)
+    def loss(subset, **changes):
+        m = dict(base, **changes)
         sims = pool.map(lambda r: simulate(cli, r, m), subset)
         err = sum(((s - r["seconds_per_iteration"]) / r["seconds_per_iteration"]) ** 2
                   for s, r in zip(sims, subset))
         return err / max(1, len(subset))
 
-    # The ring's runs fit the ring step alone (below), given the rest.
     ring_rows = [r for r in rows if is_ring(r["mode"])]
-    rows = [r for r in rows if not is_ring(r["mode"])]
+    plain = [r for r in rows if not is_ring(r["mode"])]
+    small = [r for r in plain if r["n"] in (2, 4)]
+    per_layer = [r for r in ring_rows if r["mode"] == "allreduce-per-layer" and r["n"] in (2, 4)]
+    measured_cpu = args.cpu_terms_from == "cpu" and not args.no_cpu_terms and all(
+        r.get("cpu_seconds_per_iteration") for r in rows if r["n"] <= 4)
+    how = {}
+    if measured_cpu:
+        # The CPU the emulation spends is measured: the terms that spend it are fitted to it,
+        # not to the times (the times then only fit what is not CPU: the sleeps' overshoot).
+        terms, base["host_load"] = fit_cpu(cli, rows, cpus, args.replicas, pool)
+        base.update(terms)
+        for name in ("alpha", "beta", "pass_cpu", "ring_cpu", "host_load"):
+            how[name] = ("the measured CPU seconds per steady iteration, every run at N <= 4 "
+                         "(relative least squares, terms >= 0)")
     # c0: N = 1 has no network, so only the emulation's overhead per pass separates it from the
     # spec's compute.
-    c0, _ = grid_fit([i * 5e-6 for i in range(0, 61)], lambda c: loss(n1, 0.0, c, 0.0, 0.0))
-    # alpha from the runs whose communication is exposed (no WFBP), beta and c1 (the CPU the
-    # emulated hosts share) from every mode, at N = 2 and 4; three times round, each given the
-    # others.
-    exposed = [r for r in rows if r["mode"] == "no-wfbp" and r["n"] in (2, 4)]
-    small = [r for r in rows if r["n"] in (2, 4)]
-    alphas = [i * 10e-6 for i in range(0, 41)]
-    # per byte of the unscaled model: the emulation moves 1/s^2 of them, so 0.01 ns here is
-    # 0.64 ns per byte that crosses an emulated link at s = 8
-    betas = [0.0] + ([] if args.no_cpu_terms else [0.001e-9 * 1.25 ** k for k in range(0, 28)])
+    base["c0"], _ = grid_fit([i * 5e-6 for i in range(0, 61)], lambda c: loss(n1, c0=c))
+    how["c0"] = "poseidon N = 1 (grid 0..300 us, 5 us)"
     c1s = [i * 1e-6 for i in range(0, 31)]
-    c1, beta = 0.0, 0.0
-    for _ in range(3):
-        alpha, _ = grid_fit(alphas, lambda a: loss(exposed, a, c0, c1, beta))
-        beta, _ = grid_fit(betas, lambda b: loss(small, alpha, c0, c1, b))
-        c1, err = grid_fit(c1s, lambda c: loss(small, alpha, c0, c, beta))
+    if not measured_cpu:
+        # A measurement without CPU seconds: alpha from the runs whose communication is exposed
+        # (no WFBP), beta and c1 from every mode at N = 2 and 4; three times round.
+        exposed = [r for r in plain if r["mode"] == "no-wfbp" and r["n"] in (2, 4)]
+        alphas = [i * 10e-6 for i in range(0, 41)]
+        # per byte of the unscaled model: the emulation moves 1/s^2 of them, so 0.01 ns here
+        # is 0.64 ns per byte that crosses an emulated link at s = 8
+        betas = [0.0] + ([] if args.no_cpu_terms else [0.001e-9 * 1.25 ** k for k in range(28)])
+        for _ in range(3):
+            base["alpha"], _ = grid_fit(alphas, lambda a: loss(exposed, alpha=a))
+            base["beta"], _ = grid_fit(betas, lambda b: loss(small, beta=b))
+            base["c1"], _ = grid_fit(c1s, lambda c: loss(small, c1=c))
+        how["alpha"] = "no-wfbp N = 2, 4 (grid 0..400 us, 10 us)"
+        how["beta"] = "all modes N = 2, 4 (grid 0, 0.001 ns x 1.25^k, k < 28)"
+    else:
+        base["c1"], _ = grid_fit(c1s, lambda c: loss(small, c1=c))
+    how["c1"] = "modes poseidon, ps, no-wfbp N = 2, 4 (grid 0..30 us, 1 us)"
+    err = loss(small)
     # The ring step: from the per-layer ring runs at N = 2 and 4 (one collective per layer, each
-    # paying its 2 (N - 1) steps), given everything else.
-    per_layer = [r for r in ring_rows if r["mode"] == "allreduce-per-layer" and r["n"] in (2, 4)]
-    step, ring_cpu = 0.0, 0.0
+    # paying its 2 (N - 1) steps), given everything else (and the CPU per step, when measured).
     if per_layer:
-        def ring_loss(st, rc):
-            m = dict(alpha=alpha, c0=c0, c1=c1, beta=beta, sigma=sigma, cpus=cpus,
-                     replicas=args.replicas, step=st, ring_cpu=rc)
-            sims = pool.map(lambda r: simulate(cli, r, m), per_layer)
-            return sum(((x - r["seconds_per_iteration"]) / r["seconds_per_iteration"]) ** 2
-                       for x, r in zip(sims, per_layer)) / len(per_layer)
-        for _ in range(2):
-            step, _ = grid_fit([i * 20e-6 for i in range(0, 26)], lambda st: ring_loss(st, ring_cpu))
-            ring_cpu, _ = grid_fit([i * 10e-6 for i in range(0, 21)] if cpus else [0.0],
-                                   lambda rc: ring_loss(step, rc))
-    return {"alpha_seconds": alpha,
+        steps = [i * 20e-6 for i in range(0, 26)]
+        if measured_cpu:
+            base["step"], _ = grid_fit(steps, lambda st: loss(per_layer, step=st))
+        else:
+            for _ in range(2):
+                base["step"], _ = grid_fit(steps, lambda st: loss(per_layer, step=st))
+                base["ring_cpu"], _ = grid_fit([i * 10e-6 for i in range(0, 21)] if cpus
+                                               else [0.0], lambda rc: loss(per_layer, ring_cpu=rc))
+            how["ring_cpu"] = "allreduce-per-layer N = 2, 4 (grid 0..200 us, 10 us)"
+        how["step"] = "allreduce-per-layer N = 2, 4 (grid 0..500 us, 20 us)"
+    return {"alpha_seconds": base["alpha"],
             "jitter": {"kind": "lognormal" if sigma > 0 else "none", "iteration_sigma": sigma,
                        "layer_sigma": 0.0},
-            "emulation": {"compute_overhead_seconds": c0, "overhead_per_extra_host_seconds": c1,
-                          "cpu_seconds_per_byte": beta, "shared_cpus": cpus,
-                          "allreduce_step_seconds": step,
-                          "allreduce_cpu_seconds_per_step": ring_cpu},
-            "fit": {"latency": LATENCY, "link_burst": BURST,
+            "emulation": {"compute_overhead_seconds": base["c0"],
+                          "overhead_per_extra_host_seconds": base["c1"],
+                          "cpu_seconds_per_byte": base["beta"], "shared_cpus": cpus,
+                          "cpu_seconds_per_pass": base["pass_cpu"],
+                          "host_cpu_load": base["host_load"],
+                          "frame_overhead_bytes": FRAME_OVERHEAD,
+                          "allreduce_step_seconds": base["step"],
+                          "allreduce_cpu_seconds_per_step": base["ring_cpu"]},
+            "fit": {"latency": LATENCY, "link_burst": BURST, "mtu": MTU,
                     "jitter_from": "pooled CV of the per-iteration times, poseidon N = 1",
-                    "compute_overhead_from": "poseidon N = 1 (grid 0..300 us, 5 us)",
-                    "alpha_from": "no-wfbp N = 2, 4 (grid 0..400 us, 10 us)",
-                    "overhead_per_extra_host_from": "all modes N = 2, 4 (grid 0..30 us, 1 us)",
-                    "cpu_per_byte_from": "all modes N = 2, 4 (grid 0, 0.001 ns x 1.25^k, k < 28)",
+                    "compute_overhead_from": how["c0"],
+                    "alpha_from": how.get("alpha"),
+                    "overhead_per_extra_host_from": how["c1"],
+                    "cpu_per_byte_from": how.get("beta"),
+                    "cpu_per_pass_from": how.get("pass_cpu", "not fitted (0)"),
                     "replicas": args.replicas,
                     "shared_cpus_from": "os.cpu_count() of the measuring machine",
-                    "allreduce_step_from": "allreduce-per-layer N = 2, 4 (grid 0..500 us, 20 us; "
-                                           "with the CPU per step, twice round)",
-                    "allreduce_cpu_per_step_from": "allreduce-per-layer N = 2, 4 (grid 0..200 us, "
-                                                   "10 us)",
+                    "allreduce_step_from": how.get("step", "not fitted (0)"),
+                    "allreduce_cpu_per_step_from": how.get("ring_cpu", "not fitted (0)"),
+                    "host_cpu_load_from": how.get("host_load", "not fitted (0)"),
                     "mean_squared_relative_error_n2_n4": err}}, cli, sigma
 
 
@@ -267,31 +418,40 @@ def validate(cli, rows, cal, sigma, pool):
                     c1=e["overhead_per_extra_host_seconds"], beta=e["cpu_seconds_per_byte"],
                     sigma=sigma, cpus=e["shared_cpus"], replicas=cal["fit"]["replicas"],
                     step=e.get("allreduce_step_seconds", 0.0),
-                    ring_cpu=e.get("allreduce_cpu_seconds_per_step", 0.0))
+                    ring_cpu=e.get("allreduce_cpu_seconds_per_step", 0.0),
+                    pass_cpu=e.get("cpu_seconds_per_pass", 0.0),
+                    host_load=e.get("host_cpu_load", 0.0))
     rows = sorted(rows, key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 9,
                                        order.get(r["mode"], 9), r["n"]))
-    for r, s in zip(rows, pool.map(lambda r: simulate(cli, r, settings), rows)):
-        m = r["seconds_per_iteration"]
+    for r, sim in zip(rows, pool.map(lambda r: sim_row(cli, r, settings), rows)):
+        m, s = r["seconds_per_iteration"], sim["iteration_seconds"]
         # The bucketed ring is a check at every N; the per-layer ring fits the step at N = 2, 4.
         in_fit = r["n"] in (1, 2, 4) and r["mode"] != "allreduce"
         table.append({"model": r["model"], "mode": r["mode"], "n": r["n"], "measured": m,
                       "simulated": s, "error": (s - m) / m, "in_fit": in_fit,
-                      "cpu_busy": r.get("cpu_busy"),
+                      "cpu_busy": r.get("cpu_busy_steady", r.get("cpu_busy")),
+                      "cpu_measured": r.get("cpu_seconds_per_iteration"),
+                      # the hosts' constant load is not in the simulation's CPU seconds
+                      "cpu_simulated": sim["cpu_seconds_per_iteration"]
+                      + r["n"] * settings["host_load"] * s,
                       "command": sim_command(r["model"], r["mode"], r["n"], r["iterations"],
                                              settings["replicas"])})
     return table
 
 
 def markdown(table):
-    lines = ["| model | mode | N | measured s/iter | simulated s/iter | error | CPU busy | |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| model | mode | N | measured s/iter | simulated s/iter | error | CPU busy | "
+             "CPU s/iter measured | simulated | |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t in table:
         flag = "fit" if t["in_fit"] else "check"
         if abs(t["error"]) > 0.10:
             flag += ", **> 10 %**"
-        cpu = f"{t['cpu_busy'] * 100:.0f} %" if t.get("cpu_busy") is not None else "–"
+        busy = f"{t['cpu_busy'] * 100:.0f} %" if t.get("cpu_busy") is not None else "–"
+        cpu = f"{t['cpu_measured']:.3f}" if t.get("cpu_measured") else "–"
         lines.append(f"| {t['model']} | {t['mode']} | {t['n']} | {t['measured']:.3f} | "
-                     f"{t['simulated']:.3f} | {t['error'] * 100:+.1f} % | {cpu} | {flag} |")
+                     f"{t['simulated']:.3f} | {t['error'] * 100:+.1f} % | {busy} | {cpu} | "
+                     f"{t.get('cpu_simulated', 0.0):.3f} | {flag} |")
     return "\n".join(lines)
 
 
@@ -316,6 +476,12 @@ def main():
     ap.add_argument("--no_cpu_terms", action="store_true",
                     help="fit without the CPU per byte and the shared CPUs (the earlier model, "
                          "to see what they buy)")
+    ap.add_argument("--cpu_terms_from", choices=["cpu", "times"], default="times",
+                    help="times (the default): alpha, the CPU per byte, the ring's step and "
+                         "its CPU per step fitted to the iteration times; cpu: alpha, the CPU "
+                         "per byte, per layer pass and per ring step and each host's constant "
+                         "load fitted to the machine's measured CPU seconds per iteration "
+                         "(docs/cluster.md compares them)")
     args = ap.parse_args()
     args.build = os.path.abspath(args.build)
     args.models = [m for m in args.models.split(",") if m]
@@ -360,7 +526,9 @@ def main():
           f"per pass + {e['overhead_per_extra_host_seconds'] * 1e6:.0f} us per extra host, "
           f"{e['cpu_seconds_per_byte'] * 1e9:.4f} ns per byte, on {e['shared_cpus']} shared CPUs, "
           f"ring step {e['allreduce_step_seconds'] * 1e6:.0f} us, "
-          f"{e['allreduce_cpu_seconds_per_step'] * 1e6:.0f} us of CPU per step and rank")
+          f"{e['allreduce_cpu_seconds_per_step'] * 1e6:.0f} us of CPU per step and rank, "
+          f"{e['cpu_seconds_per_pass'] * 1e6:.0f} us of CPU per layer pass, a constant load of "
+          f"{e['host_cpu_load']:.3f} CPU per emulated host")
     print(markdown(table))
     for name, sel in (("in the fit", True), ("out of the fit", False)):
         errors = [abs(t["error"]) for t in table if t["in_fit"] == sel]
