@@ -89,28 +89,21 @@ TEST(SimulateCliTest, CalibrationFillsWhatFlagsDoNotSet) {
             0);
 }
 
-TEST(SimulateCliTest, ACalibrationsHostLoadMustBeBelowOneCpu) {
-  const std::string path = ::testing::TempDir() + "/bad_load_calibration.json";
-  {
-    std::ofstream out(path);
-    out << R"({"emulation": {"host_cpu_load": 1.0}})";
-  }
-  const CliRun run = Stderr(std::string(kGooglenet) + " --workers 2 --emulation --calibration " +
-                            path);
-  EXPECT_EQ(run.exit_code, 2);
-  EXPECT_NE(run.output.find("host_cpu_load"), std::string::npos) << run.output;
-}
-
-TEST(SimulateCliTest, ACalibrationsSharedCpusMustBeAWholeNumber) {
+// A calibration's emulation field that is no number of its kind is refused, naming it.
+TEST(SimulateCliTest, ABadCalibrationFieldIsRefusedNamingIt) {
   const std::string path = ::testing::TempDir() + "/bad_calibration.json";
-  {
-    std::ofstream out(path);
-    out << R"({"emulation": {"shared_cpus": 1.5}})";
+  for (const char* field : {R"("shared_cpus": 1.5)", R"("host_cpu_load": 1.0)",
+                            R"("frame_overhead_bytes": 2.5)", R"("cpu_seconds_per_pass": -1)"}) {
+    {
+      std::ofstream out(path);
+      out << R"({"emulation": {)" << field << "}}";
+    }
+    const CliRun run = Stderr(std::string(kGooglenet) + " --workers 2 --emulation --calibration " +
+                              path);
+    EXPECT_EQ(run.exit_code, 2) << field;
+    const std::string name = std::string(field).substr(1, std::string(field).find('"', 1) - 1);
+    EXPECT_NE(run.output.find(name), std::string::npos) << field << ": " << run.output;
   }
-  const CliRun run = Stderr(std::string(kGooglenet) + " --workers 2 --emulation --calibration " +
-                            path);
-  EXPECT_EQ(run.exit_code, 2);
-  EXPECT_NE(run.output.find("shared_cpus"), std::string::npos) << run.output;
 }
 
 // With a lossy wire allowed on a slow network the plan puts PS layers on bfloat16 and the
