@@ -769,25 +769,26 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
     return absl::InvalidArgumentError("the hosts' CPU load must be a number >= 0");
   }
   if (options.shared_cpus > 0) {
-    const uint32_t hosts =
-        config.colocated ? std::max(config.workers, config.servers) : config.workers + config.servers;
+    const uint32_t hosts = config.colocated ? std::max(config.workers, config.servers)
+                                            : config.workers + config.servers;
     if (!(hosts * options.host_cpu_load < options.shared_cpus)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the hosts' constant CPU load (", hosts, " hosts x ", options.host_cpu_load,
-          " CPU) leaves nothing of the ", options.shared_cpus, " shared CPUs"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the hosts' constant CPU load (", hosts, " hosts x ", options.host_cpu_load,
+                       " CPU) leaves nothing of the ", options.shared_cpus, " shared CPUs"));
     }
   }
   if (options.mtu != 0 && (options.mtu < kMinMtu || options.mtu > kMaxMtu)) {
-    return absl::InvalidArgumentError(absl::StrCat("mtu must be 0 or in [", kMinMtu, ", ",
-                                                   kMaxMtu, "], not ", options.mtu));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mtu must be 0 or in [", kMinMtu, ", ", kMaxMtu, "], not ", options.mtu));
   }
   if (options.frame_overhead_bytes > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "frame overhead must be at most 1024 bytes per packet, not ", options.frame_overhead_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("frame overhead must be at most 1024 bytes per packet, not ",
+                     options.frame_overhead_bytes));
   }
   if (options.shared_cpus > kMaxSharedCpus) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shared_cpus must be at most ", kMaxSharedCpus, ", not ", options.shared_cpus));
+    return absl::InvalidArgumentError(absl::StrCat("shared_cpus must be at most ", kMaxSharedCpus,
+                                                   ", not ", options.shared_cpus));
   }
   planner::PlannerConfig forced = config;
   // The agents' --scheme ps or allreduce gives FC layers no factor buffers.
@@ -795,8 +796,7 @@ absl::StatusOr<SimResult> Simulate(const poseidon::v1::ModelSpec& model,
   for (const poseidon::v1::LayerSpec& layer : model.layers()) {
     if (options.scheme == AgentScheme::kAllreduce && config.workers > 1) {
       forced.scheme_overrides[layer.name()] = poseidon::v1::SYNC_SCHEME_ALLREDUCE;
-    } else if (options.scheme == AgentScheme::kPs &&
-               layer.kind() == poseidon::v1::LAYER_KIND_FC) {
+    } else if (options.scheme == AgentScheme::kPs && layer.kind() == poseidon::v1::LAYER_KIND_FC) {
       forced.scheme_overrides[layer.name()] = poseidon::v1::SYNC_SCHEME_PS;
     }
   }

@@ -326,9 +326,11 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
         return s;
       }
       if (c.frame_overhead_bytes > 1024 ||
-          c.frame_overhead_bytes != static_cast<double>(static_cast<uint32_t>(c.frame_overhead_bytes))) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "calibration ", path, ": 'frame_overhead_bytes' must be a whole number of bytes (0..1024)"));
+          c.frame_overhead_bytes !=
+              static_cast<double>(static_cast<uint32_t>(c.frame_overhead_bytes))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("calibration ", path,
+                         ": 'frame_overhead_bytes' must be a whole number of bytes (0..1024)"));
       }
     }
     if (c.shared_cpus > sim::kMaxSharedCpus ||
