@@ -167,7 +167,6 @@ class Simulation {
     up_free_.assign(hosts_, 0);
     cpu_free_.assign(hosts_, 0);
     rx_free_.assign(hosts_, 0);
-    pass_cpu_free_.assign(P1_, 0);
     if (options.shared_cpus > 0) {
       load_stretch_ = 1 / (1 - hosts_ * options.host_cpu_load / options.shared_cpus);
     }
@@ -259,14 +258,16 @@ class Simulation {
     return JitterFactor(s.rng, options_.jitter.kind, options_.jitter.iteration_sigma);
   }
 
-  // One layer pass of worker w from its clock on: its compute (jittered, plus the overhead),
+  // One layer pass of worker `s` from its clock on: its compute (jittered, plus the overhead),
   // then its CPU work (SimOptions::pass_cpu_seconds); returns the seconds it takes.
-  double Pass(uint32_t w, Worker& s, double nominal) {
+  double Pass(Worker& s, double nominal) {
     const double h = JitterFactor(s.rng, options_.jitter.kind, options_.jitter.layer_sigma);
     const double compute = nominal * s.iteration_factor * h + options_.compute_overhead_seconds;
     if (options_.pass_cpu_seconds <= 0) return compute;
-    double& free = pass_cpu_free_[w];
-    return CpuWorkFrom(std::max(now_, s.t + compute), free, options_.pass_cpu_seconds) - s.t;
+    // The worker's passes are serial: its clock is where its previous pass's work ended.
+    double worker_free = s.t;
+    return CpuWorkFrom(std::max(now_, s.t + compute), worker_free, options_.pass_cpu_seconds) -
+           s.t;
   }
 
   void Advance(uint32_t w, double now) {
@@ -285,7 +286,7 @@ class Simulation {
           const uint32_t l = s.fwd;
           const uint64_t need = s.it - 1;
           if (!WaitFor(w, s, l, need, now)) return;
-          const double f = Pass(w, s, layers_[l].forward);
+          const double f = Pass(s, layers_[l].forward);
           if (s.it >= 2) s.compute += f;
           s.t += f;
           ++s.fwd;
@@ -293,7 +294,7 @@ class Simulation {
         }
         case Worker::Phase::kBackward: {
           for (uint32_t l = L; l-- > 0;) {
-            const double b = Pass(w, s, layers_[l].backward);
+            const double b = Pass(s, layers_[l].backward);
             if (s.it >= 2) s.compute += b;
             s.t += b;
             if (options_.wfbp) Posted(w, l, s.t);
@@ -721,7 +722,6 @@ class Simulation {
   double latency_ = 0;
   std::vector<double> up_rate_, down_rate_, up_free_, down_free_, up_busy_, down_busy_, cpu_free_;
   std::vector<double> rx_free_;          // per host: its receiving work (per byte)
-  std::vector<double> pass_cpu_free_;    // per worker: its passes' CPU work
   SharedCpus shared_cpus_;               // SimOptions::shared_cpus (none: 0)
   double load_stretch_ = 1;              // SimOptions::host_cpu_load: work's length on them
   double cpu_work_ = 0;                  // the senders' CPU work, every host, every iteration
