@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -18,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/config.h"
+#include "common/status.h"
 #include "coordinator/planner/model_spec.h"
 #include "coordinator/planner/planner.h"
 #include "google/protobuf/struct.pb.h"
@@ -253,7 +256,7 @@ struct Calibration {
   double allreduce_cpu_seconds_per_step = 0;     // emulation: a rank's CPU per ring step
   double cpu_seconds_per_pass = 0;               // emulation: a layer pass's CPU work
   double host_cpu_load = 0;                      // emulation: each host's constant CPU
-  double frame_overhead_bytes = -1;              // emulation: the links' framing (-1: none given)
+  std::optional<uint32_t> frame_overhead_bytes;  // emulation: the links' framing per packet
   std::string jitter = "none";
   double iteration_sigma = 0;
   double layer_sigma = 0;
@@ -291,47 +294,31 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
           absl::StrCat("calibration ", path, ": 'emulation' object"));
     }
     const google::protobuf::Struct& e = it->second.struct_value();
-    if (absl::Status s = number(e, "compute_overhead_seconds", &c.compute_overhead_seconds);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = number(e, "overhead_per_extra_host_seconds",
-                                &c.overhead_per_extra_host_seconds);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = number(e, "cpu_seconds_per_byte", &c.cpu_seconds_per_byte); !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = number(e, "shared_cpus", &c.shared_cpus); !s.ok()) return s;
-    if (absl::Status s = number(e, "allreduce_step_seconds", &c.allreduce_step_seconds);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s =
-            number(e, "allreduce_cpu_seconds_per_step", &c.allreduce_cpu_seconds_per_step);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = number(e, "cpu_seconds_per_pass", &c.cpu_seconds_per_pass); !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = number(e, "host_cpu_load", &c.host_cpu_load); !s.ok()) return s;
+    double frame_overhead = 0;
+    const std::pair<const char*, double*> numbers[] = {
+        {"compute_overhead_seconds", &c.compute_overhead_seconds},
+        {"overhead_per_extra_host_seconds", &c.overhead_per_extra_host_seconds},
+        {"cpu_seconds_per_byte", &c.cpu_seconds_per_byte},
+        {"shared_cpus", &c.shared_cpus},
+        {"allreduce_step_seconds", &c.allreduce_step_seconds},
+        {"allreduce_cpu_seconds_per_step", &c.allreduce_cpu_seconds_per_step},
+        {"cpu_seconds_per_pass", &c.cpu_seconds_per_pass},
+        {"host_cpu_load", &c.host_cpu_load},
+        {"frame_overhead_bytes", &frame_overhead},
+    };
+    for (const auto& [key, out] : numbers) RETURN_IF_ERROR(number(e, key, out));
     if (c.host_cpu_load >= 1) {
       return absl::InvalidArgumentError(
           absl::StrCat("calibration ", path, ": 'host_cpu_load' must be below 1 CPU"));
     }
     if (e.fields().count("frame_overhead_bytes") > 0) {
-      if (absl::Status s = number(e, "frame_overhead_bytes", &c.frame_overhead_bytes); !s.ok()) {
-        return s;
-      }
-      if (c.frame_overhead_bytes > 1024 ||
-          c.frame_overhead_bytes !=
-              static_cast<double>(static_cast<uint32_t>(c.frame_overhead_bytes))) {
+      if (frame_overhead > 1024 ||
+          frame_overhead != static_cast<double>(static_cast<uint32_t>(frame_overhead))) {
         return absl::InvalidArgumentError(
             absl::StrCat("calibration ", path,
                          ": 'frame_overhead_bytes' must be a whole number of bytes (0..1024)"));
       }
+      c.frame_overhead_bytes = static_cast<uint32_t>(frame_overhead);
     }
     if (c.shared_cpus > sim::kMaxSharedCpus ||
         c.shared_cpus != static_cast<double>(static_cast<uint32_t>(c.shared_cpus))) {
@@ -422,8 +409,8 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     if (flags.emulation && from_default(kHostCpuLoadField)) {
       flags.host_cpu_load = c->host_cpu_load;
     }
-    if (flags.emulation && from_default(kFrameOverheadField) && c->frame_overhead_bytes >= 0) {
-      flags.frame_overhead = static_cast<uint32_t>(c->frame_overhead_bytes);
+    if (flags.emulation && from_default(kFrameOverheadField) && c->frame_overhead_bytes) {
+      flags.frame_overhead = *c->frame_overhead_bytes;
     }
     if (from_default(kJitterField)) flags.jitter = c->jitter;
     if (from_default(kJitterSigmaField)) flags.jitter_sigma = c->iteration_sigma;
