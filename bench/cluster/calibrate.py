@@ -119,7 +119,7 @@ def steady_cpu(sampler, logs, cpus):
     for text in logs:
         for it, at in END_RE.findall(text):
             ends.setdefault(int(it), []).append(float(at))
-    if 2 not in ends or not ends:
+    if 2 not in ends:
         return None, None
     last = max(ends)
     if last <= 2:
@@ -142,21 +142,19 @@ def patch_harness():
         return start(self, i, name, argv, logdir, env)
 
     def collect_iterations(args, cluster, workers):
-        before = cpu_times()
+        cpus = os.cpu_count() or 1
         with CpuSampler() as sampler:
             r = collect(args, cluster, workers)
-        after = cpu_times()
-        total = sum(after) - sum(before)
-        idle = (after[3] + after[4]) - (before[3] + before[4])
-        r["cpu_busy"] = 1 - idle / total if total > 0 else None  # this machine, all processes
+        (t0, b0), (t1, b1) = sampler.samples[0], sampler.samples[-1]
+        # this machine, all processes, the whole run
+        r["cpu_busy"] = (b1 - b0) / ((t1 - t0) * cpus) if t1 > t0 else None
         per_worker, logs = [], []
         for w in workers:
             logs.append(open(w.log, errors="replace").read())
             lines = ITER_RE.findall(logs[-1])
             per_worker.append([float(s) for _, it, s in lines if int(it) >= 2])
         r["worker_iterations"] = per_worker
-        r["cpu_seconds_per_iteration"], r["cpu_busy_steady"] = steady_cpu(
-            sampler, logs, os.cpu_count() or 1)
+        r["cpu_seconds_per_iteration"], r["cpu_busy_steady"] = steady_cpu(sampler, logs, cpus)
         return r
 
     rc.Cluster.start = start_with_iterations
@@ -257,8 +255,8 @@ def grid_fit(values, loss):
     return best, loss(best)
 
 
-# The CPU terms of the simulation, each with its unit for cpu_features and its grid for a fit
-# by time where the measurement has no CPU seconds per iteration.
+# The CPU terms of the simulation (--cpu_terms_from cpu), each with the unit cpu_features
+# simulates it at.
 CPU_TERMS = [("alpha", 1e-6), ("beta", 1e-9), ("pass_cpu", 1e-6), ("ring_cpu", 1e-6)]
 
 
