@@ -62,6 +62,10 @@ using transport::FrameType;
 // latency more than rate).
 constexpr uint64_t kCapacityTransferBytes = uint64_t{32} << 10;
 
+// The longest wait for a KV server's answer to a table registration. A frozen server is
+// taken as lost sooner, once it said nothing for peer_timeout (KvClient::WaitAlive pings it).
+constexpr absl::Duration kRegistrationTimeout = absl::Seconds(30);
+
 // Whether a server's failed table registration means the server is lost (its connection closed
 // or broke, or it answered nothing in time) rather than its refusal (a table that differs, no
 // room), which stands.
@@ -1409,11 +1413,12 @@ absl::Status Agent::ConnectServers() {
         !unreachable.contains(static_cast<uint32_t>(s))) {
       std::vector<server::KeyProgress> progress;
       bool removed = false;
-      const absl::Status registered =
-          (*client)->RegisterTables(requests[s], absl::Seconds(30), &progress, &removed);
+      const absl::Status registered = (*client)->RegisterTables(
+          requests[s], kRegistrationTimeout, &progress, &removed, config_.peer_timeout);
       if (!registered.ok() && replicas > 0 && RegistrationLost(**client, registered)) {
         // Lost while it registered the job (its connection closed or broke, or it said nothing
-        // for 30 s): as one lost before we connected, its keys start at a backup, and the
+        // for peer_timeout, or did not answer in kRegistrationTimeout): as one lost before we
+        // connected, its keys start at a backup, and the
         // ranks it registered find it lost at their first request (failover, clock 0).
         unreachable[static_cast<uint32_t>(s)] =
             Annotate(registered, absl::StrCat(what, ", lost while it registered the job"));
@@ -1635,9 +1640,10 @@ absl::Status Agent::ReadmitToJob(uint64_t highest, uint64_t ring_from) {
       v1::RegisterTablesRequest request = registrations_[s];
       request.set_readmit_from(readmit);
       std::vector<server::KeyProgress> progress;
-      RETURN_IF_ERROR(Annotate(env_.servers[s]->RegisterTables(request, absl::Seconds(30),
-                                                               &progress),
-                               absl::StrCat("readmission on KV server ", config_.servers[s])));
+      RETURN_IF_ERROR(
+          Annotate(env_.servers[s]->RegisterTables(request, kRegistrationTimeout, &progress,
+                                                   nullptr, config_.peer_timeout),
+                   absl::StrCat("readmission on KV server ", config_.servers[s])));
       std::map<uint64_t, uint32_t> unused;
       RETURN_IF_ERROR(NoteRestoredClocks(s, request, progress, unused));
       size_t i = 0;
@@ -2234,7 +2240,8 @@ absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>&
     }
     return r;
   };
-  if (absl::Status st = client->RegisterTables(registration(index), absl::Seconds(30), progress);
+  if (absl::Status st = client->RegisterTables(registration(index), kRegistrationTimeout, progress,
+                                               nullptr, config_.peer_timeout);
       !st.ok()) {
     client->Close();
     return Annotate(st, absl::StrCat("registering at ", what));
@@ -2242,7 +2249,8 @@ absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>&
   for (uint32_t s = 0; s < index; ++s) {
     server::KvClient& other = env_.Server(s);
     if (other.Broken()) continue;  // a lost server
-    if (absl::Status st = other.RegisterTables(registration(s), absl::Seconds(30));
+    if (absl::Status st = other.RegisterTables(registration(s), kRegistrationTimeout, nullptr,
+                                               nullptr, config_.peer_timeout);
         !st.ok() && !other.Broken()) {
       PSD_LOG_WARN("KV server {} ({}) was not told of {}: {}", s, env_.ServerAddress(s), what,
                    st.message());

@@ -163,7 +163,7 @@ Ticket KvClient::PullBytes(uint64_t key, uint64_t clock, std::span<std::byte> in
 
 absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
                                       absl::Duration timeout, std::vector<KeyProgress>* keys,
-                                      bool* removed) {
+                                      bool* removed, absl::Duration silent_after) {
   auto bytes = std::make_shared<std::vector<std::byte>>(request.ByteSizeLong());
   request.SerializeToArray(bytes->data(), static_cast<int>(bytes->size()));
   size_t count = 0;
@@ -184,7 +184,7 @@ absl::Status KvClient::RegisterTables(const v1::RegisterTablesRequest& request,
   p.into = std::as_writable_bytes(std::span(answer->keys));
   p.ack_key = &answer->key_field;
   const Ticket ticket = Start(0, h, {*bytes}, std::move(p), bytes);
-  const absl::Status status = Wait(ticket, timeout);
+  const absl::Status status = WaitAlive(ticket, timeout, silent_after);
   if (absl::IsDeadlineExceeded(status)) OnDone(ticket, [answer](absl::Status) {});
   if (!status.ok()) return status;
   if (keys != nullptr) *keys = answer->keys;
@@ -255,7 +255,7 @@ absl::Status KvClient::Checkpoint(absl::Duration timeout, uint64_t iteration) {
   return Wait(Start(0, h, {}, std::move(p)), timeout);
 }
 
-absl::Status KvClient::Wait(Ticket ticket, absl::Duration timeout) {
+std::optional<absl::Status> KvClient::WaitUpTo(Ticket ticket, absl::Duration timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = pending_.find(ticket);
   if (it == pending_.end()) {
@@ -263,13 +263,40 @@ absl::Status KvClient::Wait(Ticket ticket, absl::Duration timeout) {
   }
   const bool done = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
                                  [&] { return it->second.answered && it->second.send_done; });
-  if (!done) {
-    return absl::DeadlineExceededError(
-        absl::StrCat(it->second.what, " got no answer within ", absl::FormatDuration(timeout)));
-  }
+  if (!done) return std::nullopt;
   absl::Status status = std::move(it->second.status);
   pending_.erase(it);
   return status;
+}
+
+absl::Status KvClient::NoAnswerWithin(Ticket ticket, absl::Duration timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = pending_.find(ticket);
+  return absl::DeadlineExceededError(
+      absl::StrCat(it == pending_.end() ? absl::StrCat("ticket ", ticket) : it->second.what,
+                   " got no answer within ", absl::FormatDuration(timeout)));
+}
+
+absl::Status KvClient::Wait(Ticket ticket, absl::Duration timeout) {
+  if (std::optional<absl::Status> done = WaitUpTo(ticket, timeout)) return *std::move(done);
+  return NoAnswerWithin(ticket, timeout);
+}
+
+absl::Status KvClient::WaitAlive(Ticket ticket, absl::Duration timeout,
+                                 absl::Duration silent_after) {
+  if (silent_after <= absl::ZeroDuration()) return Wait(ticket, timeout);
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return NoAnswerWithin(ticket, timeout);
+    if (std::optional<absl::Status> done = WaitUpTo(ticket, std::min(left, silent_after / 3))) {
+      return *std::move(done);
+    }
+    // Failed: the ticket is answered with the failure, which the next round returns.
+    if (FailIfSilent(silent_after)) continue;
+    // On the last connection: the first may be busy with what the ticket asked.
+    OnDone(Ping(conns_.empty() ? 0 : conns_.size() - 1), [](absl::Status) {});
+  }
 }
 
 void KvClient::Finish(uint64_t sequence, absl::Status status, bool answer) {
@@ -321,12 +348,12 @@ void KvClient::OnDone(Ticket ticket, std::function<void(absl::Status)> done) {
 }
 
 void KvClient::FailAll(const absl::Status& status) {
-  // Every connection goes, so that every send still in flight completes (with an error, or OK
-  // if it was handed to the network first). A request whose send is not done yet keeps its
+  // Every connection goes (below), so that every send still in flight completes (with an error,
+  // or OK if it was handed to the network first). A request whose send is not done yet keeps its
   // callback until it is (Finish): the transport may still be reading its buffers, which the
   // caller may reuse once the callback ran (a server's key state, replicated without a copy,
-  // is overwritten by the next clock).
-  for (auto& c : conns_) c->Close();
+  // is overwritten by the next clock). The requests take `status` before the connections close:
+  // closing them fails the read loop, whose "closed locally" must not be what they report.
   std::vector<std::pair<std::function<void(absl::Status)>, absl::Status>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -348,6 +375,7 @@ void KvClient::FailAll(const absl::Status& status) {
       ++it;
     }
   }
+  for (auto& c : conns_) c->Close();
   cv_.notify_all();
   for (auto& [done, s] : callbacks) done(s);
 }

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -61,9 +62,11 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   // request order, the tables' then the standby tables': all 0 for a new job, the restored
   // state of a resumed one (a standby key's: 0 unless this server holds a copy). `removed` (if
   // set): whether this rank is out of the job on this server (the world shrank without it, and
-  // it was not readmitted: RegisterTablesRequest.readmit_from).
+  // it was not readmitted: RegisterTablesRequest.readmit_from). `silent_after` (non-zero): the
+  // server is taken as lost once it said nothing for that long (WaitAlive), before `timeout`.
   absl::Status RegisterTables(const v1::RegisterTablesRequest& request, absl::Duration timeout,
-                              std::vector<KeyProgress>* keys = nullptr, bool* removed = nullptr);
+                              std::vector<KeyProgress>* keys = nullptr, bool* removed = nullptr,
+                              absl::Duration silent_after = absl::ZeroDuration());
 
   // Pushes `data` as this rank's gradient of `key` for `clock` (init: the key's initial value,
   // rank 0 only, clock 0). `epoch`: the key's assignment epoch (replicated keys: the position of
@@ -116,6 +119,11 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   // Waits for a ticket. DeadlineExceeded names the request if `timeout` passes first (the
   // request stays pending and may still be waited for).
   absl::Status Wait(Ticket ticket, absl::Duration timeout);
+  // Wait, telling a frozen server from a slow one: while the ticket waits, the server is pinged
+  // every third of `silent_after` (a live one answers at once, whatever it is busy with), and
+  // once nothing came from it for `silent_after` the client fails (FailIfSilent: the ticket
+  // fails Unavailable, "... is silent ...", and Broken() holds). Zero: Wait.
+  absl::Status WaitAlive(Ticket ticket, absl::Duration timeout, absl::Duration silent_after);
 
   // Instead of Wait: `done` runs once with the ticket's result (on a transport I/O thread: it
   // must not block), and the ticket may not be waited for. If the ticket already finished,
@@ -172,6 +180,9 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   };
   // Runs and forgets the callback of a finished ticket. Called with mu_ held: unlocks it.
   void RunCallbackLocked(std::unique_lock<std::mutex>& lock, uint64_t sequence);
+  // Wait's body: the ticket's result, or nullopt (the ticket still pending) if `timeout` passed.
+  std::optional<absl::Status> WaitUpTo(Ticket ticket, absl::Duration timeout);
+  absl::Status NoAnswerWithin(Ticket ticket, absl::Duration timeout);  // DeadlineExceeded
 
   KvClient(std::vector<std::shared_ptr<transport::Connection>> conns, std::string address,
            uint64_t job_id, uint32_t rank);

@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <mutex>
 #include <random>
-
 #include <thread>
 
 #include "common/wire_codec.h"
@@ -941,6 +941,79 @@ TEST_F(KvServerTest, ASilentRankThatNobodyReplacesIsNamedOnceItsRejoinTimeoutIsO
   EXPECT_NE(s.message().find("rank 1 (127.0.0.1:"), std::string::npos) << s;
   EXPECT_NE(s.message().find("is silent"), std::string::npos) << s;
   EXPECT_NE(s.message().find("did not come back within 300ms"), std::string::npos) << s;
+}
+
+// The service behind which a table registration is answered only after `delay` while PINGs are
+// answered at once (a live server slow to register), or nothing is answered at all (`frozen`:
+// a SIGSTOPped server whose connections stay open).
+class SlowRegistration : public transport::FrameHandler {
+ public:
+  SlowRegistration(std::shared_ptr<KvService> inner, absl::Duration delay, bool frozen)
+      : inner_(std::move(inner)), delay_(delay), frozen_(frozen) {}
+  ~SlowRegistration() override {
+    for (std::thread& t : held_) t.join();
+  }
+  absl::StatusOr<transport::PayloadTarget> OnHeader(
+      const std::shared_ptr<transport::PeerSession>& peer,
+      const transport::FrameHeader& header) override {
+    return inner_->OnHeader(peer, header);
+  }
+  void OnFrame(const std::shared_ptr<transport::PeerSession>& peer,
+               const transport::FrameHeader& header, transport::MutableBuffer payload) override {
+    if (frozen_) return;
+    if (header.type != transport::FrameType::kRegisterTables) {
+      inner_->OnFrame(peer, header, payload);
+      return;
+    }
+    auto copy = std::make_shared<std::vector<std::byte>>(payload.begin(), payload.end());
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.emplace_back([this, peer, header, copy] {
+      absl::SleepFor(delay_);
+      inner_->OnFrame(peer, header, *copy);
+    });
+  }
+  void OnClose(const std::shared_ptr<transport::PeerSession>& peer,
+               const absl::Status& reason) override {
+    inner_->OnClose(peer, reason);
+  }
+
+ private:
+  std::shared_ptr<KvService> inner_;
+  absl::Duration delay_;
+  bool frozen_;
+  std::mutex mu_;
+  std::vector<std::thread> held_;
+};
+
+// An agent tells a frozen server from a slow one while it registers the job (KvClient::
+// WaitAlive, with its peer_timeout): the frozen one is lost after the silence limit, not after
+// the registration's 30 s; the slow one, which answers pings, is waited for past that limit.
+TEST_F(KvServerTest, ARegistrationTellsAFrozenServerFromASlowOne) {
+  for (const bool frozen : {false, true}) {
+    SCOPED_TRACE(frozen ? "frozen" : "slow");
+    auto handler = std::make_shared<SlowRegistration>(service_, absl::Seconds(1), frozen);
+    auto listener = ctx_->Listen("127.0.0.1:0");
+    ASSERT_TRUE(listener.ok());
+    auto server = std::make_shared<transport::FrameServer>(*listener, secrets_, handler);
+    server->Start();
+    auto c = KvClient::Connect(*ctx_, server->Address(), 1, 0, transport::RankKey(kSecret, 1, 0),
+                               absl::Seconds(10));
+    ASSERT_TRUE(c.ok()) << c.status();
+    const absl::Status s =
+        (*c)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM, {8}), absl::Seconds(30), nullptr, nullptr,
+                             absl::Milliseconds(300));
+    if (frozen) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+      EXPECT_NE(s.message().find("table registration on "), std::string::npos) << s;
+      EXPECT_NE(s.message().find("is silent"), std::string::npos) << s;
+      EXPECT_TRUE((*c)->Broken());
+    } else {
+      EXPECT_TRUE(s.ok()) << s;
+      EXPECT_FALSE((*c)->Broken());
+    }
+    (*c)->Close();
+    server->Stop();
+  }
 }
 
 TEST_F(KvServerTest, ARegistrationBeyondTheMemoryLimitIsRefusedAndOthersAreServed) {

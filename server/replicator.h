@@ -30,9 +30,10 @@ namespace poseidon::server {
 
 class KvReplicaSender : public ReplicaSender {
  public:
+  static constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
   KvReplicaSender(std::shared_ptr<transport::Context> context,
                   std::shared_ptr<const transport::SecretStore> secrets,
-                  absl::Duration peer_timeout, absl::Duration connect_timeout = absl::Seconds(10));
+                  absl::Duration peer_timeout, absl::Duration connect_timeout = kConnectTimeout);
   ~KvReplicaSender() override;  // Stop()
 
   void Send(uint64_t job_id, uint32_t from, uint32_t to, const std::string& address,

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <fstream>
 #include <map>
@@ -15,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "common/fd_limit.h"
 #include "common/config.h"
+#include "common/fd_limit.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "coordinator/client.h"
@@ -108,7 +109,8 @@ ConfigSchema<ServerConfig> Schema() {
              "a new connection must authenticate within this time")
       .Field("peer_timeout", &ServerConfig::peer_timeout,
              "an agent silent this long (they ping every 5s) is declared lost: pulls waiting for "
-             "its push fail naming it (0: never)",
+             "its push fail naming it (0: never); a backup silent this long (or that does not "
+             "finish a handshake in it, at most 10s) is given up",
              poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
       .Field("coordinator", &ServerConfig::coordinator,
              "poseidon-coordinator to register with (host:port); empty: none")
@@ -242,8 +244,15 @@ int Main(int argc, char** argv) {
   // Replicas of the keys this server is the primary of go to their backups from here: over TCP
   // when this server has it (agents send the backups' TCP addresses then), else RDMA
   // (coordinator::ServerToServerAddresses).
-  auto replicas = std::make_shared<KvReplicaSender>(
-      transports.tcp ? transports.tcp : transports.rdma, secrets, config.peer_timeout);
+  // A backup that does not finish the handshake within peer_timeout (a live server answers it at
+  // once) is frozen, as one silent that long once connected (at most 10 s either way).
+  const absl::Duration replica_connect =
+      config.peer_timeout > absl::ZeroDuration()
+          ? std::min(config.peer_timeout, KvReplicaSender::kConnectTimeout)
+          : KvReplicaSender::kConnectTimeout;
+  auto replicas =
+      std::make_shared<KvReplicaSender>(transports.tcp ? transports.tcp : transports.rdma, secrets,
+                                        config.peer_timeout, replica_connect);
 
   EngineOptions engine_options;
   engine_options.replica_sender = replicas;

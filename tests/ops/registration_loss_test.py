@@ -9,6 +9,12 @@ at their first request and fail over, clock 0) and the others lose it in the mid
 own registration, or cannot connect to it any more (they start its keys at the backup, epoch
 1). Each trial takes another k in 0 … 3.
 
+Then the same with a *frozen* server (--freeze_at): at the (k + 1)-th registration the server is
+SIGSTOPped instead and the proxy goes on passing frames, so its connections stay open and new
+ones are still accepted (by the kernel) — it just answers nothing. The agents (and servers:
+--peer_timeout=2s) take it as lost once it said nothing for that long (the registration pings it: KvClient::
+WaitAlive), not after the registration's 30 s, and say that it is silent.
+
 Checked in every trial: every rank finishes every iteration with exit 0, and every synchronised
 result equals the exact sum over the four ranks' gradients of that iteration (--verify): the
 fault-free run's; every agent whose registration was cut says that the server was lost while it
@@ -43,11 +49,13 @@ REGISTER_TABLES_ACK = 7
 class CuttingProxy:
     """Passes TCP connections on to `target`; at the (let_through + 1)-th REGISTER_TABLES frame
     from a client, once the earlier ones were answered, it calls `on_cut` and closes every
-    connection and its listener: to everyone the server is gone from then on."""
+    connection and its listener: to everyone the server is gone from then on. With `freeze` it
+    only calls `on_cut` (which stops the server) and passes every frame on as before."""
 
-    def __init__(self, let_through, on_cut):
+    def __init__(self, let_through, on_cut, freeze=False):
         self.let_through = let_through
         self.on_cut = on_cut
+        self.freeze = freeze
         self.registrations = 0
         self.acks = 0
         self.cut = False
@@ -78,7 +86,7 @@ class CuttingProxy:
                 client.close()
                 continue
             with self.lock:
-                if self.cut:
+                if self.cut and not self.freeze:
                     client.close()
                     server.close()
                     return
@@ -95,6 +103,8 @@ class CuttingProxy:
             self.cut = True
             sockets = list(self.sockets)
         self.on_cut()
+        if self.freeze:
+            return
         for s in sockets + [self.listener]:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -129,7 +139,8 @@ class CuttingProxy:
                             cut = False
                     if cut:
                         self._cut()
-                        return
+                        if not self.freeze:
+                            return
                 dst.sendall(header)
                 left = length
                 while left > 0:
@@ -159,7 +170,7 @@ def show(daemons):
             print(f"--- {d.name}:\n" + "\n".join((d.lines + d.stderr)[-10:]))
 
 
-def trial(args, t, let_through, rng):
+def trial(args, t, let_through, rng, freeze=False):
     daemons, segments = [], []
     try:
         coord = Daemon("coordinator", [args.coordinator, "--listen=127.0.0.1:0", "--job_id=1",
@@ -170,15 +181,17 @@ def trial(args, t, let_through, rng):
         servers = []
 
         def kill_lost():
-            os.kill(servers[lost].proc.pid, signal.SIGKILL)
+            os.kill(servers[lost].proc.pid, signal.SIGSTOP if freeze else signal.SIGKILL)
 
-        proxy = CuttingProxy(let_through, kill_lost)
+        proxy = CuttingProxy(let_through, kill_lost, freeze)
         for s in range(SERVERS):
             # The plan lists the servers in the order they registered: one at a time.
             advertise = [f"--advertise={proxy.address}"] if s == lost else []
+            # Frozen: the servers replicating to it give it up as soon as the agents do.
+            silence = ["--peer_timeout=2s"] if freeze else []
             servers.append(Daemon(f"server {s}", [args.server, "--listen=127.0.0.1:0",
                                                   "--job_id=1", f"--coordinator={addr}",
-                                                  *advertise]))
+                                                  *advertise, *silence]))
             daemons.append(servers[-1])
             real = servers[-1].wait_for(r"poseidon-server listening on (\S+)").group(1)
             if s == lost:
@@ -191,7 +204,8 @@ def trial(args, t, let_through, rng):
                 args.agent, "--job_id=1", f"--secret={rejoin_test.SECRET}", f"--rank={rank}",
                 f"--world_size={RANKS}", f"--coordinator={addr}", "--listen=127.0.0.1:0",
                 f"--segment={segment}", "--scheme=ps", "--probe_bytes=0", "--fusion=off",
-                "--connect_timeout=5s", "--sync_timeout=60s"]))
+                "--connect_timeout=5s", "--sync_timeout=60s",
+                *(["--peer_timeout=2s"] if freeze else [])]))
             daemons.append(agents[-1])
         for agent in agents:
             agent.wait_for(r"poseidon-agent ready")
@@ -202,8 +216,8 @@ def trial(args, t, let_through, rng):
                 f"--iterations={ITERATIONS}", "--compute_scale=10000", "--timeout_ms=120000",
                 "--verify"]))
             daemons.append(synths[-1])
-        print(f"trial {t}: server behind the proxy {proxy.address}, cut at registration "
-              f"{let_through + 1}", flush=True)
+        print(f"trial {t}: server behind the proxy {proxy.address}, "
+              f"{'frozen' if freeze else 'cut'} at registration {let_through + 1}", flush=True)
         rejoin_test.wait_all(synths, timeout=120)
         check(proxy.cut, f"trial {t}: the server was lost at registration {let_through + 1}")
         for r, s in enumerate(synths):
@@ -220,6 +234,11 @@ def trial(args, t, let_through, rng):
                 check("its keys start at server" in log,
                       f"trial {t}: agent {r}, whose registration was cut, says where the lost "
                       f"server's keys start")
+                if freeze:
+                    line = next(x for x in log.splitlines() if "lost while it registered" in x)
+                    check("is silent: nothing on its connection for 2" in line,
+                          f"trial {t}: agent {r} took the frozen server as lost after its "
+                          f"--peer_timeout of silence ({line[-300:]})")
             elif "cannot be reached at start" not in log:
                 registered += 1
                 check(re.search(r"the keys first held by server \d+ \(\S+\) move to server", log),
@@ -244,14 +263,22 @@ def main():
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--let_through", default=",".join(str(k) for k in range(RANKS)),
                         help="one trial per number of agents that register before the loss")
+    parser.add_argument("--freeze_at", default="0,2",
+                        help="then one trial per number of agents that register before the "
+                        "server freezes")
     args = parser.parse_args()
     job_environment(rejoin_test.TOKEN, rejoin_test.SECRET)
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     print(f"seed {seed}", flush=True)
     rng = random.Random(seed)
-    for t, let_through in enumerate(int(k) for k in args.let_through.split(",")):
+    cuts = [int(k) for k in args.let_through.split(",") if k]
+    freezes = [int(k) for k in args.freeze_at.split(",") if k]
+    for t, let_through in enumerate(cuts):
         trial(args, t, let_through, rng)
-    finish("a KV server lost while the agents register the job costs nothing with backups")
+    for t, let_through in enumerate(freezes, start=len(cuts)):
+        trial(args, t, let_through, rng, freeze=True)
+    finish("a KV server lost (or frozen) while the agents register the job costs nothing with "
+           "backups")
 
 
 if __name__ == "__main__":
