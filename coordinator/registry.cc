@@ -862,19 +862,19 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   config.membership_epoch = membership_epoch_;
   config.server_node_ids = job.world_servers;
   config.scheme_overrides = overrides;
-  // A re-plan of the same world: the agents formed their all-reduce buckets from its first plan
-  // (they form them only then), so the planner plans with those (plan.proto, allreduce_bucket).
-  if (job.plan.has_value() && job.plan->layers_size() == job.model->spec.layers_size() &&
-      job.plan->servers_size() == static_cast<int>(job.world_servers.size())) {
-    bool same_world = true;
-    for (int i = 0; same_world && i < job.plan->servers_size(); ++i) {
-      same_world = job.plan->servers(i).node_id() == job.world_servers[static_cast<size_t>(i)];
-    }
+  // A re-plan of the same world (the model's layers, the servers in their order): the agents
+  // formed their all-reduce buckets from its first plan (they form them only then), so the
+  // planner plans with those (plan.proto, allreduce_bucket).
+  bool same_world = job.plan.has_value() &&
+                    job.plan->layers_size() == job.model->spec.layers_size() &&
+                    job.plan->servers_size() == static_cast<int>(job.world_servers.size());
+  for (int i = 0; same_world && i < job.plan->servers_size(); ++i) {
+    same_world = job.plan->servers(i).node_id() == job.world_servers[static_cast<size_t>(i)];
+  }
+  if (same_world) {
     // All zeros too: then every layer the ring takes runs its own collective.
-    if (same_world) {
-      for (const v1::LayerPlan& layer : job.plan->layers()) {
-        config.fixed_allreduce_buckets.push_back(layer.allreduce_bucket());
-      }
+    for (const v1::LayerPlan& layer : job.plan->layers()) {
+      config.fixed_allreduce_buckets.push_back(layer.allreduce_bucket());
     }
   }
   ASSIGN_OR_RETURN(planner::PlanResult result, planner::BuildPlan(job.model->spec, config));
@@ -889,39 +889,32 @@ absl::StatusOr<v1::Plan> Registry::Build(const Job& job, double bandwidth, doubl
   // LayerPlan.chunks and .bucket):
   // the planner's partition does not depend on schemes, and carrying the current chunks over
   // makes that a guarantee rather than a property of the planner.
-  if (job.plan.has_value() && job.plan->layers_size() == result.plan.layers_size() &&
-      job.plan->servers_size() == result.plan.servers_size()) {
-    bool same_servers = true;
-    for (int i = 0; same_servers && i < result.plan.servers_size(); ++i) {
-      same_servers = job.plan->servers(i).node_id() == result.plan.servers(i).node_id();
-    }
-    if (same_servers) {
-      bool moved = false;
-      for (int i = 0; i < result.plan.layers_size(); ++i) {
-        v1::LayerPlan* layer = result.plan.mutable_layers(i);
-        const v1::LayerPlan& previous = job.plan->layers(i);
-        if (!moved) {
-          moved = layer->chunks_size() != previous.chunks_size();
-          for (int c = 0; !moved && c < layer->chunks_size(); ++c) {
-            moved = !google::protobuf::util::MessageDifferencer::Equals(layer->chunks(c),
-                                                                        previous.chunks(c));
-          }
+  if (same_world) {
+    bool moved = false;
+    for (int i = 0; i < result.plan.layers_size(); ++i) {
+      v1::LayerPlan* layer = result.plan.mutable_layers(i);
+      const v1::LayerPlan& previous = job.plan->layers(i);
+      if (!moved) {
+        moved = layer->chunks_size() != previous.chunks_size();
+        for (int c = 0; !moved && c < layer->chunks_size(); ++c) {
+          moved = !google::protobuf::util::MessageDifferencer::Equals(layer->chunks(c),
+                                                                      previous.chunks(c));
         }
-        *layer->mutable_chunks() = previous.chunks();
-        // The buckets too: the agents formed them from the world's first plan (plan.proto).
-        layer->set_bucket(previous.bucket());
-        // And the wire (the servers' tables were registered with it).
-        layer->set_wire_type(previous.wire_type());
-        // And the low rank (the agents' compressors were set up from the first plan).
-        layer->set_lowrank_rank(previous.lowrank_rank());
-        // And the all-reduce buckets (the planner kept them: fixed_allreduce_buckets).
-        layer->set_allreduce_bucket(previous.allreduce_bucket());
       }
-      result.plan.set_bucket_bytes(job.plan->bucket_bytes());
-      if (moved) {
-        PSD_LOG_WARN("job {}: the planner moved chunks within one world; epoch {} keeps epoch {}'s",
-                     job.id, epoch, job.plan->plan_epoch());
-      }
+      *layer->mutable_chunks() = previous.chunks();
+      // The buckets too: the agents formed them from the world's first plan (plan.proto).
+      layer->set_bucket(previous.bucket());
+      // And the wire (the servers' tables were registered with it).
+      layer->set_wire_type(previous.wire_type());
+      // And the low rank (the agents' compressors were set up from the first plan).
+      layer->set_lowrank_rank(previous.lowrank_rank());
+      // And the all-reduce buckets (the planner kept them: fixed_allreduce_buckets).
+      layer->set_allreduce_bucket(previous.allreduce_bucket());
+    }
+    result.plan.set_bucket_bytes(job.plan->bucket_bytes());
+    if (moved) {
+      PSD_LOG_WARN("job {}: the planner moved chunks within one world; epoch {} keeps epoch {}'s",
+                   job.id, epoch, job.plan->plan_epoch());
     }
   }
   return std::move(result.plan);
