@@ -1207,21 +1207,27 @@ absl::Status Registry::SetLayerSchemes(const Caller& caller,
     return absl::InvalidArgumentError(
         absl::StrCat("schemes: the job cannot be planned so: ", candidate.status().message()));
   }
+  // The overrides live in the plan's epochs (Plan.scheme_overrides), which every agent holds: a
+  // restarted coordinator takes them up from there (TakeUpRunningPlan). So a change of them is
+  // a new epoch even where no scheme changes (a layer pinned to the scheme it has), or it would
+  // be lost with the coordinator; the same overrides again are nothing new.
+  const bool overrides_changed = overrides != job.scheme_overrides;
   job.scheme_overrides = std::move(overrides);
   std::vector<std::string> listed;
   for (const auto& [name, scheme] : job.scheme_overrides) {
     listed.push_back(absl::StrCat(name, "=", v1::SyncScheme_Name(scheme)));
     (*response->mutable_overrides())[name] = scheme;
   }
-  const bool changed = Schemes(*candidate) != Schemes(*job.plan);
+  const bool changed = Schemes(*candidate) != Schemes(*job.plan) || overrides_changed;
   if (changed) {
     std::string why = "operator override";
     if (!request.reason().empty()) absl::StrAppend(&why, " (", request.reason(), ")");
     absl::StrAppend(&why, ": ", listed.empty() ? "none, back to the cost model" : Listed(listed));
+    if (Schemes(*candidate) == Schemes(*job.plan)) absl::StrAppend(&why, " (no scheme changes)");
     Install(job, *std::move(candidate), job.plan_bandwidth, job.plan_latency, why, now);
   } else {
     ++version_;
-    PSD_LOG_INFO("job {}: operator override ({}) changes no scheme; plan epoch {} kept", job.id,
+    PSD_LOG_INFO("job {}: operator override ({}) changes nothing; plan epoch {} kept", job.id,
                  listed.empty() ? "none" : Listed(listed), job.plan->plan_epoch());
   }
   response->set_installed(changed);

@@ -1442,20 +1442,24 @@ TEST_F(PlanChangeTest, ARestartedCoordinatorTakesUpTheRunningPlanFromItsAgents) 
   EXPECT_THAT(answer.lost(0).reason(), HasSubstr("lost before this coordinator started"));
   EXPECT_TRUE(restarted.CurrentPlan("job") != nullptr &&
               restarted.CurrentPlan("job")->plan_epoch() == 2u);
-  // The operator's override before the restart is in force; the next one is epoch 3, with the
-  // running plan's chunks and servers.
+  // The operator's override before the restart is in force; the next one is epoch 3 (a layer
+  // pinned to the scheme it has: no scheme changes, but the epoch carries the override), then 4,
+  // with the running plan's chunks and servers.
   v1::SetLayerSchemesRequest set;
   (*set.mutable_schemes())["conv.bias"] = v1::SYNC_SCHEME_PS;
   v1::SetLayerSchemesResponse kept;
   ASSERT_TRUE(restarted.SetLayerSchemes(job_, set, now_, &kept).ok());
-  EXPECT_FALSE(kept.installed());
+  EXPECT_TRUE(kept.installed());
+  EXPECT_EQ(kept.plan().plan_epoch(), 3u);
   ASSERT_EQ(kept.overrides().count("fc.weight"), 1u);
   EXPECT_EQ(kept.overrides().at("fc.weight"), other);
+  EXPECT_EQ(kept.plan().scheme_overrides().at("conv.bias"), v1::SYNC_SCHEME_PS);
+  EXPECT_EQ(kept.plan().layers(2).scheme(), other);
   set.clear_schemes();
   (*set.mutable_schemes())["fc.weight"] = fc;
   v1::SetLayerSchemesResponse response;
   ASSERT_TRUE(restarted.SetLayerSchemes(job_, set, now_, &response).ok());
-  EXPECT_EQ(response.plan().plan_epoch(), 3u);
+  EXPECT_EQ(response.plan().plan_epoch(), 4u);
   EXPECT_EQ(response.plan().layers(2).scheme(), fc);
   EXPECT_EQ(ChunksOf(response.plan()), ChunksOf(running));
   ASSERT_EQ(response.plan().servers_size(), 2);
@@ -1526,6 +1530,24 @@ TEST_F(PlanChangeTest, OperatorOverridesAreCheckedInstalledAndPersist) {
   EXPECT_TRUE(set->overrides().empty());
   EXPECT_EQ(set->plan().plan_epoch(), epoch + 1);
   EXPECT_EQ(set->plan().layers(2).scheme(), fc);
+
+  // A layer pinned to the scheme it has: no scheme changes, but a new epoch carries the override
+  // (Plan.scheme_overrides), so that every agent holds it and a restarted coordinator takes it
+  // up with the plan; the same again is nothing new.
+  const v1::Plan before = *registry_.CurrentPlan("job");
+  set = Override({{"fc.weight", fc}}, job_);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_TRUE(set->installed());
+  EXPECT_EQ(set->plan().plan_epoch(), epoch + 2);
+  for (int l = 0; l < before.layers_size(); ++l) {
+    EXPECT_EQ(set->plan().layers(l).scheme(), before.layers(l).scheme()) << l;
+  }
+  ASSERT_EQ(set->plan().scheme_overrides().count("fc.weight"), 1u);
+  EXPECT_EQ(set->plan().scheme_overrides().at("fc.weight"), fc);
+  set = Override({{"fc.weight", fc}}, job_);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_FALSE(set->installed());
+  EXPECT_EQ(set->plan().plan_epoch(), epoch + 2);
 }
 
 }  // namespace

@@ -85,7 +85,7 @@ TEST_F(LiveCliTest, PlanSetOverridesSchemesAndStatusShowsTheAgentsEpochs) {
   // The same again: nothing to install.
   run = Stdout(absl::StrCat(base, " --set fc.weight=", other));
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_THAT(run.output, HasSubstr("the override changes no scheme; plan epoch 2 kept"));
+  EXPECT_THAT(run.output, HasSubstr("these overrides are in force already; plan epoch 2 kept"));
 
   // Back to the cost model, as JSON.
   run = Stdout(absl::StrCat(base, " --set fc.weight=auto --json"));

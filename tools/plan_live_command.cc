@@ -95,8 +95,8 @@ void PrintText(const Shown& shown) {
                 static_cast<unsigned long long>(plan.effective_iteration()));
   } else {
     std::printf(
-        "job %s: the override changes no scheme; plan epoch %llu kept, effective from iteration "
-        "%llu\n",
+        "job %s: these overrides are in force already; plan epoch %llu kept, effective from "
+        "iteration %llu\n",
         plan.job_id().c_str(), static_cast<unsigned long long>(plan.plan_epoch()),
         static_cast<unsigned long long>(plan.effective_iteration()));
   }
