@@ -6,29 +6,31 @@
 // changes do: its keys are clocked per layer, its inbox slots reused), a two-chunk layer PS, then
 // all-reduce twice, then PS again, and a bucket of two small layers: every result is the exact
 // sum over both ranks.
+#include "agent/syncer.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <condition_variable>
 #include <future>
-#include <span>
 #include <map>
 #include <mutex>
+#include <span>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "agent/layer_table.h"
 #include "agent/scheduler.h"
 #include "agent/shm_endpoint.h"
-#include "agent/syncer.h"
 #include "gloo/common/error.h"
 #include "gloo/rendezvous/store.h"
 #include "server/buffer_pool.h"
 #include "server/kv_engine.h"
 #include "server/kv_service.h"
-#include "transport/frame_server.h"
 #include "transport/credentials.h"
+#include "transport/frame_server.h"
 #include "transport/handshake.h"
 #include "transport/inproc/inproc_context.h"
 
@@ -892,6 +894,23 @@ class AllreduceComeBackTest : public AllreduceShrinkTest {
     return Ring(2).ComeBack(absl::Now() + absl::Seconds(20));
   }
 
+  // Waits (at most 10 s) until `rank`'s collective of the ring layer's iteration `t` runs in its
+  // ring: the replacement's question then finds that iteration started there.
+  void AwaitRunning(uint32_t rank, uint64_t t) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    std::string waiting;
+    while (absl::Now() < deadline) {
+      waiting = Ring(rank).Waiting(3, t, {});
+      if (absl::StrContains(waiting, "collectives in the ring") ||
+          absl::StrContains(waiting, "failed; waiting for the ring")) {
+        return;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ADD_FAILURE() << "rank " << rank << "'s iteration " << t
+                  << " never ran in its ring: " << waiting;
+  }
+
   // The replacement takes up job iteration `from` (its process's iteration 1) and connects the
   // ring with the others (on a thread of its own: it waits for them; joined however the test
   // ends).
@@ -998,6 +1017,9 @@ TEST_F(AllreduceComeBackTest, AReplacementItsServersRemovedIsLeftOutOfTheRingFir
   for (auto& r : ranks_) ASSERT_NO_FATAL_FAILURE(WaitAll(*r));
   ranks_[2]->syncers.erase(SyncerKind::kAllreduce);  // dies; not removed by the others
   for (uint32_t r : {0u, 1u}) PostRing(r, 2);
+  // Iteration 2 started in the old ring (it cannot complete there) before the question comes:
+  // without this the question could come first, and the answer would be 2, not 3.
+  for (uint32_t r : {0u, 1u}) ASSERT_NO_FATAL_FAILURE(AwaitRunning(r, 2));
   ranks_[2]->env.removed_by_servers = true;
   const absl::StatusOr<uint64_t> back = Replace2();  // answered once the ring left rank 2 out
   ASSERT_TRUE(back.ok()) << back.status();
