@@ -132,7 +132,8 @@ bool KvClient::FailIfSilent(absl::Duration limit) {
   FailAll(absl::UnavailableError(absl::StrCat(
       "server ", address_, " is silent: nothing on its connection for ",
       absl::FormatDuration(absl::Trunc(absl::Nanoseconds(silent), absl::Milliseconds(100))),
-      " while requests wait (it answers pings at once: frozen, or its network is cut)")));
+      " while requests wait (a live server answers pings at once: it is frozen, or its network is "
+      "cut)")));
   return true;
 }
 
