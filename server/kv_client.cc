@@ -69,6 +69,8 @@ Ticket KvClient::Start(size_t conn, FrameHeader header, std::vector<transport::C
       pending.answered = pending.send_done = true;
       pending.status = broken_;
     }
+    // An idle connection is not a silent one: FailIfSilent counts from here at the earliest.
+    if (pending_.empty()) waiting_since_ns_ = static_cast<int64_t>(MonotonicNs());
     pending_.emplace(seq, std::move(pending));
     if (!broken_.ok()) return seq;
   }
@@ -123,11 +125,16 @@ bool KvClient::Broken() {
 }
 
 bool KvClient::FailIfSilent(absl::Duration limit) {
+  int64_t since = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok() || pending_.empty()) return false;
+    since = waiting_since_ns_;
   }
-  const int64_t silent = static_cast<int64_t>(MonotonicNs()) - last_heard_ns_.load();
+  // Silence while requests wait: since the last header, or since requests began to wait on an
+  // idle connection (nothing was owed before).
+  const int64_t silent =
+      static_cast<int64_t>(MonotonicNs()) - std::max(last_heard_ns_.load(), since);
   if (silent < absl::ToInt64Nanoseconds(limit)) return false;
   FailAll(absl::UnavailableError(absl::StrCat(
       "server ", address_, " is silent: nothing on its connection for ",

@@ -112,8 +112,9 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   bool Broken();
 
   // Fails every pending request and closes the connection when requests are outstanding and
-  // nothing (no answer, no PONG) came from the server for `limit`: a frozen server. The caller
-  // pings it more often than that. Returns whether it did.
+  // nothing (no answer, no PONG) came from the server for `limit` while they waited (time the
+  // connection was idle, nothing owed, does not count): a frozen server. The caller pings it
+  // more often than that. Returns whether it did.
   bool FailIfSilent(absl::Duration limit);
 
   // Waits for a ticket. DeadlineExceeded names the request if `timeout` passes first (the
@@ -209,6 +210,7 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
   absl::Status broken_;                                // set once the connection failed
   std::vector<std::vector<std::byte>> error_buffers_;  // one per connection (its read loop's)
   std::atomic<int64_t> last_heard_ns_{0};               // a header arrived (CLOCK_MONOTONIC)
+  int64_t waiting_since_ns_ = 0;  // under mu_: when pending_ last became non-empty (monotonic)
   uint64_t observe_min_bytes_ = 0;                     // set before use, then read-only
   std::function<void(uint64_t, absl::Duration)> pull_observer_;
 };

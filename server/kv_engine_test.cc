@@ -1016,6 +1016,27 @@ TEST_F(KvServerTest, ARegistrationTellsAFrozenServerFromASlowOne) {
   }
 }
 
+// A connection idle for longer than the silence limit (nothing owed: an agent connecting its
+// other servers, say) is not a silent one: the silence of a request counts from when requests
+// began to wait.
+TEST_F(KvServerTest, AnIdleConnectionIsNotASilentOne) {
+  auto c = Client(0);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterTables(Spec(2, v1::UPDATE_RULE_SUM, {4}), kWait).ok());
+  absl::SleepFor(absl::Milliseconds(400));  // idle: nothing owed, nothing heard
+  // A pull the server holds (rank 1 never pushes): it waits from now.
+  std::vector<float> out(4);
+  const Ticket waiting = c->Pull(100, 1, out, absl::Seconds(10));
+  EXPECT_FALSE(c->FailIfSilent(absl::Milliseconds(300)));  // it was idle, not silent
+  EXPECT_FALSE(c->Broken());
+  // Once it has waited that long with nothing heard, it is.
+  absl::SleepFor(absl::Milliseconds(350));
+  EXPECT_TRUE(c->FailIfSilent(absl::Milliseconds(300)));
+  const absl::Status s = c->Wait(waiting, kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("is silent"), std::string::npos) << s;
+}
+
 TEST_F(KvServerTest, ARegistrationBeyondTheMemoryLimitIsRefusedAndOthersAreServed) {
   TearDown();
   EngineOptions options;
