@@ -1365,6 +1365,12 @@ absl::Status Agent::ConnectServers() {
       }
     }
   }
+  // An attempt's handshake: a live server answers it at once, and one that took the connection
+  // but is silent for peer_timeout is frozen (at most 10 s an attempt, as before): its keys start
+  // at a backup then, as a lost one's, rather than after connect_timeout of attempts.
+  const absl::Duration handshake = config_.peer_timeout > absl::ZeroDuration()
+                                       ? std::min(absl::Seconds(10), config_.peer_timeout)
+                                       : absl::Seconds(10);
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     ConnectTarget target{server_rdma_[s], config_.servers[s], server_tcp_fallback_[s]};
     const std::string what = absl::StrCat("KV server ", config_.servers[s]);
@@ -1384,10 +1390,10 @@ absl::Status Agent::ConnectServers() {
                   what, target,
                   [&](bool rdma, const std::string& address) {
                     return server::KvClient::Connect(ContextFor(rdma), address, config_.job_id,
-                                                     config_.rank, creds_.server_key(),
-                                                     absl::Seconds(10));
+                                                     config_.rank, creds_.server_key(), handshake);
                   },
-                  deadline, absl::Milliseconds(200), nullptr);
+                  deadline, absl::Milliseconds(200), nullptr,
+                  /*give_up_when_silent=*/config_.peer_timeout > absl::ZeroDuration());
     if (!client.ok() && replicas > 0) {
       // Lost during start-up: its keys start at a backup (below); it stays unreachable.
       unreachable[static_cast<uint32_t>(s)] = Annotate(client.status(), what);

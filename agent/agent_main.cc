@@ -230,7 +230,8 @@ poseidon::ConfigSchema<Flags> Schema() {
                      InRange<uint64_t>(0, uint64_t{16} << 20))
       .ByteSizeField("capacity_min_bytes", &Flags::capacity_min_bytes,
                      "a telemetry window reports a link capacity after this many bytes of large "
-                     "pull responses", InRange<uint64_t>(1, uint64_t{1} << 40))
+                     "pull responses",
+                     InRange<uint64_t>(1, uint64_t{1} << 40))
       .Field("sync_threads", &Flags::sync_threads, "synchronisation threads",
              InRange<int64_t>(1, 256))
       .Field("blas_threads", &Flags::blas_threads,
@@ -253,7 +254,9 @@ poseidon::ConfigSchema<Flags> Schema() {
              "report a layer not done within this time, with what it waits for")
       .Field("peer_timeout", &Flags::peer_timeout,
              "ping servers and peers every third of this; a peer silent this long is gone: the "
-             "layers waiting for it fail naming it (0: off)",
+             "layers waiting for it fail naming it; a KV server silent this long while it "
+             "registers the job, or that takes the connection but answers no handshake at start, "
+             "is lost (0: off)",
              poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
       .Field(
           "telemetry_interval", &Flags::telemetry_interval,

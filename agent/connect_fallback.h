@@ -7,10 +7,12 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/log.h"
+#include "transport/handshake.h"
 
 namespace poseidon::agent {
 
@@ -27,13 +29,15 @@ struct ConnectTarget {
 // provider error), so the target moves to TCP for good, the fallback is logged once naming
 // `what`, and `on_fallback` is told why (may be null); if it fails too, the peer is not up yet,
 // and both are tried again next time (RDMA first). Returns the last attempt's error, naming the
-// transports tried.
+// transports tried. `give_up_when_silent`: an attempt whose error says the peer took the
+// connection and said nothing (transport::kPeerSilentPayload: frozen) ends the tries at once.
 template <typename T>
 absl::StatusOr<T> ConnectWithFallback(
     const std::string& what, ConnectTarget& target,
     const std::function<absl::StatusOr<T>(bool rdma, const std::string& address)>& attempt,
     absl::Time deadline, absl::Duration retry,
-    const std::function<void(const absl::Status& rdma_error)>& on_fallback) {
+    const std::function<void(const absl::Status& rdma_error)>& on_fallback,
+    bool give_up_when_silent = false) {
   while (true) {
     absl::StatusOr<T> result = attempt(target.rdma, target.address);
     if (result.ok()) return result;
@@ -49,12 +53,20 @@ absl::StatusOr<T> ConnectWithFallback(
         if (on_fallback) on_fallback(result.status());
         return tcp;
       }
-      result = absl::Status(result.status().code(),
-                            absl::StrCat("over RDMA: ", result.status().message(),
-                                         "; over TCP (", target.tcp_fallback,
-                                         "): ", tcp.status().message()));
+      absl::Status both(result.status().code(),
+                        absl::StrCat("over RDMA: ", result.status().message(), "; over TCP (",
+                                     target.tcp_fallback, "): ", tcp.status().message()));
+      // Silent over TCP: the peer is there and frozen, whatever RDMA said.
+      if (tcp.status().GetPayload(transport::kPeerSilentPayload).has_value()) {
+        both.SetPayload(transport::kPeerSilentPayload, absl::Cord("1"));
+      }
+      result = std::move(both);
     }
     if (absl::Now() + retry > deadline) return result;
+    if (give_up_when_silent &&
+        result.status().GetPayload(transport::kPeerSilentPayload).has_value()) {
+      return result;
+    }
     absl::SleepFor(retry);
   }
 }

@@ -93,5 +93,50 @@ TEST(ConnectWithFallback, WithoutAFallbackOrPastTheDeadlineTheErrorNamesWhatWasT
   EXPECT_EQ(b.tried, (std::vector<std::string>{"tcp:s:7100"}));
 }
 
+// A peer that took the connection and said nothing (transport::kPeerSilentPayload: frozen) ends
+// the tries at once where the caller asks for it, over TCP alone or after RDMA's failure too; a
+// peer not up yet, or a caller that does not ask, is tried again until the deadline.
+TEST(ConnectWithFallback, ASilentPeerEndsTheTriesWhereAsked) {
+  int calls = 0;
+  bool silent = true;
+  const std::function<absl::StatusOr<int>(bool, const std::string&)> attempt =
+      [&](bool rdma, const std::string&) -> absl::StatusOr<int> {
+    ++calls;
+    absl::Status s = absl::DeadlineExceededError(rdma ? "rdma: no answer" : "tcp: no answer");
+    if (silent && !rdma) s.SetPayload(transport::kPeerSilentPayload, absl::Cord("1"));
+    return s;
+  };
+  const absl::Time far = absl::Now() + absl::Seconds(30);
+  ConnectTarget tcp_only{false, "s:7100", ""};
+  auto r = ConnectWithFallback<int>("server s", tcp_only, attempt, far, absl::Milliseconds(1),
+                                    nullptr, /*give_up_when_silent=*/true);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(r.status().GetPayload(transport::kPeerSilentPayload).has_value());
+
+  calls = 0;
+  ConnectTarget both{true, "s:7101", "s:7100"};
+  r = ConnectWithFallback<int>("server s", both, attempt, far, absl::Milliseconds(1), nullptr,
+                               /*give_up_when_silent=*/true);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(calls, 2);  // RDMA, then TCP: silent
+  EXPECT_EQ(r.status().message(), "over RDMA: rdma: no answer; over TCP (s:7100): tcp: no answer");
+
+  calls = 0;
+  ConnectTarget not_asked{false, "s:7100", ""};
+  r = ConnectWithFallback<int>("server s", not_asked, attempt, absl::Now() + absl::Milliseconds(50),
+                               absl::Milliseconds(1), nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_GT(calls, 1);
+
+  calls = 0;
+  silent = false;  // not up yet: tried again
+  ConnectTarget not_up{false, "s:7100", ""};
+  r = ConnectWithFallback<int>("server s", not_up, attempt, absl::Now() + absl::Milliseconds(50),
+                               absl::Milliseconds(1), nullptr, /*give_up_when_silent=*/true);
+  ASSERT_FALSE(r.ok());
+  EXPECT_GT(calls, 1);
+}
+
 }  // namespace
 }  // namespace poseidon::agent

@@ -849,6 +849,37 @@ TEST(Failover, AServerLostBeforeTheAgentsConnectCostsNothingWithBackups) {
   }
 }
 
+// A server frozen before the agents connect (SIGSTOP: the kernel still takes its connections,
+// it never answers the handshake) is lost after the agents' --peer_timeout of silence, not after
+// --connect_timeout of attempts: its keys start at the next server of their chains, and every
+// result is exact.
+TEST(Failover, AServerFrozenBeforeTheAgentsConnectIsLostAfterTheirPeerTimeout) {
+  Cluster cluster(4, 4, "ps",
+                  {"--replicas=1", "--fusion=off", "--block_bytes=65536", "--connect_timeout=60s",
+                   "--peer_timeout=2s"},
+                  {"--peer_timeout=2s"});
+  ASSERT_TRUE(cluster.ok());
+  cluster.server(2).Signal(SIGSTOP);
+  std::vector<std::unique_ptr<Subprocess>> synths;
+  for (int r = 0; r < 4; ++r) synths.push_back(cluster.Synth(r, kTiny, 20));
+  for (int r = 0; r < 4; ++r) {
+    const std::string out = synths[r]->ReadAll(milliseconds(120000));
+    EXPECT_EQ(synths[r]->Wait(milliseconds(10000)), 0) << "rank " << r << ": " << out;
+    EXPECT_NE(out.find("20 iterations"), std::string::npos) << out;
+    EXPECT_NE(out.find(", 0 mismatches"), std::string::npos) << out;
+  }
+  for (int r = 0; r < 4; ++r) {
+    const std::string log = cluster.agent(r).ReadAll(milliseconds(30000));
+    EXPECT_EQ(cluster.agent(r).Wait(milliseconds(30000)), 0) << "agent " << r << ": " << log;
+    EXPECT_NE(log.find("cannot be reached at start"), std::string::npos) << log;
+    // Given up on its silence after one attempt of peer_timeout (the handshake's "within 1.99…s"),
+    // not after 10 s attempts until connect_timeout.
+    EXPECT_NE(log.find("it took the connection and said nothing"), std::string::npos) << log;
+    EXPECT_NE(log.find("its keys start at server 3"), std::string::npos) << log;
+  }
+  cluster.server(2).Signal(SIGKILL);
+}
+
 // Without a coordinator, a killed agent is named by what its death closes: the server's
 // connection (PS layers) and the other agents' (SFB layers). Rank 0's training process must fail
 // naming rank 1 long before the 60 s sync timeout, on either path alone.

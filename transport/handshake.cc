@@ -7,6 +7,7 @@
 
 #include <future>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/log.h"
@@ -384,8 +385,15 @@ absl::Status AuthenticateClient(const std::shared_ptr<Connection>& conn, uint64_
   auto result = std::make_shared<std::promise<absl::Status>>();
   auto future = result->get_future();
   StartClientHandshake(
-      conn, job_id, rank, std::move(secret), timeout,
-      [result](absl::StatusOr<PeerIdentity> peer) { result->set_value(peer.status()); });
+      conn, job_id, rank, std::move(secret), timeout, [result](absl::StatusOr<PeerIdentity> peer) {
+        // A status of its own (code, message, payloads), not a reference to the I/O thread's:
+        // the caller reads and replaces it while that thread may still drop its copy.
+        absl::Status own(peer.status().code(), std::string(peer.status().message()));
+        peer.status().ForEachPayload([&own](absl::string_view url, const absl::Cord& payload) {
+          own.SetPayload(url, absl::Cord(std::string(payload)));
+        });
+        result->set_value(std::move(own));
+      });
   // The reads are bounded by `timeout`; the margin covers a send that never completes.
   if (future.wait_for(absl::ToChronoNanoseconds(timeout + absl::Seconds(1))) !=
       std::future_status::ready) {
@@ -407,6 +415,14 @@ absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& contex
   if (!conn.ok()) return conn.status();
   const absl::Duration remaining = std::max(deadline - absl::Now(), absl::Milliseconds(1));
   if (auto s = AuthenticateClient(*conn, job_id, rank, std::move(secret), remaining); !s.ok()) {
+    // The handshake's reads are bounded by the deadline: a failure that comes with it is
+    // silence, where a refusal (a bad key, a closed socket) comes at once.
+    if (absl::Now() >= deadline - absl::Milliseconds(10)) {
+      s = absl::Status(s.code(), absl::StrCat(s.message(),
+                                              " (it took the connection and said "
+                                              "nothing: frozen, or hung)"));
+      s.SetPayload(kPeerSilentPayload, absl::Cord("1"));
+    }
     return s;
   }
   if (auto s = (*conn)->WaitEstablished(std::max(deadline - absl::Now(), absl::Milliseconds(1)));

@@ -122,7 +122,14 @@ void StartClientHandshake(std::shared_ptr<Connection> conn, uint64_t job_id, uin
 absl::Status AuthenticateClient(const std::shared_ptr<Connection>& conn, uint64_t job_id,
                                 uint32_t rank, std::string key, absl::Duration timeout);
 
-// Connect + AuthenticateClient; the connection is closed when authentication fails.
+// The payload (absl::Status::GetPayload) of ConnectAuthenticated's error when the peer took the
+// connection but did not finish the handshake within the timeout: it is there and says nothing
+// (a frozen process, for which the kernel still accepts), rather than not up yet or refusing.
+inline constexpr char kPeerSilentPayload[] = "poseidon.transport/peer-silent";
+
+// Connect + AuthenticateClient; the connection is closed when authentication fails. An error
+// after the peer took the connection that comes when `timeout` ran out carries
+// kPeerSilentPayload.
 absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& context,
                                                                  absl::string_view address,
                                                                  uint64_t job_id, uint32_t rank,

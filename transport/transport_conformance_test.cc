@@ -509,6 +509,28 @@ TEST_P(TransportConformance, ClosingTheListenerCancelsAccept) {
 
 // ---- the handshake and the frame server over each backend ----
 
+// A peer that takes the connection and never answers the handshake (a frozen server, for which
+// the kernel still accepts) fails ConnectAuthenticated once its timeout runs out, marked
+// kPeerSilentPayload: the agents give such a server up at once rather than trying again until
+// their connect timeout. A refusal is not so marked (below).
+TEST_P(TransportConformance, APeerThatTakesTheConnectionAndSaysNothingIsMarkedSilent) {
+  std::mutex mu;
+  std::shared_ptr<Connection> held;  // accepted, never read
+  listener_->Accept([&](absl::StatusOr<std::shared_ptr<Connection>> c) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (c.ok()) held = *c;
+  });
+  auto silent = ConnectAuthenticated(*ctx_, listener_->Address(), 1, 2, RankKey("right", 1, 2),
+                                     absl::Milliseconds(500));
+  ASSERT_FALSE(silent.ok());
+  EXPECT_TRUE(silent.status().GetPayload(kPeerSilentPayload).has_value()) << silent.status();
+  EXPECT_NE(silent.status().message().find("it took the connection and said nothing"),
+            std::string::npos)
+      << silent.status();
+  std::lock_guard<std::mutex> lock(mu);
+  if (held) held->Close();
+}
+
 TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   auto secrets = std::make_shared<SecretStore>();
   secrets->Set(1, "right");
@@ -532,6 +554,7 @@ TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
       ConnectAuthenticated(*ctx_, server->Address(), 1, 3, RankKey("wrong", 1, 3), absl::Seconds(10));
   EXPECT_EQ(wrong_secret.status().code(), absl::StatusCode::kUnauthenticated)
       << wrong_secret.status();
+  EXPECT_FALSE(wrong_secret.status().GetPayload(kPeerSilentPayload).has_value());
   auto wrong_job = ConnectAuthenticated(*ctx_, server->Address(), 2, 3, RankKey("right", 2, 3), absl::Seconds(10));
   EXPECT_EQ(wrong_job.status().code(), absl::StatusCode::kPermissionDenied) << wrong_job.status();
   EXPECT_NE(wrong_job.status().message().find("unknown job"), std::string::npos);
