@@ -1218,12 +1218,13 @@ absl::Status Registry::SetLayerSchemes(const Caller& caller,
     listed.push_back(absl::StrCat(name, "=", v1::SyncScheme_Name(scheme)));
     (*response->mutable_overrides())[name] = scheme;
   }
-  const bool changed = Schemes(*candidate) != Schemes(*job.plan) || overrides_changed;
+  const bool schemes_changed = Schemes(*candidate) != Schemes(*job.plan);
+  const bool changed = schemes_changed || overrides_changed;
   if (changed) {
     std::string why = "operator override";
     if (!request.reason().empty()) absl::StrAppend(&why, " (", request.reason(), ")");
     absl::StrAppend(&why, ": ", listed.empty() ? "none, back to the cost model" : Listed(listed));
-    if (Schemes(*candidate) == Schemes(*job.plan)) absl::StrAppend(&why, " (no scheme changes)");
+    if (!schemes_changed) absl::StrAppend(&why, " (no scheme changes)");
     Install(job, *std::move(candidate), job.plan_bandwidth, job.plan_latency, why, now);
   } else {
     ++version_;
