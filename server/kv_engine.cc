@@ -936,6 +936,19 @@ void KvEngine::JoinServers(JobState& job, const v1::RegisterTablesRequest& spec)
                job.job_id, absl::StrJoin(joined, ", "));
 }
 
+void KvEngine::PrepareReplicas(const JobState& job, const v1::RegisterTablesRequest& spec) {
+  if (spec.replicas() == 0 || options_.replica_sender == nullptr) return;
+  bool first_primary = false;
+  for (const auto& t : spec.tables()) first_primary |= t.primary() == job.self && t.keys_size() > 0;
+  if (!first_primary) return;
+  const std::vector<uint32_t> chain = ChainOf(spec, job.self);
+  for (size_t p = 1; p < chain.size() && p <= spec.replicas(); ++p) {
+    if (chain[p] < job.servers.size()) {
+      options_.replica_sender->Prepare(job.job_id, job.self, chain[p], job.servers[chain[p]]);
+    }
+  }
+}
+
 namespace {
 // A key of table `t` of a job registered with `spec`, in its initial state.
 std::unique_ptr<KvEngine::Key> NewKey(const std::shared_ptr<JobState>& job,
@@ -1002,6 +1015,7 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
       RunOnAllWorkers([](Worker&) {});
       PSD_LOG_INFO("job {} resumed: its servers are at {}", job_id,
                    absl::StrJoin(job.servers, ", "));
+      PrepareReplicas(job, spec);
       return absl::OkStatus();
     }
     // Name the first difference.
@@ -1089,6 +1103,7 @@ absl::Status KvEngine::RegisterJob(uint64_t job_id, const v1::RegisterTablesRequ
   key_sizes_.store(std::shared_ptr<const KeySizes>(std::move(sizes)));
   PSD_LOG_INFO("job {} registered: {} tables, {} keys, {} workers", job_id, spec.tables_size(),
                job->total_keys, spec.num_workers());
+  PrepareReplicas(*job, spec);
   return absl::OkStatus();
 }
 

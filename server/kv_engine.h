@@ -63,6 +63,11 @@ class ReplicaSender {
   virtual void Send(uint64_t job_id, uint32_t from, uint32_t to, const std::string& address,
                     const transport::FrameHeader& header, std::vector<transport::ConstBuffer> payload,
                     std::function<void(absl::Status)> done) = 0;
+  // Called once a job is registered, for each backup of the keys this server is the first
+  // primary of: a sender may open the connection now, so that a backup that cannot be reached or
+  // is silent (frozen) is found while the agents register the job, not at its first clock.
+  virtual void Prepare(uint64_t /*job_id*/, uint32_t /*from*/, uint32_t /*to*/,
+                       const std::string& /*address*/) {}
 };
 
 struct EngineOptions {
@@ -293,6 +298,9 @@ class KvEngine {
   // Servers that joined the running job (RegisterTablesRequest.ring_servers) go on every
   // chain; under jobs_mu_.
   void JoinServers(JobState& job, const v1::RegisterTablesRequest& spec);
+  // Asks the replica sender for the connections to the backups of the keys this server is the
+  // first primary of (ReplicaSender::Prepare).
+  void PrepareReplicas(const JobState& job, const v1::RegisterTablesRequest& spec);
 
   EngineOptions options_;
   EngineStats stats_;

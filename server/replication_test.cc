@@ -4,7 +4,9 @@
 // tests/agent_e2e_test.cc, Failover.*.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "server/kv_client.h"
@@ -34,16 +36,18 @@ std::vector<float> Grad(uint32_t rank, uint64_t clock, size_t n) {
 // One poseidon-server: engine, service, frame server, replica sender.
 struct Shard {
   explicit Shard(std::shared_ptr<transport::Context> ctx,
-                 uint64_t max_memory = EngineOptions{}.max_memory_bytes) {
+                 uint64_t max_memory = EngineOptions{}.max_memory_bytes,
+                 absl::Duration replica_connect = KvReplicaSender::kConnectTimeout,
+                 const std::string& listen = "127.0.0.1:0") {
     secrets = std::make_shared<transport::SecretStore>();
     secrets->Set(1, kSecret);
-    sender = std::make_shared<KvReplicaSender>(ctx, secrets, absl::Seconds(5));
+    sender = std::make_shared<KvReplicaSender>(ctx, secrets, absl::Seconds(5), replica_connect);
     EngineOptions options;
     options.replica_sender = sender;
     options.max_memory_bytes = max_memory;
     engine = std::make_shared<KvEngine>(options);
-    auto listener = ctx->Listen("127.0.0.1:0");
-    EXPECT_TRUE(listener.ok());
+    auto listener = ctx->Listen(listen);
+    EXPECT_TRUE(listener.ok()) << listener.status();
     service = std::make_shared<KvService>(engine, BufferPool::Create(16 << 20), KvServiceOptions{});
     server = std::make_shared<transport::FrameServer>(*listener, secrets, service);
     server->Start();
@@ -255,6 +259,75 @@ TEST_P(ReplicationRuleTest, ABackupTakesOverEveryAnsweredClockAndContinuesIdenti
 INSTANTIATE_TEST_SUITE_P(Rules, ReplicationRuleTest,
                          ::testing::Values(v1::UPDATE_RULE_SUM, v1::UPDATE_RULE_MOMENTUM,
                                            v1::UPDATE_RULE_ADAM));
+
+// A primary connects to its keys' backups when the job registers there, before any clock: a
+// frozen backup (it takes the connection and answers no handshake) is found while the agents
+// register the job, not at the first clock's replica, which then fails at once for that reason
+// and gives the backup up (with no other server left, the key goes on degraded, exactly).
+TEST_F(ReplicationTest, APrimaryConnectsToItsBackupsWhenTheJobRegisters) {
+  auto silent = ctx_->Listen("127.0.0.1:0");
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  std::mutex mu;
+  std::vector<std::shared_ptr<transport::Connection>> held;  // accepted, never read
+  std::function<void(absl::StatusOr<std::shared_ptr<transport::Connection>>)> take =
+      [&](absl::StatusOr<std::shared_ptr<transport::Connection>> c) {
+        if (!c.ok()) return;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          held.push_back(*c);
+        }
+        (*silent)->Accept(take);
+      };
+  (*silent)->Accept(take);
+  auto accepted = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return held.size();
+  };
+  primary_ = std::make_unique<Shard>(ctx_, EngineOptions{}.max_memory_bytes,
+                                     /*replica_connect=*/absl::Milliseconds(300));
+  addresses_ = {primary_->server->Address(), (*silent)->Address()};
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  const absl::Time deadline = absl::Now() + kWait;
+  while (accepted() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(accepted(), 1u) << "the primary connects to its backup at registration";
+  EXPECT_EQ(primary_->engine->stats().pushes.load(), 0u);
+  absl::SleepFor(absl::Milliseconds(400));  // the handshake's 300 ms ran out meanwhile
+  Reference expected(Spec(0, v1::UPDATE_RULE_SUM), {});
+  for (uint64_t clock = 1; clock <= 2; ++clock) {
+    EXPECT_EQ(Clock(*primary_, clock, 0), expected(clock)) << "clock " << clock;
+  }
+  EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 1u);
+  EXPECT_EQ(primary_->engine->stats().replicated.load(), 0u);
+  EXPECT_EQ(accepted(), 1u) << "a backup given up is not tried again";
+  const std::vector<ReplicationCounts> status = primary_->engine->ReplicationStatus(kWait);
+  ASSERT_EQ(status.size(), 1u);
+  EXPECT_EQ(status[0].degraded_keys, 1u);
+  clients_.clear();
+  primary_.reset();
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& c : held) c->Close();
+  (*silent)->Close();
+}
+
+// A backup not up yet when the job registers on its primary (servers started with the agents,
+// which register server by server): the primary's early connection is refused, and the first
+// replica connects again, as without the early connection: no backup is given up.
+TEST_F(ReplicationTest, ABackupNotUpWhenTheJobRegistersIsConnectedAtTheFirstReplica) {
+  const std::string address = backup_->server->Address();
+  backup_.reset();  // its port is free: a connection there is refused
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  absl::SleepFor(absl::Milliseconds(200));  // the early connection is refused meanwhile
+  backup_ = std::make_unique<Shard>(ctx_, EngineOptions{}.max_memory_bytes,
+                                    KvReplicaSender::kConnectTimeout, address);
+  ASSERT_EQ(backup_->server->Address(), address);
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  Reference expected(Spec(0, v1::UPDATE_RULE_SUM), {});
+  for (uint64_t clock = 1; clock <= 2; ++clock) {
+    EXPECT_EQ(Clock(*primary_, clock, 0), expected(clock)) << "clock " << clock;
+  }
+  EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 0u);
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 2u);
+}
 
 // Fencing: once a backup took a key over (a request at epoch 1 reached it), the old primary can
 // no longer answer any clock of it: its replica is refused, and its waiting pulls fail with

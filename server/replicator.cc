@@ -1,5 +1,7 @@
 #include "server/replicator.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 
@@ -75,6 +77,19 @@ void KvReplicaSender::Send(uint64_t job_id, uint32_t from, uint32_t to,
   SendOn(*client, std::move(q));
 }
 
+void KvReplicaSender::Prepare(uint64_t job_id, uint32_t from, uint32_t to,
+                              const std::string& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_) return;
+  const LinkId id{job_id, from, to, address};
+  Link& link = links_[id];
+  if (link.client || !link.failed.ok() || link.connecting) return;
+  link.connecting = true;
+  link.prepared = true;
+  to_connect_.push_back(id);
+  cv_.notify_all();
+}
+
 void KvReplicaSender::Run() {
   const absl::Duration tick =
       peer_timeout_ > absl::ZeroDuration() ? peer_timeout_ / 3 : absl::Seconds(5);
@@ -104,6 +119,17 @@ void KvReplicaSender::Run() {
       lock.lock();
       Link& link = links_[id];
       link.connecting = false;
+      const bool prepared = std::exchange(link.prepared, false);
+      if (prepared && !client.ok() && !stop_ &&
+          !client.status().GetPayload(transport::kPeerSilentPayload).has_value()) {
+        // Asked for ahead of the replicas, and not up yet or refused: the first replica asks
+        // again (at once if one waits already).
+        if (!link.queue.empty()) {
+          link.connecting = true;
+          to_connect_.push_back(id);
+        }
+        continue;
+      }
       queued.swap(link.queue);
       if (client.ok() && !stop_) {
         // The queued replicas go first, in order, before any Send can use the client (a clock's

@@ -5,7 +5,9 @@
 // (Connect blocks; Send is called from engine workers), and a backup that answers nothing, not
 // even the pings this thread sends every peer_timeout / 3, for peer_timeout while a replica
 // waits is failed like a closed one. A backup whose connection failed once is not retried: the
-// engine gives it up for good (a copy that missed a clock must never be promoted).
+// engine gives it up for good (a copy that missed a clock must never be promoted). The engine
+// asks for the connections to its backups when a job registers (Prepare), so a frozen backup's
+// handshake runs while the agents register, not after.
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
@@ -39,6 +41,10 @@ class KvReplicaSender : public ReplicaSender {
   void Send(uint64_t job_id, uint32_t from, uint32_t to, const std::string& address,
             const transport::FrameHeader& header, std::vector<transport::ConstBuffer> payload,
             std::function<void(absl::Status)> done) override;
+  // Connects at once (on the sender's thread): a Send that comes later finds the connection,
+  // or a frozen backup's silence (the handshake ran out), instead of waiting for the handshake.
+  // Any other failure (not up yet, refused) is left to the first Send, which connects again.
+  void Prepare(uint64_t job_id, uint32_t from, uint32_t to, const std::string& address) override;
 
   // Closes every connection (waiting replicas fail with Unavailable) and joins the thread.
   void Stop();
@@ -53,6 +59,10 @@ class KvReplicaSender : public ReplicaSender {
     std::shared_ptr<KvClient> client;
     absl::Status failed;  // the connection could not be made
     bool connecting = false;
+    // The connection in progress was asked for by Prepare (ahead of any replica): if it fails
+    // other than by silence (the backup not up yet, refusing), the first replica connects
+    // afresh, as it would without Prepare; a silent (frozen) backup is failed for good.
+    bool prepared = false;
     std::vector<Queued> queue;  // sends waiting for the connection
   };
   // job, from, to, address: a server that joined the running job at a lost one's address (a
