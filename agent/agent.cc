@@ -287,6 +287,15 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   void CountLink(bool rdma) {
     if (prometheus::Gauge* g = rdma ? links_rdma_ : links_tcp_) g->Increment();
   }
+  // One connect attempt's handshake with a server or a peer agent: a live one answers it at once
+  // (its I/O threads run from its start), so one that took the connection but is silent for
+  // peer_timeout is frozen (at most 10 s an attempt, as without peer_timeout), and the tries end
+  // there (GiveUpWhenSilent) rather than after connect_timeout.
+  absl::Duration HandshakeTimeout() const {
+    return GiveUpWhenSilent() ? std::min(absl::Seconds(10), config_.peer_timeout)
+                              : absl::Seconds(10);
+  }
+  bool GiveUpWhenSilent() const { return config_.peer_timeout > absl::ZeroDuration(); }
   transport::Credentials creds_;  // from the secret or the keyring (Run, before any connection)
   std::shared_ptr<transport::FrameServer> sfb_server_;
 
@@ -1365,12 +1374,9 @@ absl::Status Agent::ConnectServers() {
       }
     }
   }
-  // An attempt's handshake: a live server answers it at once, and one that took the connection
-  // but is silent for peer_timeout is frozen (at most 10 s an attempt, as before): its keys start
+  // A server frozen at connect (HandshakeTimeout) is given up after one attempt: its keys start
   // at a backup then, as a lost one's, rather than after connect_timeout of attempts.
-  const absl::Duration handshake = config_.peer_timeout > absl::ZeroDuration()
-                                       ? std::min(absl::Seconds(10), config_.peer_timeout)
-                                       : absl::Seconds(10);
+  const absl::Duration handshake = HandshakeTimeout();
   for (size_t s = 0; s < config_.servers.size(); ++s) {
     ConnectTarget target{server_rdma_[s], config_.servers[s], server_tcp_fallback_[s]};
     const std::string what = absl::StrCat("KV server ", config_.servers[s]);
@@ -1393,7 +1399,7 @@ absl::Status Agent::ConnectServers() {
                                                      config_.rank, creds_.server_key(), handshake);
                   },
                   deadline, absl::Milliseconds(200), nullptr,
-                  /*give_up_when_silent=*/config_.peer_timeout > absl::ZeroDuration());
+                  /*give_up_when_silent=*/GiveUpWhenSilent());
     if (!client.ok() && replicas > 0) {
       // Lost during start-up: its keys start at a backup (below); it stays unreachable.
       unreachable[static_cast<uint32_t>(s)] = Annotate(client.status(), what);
@@ -1867,6 +1873,9 @@ void Agent::MaybeCheckpoint(uint64_t next_iteration, bool final) {
 absl::Status Agent::ConnectPeers() {
   env_.peers.Reset(config_.world_size);
   const absl::Time deadline = absl::Now() + config_.connect_timeout;
+  // A peer agent frozen at connect (HandshakeTimeout) fails the connect after one attempt, naming
+  // it, rather than after connect_timeout of attempts: its listener is up, so it is there.
+  const absl::Duration handshake = HandshakeTimeout();
   for (uint32_t p = 0; p < config_.world_size; ++p) {
     if (p == config_.rank) continue;
     if (!peer_unusable_[p].empty()) return absl::FailedPreconditionError(peer_unusable_[p]);
@@ -1877,10 +1886,9 @@ absl::Status Agent::ConnectPeers() {
             what, target,
             [&](bool rdma, const std::string& address) {
               return transport::ConnectAuthenticated(ContextFor(rdma), address, config_.job_id,
-                                                     config_.rank, *creds_.PeerKey(p),
-                                                     absl::Seconds(10));
+                                                     config_.rank, *creds_.PeerKey(p), handshake);
             },
-            deadline, absl::Milliseconds(200), nullptr);
+            deadline, absl::Milliseconds(200), nullptr, GiveUpWhenSilent());
     if (!conn.ok()) return Annotate(conn.status(), what);
     peer_rdma_[p] = target.rdma;
     config_.peers[p] = target.address;

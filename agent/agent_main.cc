@@ -256,7 +256,7 @@ poseidon::ConfigSchema<Flags> Schema() {
              "ping servers and peers every third of this; a peer silent this long is gone: the "
              "layers waiting for it fail naming it; a KV server silent this long while it "
              "registers the job, or that takes the connection but answers no handshake at start, "
-             "is lost (0: off)",
+             "is lost; a peer agent that answers no handshake fails the connect (0: off)",
              poseidon::InRange(absl::ZeroDuration(), absl::Hours(1)))
       .Field(
           "telemetry_interval", &Flags::telemetry_interval,

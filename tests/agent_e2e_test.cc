@@ -913,6 +913,21 @@ TEST(Faults, AFrozenAgentIsNamedByItsPeerToTheOtherRanks) {
   ExpectTheOtherRankToFailNamingRank1(cluster, kFcOnly, SIGSTOP);
 }
 
+// A peer agent frozen before the others connect (its listener takes the connection, nothing
+// answers the handshake) fails their registration after one attempt of their peer_timeout,
+// naming it, not after connect_timeout (60 s) of 10 s attempts.
+TEST(Faults, APeerAgentFrozenBeforeTheOthersConnectIsNamedAfterTheirPeerTimeout) {
+  Cluster cluster(0, 2, "sfb", {"--connect_timeout=60s", "--peer_timeout=2s"});
+  ASSERT_TRUE(cluster.ok());
+  cluster.agent(1).Signal(SIGSTOP);
+  auto s0 = cluster.Synth(0, kFcOnly, 2, {"--timeout_ms=120000"});
+  const std::string out = s0->ReadAll(milliseconds(30000));  // half the connect timeout
+  EXPECT_EQ(s0->Wait(milliseconds(10000)), 1) << out;
+  EXPECT_NE(out.find("peer agent of rank 1 at 127.0.0.1:"), std::string::npos) << out;
+  EXPECT_NE(out.find("it took the connection and said nothing"), std::string::npos) << out;
+  cluster.agent(1).Signal(SIGKILL);
+}
+
 TEST(Faults, ASecondAgentOnALiveSegmentIsRefusedAndTheFirstServesOn) {
   Cluster cluster(1, 1, "ps");
   Subprocess second({POSEIDON_AGENT_BIN, std::string("--secret=") + kSecret, "--rank=0",
