@@ -10,8 +10,11 @@ the new coordinator then serves (`poseidon plan`: epoch 1); in the first trial a
 (`poseidon plan --set`) installs epoch 2, which every agent runs; in the second a rank is then
 killed and restarted with --rejoin, and takes the job up without waiting for the server lost
 before the restart (its agents told the new coordinator); in the third a replacement server
-started after the restart joins the running job at every agent. No process is left behind (every
-daemon is killed, every segment removed, on every path). Trials at random moments."""
+started after the restart joins the running job at every agent; in the fourth every layer goes in
+the Gloo ring (--scheme allreduce, a job that may shrink) and a rank killed after the restart
+and restarted with --rejoin comes back into the ring through the new coordinator's rendezvous
+store (the old one's is lost with it). No process is left behind (every daemon is killed, every
+segment removed, on every path). Trials at random moments."""
 
 import argparse
 import json
@@ -54,6 +57,7 @@ def trial(args, rng, number):
     # coordinator has not learned the job's rate yet), before its end; the second trial's rank
     # dies after the restart and rejoins before the end, the third's replacement server joins.
     iterations = 350 if number < 2 else ITERATIONS
+    ring = number == 3
     try:
         address = f"127.0.0.1:{free_port()}"
         daemons.append(coordinator(args, address))
@@ -71,10 +75,14 @@ def trial(args, rng, number):
                     f"--world_size={RANKS}", f"--coordinator={address}", "--listen=127.0.0.1:0",
                     f"--segment={segment}", "--replicas=1", "--fusion=off", "--block_bytes=65536",
                     "--peer_timeout=2s",
-                    # The first trial's plan change moves fc1.weight between PS and SFB.
-                    f"--scheme={'auto' if number == 0 else 'ps'}", "--log_level=warn",
-                    # The second trial's rank rejoins after the restart.
-                    *(["--rejoin_timeout=30s"] if number == 1 else [])]
+                    # The first trial's plan change moves fc1.weight between PS and SFB; the
+                    # fourth runs every layer in the ring (which takes a rank back in a job that
+                    # may shrink).
+                    f"--scheme={'auto' if number == 0 else 'allreduce' if ring else 'ps'}",
+                    "--log_level=warn",
+                    *([f"--min_workers={RANKS}"] if ring else []),
+                    # The second and fourth trials' rank rejoins after the restart.
+                    *(["--rejoin_timeout=30s"] if number in (1, 3) else [])]
 
         def synth_argv(rank, segment):
             return [args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
@@ -179,10 +187,12 @@ def trial(args, rng, number):
                     pass
             ok &= check(took == RANKS, f"trial {number}: a server started after the restart "
                                        f"joined the running job at {took} of {RANKS} agents")
-        if number == 1:
+        if number in (1, 3):
             # A rank dies after the restart and is restarted with --rejoin: the new coordinator
             # gives it the job's plan, and lists the server lost before the restart as dead
-            # (the agents said they lost it), so the rejoining agent does not wait for it.
+            # (the agents said they lost it), so the rejoining agent does not wait for it. In a
+            # ring (the fourth trial) it asks the others' agents where their all-reduces are
+            # through the new coordinator's rendezvous store, and they take it back.
             rank = rng.randrange(1, RANKS)  # rank 0 prints the iterations the trial waits on
             os.kill(synths[rank].proc.pid, signal.SIGKILL)
             synths[rank].wait(20)
@@ -198,10 +208,20 @@ def trial(args, rng, number):
             first = int(agents[rank].wait_for(r"rejoins job 1 at iteration (\d+)", timeout=60)
                         .group(1))
             log = "\n".join(agents[rank].lines + agents[rank].stderr)
-            ok &= check(f"KV server {victim} (" in log and "declared dead by the coordinator: "
-                        "lost before this coordinator started" in log,
-                        f"trial {number}: rank {rank} rejoined at iteration {first} after the "
-                        f"restart, without waiting for server {victim}, lost before it")
+            if ring:
+                for r in (r for r in range(RANKS) if r != rank):
+                    back = agents[r].wait_for(
+                        rf"all-reduce: rank {rank} is back in the Gloo ring of {RANKS} ranks "
+                        r".*: the all-reduces of iteration (\d+) on go in it", timeout=30)
+                    ok &= check(int(back.group(1)) == first,
+                                f"trial {number}: rank {r}'s agent took rank {rank} back into "
+                                f"a ring of {RANKS} from iteration {back.group(1)} (it rejoined "
+                                f"at {first}), through the restarted coordinator")
+            else:
+                ok &= check(f"KV server {victim} (" in log and "declared dead by the "
+                            "coordinator: lost before this coordinator started" in log,
+                            f"trial {number}: rank {rank} rejoined at iteration {first} after "
+                            f"the restart, without waiting for server {victim}, lost before it")
             verified[rank] = (iterations - first + 1) * LAYERS
         for rank, synth in enumerate(synths):
             code = synth.wait(120)
@@ -228,7 +248,7 @@ def main():
     ap = argparse.ArgumentParser()
     for flag in ("coordinator", "server", "agent", "synth", "model", "cli"):
         ap.add_argument(f"--{flag}", required=True)
-    ap.add_argument("--trials", type=int, default=int(os.environ.get("POSEIDON_TRIALS", "3")))
+    ap.add_argument("--trials", type=int, default=int(os.environ.get("POSEIDON_TRIALS", "4")))
     args = ap.parse_args()
     job_environment(TOKEN, SECRET)
     seed = random.randrange(1 << 30)
