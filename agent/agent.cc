@@ -205,6 +205,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // A world member the coordinator declared dead: every layer waiting, and every later one,
   // fails at once naming it (the iteration cannot complete without it).
   void CheckLostMembers();
+  void FailDeclaredDeadServer(const v1::LostMember& m);
   absl::Status ApplyPlan(const v1::Plan& plan);
   void ApplyChange(uint32_t layer, uint32_t scheme, uint64_t switch_at, uint64_t epoch);
   uint32_t PlannedScheme(const v1::LayerPlan& lp, const LayerSpec& spec) const;
@@ -2281,6 +2282,29 @@ absl::Status Agent::JoinServer(uint32_t slot, const std::vector<v1::PlanServer>&
   return absl::OkStatus();
 }
 
+// A KV server the coordinator declared dead (no heartbeat for its lease: dead, frozen, cut off)
+// is lost to this agent too, whether or not one of its requests found that out yet: its client
+// fails every waiting request and every later one, and each goes on at the next server of its
+// key's chain (Replication), as when the agent finds the loss itself. So a frozen server costs
+// the coordinator's lease where the agents' own --peer_timeout is longer or off. One the
+// coordinator declared dead wrongly (cut off from it alone) is fenced by the backup that takes
+// its keys over: it answers no clock after that.
+void Agent::FailDeclaredDeadServer(const v1::LostMember& m) {
+  const absl::Status why =
+      absl::UnavailableError(absl::StrCat("declared dead by the coordinator: ", m.reason()));
+  for (int i = 0; i < plan_servers_.size() && static_cast<size_t>(i) < env_.servers.size(); ++i) {
+    if (plan_servers_[i].node_id() == m.node_id()) env_.servers[i]->Fail(why);
+  }
+  std::vector<std::string> joined;
+  {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    for (const v1::PlanServer& server : joined_servers_) joined.push_back(server.node_id());
+  }
+  for (uint32_t j = 0; j < env_.joined.Count() && j < joined.size(); ++j) {
+    if (joined[j] == m.node_id()) env_.joined.clients[j]->Fail(why);
+  }
+}
+
 void Agent::CheckLostMembers() {
   if (!lost_why_.empty()) return;
   std::vector<v1::LostMember> lost, departed;
@@ -2333,10 +2357,13 @@ void Agent::CheckLostMembers() {
   if (env_.replication.replicas > 0) {
     std::erase_if(lost, [this](const v1::LostMember& m) {
       if (m.role() != v1::NODE_ROLE_SERVER) return false;
-      if (servers_reported_lost_.insert(m.node_id()).second) {
+      // Before its servers are connected, a starting agent leaves it to its registration.
+      if (servers_connected_.load(std::memory_order_acquire) &&
+          servers_reported_lost_.insert(m.node_id()).second) {
         PSD_LOG_WARN("server {} (host {}) declared dead by the coordinator ({}): its keys' "
                      "backups serve them",
                      m.node_id(), m.host(), m.reason());
+        FailDeclaredDeadServer(m);
       }
       return true;
     });

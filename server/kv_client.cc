@@ -355,6 +355,14 @@ void KvClient::OnDone(Ticket ticket, std::function<void(absl::Status)> done) {
   if (it->second.answered && it->second.send_done) RunCallbackLocked(lock, ticket);
 }
 
+void KvClient::Fail(const absl::Status& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.ok()) return;
+  }
+  FailAll(why);
+}
+
 void KvClient::FailAll(const absl::Status& status) {
   // Every connection goes (below), so that every send still in flight completes (with an error,
   // or OK if it was handed to the network first). A request whose send is not done yet keeps its

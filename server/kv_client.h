@@ -163,6 +163,9 @@ class KvClient : public std::enable_shared_from_this<KvClient> {
 
   // Closes the connection; pending requests fail with Unavailable.
   void Close();
+  // The server is lost by someone else's word (the coordinator declared it dead): every pending
+  // request fails with `why`, and so does every later one; Broken() holds. No-op when broken.
+  void Fail(const absl::Status& why);
 
   const std::string& server() const { return address_; }
 

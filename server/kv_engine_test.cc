@@ -1037,6 +1037,27 @@ TEST_F(KvServerTest, AnIdleConnectionIsNotASilentOne) {
   EXPECT_NE(s.message().find("is silent"), std::string::npos) << s;
 }
 
+// A server lost by someone else's word (the coordinator declared it dead): the waiting request
+// and every later one fail with that word, and the client is broken, as a lost one's.
+TEST_F(KvServerTest, AClientFailedByTheCoordinatorsWordFailsWaitingAndLaterRequests) {
+  auto c = Client(0);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterTables(Spec(2, v1::UPDATE_RULE_SUM, {4}), kWait).ok());
+  std::vector<float> out(4);
+  const Ticket waiting = c->Pull(100, 1, out, absl::Seconds(10));  // rank 1 never pushes
+  c->Fail(absl::UnavailableError("declared dead by the coordinator: no heartbeat for 2s"));
+  EXPECT_TRUE(c->Broken());
+  const absl::Status s = c->Wait(waiting, kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("declared dead by the coordinator"), std::string::npos) << s;
+  const absl::Status later = c->Wait(c->Push(100, 1, std::vector<float>(4, 1.0f)), kWait);
+  EXPECT_EQ(later.code(), absl::StatusCode::kUnavailable) << later;
+  EXPECT_NE(later.message().find("declared dead by the coordinator"), std::string::npos) << later;
+  c->Fail(absl::UnavailableError("a second word"));  // already broken: the first word stays
+  const absl::Status again = c->Wait(c->Push(100, 1, std::vector<float>(4, 1.0f)), kWait);
+  EXPECT_NE(again.message().find("declared dead by the coordinator"), std::string::npos) << again;
+}
+
 TEST_F(KvServerTest, ARegistrationBeyondTheMemoryLimitIsRefusedAndOthersAreServed) {
   TearDown();
   EngineOptions options;

@@ -3,12 +3,23 @@
 (--liveness_timeout=2s); rank 1's agent is frozen (SIGSTOP). The coordinator declares it dead when
 its lease runs out, rank 0's agent learns it from its next heartbeat and fails the waiting layers
 at once: rank 0's training process exits with an error naming rank 1, its host and why, long
-before the 60 s sync timeout. Every process is killed (and every shared-memory segment removed) on
-every path."""
+before the 60 s sync timeout.
+
+Then a frozen KV server (issue 17): three servers, two agents whose own liveness check is off
+(--peer_timeout=0), every key with a backup; one server is SIGSTOPped while training runs. The
+coordinator declares it dead when its lease runs out, and each agent fails its requests there at
+once and goes on at the next server of their keys' chains, as when it finds a loss itself: every
+iteration runs, every result exact (poseidon-synth --verify). Without the coordinator's word the
+agents would wait for the frozen server until the 60 s sync timeout and fail.
+
+Every process is killed (and every shared-memory segment removed) on every path."""
 
 import argparse
 import os
+import random
+import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -21,12 +32,82 @@ from metrics_test import (Daemon, coordinated_job, ended_after, job_environment,
 TOKEN = "ops-lost-member-token"
 
 
+SERVERS, ITERATIONS, LAYERS = 3, 100, 8  # tiny.json's layers
+
+
+def frozen_server(args):
+    """A KV server frozen while training runs: the coordinator's word moves its keys on."""
+    daemons, segments = [], []
+    try:
+        coord = Daemon("poseidon-coordinator", [args.coordinator, "--listen=127.0.0.1:0",
+                                                "--job_id=1", f"--min_servers={SERVERS}",
+                                                "--liveness_timeout=2s", "--log_level=warn"])
+        daemons.append(coord)
+        addr = coord.wait_for(r"poseidon-coordinator listening on (\S+)").group(1)
+        servers = []
+        for s in range(SERVERS):
+            # Their own peer_timeout gives up a frozen backup of their keys' replicas.
+            servers.append(Daemon(f"server {s}", [args.server, "--listen=127.0.0.1:0",
+                                                  "--job_id=1", f"--coordinator={addr}",
+                                                  "--peer_timeout=2s", "--log_level=warn"]))
+            daemons.append(servers[-1])
+            servers[-1].wait_for(r"poseidon-server listening on")  # one at a time: plan order
+        agents, synths = [], []
+        for rank in range(2):
+            segment = f"/psd-ops-lost-server-{os.getpid()}-{rank}"
+            segments.append(segment)
+            agents.append(Daemon(f"agent {rank}", [
+                args.agent, "--job_id=1", "--secret=ops-lost-member-secret", f"--rank={rank}",
+                "--world_size=2", f"--coordinator={addr}", "--listen=127.0.0.1:0",
+                f"--segment={segment}", "--scheme=ps", "--replicas=1", "--fusion=off",
+                "--block_bytes=65536", "--peer_timeout=0", "--sync_timeout=60s",
+                "--log_level=warn"]))
+            daemons.append(agents[-1])
+        for agent in agents:
+            agent.wait_for(r"poseidon-agent ready")
+        for rank, segment in enumerate(segments):
+            synths.append(Daemon(f"synth {rank}", [
+                args.synth, f"--segment={segment}", f"--model={args.model}", "--batch=8",
+                f"--iterations={ITERATIONS}", "--compute_scale=20000", "--verify",
+                "--timeout_ms=120000", *(["--print_iterations"] if rank == 0 else [])]))
+            daemons.append(synths[-1])
+        synths[0].wait_for(r"iteration 2 ends", timeout=60)
+        victim = random.randrange(SERVERS)
+        print(f"server {victim} frozen after iteration 2", flush=True)
+        os.kill(servers[victim].proc.pid, signal.SIGSTOP)
+        for rank, synth in enumerate(synths):
+            code = synth.wait(120)
+            out = "\n".join(synth.lines + synth.stderr)
+            good = code == 0 and f"verified {ITERATIONS * LAYERS} results, 0 mismatches" in out
+            if not good:
+                print(out[-1500:])
+            check(good, f"rank {rank} ran every iteration with server {victim} frozen, every "
+                        "result exact")
+        for rank, agent in enumerate(agents):
+            log = "\n".join(agent.lines + agent.stderr)
+            check(re.search(r"server \S+ \(host .*\) declared dead by the coordinator \(", log)
+                  is not None and
+                  re.search(rf"the keys first held by server {victim} .* move to server .*"
+                            r"declared dead by the coordinator", log) is not None,
+                  f"agent {rank} moved server {victim}'s keys on at the coordinator's word")
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        check(False, f"a frozen server: {e}")
+    finally:
+        for d in daemons:
+            try:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        stop_all(daemons, segments)
+
+
 def main():
     ap = argparse.ArgumentParser()
     for flag in ("coordinator", "server", "agent", "synth", "model"):
         ap.add_argument(f"--{flag}", required=True)
     args = ap.parse_args()
     job_environment(TOKEN, "ops-lost-member-secret")
+    frozen_server(args)
     daemons, segments, agents, synths = [], [], [], []
     try:
         _, agents = coordinated_job(args, "lost", "ops-lost-member-secret", daemons, segments,
@@ -59,7 +140,8 @@ def main():
             except ProcessLookupError:
                 pass
         stop_all(daemons, segments)
-    finish("PASS: a frozen agent is declared dead and named to the other rank's training process",
+    finish("PASS: a frozen agent is declared dead and named to the other rank's training "
+           "process; a frozen server's keys go on at their backups at the coordinator's word",
            on_failure="\n".join(l for d in daemons for l in d.stderr[-10:]))
 
 
