@@ -35,6 +35,16 @@ TOKEN = "ops-lost-member-token"
 SERVERS, ITERATIONS, LAYERS = 3, 100, 8  # tiny.json's layers
 
 
+def thaw_and_stop(daemons, segments):
+    """Every exit path: a frozen daemon is let go on (SIGCONT), then every one is killed."""
+    for d in daemons:
+        try:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    stop_all(daemons, segments)
+
+
 def frozen_server(args):
     """A KV server frozen while training runs: the coordinator's word moves its keys on."""
     daemons, segments = [], []
@@ -93,12 +103,7 @@ def frozen_server(args):
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         check(False, f"a frozen server: {e}")
     finally:
-        for d in daemons:
-            try:
-                os.kill(d.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        stop_all(daemons, segments)
+        thaw_and_stop(daemons, segments)
 
 
 def main():
@@ -134,12 +139,7 @@ def main():
     except RuntimeError as e:
         check(False, str(e))
     finally:
-        for agent in agents:
-            try:
-                os.kill(agent.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        stop_all(daemons, segments)
+        thaw_and_stop(daemons, segments)
     finish("PASS: a frozen agent is declared dead and named to the other rank's training "
            "process; a frozen server's keys go on at their backups at the coordinator's word",
            on_failure="\n".join(l for d in daemons for l in d.stderr[-10:]))
