@@ -5,13 +5,14 @@ its lease runs out, rank 0's agent learns it from its next heartbeat and fails t
 at once: rank 0's training process exits with an error naming rank 1, its host and why, long
 before the 60 s sync timeout.
 
-Then a frozen KV server (issue 17): three servers, two agents whose own liveness check is off
-(--peer_timeout=0), every key with a backup; one server is SIGSTOPped while training runs. The
-coordinator declares it dead when its lease (4 s: the agents' own must hold under a loaded CI)
-runs out, and each agent fails its requests there at once and goes on at the next server of their
-keys' chains, as when it finds a loss itself: every iteration runs, every result exact
-(poseidon-synth --verify). Without the coordinator's word the agents wait for the frozen server
-(before that change the job hung past this test's 120 s).
+Then a frozen KV server (issue 17): three servers, two agents, every key with a backup; one
+server is SIGSTOPped while training runs. The coordinator declares it dead when its lease (4 s:
+the agents' own leases must hold under a loaded CI) runs out, and each agent fails its requests
+there at once and goes on at the next server of their keys' chains, as when it finds a loss
+itself, long before its own check would (--peer_timeout=12s on agents and servers: they ping
+every 4 s, so a stalled agent is not taken for a silent one): every iteration runs, every result
+exact (poseidon-synth --verify), and each agent moved the server's keys on at the coordinator's
+word, not at its own finding that the server is silent.
 
 Every process is killed (and every shared-memory segment removed) on every path."""
 
@@ -60,7 +61,7 @@ def frozen_server(args):
             # Their own peer_timeout gives up a frozen backup of their keys' replicas.
             servers.append(Daemon(f"server {s}", [args.server, "--listen=127.0.0.1:0",
                                                   "--job_id=1", f"--coordinator={addr}",
-                                                  "--peer_timeout=2s", "--log_level=warn"]))
+                                                  "--peer_timeout=12s", "--log_level=warn"]))
             daemons.append(servers[-1])
             servers[-1].wait_for(r"poseidon-server listening on")  # one at a time: plan order
         agents, synths = [], []
@@ -71,7 +72,7 @@ def frozen_server(args):
                 args.agent, "--job_id=1", "--secret=ops-lost-member-secret", f"--rank={rank}",
                 "--world_size=2", f"--coordinator={addr}", "--listen=127.0.0.1:0",
                 f"--segment={segment}", "--scheme=ps", "--replicas=1", "--fusion=off",
-                "--block_bytes=65536", "--peer_timeout=0", "--sync_timeout=60s",
+                "--block_bytes=65536", "--peer_timeout=12s", "--sync_timeout=60s",
                 "--log_level=warn"]))
             daemons.append(agents[-1])
         for agent in agents:
