@@ -293,8 +293,7 @@ class Agent : public transport::FrameHandler, public std::enable_shared_from_thi
   // peer_timeout is frozen (at most 10 s an attempt, as without peer_timeout), and the tries end
   // there (GiveUpWhenSilent) rather than after connect_timeout.
   absl::Duration HandshakeTimeout() const {
-    return GiveUpWhenSilent() ? std::min(absl::Seconds(10), config_.peer_timeout)
-                              : absl::Seconds(10);
+    return transport::HandshakeTimeoutFor(config_.peer_timeout, absl::Seconds(10));
   }
   bool GiveUpWhenSilent() const { return config_.peer_timeout > absl::ZeroDuration(); }
   transport::Credentials creds_;  // from the secret or the keyring (Run, before any connection)

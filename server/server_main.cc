@@ -27,6 +27,7 @@
 #include "server/replicator.h"
 #include "server/server_telemetry.h"
 #include "transport/frame_server.h"
+#include "transport/handshake.h"
 #include "transport/rdma/rdma_context.h"
 #include "transport/tcp/tcp_context.h"
 #include "transport/tcp/tls_config.h"
@@ -247,9 +248,7 @@ int Main(int argc, char** argv) {
   // A backup that does not finish the handshake within peer_timeout (a live server answers it at
   // once) is frozen, as one silent that long once connected (at most 10 s either way).
   const absl::Duration replica_connect =
-      config.peer_timeout > absl::ZeroDuration()
-          ? std::min(config.peer_timeout, KvReplicaSender::kConnectTimeout)
-          : KvReplicaSender::kConnectTimeout;
+      transport::HandshakeTimeoutFor(config.peer_timeout, KvReplicaSender::kConnectTimeout);
   auto replicas =
       std::make_shared<KvReplicaSender>(transports.tcp ? transports.tcp : transports.rdma, secrets,
                                         config.peer_timeout, replica_connect);

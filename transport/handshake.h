@@ -10,6 +10,7 @@
 // Connection. Thread-safety: SecretStore is thread-safe; a state machine belongs to one caller.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <map>
@@ -126,6 +127,13 @@ absl::Status AuthenticateClient(const std::shared_ptr<Connection>& conn, uint64_
 // connection but did not finish the handshake within the timeout: it is there and says nothing
 // (a frozen process, for which the kernel still accepts), rather than not up yet or refusing.
 inline constexpr char kPeerSilentPayload[] = "poseidon.transport/peer-silent";
+
+// The handshake timeout of one connect attempt for a daemon with a liveness limit
+// `peer_timeout` (zero: none): a live peer answers a handshake at once, so one silent for
+// peer_timeout is frozen; `cap` bounds it, and is the timeout without a limit.
+inline absl::Duration HandshakeTimeoutFor(absl::Duration peer_timeout, absl::Duration cap) {
+  return peer_timeout > absl::ZeroDuration() ? std::min(peer_timeout, cap) : cap;
+}
 
 // Connect + AuthenticateClient; the connection is closed when authentication fails. An error
 // after the peer took the connection that comes when `timeout` ran out carries
