@@ -458,6 +458,15 @@ uint64_t CoordinatorClient::plan_epoch() const {
 
 // ---- HeartbeatLoop -----------------------------------------------------------------------------
 
+void LogHeartbeatResult(const std::string& node_id,
+                        const absl::StatusOr<v1::HeartbeatResponse>& result) {
+  if (!result.ok()) {
+    PSD_LOG_WARN("heartbeat of {} failed: {}", node_id, result.status().message());
+  } else if (result->shutdown()) {
+    PSD_LOG_WARN("the coordinator asks {} to shut down (declared dead or replaced)", node_id);
+  }
+}
+
 HeartbeatLoop::HeartbeatLoop(CoordinatorClient* client, CoordinatorClient::HeartbeatOptions options)
     : client_(client), options_(std::move(options)), thread_([this] { Run(); }) {}
 
@@ -488,11 +497,8 @@ void HeartbeatLoop::Run() {
     const absl::StatusOr<v1::HeartbeatResponse> result = client_->Heartbeat(report);
     if (options_.on_result) {
       options_.on_result(result);
-    } else if (!result.ok()) {
-      PSD_LOG_WARN("heartbeat of {} failed: {}", client_->node_id(), result.status().message());
-    } else if (result->shutdown()) {
-      PSD_LOG_WARN("the coordinator asks {} to shut down (declared dead or replaced)",
-                   client_->node_id());
+    } else {
+      LogHeartbeatResult(client_->node_id(), result);
     }
     if (!result.ok() && absl::IsNotFound(result.status()) && options_.register_again) {
       const std::string was = client_->node_id();

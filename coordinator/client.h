@@ -228,6 +228,11 @@ class CoordinatorClient {
   std::optional<poseidon::v1::RegisterModelRequest> model_registration_;    // guarded by mu_
 };
 
+// What a heartbeat loop without its own on_result logs: a failure, or the coordinator's request
+// to shut down.
+void LogHeartbeatResult(const std::string& node_id,
+                        const absl::StatusOr<poseidon::v1::HeartbeatResponse>& result);
+
 // A running heartbeat thread (CoordinatorClient::StartHeartbeats). Stops when destroyed.
 class HeartbeatLoop {
  public:

@@ -1538,9 +1538,39 @@ absl::Status Registry::Heartbeat(const Caller& caller, const v1::HeartbeatReques
         }
       }
     }
+  } else if (node->role == v1::NODE_ROLE_SERVER) {
+    ListLostServers(caller, *node, now, response);
   }
   response->set_lease_ms(Millis(options_.lease));
   return absl::OkStatus();
+}
+
+void Registry::ListLostServers(const Caller& caller, const Node& server, absl::Time now,
+                               v1::HeartbeatResponse* response) const {
+  for (const auto& [id, job] : jobs_) {
+    if (!caller.job_id.empty() && caller.job_id != id) continue;
+    // The job's servers as its agents register them: the plan's, then the joined ones.
+    std::vector<const std::string*> members;
+    for (const std::string& s : job.world_servers) members.push_back(&s);
+    for (const std::string& s : job.joined_servers) members.push_back(&s);
+    if (std::none_of(members.begin(), members.end(),
+                     [&](const std::string* s) { return *s == server.id; })) {
+      continue;
+    }
+    for (size_t index = 0; index < members.size(); ++index) {
+      const Node* member = FindNode(*members[index]);
+      if (member == nullptr || member->id == server.id || member->state != v1::NODE_STATE_DEAD) {
+        continue;
+      }
+      v1::LostServer* out = response->add_lost_servers();
+      out->set_job_id(id);
+      out->set_server_index(static_cast<uint32_t>(index));
+      out->mutable_server()->set_node_id(member->id);
+      for (const v1::Endpoint& e : member->endpoints) *out->mutable_server()->add_endpoints() = e;
+      out->set_reason(member->state_reason);
+      out->set_dead_for_ms(Millis(now - member->state_since));
+    }
+  }
 }
 
 absl::Status Registry::Deregister(const Caller& caller, const v1::DeregisterRequest& request,

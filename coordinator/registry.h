@@ -314,6 +314,10 @@ class Registry {
   bool HolderLive(const Job& job, uint32_t rank) const;
   bool WorldComplete(const Job& job) const;
   bool WorldFormed(const Job& job) const;
+  // A KV server's heartbeat answer: the dead servers of the jobs it is a server of
+  // (HeartbeatResponse.lost_servers).
+  void ListLostServers(const Caller& caller, const Node& server, absl::Time now,
+                       poseidon::v1::HeartbeatResponse* response) const;
   bool AllModelsAgree(const Job& job) const;
   std::vector<std::string> CurrentHolders(const Job& job) const;
   std::vector<const Node*> EligibleServers(absl::string_view job_id) const;

@@ -866,6 +866,52 @@ TEST_F(PlanChangeTest, HeartbeatsNameTheWorldsDeadMembers) {
   EXPECT_EQ(servers, static_cast<int>(servers_.size()));
 }
 
+// A KV server's heartbeat names the dead servers of its jobs (HeartbeatResponse.lost_servers)
+// at their index in the job's server list — the plan's servers, then the joined ones — with
+// their endpoints and why, so that it gives them up as backups; never itself, never to an
+// agent, and never a job's servers to a server of another job.
+TEST_F(PlanChangeTest, AServersHeartbeatNamesTheDeadServersOfItsJobsByTheirIndex) {
+  FormJob(BoundaryModel());
+  const std::string joined = AddServer();  // after the plan: the running job's server 2
+  v1::RegisterServerRequest elsewhere;
+  elsewhere.set_host("other-host");
+  *elsewhere.add_endpoints() = MakeEndpoint(v1::TRANSPORT_KIND_TCP, "10.0.0.8:7100");
+  v1::RegisterServerResponse other;
+  ASSERT_TRUE(registry_.RegisterServer(Caller{"other"}, elsewhere, now_, &other).ok());
+  auto beat = [&](const std::string& node, v1::NodeRole role, const Caller& caller) {
+    v1::HeartbeatRequest request;
+    request.mutable_header()->set_node_id(node);
+    request.set_role(role);
+    v1::HeartbeatResponse response;
+    EXPECT_TRUE(registry_.Heartbeat(caller, request, now_, &response).ok());
+    return response;
+  };
+  EXPECT_EQ(beat(servers_[0], v1::NODE_ROLE_SERVER, Caller{""}).lost_servers_size(), 0);
+  // Server 1 and the joined server go silent past the lease; the rest keep beating.
+  for (int second = 0; second < 20; ++second) {
+    now_ += absl::Seconds(1);
+    beat(servers_[0], v1::NODE_ROLE_SERVER, Caller{""});
+    beat(other.node_id(), v1::NODE_ROLE_SERVER, Caller{"other"});
+    for (const std::string& agent : agents_) beat(agent, v1::NODE_ROLE_AGENT, job_);
+    registry_.Expire(now_);
+  }
+  ASSERT_EQ(StateOf(servers_[1]), v1::NODE_STATE_DEAD);
+  const v1::HeartbeatResponse response = beat(servers_[0], v1::NODE_ROLE_SERVER, Caller{""});
+  ASSERT_EQ(response.lost_servers_size(), 2) << response.DebugString();
+  for (int i = 0; i < 2; ++i) {
+    const v1::LostServer& lost = response.lost_servers(i);
+    EXPECT_EQ(lost.job_id(), "job");
+    EXPECT_EQ(lost.server_index(), static_cast<uint32_t>(i + 1));
+    EXPECT_EQ(lost.server().node_id(), i == 0 ? servers_[1] : joined);
+    ASSERT_EQ(lost.server().endpoints_size(), 1);
+    EXPECT_EQ(lost.server().endpoints(0).address(), "10.0.0.9:7100");
+    EXPECT_THAT(lost.reason(), HasSubstr("no heartbeat"));
+    EXPECT_GT(lost.dead_for_ms(), 0u);
+  }
+  EXPECT_EQ(beat(other.node_id(), v1::NODE_ROLE_SERVER, Caller{"other"}).lost_servers_size(), 0);
+  EXPECT_EQ(beat(agents_[0], v1::NODE_ROLE_AGENT, job_).lost_servers_size(), 0);
+}
+
 // An agent whose peers report every connection to it closed (HeartbeatRequest.peers_gone, a
 // job that may shrink) is declared dead once it is suspect (silent for two heartbeat intervals,
 // 6 s here), not after its 15 s lease; one that beats after the report is not. A report of the

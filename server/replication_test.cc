@@ -329,6 +329,85 @@ TEST_F(ReplicationTest, ABackupNotUpWhenTheJobRegistersIsConnectedAtTheFirstRepl
   EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 2u);
 }
 
+// The coordinator's word on a backup (HeartbeatResponse.lost_servers, KvReplicaSender::
+// DeclaredDead): a backup at another address than the one declared is left alone; once the
+// backup itself is declared dead, the next clock's replica to it fails at once and the backup
+// is given up (the primary serves on, exact), and the word is taken once.
+TEST_F(ReplicationTest, ABackupDeclaredDeadByTheCoordinatorIsGivenUpAtItsNextReplica) {
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  ASSERT_TRUE(Rank(*backup_, 0)->RegisterTables(Spec(1, v1::UPDATE_RULE_SUM), kWait).ok());
+  Reference expected(Spec(0, v1::UPDATE_RULE_SUM), {});
+  EXPECT_EQ(Clock(*primary_, 1, 0), expected(1));
+  const absl::Status why = absl::UnavailableError("declared dead by the coordinator (test)");
+  // Another server once held index 1 at another address: not this backup.
+  EXPECT_TRUE(primary_->sender->DeclaredDead(1, 1, {"127.0.0.1:1"}, why));
+  EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
+  EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 0u);
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 2u);
+  EXPECT_TRUE(primary_->sender->DeclaredDead(1, 1, {addresses_[1]}, why));
+  EXPECT_FALSE(primary_->sender->DeclaredDead(1, 1, {addresses_[1]}, why)) << "taken once";
+  EXPECT_EQ(Clock(*primary_, 3, 0), expected(3));
+  EXPECT_EQ(Clock(*primary_, 4, 0), expected(4));
+  EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 1u);
+  EXPECT_EQ(backup_->engine->stats().replicas_applied.load(), 2u) << "nothing after the word";
+}
+
+// A frozen backup declared dead while the primary's connection to it waits for the handshake:
+// the replica queued for that connection fails at once, so the clock is answered long before
+// the handshake's timeout (60 s here; the pulls wait 10 s), and the connection is not used
+// when the handshake ends.
+TEST_F(ReplicationTest, ABackupDeclaredDeadWhileItsConnectionIsMadeFailsTheWaitingReplica) {
+  auto silent = ctx_->Listen("127.0.0.1:0");
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  std::mutex mu;
+  std::vector<std::shared_ptr<transport::Connection>> held;  // accepted, never read
+  std::function<void(absl::StatusOr<std::shared_ptr<transport::Connection>>)> take =
+      [&](absl::StatusOr<std::shared_ptr<transport::Connection>> c) {
+        if (!c.ok()) return;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          held.push_back(*c);
+        }
+        (*silent)->Accept(take);
+      };
+  (*silent)->Accept(take);
+  primary_ = std::make_unique<Shard>(ctx_, EngineOptions{}.max_memory_bytes,
+                                     /*replica_connect=*/absl::Seconds(60));
+  addresses_ = {primary_->server->Address(), (*silent)->Address()};
+  ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
+  std::vector<float> results[2] = {std::vector<float>(kN), std::vector<float>(kN)};
+  absl::Status pulled[2];
+  std::thread ranks[2];
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks[r] = std::thread([&, r] {
+      auto c = Rank(*primary_, r);
+      if (!c->Wait(c->Push(kKey, 1, Grad(r, 1, kN), false, 0), kWait).ok()) return;
+      pulled[r] = c->Wait(c->Pull(kKey, 1, results[r], absl::Seconds(10), 0), kWait);
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the clock's replica waits for the handshake
+  EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 0u);
+  EXPECT_TRUE(primary_->sender->DeclaredDead(
+      1, 1, {addresses_[1]}, absl::UnavailableError("declared dead by the coordinator (test)")));
+  for (auto& t : ranks) t.join();
+  Reference expected(Spec(0, v1::UPDATE_RULE_SUM), {});
+  const std::vector<float> sum = expected(1);
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(pulled[r].ok()) << "rank " << r << ": " << pulled[r];
+    EXPECT_EQ(results[r], sum) << "rank " << r;
+  }
+  EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 1u);
+  EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
+  {
+    // The handshake ends (a closed connection) and the sender's thread is free to stop.
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& c : held) c->Close();
+  }
+  clients_.clear();
+  primary_.reset();
+  (*silent)->Close();
+}
+
 // Fencing: once a backup took a key over (a request at epoch 1 reached it), the old primary can
 // no longer answer any clock of it: its replica is refused, and its waiting pulls fail with
 // Aborted (which sends the agents on to the new primary), so two primaries never answer one

@@ -58,6 +58,7 @@ void KvReplicaSender::Send(uint64_t job_id, uint32_t from, uint32_t to,
     } else {
       const LinkId id{job_id, from, to, address};
       Link& link = links_[id];
+      ApplyDeclared(id, link);
       if (link.client) {
         client = link.client;
       } else if (!link.failed.ok()) {
@@ -83,11 +84,49 @@ void KvReplicaSender::Prepare(uint64_t job_id, uint32_t from, uint32_t to,
   if (stop_) return;
   const LinkId id{job_id, from, to, address};
   Link& link = links_[id];
+  ApplyDeclared(id, link);
   if (link.client || !link.failed.ok() || link.connecting) return;
   link.connecting = true;
   link.prepared = true;
   to_connect_.push_back(id);
   cv_.notify_all();
+}
+
+void KvReplicaSender::ApplyDeclared(const LinkId& id, Link& link) const {
+  if (link.client || !link.failed.ok() || declared_.empty()) return;
+  const auto& [job, from, to, address] = id;
+  if (auto d = declared_.find({job, to, address}); d != declared_.end()) link.failed = d->second;
+}
+
+bool KvReplicaSender::DeclaredDead(uint64_t job_id, uint32_t to,
+                                   const std::vector<std::string>& addresses,
+                                   const absl::Status& why) {
+  std::vector<std::shared_ptr<KvClient>> clients;
+  std::vector<Queued> queued;
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return false;
+    for (const std::string& address : addresses) {
+      if (!declared_.emplace(std::make_tuple(job_id, to, address), why).second) continue;
+      first = true;
+      for (auto& [id, link] : links_) {
+        const auto& [job, from, link_to, link_address] = id;
+        if (job != job_id || link_to != to || link_address != address) continue;
+        // A connection in progress is closed when it returns (Run sees `failed`).
+        link.failed = why;
+        if (link.client) clients.push_back(std::exchange(link.client, nullptr));
+        for (auto& q : link.queue) queued.push_back(std::move(q));
+        link.queue.clear();
+      }
+    }
+  }
+  for (auto& c : clients) {
+    c->Fail(why);  // its waiting replicas fail with `why`
+    c->Close();
+  }
+  for (auto& q : queued) q.done(why);
+  return first;
 }
 
 void KvReplicaSender::Run() {
@@ -120,6 +159,14 @@ void KvReplicaSender::Run() {
       Link& link = links_[id];
       link.connecting = false;
       const bool prepared = std::exchange(link.prepared, false);
+      if (!link.failed.ok()) {
+        // Declared dead by the coordinator while this connection was made (DeclaredDead
+        // failed what was queued).
+        lock.unlock();
+        if (client.ok()) (*client)->Close();
+        lock.lock();
+        continue;
+      }
       if (prepared && !client.ok() && !stop_ &&
           !client.status().GetPayload(transport::kPeerSilentPayload).has_value()) {
         // Asked for ahead of the replicas, and not up yet or refused: the first replica asks

@@ -7,7 +7,8 @@
 // waits is failed like a closed one. A backup whose connection failed once is not retried: the
 // engine gives it up for good (a copy that missed a clock must never be promoted). The engine
 // asks for the connections to its backups when a job registers (Prepare), so a frozen backup's
-// handshake runs while the agents register, not after.
+// handshake runs while the agents register, not after. A backup the coordinator declared dead
+// (DeclaredDead, from the server's heartbeats) fails at once, every replica to it from then on.
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
@@ -46,6 +47,15 @@ class KvReplicaSender : public ReplicaSender {
   // Any other failure (not up yet, refused) is left to the first Send, which connects again.
   void Prepare(uint64_t job_id, uint32_t from, uint32_t to, const std::string& address) override;
 
+  // The coordinator declared backup `to` of `job_id` dead (HeartbeatResponse.lost_servers):
+  // every link to it at one of `addresses` fails with `why` — the replicas waiting on it, those
+  // queued for its connection, and every later one — so the engine gives it up at once rather
+  // than at peer_timeout. Links to that index at another address (a list that does not name
+  // it there) are left alone. Idempotent: the coordinator repeats it at every heartbeat; true
+  // the first time only.
+  bool DeclaredDead(uint64_t job_id, uint32_t to, const std::vector<std::string>& addresses,
+                    const absl::Status& why);
+
   // Closes every connection (waiting replicas fail with Unavailable) and joins the thread.
   void Stop();
 
@@ -68,6 +78,8 @@ class KvReplicaSender : public ReplicaSender {
   // job, from, to, address: a server that joined the running job at a lost one's address (a
   // restarted daemon) is another link than the lost one, given up for good.
   using LinkId = std::tuple<uint64_t, uint32_t, uint32_t, std::string>;
+  // The coordinator's word on (job, to, address) for a link made after it (under mu_).
+  void ApplyDeclared(const LinkId& id, Link& link) const;
   static void SendOn(KvClient& client, Queued q);
   void Run();
 
@@ -80,6 +92,8 @@ class KvReplicaSender : public ReplicaSender {
   std::condition_variable cv_;
   bool stop_ = false;
   std::map<LinkId, Link> links_;
+  // (job, to, address) -> why: backups the coordinator declared dead (DeclaredDead).
+  std::map<std::tuple<uint64_t, uint32_t, std::string>, absl::Status> declared_;
   std::deque<LinkId> to_connect_;
   std::thread thread_;  // last: starts once the rest exists
 };

@@ -14,6 +14,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/config.h"
@@ -170,6 +171,27 @@ absl::StatusOr<std::vector<uint64_t>> LoadSecrets(const ServerConfig& config,
         "no job to serve: set job_id and job_secret, or secrets_file");
   }
   return jobs;
+}
+
+// HeartbeatResponse.lost_servers: each backup the coordinator declared dead is given up by the
+// replica sender (its waiting and later replicas fail at once), logged the first time.
+void GiveUpDeclaredDead(const v1::HeartbeatResponse& response, KvReplicaSender& replicas) {
+  for (const v1::LostServer& lost : response.lost_servers()) {
+    uint64_t job = 0;
+    if (!absl::SimpleAtoi(lost.job_id(), &job)) continue;  // not a job this server can serve
+    std::vector<std::string> addresses;
+    for (const v1::Endpoint& e : lost.server().endpoints()) addresses.push_back(e.address());
+    const std::string what =
+        absl::StrCat("KV server ", lost.server_index(), " (", lost.server().node_id(), " at ",
+                     absl::StrJoin(addresses, ", "), ")");
+    const absl::Status why = absl::UnavailableError(
+        absl::StrCat(what, " declared dead by the coordinator ",
+                     absl::FormatDuration(absl::Milliseconds(lost.dead_for_ms())), " ago (",
+                     lost.reason(), ")"));
+    if (replicas.DeclaredDead(job, lost.server_index(), addresses, why)) {
+      PSD_LOG_WARN("job {}: {}: no replica goes to it from here on", job, why.message());
+    }
+  }
 }
 
 int Main(int argc, char** argv) {
@@ -477,6 +499,12 @@ int Main(int argc, char** argv) {
     // The ranks whose connections closed or went silent lately: the coordinator declares their
     // agents dead once they also miss their heartbeats, instead of at the end of their lease.
     hb.ranks_gone = [service] { return service->RanksGone(absl::Minutes(1)); };
+    // A backup the coordinator declared dead is given up at once, not at peer_timeout.
+    hb.on_result = [client = coord.get(),
+                    replicas](const absl::StatusOr<v1::HeartbeatResponse>& result) {
+      coordinator::LogHeartbeatResult(client->node_id(), result);
+      if (result.ok()) GiveUpDeclaredDead(*result, *replicas);
+    };
     heartbeats = coord->StartHeartbeats(std::move(hb));
     if (config.telemetry_interval > absl::ZeroDuration()) {
       telemetry = std::make_unique<ServerTelemetry>(

@@ -12,7 +12,8 @@ there at once and goes on at the next server of their keys' chains, as when it f
 itself, long before its own check would (--peer_timeout=12s on agents and servers: they ping
 every 4 s, so a stalled agent is not taken for a silent one): every iteration runs, every result
 exact (poseidon-synth --verify), and each agent moved the server's keys on at the coordinator's
-word, not at its own finding that the server is silent.
+word, not at its own finding that the server is silent; so did the server before it in the ring,
+which gives it up as its keys' backup (HeartbeatResponse.lost_servers).
 
 Every process is killed (and every shared-memory segment removed) on every path."""
 
@@ -102,6 +103,18 @@ def frozen_server(args):
                   re.search(rf"the keys first held by server {victim} .* move to server .*"
                             r"declared dead by the coordinator", log) is not None,
                   f"agent {rank} moved server {victim}'s keys on at the coordinator's word")
+        # The server before it in the ring replicates its keys to it: it gives it up as a
+        # backup at the coordinator's word too, not at its own --peer_timeout.
+        before = (victim + SERVERS - 1) % SERVERS
+        log = "\n".join(servers[before].lines + servers[before].stderr)
+        gave_up = re.search(rf"backup server {victim} \(\S+\) given up \(.*KV server {victim} .*"
+                            r"declared dead by the coordinator", log)
+        if gave_up is None:
+            print("\n".join(line for line in log.splitlines() if "given up" in line or
+                            "declared dead" in line)[-1500:])
+        check(gave_up is not None,
+              f"server {before} gave up server {victim} as its keys' backup at the coordinator's "
+              "word")
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         check(False, f"a frozen server: {e}")
     finally:
