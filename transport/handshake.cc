@@ -415,9 +415,12 @@ absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& contex
   if (!conn.ok()) return conn.status();
   const absl::Duration remaining = std::max(deadline - absl::Now(), absl::Milliseconds(1));
   if (auto s = AuthenticateClient(*conn, job_id, rank, std::move(secret), remaining); !s.ok()) {
-    // The handshake's reads are bounded by the deadline: a failure that comes with it is
-    // silence, where a refusal (a bad key, a closed socket) comes at once.
-    if (absl::Now() >= deadline - absl::Milliseconds(10)) {
+    // The handshake's reads are bounded by the deadline, and every backend fails a read that
+    // ran out with DeadlineExceeded ("no frame from … within …", a stalled header or TLS
+    // handshake), as AuthenticateClient does when the send never completes: silence. A
+    // refusal (a bad key: Unauthenticated or PermissionDenied) or a closed socket
+    // (Unavailable) is not, whenever it comes.
+    if (absl::IsDeadlineExceeded(s)) {
       s = absl::Status(s.code(), absl::StrCat(s.message(),
                                               " (it took the connection and said "
                                               "nothing: frozen, or hung)"));

@@ -135,9 +135,9 @@ inline absl::Duration HandshakeTimeoutFor(absl::Duration peer_timeout, absl::Dur
   return peer_timeout > absl::ZeroDuration() ? std::min(peer_timeout, cap) : cap;
 }
 
-// Connect + AuthenticateClient; the connection is closed when authentication fails. An error
-// after the peer took the connection that comes when `timeout` ran out carries
-// kPeerSilentPayload.
+// Connect + AuthenticateClient; the connection is closed when authentication fails. A handshake
+// that ran out of `timeout` after the peer took the connection (DeadlineExceeded) carries
+// kPeerSilentPayload; a refusal or a closed connection does not, however late it comes.
 absl::StatusOr<std::shared_ptr<Connection>> ConnectAuthenticated(Context& context,
                                                                  absl::string_view address,
                                                                  uint64_t job_id, uint32_t rank,

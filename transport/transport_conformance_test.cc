@@ -531,6 +531,27 @@ TEST_P(TransportConformance, APeerThatTakesTheConnectionAndSaysNothingIsMarkedSi
   if (held) held->Close();
 }
 
+// A peer that takes the connection and closes it during the handshake (a daemon stopping, one
+// that refuses) is not silent, late in the timeout as it comes: what marks silence is the
+// handshake's read running out (DeadlineExceeded), not the time the failure came at.
+TEST_P(TransportConformance, APeerThatClosesTheConnectionDuringTheHandshakeIsNotMarkedSilent) {
+  std::promise<std::shared_ptr<Connection>> accepted;
+  listener_->Accept([&](absl::StatusOr<std::shared_ptr<Connection>> c) {
+    accepted.set_value(c.ok() ? *c : nullptr);
+  });
+  std::thread closer([taken = accepted.get_future()]() mutable {
+    std::shared_ptr<Connection> conn = taken.get();
+    absl::SleepFor(absl::Milliseconds(400));
+    if (conn) conn->Close();
+  });
+  auto closed = ConnectAuthenticated(*ctx_, listener_->Address(), 1, 2, RankKey("right", 1, 2),
+                                     absl::Seconds(10));
+  ASSERT_FALSE(closed.ok());
+  EXPECT_FALSE(absl::IsDeadlineExceeded(closed.status())) << closed.status();
+  EXPECT_FALSE(closed.status().GetPayload(kPeerSilentPayload).has_value()) << closed.status();
+  closer.join();
+}
+
 TEST_P(TransportConformance, AuthenticatedPeersAreServedAndImpostorsRefused) {
   auto secrets = std::make_shared<SecretStore>();
   secrets->Set(1, "right");
