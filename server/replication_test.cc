@@ -66,6 +66,49 @@ struct Shard {
   std::shared_ptr<transport::FrameServer> server;
 };
 
+// A backup that is frozen: a listener that takes every connection and never reads it (the
+// kernel still accepts for a stopped process).
+class SilentBackup {
+ public:
+  explicit SilentBackup(transport::Context& ctx) {
+    auto listener = ctx.Listen("127.0.0.1:0");
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    listener_ = *listener;
+    Take();
+  }
+  ~SilentBackup() {
+    CloseConnections();
+    listener_->Close();
+  }
+  std::string Address() const { return listener_->Address(); }
+  size_t Accepted() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return accepted_;
+  }
+  void CloseConnections() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : held_) c->Close();
+    held_.clear();
+  }
+
+ private:
+  void Take() {
+    listener_->Accept([this](absl::StatusOr<std::shared_ptr<transport::Connection>> c) {
+      if (!c.ok()) return;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        held_.push_back(*c);
+        ++accepted_;
+      }
+      Take();
+    });
+  }
+  std::shared_ptr<transport::Listener> listener_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<transport::Connection>> held_;  // accepted, never read
+  size_t accepted_ = 0;
+};
+
 class ReplicationTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -265,31 +308,14 @@ INSTANTIATE_TEST_SUITE_P(Rules, ReplicationRuleTest,
 // register the job, not at the first clock's replica, which then fails at once for that reason
 // and gives the backup up (with no other server left, the key goes on degraded, exactly).
 TEST_F(ReplicationTest, APrimaryConnectsToItsBackupsWhenTheJobRegisters) {
-  auto silent = ctx_->Listen("127.0.0.1:0");
-  ASSERT_TRUE(silent.ok()) << silent.status();
-  std::mutex mu;
-  std::vector<std::shared_ptr<transport::Connection>> held;  // accepted, never read
-  std::function<void(absl::StatusOr<std::shared_ptr<transport::Connection>>)> take =
-      [&](absl::StatusOr<std::shared_ptr<transport::Connection>> c) {
-        if (!c.ok()) return;
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          held.push_back(*c);
-        }
-        (*silent)->Accept(take);
-      };
-  (*silent)->Accept(take);
-  auto accepted = [&] {
-    std::lock_guard<std::mutex> lock(mu);
-    return held.size();
-  };
+  SilentBackup silent(*ctx_);
   primary_ = std::make_unique<Shard>(ctx_, EngineOptions{}.max_memory_bytes,
                                      /*replica_connect=*/absl::Milliseconds(300));
-  addresses_ = {primary_->server->Address(), (*silent)->Address()};
+  addresses_ = {primary_->server->Address(), silent.Address()};
   ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
   const absl::Time deadline = absl::Now() + kWait;
-  while (accepted() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_EQ(accepted(), 1u) << "the primary connects to its backup at registration";
+  while (silent.Accepted() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(silent.Accepted(), 1u) << "the primary connects to its backup at registration";
   EXPECT_EQ(primary_->engine->stats().pushes.load(), 0u);
   absl::SleepFor(absl::Milliseconds(400));  // the handshake's 300 ms ran out meanwhile
   Reference expected(Spec(0, v1::UPDATE_RULE_SUM), {});
@@ -298,15 +324,12 @@ TEST_F(ReplicationTest, APrimaryConnectsToItsBackupsWhenTheJobRegisters) {
   }
   EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 1u);
   EXPECT_EQ(primary_->engine->stats().replicated.load(), 0u);
-  EXPECT_EQ(accepted(), 1u) << "a backup given up is not tried again";
+  EXPECT_EQ(silent.Accepted(), 1u) << "a backup given up is not tried again";
   const std::vector<ReplicationCounts> status = primary_->engine->ReplicationStatus(kWait);
   ASSERT_EQ(status.size(), 1u);
   EXPECT_EQ(status[0].degraded_keys, 1u);
   clients_.clear();
   primary_.reset();
-  std::lock_guard<std::mutex> lock(mu);
-  for (auto& c : held) c->Close();
-  (*silent)->Close();
 }
 
 // A backup not up yet when the job registers on its primary (servers started with the agents,
@@ -357,23 +380,10 @@ TEST_F(ReplicationTest, ABackupDeclaredDeadByTheCoordinatorIsGivenUpAtItsNextRep
 // the handshake's timeout (60 s here; the pulls wait 10 s), and the connection is not used
 // when the handshake ends.
 TEST_F(ReplicationTest, ABackupDeclaredDeadWhileItsConnectionIsMadeFailsTheWaitingReplica) {
-  auto silent = ctx_->Listen("127.0.0.1:0");
-  ASSERT_TRUE(silent.ok()) << silent.status();
-  std::mutex mu;
-  std::vector<std::shared_ptr<transport::Connection>> held;  // accepted, never read
-  std::function<void(absl::StatusOr<std::shared_ptr<transport::Connection>>)> take =
-      [&](absl::StatusOr<std::shared_ptr<transport::Connection>> c) {
-        if (!c.ok()) return;
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          held.push_back(*c);
-        }
-        (*silent)->Accept(take);
-      };
-  (*silent)->Accept(take);
+  SilentBackup silent(*ctx_);
   primary_ = std::make_unique<Shard>(ctx_, EngineOptions{}.max_memory_bytes,
                                      /*replica_connect=*/absl::Seconds(60));
-  addresses_ = {primary_->server->Address(), (*silent)->Address()};
+  addresses_ = {primary_->server->Address(), silent.Address()};
   ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
   std::vector<float> results[2] = {std::vector<float>(kN), std::vector<float>(kN)};
   absl::Status pulled[2];
@@ -398,14 +408,9 @@ TEST_F(ReplicationTest, ABackupDeclaredDeadWhileItsConnectionIsMadeFailsTheWaiti
   }
   EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 1u);
   EXPECT_EQ(Clock(*primary_, 2, 0), expected(2));
-  {
-    // The handshake ends (a closed connection) and the sender's thread is free to stop.
-    std::lock_guard<std::mutex> lock(mu);
-    for (auto& c : held) c->Close();
-  }
+  silent.CloseConnections();  // the handshake ends: the sender's thread is free to stop
   clients_.clear();
   primary_.reset();
-  (*silent)->Close();
 }
 
 // Fencing: once a backup took a key over (a request at epoch 1 reached it), the old primary can
