@@ -387,15 +387,22 @@ TEST_F(ReplicationTest, ABackupDeclaredDeadWhileItsConnectionIsMadeFailsTheWaiti
   ASSERT_TRUE(Rank(*primary_, 0)->RegisterTables(Spec(0, v1::UPDATE_RULE_SUM), kWait).ok());
   std::vector<float> results[2] = {std::vector<float>(kN), std::vector<float>(kN)};
   absl::Status pulled[2];
+  std::shared_ptr<KvClient> clients[2] = {Rank(*primary_, 0), Rank(*primary_, 1)};
   std::thread ranks[2];
   for (uint32_t r = 0; r < 2; ++r) {
     ranks[r] = std::thread([&, r] {
-      auto c = Rank(*primary_, r);
+      auto c = clients[r];
       if (!c->Wait(c->Push(kKey, 1, Grad(r, 1, kN), false, 0), kWait).ok()) return;
       pulled[r] = c->Wait(c->Pull(kKey, 1, results[r], absl::Seconds(10), 0), kWait);
     });
   }
-  absl::SleepFor(absl::Milliseconds(300));  // the clock's replica waits for the handshake
+  // The clock completes and its replica is queued for the connection, whose handshake waits.
+  const absl::Time deadline = absl::Now() + kWait;
+  while (primary_->engine->stats().clocks_completed.load() == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(primary_->engine->stats().clocks_completed.load(), 1u);
+  absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(primary_->engine->stats().backups_lost.load(), 0u);
   EXPECT_TRUE(primary_->sender->DeclaredDead(
       1, 1, {addresses_[1]}, absl::UnavailableError("declared dead by the coordinator (test)")));

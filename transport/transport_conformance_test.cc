@@ -540,6 +540,7 @@ TEST_P(TransportConformance, APeerThatClosesTheConnectionDuringTheHandshakeIsNot
     accepted.set_value(c.ok() ? *c : nullptr);
   });
   std::thread closer([taken = accepted.get_future()]() mutable {
+    if (taken.wait_for(std::chrono::seconds(10)) != std::future_status::ready) return;
     std::shared_ptr<Connection> conn = taken.get();
     absl::SleepFor(absl::Milliseconds(400));
     if (conn) conn->Close();
